@@ -48,7 +48,7 @@ def fail(message: str, code: int = 2) -> int:
 # ----- the kuberl side (the trainer's .venv) ---------------------------------------------------------
 
 
-def kuberl_overrides(steps: int, log_dir: Path) -> list[str]:
+def kuberl_overrides(steps: int, log_dir: Path, extra: list[str] | None = None) -> list[str]:
     return [
         f"experiment={EXPERIMENT}",
         f"grpo.num_prompts_per_step={PROMPTS_PER_STEP}",
@@ -61,6 +61,7 @@ def kuberl_overrides(steps: int, log_dir: Path) -> list[str]:
         "logger.num_console_samples=0",
         "checkpointing.enabled=false",
         "checkpointing.resume=never",
+        *(extra or []),
     ]
 
 
@@ -74,7 +75,7 @@ def build_spec(args, run_dir: Path) -> dict:
     from trainer.models import resolve_model
     from trainer.policy.worker import load_tokenizer
 
-    cfg = load(kuberl_overrides(args.steps, run_dir / "kuberl-logs"))
+    cfg = load(kuberl_overrides(args.steps, run_dir / "kuberl-logs", args.kuberl_override))
     model_path = resolve_model(cfg.model.name)
     tokenizer = load_tokenizer(cfg.model.tokenizer or model_path)
     examples = encode_examples(
@@ -112,6 +113,11 @@ def build_spec(args, run_dir: Path) -> dict:
         "clip_eps": cfg.grpo.loss.ratio_clip_min,
         "batches": batches,
         "output_dir": str(run_dir / "trl-out"),
+        "trl_bf16": args.trl_bf16,
+        "kuberl_precision": {
+            "param_dtype": p.param_dtype or cfg.model.dtype,
+            "engine_dtype": g.dtype or cfg.model.dtype,
+        },
     }
 
 
@@ -136,7 +142,7 @@ def tail(path: Path, n: int = 15) -> str:
 
 def run_kuberl(args, run_dir: Path) -> dict:
     log_dir = run_dir / "kuberl-logs"
-    cmd = [args.kuberl_python, "-m", "trainer", *kuberl_overrides(args.steps, log_dir)]
+    cmd = [args.kuberl_python, "-m", "trainer", *kuberl_overrides(args.steps, log_dir, args.kuberl_override)]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     t0 = time.monotonic()
     rc = run_logged(
@@ -302,6 +308,11 @@ def report(spec: dict, kuberl: dict, trl: dict, warmup: int) -> dict:
         "trl_same_prompts": same_prompts(spec, trl["steps"]),
     }
     bad = [name for name, ok in checks.items() if ok is False]
+    kp = spec["kuberl_precision"]
+    print(
+        f"  precision: kuberl compute {kp['param_dtype']}, engine {kp['engine_dtype']} (master weights float32); "
+        f"TRL {'bf16 autocast' if spec['trl_bf16'] else 'float32'}"
+    )
     print(
         f"  checks: {', '.join(f'{n}={v}' for n, v in checks.items())}"
         + (f"  <- WARNING: {', '.join(bad)} failed, the comparison is not like for like" if bad else "")
@@ -339,6 +350,18 @@ def main(argv: list[str] | None = None) -> int:
         help="torch threads for TRL; kuberl's ranks share the same cores (default: all cores)",
     )
     parser.add_argument("--only", choices=("kuberl", "trl"), help="run one side only (no ratio)")
+    parser.add_argument(
+        "--kuberl-override",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an extra trainer override, e.g. policy.param_dtype=null generation.dtype=null for float32 (repeatable)",
+    )
+    parser.add_argument(
+        "--trl-bf16",
+        action="store_true",
+        help="TRL with bf16=True (GRPOConfig's default: bfloat16 autocast) instead of float32",
+    )
     parser.add_argument(
         "--kuberl-python", default=str(REPO / ".venv/bin/python"), help="the trainer's Python"
     )
@@ -509,7 +532,7 @@ def trl_worker(spec_path: Path, out: Path) -> int:
     config = GRPOConfig(
         output_dir=spec["output_dir"],
         use_cpu=True,
-        bf16=False,  # GRPOConfig turns bf16 on by default; the model is float32 on both sides
+        bf16=spec["trl_bf16"],  # GRPOConfig's default is on: bfloat16 autocast over float32 weights
         fp16=False,
         seed=spec["seed"],
         # One optimizer step = one generation round = 16 samples: the whole batch in one forward/backward,

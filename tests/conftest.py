@@ -33,6 +33,6 @@ def ray_local():
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=6, num_gpus=0, include_dashboard=False, log_to_driver=False)
+        ray.init(num_cpus=10, num_gpus=0, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()

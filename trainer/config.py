@@ -27,6 +27,7 @@ class ModelConfig:
     tokenizer: str | None = None
     dtype: str = "float32"
     trust_remote_code: bool = False
+    attn_implementation: str | None = None  # the policy's attention: eager | sdpa | flash_attention_2; null: transformers' default
 
 
 @dataclass
@@ -92,6 +93,13 @@ class PolicyConfig:
     activation_checkpointing: bool = False
     reshard_after_forward: bool = True
     compute_entropy: bool = True
+    # FSDP2 mixed precision: the dtype parameters are gathered and computed in (bfloat16 halves the
+    # all-gathers and doubles matmul throughput); master weights, optimizer state and the gradient
+    # reduction stay in model.dtype / float32. null: compute in model.dtype.
+    param_dtype: str | None = None
+    # Run each distinct prompt of a micro-batch once and share its keys/values with all its samples
+    # (GRPO: num_generations_per_prompt samples per prompt). Not with activation_checkpointing.
+    shared_prefix: bool = True
 
 
 @dataclass
@@ -394,6 +402,14 @@ def _validate(c: Config) -> None:
     )
     # --- model / policy
     _one_of("model.dtype", c.model.dtype, ("float32", "bfloat16", "float16"))
+    if c.model.attn_implementation is not None:
+        _one_of(
+            "model.attn_implementation",
+            c.model.attn_implementation,
+            ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention"),
+        )
+    if p.param_dtype is not None:
+        _one_of("policy.param_dtype", p.param_dtype, ("float32", "bfloat16", "float16"))
     _require(p.learning_rate > 0, f"policy.learning_rate={p.learning_rate} must be > 0")
     _require(p.micro_batch_size >= 1, f"policy.micro_batch_size={p.micro_batch_size} must be >= 1")
     _require(p.logprob_micro_batch_size >= 1, "policy.logprob_micro_batch_size must be >= 1")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer.policy.batch import Sample, pad_batch, shard_for_ranks, unpad_logprobs
+from trainer.policy.batch import Sample, pad_batch, prefix_batch, shard_for_ranks, unpad_logprobs
 
 
 def test_should_align_loss_mask_and_logprobs_with_response_labels_when_padding():
@@ -52,3 +52,35 @@ def test_should_pad_with_pad_id_when_lengths_differ():
     assert batch.input_ids[0].tolist() == [5, 6, 9, 9, 9]
     assert batch.attention_mask.sum(1).tolist() == [2, 5]
     assert torch.equal(batch.labels, batch.input_ids[:, 1:])
+
+
+def test_should_run_each_distinct_prompt_once_when_samples_share_prompts():
+    a = Sample([1, 2, 3], [4, 5], advantage=1.0, old_logprobs=[-0.1, -0.2])
+    b = Sample([7], [6, 7, 8], advantage=-1.0, old_logprobs=[-0.3, -0.4, -0.5], response_mask=[1, 0, 1])
+    c = Sample([1, 2, 3], [9], advantage=0.5, old_logprobs=[-0.6])
+    batch = prefix_batch([a, b, c], pad_id=0)
+    assert batch.prompt_ids.tolist() == [[1, 2, 3], [0, 0, 7]]  # left-padded: all end at the last column
+    assert batch.prompt_mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+    assert batch.rows.tolist() == [0, 1, 0]
+    # column j is response token j, for every sample
+    assert batch.labels.tolist() == [[4, 5, 0], [6, 7, 8], [9, 0, 0]]
+    assert batch.response_mask.tolist() == [[1, 1, 0], [1, 1, 1], [1, 0, 0]]
+    assert batch.loss_mask.tolist() == [[1, 1, 0], [1, 0, 1], [1, 0, 0]]
+    assert batch.old_logprobs[1].tolist() == pytest.approx([-0.3, -0.4, -0.5])
+    assert batch.ref_logprobs is None
+    assert unpad_logprobs([a, b, c], batch, batch.old_logprobs) == [
+        pytest.approx([-0.1, -0.2]), pytest.approx([-0.3, -0.4, -0.5]), pytest.approx([-0.6])
+    ]
+
+
+def test_should_keep_each_prompt_group_on_one_rank_when_groups_divide_evenly():
+    samples = [Sample([g] * (3 + g), [0] * (1 + (g * 7 + i) % 5)) for g in range(4) for i in range(4)]
+    shards = shard_for_ranks(samples, 2)
+    assert sorted(i for s in shards for i in s) == list(range(16))
+    assert [len(s) for s in shards] == [8, 8]
+    for shard in shards:
+        prompts = [tuple(samples[i].prompt_ids) for i in shard]
+        assert len(set(prompts)) == 2 and all(prompts.count(p) == 4 for p in prompts)
+    # 3 groups over 2 ranks cannot stay whole: sample-level dealing, equal counts
+    shards = shard_for_ranks(samples[:12], 2)
+    assert [len(s) for s in shards] == [6, 6]

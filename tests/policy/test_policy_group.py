@@ -17,11 +17,13 @@ def _cfg(tiny_model_path: str, *extra: str):
                  "grpo.num_generations_per_prompt=4", "policy.micro_batch_size=2", *extra])
 
 
-def _samples() -> list[Sample]:
+def _samples(grouped: bool = False) -> list[Sample]:
+    """8 samples; ``grouped``: as GRPO makes them, 2 prompts (of different lengths) x 4 responses."""
     g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(4, 50, (5 + i % 3,), generator=g).tolist() for i in range(8)]
     out = []
     for i in range(8):
-        prompt = torch.randint(4, 50, (5 + i % 3,), generator=g).tolist()
+        prompt = prompts[i // 4 * 2] if grouped else prompts[i]
         response = torch.randint(4, 50, (2 + i % 4,), generator=g).tolist()
         out.append(Sample(prompt, response, advantage=float(i % 4) - 1.5))
     return out
@@ -33,11 +35,14 @@ def groups(ray_local, tiny_model_path):
 
     made = {}
 
-    def make(world: int):
-        if world not in made:
-            cfg = _cfg(tiny_model_path, f"cluster.cpu_workers_per_node={world}")
-            made[world] = PolicyGroup(cfg, tiny_model_path, colocated_engine=True)
-        return made[world]
+    def make(world: int, shared_prefix: bool = True, tag: str = ""):
+        key = (world, shared_prefix, tag)
+        if key not in made:
+            cfg = _cfg(
+                tiny_model_path, f"cluster.cpu_workers_per_node={world}", f"policy.shared_prefix={shared_prefix}"
+            )
+            made[key] = PolicyGroup(cfg, tiny_model_path, colocated_engine=True)
+        return made[key]
 
     yield make
     for group in made.values():
@@ -45,9 +50,9 @@ def groups(ray_local, tiny_model_path):
 
 
 def test_should_match_single_rank_loss_and_grad_norm_when_batch_is_split_over_two_ranks(groups):
-    metrics_one = groups(1).train(_samples())
+    metrics_one = groups(1).train(_samples(grouped=True))
     two = groups(2)
-    metrics_two = two.train(_samples())
+    metrics_two = two.train(_samples(grouped=True))
     assert metrics_two["loss"] == pytest.approx(metrics_one["loss"], rel=1e-4, abs=1e-6)
     assert metrics_two["grad_norm"] == pytest.approx(metrics_one["grad_norm"], rel=1e-4)
     assert metrics_one["grad_norm"] > 0
@@ -57,7 +62,7 @@ def test_should_equal_a_plain_forward_when_policy_computes_logprobs(groups, tiny
     from transformers import AutoModelForCausalLM
 
     group = groups(2)
-    samples = _samples()
+    samples = _samples() + _samples(grouped=True)
     state = group.run("full_state_dict")[0]
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
     model.load_state_dict(state, strict=False)
@@ -68,6 +73,25 @@ def test_should_equal_a_plain_forward_when_policy_computes_logprobs(groups, tiny
             logits = model(ids).logits[0, :-1]
         expected = torch.log_softmax(logits, -1).gather(1, ids[0, 1:, None])[:, 0][len(s.prompt_ids) - 1 :]
         assert torch.allclose(torch.tensor(lp), expected, atol=1e-5)
+
+
+def test_should_train_as_the_padded_layout_does_when_samples_share_prompts(groups):
+    """Each prompt computed once with its KV shared by its 4 samples (FSDP2, two forwards before
+    backward) gives the logprobs, loss, gradient and updated weights of the plain padded batch."""
+    shared, padded = groups(2, True, "fresh"), groups(2, False, "fresh")
+    samples = _samples(grouped=True)
+    lp_shared = shared.gather_logprobs(shared.compute_logprobs_async(samples), len(samples))
+    lp_padded = padded.gather_logprobs(padded.compute_logprobs_async(samples), len(samples))
+    for a, b in zip(lp_shared, lp_padded):
+        assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-5)
+    m_shared, m_padded = shared.train(samples), padded.train(samples)
+    assert m_shared["loss"] == pytest.approx(m_padded["loss"], rel=1e-4, abs=1e-6)
+    assert m_shared["grad_norm"] == pytest.approx(m_padded["grad_norm"], rel=1e-4)
+    w_shared, w_padded = shared.run("full_state_dict")[0], padded.run("full_state_dict")[0]
+    for name, tensor in w_padded.items():
+        # Adam turns float noise in near-zero gradients into up to lr-sized steps on a few elements;
+        # a missing gradient path (e.g. through the shared prompt's KV) moves most of them by ~lr (1e-2).
+        assert torch.allclose(w_shared[name], tensor, atol=1e-4), name
 
 
 def test_should_give_engine_the_trained_weights_when_colocated_engine_is_refreshed(groups):
@@ -84,12 +108,19 @@ def test_should_give_engine_the_trained_weights_when_colocated_engine_is_refresh
     assert any(not torch.equal(before[n], policy[n]) for n in policy)
 
 
-def test_should_broadcast_trained_weights_when_generation_is_disaggregated(ray_local, tiny_model_path):
+
+@pytest.mark.parametrize("engine_dtype", ["float32", "bfloat16"])
+def test_should_broadcast_trained_weights_when_generation_is_disaggregated(ray_local, tiny_model_path, engine_dtype):
     import ray
 
     from trainer.policy.group import DisaggregatedGenerator, PolicyGroup
 
-    cfg = _cfg(tiny_model_path, "cluster.cpu_workers_per_node=2", "generation.placement=disaggregated")
+    cfg = _cfg(
+        tiny_model_path,
+        "cluster.cpu_workers_per_node=2",
+        "generation.placement=disaggregated",
+        f"generation.dtype={engine_dtype}",  # bfloat16: sent as bf16 (cast before the gather)
+    )
     policy = PolicyGroup(cfg, tiny_model_path, colocated_engine=False)
     generator = DisaggregatedGenerator(cfg, tiny_model_path, policy)
     try:
@@ -98,7 +129,7 @@ def test_should_broadcast_trained_weights_when_generation_is_disaggregated(ray_l
         expected = policy.run("full_state_dict")[0]
         got = ray.get(generator.workers[0].state_dict.remote())
         for name, tensor in expected.items():
-            assert torch.equal(got[name], tensor), name
+            assert torch.equal(got[name], tensor.to(getattr(torch, engine_dtype))), name
         # And the engine samples from them: prompts in, completions with logprobs out.
         (ref, idx), = generator.submit([[4, 5, 6]], 3, SamplingParams(max_new_tokens=3, seed=1))
         completions = ray.get(ref)

@@ -1,42 +1,83 @@
-"""Hugging Face generation backend: batched ``model.generate`` with a KV cache and left padding.
+"""Hugging Face generation backend: our own batched decode loop over a transformers model and its KV cache.
 
 It runs anywhere transformers runs (CPU included), which makes it the backend of the CPU demo and of
 the tests; on GPUs the vLLM backend implements the same :class:`GenerationEngine` interface.
 
-Per-token logprobs are recorded while decoding by a logits processor that keeps only the previous
-step's log-softmax (B, V) and gathers the sampled token one step later, instead of asking generate()
-for all logits, which would hold a (B, L, V) tensor (1.6 GB for 64 x 128 tokens of a 49k vocab).
+The loop replaces ``model.generate`` because most of a GRPO step on CPU is spent here. Measured on
+SmolLM2-135M, 1 thread, 2 prompts x 4 samples, 64 new tokens: 6.8 s with generate(), 5.4 s with it.
+
+- Prefix sharing: the n samples of a prompt share its prompt, so each distinct prompt of a batch is
+  prefilled once and its KV-cache rows are then copied to its samples (prefill 1.6 s -> 0.45 s above).
+- Sampling draws one uniform number per row (``_draw``) where torch.multinomial on CPU draws one per
+  vocabulary entry (8 ms of every step above).
+- A static KV cache: keys/values live in preallocated (B, heads, len, dim) tensors written in place,
+  where a DynamicCache re-allocates the whole cache with torch.cat every step: equal speed for short
+  completions, 12% faster per step past 640 tokens. Models whose cache layers are of other kinds fall
+  back to a DynamicCache.
+- Logprobs are gathered the step a token is sampled, from the (B, V) log-softmax of that step only,
+  instead of asking for all logits, which would hold a (B, L, V) tensor (1.6 GB for 64 x 128 tokens of
+  a 49k vocab).
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable
 
 import torch
 
+from trainer.generation import packed
 from trainer.generation.base import Completion, SamplingParams
 
+# Attention implementations known to work with a StaticCache and a padded 2D attention mask.
+_STATIC_CACHE_ATTN = ("sdpa", "eager")
+# Columns a static cache grows by. Attention runs over every allocated column, so a cache sized for
+# max_new_tokens from the start makes short completions pay for long ones (SmolLM2-135M, 8 rows, 66 to
+# 321 columns: 78 ms per step growing by 16, 80 ms by 64, 84 ms allocated at once); each growth is one
+# copy of the cache.
+_CACHE_CHUNK = 32
 
-class _LogprobRecorder:
-    """LogitsProcessor that records log p(sampled token) for every step of a generate() call."""
 
-    def __init__(self, temperature: float):
-        self.temperature = temperature if temperature > 0 else 1.0
-        self.prev: torch.Tensor | None = None  # (B, V) log-softmax of the previous step
-        self.steps: list[torch.Tensor] = []  # each (B,)
+def _sample(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next tokens (B,) and their logprobs (B,) from float32 ``logits`` (B, V).
 
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        if self.prev is not None:
-            self.steps.append(self.prev.gather(1, input_ids[:, -1:]).squeeze(1))
-        # Logprobs of the sampling distribution before top-k/top-p truncation, like vLLM's default.
-        self.prev = torch.log_softmax(scores.float() / self.temperature, dim=-1)
-        return scores
+    Sampling applies temperature, then top-k, then top-p, as HF's warpers do. The logprob is that of the
+    temperature-scaled distribution before top-k/top-p truncation, like vLLM's default: a truncated
+    distribution would give -inf to tokens the trainer's own forward pass still sees as possible.
+    """
+    temperature = params.temperature if params.temperature > 0 else 1.0
+    scores = logits / temperature  # (B, V)
+    logprobs = torch.log_softmax(scores, dim=-1)  # (B, V)
+    if params.greedy:
+        tokens = logits.argmax(dim=-1)
+    elif params.top_k > 0 or params.top_p < 1.0:
+        if params.top_k > 0:
+            kth = torch.topk(scores, min(params.top_k, scores.shape[-1]), dim=-1).values[:, -1:]  # (B, 1)
+            scores = scores.masked_fill(scores < kth, float("-inf"))
+        if params.top_p < 1.0:
+            sorted_scores, sorted_idx = torch.sort(scores, descending=False)  # (B, V) ascending
+            cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
+            remove = cumulative <= (1 - params.top_p)  # the low tail holding at most 1 - top_p of the mass
+            remove[:, -1:] = False  # always keep the most likely token
+            scores = scores.masked_fill(remove.scatter(1, sorted_idx, remove), float("-inf"))
+        tokens = _draw(torch.softmax(scores, dim=-1))
+    else:
+        tokens = _draw(logprobs.exp())
+    return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
 
-    def finish(self, last_tokens: torch.Tensor) -> torch.Tensor:
-        """(B, L) logprobs once generate() returned; ``last_tokens`` (B,) is the final sampled token."""
-        if self.prev is not None:
-            self.steps.append(self.prev.gather(1, last_tokens[:, None]).squeeze(1))
-        return torch.stack(self.steps, dim=1) if self.steps else torch.zeros(last_tokens.shape[0], 0)
+
+def _draw(probs: torch.Tensor) -> torch.Tensor:
+    """One token per row of ``probs`` (B, V), by inverting its CDF with one uniform number per row.
+
+    Distributed as ``torch.multinomial(probs, 1)``, which on CPU draws an exponential per vocabulary
+    entry: 8 ms for 8 x 49k (a tenth of a SmolLM2-135M decode step), against 0.4 ms here.
+    """
+    # float64 so that small probabilities keep their share of the mass in a 49k-long running sum.
+    cdf = probs.to(torch.float32 if probs.device.type == "mps" else torch.float64).cumsum(dim=-1)  # (B, V)
+    u = torch.rand(probs.shape[0], 1, dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]  # (B, 1)
+    # right=True never lands on a zero-probability token (its CDF equals its predecessor's); the clamp
+    # only guards against u rounding up to the total.
+    return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)
 
 
 class HFGenerationEngine:
@@ -54,6 +95,16 @@ class HFGenerationEngine:
         self.eos_ids = eos
         for p in self.model.parameters():
             p.requires_grad_(False)
+        # bf16 on CPU: linear weights prepacked for oneDNN, about 20% off every decode step.
+        self._packed = packed.available(self.model) and packed.pack(self.model, batch_size) > 0
+        forward_args = inspect.signature(self.model.forward).parameters
+        # Older transformers (and some remote-code models) place cache writes by cache_position;
+        # newer ones track the position inside the cache and no longer take the argument.
+        self._takes_cache_position = "cache_position" in forward_args
+        self._takes_logits_to_keep = "logits_to_keep" in forward_args
+        # Whether the static-cache path works for this model: None until the first batch has tried it.
+        attn = getattr(self.model.config, "_attn_implementation", None)
+        self._static_cache: bool | None = None if attn in _STATIC_CACHE_ATTN else False
 
     @property
     def device(self) -> torch.device:
@@ -61,10 +112,16 @@ class HFGenerationEngine:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], n: int, params: SamplingParams) -> list[list[Completion]]:
+        # generate() rejected these; the loop would otherwise sample at temperature 1 or keep everything.
+        if params.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {params.temperature}")
+        if not 0 <= params.top_p <= 1:
+            raise ValueError(f"top_p must be in [0, 1], got {params.top_p}")
         flat = [p for p in prompts for _ in range(n)]
         if params.seed is not None:
             torch.manual_seed(params.seed)
-        # Similar lengths in one batch waste less compute on padding; restore the order afterwards.
+        # Similar lengths in one batch waste less compute on padding; restore the order afterwards. The
+        # sort is stable, so the samples of a prompt stay together and share one prefill.
         order = sorted(range(len(flat)), key=lambda i: len(flat[i]))
         done: dict[int, Completion] = {}
         for start in range(0, len(order), self.batch_size):
@@ -75,46 +132,154 @@ class HFGenerationEngine:
         return [out[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     def _generate_batch(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
-        width = max(len(p) for p in prompts)
-        input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
-        for row, p in enumerate(prompts):  # left padding: every prompt ends at the same column
-            input_ids[row, width - len(p) :] = torch.tensor(p)
-            attention_mask[row, width - len(p) :] = 1
-        recorder = _LogprobRecorder(params.temperature)
-        kwargs = dict(
-            max_new_tokens=params.max_new_tokens,
-            do_sample=not params.greedy,
-            pad_token_id=self.pad_id,
-            eos_token_id=self.eos_ids,
-            logits_processor=[recorder],
-        )
-        if params.greedy:
-            kwargs.update(temperature=None, top_p=None, top_k=None)
-        else:
-            # top_k=0 switches the warper off; otherwise generation_config's default (50) would apply.
-            kwargs.update(temperature=params.temperature, top_p=params.top_p, top_k=max(params.top_k, 0))
-        if params.stop_strings:
-            kwargs.update(stop_strings=list(params.stop_strings), tokenizer=self.tokenizer)
-        sequences = self.model.generate(
-            input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device), **kwargs
-        )
-        new = sequences[:, width:].cpu()  # (B, L)
-        logprobs = recorder.finish(new[:, -1]) if new.shape[1] else torch.zeros(len(prompts), 0)
+        if params.max_new_tokens <= 0:
+            return [Completion([], [], "", "length") for _ in prompts]
+        device, batch, max_new = self.device, len(prompts), params.max_new_tokens
+        unique: dict[tuple[int, ...], int] = {}
+        # The distinct prompt of each row: samples of one prompt share a single prefill.
+        rows = [unique.setdefault(tuple(p), len(unique)) for p in prompts]
+        rows = torch.tensor(rows, device=device)  # (B,)
+        width = max(len(p) for p in unique)
+        input_ids = torch.full((len(unique), width), self.pad_id, dtype=torch.long)
+        prompt_mask = torch.zeros((len(unique), width), dtype=torch.long)
+        for u, p in enumerate(unique):  # left padding: every prompt ends at the same column
+            input_ids[u, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+            prompt_mask[u, width - len(p) :] = 1
+        input_ids, prompt_mask = input_ids.to(device), prompt_mask.to(device)
+        position_ids = (prompt_mask.cumsum(1) - 1).clamp(min=0)  # (U, W)
+        # The last sampled token is never fed back, so the cache needs width + max_new - 1 columns.
+        cache_len = width + max_new - 1
+        capacity = min(width + _CACHE_CHUNK, cache_len)  # columns allocated in a static cache
+        logits, cache = self._prefill(input_ids, prompt_mask, position_ids, rows, capacity)  # (B, V)
+        static = bool(self._static_cache)
+
+        attention_mask = torch.zeros((batch, cache_len), dtype=torch.long, device=device)
+        attention_mask[:, :width] = prompt_mask[rows]
+        next_position = position_ids[rows, -1] + 1  # (B,) position of the first generated token
+        eos = torch.tensor(self.eos_ids, dtype=torch.long, device=device)
+        running = torch.ones(batch, dtype=torch.bool, device=device)  # (B,)
+        stopped = torch.zeros(batch, dtype=torch.bool, device=device)  # (B,) ended by EOS or a stop string
+        lengths = torch.zeros(batch, dtype=torch.long, device=device)  # (B,)
+        tokens: list[torch.Tensor] = []  # each (B,)
+        logprobs: list[torch.Tensor] = []  # each (B,)
+        generated: list[list[int]] = [[] for _ in range(batch)]  # ids on the host, only for stop strings
+        window = max((len(s) for s in params.stop_strings), default=0) + 2
+        for step in range(max_new):
+            if step:
+                column = width + step - 1  # where the previous token's keys/values go
+                if static and column >= capacity:
+                    capacity = min(capacity + _CACHE_CHUNK, cache_len)
+                    _resize_static_cache(cache, capacity)
+                attention_mask[:, column] = 1
+                position = (next_position + step - 1)[:, None]  # (B, 1)
+                mask = attention_mask[:, : column + 1]  # (B, W + step): prompt and generated columns
+                out = self._forward(tokens[-1][:, None], mask, position, cache, column)
+                logits = out.logits[:, -1].float()  # (B, V)
+            token, logprob = _sample(logits, params)
+            # Finished rows are fed a pad token; what they sample is ignored.
+            token = torch.where(running, token, torch.full_like(token, self.pad_id))
+            tokens.append(token)
+            logprobs.append(logprob)
+            lengths += running
+            finished = running & torch.isin(token, eos)
+            if params.stop_strings:
+                check = running & ~finished
+                finished |= self._stop_string_rows(token, check, generated, params.stop_strings, window)
+            stopped |= finished
+            running &= ~finished
+            if not bool(running.any()):
+                break
+
+        new = torch.stack(tokens, dim=1).cpu()  # (B, L)
+        new_logprobs = torch.stack(logprobs, dim=1).float().cpu()  # (B, L)
         completions = []
-        for row in range(len(prompts)):
-            tokens = new[row].tolist()
-            length, reason = len(tokens), "length"
-            for pos, tok in enumerate(tokens):
-                if tok in self.eos_ids:
-                    length, reason = pos + 1, "stop"  # keep the EOS: the policy learns to stop
-                    break
-            tokens = tokens[:length]
-            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-            if reason == "length" and params.stop_strings and any(text.endswith(s) for s in params.stop_strings):
-                reason = "stop"
-            completions.append(Completion(tokens, logprobs[row, :length].tolist(), text, reason))
+        for row, (length, stop) in enumerate(zip(lengths.tolist(), stopped.tolist())):
+            ids = new[row, :length].tolist()  # an EOS is kept: the policy learns to stop
+            text = self.tokenizer.decode(ids, skip_special_tokens=True)
+            reason = "stop" if stop else "length"
+            completions.append(Completion(ids, new_logprobs[row, :length].tolist(), text, reason))
         return completions
+
+    def _stop_string_rows(
+        self,
+        token: torch.Tensor,
+        check: torch.Tensor,
+        generated: list[list[int]],
+        stop_strings: list[str],
+        window: int,
+    ) -> torch.Tensor:
+        """(B,) rows whose newest token completes one of ``stop_strings``.
+
+        Like HF's StopStringCriteria, a row stops when a stop string overlaps its last token, even if that
+        token runs past the end of the string; unlike it, the prompt is not part of the text. Only the
+        completion's last ``window`` tokens are decoded (each token is at least one character, so any
+        stop string ending in the last token fits), and a string already present without the last
+        token does not count: generation would have stopped there.
+        """
+        hits = torch.zeros_like(check)
+        new = token.tolist()
+        for row in check.nonzero().flatten().tolist():
+            ids = generated[row]
+            ids.append(new[row])
+            tail = self.tokenizer.decode(ids[-window:])
+            if not any(s in tail for s in stop_strings):
+                continue
+            before = self.tokenizer.decode(ids[-window:-1])
+            if any(s in tail and s not in before for s in stop_strings):
+                hits[row] = True
+        return hits
+
+    def _forward(self, input_ids, attention_mask, position_ids, cache, start: int):
+        """One forward pass over ``input_ids`` (B, T) that writes keys/values at columns start..start+T-1."""
+        kwargs = dict(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=cache,
+            use_cache=True,
+        )
+        if self._takes_logits_to_keep:
+            kwargs["logits_to_keep"] = 1  # the prefill needs the last column only, not (B, W, V)
+        if self._takes_cache_position:
+            length = input_ids.shape[1]
+            kwargs["cache_position"] = torch.arange(start, start + length, device=input_ids.device)
+        return self.model(**kwargs)
+
+    def _prefill(self, input_ids, attention_mask, position_ids, rows: torch.Tensor, capacity: int):
+        """Prefill the distinct prompts (U, W) once; logits (B, V) and a cache of B = len(rows) rows.
+
+        The first batch tries a StaticCache (given ``capacity`` columns) and remembers whether its rows
+        could be expanded; if not, later batches go straight to a DynamicCache, whose layers know how
+        to select batch rows.
+        """
+        if self._static_cache is not False:
+            try:
+                from transformers import StaticCache
+                from transformers.cache_utils import StaticLayer
+
+                cache = StaticCache(config=self.model.config, max_cache_len=input_ids.shape[1])
+                out = self._forward(input_ids, attention_mask, position_ids, cache, 0)
+                expanded = _is_plain_static_cache(cache, StaticLayer)
+                if expanded:
+                    _resize_static_cache(cache, capacity, rows)
+            except Exception:
+                if self._static_cache:  # it worked before: this is a real error, not an unsupported model
+                    raise
+                expanded = False
+            self._static_cache = expanded
+            if expanded:
+                return out.logits[:, -1].float()[rows], cache
+        out = self._forward(input_ids, attention_mask, position_ids, None, 0)
+        cache = out.past_key_values
+        try:
+            cache.batch_select_indices(rows)
+            return out.logits[:, -1].float()[rows], cache
+        except (AttributeError, NotImplementedError, TypeError):
+            # A cache that cannot select rows: prefill every row, shared prompts included.
+            out = self._forward(input_ids[rows], attention_mask[rows], position_ids[rows], None, 0)
+            if out.past_key_values is None:
+                raise RuntimeError(f"{type(self.model).__name__} returned no KV cache") from None
+            return out.logits[:, -1].float(), out.past_key_values
 
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -125,3 +290,45 @@ class HFGenerationEngine:
             if target is None:
                 raise KeyError(f"update_weights: the generation model has no tensor {name!r}")
             target.copy_(tensor.to(device=target.device, dtype=target.dtype))
+        if self._packed:
+            packed.repack(self.model)
+
+
+def _is_plain_static_cache(cache, static_layer: type) -> bool:
+    """Whether every layer of ``cache`` is a plain StaticLayer, the only kind _resize_static_cache knows.
+
+    Their whole batch state is ``keys``/``values`` (U, heads, max_len, dim), ``batch_size`` and
+    ``max_cache_len``, the write position being shared by all rows. Other layers (sliding windows,
+    linear attention, indexers) or offloading keep state this does not know about.
+    """
+    layers = getattr(cache, "layers", None)
+    if not layers or getattr(cache, "offloading", False):
+        return False
+    for layer in layers:
+        if type(layer) is not static_layer or not hasattr(layer, "batch_size"):
+            return False
+        keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+        if not isinstance(keys, torch.Tensor) or not isinstance(values, torch.Tensor) or keys.dim() != 4:
+            return False
+        if not isinstance(getattr(layer, "max_cache_len", None), int):
+            return False
+    return True
+
+
+def _resize_static_cache(cache, length: int, rows: torch.Tensor | None = None) -> None:
+    """Reallocate a plain static cache to ``length`` columns, keeping what it holds.
+
+    With ``rows`` (B,), row i of the result is a copy of row ``rows[i]``: the samples of a prompt get
+    rows of their own, written independently, never views of one another.
+    """
+    for layer in cache.layers:
+        for name in ("keys", "values"):
+            old = getattr(layer, name)  # (U, heads, max_len, dim)
+            if rows is not None:
+                old = old.index_select(0, rows)  # (B, heads, max_len, dim)
+            new = old.new_zeros(old.shape[0], old.shape[1], length, old.shape[3])
+            keep = min(length, old.shape[2])
+            new[:, :, :keep] = old[:, :, :keep]
+            setattr(layer, name, new)
+        layer.batch_size = layer.keys.shape[0]
+        layer.max_cache_len = length

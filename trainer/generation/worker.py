@@ -55,8 +55,9 @@ class GenerationWorker:
 
         def received():
             for name, param in model.named_parameters():
-                # Received in the policy's dtype (what rank 0 sends); the engine casts on copy.
-                buf = torch.empty(param.shape, dtype=_DTYPES[self.cfg.model.dtype], device=self.device)
+                # Rank 0 sends in the engine's dtype (generation.dtype, else model.dtype).
+                dtype = _DTYPES[self.cfg.generation.dtype or self.cfg.model.dtype]
+                buf = torch.empty(param.shape, dtype=dtype, device=self.device)
                 yield name, self.sync.broadcast(buf)
 
         self.engine.update_weights(received())

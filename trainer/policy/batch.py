@@ -1,7 +1,12 @@
-"""Packing rollouts into padded training tensors, and splitting a batch over data-parallel ranks.
+"""Packing rollouts into training tensors, and splitting a batch over data-parallel ranks.
 
 A sample is ``prompt_ids + response_ids``; only response tokens carry loss. Logprobs are stored per
 response token, aligned with ``response_ids``.
+
+Two layouts: :class:`PrefixBatch` runs every distinct prompt once and lets all of its samples attend
+to that one prompt's keys and values (GRPO draws several samples per prompt, so the prompt tokens
+would otherwise be computed, and back-propagated, once per sample); :class:`PaddedBatch` is the plain
+right-padded layout, used with activation checkpointing (which gives up the KV cache).
 """
 
 from __future__ import annotations
@@ -82,8 +87,76 @@ def pad_batch(samples: list[Sample], pad_id: int) -> PaddedBatch:
     )
 
 
-def unpad_logprobs(samples: list[Sample], batch: PaddedBatch, logprobs: torch.Tensor) -> list[list[float]]:
+@dataclass
+class PrefixBatch:
+    """Distinct prompts once (left-padded, so they all end at column P-1), responses right-padded.
+
+    The first response token is predicted by the prompt's last position, the others by the
+    response's own positions, so the (B, C) window below has column j = response token j.
+    """
+
+    prompt_ids: torch.Tensor      # (U, P) distinct prompts, left-padded
+    prompt_mask: torch.Tensor     # (U, P)
+    rows: torch.Tensor            # (B,) the prompt row of each sample
+    response_ids: torch.Tensor    # (B, C) right-padded; also the labels of the window
+    response_mask: torch.Tensor   # (B, C) 1 on real response tokens (attention)
+    loss_mask: torch.Tensor       # (B, C) 1 where the token is one the model wrote
+    advantages: torch.Tensor      # (B,)
+    old_logprobs: torch.Tensor | None  # (B, C)
+    ref_logprobs: torch.Tensor | None  # (B, C)
+
+    @property
+    def labels(self) -> torch.Tensor:
+        return self.response_ids
+
+
+def _per_token(samples: list[Sample], attr: str, width: int) -> torch.Tensor | None:
+    if any(getattr(s, attr) is None for s in samples):
+        return None
+    out = torch.zeros(len(samples), width)
+    for row, s in enumerate(samples):
+        values = getattr(s, attr)
+        out[row, : len(values)] = torch.tensor(values, dtype=torch.float32)
+    return out
+
+
+def prefix_batch(samples: list[Sample], pad_id: int) -> PrefixBatch:
+    index: dict[tuple[int, ...], int] = {}
+    rows = [index.setdefault(tuple(s.prompt_ids), len(index)) for s in samples]
+    prompts = list(index)
+    width = max(len(p) for p in prompts)
+    prompt_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    prompt_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, p in enumerate(prompts):
+        prompt_ids[row, width - len(p) :] = torch.tensor(p)
+        prompt_mask[row, width - len(p) :] = 1
+    c = max(max(len(s.response_ids) for s in samples), 1)
+    response_ids = torch.full((len(samples), c), pad_id, dtype=torch.long)
+    response_mask = torch.zeros((len(samples), c), dtype=torch.long)
+    loss_mask = torch.zeros((len(samples), c))
+    for row, s in enumerate(samples):
+        n = len(s.response_ids)
+        response_ids[row, :n] = torch.tensor(s.response_ids, dtype=torch.long)
+        response_mask[row, :n] = 1
+        mask = s.response_mask if s.response_mask is not None else [1] * n
+        loss_mask[row, :n] = torch.tensor(mask, dtype=torch.float32)
+    return PrefixBatch(
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        rows=torch.tensor(rows, dtype=torch.long),
+        response_ids=response_ids,
+        response_mask=response_mask,
+        loss_mask=loss_mask,
+        advantages=torch.tensor([s.advantage for s in samples], dtype=torch.float32),
+        old_logprobs=_per_token(samples, "old_logprobs", c),
+        ref_logprobs=_per_token(samples, "ref_logprobs", c),
+    )
+
+
+def unpad_logprobs(samples: list[Sample], batch: PaddedBatch | PrefixBatch, logprobs: torch.Tensor) -> list[list[float]]:
     """(B, K) window logprobs -> per-sample response logprobs (L_i,)."""
+    if isinstance(batch, PrefixBatch):
+        return [logprobs[row, : len(s.response_ids)].tolist() for row, s in enumerate(samples)]
     out = []
     for row, s in enumerate(samples):
         first = len(s.prompt_ids) - 1 - batch.start
@@ -98,14 +171,24 @@ def micro_batches(samples: list[Sample], size: int) -> list[list[Sample]]:
 def shard_for_ranks(samples: list[Sample], world_size: int) -> list[list[int]]:
     """Indices per rank, balanced by token count, equal sample counts (FSDP needs equal step counts).
 
-    Samples are sorted by length and dealt in a snake order, so each rank gets a similar mix of long
-    and short sequences, and consecutive samples within a rank have similar lengths (less padding).
+    When the samples form equal-sized groups with a shared prompt (GRPO) and the groups divide
+    evenly over the ranks, whole groups go to one rank, so each prompt is computed once
+    (:class:`PrefixBatch`). Units (groups, or single samples otherwise) are sorted by tokens and dealt
+    in a snake order, so each rank gets a similar mix of long and short ones, and consecutive
+    samples within a rank have similar lengths (less padding).
     """
     if len(samples) % world_size:
         raise ValueError(f"{len(samples)} samples do not split evenly over {world_size} ranks")
-    order = sorted(range(len(samples)), key=lambda i: samples[i].length, reverse=True)
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, s in enumerate(samples):
+        groups.setdefault(tuple(s.prompt_ids), []).append(i)
+    units = list(groups.values())
+    if len({len(u) for u in units}) != 1 or len(units) % world_size:
+        units = [[i] for i in range(len(samples))]
+    units = [sorted(u, key=lambda i: samples[i].length, reverse=True) for u in units]
+    units.sort(key=lambda u: sum(samples[i].length for i in u), reverse=True)
     shards: list[list[int]] = [[] for _ in range(world_size)]
-    for pos, idx in enumerate(order):
+    for pos, unit in enumerate(units):
         lap, offset = divmod(pos, world_size)
-        shards[offset if lap % 2 == 0 else world_size - 1 - offset].append(idx)
+        shards[offset if lap % 2 == 0 else world_size - 1 - offset].extend(unit)
     return shards

@@ -25,7 +25,15 @@ import torch.distributed as dist
 from trainer.algorithms import core_algos
 from trainer.config import Config
 from trainer.generation.base import Completion, SamplingParams
-from trainer.policy.batch import PaddedBatch, Sample, micro_batches, pad_batch, unpad_logprobs
+from trainer.policy.batch import (
+    PaddedBatch,
+    PrefixBatch,
+    Sample,
+    micro_batches,
+    pad_batch,
+    prefix_batch,
+    unpad_logprobs,
+)
 
 log = logging.getLogger(__name__)
 
@@ -46,10 +54,15 @@ def node_address() -> tuple[str, int]:
     return ray.util.get_node_ip_address(), free_port()
 
 
-def load_model(path: str, dtype: str, trust_remote_code: bool = False) -> torch.nn.Module:
+def load_model(
+    path: str, dtype: str, trust_remote_code: bool = False, attn_implementation: str | None = None
+) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[dtype], trust_remote_code=trust_remote_code)
+    kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    return AutoModelForCausalLM.from_pretrained(
+        path, dtype=_DTYPES[dtype], trust_remote_code=trust_remote_code, **kwargs
+    )
 
 
 def load_tokenizer(path: str, trust_remote_code: bool = False):
@@ -114,21 +127,32 @@ class PolicyWorker:
             self.engine = HFGenerationEngine(
                 copy.deepcopy(model).to(self.device, dtype=engine_dtype), self.tokenizer, cfg.generation.batch_size
             )
+        if cfg.model.attn_implementation:  # the policy's; the engine keeps the default, better for decoding
+            model.set_attn_implementation(cfg.model.attn_implementation)
         if cfg.policy.activation_checkpointing:
             model.gradient_checkpointing_enable()
         model.config.use_cache = False
         model.to(self.device)
-        shard_model(model, cfg.policy.reshard_after_forward, None)
+        shard_model(model, cfg.policy.reshard_after_forward, _DTYPES.get(cfg.policy.param_dtype))
         self.model = model
         self.ref_model = None
         if cfg.grpo.loss.reference_policy_kl_penalty > 0:
-            ref = load_model(self.model_path, cfg.model.dtype, cfg.model.trust_remote_code).to(self.device)
+            ref = load_model(
+                self.model_path, cfg.model.dtype, cfg.model.trust_remote_code, cfg.model.attn_implementation
+            ).to(self.device)
             ref.requires_grad_(False)
-            shard_model(ref, True, None)
+            shard_model(ref, True, _DTYPES.get(cfg.policy.param_dtype))
             self.ref_model = ref.eval()
         p = cfg.policy
+        # fused: one kernel over all (sharded) parameters instead of a loop of per-tensor ops
+        # (0.39 -> 0.12 s per step for SmolLM2 on one CPU rank); same state, same checkpoints.
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=p.learning_rate, betas=p.adam_betas, eps=p.adam_eps, weight_decay=p.weight_decay
+            self.model.parameters(),
+            lr=p.learning_rate,
+            betas=p.adam_betas,
+            eps=p.adam_eps,
+            weight_decay=p.weight_decay,
+            fused=True,
         )
         warmup = max(0, p.warmup_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -143,17 +167,31 @@ class PolicyWorker:
 
     def refresh_engine(self) -> None:
         """Gather the updated full weights into the colocated engine (collective)."""
-        self.engine.update_weights(self.iter_full_weights())
+        self.engine.update_weights(self.iter_full_weights(self.engine_dtype))
 
-    def iter_full_weights(self):
-        """Yield (name, full tensor) for every parameter; every rank must iterate (collective)."""
+    @property
+    def engine_dtype(self) -> torch.dtype:
+        return _DTYPES[self.cfg.generation.dtype or self.cfg.model.dtype]
+
+    def iter_full_weights(self, dtype: torch.dtype | None = None):
+        """Yield (name, full tensor) for every parameter; every rank must iterate (collective).
+
+        With ``dtype`` each rank casts its shard before the all-gather, so a bf16 engine over fp32
+        master weights moves half the bytes. (One all-gather per tensor: a bucketed flat all-gather
+        measured slower here, 1.0-1.3 s against 0.78 s for SmolLM2 over gloo, in the copies around it.)
+        """
         for name, param in self.model.named_parameters():
-            full = param.full_tensor() if hasattr(param, "full_tensor") else param
-            yield name, full.detach()
+            p = param.detach()
+            if dtype is not None and p.dtype != dtype:
+                p = p.to(dtype)
+            yield name, p.full_tensor() if hasattr(p, "full_tensor") else p
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full parameters on CPU (collective). For tests and small models; checkpoints use DCP."""
-        return {name: t.cpu().clone() for name, t in self.iter_full_weights()}
+        return {
+            name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu().clone()
+            for name, p in self.model.named_parameters()
+        }
 
     def engine_state_dict(self) -> dict[str, torch.Tensor]:
         return {name: p.detach().cpu().clone() for name, p in self.engine.model.named_parameters()}
@@ -167,22 +205,58 @@ class PolicyWorker:
 
     def broadcast_weights(self) -> None:
         """All ranks gather; rank 0 sends each full tensor to the generation actors."""
-        for _, tensor in self.iter_full_weights():
+        for _, tensor in self.iter_full_weights(self.engine_dtype):
             if self.rank == 0:
                 self.sync.broadcast(tensor)
 
     # ----- logprobs --------------------------------------------------------------------------------
-    def _forward_logprobs(self, model, batch: PaddedBatch, with_entropy: bool = False):
-        """(B, K) logprobs of the window's labels, and optionally (B, K) entropy, from one forward."""
-        width = batch.input_ids.shape[1]
-        out = model(
-            input_ids=batch.input_ids.to(self.device),
-            attention_mask=batch.attention_mask.to(self.device),
-            logits_to_keep=width - batch.start,  # project only the positions that predict responses
+    def _window_logits(self, model, batch: PaddedBatch | PrefixBatch) -> torch.Tensor:
+        """(B, K, V) logits at the positions that predict ``batch.labels``."""
+        dev = self.device
+        if isinstance(batch, PaddedBatch):
+            width = batch.input_ids.shape[1]
+            out = model(
+                input_ids=batch.input_ids.to(dev),
+                attention_mask=batch.attention_mask.to(dev),
+                logits_to_keep=width - batch.start,  # project only the positions that predict responses
+                use_cache=False,
+            )
+            return out.logits[:, :-1]  # the last position predicts past the end
+        from transformers import DynamicCache
+
+        # Each distinct prompt once; its keys and values (still in the autograd graph) are then
+        # gathered to every sample of it, so its gradient sums over the group as a padded batch would.
+        prompt_mask = batch.prompt_mask.to(dev)
+        cache = DynamicCache(config=getattr(model, "config", None))
+        prompt = model(
+            input_ids=batch.prompt_ids.to(dev),
+            attention_mask=prompt_mask,
+            position_ids=(prompt_mask.cumsum(1) - 1).clamp(min=0),
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
         )
-        logits = out.logits[:, :-1].float()  # (B, K, V): the last position predicts past the end
+        rows = batch.rows.to(dev)
+        cache = prompt.past_key_values
+        cache.batch_select_indices(rows)
+        lengths = prompt_mask.sum(1)[rows]  # (B,)
+        width = batch.response_ids.shape[1]
+        response = model(
+            input_ids=batch.response_ids.to(dev),
+            attention_mask=torch.cat([prompt_mask[rows], batch.response_mask.to(dev)], dim=1),
+            position_ids=lengths[:, None] + torch.arange(width, device=dev),
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=width,
+        )
+        first = prompt.logits[:, -1:][rows]  # (B, 1, V): the prompt's last position predicts token 0
+        return torch.cat([first, response.logits[:, :-1]], dim=1)
+
+    def _forward_logprobs(self, model, batch: PaddedBatch | PrefixBatch, with_entropy: bool = False):
+        """(B, K) logprobs of the window's labels, and optionally (B, K) entropy, from one forward."""
+        logits = self._window_logits(model, batch).float()
         temperature = self.cfg.generation.temperature
-        if temperature > 0:  # score the distribution we sampled from
+        if temperature > 0 and temperature != 1.0:  # score the distribution we sampled from
             logits = logits / temperature
         logprobs = core_algos.logprobs_from_logits(logits, batch.labels.to(self.device))
         entropy = None
@@ -191,13 +265,18 @@ class PolicyWorker:
                 entropy = core_algos.entropy_from_logits(logits.detach())
         return logprobs, entropy
 
+    def _batch(self, samples: list[Sample]) -> PaddedBatch | PrefixBatch:
+        pad = self.tokenizer.pad_token_id
+        if self.cfg.policy.shared_prefix and not self.cfg.policy.activation_checkpointing:
+            return prefix_batch(samples, pad)
+        return pad_batch(samples, pad)
+
     @torch.no_grad()
     def compute_logprobs(self, samples: list[Sample], reference: bool = False) -> list[list[float]]:
         model = self.ref_model if reference else self.model
-        pad = self.tokenizer.pad_token_id
         result: list[list[float]] = []
         for mb in micro_batches(samples, self.cfg.policy.logprob_micro_batch_size):
-            batch = pad_batch(mb, pad)
+            batch = self._batch(mb)
             logprobs, _ = self._forward_logprobs(model, batch)
             result.extend(unpad_logprobs(mb, batch, logprobs.cpu()))
         return result
@@ -209,7 +288,6 @@ class PolicyWorker:
         cfg, loss_cfg = self.cfg, self.cfg.grpo.loss
         policy_loss = core_algos.get_policy_loss(loss_cfg.policy_loss)
         kl_fn = core_algos.get_kl_estimator(loss_cfg.kl_estimator) if self.ref_model is not None else None
-        pad = self.tokenizer.pad_token_id
         self.model.train()
         sums: dict[str, float] = {}
 
@@ -222,7 +300,7 @@ class PolicyWorker:
             for i, mb in enumerate(mbs):
                 # Reduce-scatter gradients once per optimizer step, not once per micro-batch.
                 self.model.set_requires_gradient_sync(i == len(mbs) - 1)
-                batch = pad_batch(mb, pad)
+                batch = self._batch(mb)
                 mask = batch.loss_mask.to(self.device)
                 logprobs, entropy = self._forward_logprobs(self.model, batch, cfg.policy.compute_entropy)
                 # On-policy single update: old == current, so the ratio is exactly 1 with its gradient.

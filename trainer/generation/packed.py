@@ -1,0 +1,64 @@
+"""oneDNN-prepacked linear layers for decoding bfloat16 models on CPU.
+
+A decode step multiplies a handful of rows (one token per sequence) by every weight matrix of the
+model, so it is bound by how fast the weights stream through the core, not by arithmetic. Reordered
+once into oneDNN's blocked layout, the bfloat16 weights stream about 2x faster than through
+``F.linear`` (0.14 vs 0.28 ms for a 1536x576 matrix times 8 rows, out of cache, one core); a whole
+SmolLM2-135M decode step measured 55 vs 69 ms with identical logits.
+
+The packed copy is derived from the weights, so it is rebuilt after every weight update
+(:func:`repack`, about 0.15 s for 135M parameters). Anything else (fp32, GPUs, a torch without the
+oneDNN ops) keeps the plain forward.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+_PACKED = "_kuberl_packed_weight"
+
+
+def available(model: torch.nn.Module) -> bool:
+    """bfloat16 weights on CPU, and a torch build with oneDNN's linear ops."""
+    try:
+        param = next(model.parameters())
+    except StopIteration:
+        return False
+    return (
+        param.device.type == "cpu"
+        and param.dtype == torch.bfloat16
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    )
+
+
+def _packed_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    packed = getattr(self, _PACKED, None)
+    if packed is None or torch.is_grad_enabled():  # not packed yet, or autograd wants the real weight
+        return torch.nn.functional.linear(x, self.weight, self.bias)
+    out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), packed, self.bias, "none", [], "")
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def pack(model: torch.nn.Module, rows_hint: int) -> int:
+    """Pack every ``nn.Linear`` of ``model`` for about ``rows_hint`` rows per call; returns how many."""
+    count = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear) and module.weight.dtype == torch.bfloat16:
+            module._kuberl_rows_hint = rows_hint
+            module.forward = types.MethodType(_packed_forward, module)
+            count += 1
+    repack(model)
+    return count
+
+
+@torch.no_grad()
+def repack(model: torch.nn.Module) -> None:
+    """Rebuild the packed weights from the current ones (after the weights changed)."""
+    for module in model.modules():
+        hint = getattr(module, "_kuberl_rows_hint", None)
+        if hint is not None:
+            setattr(module, _PACKED, torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), hint))

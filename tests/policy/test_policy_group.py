@@ -119,7 +119,9 @@ def test_should_broadcast_trained_weights_when_generation_is_disaggregated(ray_l
         tiny_model_path,
         "cluster.cpu_workers_per_node=2",
         "generation.placement=disaggregated",
-        f"generation.dtype={engine_dtype}",  # bfloat16: sent as bf16 (cast before the gather)
+        f"generation.dtype={engine_dtype}",
+        # bfloat16: FSDP gathers in its mixed-precision param_dtype, and rank 0 sends those
+        f"policy.param_dtype={'bfloat16' if engine_dtype == 'bfloat16' else 'null'}",
     )
     policy = PolicyGroup(cfg, tiny_model_path, colocated_engine=False)
     generator = DisaggregatedGenerator(cfg, tiny_model_path, policy)

@@ -208,4 +208,10 @@ def train(cfg: Config) -> list[dict[str, float]]:
         state.close()
     if history:
         print(summarize(history), flush=True)
+    else:
+        print(
+            f"kuberl: nothing to do: the checkpoint is already at step {cfg.grpo.max_num_steps} "
+            f"(grpo.max_num_steps); raise it to train further, or pass checkpointing.resume=never to start over",
+            flush=True,
+        )
     return history

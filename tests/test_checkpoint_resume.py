@@ -124,6 +124,8 @@ def test_should_reshard_when_resumed_on_fewer_ranks(tmp_path, reference, tiny_mo
     _run(tmp_path, "grpo.max_num_steps=2")
     resumed = _run(tmp_path, "cluster.cpu_workers_per_node=1")
     assert "resumed from" in resumed.stdout and "step 2" in resumed.stdout
+    again = _run(tmp_path, "cluster.cpu_workers_per_node=1")  # already at max_num_steps: says so, exits 0
+    assert f"nothing to do: the checkpoint is at step {STEPS}" in again.stdout
     final = _weights(tmp_path / "ckpt" / "tiny" / f"step_{STEPS}")
     # One rank samples its completions from other random streams than two ranks, so the runs part
     # ways after step 2; but they start from the same trained weights, far from the base model.

@@ -210,8 +210,8 @@ def train(cfg: Config) -> list[dict[str, float]]:
         print(summarize(history), flush=True)
     else:
         print(
-            f"kuberl: nothing to do: the checkpoint is already at step {cfg.grpo.max_num_steps} "
-            f"(grpo.max_num_steps); raise it to train further, or pass checkpointing.resume=never to start over",
+            f"kuberl: nothing to do: the checkpoint is at step {state.start_step} and grpo.max_num_steps="
+            f"{cfg.grpo.max_num_steps}; raise it to train further, or pass checkpointing.resume=never to start over",
             flush=True,
         )
     return history

@@ -14,6 +14,8 @@ SmolLM2-135M, 1 thread, 2 prompts x 4 samples, 64 new tokens: 6.8 s with generat
   where a DynamicCache re-allocates the whole cache with torch.cat every step: equal speed for short
   completions, 12% faster per step past 640 tokens. Models whose cache layers are of other kinds fall
   back to a DynamicCache.
+- bf16 weights on CPU: linear layers prepacked for oneDNN (:mod:`trainer.generation.packed`), 69 -> 55 ms
+  per decode step for SmolLM2 at 8 rows, repacked after each weight update.
 - Logprobs are gathered the step a token is sampled, from the (B, V) log-softmax of that step only,
   instead of asking for all logits, which would hold a (B, L, V) tensor (1.6 GB for 64 x 128 tokens of
   a 49k vocab).

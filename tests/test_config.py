@@ -78,3 +78,14 @@ def test_should_fail_in_seconds_with_one_line_when_cli_value_is_bad():
     assert len(lines) == 1 and "grpo.num_generations_per_prompt" in lines[0], proc.stderr
     assert "Traceback" not in proc.stderr
     assert elapsed < 60
+
+
+def test_should_warn_with_the_fix_when_bf16_is_asked_for_on_a_cpu_without_it():
+    from trainer.run import precision_warning
+
+    demo = load(["experiment=cpu-demo"])
+    line = precision_warning(demo, native_bf16=False)
+    assert line and "policy.param_dtype=null generation.dtype=null" in line and "\n" not in line
+    assert precision_warning(demo, native_bf16=True) is None
+    assert precision_warning(load(["experiment=tiny"]), native_bf16=False) is None  # float32 throughout
+    assert precision_warning(load(["experiment=gemma3-1b-math"]), native_bf16=False) is None  # GPUs

@@ -51,6 +51,25 @@ def check_backend(cfg: Config) -> None:
                         "(the same interface, slower) until it lands")
 
 
+def precision_warning(cfg: Config, native_bf16: bool | None = None) -> str | None:
+    """A line to print when bfloat16 is asked for on a CPU that only emulates it (several times slower)."""
+    if cfg.cluster.use_gpus or "bfloat16" not in (cfg.policy.param_dtype, cfg.generation.dtype, cfg.model.dtype):
+        return None
+    if native_bf16 is None:
+        import torch
+
+        try:
+            native_bf16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        except (AttributeError, RuntimeError):
+            return None  # cannot tell: say nothing rather than something wrong
+    if native_bf16:
+        return None
+    return (
+        "kuberl: warning: this CPU has no native bfloat16 (AVX512-BF16 or AMX), so bfloat16 runs emulated and "
+        "slowly; pass policy.param_dtype=null generation.dtype=null model.dtype=float32 for float32"
+    )
+
+
 class TrainState:
     """Everything the loop needs, built once."""
 
@@ -69,6 +88,9 @@ class TrainState:
         self.cfg = cfg
         t0 = time.monotonic()
         check_backend(cfg)
+        warning = precision_warning(cfg)
+        if warning:
+            print(warning, flush=True)
         self.model_path = resolve_model(cfg.model.name)
         tokenizer = load_tokenizer(cfg.model.tokenizer or self.model_path, cfg.model.trust_remote_code)
         max_prompt = cfg.policy.max_total_sequence_length - cfg.generation.max_new_tokens

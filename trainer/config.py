@@ -204,6 +204,11 @@ class Config:
         return self.train_nodes * per_node
 
     @property
+    def engine_dtype(self) -> str:
+        """The generation engine's weights: generation.dtype, else the policy's model.dtype."""
+        return self.generation.dtype or self.model.dtype
+
+    @property
     def num_generation_workers(self) -> int:
         """Disaggregated generation actors (each owns ``tensor_parallel_size`` GPUs)."""
         res = self.generation.resources

@@ -53,7 +53,7 @@ def check_backend(cfg: Config) -> None:
 
 def precision_warning(cfg: Config, native_bf16: bool | None = None) -> str | None:
     """A line to print when bfloat16 is asked for on a CPU that only emulates it (several times slower)."""
-    if cfg.cluster.use_gpus or "bfloat16" not in (cfg.policy.param_dtype, cfg.generation.dtype, cfg.model.dtype):
+    if cfg.cluster.use_gpus or "bfloat16" not in (cfg.policy.param_dtype, cfg.engine_dtype, cfg.model.dtype):
         return None
     if native_bf16 is None:
         import torch
@@ -68,6 +68,14 @@ def precision_warning(cfg: Config, native_bf16: bool | None = None) -> str | Non
         "kuberl: warning: this CPU has no native bfloat16 (AVX512-BF16 or AMX), so bfloat16 runs emulated and "
         "slowly; pass policy.param_dtype=null generation.dtype=null model.dtype=float32 for float32"
     )
+
+
+class NothingToDo(Exception):
+    """The checkpoint to resume from is already at grpo.max_num_steps: nothing to start."""
+
+    def __init__(self, step: int):
+        super().__init__(f"checkpoint at step {step}")
+        self.step = step
 
 
 class TrainState:
@@ -91,6 +99,13 @@ class TrainState:
         warning = precision_warning(cfg)
         if warning:
             print(warning, flush=True)
+        # Which checkpoint to continue, first: a finished run need not start Ray or load anything.
+        self.checkpointer = Checkpointer(cfg.checkpointing, cfg.experiment_name)
+        self.checkpointer.clean_stale()
+        resume = self.checkpointer.resume_path()
+        info = read_info(resume) if resume else {}
+        if resume and int(info["step"]) >= cfg.grpo.max_num_steps:
+            raise NothingToDo(int(info["step"]))
         self.model_path = resolve_model(cfg.model.name)
         tokenizer = load_tokenizer(cfg.model.tokenizer or self.model_path, cfg.model.trust_remote_code)
         max_prompt = cfg.policy.max_total_sequence_length - cfg.generation.max_new_tokens
@@ -111,11 +126,6 @@ class TrainState:
             self.val_examples = encode_examples(tokenizer, val, kwargs, max_prompt)
         self.loader = PromptLoader(self.train_examples, cfg.grpo.num_prompts_per_step, cfg.seed, cfg.data.shuffle)
         self.start_step = 0
-
-        self.checkpointer = Checkpointer(cfg.checkpointing, cfg.experiment_name)
-        self.checkpointer.clean_stale()
-        resume = self.checkpointer.resume_path()
-        info = read_info(resume) if resume else {}
 
         init_ray(cfg)
         preemption.install()  # after ray.init, which installs a SIGTERM handler of its own
@@ -223,17 +233,19 @@ preemption = _Preemption()
 def train(cfg: Config) -> list[dict[str, float]]:
     from trainer.algorithms import grpo
 
-    state = TrainState(cfg)
+    try:
+        state = TrainState(cfg)
+    except NothingToDo as e:
+        print(
+            f"kuberl: nothing to do: the checkpoint is at step {e.step} and grpo.max_num_steps="
+            f"{cfg.grpo.max_num_steps}; raise it to train further, or pass checkpointing.resume=never to start over",
+            flush=True,
+        )
+        return []
     try:
         history = grpo.run(cfg, state)
     finally:
         state.close()
     if history:
         print(summarize(history), flush=True)
-    else:
-        print(
-            f"kuberl: nothing to do: the checkpoint is at step {state.start_step} and grpo.max_num_steps="
-            f"{cfg.grpo.max_num_steps}; raise it to train further, or pass checkpointing.resume=never to start over",
-            flush=True,
-        )
     return history

@@ -25,7 +25,7 @@ def build_engine(cfg: Config, model_path: str, device: torch.device):
     from trainer.generation.hf import HFGenerationEngine
     from trainer.policy.worker import load_model, load_tokenizer
 
-    model = load_model(model_path, cfg.generation.dtype or cfg.model.dtype, cfg.model.trust_remote_code).to(device)
+    model = load_model(model_path, cfg.engine_dtype, cfg.model.trust_remote_code).to(device)
     return HFGenerationEngine(model, load_tokenizer(model_path, cfg.model.trust_remote_code), cfg.generation.batch_size)
 
 
@@ -53,10 +53,10 @@ class GenerationWorker:
     def receive_weights(self) -> None:
         model = self.engine.model
 
+        dtype = _DTYPES[self.cfg.engine_dtype]  # what rank 0 sends
+
         def received():
             for name, param in model.named_parameters():
-                # Rank 0 sends in the engine's dtype (generation.dtype, else model.dtype).
-                dtype = _DTYPES[self.cfg.generation.dtype or self.cfg.model.dtype]
                 buf = torch.empty(param.shape, dtype=dtype, device=self.device)
                 yield name, self.sync.broadcast(buf)
 

@@ -50,13 +50,13 @@ class PaddedBatch:
     ref_logprobs: torch.Tensor | None  # (B, K)
 
 
-def _scatter(samples: list[Sample], attr: str, shape: tuple[int, int], start: int) -> torch.Tensor | None:
+def _scatter(samples: list[Sample], attr: str, shape: tuple[int, int], firsts: list[int]) -> torch.Tensor | None:
+    """Per-response-token values of ``attr`` into a (B, K) window; row i starts at column ``firsts[i]``."""
     if any(getattr(s, attr) is None for s in samples):
         return None
     out = torch.zeros(shape)
-    for row, s in enumerate(samples):
+    for row, (s, first) in enumerate(zip(samples, firsts)):
         values = getattr(s, attr)
-        first = len(s.prompt_ids) - 1 - start  # window column of the first response label
         out[row, first : first + len(values)] = torch.tensor(values, dtype=torch.float32)
     return out
 
@@ -68,11 +68,11 @@ def pad_batch(samples: list[Sample], pad_id: int) -> PaddedBatch:
     attention_mask = torch.zeros((len(samples), width), dtype=torch.long)
     shape = (len(samples), width - 1 - start)
     loss_mask = torch.zeros(shape)
-    for row, s in enumerate(samples):
+    firsts = [len(s.prompt_ids) - 1 - start for s in samples]  # window column of each first response label
+    for row, (s, first) in enumerate(zip(samples, firsts)):
         ids = s.prompt_ids + s.response_ids
         input_ids[row, : len(ids)] = torch.tensor(ids)
         attention_mask[row, : len(ids)] = 1
-        first = len(s.prompt_ids) - 1 - start
         mask = s.response_mask if s.response_mask is not None else [1] * len(s.response_ids)
         loss_mask[row, first : first + len(s.response_ids)] = torch.tensor(mask, dtype=torch.float32)
     return PaddedBatch(
@@ -82,8 +82,8 @@ def pad_batch(samples: list[Sample], pad_id: int) -> PaddedBatch:
         labels=input_ids[:, start + 1 :],
         loss_mask=loss_mask,
         advantages=torch.tensor([s.advantage for s in samples], dtype=torch.float32),
-        old_logprobs=_scatter(samples, "old_logprobs", shape, start),
-        ref_logprobs=_scatter(samples, "ref_logprobs", shape, start),
+        old_logprobs=_scatter(samples, "old_logprobs", shape, firsts),
+        ref_logprobs=_scatter(samples, "ref_logprobs", shape, firsts),
     )
 
 
@@ -108,16 +108,6 @@ class PrefixBatch:
     @property
     def labels(self) -> torch.Tensor:
         return self.response_ids
-
-
-def _per_token(samples: list[Sample], attr: str, width: int) -> torch.Tensor | None:
-    if any(getattr(s, attr) is None for s in samples):
-        return None
-    out = torch.zeros(len(samples), width)
-    for row, s in enumerate(samples):
-        values = getattr(s, attr)
-        out[row, : len(values)] = torch.tensor(values, dtype=torch.float32)
-    return out
 
 
 def prefix_batch(samples: list[Sample], pad_id: int) -> PrefixBatch:
@@ -148,8 +138,8 @@ def prefix_batch(samples: list[Sample], pad_id: int) -> PrefixBatch:
         response_mask=response_mask,
         loss_mask=loss_mask,
         advantages=torch.tensor([s.advantage for s in samples], dtype=torch.float32),
-        old_logprobs=_per_token(samples, "old_logprobs", c),
-        ref_logprobs=_per_token(samples, "ref_logprobs", c),
+        old_logprobs=_scatter(samples, "old_logprobs", loss_mask.shape, [0] * len(samples)),
+        ref_logprobs=_scatter(samples, "ref_logprobs", loss_mask.shape, [0] * len(samples)),
     )
 
 

@@ -123,9 +123,8 @@ class PolicyWorker:
 
             # A plain copy for decoding: FSDP forward passes are collectives, and ranks decode
             # different prompts for different numbers of steps, so they cannot share the sharded model.
-            engine_dtype = _DTYPES[cfg.generation.dtype or cfg.model.dtype]
             self.engine = HFGenerationEngine(
-                copy.deepcopy(model).to(self.device, dtype=engine_dtype), self.tokenizer, cfg.generation.batch_size
+                copy.deepcopy(model).to(self.device, dtype=self.engine_dtype), self.tokenizer, cfg.generation.batch_size
             )
         if cfg.model.attn_implementation:  # the policy's; the engine keeps the default, better for decoding
             model.set_attn_implementation(cfg.model.attn_implementation)
@@ -171,7 +170,7 @@ class PolicyWorker:
 
     @property
     def engine_dtype(self) -> torch.dtype:
-        return _DTYPES[self.cfg.generation.dtype or self.cfg.model.dtype]
+        return _DTYPES[self.cfg.engine_dtype]
 
     @torch.no_grad()
     def iter_full_weights(self, dtype: torch.dtype | None = None):

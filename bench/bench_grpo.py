@@ -116,7 +116,7 @@ def build_spec(args, run_dir: Path) -> dict:
         "trl_bf16": args.trl_bf16,
         "kuberl_precision": {
             "param_dtype": p.param_dtype or cfg.model.dtype,
-            "engine_dtype": g.dtype or cfg.model.dtype,
+            "engine_dtype": cfg.engine_dtype,
         },
     }
 

@@ -33,6 +33,7 @@ def ray_local():
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=10, num_gpus=0, include_dashboard=False, log_to_driver=False)
+        # 16: a test module may hold several policy groups (1-2 bundles each) and reward actors at once.
+        ray.init(num_cpus=16, num_gpus=0, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()

@@ -148,6 +148,7 @@ class ClusterConfig:
     num_nodes: int = 1
     gpus_per_node: int = 0
     cpu_workers_per_node: int = 2
+    keep_freed_memory: bool = True  # CPU workers: glibc reuses freed blocks (see cluster.keep_freed_memory)
 
     @property
     def use_gpus(self) -> bool:

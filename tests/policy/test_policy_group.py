@@ -109,6 +109,35 @@ def test_should_give_engine_the_trained_weights_when_colocated_engine_is_refresh
 
 
 
+def test_should_train_as_when_gathering_afresh_when_the_synced_weights_are_kept_for_the_next_forward(
+    ray_local, tiny_model_path
+):
+    """With reshard_after_forward=false the weights gathered for the engine after an optimizer step
+    serve the next training forward, which gathers nothing. Two steps must give what re-gathering
+    (reshard_after_forward=true) gives, and the engine must hold each step's new weights."""
+    from trainer.policy.group import ColocatedGenerator, PolicyGroup
+
+    made = []
+    try:
+        for keep in ("false", "true"):
+            cfg = _cfg(tiny_model_path, "cluster.cpu_workers_per_node=2", f"policy.reshard_after_forward={keep}")
+            made.append(PolicyGroup(cfg, tiny_model_path, colocated_engine=True))
+        kept, fresh = made
+        for grouped in (True, False):
+            m_kept, m_fresh = kept.train(_samples(grouped)), fresh.train(_samples(grouped))
+            assert m_kept["grad_norm"] == pytest.approx(m_fresh["grad_norm"], rel=1e-5)
+            for group in made:
+                ColocatedGenerator(group).update_weights()
+            policy = kept.run("full_state_dict")[0]
+            for name, tensor in fresh.run("full_state_dict")[0].items():
+                assert torch.allclose(policy[name], tensor, atol=1e-6), name
+            for name, tensor in kept.run("engine_state_dict")[1].items():
+                assert torch.equal(tensor, policy[name]), name
+    finally:
+        for group in made:
+            group.shutdown()
+
+
 @pytest.mark.parametrize("engine_dtype", ["float32", "bfloat16"])
 def test_should_broadcast_trained_weights_when_generation_is_disaggregated(ray_local, tiny_model_path, engine_dtype):
     import ray

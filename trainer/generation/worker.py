@@ -11,6 +11,7 @@ import os
 
 import torch
 
+from trainer.cluster import setup_cpu_process
 from trainer.config import Config
 from trainer.generation.base import Completion, SamplingParams
 from trainer.policy.worker import _DTYPES
@@ -36,7 +37,7 @@ class GenerationWorker:
         self.cfg, self.rank = cfg, rank
         self.device = torch.device("cuda", 0) if cfg.cluster.use_gpus else torch.device("cpu")
         if not cfg.cluster.use_gpus:
-            torch.set_num_threads(max(1, threads or (os.cpu_count() or 1)))
+            setup_cpu_process(cfg, threads or (os.cpu_count() or 1))
         self.engine = build_engine(cfg, model_path, self.device)
 
     def address(self) -> tuple[str, int]:

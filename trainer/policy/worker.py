@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.algorithms import core_algos
+from trainer.cluster import setup_cpu_process
 from trainer.config import Config
 from trainer.generation.base import Completion, SamplingParams
 from trainer.policy.batch import (
@@ -96,7 +97,7 @@ class PolicyWorker:
         if not cfg.cluster.use_gpus:
             # Ranks on one machine share its cores: without this each rank spawns a thread per core.
             per_node = max(1, cfg.cluster.cpu_workers_per_node)
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // per_node))
+            setup_cpu_process(cfg, (os.cpu_count() or 1) // per_node)
 
     def address(self) -> tuple[str, int]:
         return node_address()
@@ -178,12 +179,14 @@ class PolicyWorker:
 
         FSDP2 gathers the parameters itself (``unshard`` on every FSDP unit, all in flight at once,
         in the mixed-precision ``param_dtype`` when one is set, so a bf16 engine over fp32 master
-        weights moves half the bytes); they are resharded when the caller is done with them. That
-        took 0.2 s for SmolLM2 on two gloo ranks, against 0.78 s for one ``full_tensor`` per tensor.
-        """
-        from torch.distributed.fsdp import FSDPModule
+        weights moves half the bytes). That took 0.2 s for SmolLM2 on two gloo ranks, against 0.78 s
+        for one ``full_tensor`` per tensor.
 
-        units = [m for m in self.model.modules() if isinstance(m, FSDPModule)]
+        With ``policy.reshard_after_forward`` false the gathered weights stay until the next
+        training forward, which then gathers nothing: the weights cannot change in between (the
+        sync follows the optimizer step). Otherwise they are resharded when the caller is done.
+        """
+        units = self._fsdp_units()
         handles = [unit.unshard(async_op=True) for unit in units]
         try:
             for handle in handles:
@@ -195,11 +198,22 @@ class PolicyWorker:
                     p = p.full_tensor()
                 yield name, p if dtype is None or p.dtype == dtype else p.to(dtype)
         finally:
-            for unit in units:
-                unit.reshard()
+            if self.cfg.policy.reshard_after_forward:
+                self._reshard()
+
+    def _fsdp_units(self) -> list:
+        from torch.distributed.fsdp import FSDPModule
+
+        return [m for m in self.model.modules() if isinstance(m, FSDPModule)]
+
+    def _reshard(self) -> None:
+        """Free gathered weights (a no-op on units already sharded): before state dicts and loads."""
+        for unit in self._fsdp_units():
+            unit.reshard()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full parameters on CPU (collective). For tests and small models; checkpoints use DCP."""
+        self._reshard()
         return {
             name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu().clone()
             for name, p in self.model.named_parameters()
@@ -370,6 +384,7 @@ class PolicyWorker:
     def _dcp_state(self):
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
+        self._reshard()  # the state dict is of the sharded parameters
         model = get_model_state_dict(self.model)
         optim = {"optimizer": get_optimizer_state_dict(self.model, self.optimizer), "scheduler": self.scheduler.state_dict()}
         return model, optim

@@ -114,6 +114,8 @@ def build_spec(args, run_dir: Path) -> dict:
         "batches": batches,
         "output_dir": str(run_dir / "trl-out"),
         "trl_bf16": args.trl_bf16,
+        "trl_keep_freed_memory": args.trl_keep_freed_memory,
+        "kuberl_keep_freed_memory": cfg.cluster.keep_freed_memory,
         "kuberl_precision": {
             "param_dtype": p.param_dtype or cfg.model.dtype,
             "engine_dtype": cfg.engine_dtype,
@@ -206,6 +208,8 @@ def run_trl(args, spec_path: Path, run_dir: Path) -> dict:
         "TRANSFORMERS_VERBOSITY": "error",
         "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
     }
+    if args.trl_keep_freed_memory:  # what cluster.keep_freed_memory does in kuberl's workers, set at start-up
+        env |= {"MALLOC_MMAP_THRESHOLD_": str(2**31 - 1), "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1)}
     t0 = time.monotonic()
     rc = run_logged(cmd, run_dir / "trl.log", env, "trl", lambda ln: ln.startswith(("step ", "trl: done")))
     wall = time.monotonic() - t0
@@ -314,6 +318,10 @@ def report(spec: dict, kuberl: dict, trl: dict, warmup: int) -> dict:
         f"TRL {'bf16 autocast' if spec['trl_bf16'] else 'float32'}"
     )
     print(
+        f"  allocator: kuberl keeps freed memory {spec['kuberl_keep_freed_memory']}, "
+        f"TRL {spec['trl_keep_freed_memory']} (--trl-keep-freed-memory)"
+    )
+    print(
         f"  checks: {', '.join(f'{n}={v}' for n, v in checks.items())}"
         + (f"  <- WARNING: {', '.join(bad)} failed, the comparison is not like for like" if bad else "")
     )
@@ -361,6 +369,11 @@ def main(argv: list[str] | None = None) -> int:
         "--trl-bf16",
         action="store_true",
         help="TRL with bf16=True (GRPOConfig's default: bfloat16 autocast) instead of float32",
+    )
+    parser.add_argument(
+        "--trl-keep-freed-memory",
+        action="store_true",
+        help="give TRL's process the glibc malloc settings of kuberl's cluster.keep_freed_memory",
     )
     parser.add_argument(
         "--kuberl-python", default=str(REPO / ".venv/bin/python"), help="the trainer's Python"

@@ -394,6 +394,35 @@ def test_chunked_logprobs_gradient_matches_autograd(chunk_size):
     torch.testing.assert_close(a.grad, b.grad)
 
 
+@pytest.mark.parametrize("chunk_size", [1, 4, 100])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_fused_logprobs_and_entropy_equal_the_separate_functions_at_a_temperature(chunk_size, temperature):
+    logits, labels = _random_logits(torch.float64, seed=4)
+    logits[0, 0, :3] = float("-inf")  # masked vocabulary: entropy must stay finite
+    labels[0, 0] = 5
+    weights = torch.randn(labels.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    a = logits.clone().requires_grad_(True)
+    b = logits.clone().requires_grad_(True)
+    lp, entropy = ca.logprobs_and_entropy(a, labels, chunk_size=chunk_size, temperature=temperature, with_entropy=True)
+    reference = torch.log_softmax(b / temperature, -1).gather(-1, labels[..., None]).squeeze(-1)
+    torch.testing.assert_close(lp, reference)
+    torch.testing.assert_close(entropy, entropy_from_logits(logits / temperature))
+    assert not entropy.requires_grad
+    (lp * weights).sum().backward()
+    (reference * weights).sum().backward()
+    torch.testing.assert_close(a.grad, b.grad)
+    assert ca.logprobs_and_entropy(a, labels, chunk_size=chunk_size)[1] is None
+
+
+def test_fused_logprobs_leave_float32_logits_untouched():
+    logits, labels = _random_logits(torch.float32, seed=6)
+    before = logits.clone()
+    x = logits.requires_grad_(True)
+    lp, _ = ca.logprobs_and_entropy(x, labels, chunk_size=4, temperature=0.5, with_entropy=True)
+    lp.sum().backward()
+    assert torch.equal(logits.detach(), before)  # the saved logits are read again in the backward
+
+
 def test_chunked_logprobs_gradcheck():
     logits, labels = _random_logits(torch.float64, seed=3, shape=(2, 3, 5))
     logits.requires_grad_(True)

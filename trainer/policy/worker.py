@@ -310,12 +310,20 @@ class PolicyWorker:
     # ----- training --------------------------------------------------------------------------------
     def train(self, minibatches: list[list[Sample]], global_counts: list[dict[str, float]]) -> dict[str, float]:
         """One optimizer step per mini-batch. ``global_counts[i]`` holds the mini-batch's token and
-        sequence counts summed over all ranks, so each rank's loss is its share of the global mean."""
+        sequence counts summed over all ranks, so each rank's loss is its share of the global mean.
+        A mini-batch may be empty on every rank (all its samples skipped for a zero advantage): the
+        step then applies a zero gradient. Entropy, ppo_kl and clip fraction are means over the
+        tokens trained on."""
         cfg, loss_cfg = self.cfg, self.cfg.grpo.loss
         policy_loss = core_algos.get_policy_loss(loss_cfg.policy_loss)
         kl_fn = core_algos.get_kl_estimator(loss_cfg.kl_estimator) if self.ref_model is not None else None
         self.model.train()
-        sums: dict[str, float] = {}
+        # The same keys on every rank, and present when a step trained on nothing (all skipped).
+        sums: dict[str, float] = dict.fromkeys(("loss", "pg_clipfrac", "ppo_kl", "tokens"), 0.0)
+        if cfg.policy.compute_entropy:
+            sums["entropy"] = 0.0
+        if kl_fn is not None:
+            sums["kl"] = 0.0
 
         def add(key: str, value: float) -> None:
             sums[key] = sums.get(key, 0.0) + float(value)
@@ -359,6 +367,9 @@ class PolicyWorker:
                 add("tokens", mask.sum())
                 if entropy is not None:
                     add("entropy", (entropy * mask).sum())
+            if not mbs:  # nothing with a policy gradient: a zero gradient, so Adam still steps as it would
+                for param in self.model.parameters():
+                    param.grad = torch.zeros_like(param)
             grad_norm = torch.nn.utils.clip_grad_norm_(
                 self.model.parameters(), cfg.policy.max_grad_norm or float("inf")
             )

@@ -8,12 +8,12 @@ optimizer settings, no KL term and no reference model. Step time is the wall tim
 generation included:
 
 - kuberl: ``timing/step_s`` from its TensorBoard events (rollout, rewards, train step, weight sync);
-  it runs from the trainer's ``.venv`` as ``python -m trainer experiment=cpu-demo ...`` (2 policy
-  ranks of one thread each on a 2-core machine);
+  it runs from the trainer's ``.venv`` as ``python -m trainer experiment=cpu-demo ...``, by default
+  with one policy rank on all cores (``--kuberl-ranks``; cpu-demo itself ships two ranks);
 - TRL: ``on_step_begin`` to ``on_step_end`` of a ``TrainerCallback``, which spans generation, the
   reward, forward, backward and the optimizer step; it runs from ``.venv-bench`` (TRL is never
   installed into the trainer's environment) as this same file with ``--trl-worker``, in one process
-  with as many torch threads as kuberl's ranks have together.
+  on all cores, with GRPOConfig's default bf16 autocast (``--trl-fp32`` for float32).
 
 The first ``--warmup`` steps are left out of the medians (model load and allocator warm-up land
 there). Sampled completions differ between the two, and their length drives the step time, so the
@@ -48,9 +48,12 @@ def fail(message: str, code: int = 2) -> int:
 # ----- the kuberl side (the trainer's .venv) ---------------------------------------------------------
 
 
-def kuberl_overrides(steps: int, log_dir: Path, extra: list[str] | None = None) -> list[str]:
+def kuberl_overrides(steps: int, log_dir: Path, extra: list[str] | None = None, ranks: int = 1) -> list[str]:
     return [
         f"experiment={EXPERIMENT}",
+        # The policy ranks share the machine's cores; each trains its share of the 16 samples in one micro-batch.
+        f"cluster.cpu_workers_per_node={ranks}",
+        f"policy.micro_batch_size={-(-PROMPTS_PER_STEP * SAMPLES_PER_PROMPT // ranks)}",
         f"grpo.num_prompts_per_step={PROMPTS_PER_STEP}",
         f"grpo.num_generations_per_prompt={SAMPLES_PER_PROMPT}",
         f"generation.max_new_tokens={MAX_NEW_TOKENS}",
@@ -75,7 +78,7 @@ def build_spec(args, run_dir: Path) -> dict:
     from trainer.models import resolve_model
     from trainer.policy.worker import load_tokenizer
 
-    cfg = load(kuberl_overrides(args.steps, run_dir / "kuberl-logs", args.kuberl_override))
+    cfg = load(kuberl_overrides(args.steps, run_dir / "kuberl-logs", args.kuberl_override, args.kuberl_ranks))
     model_path = resolve_model(cfg.model.name)
     tokenizer = load_tokenizer(cfg.model.tokenizer or model_path)
     examples = encode_examples(
@@ -113,7 +116,8 @@ def build_spec(args, run_dir: Path) -> dict:
         "clip_eps": cfg.grpo.loss.ratio_clip_min,
         "batches": batches,
         "output_dir": str(run_dir / "trl-out"),
-        "trl_bf16": args.trl_bf16,
+        "trl_bf16": not args.trl_fp32,
+        "kuberl_ranks": cfg.cluster.cpu_workers_per_node,
         "trl_keep_freed_memory": args.trl_keep_freed_memory,
         "kuberl_keep_freed_memory": cfg.cluster.keep_freed_memory,
         "kuberl_precision": {
@@ -144,7 +148,8 @@ def tail(path: Path, n: int = 15) -> str:
 
 def run_kuberl(args, run_dir: Path) -> dict:
     log_dir = run_dir / "kuberl-logs"
-    cmd = [args.kuberl_python, "-m", "trainer", *kuberl_overrides(args.steps, log_dir, args.kuberl_override)]
+    overrides = kuberl_overrides(args.steps, log_dir, args.kuberl_override, args.kuberl_ranks)
+    cmd = [args.kuberl_python, "-m", "trainer", *overrides]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     t0 = time.monotonic()
     rc = run_logged(
@@ -318,6 +323,10 @@ def report(spec: dict, kuberl: dict, trl: dict, warmup: int) -> dict:
         f"TRL {'bf16 autocast' if spec['trl_bf16'] else 'float32'}"
     )
     print(
+        f"  layout: kuberl {spec['kuberl_ranks']} policy rank(s) of {max(1, spec['threads'] // spec['kuberl_ranks'])} "
+        f"thread(s), colocated engine; TRL one process of {spec['threads']} threads"
+    )
+    print(
         f"  allocator: kuberl keeps freed memory {spec['kuberl_keep_freed_memory']}, "
         f"TRL {spec['trl_keep_freed_memory']} (--trl-keep-freed-memory)"
     )
@@ -366,9 +375,16 @@ def main(argv: list[str] | None = None) -> int:
         help="an extra trainer override, e.g. policy.param_dtype=null generation.dtype=null for float32 (repeatable)",
     )
     parser.add_argument(
-        "--trl-bf16",
+        "--trl-fp32",
         action="store_true",
-        help="TRL with bf16=True (GRPOConfig's default: bfloat16 autocast) instead of float32",
+        help="TRL in float32 (bf16=False) instead of GRPOConfig's default bf16=True (bfloat16 autocast)",
+    )
+    parser.add_argument("--trl-bf16", action="store_true", help=argparse.SUPPRESS)  # the default now
+    parser.add_argument(
+        "--kuberl-ranks",
+        type=int,
+        default=1,
+        help="kuberl's policy ranks (default 1: one process on all cores, as TRL runs; cpu-demo ships 2)",
     )
     parser.add_argument(
         "--trl-keep-freed-memory",

@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer.policy.batch import Sample, pad_batch, prefix_batch, shard_for_ranks, unpad_logprobs, with_policy_gradient
+from trainer.policy.batch import (
+    Sample,
+    pad_batch,
+    prefix_batch,
+    shard_for_ranks,
+    unpad_logprobs,
+    with_policy_gradient,
+)
 
 
 def test_should_align_loss_mask_and_logprobs_with_response_labels_when_padding():

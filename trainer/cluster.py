@@ -45,7 +45,8 @@ def keep_freed_memory() -> bool:
     free, so a tensor allocated anew on every step (an all-gather buffer, a (B, T, vocab) logits
     block) page-faults in all of its pages every time; on a 2-core VM that is about 0.3 ms per MiB.
     With both thresholds at their maximum, blocks under 2 GiB come from the heap and are reused.
-    The cost is that a process keeps its peak heap. Returns False where there is no glibc mallopt
+    The cost is that a process keeps its peak heap (SmolLM2 on a 2-rank CPU run: 3.60 -> 3.73 GB peak
+    per rank). Returns False where there is no glibc mallopt
     (musl, macOS): nothing changes there.
     """
     try:

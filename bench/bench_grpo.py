@@ -214,7 +214,9 @@ def run_trl(args, spec_path: Path, run_dir: Path) -> dict:
         "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
     }
     if args.trl_keep_freed_memory:  # what cluster.keep_freed_memory does in kuberl's workers, set at start-up
-        env |= {"MALLOC_MMAP_THRESHOLD_": str(2**31 - 1), "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1)}
+        from trainer.cluster import KEEP_FREED_MEMORY_ENV
+
+        env |= KEEP_FREED_MEMORY_ENV
     t0 = time.monotonic()
     rc = run_logged(cmd, run_dir / "trl.log", env, "trl", lambda ln: ln.startswith(("step ", "trl: done")))
     wall = time.monotonic() - t0

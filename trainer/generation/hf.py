@@ -30,6 +30,7 @@ import torch
 
 from trainer.generation import packed
 from trainer.generation.base import Completion, SamplingParams
+from trainer.policy.batch import distinct_prompts
 
 # Attention implementations known to work with a StaticCache and a padded 2D attention mask.
 _STATIC_CACHE_ATTN = ("sdpa", "eager")
@@ -161,16 +162,10 @@ class HFGenerationEngine:
         if params.max_new_tokens <= 0:
             return [Completion([], [], "", "length") for _ in prompts]
         device, batch, max_new = self.device, len(prompts), params.max_new_tokens
-        unique: dict[tuple[int, ...], int] = {}
-        # The distinct prompt of each row: samples of one prompt share a single prefill.
-        rows = [unique.setdefault(tuple(p), len(unique)) for p in prompts]
-        rows = torch.tensor(rows, device=device)  # (B,)
-        width = max(len(p) for p in unique)
-        input_ids = torch.full((len(unique), width), self.pad_id, dtype=torch.long)
-        prompt_mask = torch.zeros((len(unique), width), dtype=torch.long)
-        for u, p in enumerate(unique):  # left padding: every prompt ends at the same column
-            input_ids[u, width - len(p) :] = torch.tensor(p, dtype=torch.long)
-            prompt_mask[u, width - len(p) :] = 1
+        # The distinct prompts, left-padded; samples of one prompt share a single prefill.
+        input_ids, prompt_mask, rows = distinct_prompts(prompts, self.pad_id)  # (U, W), (U, W), (B,)
+        width = input_ids.shape[1]
+        rows = torch.tensor(rows, device=device)
         input_ids, prompt_mask = input_ids.to(device), prompt_mask.to(device)
         position_ids = (prompt_mask.cumsum(1) - 1).clamp(min=0)  # (U, W)
         # The last sampled token is never fed back, so the cache needs width + max_new - 1 columns.

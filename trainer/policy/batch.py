@@ -110,16 +110,22 @@ class PrefixBatch:
         return self.response_ids
 
 
-def prefix_batch(samples: list[Sample], pad_id: int) -> PrefixBatch:
+def distinct_prompts(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """Each distinct prompt once, left-padded so all end at the same column: ids (U, W), mask (U, W),
+    and for every input prompt the row of its distinct copy (B,)."""
     index: dict[tuple[int, ...], int] = {}
-    rows = [index.setdefault(tuple(s.prompt_ids), len(index)) for s in samples]
-    prompts = list(index)
-    width = max(len(p) for p in prompts)
-    prompt_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    prompt_mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for row, p in enumerate(prompts):
-        prompt_ids[row, width - len(p) :] = torch.tensor(p)
-        prompt_mask[row, width - len(p) :] = 1
+    rows = [index.setdefault(tuple(p), len(index)) for p in prompts]
+    width = max(len(p) for p in index)
+    ids = torch.full((len(index), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(index), width), dtype=torch.long)
+    for row, p in enumerate(index):
+        ids[row, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+        mask[row, width - len(p) :] = 1
+    return ids, mask, rows
+
+
+def prefix_batch(samples: list[Sample], pad_id: int) -> PrefixBatch:
+    prompt_ids, prompt_mask, rows = distinct_prompts([s.prompt_ids for s in samples], pad_id)
     c = max(max(len(s.response_ids) for s in samples), 1)
     response_ids = torch.full((len(samples), c), pad_id, dtype=torch.long)
     response_mask = torch.zeros((len(samples), c), dtype=torch.long)

@@ -92,8 +92,7 @@ class PolicyGroup:
             )
             if skip:
                 mb = with_policy_gradient(mb, self.world_size)
-            shards = shard_for_ranks(mb, self.world_size) if mb else [[] for _ in self.workers]
-            for rank, idx in enumerate(shards):
+            for rank, idx in enumerate(shard_for_ranks(mb, self.world_size)):
                 per_rank[rank].append([mb[i] for i in idx])
         results = ray.get([w.train.remote(per_rank[r], counts) for r, w in enumerate(self.workers)])
         return results[0]

@@ -80,12 +80,144 @@ def test_should_fail_in_seconds_with_one_line_when_cli_value_is_bad():
     assert elapsed < 60
 
 
-def test_should_warn_with_the_fix_when_bf16_is_asked_for_on_a_cpu_without_it():
+@pytest.fixture
+def cpu_without_bf16(monkeypatch):
+    """Take the path of an AVX2-only CPU (no AVX512-BF16, no AMX, no oneDNN bf16) on any machine."""
+    from trainer import hardware
+
+    monkeypatch.setattr(hardware, "native_bf16", lambda: False)
+    monkeypatch.setattr(hardware, "onednn_bf16", lambda: False)
+
+
+@pytest.fixture
+def cpu_with_bf16(monkeypatch):
+    from trainer import hardware
+
+    monkeypatch.setattr(hardware, "native_bf16", lambda: True)
+
+
+def test_should_pick_float32_when_auto_runs_on_a_cpu_without_native_bf16(cpu_without_bf16):
+    demo = load(["experiment=cpu-demo"])
+    assert (demo.model.dtype, demo.policy.param_dtype, demo.engine_dtype) == ("float32", None, "float32")
+    line = demo.precision_summary()
+    assert "compute float32, engine float32" in line and "emulate" in line and "\n" not in line
+
+
+def test_should_pick_bf16_compute_over_fp32_masters_when_auto_runs_on_a_bf16_cpu(cpu_with_bf16):
+    demo = load(["experiment=cpu-demo"])
+    assert (demo.model.dtype, demo.policy.param_dtype, demo.engine_dtype) == ("float32", "bfloat16", "bfloat16")
+    assert "natively" in demo.precision_summary()
+
+
+def test_should_pick_bf16_when_auto_runs_on_gpus(cpu_without_bf16):
+    cfg = load(["experiment=gemma3-1b-math", "policy.param_dtype=auto", "generation.dtype=auto", "model.dtype=auto"])
+    assert (cfg.model.dtype, cfg.policy.param_dtype, cfg.engine_dtype) == ("float32", "bfloat16", "bfloat16")
+
+
+def test_should_keep_explicit_dtypes_and_say_nothing_of_auto_when_none_is_auto(cpu_without_bf16):
+    cfg = load(["experiment=tiny"])
+    assert cfg.precision_summary() == "weights float32, compute float32, engine float32"
+
+
+def test_should_warn_with_the_fix_when_bf16_is_asked_for_on_a_cpu_without_it(cpu_without_bf16):
     from trainer.run import precision_warning
 
-    demo = load(["experiment=cpu-demo"])
-    line = precision_warning(demo, native_bf16=False)
-    assert line and "policy.param_dtype=null generation.dtype=null" in line and "\n" not in line
-    assert precision_warning(demo, native_bf16=True) is None
-    assert precision_warning(load(["experiment=tiny"]), native_bf16=False) is None  # float32 throughout
-    assert precision_warning(load(["experiment=gemma3-1b-math"]), native_bf16=False) is None  # GPUs
+    demo = load(["experiment=cpu-demo", "policy.param_dtype=bfloat16", "generation.dtype=bfloat16"])
+    line = precision_warning(demo)
+    assert line and "policy.param_dtype=auto generation.dtype=auto" in line and "\n" not in line
+    assert precision_warning(load(["experiment=cpu-demo"])) is None  # auto chose float32: nothing to warn about
+    assert precision_warning(load(["experiment=tiny"])) is None  # float32 throughout
+    assert precision_warning(load(["experiment=gemma3-1b-math"])) is None  # GPUs
+
+
+def test_should_not_warn_when_the_cpu_runs_bf16_natively(cpu_with_bf16):
+    from trainer.run import precision_warning
+
+    assert precision_warning(load(["experiment=cpu-demo", "policy.param_dtype=bfloat16"])) is None
+
+
+# ----- every key, with a value of the wrong type -----------------------------------------------------
+
+
+def _leaves(cls, prefix=""):
+    import dataclasses
+
+    from trainer.config import _type_hints
+
+    hints = _type_hints(cls)
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        if dataclasses.is_dataclass(hint):
+            yield from _leaves(hint, f"{prefix}{f.name}.")
+        else:
+            yield f"{prefix}{f.name}", hint
+
+
+def _wrong_value(hint) -> str | None:
+    """An override of the wrong type for a key of type ``hint`` (None: any value is accepted)."""
+    import types
+    import typing
+
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    if hint is typing.Any:
+        return None
+    if hint in (int, float, bool):
+        return "notanumber"
+    if hint is str:
+        return "[1,2]"
+    return "notalist"  # lists, mappings, pairs
+
+
+def test_should_name_the_key_in_one_line_when_any_key_gets_a_wrong_type():
+    from trainer.config import Config
+
+    checked, problems = 0, []
+    for key, hint in _leaves(Config):
+        value = _wrong_value(hint)
+        if value is None:
+            continue
+        checked += 1
+        try:
+            load(["experiment=tiny", f"{key}={value}"])
+            problems.append(f"{key}={value}: accepted")
+        except ConfigError as e:
+            if key not in str(e) or "\n" in str(e):
+                problems.append(f"{key}={value}: {e}")
+        except Exception as e:  # anything but a ConfigError would reach the user as a traceback
+            problems.append(f"{key}={value}: {type(e).__name__}: {e}")
+    assert checked > 60 and not problems, problems
+
+
+# ----- bad input found at start-up, before any worker --------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("model.name=/nonexistent/path", "model.name"),
+        ("model.name=./no_such_model_dir", "model.name"),
+        ("model.tokenizer=/nonexistent/tokenizer", "model.tokenizer"),
+        ("env.reward_functions=[{name:math,weight:abc}]", "env.reward_functions[0].weight"),
+        ("logger.log_dir=/proc/forbidden", "logger.log_dir"),
+        ("checkpointing.checkpoint_dir=/proc/forbidden", "checkpointing.checkpoint_dir"),
+        ("seed=notanint", "seed="),
+    ],
+)
+def test_should_exit_with_one_line_naming_the_key_when_input_is_bad(override, key, tmp_path, capsys):
+    from trainer.__main__ import main
+
+    logs = [] if override.startswith("logger.") else [f"logger.log_dir={tmp_path / 'logs'}"]
+    ckpts = [] if override.startswith("checkpointing.") else [f"checkpointing.checkpoint_dir={tmp_path / 'ck'}"]
+    rc = main(["experiment=tiny", *logs, *ckpts, override])
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert rc != 0 and len(lines) == 1 and key in lines[0] and "Traceback" not in err, err
+
+
+def test_should_say_not_a_model_directory_when_it_has_no_config(tmp_path):
+    from trainer.models import ModelNotFoundError, resolve_model
+
+    with pytest.raises(ModelNotFoundError, match="no config.json"):
+        resolve_model(str(tmp_path))
+    assert resolve_model("org/some-model") == "org/some-model"  # a hub id passes through

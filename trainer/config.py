@@ -25,6 +25,8 @@ class ConfigError(ValueError):
 class ModelConfig:
     name: str = "builtin:tiny"
     tokenizer: str | None = None
+    # The master weights and optimizer state: float32 | bfloat16 | float16 | auto (float32 everywhere:
+    # bfloat16 masters round away small updates; compute precision is policy.param_dtype's).
     dtype: str = "float32"
     trust_remote_code: bool = False
     attn_implementation: str | None = None  # the policy's attention: eager | sdpa | flash_attention_2; null: transformers' default
@@ -95,7 +97,8 @@ class PolicyConfig:
     compute_entropy: bool = True
     # FSDP2 mixed precision: the dtype parameters are gathered and computed in (bfloat16 halves the
     # all-gathers and doubles matmul throughput); master weights, optimizer state and the gradient
-    # reduction stay in model.dtype / float32. null: compute in model.dtype.
+    # reduction stay in model.dtype / float32. null: compute in model.dtype. auto: bfloat16 on GPUs and
+    # on CPUs that run it natively (AVX512-BF16, AMX), else null (trainer.hardware says why).
     param_dtype: str | None = None
     # Run each distinct prompt of a micro-batch once and share its keys/values with all its samples
     # (GRPO: num_generations_per_prompt samples per prompt). Not with activation_checkpointing.
@@ -127,7 +130,9 @@ class GenerationConfig:
     tensor_parallel_size: int = 1
     gpu_memory_utilization: float = 0.6
     batch_size: int = 64
-    dtype: str | None = None  # the engine's weights; null: model.dtype (bf16 halves decode memory traffic)
+    # The engine's weights; null: model.dtype (bf16 halves decode memory traffic). auto: bfloat16 on GPUs
+    # and on CPUs that run it natively, else float32.
+    dtype: str | None = None
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
 
 
@@ -222,8 +227,67 @@ class Config:
         return res.num_nodes * res.gpus_per_node // self.generation.tensor_parallel_size
 
     def validate(self) -> Config:
+        _resolve_auto_precision(self)
         _validate(self)
         return self
+
+    def precision_summary(self) -> str:
+        """One line for the run's start: the dtypes in use and, when ``auto`` chose them, why."""
+        compute = self.policy.param_dtype or self.model.dtype
+        line = f"weights {self.model.dtype}, compute {compute}, engine {self.engine_dtype}"
+        auto = getattr(self, "_auto_precision", None)
+        if auto:
+            line += f" ({', '.join(sorted(auto))}=auto: {auto_reason(self)})"
+        return line
+
+
+# ----- precision ------------------------------------------------------------------------------------
+
+DTYPES = ("float32", "bfloat16", "float16")
+_AUTO_KEYS = (("model", "dtype"), ("policy", "param_dtype"), ("generation", "dtype"))
+
+
+def bf16_is_fast(c: Config) -> bool:
+    """bfloat16 compute pays off: on GPUs, or on a CPU that runs it natively (not emulated)."""
+    from trainer import hardware
+
+    return c.cluster.use_gpus or hardware.native_bf16()
+
+
+def auto_reason(c: Config) -> str:
+    from trainer import hardware
+
+    if c.cluster.use_gpus:
+        return "GPUs compute bfloat16 natively"
+    if hardware.native_bf16():
+        return f"{hardware.describe()} runs bfloat16 natively"
+    return f"{hardware.describe()} would only emulate bfloat16, several times slower than float32"
+
+
+def _resolve_auto_precision(c: Config) -> None:
+    """Replace ``auto`` dtypes by what this hardware runs best; remember which keys were ``auto``.
+
+    Master weights (model.dtype) are float32 on any hardware: bfloat16 masters lose updates smaller
+    than 1/256 of a weight (lr 1e-6 rounds to nothing). Compute and the engine take bfloat16 where it
+    is native and float32 where it would be emulated.
+    """
+    auto: dict[str, str] = dict(getattr(c, "_auto_precision", None) or {})
+    fast = None
+    for section, name in _AUTO_KEYS:
+        sub = getattr(c, section)
+        if getattr(sub, name) != "auto":
+            continue
+        if fast is None:
+            fast = bf16_is_fast(c)
+        if (section, name) == ("model", "dtype"):
+            chosen = "float32"
+        elif (section, name) == ("policy", "param_dtype"):
+            chosen = "bfloat16" if fast else None
+        else:
+            chosen = "bfloat16" if fast else "float32"
+        setattr(sub, name, chosen)
+        auto[f"{section}.{name}"] = str(chosen)
+    c._auto_precision = auto
 
 
 # ----- conversion ----------------------------------------------------------------------------------
@@ -244,15 +308,18 @@ def _convert(cls: type, data: Any, path: str) -> Any:
         )
     kwargs = {}
     hints = _type_hints(cls)
-    for name, value in data.items():
-        key = f"{path}.{name}" if path else name
-        hint = hints[name]
+    # Leaves before sections: a section may interpolate a root value (data.seed: ${seed}), and a bad
+    # value must be reported under the key the user typed, not under the one that copies it.
+    for name in sorted(data, key=lambda n: dataclasses.is_dataclass(hints[n])):
+        value, key, hint = data[name], f"{path}.{name}" if path else name, hints[name]
         if dataclasses.is_dataclass(hint):
             kwargs[name] = _convert(hint, value, key)
         elif name == "reward_functions":
             kwargs[name] = _reward_specs(value, key)
         elif name == "adam_betas":
-            kwargs[name] = tuple(float(v) for v in value)
+            if not isinstance(value, (list, tuple)) or len(value) != 2:
+                raise ConfigError(f"{key}={value!r} must be a pair of numbers, e.g. [0.9, 0.999]")
+            kwargs[name] = tuple(_coerce(v, float, f"{key}[{i}]") for i, v in enumerate(value))
         else:
             kwargs[name] = _coerce(value, hint, key)
     return cls(**kwargs)
@@ -316,7 +383,10 @@ def _reward_specs(value: Any, key: str) -> list[RewardSpec]:
         extra = set(item) - {"name", "weight", "kwargs"}
         if extra:
             raise ConfigError(f"{key}[{i}]: unknown key {sorted(extra)[0]!r}; allowed: name, weight, kwargs")
-        specs.append(RewardSpec(str(item["name"]), float(item.get("weight", 1.0)), dict(item.get("kwargs") or {})))
+        name = _coerce(item["name"], str, f"{key}[{i}].name")
+        weight = _coerce(item.get("weight", 1.0), float, f"{key}[{i}].weight")
+        kwargs = _coerce(item.get("kwargs") or {}, dict[str, Any], f"{key}[{i}].kwargs")
+        specs.append(RewardSpec(name, weight, kwargs))
     return specs
 
 
@@ -411,7 +481,7 @@ def _validate(c: Config) -> None:
         f"grpo.loss.reference_policy_kl_penalty={loss.reference_policy_kl_penalty} must be >= 0",
     )
     # --- model / policy
-    _one_of("model.dtype", c.model.dtype, ("float32", "bfloat16", "float16"))
+    _one_of("model.dtype", c.model.dtype, (*DTYPES, "auto"))
     if c.model.attn_implementation is not None:
         _one_of(
             "model.attn_implementation",
@@ -419,7 +489,7 @@ def _validate(c: Config) -> None:
             ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention"),
         )
     if p.param_dtype is not None:
-        _one_of("policy.param_dtype", p.param_dtype, ("float32", "bfloat16", "float16"))
+        _one_of("policy.param_dtype", p.param_dtype, (*DTYPES, "auto"))
     _require(p.learning_rate > 0, f"policy.learning_rate={p.learning_rate} must be > 0")
     _require(p.micro_batch_size >= 1, f"policy.micro_batch_size={p.micro_batch_size} must be >= 1")
     _require(p.logprob_micro_batch_size >= 1, "policy.logprob_micro_batch_size must be >= 1")
@@ -432,7 +502,7 @@ def _validate(c: Config) -> None:
     _one_of("generation.backend", gen.backend, ("hf", "vllm"))
     _one_of("generation.placement", gen.placement, ("colocated", "disaggregated"))
     if gen.dtype is not None:
-        _one_of("generation.dtype", gen.dtype, ("float32", "bfloat16", "float16"))
+        _one_of("generation.dtype", gen.dtype, (*DTYPES, "auto"))
     _require(gen.max_new_tokens >= 1, f"generation.max_new_tokens={gen.max_new_tokens} must be >= 1")
     _require(gen.temperature >= 0, f"generation.temperature={gen.temperature} must be >= 0")
     _require(0 < gen.top_p <= 1, f"generation.top_p={gen.top_p} must be in (0, 1]")

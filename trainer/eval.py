@@ -362,8 +362,11 @@ def build_engine(args: EvalArgs, model_path: str, tokenizer):
 
     from trainer.config import Config
 
+    from trainer import hardware
+
     cuda = torch.cuda.is_available()
-    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if cuda else "float32")
+    # auto: bfloat16 where it is computed natively (GPUs, AVX512-BF16/AMX CPUs), else float32.
+    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if cuda or hardware.native_bf16() else "float32")
     if args.backend == "vllm":
         import importlib.util
 

@@ -51,22 +51,39 @@ def check_backend(cfg: Config) -> None:
                         "(the same interface, slower) until it lands")
 
 
-def precision_warning(cfg: Config, native_bf16: bool | None = None) -> str | None:
-    """A line to print when bfloat16 is asked for on a CPU that only emulates it (several times slower)."""
-    if cfg.cluster.use_gpus or "bfloat16" not in (cfg.policy.param_dtype, cfg.engine_dtype, cfg.model.dtype):
-        return None
-    if native_bf16 is None:
-        import torch
+def check_writable(key: str, path: str) -> None:
+    """Create ``path`` if needed and write a file in it, or fail with one line naming ``key``."""
+    import tempfile
 
-        try:
-            native_bf16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-        except (AttributeError, RuntimeError):
-            return None  # cannot tell: say nothing rather than something wrong
-    if native_bf16:
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        reason = e.strerror or str(e)
+        raise SetupError(f"{key}={path}: cannot create or write this directory ({reason}); pass a writable one") from None
+
+
+def precision_warning(cfg: Config) -> str | None:
+    """A line to print when bfloat16 was asked for explicitly on a CPU that only emulates it."""
+    from trainer.config import bf16_is_fast
+
+    asked = [
+        key
+        for key, value in (
+            ("model.dtype", cfg.model.dtype),
+            ("policy.param_dtype", cfg.policy.param_dtype),
+            ("generation.dtype", cfg.generation.dtype),
+        )
+        if value == "bfloat16" and key not in getattr(cfg, "_auto_precision", {})
+    ]
+    if not asked or bf16_is_fast(cfg):
         return None
+    from trainer import hardware
+
     return (
-        "kuberl: warning: this CPU has no native bfloat16 (AVX512-BF16 or AMX), so bfloat16 runs emulated and "
-        "slowly; pass policy.param_dtype=null generation.dtype=null model.dtype=float32 for float32"
+        f"kuberl: warning: {', '.join(asked)}=bfloat16 on {hardware.describe()}: bfloat16 runs emulated, several "
+        f"times slower than float32; pass {' '.join(k + '=auto' for k in asked)} to let the CPU decide"
     )
 
 
@@ -88,7 +105,7 @@ class TrainState:
         from trainer.data.loader import PromptLoader
         from trainer.data.prompts import TurnEncoder, encode_examples
         from trainer.logger import RunLogger
-        from trainer.models import resolve_model
+        from trainer.models import hub_id_or_directory, resolve_model
         from trainer.policy.group import PolicyGroup, make_generator
         from trainer.policy.worker import load_tokenizer
         from trainer.rewards.runner import RewardRunner
@@ -96,9 +113,12 @@ class TrainState:
         self.cfg = cfg
         t0 = time.monotonic()
         check_backend(cfg)
-        warning = precision_warning(cfg)
-        if warning:
-            print(warning, flush=True)
+        # Before anything loads or any actor starts: paths that cannot work fail now, in one line.
+        check_writable("logger.log_dir", cfg.logger.log_dir)
+        if cfg.checkpointing.enabled:
+            check_writable("checkpointing.checkpoint_dir", cfg.checkpointing.checkpoint_dir)
+        if cfg.model.tokenizer:
+            hub_id_or_directory(cfg.model.tokenizer, "model.tokenizer", need_config=False)
         # Which checkpoint to continue, first: a finished run need not start Ray or load anything.
         self.checkpointer = Checkpointer(cfg.checkpointing, cfg.experiment_name)
         self.checkpointer.clean_stale()
@@ -107,7 +127,16 @@ class TrainState:
         if resume and int(info["step"]) >= cfg.grpo.max_num_steps:
             raise NothingToDo(int(info["step"]))
         self.model_path = resolve_model(cfg.model.name)
-        tokenizer = load_tokenizer(cfg.model.tokenizer or self.model_path, cfg.model.trust_remote_code)
+        print(f"kuberl: precision: {cfg.precision_summary()}", flush=True)
+        warning = precision_warning(cfg)
+        if warning:
+            print(warning, flush=True)
+        try:
+            tokenizer = load_tokenizer(cfg.model.tokenizer or self.model_path, cfg.model.trust_remote_code)
+        except (OSError, ValueError) as e:  # no such directory, hub unreachable, not a tokenizer
+            key = "model.tokenizer" if cfg.model.tokenizer else "model.name"
+            raise SetupError(f"{key}={cfg.model.tokenizer or cfg.model.name}: cannot load its tokenizer: "
+                             f"{str(e).strip().splitlines()[0]}") from None
         max_prompt = cfg.policy.max_total_sequence_length - cfg.generation.max_new_tokens
         kwargs = cfg.generation.chat_template_kwargs
         train = load_dataset(cfg.data, cfg.data.split)

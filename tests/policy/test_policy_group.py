@@ -89,9 +89,11 @@ def test_should_train_as_the_padded_layout_does_when_samples_share_prompts(group
     assert m_shared["grad_norm"] == pytest.approx(m_padded["grad_norm"], rel=1e-4)
     w_shared, w_padded = shared.run("full_state_dict")[0], padded.run("full_state_dict")[0]
     for name, tensor in w_padded.items():
-        # Adam turns float noise in near-zero gradients into up to lr-sized steps on a few elements;
-        # a missing gradient path (e.g. through the shared prompt's KV) moves most of them by ~lr (1e-2).
-        assert torch.allclose(w_shared[name], tensor, atol=1e-4), name
+        # Adam turns float noise in near-zero gradients into up to lr-sized steps on a few elements
+        # (which ones depends on the CPU's kernels: AVX2 and AVX-512 sum in different orders); a
+        # missing gradient path (e.g. through the shared prompt's KV) moves most of them by ~lr (1e-2).
+        moved = (w_shared[name] - tensor).abs()
+        assert (moved > 1e-4).float().mean() < 0.01 and moved.max() < 1e-3, name
 
 
 def test_should_give_engine_the_trained_weights_when_colocated_engine_is_refreshed(groups):

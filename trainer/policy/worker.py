@@ -87,6 +87,18 @@ def shard_model(model: torch.nn.Module, reshard_after_forward: bool, mp_dtype: t
     fully_shard(model, reshard_after_forward=reshard_after_forward, mp_policy=mp)
 
 
+def adamw(params, **kwargs) -> torch.optim.AdamW:
+    """AdamW with the fused kernel: one kernel over all (sharded) parameters instead of a loop of
+    per-tensor ops (0.39 -> 0.12 s per step for SmolLM2 on one CPU rank); same state, same checkpoints.
+    Where the fused kernel does not support the device or dtype, the per-tensor loop, said once."""
+    params = list(params)
+    try:
+        return torch.optim.AdamW(params, fused=True, **kwargs)
+    except (RuntimeError, ValueError) as e:
+        log.warning("fused AdamW is not available here (%s); using the unfused optimizer", str(e).splitlines()[0])
+        return torch.optim.AdamW(params, **kwargs)
+
+
 class PolicyWorker:
     """One FSDP2 rank. Wrapped with ``ray.remote`` by :mod:`trainer.policy.group`."""
 
@@ -144,15 +156,8 @@ class PolicyWorker:
             shard_model(ref, True, _DTYPES.get(cfg.policy.param_dtype))
             self.ref_model = ref.eval()
         p = cfg.policy
-        # fused: one kernel over all (sharded) parameters instead of a loop of per-tensor ops
-        # (0.39 -> 0.12 s per step for SmolLM2 on one CPU rank); same state, same checkpoints.
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
-            lr=p.learning_rate,
-            betas=p.adam_betas,
-            eps=p.adam_eps,
-            weight_decay=p.weight_decay,
-            fused=True,
+        self.optimizer = adamw(
+            self.model.parameters(), lr=p.learning_rate, betas=p.adam_betas, eps=p.adam_eps, weight_decay=p.weight_decay
         )
         warmup = max(0, p.warmup_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(

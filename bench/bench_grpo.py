@@ -1,6 +1,6 @@
 """GRPO step time: kuberl against TRL's ``GRPOTrainer`` on the same work, one after the other.
 
-Both frameworks train the embedded SmolLM2-135M-Instruct (float32, CPU) on the same prompt batches
+Both frameworks train the embedded SmolLM2-135M-Instruct (float32 master weights, CPU) on the same prompt batches
 (``arithmetic`` from the ``cpu-demo`` experiment, the chat template applied by each side's tokenizer, a
 check that both get identical prompt token ids), with the same ``math`` reward, 4 prompts x 4 samples
 = 16 samples per optimizer step, completions of at most 64 tokens, temperature 1.0, the same
@@ -13,7 +13,13 @@ generation included:
 - TRL: ``on_step_begin`` to ``on_step_end`` of a ``TrainerCallback``, which spans generation, the
   reward, forward, backward and the optimizer step; it runs from ``.venv-bench`` (TRL is never
   installed into the trainer's environment) as this same file with ``--trl-worker``, in one process
-  on all cores, with GRPOConfig's default bf16 autocast (``--trl-fp32`` for float32).
+  on all cores.
+
+Precision: both sides compute in what kuberl's ``auto`` picks for this CPU (cpu-demo's default):
+bfloat16 over float32 master weights where the CPU runs bfloat16 natively (TRL: GRPOConfig's
+``bf16=True`` autocast), float32 where it would be emulated (TRL: ``bf16=False``). ``--trl-precision``
+sets TRL's side apart from kuberl's. The table names the CPU and whether its bfloat16 is native,
+because figures from the two kinds of CPU are not comparable.
 
 The first ``--warmup`` steps are left out of the medians (model load and allocator warm-up land
 there). Sampled completions differ between the two, and their length drives the step time, so the
@@ -71,7 +77,7 @@ def kuberl_overrides(steps: int, log_dir: Path, extra: list[str] | None = None, 
 def build_spec(args, run_dir: Path) -> dict:
     """Compose kuberl's config and draw the exact prompt batches its loader will serve, for TRL."""
     sys.path.insert(0, str(REPO))
-    from trainer import data
+    from trainer import data, hardware
     from trainer.config import load
     from trainer.data.loader import PromptLoader
     from trainer.data.prompts import encode_examples
@@ -116,7 +122,10 @@ def build_spec(args, run_dir: Path) -> dict:
         "clip_eps": cfg.grpo.loss.ratio_clip_min,
         "batches": batches,
         "output_dir": str(run_dir / "trl-out"),
-        "trl_bf16": not args.trl_fp32,
+        "trl_bf16": {"same": (p.param_dtype or cfg.model.dtype) == "bfloat16", "bf16": True, "fp32": False}[
+            args.trl_precision
+        ],
+        "cpu": hardware.describe(),
         "kuberl_ranks": cfg.cluster.cpu_workers_per_node,
         "trl_keep_freed_memory": args.trl_keep_freed_memory,
         "kuberl_keep_freed_memory": cfg.cluster.keep_freed_memory,
@@ -320,6 +329,7 @@ def report(spec: dict, kuberl: dict, trl: dict, warmup: int) -> dict:
     }
     bad = [name for name, ok in checks.items() if ok is False]
     kp = spec["kuberl_precision"]
+    print(f"  cpu: {spec['cpu']}")
     print(
         f"  precision: kuberl compute {kp['param_dtype']}, engine {kp['engine_dtype']} (master weights float32); "
         f"TRL {'bf16 autocast' if spec['trl_bf16'] else 'float32'}"
@@ -374,14 +384,16 @@ def main(argv: list[str] | None = None) -> int:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="an extra trainer override, e.g. policy.param_dtype=null generation.dtype=null for float32 (repeatable)",
+        help="an extra trainer override, e.g. policy.param_dtype=bfloat16 generation.dtype=bfloat16 (repeatable)",
     )
     parser.add_argument(
-        "--trl-fp32",
-        action="store_true",
-        help="TRL in float32 (bf16=False) instead of GRPOConfig's default bf16=True (bfloat16 autocast)",
+        "--trl-precision",
+        choices=("same", "bf16", "fp32"),
+        default="same",
+        help="TRL's compute: the same as kuberl's (default), bf16 autocast (GRPOConfig's bf16=True), or float32",
     )
-    parser.add_argument("--trl-bf16", action="store_true", help=argparse.SUPPRESS)  # the default now
+    parser.add_argument("--trl-fp32", dest="trl_precision", action="store_const", const="fp32", help=argparse.SUPPRESS)
+    parser.add_argument("--trl-bf16", dest="trl_precision", action="store_const", const="bf16", help=argparse.SUPPRESS)
     parser.add_argument(
         "--kuberl-ranks",
         type=int,

@@ -360,9 +360,8 @@ def build_engine(args: EvalArgs, model_path: str, tokenizer):
     """The generation engine for ``args.backend`` (vllm imported only when chosen)."""
     import torch
 
-    from trainer.config import Config
-
     from trainer import hardware
+    from trainer.config import Config
 
     cuda = torch.cuda.is_available()
     # auto: bfloat16 where it is computed natively (GPUs, AVX512-BF16/AMX CPUs), else float32.

@@ -15,8 +15,8 @@ import torch
 
 from trainer import hardware
 from trainer.generation import packed
-from trainer.generation.hf import HFGenerationEngine
 from trainer.generation.base import SamplingParams
+from trainer.generation.hf import HFGenerationEngine
 from trainer.policy.worker import load_model, load_tokenizer
 
 

@@ -15,7 +15,8 @@ SmolLM2-135M, 1 thread, 2 prompts x 4 samples, 64 new tokens: 6.8 s with generat
   completions, 12% faster per step past 640 tokens. Models whose cache layers are of other kinds fall
   back to a DynamicCache.
 - bf16 weights on CPU: linear layers prepacked for oneDNN (:mod:`trainer.generation.packed`), 69 -> 55 ms
-  per decode step for SmolLM2 at 8 rows, repacked after each weight update.
+  per decode step for SmolLM2 at 8 rows, repacked after each weight update; only on CPUs whose
+  instruction set oneDNN's bf16 reorder supports (not AVX2-only ones: the plain forward stays there).
 - Logprobs are gathered the step a token is sampled, from the (B, V) log-softmax of that step only,
   instead of asking for all logits, which would hold a (B, L, V) tensor (1.6 GB for 64 x 128 tokens of
   a 49k vocab).
@@ -122,7 +123,7 @@ class HFGenerationEngine:
         self.eos_ids = eos
         for p in self.model.parameters():
             p.requires_grad_(False)
-        # bf16 on CPU: linear weights prepacked for oneDNN, about 20% off every decode step.
+        # bf16 on a CPU that oneDNN supports: linear weights prepacked, about 20% off every decode step.
         self._packed = packed.available(self.model) and packed.pack(self.model, batch_size) > 0
         forward_args = inspect.signature(self.model.forward).parameters
         # Older transformers (and some remote-code models) place cache writes by cache_position;

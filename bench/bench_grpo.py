@@ -81,8 +81,7 @@ def build_spec(args, run_dir: Path) -> dict:
     from trainer.config import load
     from trainer.data.loader import PromptLoader
     from trainer.data.prompts import encode_examples
-    from trainer.models import resolve_model
-    from trainer.policy.worker import load_tokenizer
+    from trainer.models import load_tokenizer, resolve_model
 
     cfg = load(kuberl_overrides(args.steps, run_dir / "kuberl-logs", args.kuberl_override, args.kuberl_ranks))
     model_path = resolve_model(cfg.model.name)

@@ -54,7 +54,7 @@ class ScriptedEngine:
 
 @pytest.fixture(scope="module")
 def tokenizer(tiny_model_path):
-    from trainer.policy.worker import load_tokenizer
+    from trainer.models import load_tokenizer
 
     return load_tokenizer(tiny_model_path)
 
@@ -235,7 +235,7 @@ def test_dataset_prompt_template_and_default_reward(data, reward, tail, tokenize
     "argv, expected",
     [
         (["model=m", "data=mmlu"], "data='mmlu' is not a dataset; choose one of: arithmetic, "),
-        (["model=/no/such/model", "data=arithmetic"], "model='/no/such/model' does not exist; pass a model"),
+        (["model=/no/such/model", "data=arithmetic"], "model=/no/such/model: no such local directory, and not a hub id either"),
         (
             ["model=m", "data=arithmetic", "temperature=hot"],
             "temperature='hot' must be a number, e.g. temperature=0.6",
@@ -288,7 +288,8 @@ def test_vllm_backend_without_vllm_is_one_line(tiny_model_path, tmp_path, capsys
     err = capsys.readouterr().err
     assert (
         err
-        == "kuberl: error: backend=vllm needs vllm: pip install '.[vllm]' on a GPU machine, or use backend=hf\n"
+        == "kuberl: error: backend=vllm needs vllm: make setup installs its CPU build (or pip install '.[vllm]' "
+        "on a GPU machine); or use backend=hf\n"
     )
 
 

@@ -27,9 +27,9 @@ def test_should_describe_the_cpu_in_one_phrase():
 
 @pytest.mark.parametrize("precision", ["auto", "bfloat16"])
 def test_should_generate_and_train_when_cpu_demo_runs_on_a_cpu_without_native_bf16(ray_local, monkeypatch, precision):
-    from trainer.models import resolve_model
-    from trainer.policy.group import ColocatedGenerator, PolicyGroup
-    from trainer.policy.worker import load_tokenizer
+    from trainer.generation.placement import ColocatedGenerator
+    from trainer.models import load_tokenizer, resolve_model
+    from trainer.policy.group import PolicyGroup
 
     monkeypatch.setattr(hardware, "native_bf16", lambda: False)
     explicit = ["policy.param_dtype=bfloat16", "generation.dtype=bfloat16"] if precision == "bfloat16" else []

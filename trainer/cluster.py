@@ -68,6 +68,20 @@ def setup_cpu_process(cfg: Config, threads: int) -> None:
         keep_freed_memory()
 
 
+def free_port() -> int:
+    """A TCP port free on this host right now (for a process group's rendezvous)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def node_address() -> tuple[str, int]:
+    """This Ray node's IP address and a free port on it: where a rank can host a TCP store."""
+    return ray.util.get_node_ip_address(), free_port()
+
+
 class ClusterError(RuntimeError):
     """The Ray cluster cannot run this config (unreachable, or too few GPUs/CPUs)."""
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
 import sys
 import time
 import typing
@@ -334,34 +333,26 @@ def resolve_model_path(name: str) -> str:
     """A local directory for ``name``, or the hub id unchanged; one-line errors for the usual mistakes."""
     from trainer.models import ModelNotFoundError, resolve_model
 
-    try:
-        path = resolve_model(name)
-    except ModelNotFoundError as e:
-        raise EvalError(f"model={name!r}: {e}") from None
-    local = Path(path).expanduser()
-    if local.is_dir():
-        if (local / "config.json").is_file():
-            return str(local)
+    local = Path(name).expanduser()
+    if local.is_dir() and not (local / "config.json").is_file():
         if (local / "policy" / "weights").is_dir() or any(local.glob("step_*/policy")):
             raise EvalError(
                 f"model={name!r} is a training checkpoint; convert it first: make convert CKPT={name} OUT=DIR, "
                 "then model=DIR"
             )
-        raise EvalError(f"model={name!r} has no config.json; pass a Hugging Face model directory")
-    looks_like_hub_id = re.fullmatch(r"[\w.-]+/[\w.-]+", path) is not None and not path.startswith(".")
-    if not looks_like_hub_id:
-        raise EvalError(
-            f"model={name!r} does not exist; pass a model directory or a hub id such as google/gemma-3-1b-it"
-        )
-    return path
+    try:
+        return resolve_model(name, key="model")
+    except ModelNotFoundError as e:
+        raise EvalError(str(e)) from None
 
 
-def build_engine(args: EvalArgs, model_path: str, tokenizer):
-    """The generation engine for ``args.backend`` (vllm imported only when chosen)."""
+def build_engine(args: EvalArgs, model_path: str):
+    """The generation engine for ``args.backend``, from the same factory training uses."""
     import torch
 
     from trainer import hardware
-    from trainer.config import Config
+    from trainer.config import GenerationConfig
+    from trainer.generation.factory import EngineSpec, build_engine
 
     cuda = torch.cuda.is_available()
     # auto: bfloat16 where it is computed natively (GPUs, AVX512-BF16/AMX CPUs), else float32.
@@ -370,43 +361,26 @@ def build_engine(args: EvalArgs, model_path: str, tokenizer):
         import importlib.util
 
         if importlib.util.find_spec("vllm") is None:
-            raise EvalError(
-                "backend=vllm needs vllm: pip install '.[vllm]' on a GPU machine, or use backend=hf"
-            )
-        from trainer.generation import worker
-
-        cfg = Config()
-        cfg.seed = args.seed
-        cfg.model = dataclasses.replace(
-            cfg.model,
-            name=model_path,
-            tokenizer=args.tokenizer,
-            dtype=dtype,
-            trust_remote_code=args.trust_remote_code,
-        )
-        cfg.generation = dataclasses.replace(
-            cfg.generation,
-            backend="vllm",
-            max_new_tokens=args.max_new_tokens,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            tensor_parallel_size=args.tensor_parallel_size,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-            batch_size=args.batch_size,
-        )
-        cfg.cluster = dataclasses.replace(cfg.cluster, gpus_per_node=max(1, torch.cuda.device_count()))
-        try:
-            return worker.build_engine(cfg, model_path, torch.device("cuda", 0))
-        except ImportError as e:
-            raise EvalError(f"backend=vllm is not available here ({e}); use backend=hf") from None
-    from trainer.generation.hf import HFGenerationEngine
-    from trainer.policy.worker import load_model
-
-    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
-    return HFGenerationEngine(
-        load_model(model_path, dtype, args.trust_remote_code).to(device), tokenizer, args.batch_size
+            raise EvalError("backend=vllm needs vllm: make setup installs its CPU build (or pip install '.[vllm]' "
+                            "on a GPU machine); or use backend=hf")
+    gen = GenerationConfig(
+        backend=args.backend,
+        tensor_parallel_size=args.tensor_parallel_size,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        batch_size=args.batch_size,
     )
+    spec = EngineSpec(
+        model_path=model_path,
+        dtype=dtype,
+        seed=args.seed,
+        trust_remote_code=args.trust_remote_code,
+        tokenizer_path=args.tokenizer,
+        device=torch.device("cuda", 0) if cuda else torch.device("cpu"),
+    )
+    try:
+        return build_engine(gen, spec)
+    except ImportError as e:
+        raise EvalError(f"backend={args.backend} is not available here ({e}); use backend=hf") from None
 
 
 def run(args: EvalArgs, *, engine=None, tokenizer=None) -> dict[str, Any]:
@@ -425,15 +399,24 @@ def run(args: EvalArgs, *, engine=None, tokenizer=None) -> dict[str, Any]:
         hint = "" if args.data_path else "; without hub access pass data_path= (a local copy)"
         raise EvalError(f"data={args.data}: {text[0] if text else type(e).__name__}{hint}") from None
     if tokenizer is None:
-        from trainer.policy.worker import load_tokenizer
+        from trainer.models import load_tokenizer
 
         tokenizer = _load(
             lambda: load_tokenizer(args.tokenizer or model_path, args.trust_remote_code),
             "tokenizer",
             args.tokenizer or args.model,
         )
-    if engine is None:
-        engine = _load(lambda: build_engine(args, model_path, tokenizer), "model", args.model)
+    owned = engine is None  # an engine we build, we shut down (vLLM's holds a process of its own)
+    if owned:
+        engine = _load(lambda: build_engine(args, model_path), "model", args.model)
+    try:
+        return _evaluate_and_write(args, engine, tokenizer, examples, specs, split, t0)
+    finally:
+        if owned:
+            engine.shutdown()
+
+
+def _evaluate_and_write(args: EvalArgs, engine, tokenizer, examples, specs, split: str, t0: float) -> dict[str, Any]:
     params = SamplingParams(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,

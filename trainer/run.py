@@ -104,10 +104,10 @@ class TrainState:
         from trainer.cluster import init_ray
         from trainer.data.loader import PromptLoader
         from trainer.data.prompts import TurnEncoder, encode_examples
+        from trainer.generation.placement import make_generator
         from trainer.logger import RunLogger
-        from trainer.models import hub_id_or_directory, resolve_model
-        from trainer.policy.group import PolicyGroup, make_generator
-        from trainer.policy.worker import load_tokenizer
+        from trainer.models import hub_id_or_directory, load_tokenizer, resolve_model
+        from trainer.policy.group import PolicyGroup
         from trainer.rewards.runner import RewardRunner
 
         self.cfg = cfg

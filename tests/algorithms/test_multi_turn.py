@@ -10,7 +10,7 @@ from trainer.algorithms.rollout import finish, generate_multi_turn
 from trainer.config import EnvConfig, RewardSpec
 from trainer.data.prompts import TurnEncoder, encode_prompt
 from trainer.generation.base import Completion, SamplingParams
-from trainer.policy.worker import load_tokenizer
+from trainer.models import load_tokenizer
 from trainer.rewards.runner import RewardRunner
 
 pytestmark = pytest.mark.slow

@@ -16,7 +16,7 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopK
 import trainer.generation.hf as hf
 from trainer.generation.base import SamplingParams
 from trainer.generation.hf import HFGenerationEngine
-from trainer.policy.worker import load_model, load_tokenizer
+from trainer.models import load_model, load_tokenizer
 
 # Prompts of 1 to 35 tokens; greedy, the last one ends with EOS within 12 tokens.
 TEXTS = ["1+2=", "what is 3+4?", "9", "compute 12*3 and then add 7, please:", "8+8="]

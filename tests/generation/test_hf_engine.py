@@ -7,7 +7,7 @@ import torch
 
 from trainer.generation.base import SamplingParams
 from trainer.generation.hf import HFGenerationEngine
-from trainer.policy.worker import load_model, load_tokenizer
+from trainer.models import load_model, load_tokenizer
 
 
 @pytest.fixture(scope="module")

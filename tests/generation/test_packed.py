@@ -17,7 +17,7 @@ from trainer import hardware
 from trainer.generation import packed
 from trainer.generation.base import SamplingParams
 from trainer.generation.hf import HFGenerationEngine
-from trainer.policy.worker import load_model, load_tokenizer
+from trainer.models import load_model, load_tokenizer
 
 
 @pytest.fixture

@@ -97,7 +97,7 @@ def test_should_train_as_the_padded_layout_does_when_samples_share_prompts(group
 
 
 def test_should_give_engine_the_trained_weights_when_colocated_engine_is_refreshed(groups):
-    from trainer.policy.group import ColocatedGenerator
+    from trainer.generation.placement import ColocatedGenerator
 
     group = groups(2)
     before = group.run("engine_state_dict")[0]
@@ -117,7 +117,8 @@ def test_should_train_as_when_gathering_afresh_when_the_synced_weights_are_kept_
     """With reshard_after_forward=false the weights gathered for the engine after an optimizer step
     serve the next training forward, which gathers nothing. Two steps must give what re-gathering
     (reshard_after_forward=true) gives, and the engine must hold each step's new weights."""
-    from trainer.policy.group import ColocatedGenerator, PolicyGroup
+    from trainer.generation.placement import ColocatedGenerator
+    from trainer.policy.group import PolicyGroup
 
     made = []
     try:
@@ -180,7 +181,8 @@ def test_should_update_as_training_on_every_sample_does_when_zero_advantage_samp
 def test_should_broadcast_trained_weights_when_generation_is_disaggregated(ray_local, tiny_model_path, engine_dtype):
     import ray
 
-    from trainer.policy.group import DisaggregatedGenerator, PolicyGroup
+    from trainer.generation.placement import DisaggregatedGenerator
+    from trainer.policy.group import PolicyGroup
 
     cfg = _cfg(
         tiny_model_path,

@@ -19,9 +19,10 @@ import torch
 from trainer.algorithms import core_algos, rollout
 from trainer.config import Config
 from trainer.generation.base import SamplingParams
+from trainer.generation.placement import Generator
 from trainer.logger import RunLogger
 from trainer.policy.batch import Sample
-from trainer.policy.group import Generator, PolicyGroup
+from trainer.policy.group import PolicyGroup
 from trainer.rewards.runner import RewardRunner
 
 

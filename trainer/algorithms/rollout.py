@@ -14,7 +14,7 @@ import ray
 
 from trainer.data.prompts import TurnEncoder
 from trainer.generation.base import Completion, SamplingParams
-from trainer.policy.group import Generator
+from trainer.generation.placement import Generator
 from trainer.rewards.runner import RewardResult, RewardRunner
 
 

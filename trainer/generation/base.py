@@ -1,8 +1,14 @@
-"""The generation interface every backend implements (hf now, vllm on GPUs).
+"""The generation interface every backend implements (``hf`` and ``vllm``).
 
 An engine turns prompt token ids into sampled continuations with per-token logprobs, and accepts new
-weights after each optimizer step. Colocated or disaggregated placement is decided by who owns the
-engine (a policy rank, or a generation actor), not by the engine itself.
+weights after each optimizer step. It is built by :func:`trainer.generation.factory.build_engine`.
+Colocated or disaggregated placement (:mod:`trainer.generation.placement`) is decided by who owns
+the engine (a policy rank, or a generation actor), not by the engine itself.
+
+Lifecycle: an engine that shares its device with training (colocated) is put to ``sleep`` while the
+policy trains and woken before its weights are updated; engines that cannot free anything (the hf
+engine, vLLM on CPU) make both no-ops. ``shutdown`` releases everything the engine started (for
+vLLM, its engine-core process) and may be called more than once.
 """
 
 from __future__ import annotations
@@ -44,5 +50,18 @@ class GenerationEngine(Protocol):
         ...
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy new policy weights (full, unsharded tensors) into the engine in place."""
+        """Load new policy weights: full, unsharded tensors under their Hugging Face names, in
+        whatever layout the sender has; the engine maps them onto its own (vLLM fuses q/k/v)."""
+        ...
+
+    def sleep(self) -> None:
+        """Free what generation holds (KV cache, weights) while the policy trains; no-op if unsupported."""
+        ...
+
+    def wake_up(self) -> None:
+        """Undo :meth:`sleep` before the next weight update or generation; no-op if unsupported."""
+        ...
+
+    def shutdown(self) -> None:
+        """Release the engine and every process it started; idempotent."""
         ...

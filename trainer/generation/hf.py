@@ -315,6 +315,16 @@ class HFGenerationEngine:
         if self._packed:
             packed.repack(self.model)
 
+    # The model lives in this process's memory and nothing can be freed while keeping it: no-ops.
+    def sleep(self) -> None:
+        pass
+
+    def wake_up(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass
+
 
 def _is_plain_static_cache(cache, static_layer: type) -> bool:
     """Whether every layer of ``cache`` is a plain StaticLayer, the only kind _resize_static_cache knows.

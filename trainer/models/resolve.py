@@ -37,11 +37,12 @@ def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
     return (Path(base).expanduser() if base else Path.home() / ".cache" / "kuberl") / "models"
 
 
-def resolve_model(name: str, cache_dir: str | os.PathLike | None = None) -> str:
-    """Return a local directory for ``embedded:``/``builtin:`` names, or ``name`` unchanged."""
+def resolve_model(name: str, cache_dir: str | os.PathLike | None = None, key: str = "model.name") -> str:
+    """Return a local directory for ``embedded:``/``builtin:`` names, or ``name`` unchanged when it is
+    a model directory or could be a hub id; errors name ``key``, the setting that held ``name``."""
     kind, sep, rest = name.partition(":")
     if not sep or kind not in {"embedded", "builtin"}:
-        return hub_id_or_directory(name)
+        return hub_id_or_directory(name, key)
     root = cache_root(cache_dir)
     if kind == "embedded":
         if rest not in EMBEDDED:

@@ -5,15 +5,15 @@ optimizer state, and optionally a frozen, sharded reference model for the KL pen
 when the penalty is 0). Every method that touches the sharded model is a collective: the driver
 calls it on all ranks at once with equally sized shards of the batch.
 
-With colocated generation each rank also owns a generation engine over a plain copy of the model;
-after each optimizer step the full weights are gathered (``DTensor.full_tensor``) and copied into it
-in place. With disaggregated generation rank 0 broadcasts the gathered weights to the generation
-actors over a separate process group (:mod:`trainer.weight_sync`).
+With colocated generation each rank also owns a generation engine (built by
+:mod:`trainer.generation.factory`; the hf engine copies the rank's already loaded weights); it sleeps
+while the rank trains, and after each optimizer step the full weights are gathered through FSDP2 and
+streamed into it. With disaggregated generation rank 0 broadcasts the gathered weights to the
+generation actors over a separate process group (:mod:`trainer.weight_sync`).
 """
 
 from __future__ import annotations
 
-import copy
 import datetime
 import logging
 import os
@@ -23,9 +23,10 @@ import torch
 import torch.distributed as dist
 
 from trainer.algorithms import core_algos
-from trainer.cluster import setup_cpu_process
+from trainer.cluster import node_address, setup_cpu_process
 from trainer.config import Config
 from trainer.generation.base import Completion, SamplingParams
+from trainer.models import DTYPES, load_model, load_tokenizer
 from trainer.policy.batch import (
     PaddedBatch,
     PrefixBatch,
@@ -38,41 +39,12 @@ from trainer.policy.batch import (
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
-def node_address() -> tuple[str, int]:
-    import ray
-
-    return ray.util.get_node_ip_address(), free_port()
-
-
-def load_model(
-    path: str, dtype: str, trust_remote_code: bool = False, attn_implementation: str | None = None
-) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
-    return AutoModelForCausalLM.from_pretrained(
-        path, dtype=_DTYPES[dtype], trust_remote_code=trust_remote_code, **kwargs
-    )
-
-
-def load_tokenizer(path: str, trust_remote_code: bool = False):
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token
-    return tok
+def rank_seed_offset(rank: int) -> int:
+    """Each colocated engine samples from its own stream: the same seed on every rank would give
+    the same samples to prompts that happen to share a position in their shards."""
+    return 1 + rank
 
 
 def shard_model(model: torch.nn.Module, reshard_after_forward: bool, mp_dtype: torch.dtype | None) -> None:
@@ -132,20 +104,28 @@ class PolicyWorker:
         model = load_model(self.model_path, cfg.model.dtype, cfg.model.trust_remote_code)
         self.engine = None
         if self.colocated_engine:
-            from trainer.generation.hf import HFGenerationEngine
+            from trainer.generation.factory import EngineSpec, build_engine
 
-            # A plain copy for decoding: FSDP forward passes are collectives, and ranks decode
-            # different prompts for different numbers of steps, so they cannot share the sharded model.
-            self.engine = HFGenerationEngine(
-                copy.deepcopy(model).to(self.device, dtype=self.engine_dtype), self.tokenizer, cfg.generation.batch_size
+            spec = EngineSpec(
+                model_path=self.model_path,
+                dtype=cfg.engine_dtype,
+                seed=cfg.seed + rank_seed_offset(self.rank),
+                max_model_len=cfg.policy.max_total_sequence_length,
+                trust_remote_code=cfg.model.trust_remote_code,
+                tokenizer_path=cfg.model.tokenizer,
+                device=self.device,
+                colocated=True,
+                threads=torch.get_num_threads(),
+                base_model=model,  # before sharding and before the policy's attention is set
             )
+            self.engine = build_engine(cfg.generation, spec)
         if cfg.model.attn_implementation:  # the policy's; the engine keeps the default, better for decoding
             model.set_attn_implementation(cfg.model.attn_implementation)
         if cfg.policy.activation_checkpointing:
             model.gradient_checkpointing_enable()
         model.config.use_cache = False
         model.to(self.device)
-        shard_model(model, cfg.policy.reshard_after_forward, _DTYPES.get(cfg.policy.param_dtype))
+        shard_model(model, cfg.policy.reshard_after_forward, DTYPES.get(cfg.policy.param_dtype))
         self.model = model
         self.ref_model = None
         if cfg.grpo.loss.reference_policy_kl_penalty > 0:
@@ -153,7 +133,7 @@ class PolicyWorker:
                 self.model_path, cfg.model.dtype, cfg.model.trust_remote_code, cfg.model.attn_implementation
             ).to(self.device)
             ref.requires_grad_(False)
-            shard_model(ref, True, _DTYPES.get(cfg.policy.param_dtype))
+            shard_model(ref, True, DTYPES.get(cfg.policy.param_dtype))
             self.ref_model = ref.eval()
         p = cfg.policy
         self.optimizer = adamw(
@@ -171,12 +151,13 @@ class PolicyWorker:
         return self.engine.generate(prompts, n, params)
 
     def refresh_engine(self) -> None:
-        """Gather the updated full weights into the colocated engine (collective)."""
+        """Gather the updated full weights into the colocated engine (collective), woken first."""
+        self.engine.wake_up()
         self.engine.update_weights(self.iter_full_weights(self.engine_dtype))
 
     @property
     def engine_dtype(self) -> torch.dtype:
-        return _DTYPES[self.cfg.engine_dtype]
+        return DTYPES[self.cfg.engine_dtype]
 
     @torch.no_grad()
     def iter_full_weights(self, dtype: torch.dtype | None = None):
@@ -322,6 +303,8 @@ class PolicyWorker:
         cfg, loss_cfg = self.cfg, self.cfg.grpo.loss
         policy_loss = core_algos.get_policy_loss(loss_cfg.policy_loss)
         kl_fn = core_algos.get_kl_estimator(loss_cfg.kl_estimator) if self.ref_model is not None else None
+        if self.engine is not None:
+            self.engine.sleep()  # colocated: generation's memory goes back to training until refresh_engine
         self.model.train()
         # The same keys on every rank, and present when a step trained on nothing (all skipped).
         sums: dict[str, float] = dict.fromkeys(("loss", "pg_clipfrac", "ppo_kl", "tokens"), 0.0)
@@ -442,5 +425,7 @@ class PolicyWorker:
         self.scheduler.load_state_dict(optim["scheduler"])
 
     def shutdown(self) -> None:
+        if getattr(self, "engine", None) is not None:
+            self.engine.shutdown()
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -1,0 +1,117 @@
+"""Where generation runs, behind one interface the GRPO loop samples from.
+
+- :class:`ColocatedGenerator`: each policy rank generates with its own engine, on the rank's own
+  device; after each optimizer step the rank loads the gathered weights into it in place.
+- :class:`DisaggregatedGenerator`: generation actors (:class:`~trainer.generation.worker.GenerationWorker`)
+  in their own placement group; after each step policy rank 0 sends them the new weights.
+
+Which engine runs (``generation.backend``) is the factory's business (:mod:`trainer.generation.factory`),
+not the placement's.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol
+
+import ray
+
+from trainer.cluster import in_bundle, reserve
+from trainer.config import Config
+from trainer.generation.base import SamplingParams
+
+if TYPE_CHECKING:
+    from trainer.policy.group import PolicyGroup
+
+
+def split(items: list, parts: int) -> list[list[int]]:
+    """Contiguous, near-equal index ranges (some may be empty)."""
+    size, extra = divmod(len(items), parts)
+    out, start = [], 0
+    for p in range(parts):
+        end = start + size + (1 if p < extra else 0)
+        out.append(list(range(start, end)))
+        start = end
+    return out
+
+
+class Generator(Protocol):
+    def submit(self, prompts: list[list[int]], n: int, params: SamplingParams) -> list[tuple[Any, list[int]]]:
+        """Start generating; returns (object ref, prompt indices) per worker so results can be
+        consumed as each worker finishes. Each ref resolves to list[list[Completion]]."""
+        ...
+
+    def update_weights(self) -> None:
+        """Bring the engines up to date with the policy after an optimizer step."""
+        ...
+
+    def shutdown(self) -> None: ...
+
+
+class ColocatedGenerator:
+    def __init__(self, policy: PolicyGroup):
+        self.policy = policy
+
+    def submit(self, prompts, n, params):
+        parts = split(prompts, len(self.policy.workers))
+        return [
+            (w.generate.remote([prompts[i] for i in idx], n, params), idx)
+            for w, idx in zip(self.policy.workers, parts)
+            if idx
+        ]
+
+    def update_weights(self) -> None:
+        self.policy.run("refresh_engine")
+
+    def shutdown(self) -> None:
+        pass  # the engines belong to the policy ranks, which shut them down with themselves
+
+
+class DisaggregatedGenerator:
+    def __init__(self, cfg: Config, model_path: str, policy: PolicyGroup):
+        from trainer.generation.worker import GenerationWorker
+
+        self.policy = policy
+        n = cfg.num_generation_workers
+        gpus = cfg.cluster.use_gpus
+        tp = cfg.generation.tensor_parallel_size
+        # One bundle per engine: a tensor-parallel engine needs its tp GPUs on one node.
+        self.pg = reserve([{"GPU": tp, "CPU": 1} if gpus else {"CPU": 1} for _ in range(n)], "kuberl-generation")
+        actor = ray.remote(num_cpus=1, num_gpus=tp if gpus else 0)(GenerationWorker)
+        self.workers = [
+            actor.options(scheduling_strategy=in_bundle(self.pg, r)).remote(cfg, model_path, r) for r in range(n)
+        ]
+        host, port = ray.get(policy.workers[0].address.remote())
+        world = 1 + n
+        ray.get(
+            [w.init_weight_sync.remote(host, port, world) for w in policy.workers]
+            + [w.init_weight_sync.remote(host, port, world) for w in self.workers]
+        )
+
+    def submit(self, prompts, n, params):
+        parts = split(prompts, len(self.workers))
+        return [
+            (w.generate.remote([prompts[i] for i in idx], n, params), idx)
+            for w, idx in zip(self.workers, parts)
+            if idx
+        ]
+
+    def update_weights(self) -> None:
+        ray.get(
+            [w.broadcast_weights.remote() for w in self.policy.workers]
+            + [w.receive_weights.remote() for w in self.workers]
+        )
+
+    def shutdown(self) -> None:
+        try:  # engines first (vLLM's may hold processes of its own), then the actors
+            ray.get([w.shutdown.remote() for w in self.workers], timeout=60)
+        except Exception:
+            pass
+        for w in self.workers:
+            ray.kill(w)
+        ray.util.remove_placement_group(self.pg)
+
+
+def make_generator(cfg: Config, model_path: str, policy: PolicyGroup) -> Generator:
+    if cfg.disaggregated:
+        return DisaggregatedGenerator(cfg, model_path, policy)
+    return ColocatedGenerator(policy)

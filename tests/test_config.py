@@ -50,7 +50,9 @@ def test_should_match_runbook_shapes_when_gpu_experiments_compose():
         (["grpo.max_num_steps=abc"], "grpo.max_num_steps"),
         (["grpo.bogus=1"], "grpo.bogus"),
         (["experiment=nope"], "experiment"),
-        (["generation.backend=vllm"], "generation.backend"),
+        (["grpo.loss.importance_sampling=sis"], "grpo.loss.importance_sampling"),
+        (["grpo.loss.mis_low=2.0", "grpo.loss.mis_high=1.5"], "grpo.loss.mis_low"),
+        (["grpo.loss.tis_cap=0.5"], "grpo.loss.tis_cap"),
         (["grpo.num_prompts_per_step=1", "grpo.num_generations_per_prompt=3"], "grpo.num_prompts_per_step"),
     ],
 )

@@ -22,6 +22,7 @@ SCALARS = [
     "train/mean_generation_length", "train/kl", "train/ppo_kl", "train/pg_clipfrac", "train/entropy",
     "train/grad_norm", "train/loss", "timing/generation_s", "timing/logprobs_s", "timing/train_s",
     "timing/weight_sync_s", "timing/reward_s", "timing/step_s", "perf/generated_tokens_per_s",
+    "train/gen_logprob_abs_diff", "train/gen_train_kl", "train/is_flagged_frac",
 ]
 
 
@@ -67,13 +68,16 @@ def test_should_raise_reward_and_write_readable_logs_when_tiny_model_trains(tmp_
         assert key in rows[0]
     assert "math" in rows[0]["rewards"]
     assert len(list(run_dir.glob("train_data_step*.jsonl"))) == steps
+    # The float32 hf engine samples from exactly the policy's distribution, up to float noise.
+    assert max(scalars["train/gen_logprob_abs_diff"]) < 1e-3 and max(scalars["train/gen_train_kl"]) < 1e-5
 
 
-def test_should_learn_when_generation_is_disaggregated(tmp_path):
-    _, run_dir = _train(tmp_path, "generation.placement=disaggregated")
+def test_should_learn_when_generation_is_disaggregated_with_truncated_importance_sampling(tmp_path):
+    _, run_dir = _train(tmp_path, "generation.placement=disaggregated", "grpo.loss.importance_sampling=tis")
     scalars = _scalars(run_dir)
     _assert_learned(scalars["train/reward_mean"])
     assert max(scalars["timing/weight_sync_s"]) > 0
+    assert max(scalars["train/is_flagged_frac"]) == 0.0  # float32 on both sides: no ratio reaches the cap
 
 
 def test_should_log_val_accuracy_when_validation_is_configured(tmp_path):

@@ -61,6 +61,13 @@ class LossConfig:
     reference_policy_kl_penalty: float = 0.0
     kl_estimator: str = "k3"
     aggregation: str = "token-mean"
+    # Correction for the engine's sampling distribution differing from the policy's (vLLM kernels, a
+    # bf16 engine): none | tis (truncate ratios at tis_cap) | mis (drop tokens whose ratio leaves
+    # [mis_low, mis_high]) | seq_mis (drop sequences whose geometric-mean ratio leaves it).
+    importance_sampling: str = "none"
+    tis_cap: float = 2.0
+    mis_low: float = 0.5
+    mis_high: float = 2.0
 
 
 @dataclass
@@ -470,6 +477,13 @@ def _validate(c: Config) -> None:
     _one_of("grpo.loss.policy_loss", loss.policy_loss, core_algos.POLICY_LOSSES)
     _one_of("grpo.loss.kl_estimator", loss.kl_estimator, core_algos.KL_ESTIMATORS)
     _one_of("grpo.loss.aggregation", loss.aggregation, core_algos.LOSS_AGGREGATIONS)
+    _one_of("grpo.loss.importance_sampling", loss.importance_sampling, core_algos.IMPORTANCE_SAMPLING)
+    _require(loss.tis_cap >= 1, f"grpo.loss.tis_cap={loss.tis_cap} must be >= 1 (ratios above it are truncated)")
+    _require(
+        0 <= loss.mis_low < 1 < loss.mis_high,
+        f"grpo.loss.mis_low={loss.mis_low} and grpo.loss.mis_high={loss.mis_high} must satisfy "
+        "0 <= mis_low < 1 < mis_high",
+    )
     _require(0 <= loss.ratio_clip_min < 1, f"grpo.loss.ratio_clip_min={loss.ratio_clip_min} must be in [0, 1)")
     _require(loss.ratio_clip_max >= 0, f"grpo.loss.ratio_clip_max={loss.ratio_clip_max} must be >= 0")
     _require(

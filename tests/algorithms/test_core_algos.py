@@ -434,3 +434,52 @@ def test_chunked_logprobs_bf16_gradient_dtype():
     logits.requires_grad_(True)
     logprobs_from_logits(logits, labels, chunk_size=4).sum().backward()
     assert logits.grad.dtype == torch.bfloat16 and torch.isfinite(logits.grad.float()).all()
+
+
+# ----- importance sampling against the engine's (behaviour) logprobs ----------------------------------
+
+
+def test_truncated_importance_weights_cap_the_ratio_and_flag_what_they_cut():
+    old = t([[0.0, -1.0, -2.0]])
+    behaviour = t([[0.0, -2.0, -1.0]])  # ratios e^0 = 1, e^1 = 2.718, e^-1 = 0.368
+    mask = t([[1.0, 1.0, 1.0]])
+    w, flagged = ca.get_importance_sampling("tis")(old, behaviour, mask, tis_cap=2.0)
+    assert torch.allclose(w, t([[1.0, 2.0, math.exp(-1.0)]]))
+    assert flagged.tolist() == [[0.0, 1.0, 0.0]]
+
+
+def test_masked_importance_weights_drop_tokens_outside_the_band():
+    old = t([[0.0, -1.0, -2.0, -1.0]])
+    behaviour = t([[0.0, -2.0, -1.0, -1.2]])  # ratios 1, 2.718, 0.368, 1.221
+    mask = t([[1.0, 1.0, 1.0, 1.0]])
+    w, flagged = ca.get_importance_sampling("mis")(old, behaviour, mask, mis_low=0.5, mis_high=2.0)
+    assert torch.allclose(w, t([[1.0, 0.0, 0.0, math.exp(0.2)]]))
+    assert flagged.tolist() == [[0.0, 1.0, 1.0, 0.0]]
+
+
+def test_sequence_masked_importance_weights_drop_a_whole_sequence_on_its_geometric_mean():
+    # row 0: log-ratios 1 and -1 (mean 0, geometric mean 1): kept, each token with its own ratio;
+    # row 1: log-ratios 1 and 1 (geometric mean e = 2.718 > 2): dropped; its padding does not count.
+    old = t([[0.0, -2.0, 0.0], [0.0, 0.0, 5.0]])
+    behaviour = t([[-1.0, -1.0, 0.0], [-1.0, -1.0, 0.0]])
+    mask = t([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]])
+    w, flagged = ca.get_importance_sampling("seq_mis")(old, behaviour, mask, mis_low=0.5, mis_high=2.0)
+    assert torch.allclose(w[0, :2], t([math.e, math.exp(-1.0)])) and w[1].abs().sum() == 0
+    assert flagged[:, :2].tolist() == [[0.0, 0.0], [1.0, 1.0]]
+
+
+def test_no_importance_weights_are_ones_and_flag_nothing():
+    old, behaviour = t([[0.0, -3.0]]), t([[-5.0, 0.0]])
+    w, flagged = ca.get_importance_sampling("none")(old, behaviour, torch.ones(1, 2))
+    assert w.tolist() == [[1.0, 1.0]] and flagged.tolist() == [[0.0, 0.0]]
+
+
+def test_importance_weights_carry_no_gradient():
+    old = t([[0.0, -1.0]]).requires_grad_(True)
+    w, _ = ca.get_importance_sampling("tis")(old, t([[0.0, -0.5]]), torch.ones(1, 2), tis_cap=2.0)
+    assert not w.requires_grad
+
+
+def test_unknown_importance_sampling_lists_the_valid_ones():
+    with pytest.raises(KeyError, match="mis, none, seq_mis, tis"):
+        ca.get_importance_sampling("sis")

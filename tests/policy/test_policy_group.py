@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -209,3 +211,32 @@ def test_should_broadcast_trained_weights_when_generation_is_disaggregated(ray_l
     finally:
         generator.shutdown()
         policy.shutdown()
+
+
+def test_should_weight_the_policy_gradient_by_the_truncated_ratio_when_the_engine_was_off_policy(
+    ray_local, tiny_model_path
+):
+    """Engine logprobs 5 nats below the policy's: every ratio pi/pi_engine = e^5 is truncated at
+    tis_cap=2, so with importance_sampling=tis the policy gradient is exactly twice that without;
+    the gap itself is reported whatever the correction."""
+    from trainer.policy.group import PolicyGroup
+
+    grads, metrics = {}, {}
+    for mode in ("none", "tis"):
+        cfg = _cfg(tiny_model_path, "cluster.cpu_workers_per_node=1", f"grpo.loss.importance_sampling={mode}",
+                   "policy.max_grad_norm=null")
+        group = PolicyGroup(cfg, tiny_model_path, colocated_engine=False)
+        try:
+            samples = _samples(grouped=True)
+            own = group.gather_logprobs(group.compute_logprobs_async(samples), len(samples))
+            for s, lp in zip(samples, own):
+                s.gen_logprobs = [v - 5.0 for v in lp]
+            metrics[mode] = group.train(samples)
+            grads[mode] = metrics[mode]["grad_norm"]
+        finally:
+            group.shutdown()
+    assert grads["tis"] == pytest.approx(2 * grads["none"], rel=1e-4)
+    assert metrics["tis"]["is_flagged"] == pytest.approx(1.0) and metrics["none"]["is_flagged"] == 0.0
+    for m in metrics.values():
+        assert m["gen_logprob_abs_diff"] == pytest.approx(5.0, rel=1e-4)
+        assert m["gen_train_kl"] == pytest.approx(math.exp(5.0) - 5.0 - 1.0, rel=1e-3)  # k3 of a 5-nat gap

@@ -1,13 +1,14 @@
 """GRPO math as pure functions, chosen by name.
 
 Everything here takes tensors and returns tensors; nothing knows about Ray, FSDP or the config.
-Four registries map config names to functions, and an unknown name lists the valid ones:
+Five registries map config names to functions, and an unknown name lists the valid ones:
 
     ADVANTAGE_ESTIMATORS  group baselines           "mean", "leave_one_out"
     POLICY_LOSSES         per-token policy losses   "clipped"
     KL_ESTIMATORS         per-token KL estimates    "k1", "k2", "k3"
     LOSS_AGGREGATIONS     (B, T) loss -> scalar     "token-mean", "seq-mean-token-mean",
                                                     "seq-mean-token-sum-norm"
+    IMPORTANCE_SAMPLING   behaviour-policy weights  "none", "tis", "mis", "seq_mis"
 
 Shapes: B sequences (B = num_prompts * group_size, group-contiguous), T response tokens, V vocab.
 ``mask`` is 1 (or True) on response tokens and 0 on prompt/padding.
@@ -238,6 +239,69 @@ POLICY_LOSSES: dict[str, Callable[..., tuple[Tensor, dict[str, Tensor]]]] = {"cl
 def get_policy_loss(name: str) -> Callable[..., tuple[Tensor, dict[str, Tensor]]]:
     """The policy loss registered as ``name``; see :func:`clipped_policy_loss` for the signature."""
     return _lookup("policy loss", POLICY_LOSSES, name)
+
+
+# ---------------------------------------------------------------------------------------------
+# Importance sampling against the behaviour policy: the engine that sampled the tokens.
+#
+# The generation engine (vLLM's kernels and sampler, a bf16 copy, or weights some steps old) never
+# assigns exactly the probabilities the FSDP policy does, so the samples are slightly off-policy.
+# Each function turns the proximal policy's logprobs ``old`` (B, T) and the engine's ``behaviour``
+# logprobs (B, T) into detached per-token weights (B, T) that multiply the policy loss, and a (B, T)
+# indicator of the tokens it truncated or masked (its masked mean is the metric). Ratios are pi_old / pi_behaviour, as in verl's rollout
+# correction and Yao et al. 2025 ("Your efficient RL framework secretly brings you off-policy RL").
+# ---------------------------------------------------------------------------------------------
+
+
+def _behaviour_log_ratio(old: Tensor, behaviour: Tensor) -> Tensor:
+    return (old - behaviour).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+
+
+def no_importance_weights(old: Tensor, behaviour: Tensor, mask: Tensor, **_: float) -> tuple[Tensor, Tensor]:
+    """Weights 1: train as if the engine had sampled from the policy itself."""
+    return torch.ones_like(old), torch.zeros_like(old)
+
+
+def truncated_importance_weights(
+    old: Tensor, behaviour: Tensor, mask: Tensor, *, tis_cap: float = 2.0, **_: float
+) -> tuple[Tensor, Tensor]:
+    """TIS: per-token ratio, truncated from above at ``tis_cap``; returns (weights, truncated)."""
+    ratio = torch.exp(_behaviour_log_ratio(old, behaviour)).detach()
+    return ratio.clamp(max=tis_cap), (ratio > tis_cap).to(old.dtype)
+
+
+def masked_importance_weights(
+    old: Tensor, behaviour: Tensor, mask: Tensor, *, mis_low: float = 0.5, mis_high: float = 2.0, **_: float
+) -> tuple[Tensor, Tensor]:
+    """MIS: per-token ratio where it lies in ``[mis_low, mis_high]``, 0 (token dropped) elsewhere."""
+    ratio = torch.exp(_behaviour_log_ratio(old, behaviour)).detach()
+    keep = ((ratio >= mis_low) & (ratio <= mis_high)).to(old.dtype)
+    return ratio * keep, 1.0 - keep
+
+
+def sequence_masked_importance_weights(
+    old: Tensor, behaviour: Tensor, mask: Tensor, *, mis_low: float = 0.5, mis_high: float = 2.0, **_: float
+) -> tuple[Tensor, Tensor]:
+    """Sequence MIS: each token keeps its own ratio, but a whole sequence is dropped when the
+    geometric mean of its ratios, exp(mean log-ratio), leaves ``[mis_low, mis_high]``; returns the
+    weights and the tokens of dropped sequences."""
+    log_ratio = _behaviour_log_ratio(old, behaviour).detach()
+    seq = torch.exp(masked_mean(log_ratio, mask, dim=-1))  # (B,) geometric mean per sequence
+    keep = ((seq >= mis_low) & (seq <= mis_high)).to(old.dtype)[:, None]  # (B, 1)
+    return torch.exp(log_ratio) * keep, (1.0 - keep).expand_as(old)
+
+
+IMPORTANCE_SAMPLING: dict[str, Callable[..., tuple[Tensor, Tensor]]] = {
+    "none": no_importance_weights,
+    "tis": truncated_importance_weights,
+    "mis": masked_importance_weights,
+    "seq_mis": sequence_masked_importance_weights,
+}
+
+
+def get_importance_sampling(name: str) -> Callable[..., tuple[Tensor, Tensor]]:
+    """``(old (B,T), behaviour (B,T), mask (B,T), **thresholds) -> (weights (B,T), flagged (B,T))``."""
+    return _lookup("importance sampling", IMPORTANCE_SAMPLING, name)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -50,7 +50,9 @@ def grpo_step(cfg: Config, step: int, examples: list[dict], state) -> tuple[dict
         )
     else:
         pending = rollout.generate(generator, rewards, examples, g.num_generations_per_prompt, params)
-    samples = [Sample(r.prompt_ids, r.tokens, response_mask=r.response_mask) for r in pending.rollouts]
+    samples = [
+        Sample(r.prompt_ids, r.tokens, response_mask=r.response_mask, gen_logprobs=r.logprobs) for r in pending.rollouts
+    ]
 
     # Logprob passes need only the tokens, so they run while the rewards are still being computed.
     t1 = time.monotonic()
@@ -93,6 +95,10 @@ def grpo_step(cfg: Config, step: int, examples: list[dict], state) -> tuple[dict
         "train/pg_clipfrac": train_metrics["pg_clipfrac"],
         "train/entropy": train_metrics.get("entropy", 0.0),
         "train/grad_norm": train_metrics["grad_norm"],
+        # The engine against the policy's own recomputation, on the sampled tokens (see core_algos).
+        "train/gen_logprob_abs_diff": train_metrics["gen_logprob_abs_diff"],
+        "train/gen_train_kl": train_metrics["gen_train_kl"],
+        "train/is_flagged_frac": train_metrics["is_flagged"],
         "train/loss": train_metrics["loss"],
         "train/lr": train_metrics["lr"],
         "timing/generation_s": pending.generation_s,

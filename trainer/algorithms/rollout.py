@@ -27,6 +27,7 @@ class Rollout:
     # model wrote (1) or the environment did (0). None for a single turn: the completion alone.
     response_ids: list[int] | None = None
     response_mask: list[int] | None = None
+    response_logprobs: list[float] | None = None  # the engine's, 0.0 on environment tokens
     turns: int = 1
 
     @property
@@ -36,6 +37,11 @@ class Rollout:
     @property
     def tokens(self) -> list[int]:
         return self.response_ids if self.response_ids is not None else self.completion.token_ids
+
+    @property
+    def logprobs(self) -> list[float]:
+        """(L,) the engine's logprob of each token of :attr:`tokens` (the behaviour policy)."""
+        return self.response_logprobs if self.response_logprobs is not None else self.completion.logprobs
 
     @property
     def model_tokens(self) -> int:
@@ -89,7 +95,7 @@ def generate_multi_turn(
     becomes the next user turn; an episode ends on success, at the turn limit, or when the context
     would exceed ``max_context`` tokens. The final attempt is what gets rewarded."""
     start = time.monotonic()
-    episodes = [Rollout(ex, Completion([], [], "", "length"), None, [], [], 0) for ex in examples for _ in range(n)]
+    episodes = [Rollout(ex, Completion([], [], "", "length"), None, [], [], [], 0) for ex in examples for _ in range(n)]
     active = list(range(len(episodes)))
     for turn in range(max_turns):
         contexts = [episodes[i].prompt_ids + episodes[i].response_ids for i in active]
@@ -103,6 +109,7 @@ def generate_multi_turn(
             ep.completion, ep.turns = c, ep.turns + 1
             ep.response_ids += c.token_ids
             ep.response_mask += [1] * len(c.token_ids)
+            ep.response_logprobs += c.logprobs
         if turn == max_turns - 1:
             break
         results = feedback.results(feedback.submit([(episodes[i].example["ground_truth"], episodes[i].completion.text) for i in active]))
@@ -117,6 +124,7 @@ def generate_multi_turn(
                 continue
             ep.response_ids += glue
             ep.response_mask += [0] * len(glue)
+            ep.response_logprobs += [0.0] * len(glue)  # masked out of the loss and the metrics
             still.append(i)
         active = still
         if not active:

@@ -24,6 +24,7 @@ class Sample:
     old_logprobs: list[float] | None = None  # (L,) policy logprobs before the update
     ref_logprobs: list[float] | None = None  # (L,) reference-policy logprobs (KL penalty)
     response_mask: list[int] | None = None   # (L,) 0 marks tokens the model did not write (multi-turn)
+    gen_logprobs: list[float] | None = None  # (L,) the engine's logprobs when it sampled (behaviour policy)
     extra: dict = field(default_factory=dict)
 
     @property
@@ -48,6 +49,7 @@ class PaddedBatch:
     advantages: torch.Tensor      # (B,)
     old_logprobs: torch.Tensor | None  # (B, K), aligned with labels
     ref_logprobs: torch.Tensor | None  # (B, K)
+    gen_logprobs: torch.Tensor | None  # (B, K)
 
 
 def _scatter(samples: list[Sample], attr: str, shape: tuple[int, int], firsts: list[int]) -> torch.Tensor | None:
@@ -84,6 +86,7 @@ def pad_batch(samples: list[Sample], pad_id: int) -> PaddedBatch:
         advantages=torch.tensor([s.advantage for s in samples], dtype=torch.float32),
         old_logprobs=_scatter(samples, "old_logprobs", shape, firsts),
         ref_logprobs=_scatter(samples, "ref_logprobs", shape, firsts),
+        gen_logprobs=_scatter(samples, "gen_logprobs", shape, firsts),
     )
 
 
@@ -104,6 +107,7 @@ class PrefixBatch:
     advantages: torch.Tensor      # (B,)
     old_logprobs: torch.Tensor | None  # (B, C)
     ref_logprobs: torch.Tensor | None  # (B, C)
+    gen_logprobs: torch.Tensor | None  # (B, C)
 
     @property
     def labels(self) -> torch.Tensor:
@@ -146,6 +150,7 @@ def prefix_batch(samples: list[Sample], pad_id: int) -> PrefixBatch:
         advantages=torch.tensor([s.advantage for s in samples], dtype=torch.float32),
         old_logprobs=_scatter(samples, "old_logprobs", loss_mask.shape, [0] * len(samples)),
         ref_logprobs=_scatter(samples, "ref_logprobs", loss_mask.shape, [0] * len(samples)),
+        gen_logprobs=_scatter(samples, "gen_logprobs", loss_mask.shape, [0] * len(samples)),
     )
 
 

@@ -307,7 +307,14 @@ class PolicyWorker:
             self.engine.sleep()  # colocated: generation's memory goes back to training until refresh_engine
         self.model.train()
         # The same keys on every rank, and present when a step trained on nothing (all skipped).
-        sums: dict[str, float] = dict.fromkeys(("loss", "pg_clipfrac", "ppo_kl", "tokens"), 0.0)
+        is_fn = core_algos.get_importance_sampling(loss_cfg.importance_sampling)
+        is_kwargs = {"tis_cap": loss_cfg.tis_cap, "mis_low": loss_cfg.mis_low, "mis_high": loss_cfg.mis_high}
+        # gen_*: how far the engine that sampled is from this policy (every backend), and what the
+        # importance-sampling correction truncated or dropped; sums over tokens, like the others.
+        sums: dict[str, float] = dict.fromkeys(
+            ("loss", "pg_clipfrac", "ppo_kl", "tokens", "gen_logprob_abs_diff", "gen_train_kl", "is_flagged", "gen_tokens"),
+            0.0,
+        )
         if cfg.policy.compute_entropy:
             sums["entropy"] = 0.0
         if kl_fn is not None:
@@ -327,6 +334,16 @@ class PolicyWorker:
                 logprobs, entropy = self._forward_logprobs(self.model, batch, cfg.policy.compute_entropy)
                 # On-policy single update: old == current, so the ratio is exactly 1 with its gradient.
                 old = batch.old_logprobs.to(self.device) if batch.old_logprobs is not None else logprobs.detach()
+                is_weights = None
+                if batch.gen_logprobs is not None:
+                    behaviour = batch.gen_logprobs.to(self.device)
+                    diff = old.detach() - behaviour  # log pi_policy - log pi_engine on the sampled tokens
+                    add("gen_logprob_abs_diff", (diff.abs() * mask).sum())
+                    add("gen_train_kl", (core_algos.kl_k3(behaviour, old.detach()) * mask).sum())  # KL(engine||policy)
+                    add("gen_tokens", mask.sum())
+                    if loss_cfg.importance_sampling != "none":
+                        is_weights, flagged = is_fn(old.detach(), behaviour, mask, **is_kwargs)
+                        add("is_flagged", (flagged * mask).sum())
                 loss_mat, metrics = policy_loss(
                     logprobs,
                     old,
@@ -335,6 +352,8 @@ class PolicyWorker:
                     ratio_clip_max=loss_cfg.ratio_clip_max,
                     ratio_clip_c=loss_cfg.ratio_clip_c,
                 )
+                if is_weights is not None:
+                    loss_mat = loss_mat * is_weights  # the policy-gradient term only, as the peers weight it
                 if kl_fn is not None:
                     kl = kl_fn(logprobs, batch.ref_logprobs.to(self.device))
                     loss_mat = loss_mat + loss_cfg.reference_policy_kl_penalty * kl
@@ -374,7 +393,10 @@ class PolicyWorker:
         agg = dict(zip(keys, totals.tolist()))
         n_steps = len(minibatches)
         tokens = max(agg.pop("tokens"), 1.0)
+        gen_tokens = max(agg.pop("gen_tokens"), 1.0)
         out = {"loss": agg.pop("loss") / n_steps, "grad_norm": agg.pop("grad_norm") / (n_steps * self.world_size)}
+        for key in ("gen_logprob_abs_diff", "gen_train_kl", "is_flagged"):
+            out[key] = agg.pop(key) / gen_tokens
         out.update({k: v / tokens for k, v in agg.items()})
         out["lr"] = self.scheduler.get_last_lr()[0]
         return out

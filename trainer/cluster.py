@@ -105,14 +105,29 @@ def init_ray(cfg: Config) -> None:
             ) from None
         return
     needed = cfg.train_world_size + (cfg.num_generation_workers if cfg.disaggregated else 0) + 2
-    ray.init(
-        num_cpus=max(os.cpu_count() or 1, needed),
-        num_gpus=None if cfg.cluster.use_gpus else 0,
-        include_dashboard=False,
-        runtime_env=runtime_env,
-        log_to_driver=True,
-        logging_level=logging.WARNING,
-    )
+    # Ray gives its raylet a fixed 30 s to register; on a machine busy with other work that can pass.
+    # Once more, then one line instead of Ray's traceback.
+    for attempt in (1, 2):
+        try:
+            ray.init(
+                num_cpus=max(os.cpu_count() or 1, needed),
+                num_gpus=None if cfg.cluster.use_gpus else 0,
+                include_dashboard=False,
+                runtime_env=runtime_env,
+                log_to_driver=True,
+                logging_level=logging.WARNING,
+            )
+            return
+        except Exception as e:
+            if "timed out during startup" not in str(e):
+                raise
+            ray.shutdown()
+            if attempt == 2:
+                raise ClusterError(
+                    f"the local Ray instance did not start (twice, load average {os.getloadavg()[0]:.0f} on "
+                    f"{os.cpu_count()} cores); retry when the machine is less busy, or start one with make up"
+                ) from None
+            log.warning("the local Ray instance did not start in time; trying once more")
 
 
 def bundles_for(num_nodes: int, gpus_per_node: int, cpu_workers: int, use_gpus: bool) -> list[dict]:

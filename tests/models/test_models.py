@@ -113,9 +113,17 @@ def test_bad_names_say_what_is_valid(tmp_path, name, match):
         resolve_model(name, cache_dir=tmp_path)
 
 
-@pytest.mark.parametrize("name", ["HuggingFaceTB/SmolLM2-135M-Instruct", "/models/qwen", "./ckpt/step_10"])
-def test_other_names_pass_through(name):
-    assert resolve_model(name) == name
+def test_other_names_pass_through_when_a_hub_id_or_a_model_directory(tmp_path):
+    assert resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    (tmp_path / "config.json").write_text("{}")
+    assert resolve_model(str(tmp_path)) == str(tmp_path)
+
+
+@pytest.mark.parametrize("name", ["/models/qwen", "./ckpt/step_10", "~/no/such/dir", "a/b/c"])
+def test_should_say_no_such_directory_in_one_line_when_a_path_does_not_exist(name):
+    with pytest.raises(ModelNotFoundError, match="no such local directory, and not a hub id either") as err:
+        resolve_model(name)
+    assert "\n" not in str(err.value) and str(err.value).startswith(f"model.name={name}:")
 
 
 def test_cache_root_follows_env(monkeypatch, tmp_path):

@@ -18,8 +18,9 @@ def values_file(request) -> Path:
     return request.param
 
 
-def test_should_pass_helm_lint_strict_when_linting_each_values_file(values_file: Path) -> None:
-    out = run_helm("lint", "--strict", str(CHART), "-f", str(values_file))
+@pytest.mark.parametrize("sets", [(), ("--set", "job.enabled=true")], ids=["raycluster", "rayjob"])
+def test_should_pass_helm_lint_strict_when_linting_each_values_file(values_file: Path, sets) -> None:
+    out = run_helm("lint", "--strict", str(CHART), "-f", str(values_file), *sets)
     assert out.returncode == 0, out.stdout + out.stderr
 
 

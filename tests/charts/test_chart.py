@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import yaml
 from chartlib import CHART, RDMA, env_of, groups, head_template, one, render, run_helm, schema_errors
 
 
@@ -367,8 +368,214 @@ def test_should_print_the_port_forward_and_submit_command_in_notes_when_installe
     notes = out.stdout.split("NOTES:", 1)[1]
     assert "kubectl port-forward -n exp svc/gemma3-1b-math-head-svc 8265:8265" in notes
     assert "make submit EXP=gemma3-1b-math" in notes
+    assert "image us-docker.pkg.dev/my-project/kuberl/kuberl:0.1.0" in notes
+    assert "KubeRay >= 1.6.0" in notes and "make preflight EXP=gemma3-1b-math NAMESPACE=exp" in notes
 
 
 def test_should_replace_dots_in_the_cluster_name_when_the_release_has_them() -> None:
     rc = one(render(release="qwen2.5-coder"), "RayCluster")
     assert rc["metadata"]["name"] == "qwen2-5-coder"
+
+
+# ----- GPU containers -----------------------------------------------------------------------------
+
+
+def _gpu_containers(docs: list[dict]) -> list[dict]:
+    """Every container that asks for a GPU, in RayClusters and RayJobs alike."""
+    specs = [d["spec"] for d in docs if d["kind"] == "RayCluster"]
+    specs += [d["spec"]["rayClusterSpec"] for d in docs if d["kind"] == "RayJob"]
+    templates = [s["headGroupSpec"]["template"] for s in specs]
+    templates += [g["template"] for s in specs for g in s["workerGroupSpecs"]]
+    return [
+        c
+        for t in templates
+        for c in t["spec"]["containers"]
+        if int(c.get("resources", {}).get("limits", {}).get("nvidia.com/gpu", 0)) > 0
+    ]
+
+
+@pytest.mark.parametrize("sets", [(), RDMA, ("job.enabled=true", "experiment=tiny")], ids=["plain", "rdma", "rayjob"])
+def test_should_put_the_gke_driver_on_ld_library_path_of_every_gpu_container_when_rendered(sets) -> None:
+    containers = _gpu_containers(render("workerGroups.generation.replicas=1", "workerGroups.generation.gpus=8", *sets))
+    assert len(containers) == 2
+    for c in containers:
+        path = {e["name"]: e.get("value") for e in c["env"]}["LD_LIBRARY_PATH"].split(":")
+        assert "/usr/local/nvidia/lib64" in path
+        assert ("/usr/local/gib/lib64" in path) == bool(sets == RDMA)
+
+
+def test_should_leave_ld_library_path_alone_when_a_container_has_no_gpu() -> None:
+    docs = render()
+    assert "LD_LIBRARY_PATH" not in env_of(head_template(docs))
+    assert "LD_LIBRARY_PATH" not in env_of(groups(render("gpu.type=none", "workerGroups.train.gpus=0"))["train"]["template"])
+
+
+# ----- image --------------------------------------------------------------------------------------
+
+DIGEST = "sha256:" + "ab" * 32
+
+
+def _image(*sets: str) -> set[str]:
+    docs = render(*sets)
+    templates = [head_template(docs), groups(docs)["train"]["template"], {"spec": one(docs, "Pod")["spec"]}]
+    return {t["spec"]["containers"][0]["image"] for t in templates}
+
+
+def test_should_run_the_charts_app_version_when_image_tag_is_empty() -> None:
+    app_version = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
+    assert _image() == {f"us-docker.pkg.dev/my-project/kuberl/kuberl:{app_version}"}
+
+
+@pytest.mark.parametrize(
+    ("tag", "ref"),
+    [("0.2.0", ":0.2.0"), (f"@{DIGEST}", f"@{DIGEST}"), (DIGEST, f"@{DIGEST}"), (f"0.2.0@{DIGEST}", f":0.2.0@{DIGEST}")],
+    ids=["tag", "digest", "bare-digest", "tag-and-digest"],
+)
+def test_should_pin_the_image_by_tag_or_digest_when_image_tag_is_given(tag: str, ref: str) -> None:
+    assert _image(f"image.tag={tag}") == {f"us-docker.pkg.dev/my-project/kuberl/kuberl{ref}"}
+
+
+def test_should_reject_a_malformed_digest_when_linting() -> None:
+    assert "/image/tag" in _lint("image.tag=@sha256:123")
+
+
+# ----- replicas -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("sets", "message"),
+    [
+        (("workerGroups.train.replicas=4", "workerGroups.train.maxReplicas=2"),
+         "workerGroups.train.replicas (4) is above workerGroups.train.maxReplicas (2): raise maxReplicas or lower replicas"),
+        (("workerGroups.train.replicas=1", "workerGroups.train.minReplicas=3"),
+         "workerGroups.train.replicas (1) is below workerGroups.train.minReplicas (3): lower minReplicas or raise replicas"),
+    ],
+    ids=["above-max", "below-min"],
+)  # fmt: skip
+def test_should_fail_in_one_line_naming_the_keys_when_replicas_is_outside_min_and_max(sets, message) -> None:
+    args = ["template", "x", str(CHART), "--set", "storage.gcsfuse.bucketName=b"]
+    for s in sets:
+        args += ["--set", s]
+    out = run_helm(*args)
+    assert out.returncode != 0 and message in out.stderr.splitlines()[0]  # helm adds only its --debug hint
+
+
+# ----- storage options ----------------------------------------------------------------------------
+
+
+def _volume(template: dict, name: str) -> dict:
+    return next(v for v in template["spec"]["volumes"] if v["name"] == name)
+
+
+def _options(volume: dict) -> dict[str, str]:
+    """gcsfuse mountOptions as {option: value} (`metadata-cache:ttl-secs:0` -> {'metadata-cache:ttl-secs': '0'})."""
+    items = volume["csi"]["volumeAttributes"]["mountOptions"].split(",")
+    return dict(o.rsplit(":", 1) if ":" in o else (o.split("=", 1) + [""])[:2] for o in items)
+
+
+def test_should_not_cache_metadata_and_bound_the_file_cache_when_mounting_the_read_write_bucket() -> None:
+    docs = render()
+    for template in [head_template(docs), groups(docs)["train"]["template"]]:
+        shared = _volume(template, "shared")
+        assert _options(shared)["metadata-cache:ttl-secs"] == "0"
+        attrs = shared["csi"]["volumeAttributes"]
+        assert attrs["fileCacheCapacity"] == "200Gi" and not attrs["fileCacheCapacity"].startswith("-")
+        assert "readOnly" not in shared["csi"]
+        mount = next(m for m in template["spec"]["containers"][0]["volumeMounts"] if m["name"] == "shared")
+        assert not mount.get("readOnly")
+    assert "file-cache:max-size-mb:-1" not in json.dumps(docs)
+
+
+def test_should_reject_a_forever_metadata_cache_when_set_on_the_read_write_mount() -> None:
+    out = _lint("storage.gcsfuse.mountOptions=implicit-dirs\\,metadata-cache:ttl-secs:-1")
+    assert "/storage/gcsfuse/mountOptions" in out
+
+
+def test_should_mount_models_read_only_with_cached_metadata_when_models_enabled_on_gcsfuse() -> None:
+    docs = render("storage.models.enabled=true")
+    template = groups(docs)["train"]["template"]
+    models = _volume(template, "models")
+    assert models["csi"]["readOnly"] is True
+    assert models["csi"]["volumeAttributes"]["bucketName"] == "test-bucket"
+    options = _options(models)
+    assert options["only-dir"] == "models" and options["metadata-cache:ttl-secs"] == "-1"
+    assert models["csi"]["volumeAttributes"]["fileCacheCapacity"] == "500Gi"
+    mounts = {m["name"]: m for m in template["spec"]["containers"][0]["volumeMounts"]}
+    assert mounts["models"] == {"name": "models", "mountPath": "/models", "readOnly": True}
+    assert env_of(template)["KUBERL_MODELS_DIR"]["value"] == "/models"
+    assert not [e for d in docs for e in schema_errors(d)]
+
+
+def test_should_show_a_read_only_sub_path_of_the_claim_when_models_enabled_on_lustre() -> None:
+    docs = render(*LUSTRE, "storage.models.enabled=true", "storage.lustre.mountOptions={flock}")
+    template = head_template(docs)
+    assert "models" not in {v["name"] for v in template["spec"]["volumes"]}
+    views = [m for m in template["spec"]["containers"][0]["volumeMounts"] if m["name"] == "shared"]
+    assert views == [
+        {"name": "shared", "mountPath": "/data"},
+        {"name": "shared", "mountPath": "/models", "subPath": "models", "readOnly": True},
+    ]
+    assert one(docs, "PersistentVolume")["spec"]["mountOptions"] == ["flock"]
+    assert not [e for d in docs for e in schema_errors(d)]
+
+
+# ----- RayJob -------------------------------------------------------------------------------------
+
+JOB = ("job.enabled=true", "experiment=gemma3-1b-math")
+
+
+def test_should_render_a_valid_rayjob_instead_of_the_raycluster_when_job_enabled() -> None:
+    docs = render(*JOB)
+    assert not [d for d in docs if d["kind"] in ("RayCluster", "Pod")]  # no cluster to `helm test`
+    job = one(docs, "RayJob")
+    assert not schema_errors(job)
+    spec = job["spec"]
+    assert (spec["backoffLimit"], spec["shutdownAfterJobFinishes"], spec["ttlSecondsAfterFinished"]) == (10, True, 600)
+    assert spec["submissionMode"] == "K8sJobMode" and "activeDeadlineSeconds" not in spec
+    assert job["metadata"]["annotations"]["ray.io/overwrite-container-cmd"] == "true"
+    # the same cluster as the RayCluster path renders
+    cluster = one(render("experiment=gemma3-1b-math"), "RayCluster")["spec"]
+    assert spec["rayClusterSpec"] == cluster
+
+
+def test_should_resume_the_experiment_on_shared_storage_when_the_rayjob_entrypoint_runs() -> None:
+    spec = one(render(*JOB, "job.overrides={grpo.max_num_steps=500,policy.learning_rate=1e-6}"), "RayJob")["spec"]
+    assert spec["entrypoint"] == (
+        "python -m trainer experiment=gemma3-1b-math checkpointing.resume=auto logger.log_dir=/data/logs "
+        "checkpointing.checkpoint_dir=/data/checkpoints 'grpo.max_num_steps=500' 'policy.learning_rate=1e-6'"
+    )
+
+
+def test_should_set_retry_and_cleanup_from_values_when_job_keys_are_given() -> None:
+    spec = one(render(*JOB, "job.backoffLimit=3", "job.shutdownAfterJobFinishes=false",
+                      "job.ttlSecondsAfterFinished=0", "job.activeDeadlineSeconds=86400"), "RayJob")["spec"]  # fmt: skip
+    assert (spec["backoffLimit"], spec["shutdownAfterJobFinishes"]) == (3, False)
+    assert (spec["ttlSecondsAfterFinished"], spec["activeDeadlineSeconds"]) == (0, 86400)
+
+
+def test_should_fail_naming_the_key_when_a_rayjob_has_no_experiment() -> None:
+    out = run_helm("template", "x", str(CHART), "--set", "storage.gcsfuse.bucketName=b", "--set", "job.enabled=true")
+    assert out.returncode != 0 and "experiment is required when job.enabled" in out.stderr
+
+
+def test_should_reject_the_experiment_as_an_override_when_linting() -> None:
+    assert "/job/overrides/0" in _lint("job.enabled=true", "experiment=tiny", "job.overrides={experiment=tiny}")
+
+
+def test_should_print_how_to_follow_the_rayjob_when_installed_with_job_enabled() -> None:
+    out = run_helm("install", "gemma3-1b-math", str(CHART), "--dry-run=client", "-n", "exp",
+                   "--set", "storage.gcsfuse.bucketName=b", "--set", "experiment=gemma3-1b-math",
+                   "--set", "job.enabled=true")  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    notes = out.stdout.split("NOTES:", 1)[1]
+    assert "kubectl get rayjob gemma3-1b-math -n exp -w" in notes
+    assert "python -m trainer experiment=gemma3-1b-math checkpointing.resume=auto" in notes
+    assert "make submit" not in notes and "helm test" not in notes
+
+
+def test_should_give_helm_test_a_timeout_longer_than_the_test_pod_waits_when_notes_print_it() -> None:
+    out = run_helm("install", "r", str(CHART), "--dry-run=client", "-n", "exp",
+                   "--set", "storage.gcsfuse.bucketName=b", "--set", "tests.timeoutSeconds=900")  # fmt: skip
+    notes = out.stdout.split("NOTES:", 1)[1]
+    timeout = int(notes.split("helm test r -n exp --timeout ", 1)[1].split("s", 1)[0])
+    assert timeout > 900

@@ -8,7 +8,8 @@ import re
 import shlex
 import subprocess
 
-from chartlib import REPO
+import yaml
+from chartlib import REPO, lock_pins
 
 DOCKER = REPO / "docker"
 
@@ -30,13 +31,32 @@ def test_should_copy_only_files_that_exist_when_built_from_the_repository_root()
             assert (REPO / src).exists(), f"Dockerfile copies {src}, which is not in the repository"
 
 
-def test_should_install_the_vllm_extra_and_the_sandbox_tools_when_built() -> None:
+def test_should_install_the_pinned_lock_with_hashes_and_the_sandbox_tools_when_built() -> None:
     runs = " ".join(arg for op, arg in _instructions() if op == "RUN")
     args = " ".join(arg for op, arg in _instructions() if op == "ARG")
-    assert "EXTRAS=vllm" in args and 'pip install ".${EXTRAS:+[$EXTRAS]}"' in runs
+    assert "EXTRAS=vllm" in args
+    assert "pip install --require-hashes --no-deps -r requirements.lock" in runs
+    assert "pip install --require-hashes --no-deps -r model.lock" in runs
+    # the CPU image (EXTRAS=) takes the same pins as constraints
+    assert "-c /tmp/constraints.txt" in runs
     assert re.search(r"apt-get install .*\bbubblewrap\b", runs) and re.search(
         r"apt-get install .*\bg\+\+", runs
     )
+
+
+def test_should_pin_vllm_and_ray_in_the_lock_when_the_chart_names_a_ray_version() -> None:
+    pins = lock_pins(DOCKER / "requirements.lock")
+    assert pins["vllm"][0] == "0.32.0"
+    values = yaml.safe_load((REPO / "charts" / "kuberl" / "values.yaml").read_text())
+    assert values["rayVersion"] == pins["ray"][0], "run `make lock`: it writes rayVersion from the ray pin"
+    assert all(hashes for _, hashes in pins.values()), "every pin carries its hashes"
+
+
+def test_should_lock_for_the_python_of_the_image_when_make_lock_runs() -> None:
+    base = next(arg for op, arg in _instructions() if op == "ARG" and arg.startswith("PYTHON_IMAGE="))
+    python = re.search(r"python:(\d+\.\d+)-", base).group(1)
+    mk = (REPO / "mk" / "image.mk").read_text()
+    assert f"--python-version {python} " in mk and "--python-platform x86_64-manylinux" in mk
 
 
 def test_should_copy_the_entrypoint_it_runs_when_built() -> None:
@@ -56,5 +76,7 @@ def test_should_run_the_given_command_when_the_entrypoint_starts() -> None:
 
 def test_should_send_the_files_it_copies_when_the_context_is_filtered() -> None:
     ignore = (DOCKER / "Dockerfile.dockerignore").read_text().split()
-    for kept in ("!pyproject.toml", "!trainer/", "!docker/entrypoint.sh"):
+    for kept in (
+        "!pyproject.toml", "!trainer/", "!docker/entrypoint.sh", "!docker/requirements.lock", "!docker/model.lock"
+    ):
         assert kept in ignore

@@ -18,8 +18,9 @@ def values_file(request) -> Path:
     return request.param
 
 
-def test_should_pass_helm_lint_strict_when_linting_each_values_file(values_file: Path) -> None:
-    out = run_helm("lint", "--strict", str(CHART), "-f", str(values_file))
+@pytest.mark.parametrize("sets", [(), ("--set", "job.enabled=true")], ids=["raycluster", "rayjob"])
+def test_should_pass_helm_lint_strict_when_linting_each_values_file(values_file: Path, sets) -> None:
+    out = run_helm("lint", "--strict", str(CHART), "-f", str(values_file), *sets)
     assert out.returncode == 0, out.stdout + out.stderr
 
 
@@ -63,3 +64,43 @@ def test_should_supply_the_nodes_and_gpus_of_its_experiment_when_rendered(values
     if not cfg.cluster.use_gpus:
         rc = next(d for d in render(values=(str(values_file),)) if d["kind"] == "RayCluster")
         assert rc["spec"]["headGroupSpec"]["rayStartParams"]["num-gpus"] == "0"
+
+
+def _gpu_containers(docs: list[dict]) -> list[dict]:
+    specs = [d["spec"] for d in docs if d["kind"] == "RayCluster"]
+    specs += [d["spec"]["rayClusterSpec"] for d in docs if d["kind"] == "RayJob"]
+    templates = [t for s in specs for t in [s["headGroupSpec"]["template"], *(g["template"] for g in s["workerGroupSpecs"])]]
+    return [
+        c for t in templates for c in t["spec"]["containers"]
+        if int(c.get("resources", {}).get("limits", {}).get("nvidia.com/gpu", 0)) > 0
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("job", [False, True], ids=["raycluster", "rayjob"])
+def test_should_find_cuda_on_every_gpu_container_when_rendering_each_values_file(values_file: Path, job: bool) -> None:
+    docs = render(*(["job.enabled=true"] if job else []), values=(str(values_file),))
+    gpu_type = (yaml.safe_load(values_file.read_text()).get("gpu") or {}).get("type", "b200")
+    containers = _gpu_containers(docs)
+    assert containers or gpu_type == "none"
+    for c in containers:
+        env = {e["name"]: e.get("value", "") for e in c["env"]}
+        assert "/usr/local/nvidia/lib64" in env.get("LD_LIBRARY_PATH", "").split(":"), c["name"]
+
+
+def test_should_validate_the_rayjob_against_its_schema_when_job_enabled_in_each_values_file(values_file: Path) -> None:
+    docs = render("job.enabled=true", values=(str(values_file),))
+    errors = [e for d in docs for e in schema_errors(d)]
+    assert not errors, "\n".join(errors)
+    assert [d["kind"] for d in docs if d["kind"].startswith("Ray")] == ["RayJob"]
+
+
+def test_should_put_the_head_on_a_node_with_at_least_16_vcpus_when_the_values_use_gpus(values_file: Path) -> None:
+    docs = render(values=(str(values_file),))
+    if (yaml.safe_load(values_file.read_text()).get("gpu") or {}).get("type") == "none":
+        pytest.skip("a CPU-only cluster on one machine")
+    spec = next(d for d in docs if d["kind"] == "RayCluster")["spec"]["headGroupSpec"]["template"]["spec"]
+    machine = spec.get("nodeSelector", {}).get("node.kubernetes.io/instance-type", "")
+    assert machine, "the head needs a node selector for the CPU head pool"
+    assert int(machine.rsplit("-", 1)[-1]) >= 16, f"{machine} has fewer than 16 vCPUs"
+    cpu = spec["containers"][0]["resources"]["requests"]["cpu"]
+    assert float(cpu) > 8, f"head requests {cpu} CPUs: it would also fit a node with 8 vCPUs"

@@ -46,8 +46,18 @@ kuberl.dev/experiment: {{ . | quote }}
 {{- end }}
 {{- end }}
 
+{{/*
+The job image. image.tag empty: the chart's appVersion (what `make image`/`make push` build). A tag,
+a digest (`@sha256:...`) or both (`0.2.0@sha256:...`); a digest pins the image whatever the tag.
+*/}}
 {{- define "kuberl.image" -}}
-{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{- $tag := .Values.image.tag | default .Chart.AppVersion | toString }}
+{{- if hasPrefix "sha256:" $tag }}{{ $tag = printf "@%s" $tag }}{{ end }}
+{{- if hasPrefix "@" $tag }}
+{{- printf "%s%s" .Values.image.repository $tag }}
+{{- else }}
+{{- printf "%s:%s" .Values.image.repository $tag }}
+{{- end }}
 {{- end }}
 
 {{/*
@@ -120,10 +130,18 @@ Environment of every Ray container. Args: dict root, gpu (bool: a GPU worker).
       name: {{ . }}
       key: {{ $v.secrets.wandbApiKey.key }}
 {{- end }}
+{{- if .gpu }}
+{{- /* GKE mounts the node's driver at /usr/local/nvidia, and our command bypasses the image's
+entrypoint, which would add it: without this no GPU container loads libcuda. */}}
+- name: LD_LIBRARY_PATH
+  value: {{ ternary "/usr/local/gib/lib64:/usr/local/nvidia/lib64" "/usr/local/nvidia/lib64" $v.rdma.enabled }}
+{{- end }}
+{{- with $v.storage.models }}{{ if .enabled }}
+- name: KUBERL_MODELS_DIR
+  value: {{ .mountPath | quote }}
+{{- end }}{{ end }}
 {{- if and .gpu $v.rdma.enabled }}
 {{- $preset := include "kuberl.gpuPreset" .root | fromYaml }}
-- name: LD_LIBRARY_PATH
-  value: /usr/local/gib/lib64:/usr/local/nvidia/lib64
 - name: NCCL_TUNER_CONFIG_PATH
   value: {{ $preset.tuner | quote }}
 {{- range $k, $val := $v.rdma.ncclEnv }}
@@ -239,6 +257,20 @@ read them from the pod, and a chart that drops them yields pods without storage 
   emptyDir:
     sizeLimit: {{ $v.storage.emptyDirSizeLimit }}
 {{- end }}
+{{- $m := $v.storage.models }}
+{{- if and $m.enabled (eq $v.storage.type "gcsfuse") }}
+{{- /* Its own mount: read-only, so its metadata can be cached for good (ttl -1). */}}
+- name: models
+  csi:
+    driver: gcsfuse.csi.storage.gke.io
+    readOnly: true
+    volumeAttributes:
+      bucketName: {{ $v.storage.gcsfuse.bucketName | quote }}
+      mountOptions: {{ printf "only-dir=%s,%s" $m.subPath $m.gcsfuse.mountOptions | quote }}
+      {{- range $k, $val := $m.gcsfuse.volumeAttributes }}
+      {{ $k }}: {{ $val | toString | quote }}
+      {{- end }}
+{{- end }}
 {{- if and .gpu $v.rdma.enabled }}
 - name: nvidia-libs
   hostPath:
@@ -255,6 +287,19 @@ read them from the pod, and a chart that drops them yields pods without storage 
   mountPath: /dev/shm
 - name: shared
   mountPath: {{ .root.Values.storage.mountPath }}
+{{- $m := .root.Values.storage.models }}
+{{- if $m.enabled }}
+{{- if eq .root.Values.storage.type "gcsfuse" }}
+- name: models
+  mountPath: {{ $m.mountPath }}
+  readOnly: true
+{{- else }}
+- name: shared
+  mountPath: {{ $m.mountPath }}
+  subPath: {{ $m.subPath }}
+  readOnly: true
+{{- end }}
+{{- end }}
 {{- if and .gpu .root.Values.rdma.enabled }}
 - name: nvidia-libs
   mountPath: /usr/local/nvidia
@@ -414,4 +459,62 @@ while :; do
   fi
   sleep "${POLL_S:-10}"
 done
+{{- end }}
+
+{{/*
+The RayCluster spec: a head with no GPUs and one worker group per entry of .Values.workerGroups.
+The RayCluster and the RayJob (job.enabled) both render it. KubeRay keeps only the container ports
+listed here, so every head port is listed.
+*/}}
+{{- define "kuberl.rayClusterSpec" -}}
+rayVersion: {{ .Values.rayVersion | quote }}
+headGroupSpec:
+  serviceType: {{ .Values.head.serviceType }}
+  rayStartParams:
+    {{- $head := dict "num-gpus" "0" "dashboard-host" "0.0.0.0" "port" "6379" "ray-client-server-port" "10001" "metrics-export-port" "8080" "block" "true" }}
+    {{- range $k, $val := merge (deepCopy .Values.head.rayStartParams) $head }}
+    {{ $k }}: {{ $val | toString | quote }}
+    {{- end }}
+  template:
+    {{- include "kuberl.podTemplate" (dict "root" . "name" "head" "head" true "group" .Values.head) | nindent 4 }}
+workerGroupSpecs:
+{{- range $name, $g := .Values.workerGroups }}
+  {{- /* 0 is a valid minimum, so test for null rather than use `default` */}}
+  {{- $min := ternary $g.replicas $g.minReplicas (kindIs "invalid" $g.minReplicas) }}
+  {{- $max := ternary $g.replicas $g.maxReplicas (kindIs "invalid" $g.maxReplicas) }}
+  {{- /* KubeRay would silently clamp replicas into [min, max]: say so instead. */}}
+  {{- if gt (int $g.replicas) (int $max) }}
+  {{- fail (printf "workerGroups.%s.replicas (%d) is above workerGroups.%s.maxReplicas (%d): raise maxReplicas or lower replicas" $name (int $g.replicas) $name (int $max)) }}
+  {{- end }}
+  {{- if lt (int $g.replicas) (int $min) }}
+  {{- fail (printf "workerGroups.%s.replicas (%d) is below workerGroups.%s.minReplicas (%d): lower minReplicas or raise replicas" $name (int $g.replicas) $name (int $min)) }}
+  {{- end }}
+  - groupName: {{ $name }}
+    replicas: {{ $g.replicas }}
+    minReplicas: {{ $min }}
+    maxReplicas: {{ $max }}
+    rayStartParams:
+      {{- $worker := dict "metrics-export-port" "8080" "block" "true" }}
+      {{- if not $g.gpus }}{{ $_ := set $worker "num-gpus" "0" }}{{ end }}
+      {{- range $k, $val := merge (deepCopy (default dict $g.rayStartParams)) $worker }}
+      {{ $k }}: {{ $val | toString | quote }}
+      {{- end }}
+    template:
+      {{- include "kuberl.podTemplate" (dict "root" $ "name" $name "head" false "group" $g) | nindent 6 }}
+{{- end }}
+{{- end }}
+
+{{/*
+The RayJob's entrypoint, run by a shell on the head: the experiment, resume from the latest
+complete checkpoint, the chart's shared directories, then job.overrides (each single-quoted).
+*/}}
+{{- define "kuberl.jobEntrypoint" -}}
+{{- $v := .Values -}}
+{{- $parts := list "python" "-m" "trainer" (printf "experiment=%s" (required "experiment is required when job.enabled: the Hydra experiment the RayJob runs" $v.experiment)) "checkpointing.resume=auto" }}
+{{- $parts = append $parts (printf "logger.log_dir=%s" (include "kuberl.path" (dict "root" . "key" "logs"))) }}
+{{- $parts = append $parts (printf "checkpointing.checkpoint_dir=%s" (include "kuberl.path" (dict "root" . "key" "checkpoints"))) }}
+{{- range $v.job.overrides }}
+{{- $parts = append $parts (squote .) }}
+{{- end }}
+{{- join " " $parts }}
 {{- end }}

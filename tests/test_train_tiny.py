@@ -67,6 +67,10 @@ def test_should_raise_reward_and_write_readable_logs_when_tiny_model_trains(tmp_
         assert key in rows[0]
     assert "math" in rows[0]["rewards"]
     assert len(list(run_dir.glob("train_data_step*.jsonl"))) == steps
+    # Saved every 10 steps, the three latest kept (keep_top_k=3), each committed by its marker.
+    ckpt = tmp_path / "ckpt" / "tiny"
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step_20", "step_30", "step_40"]
+    assert all((p / "COMMITTED").is_file() for p in ckpt.iterdir())
 
 
 def test_should_learn_when_generation_is_disaggregated(tmp_path):

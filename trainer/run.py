@@ -145,10 +145,8 @@ class TrainState:
             print(warning, flush=True)
         # Which checkpoint to continue, first: a finished run need not start Ray or load anything.
         self.checkpointer = Checkpointer(cfg.checkpointing, cfg.experiment_name)
-        for line in self.checkpointer.clean_stale():
-            print(line, flush=True)
-        resume, skipped = self.checkpointer.resume_path()
-        for line in skipped:
+        resume, skipped = self.checkpointer.resume_path()  # first: resume=PATH of a cut-off save is an error
+        for line in skipped + self.checkpointer.clean_stale():
             print(line, flush=True)
         info = read_info(resume) if resume else {}
         if resume and int(info["step"]) >= cfg.grpo.max_num_steps:

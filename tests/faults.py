@@ -1,6 +1,6 @@
 """Faults for the checkpoint tests, injected from the test side only: the trainer has no test hooks.
 
-Each fault patches the driver process. Unit tests apply one with pytest's ``monkeypatch.setattr``;
+Each fault patches the driver process. Unit tests pass pytest's ``monkeypatch.setattr`` as ``patch``;
 end-to-end tests start the real entry point through :func:`launch`, a ``python -c`` program that
 applies the faults it is given and then runs ``python -m trainer``'s ``main`` with the overrides.
 Only the driver is patched: it makes every directory-level change of a checkpoint (creating,
@@ -17,7 +17,7 @@ import sys
 import time
 
 
-def refuse_dir_renames(setattr=setattr) -> None:
+def refuse_dir_renames(patch=setattr) -> None:
     """Behave like Cloud Storage FUSE on a flat bucket: renaming a directory fails (EXDEV for
     ``rename``/``replace``, as gcsfuse answers with ``rename-dir-limit`` 0; EPERM for ``shutil.move``,
     which would otherwise fall back to copying). Renaming a file still works."""
@@ -30,12 +30,12 @@ def refuse_dir_renames(setattr=setattr) -> None:
 
         return patched
 
-    setattr(os, "rename", guard(os.rename, errno.EXDEV))
-    setattr(os, "replace", guard(os.replace, errno.EXDEV))
-    setattr(shutil, "move", guard(shutil.move, errno.EPERM))  # Path.rename/replace call os.rename/replace
+    patch(os, "rename", guard(os.rename, errno.EXDEV))
+    patch(os, "replace", guard(os.replace, errno.EXDEV))
+    patch(shutil, "move", guard(shutil.move, errno.EPERM))  # Path.rename/replace call os.rename/replace
 
 
-def hold_before_marker(step: int, setattr=setattr) -> None:
+def hold_before_marker(step: int, patch=setattr) -> None:
     """Stop the save of ``step`` after every shard and driver file is written, just before its commit
     marker, and wait there (to be killed): the worst moment for a crash."""
     from trainer import checkpoint
@@ -48,7 +48,7 @@ def hold_before_marker(step: int, setattr=setattr) -> None:
             time.sleep(3600)
         return real(path, n)
 
-    setattr(checkpoint, "write_marker", held)
+    patch(checkpoint, "write_marker", held)
 
 
 _LAUNCH = """

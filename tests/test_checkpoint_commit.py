@@ -34,7 +34,7 @@ class Crash(BaseException):
 
 @pytest.fixture
 def flat_bucket(monkeypatch):
-    refuse_dir_renames(monkeypatch.setattr)
+    refuse_dir_renames(patch=monkeypatch.setattr)
 
 
 def _ckpt(tmp_path: Path, **kw) -> Checkpointer:

@@ -1,41 +1,63 @@
-"""Preemption: SIGKILL in the middle of a save and SIGTERM between steps, then ``resume=auto``.
+"""Preemption, for real: a run killed (SIGKILL) between writing a checkpoint and committing it, and
+runs stopped by SIGTERM with and without time to save; then ``resume=auto``.
 
-The resumed run must end with the same weights and log the same rewards as an uninterrupted run of
-the same seed. Every random draw of a step is seeded from (seed, step) and the data order from
-(seed, epoch), CPU kernels and gloo reductions are deterministic, so we expect equality to float32
-rounding; the tolerance (1e-6) only absorbs summation-order noise, it is far below one Adam step
-(lr 1e-2) and so would catch a resume that lost or repeated a step.
+The resumed run must end with the same weights, log the same rewards and see the same prompts at
+every step as an uninterrupted run of the same seed. Every random draw of a step is seeded from
+(seed, step) and the data order from (seed, epoch), CPU kernels and gloo reductions are
+deterministic, so we expect equality to float32 rounding; the tolerance (1e-6) only absorbs
+summation-order noise, it is far below one Adam step (lr 1e-2) and so would catch a resume that lost
+or repeated a step. The prompts come from the per-step ``train_data_step{N}.jsonl`` files and must
+be identical, row for row: no prompt replayed or skipped.
+
+Faults are injected from the test side (``tests/faults.py``): the trainer is started through a
+launcher that patches its driver process, so production code reads no test switch.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from .conftest import REPO
+from .faults import launch
 
 pytestmark = pytest.mark.slow
 
 STEPS = 6
 
 
-def _cmd(tmp: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "trainer", "experiment=tiny", f"grpo.max_num_steps={STEPS}",
-            "checkpointing.save_period=2", f"logger.log_dir={tmp / 'logs'}",
-            f"checkpointing.checkpoint_dir={tmp / 'ckpt'}", *extra]
+def _cmd(tmp: Path, *extra: str, faults: str = "") -> list[str]:
+    overrides = ["experiment=tiny", f"grpo.max_num_steps={STEPS}", "checkpointing.save_period=2",
+                 f"logger.log_dir={tmp / 'logs'}", f"checkpointing.checkpoint_dir={tmp / 'ckpt'}", *extra]
+    return launch(faults, overrides) if faults else [sys.executable, "-m", "trainer", *overrides]
 
 
-def _run(tmp: Path, *extra: str) -> subprocess.CompletedProcess:
-    proc = subprocess.run(_cmd(tmp, *extra), cwd=REPO, capture_output=True, text=True, timeout=900)
+def _run(tmp: Path, *extra: str, faults: str = "") -> subprocess.CompletedProcess:
+    proc = subprocess.run(_cmd(tmp, *extra, faults=faults), cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     return proc
+
+
+def _start(tmp: Path, *extra: str, faults: str = "") -> subprocess.Popen:
+    return subprocess.Popen(_cmd(tmp, *extra, faults=faults), cwd=REPO, start_new_session=True, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def _read_until(proc: subprocess.Popen, prefix: str) -> list[str]:
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith(prefix):
+            return lines
+    raise AssertionError(f"the run ended before printing {prefix!r}:\n" + "".join(lines[-30:]))
 
 
 def _weights(step_dir: Path) -> dict[str, torch.Tensor]:
@@ -48,79 +70,114 @@ def _weights(step_dir: Path) -> dict[str, torch.Tensor]:
     return state
 
 
+def _run_dir(tmp: Path) -> Path:
+    (run_dir,) = list((tmp / "logs" / "tiny").iterdir())  # a resumed run appends to its own run
+    return run_dir
+
+
 def _rewards(tmp: Path) -> list[float]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    (run_dir,) = list((tmp / "logs" / "tiny").iterdir())  # a resumed run appends to its own run
-    acc = EventAccumulator(str(run_dir))
+    acc = EventAccumulator(str(_run_dir(tmp)))
     acc.Reload()
     return [e.value for e in sorted(acc.Scalars("train/reward_mean"), key=lambda e: e.step)]
 
 
-def _wait_for(proc: subprocess.Popen, predicate, timeout: float = 600) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert proc.poll() is None, "the run ended before the moment the test waits for"
-        assert time.monotonic() < deadline, "timed out waiting for the run"
-        time.sleep(0.2)
+def _prompts(tmp: Path) -> dict[int, list[str]]:
+    """Step -> the prompt of every rollout of that step, in order (from train_data_step{N}.jsonl)."""
+    out = {}
+    for f in _run_dir(tmp).glob("train_data_step*.jsonl"):
+        step = int(re.fullmatch(r"train_data_step(\d+)\.jsonl", f.name).group(1))
+        out[step] = [json.loads(line)["prompt"] for line in f.read_text().splitlines()]
+    return out
 
 
-def _assert_same(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.allclose(a[k], b[k], atol=1e-6, rtol=0), k
+def _steps(ckpt: Path) -> list[str]:
+    return sorted((p.name for p in ckpt.iterdir() if p.name.startswith("step_")), key=lambda n: int(n[5:]))
+
+
+def _assert_same_run(tmp: Path, reference) -> None:
+    ref_weights, ref_rewards, ref_prompts = reference
+    final = _weights(tmp / "ckpt" / "tiny" / f"step_{STEPS}")
+    assert final.keys() == ref_weights.keys()
+    for k in final:
+        assert torch.allclose(final[k], ref_weights[k], atol=1e-6, rtol=0), k
+    assert _rewards(tmp) == pytest.approx(ref_rewards, abs=1e-6)
+    prompts = _prompts(tmp)
+    assert sorted(prompts) == list(range(1, STEPS + 1))
+    for step in prompts:
+        assert prompts[step] == ref_prompts[step], f"step {step}: other prompts than the uninterrupted run"
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("uninterrupted")
     _run(tmp)
-    return _weights(tmp / "ckpt" / "tiny" / f"step_{STEPS}"), _rewards(tmp)
+    prompts = _prompts(tmp)
+    # The check is not vacuous: the steps see different prompts (16 of 512, shuffled).
+    assert len({tuple(p) for p in prompts.values()}) == STEPS and len(prompts[1]) == 16 * 16
+    return _weights(tmp / "ckpt" / "tiny" / f"step_{STEPS}"), _rewards(tmp), prompts
 
 
-def test_should_match_an_uninterrupted_run_when_killed_during_a_save_and_resumed(tmp_path, reference):
-    ref_weights, ref_rewards = reference
+def test_should_match_an_uninterrupted_run_when_killed_before_a_commit_on_a_flat_bucket(tmp_path, reference):
+    """Directory renames refused, as on a flat GCS bucket; SIGKILL with every file of step 4 written
+    but its marker; keep_top_k=1 so pruning runs too."""
     ckpt = tmp_path / "ckpt" / "tiny"
-    env = {**os.environ, "KUBERL_FAULT_SLOW_SAVE_STEP": "4"}
-    proc = subprocess.Popen(_cmd(tmp_path), cwd=REPO, env=env, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    flat = "refuse_dir_renames"
+    proc = _start(tmp_path, "checkpointing.keep_top_k=1", faults=f"{flat};hold_before_marker=4")
     try:
-        _wait_for(proc, lambda: any(ckpt.glob(".tmp-step_4-*/policy/weights/.metadata")))
+        _read_until(proc, "fault: holding step 4 before its commit marker")
     finally:
         os.killpg(proc.pid, signal.SIGKILL)  # the driver and the Ray processes it started
         proc.wait()
-    assert sorted(p.name for p in ckpt.iterdir() if p.name.startswith("step_")) == ["step_2"]
-    resumed = _run(tmp_path)
-    assert "resumed from" in resumed.stdout and "step_2" in resumed.stdout
-    assert not list(ckpt.glob(".tmp-*")), "the half-written checkpoint was not cleaned up"
-    _assert_same(_weights(ckpt / f"step_{STEPS}"), ref_weights)
-    assert _rewards(tmp_path) == pytest.approx(ref_rewards, abs=1e-6)
+    assert _steps(ckpt) == ["step_2", "step_4"]
+    assert (ckpt / "step_4" / "policy" / "weights" / ".metadata").is_file()
+    assert (ckpt / "step_4" / "training_info.json").is_file() and not (ckpt / "step_4" / "COMMITTED").exists()
+    resumed = _run(tmp_path, "checkpointing.keep_top_k=1", faults=flat)
+    assert f"kuberl: removed {ckpt / 'step_4'}: incomplete (no COMMITTED marker)" in resumed.stdout
+    assert f"kuberl: resumed from {ckpt / 'step_2'} (step 2," in resumed.stdout
+    assert _steps(ckpt) == [f"step_{STEPS}"] and (ckpt / f"step_{STEPS}" / "COMMITTED").is_file()
+    _assert_same_run(tmp_path, reference)
 
 
-def test_should_checkpoint_and_exit_nonzero_when_sigterm_arrives(tmp_path, reference):
-    ref_weights, _ = reference
-    proc = subprocess.Popen(_cmd(tmp_path), cwd=REPO, start_new_session=True, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    lines: list[str] = []
-    for line in proc.stdout:
-        lines.append(line)
-        if line.startswith("step    1/"):
-            proc.send_signal(signal.SIGTERM)  # the driver only, as `ray job stop` or the kubelet would
-            break
+def test_should_save_the_last_step_and_exit_143_when_sigterm_leaves_time(tmp_path, reference):
+    proc = _start(tmp_path)
+    lines = _read_until(proc, "step    1/")
+    proc.send_signal(signal.SIGTERM)  # the driver only, as `ray job stop` or the kubelet would
     out = "".join(lines) + proc.stdout.read()
     proc.wait(timeout=300)
     assert proc.returncode == 143, out[-2000:]
-    assert "SIGTERM received" in out and "preempted after step" in out
-    saved = sorted(p.name for p in (tmp_path / "ckpt" / "tiny").iterdir())
-    assert saved and saved[-1].startswith("step_")
+    assert "kuberl: SIGTERM received" in out
+    step = int(re.search(r"preempted after step (\d+)", out).group(1))
+    assert (tmp_path / "ckpt" / "tiny" / f"step_{step}" / "COMMITTED").is_file()
+    saved = re.search(rf"kuberl: saved checkpoint \S+step_{step} \(([\d.]+)s\)", out)
+    print(f"SIGTERM after step {step}: checkpoint saved in {saved.group(1)}s")  # for the record (-s)
+    resumed = _run(tmp_path)
+    assert f"resumed from {tmp_path / 'ckpt' / 'tiny' / f'step_{step}'}" in resumed.stdout
+    _assert_same_run(tmp_path, reference)
+
+
+def test_should_not_save_and_name_the_checkpoint_it_resumes_from_when_sigterm_leaves_no_time(tmp_path, reference):
+    ckpt = tmp_path / "ckpt" / "tiny"
+    proc = _start(tmp_path, "checkpointing.preemption_grace_s=0")
+    lines = _read_until(proc, "step    3/")  # step 2 is saved (save_period=2), step 3 is not
+    proc.send_signal(signal.SIGTERM)
+    out = "".join(lines) + proc.stdout.read()
+    proc.wait(timeout=300)
+    assert proc.returncode == 143, out[-2000:]
+    assert re.search(r"kuberl: SIGTERM: not saving step 3: a save takes about [\d.]+s and 0.0s of "
+                     r"checkpointing.preemption_grace_s=0 are left; the next run resumes from "
+                     + re.escape(str(ckpt / "step_2")) + ", redoing steps 3-3", out), out[-2000:]
+    assert "preempted after step 3 (last complete checkpoint: step_2)" in out
+    assert _steps(ckpt) == ["step_2"]
     _run(tmp_path)
-    _assert_same(_weights(tmp_path / "ckpt" / "tiny" / f"step_{STEPS}"), ref_weights)
+    _assert_same_run(tmp_path, reference)
 
 
 def test_should_reshard_when_resumed_on_fewer_ranks(tmp_path, reference, tiny_model_path):
     from transformers import AutoModelForCausalLM
 
-    ref_weights, _ = reference
+    ref_weights = reference[0]
     _run(tmp_path, "grpo.max_num_steps=2")
     resumed = _run(tmp_path, "cluster.cpu_workers_per_node=1")
     assert "resumed from" in resumed.stdout and "step 2" in resumed.stdout

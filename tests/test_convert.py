@@ -1,8 +1,8 @@
 """trainer.convert: a DCP checkpoint -> a Hugging Face directory that from_pretrained loads.
 
-The fixture checkpoints have the trainer's layout (``step_N/policy/{weights,hf_config,tokenizer}``)
-with weights written by ``dcp.save`` in one process; the tied-embedding layout has no
-``lm_head.weight``, as the FSDP ranks write it. The oracle is the original model: the converted
+The fixture checkpoints have the trainer's layout (``step_N/policy/{weights,hf_config,tokenizer}``,
+committed by the ``COMMITTED`` marker) with weights written by ``dcp.save`` in one process; the
+tied-embedding layout has no ``lm_head.weight``, as the FSDP ranks write it. The oracle is the original model: the converted
 one must give the same logits on fixed inputs.
 """
 
@@ -63,7 +63,10 @@ def write_checkpoint(
             shutil.copy(f, step_dir / "policy" / "hf_config" / f.name)
         elif not f.name.endswith(".safetensors"):
             shutil.copy(f, step_dir / "policy" / "tokenizer" / f.name)
-    (step_dir / "training_info.json").write_text(json.dumps({"step": 1}))
+    from trainer.checkpoint import FORMAT, write_marker
+
+    (step_dir / "training_info.json").write_text(json.dumps({"step": 1, "checkpoint_format": FORMAT}))
+    write_marker(step_dir, 1)  # as the trainer commits it
     return step_dir
 
 
@@ -215,6 +218,7 @@ def test_overwrite(tied_ckpt, tmp_path):
     [
         ("missing", "does not exist; pass a step_N directory"),
         ("parent", "holds 2 checkpoints; pass one of them, e.g. "),
+        ("uncommitted", "incomplete: no COMMITTED marker (its save was cut off); use another step_N, e.g. "),
         ("no_metadata", "incomplete: policy/weights/.metadata"),
         ("no_data_file", "weights are incomplete: "),
         ("no_tokenizer", "incomplete: policy/tokenizer/"),
@@ -230,7 +234,12 @@ def test_errors_are_one_line(case, expected, tied_ckpt, tmp_path, capsys):
         shutil.copytree(tied_ckpt, ckpt)
     if case == "parent":
         shutil.copytree(tied_ckpt, tmp_path / "ckpts" / "step_10")
+        shutil.copytree(tied_ckpt, tmp_path / "ckpts" / "step_11")
+        (tmp_path / "ckpts" / "step_11" / "COMMITTED").unlink()  # cut off: neither counted nor suggested
         ckpt = ckpt.parent
+    elif case == "uncommitted":
+        shutil.copytree(tied_ckpt, tmp_path / "ckpts" / "step_1")
+        (ckpt / "COMMITTED").unlink()
     elif case == "no_metadata":
         (ckpt / "policy" / "weights" / ".metadata").unlink()
     elif case == "no_data_file":
@@ -247,6 +256,19 @@ def test_errors_are_one_line(case, expected, tied_ckpt, tmp_path, capsys):
     assert err.startswith("kuberl: error: ") and expected in err and err.count("\n") == 1, err
     if case == "parent":
         assert err.rstrip().endswith("step_10 (the latest)")
+    if case == "uncommitted":
+        assert err.rstrip().endswith("step_1 (the latest complete)")
+
+
+def test_checkpoint_of_the_earlier_rename_protocol_converts(tied_ckpt, tiny_model_path, tmp_path):
+    """Committed by renaming its directory, before markers: no COMMITTED, no format in training_info.json."""
+    from trainer.convert import convert
+
+    old = shutil.copytree(tied_ckpt, tmp_path / "step_1")
+    (old / "COMMITTED").unlink()
+    (old / "training_info.json").write_text(json.dumps({"step": 1}))
+    convert(old, tmp_path / "hf")
+    assert torch.equal(logits(tmp_path / "hf"), logits(tiny_model_path))
 
 
 @pytest.mark.slow
@@ -347,11 +369,9 @@ def test_trained_checkpoint_converts_to_the_live_weights(ray_local, tiny_model_p
         live[f"step_{step}"] = state.policy.run("full_state_dict")[0]
 
     monkeypatch.setattr(run.TrainState, "after_step", capture)
-    if hasattr(run, "preemption"):  # leave pytest's SIGTERM handler alone
-        monkeypatch.setattr(run.preemption, "install", lambda: None)
-    run.train(cfg)
+    run.train(cfg)  # its SIGTERM handler is the run's own and goes when the run closes
     step_2 = tmp_path / "ckpt" / "tiny" / "step_2"
-    assert (step_2 / "policy" / "weights" / ".metadata").is_file() and set(live) == {"step_1", "step_2"}
+    assert (step_2 / "COMMITTED").is_file() and set(live) == {"step_1", "step_2"}
 
     out = tmp_path / "hf"
     assert main(["--checkpoint", str(step_2), "--output", str(out), "--max-shard-size", "100KB"]) == 0

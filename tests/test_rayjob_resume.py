@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from . import faults
 from .conftest import REPO
 
 pytestmark = pytest.mark.slow
@@ -43,10 +45,10 @@ def _entrypoint(tmp: Path) -> str:
     return job["spec"]["entrypoint"]
 
 
-def _shell(entrypoint: str, **env: str) -> subprocess.Popen:
+def _shell(entrypoint: str) -> subprocess.Popen:
     """The entrypoint under a shell, with this venv's python first on PATH (the image's, on GKE)."""
     path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
-    return subprocess.Popen(["/bin/sh", "-c", entrypoint], cwd=REPO, env={**os.environ, "PATH": path, **env},
+    return subprocess.Popen(["/bin/sh", "-c", entrypoint], cwd=REPO, env={**os.environ, "PATH": path},
                             start_new_session=True, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
 
 
@@ -54,14 +56,18 @@ def test_should_resume_from_the_last_complete_checkpoint_when_the_rayjob_retries
     entrypoint = _entrypoint(tmp_path)
     assert "checkpointing.resume=auto" in entrypoint and str(tmp_path / "data" / "checkpoints") in entrypoint
 
-    # First attempt: hold the save of step HALF_SAVED open, then lose the pod.
-    first = _shell(entrypoint, KUBERL_FAULT_SLOW_SAVE_STEP=str(HALF_SAVED))
+    # First attempt: the same command with a fault applied in the driver (tests/faults.py): the save
+    # of step HALF_SAVED stops before its commit marker, and then the pod is lost.
+    words = shlex.split(entrypoint)
+    assert words[:3] == ["python", "-m", "trainer"], entrypoint
+    first = subprocess.Popen(faults.launch(f"hold_before_marker={HALF_SAVED}", words[3:]), cwd=REPO,
+                             start_new_session=True, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
     lines: list[str] = []
     deadline = time.monotonic() + 240
     try:
         for line in first.stdout:
             lines.append(line)
-            if f"pausing in the middle of saving step {HALF_SAVED}" in line:
+            if f"holding step {HALF_SAVED} before its commit marker" in line:
                 break
             assert time.monotonic() < deadline, "timed out waiting for the first attempt"
     finally:

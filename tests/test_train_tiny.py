@@ -62,6 +62,10 @@ def test_should_raise_reward_and_write_readable_logs_when_tiny_model_trains(tmp_
     # one progress line per step, and the summary at the end
     assert sum(line.startswith("step ") for line in stdout.splitlines()) == steps
     assert "reward: first 3 steps" in stdout
+    # Saved every 10 steps, the three latest kept (keep_top_k=3), each committed by its marker.
+    ckpt = tmp_path / "ckpt" / "tiny"
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step_20", "step_30", "step_40"]
+    assert all((p / "COMMITTED").is_file() for p in ckpt.iterdir())
     rows = [json.loads(line) for line in (run_dir / "train_data_step1.jsonl").read_text().splitlines()]
     assert len(rows) == 16 * 16
     for key in ("prompt", "response", "rewards", "reward", "advantage", "generation_length"):

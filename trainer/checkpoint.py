@@ -1,52 +1,149 @@
-"""Checkpoints that survive preemption: atomic directories, found again by ``resume=auto``.
+"""Checkpoints that survive preemption on any shared filesystem: written in place, committed by a
+marker written last, found again by ``resume=auto``.
 
 Layout of ``checkpoint_dir/<experiment>/step_N/``::
 
-    config.yaml            the run's resolved config
-    training_info.json     step, consumed samples, run name, metrics, RNG state (written last)
-    dataloader.json        the prompt loader's position
     policy/weights/        torch DCP, written by every FSDP rank in parallel
     policy/optimizer/      torch DCP (AdamW state and LR scheduler)
     policy/tokenizer/      tokenizer files
     policy/hf_config/      config.json and generation_config.json of the base model
+    config.yaml            the run's resolved config
+    dataloader.json        the prompt loader's position after step N
+    training_info.json     step, consumed samples, run name, metrics, RNG state, save time
+    COMMITTED              the marker, written last: every file above with its size
 
-A checkpoint is written into ``.tmp-step_N-*`` and renamed to ``step_N`` only when complete, so a
-kill at any moment leaves either the previous checkpoints or the new one, never half of one; stale
-temporary directories are removed at the next start. Nothing is ever resumed silently: the trainer
-says in one line which checkpoint it resumed or that it starts fresh.
+A checkpoint is complete exactly when ``COMMITTED`` exists. The usual way to commit a directory,
+writing it under a temporary name and renaming it, does not work on Cloud Storage FUSE with a flat
+bucket (no hierarchical namespace), which cannot rename a non-empty directory; a marker is one small
+file, which every bucket kind and every POSIX filesystem can create atomically (written to a
+temporary name beside it, then renamed: a file rename, not a directory one). So a kill at any moment
+leaves either the complete checkpoints that were there, or those plus the new one; a step directory
+without the marker is a save that was cut off. It is never resumed from, listed or converted, and
+the next run removes it with a log line. Removing a checkpoint (``keep_top_k`` pruning, replacing a
+step) deletes its marker first, so a removal cut off halfway never leaves a half checkpoint that
+looks whole. The marker also lists the files and their sizes, so a checkpoint damaged later (a shard
+deleted by hand) is reported in one line instead of failing deep inside DCP.
+
+Checkpoints of the earlier protocol (a ``.tmp-step_N-*`` directory renamed to ``step_N`` once whole)
+have no marker but were committed by that rename: a ``step_N`` with ``training_info.json`` and no
+``checkpoint_format`` in it is such a checkpoint, and counts as complete. Leftover ``.tmp-step_*``
+directories of that protocol are removed at start.
+
+Nothing is ever resumed silently: the trainer says in one line which checkpoint it resumed or that
+it starts fresh.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import os
 import re
 import shutil
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from trainer.config import CheckpointConfig
-
-log = logging.getLogger(__name__)
+if TYPE_CHECKING:  # the converter imports this module and needs nothing of the trainer's config
+    from trainer.config import CheckpointConfig
 
 _STEP = re.compile(r"^step_(\d+)$")
 INFO = "training_info.json"
+MARKER = "COMMITTED"
+FORMAT = 2  # training_info.json["checkpoint_format"]: 2 = committed by MARKER; absent = renamed directory
 
 
-def is_complete(path: Path) -> bool:
-    return (
-        (path / INFO).is_file()
-        and (path / "policy" / "weights" / ".metadata").is_file()
-        and (path / "policy" / "optimizer" / ".metadata").is_file()
-    )
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be used; the message says why and what to do."""
+
+
+# ----- one step directory ---------------------------------------------------------------------------
+
+
+def step_number(path: Path) -> int | None:
+    m = _STEP.match(path.name)
+    return int(m.group(1)) if m else None
 
 
 def read_info(path: Path) -> dict[str, Any]:
     return json.loads((path / INFO).read_text())
+
+
+def _is_legacy(path: Path) -> bool:
+    """Committed by the earlier rename protocol: training_info.json without a format number."""
+    try:
+        return "checkpoint_format" not in read_info(path)
+    except (OSError, ValueError):
+        return False
+
+
+def is_complete(path: Path) -> bool:
+    """Committed: the marker is there (or it is a checkpoint of the earlier protocol)."""
+    return (path / MARKER).is_file() or ((path / INFO).is_file() and _is_legacy(path))
+
+
+def problem(path: Path) -> str | None:
+    """Why ``path`` cannot be resumed from or converted, or None when it is a whole checkpoint.
+
+    Checks the marker and every file it lists (existence and size): a stat per file, no reads.
+    """
+    if not path.is_dir():
+        return f"{path} does not exist"
+    if not (path / MARKER).is_file():
+        if (path / INFO).is_file() and _is_legacy(path):
+            for sub in ("policy/weights/.metadata", "policy/optimizer/.metadata"):
+                if not (path / sub).is_file():
+                    return f"{path} is damaged: {sub} is missing"
+            return None
+        return f"{path} is incomplete: no {MARKER} marker (its save was cut off)"
+    try:
+        files = json.loads((path / MARKER).read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"{path}/{MARKER} cannot be read; the checkpoint is damaged"
+    for rel, size in files.items():
+        f = path / rel
+        if not f.is_file():
+            return f"{path} is damaged: {rel} is missing ({len(files)} files listed in {MARKER})"
+        if f.stat().st_size != size:
+            return f"{path} is damaged: {rel} has {f.stat().st_size} bytes, {MARKER} says {size}"
+    return None
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Create or replace the small file ``path`` so that readers see the old content or the new, never
+    part of it: write a temporary file beside it, flush it to storage, rename it (a file rename,
+    which flat GCS buckets support)."""
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_marker(path: Path, step: int) -> None:
+    """Commit ``path``: list what is in it and write the marker, last. Nothing may be written after."""
+    files = {
+        str(f.relative_to(path)): f.stat().st_size
+        for f in sorted(path.rglob("*"))
+        if f.is_file() and f.name != MARKER and not f.name.endswith(".tmp")
+    }
+    write_atomic(path / MARKER, json.dumps({"step": step, "committed_at": time.time(), "files": files}, indent=1))
+
+
+def remove(path: Path) -> None:
+    """Delete a checkpoint, marker first: a removal cut off halfway leaves an incomplete step, which is
+    ignored and cleaned, never a half checkpoint that looks whole."""
+    for name in (MARKER, INFO):  # INFO too: without a marker, a legacy INFO would still mean complete
+        try:
+            (path / name).unlink()
+        except FileNotFoundError:
+            pass
+    shutil.rmtree(path, ignore_errors=True)
+
+
+# ----- the checkpoints of one experiment ------------------------------------------------------------
 
 
 class Checkpointer:
@@ -55,58 +152,70 @@ class Checkpointer:
         self.root = Path(cfg.checkpoint_dir) / experiment
 
     # ----- finding ---------------------------------------------------------------------------------
-    def complete_steps(self) -> list[tuple[int, Path]]:
+    def step_dirs(self) -> list[tuple[int, Path]]:
+        """Every ``step_N`` directory, complete or not, by step."""
         if not self.root.is_dir():
             return []
-        found = []
-        for child in self.root.iterdir():
-            m = _STEP.match(child.name)
-            if m and is_complete(child):
-                found.append((int(m.group(1)), child))
-        return sorted(found)
+        found = [(step_number(p), p) for p in self.root.iterdir() if p.is_dir()]
+        return sorted((n, p) for n, p in found if n is not None)
 
-    def clean_stale(self) -> None:
-        """Remove temporary directories that a killed save left behind."""
+    def complete_steps(self) -> list[tuple[int, Path]]:
+        return [(n, p) for n, p in self.step_dirs() if is_complete(p)]
+
+    def clean_stale(self) -> list[str]:
+        """Remove what cut-off saves left: ``step_N`` without a marker, and the earlier protocol's
+        temporary directories. Returns one line per removal (the caller prints them)."""
+        lines = []
+        for _, path in self.step_dirs():
+            if not is_complete(path):
+                remove(path)
+                lines.append(f"kuberl: removed {path}: incomplete (no {MARKER} marker), a save that was cut off")
         if self.root.is_dir():
-            for child in self.root.glob(".tmp-step_*"):
-                shutil.rmtree(child, ignore_errors=True)
+            for path in self.root.glob(".tmp-step_*"):
+                shutil.rmtree(path, ignore_errors=True)
+                lines.append(f"kuberl: removed {path}: a temporary directory of a cut-off save")
+        return lines
 
-    def resume_path(self) -> Path | None:
-        """The checkpoint to resume from under ``checkpointing.resume`` (auto | never | PATH)."""
+    def resume_path(self) -> tuple[Path | None, list[str]]:
+        """The checkpoint to resume from under ``checkpointing.resume`` (auto | never | PATH), and a
+        line for each damaged checkpoint that ``auto`` passed over."""
         mode = self.cfg.resume
         if mode == "never":
-            return None
+            return None, []
         if mode != "auto":
-            path = Path(mode)
-            if not is_complete(path):
-                raise CheckpointError(
-                    f"checkpointing.resume={mode}: not a complete checkpoint (needs {INFO} and policy/weights); "
-                    f"use auto, never, or a step_N directory"
-                )
-            return path
-        steps = self.complete_steps()
-        return steps[-1][1] if steps else None
+            why = problem(Path(mode))
+            if why:
+                raise CheckpointError(f"checkpointing.resume={mode}: {why}; use auto, never, or another step_N")
+            return Path(mode), []
+        skipped = []
+        for _, path in reversed(self.complete_steps()):
+            why = problem(path)
+            if why is None:
+                return path, skipped
+            skipped.append(f"kuberl: warning: not resuming from {why}; trying the step before it")
+        return None, skipped
 
     # ----- writing ---------------------------------------------------------------------------------
-    def begin(self, step: int) -> Path:
-        self.root.mkdir(parents=True, exist_ok=True)
-        tmp = self.root / f".tmp-step_{step}-{uuid.uuid4().hex[:8]}"
-        (tmp / "policy").mkdir(parents=True)
-        return tmp
+    def begin(self, step: int) -> tuple[Path, str | None]:
+        """The directory the ranks write step ``step`` into, and a line if an older one was replaced."""
+        path = self.root / f"step_{step}"
+        replaced = None
+        if path.exists():  # a re-run of the same step (resume=never, or a re-save after a cut-off one)
+            if is_complete(path):
+                replaced = f"kuberl: replacing checkpoint {path} of an earlier run"
+            remove(path)
+        (path / "policy").mkdir(parents=True)
+        return path, replaced
 
-    def commit(self, tmp: Path, step: int, info: dict[str, Any], loader_state: dict, config: dict) -> Path:
-        """Write the driver's files (training_info.json last) and move the directory into place."""
+    def commit(self, path: Path, step: int, info: dict[str, Any], loader_state: dict, config: dict) -> None:
+        """Write the driver's files, then the marker (last), then prune."""
         import yaml
 
-        (tmp / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
-        (tmp / "dataloader.json").write_text(json.dumps(loader_state))
-        (tmp / INFO).write_text(json.dumps(info, indent=1))
-        final = self.root / f"step_{step}"
-        if final.exists():  # a re-run of the same step (e.g. after resume=never): replace it whole
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        (path / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+        (path / "dataloader.json").write_text(json.dumps(loader_state))
+        (path / INFO).write_text(json.dumps({**info, "checkpoint_format": FORMAT}, indent=1))
+        write_marker(path, step)
         self._prune()
-        return final
 
     def _prune(self) -> None:
         keep = self.cfg.keep_top_k
@@ -127,11 +236,7 @@ class Checkpointer:
         kept = set(p for _, p in ranked[:keep]) | {latest[1]}
         for _, path in steps:
             if path not in kept:
-                shutil.rmtree(path, ignore_errors=True)
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be used; the message says why and what to do."""
+                remove(path)
 
 
 def rng_info(seed: int, step: int) -> dict[str, Any]:

@@ -189,6 +189,7 @@ class CheckpointConfig:
     metric_name: str | None = None
     higher_is_better: bool = True
     resume: str = "auto"
+    preemption_grace_s: float = 25.0  # after SIGTERM, save only if the last save's time fits in this
 
 
 @dataclass
@@ -602,6 +603,8 @@ def _validate(c: Config) -> None:
     ck = c.checkpointing
     _require(ck.save_period >= 1, f"checkpointing.save_period={ck.save_period} must be >= 1")
     _require(ck.keep_top_k is None or ck.keep_top_k >= 1, "checkpointing.keep_top_k must be >= 1 or null")
+    _require(ck.preemption_grace_s >= 0, f"checkpointing.preemption_grace_s={ck.preemption_grace_s} must be >= 0 "
+             "(seconds between SIGTERM and SIGKILL to spend on a save; 0 never saves at preemption)")
     _require(
         ck.resume in ("auto", "never") or os.path.isdir(ck.resume),
         f"checkpointing.resume={ck.resume!r}: use auto, never, or the path of an existing step_N directory",

@@ -16,7 +16,13 @@ renamings, as ``save_pretrained`` does. Like NeMo-RL's ``convert_dcp_to_hf`` and
 the output loads with ``AutoModelForCausalLM.from_pretrained``; unlike their whole-state-dict loads,
 it streams.
 
+Only committed checkpoints convert: a ``step_N`` without the ``COMMITTED`` marker (a save that was
+cut off, see :mod:`trainer.checkpoint`) is refused with the latest complete step to use instead.
+
 The output is written into ``DIR.tmp`` and renamed into place, so ``DIR`` is either whole or absent.
+This is the converter's own output directory on local or hierarchical storage; unlike checkpoints,
+it is not written concurrently by many ranks, so a rename that a flat GCS bucket refuses fails the
+conversion with the OS error and leaves the source checkpoint untouched.
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+
+from trainer.checkpoint import MARKER, is_complete, step_number
 
 USAGE_HINT = "python -m trainer.convert --checkpoint CKPT_DIR/step_N --output OUT_DIR"
 WEIGHTS, HF_CONFIG, TOKENIZER = "policy/weights", "policy/hf_config", "policy/tokenizer"
@@ -82,7 +90,7 @@ def check_checkpoint(ckpt: Path) -> None:
             f"--checkpoint {str(ckpt)!r} does not exist; pass a step_N directory of a training run"
         )
     if not (ckpt / "policy").is_dir():
-        steps = sorted((p for p in ckpt.glob("step_*") if p.is_dir()), key=_step_number)
+        steps = _complete_steps(ckpt)
         if steps:
             raise ConvertError(
                 f"--checkpoint {str(ckpt)!r} holds {len(steps)} checkpoints; pass one of them, "
@@ -90,6 +98,13 @@ def check_checkpoint(ckpt: Path) -> None:
             )
         raise ConvertError(
             f"--checkpoint {str(ckpt)!r} is not a checkpoint (no policy/ directory); pass a step_N directory"
+        )
+    if not is_complete(ckpt):
+        others = [p for p in _complete_steps(ckpt.parent) if p != ckpt]
+        hint = f"e.g. {others[-1]} (the latest complete)" if others else "no other step in its directory is complete"
+        raise ConvertError(
+            f"checkpoint {str(ckpt)!r} is incomplete: no {MARKER} marker (its save was cut off); "
+            f"use another step_N, {hint}"
         )
     for sub, what in (
         (WEIGHTS + "/.metadata", "the DCP weights"),
@@ -105,9 +120,10 @@ def check_checkpoint(ckpt: Path) -> None:
         )
 
 
-def _step_number(path: Path) -> int:
-    m = re.search(r"(\d+)$", path.name)
-    return int(m.group(1)) if m else -1
+def _complete_steps(root: Path) -> list[Path]:
+    """The committed ``step_N`` directories under ``root``, by step."""
+    steps = [p for p in root.glob("step_*") if p.is_dir() and step_number(p) is not None and is_complete(p)]
+    return sorted(steps, key=step_number)
 
 
 def read_entries(weights: Path) -> list[Entry]:

@@ -8,11 +8,16 @@ new weights to the generation engines.
 Departures from the paper, as in NeMo-RL and verl: the KL penalty is in the loss (not the reward),
 and when there is one optimizer step per batch the old logprobs are the current ones detached,
 which skips a forward pass and gives exactly the same gradient.
+
+After SIGTERM the loop stops at the next safe point (``TrainState.preemption_point``): the end of a
+step, or inside one once its rollouts are scored but before the optimizer step, when the step is
+dropped whole and redone on resume with the same prompts and seeds.
 """
 
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -24,6 +29,9 @@ from trainer.logger import RunLogger
 from trainer.policy.batch import Sample
 from trainer.policy.group import PolicyGroup
 from trainer.rewards.runner import RewardRunner
+
+if TYPE_CHECKING:
+    from trainer.run import TrainState
 
 
 def sampling_params(cfg: Config, seed: int, greedy: bool = False) -> SamplingParams:
@@ -38,7 +46,7 @@ def sampling_params(cfg: Config, seed: int, greedy: bool = False) -> SamplingPar
     )
 
 
-def grpo_step(cfg: Config, step: int, examples: list[dict], state) -> tuple[dict[str, float], list[dict]]:
+def grpo_step(cfg: Config, step: int, examples: list[dict], state: TrainState) -> tuple[dict[str, float], list[dict]]:
     policy, generator, rewards = state.policy, state.generator, state.rewards
     g, loss_cfg = cfg.grpo, cfg.grpo.loss
     t0 = time.monotonic()
@@ -65,6 +73,8 @@ def grpo_step(cfg: Config, step: int, examples: list[dict], state) -> tuple[dict
             for s, lp in zip(samples, PolicyGroup.gather_logprobs(p, len(samples))):
                 setattr(s, name, lp)
     t3 = time.monotonic()
+    # The last point where this step can be dropped whole: the weights are still the previous step's.
+    state.preemption_point()
 
     reward = torch.tensor([r.reward.total for r in rollouts], dtype=torch.float32)  # (B,)
     estimator = "leave_one_out" if g.use_leave_one_out_baseline else "mean"
@@ -146,16 +156,17 @@ def validate(cfg: Config, step: int, examples: list[dict], generator: Generator,
     }
 
 
-def run(cfg: Config, state) -> list[dict[str, float]]:
-    """The loop. ``state`` (from :mod:`trainer.run`) holds the workers, data and logger."""
+def run(cfg: Config, state: TrainState) -> list[dict[str, float]]:
+    """The loop. ``state`` holds the workers, data and logger; ``state.progress`` is where it stands."""
     history: list[dict[str, float]] = []
     log: RunLogger = state.logger
     g = cfg.grpo
-    if state.val_examples and g.val_at_start and state.start_step == 0:
+    start = state.progress.step
+    if state.val_examples and g.val_at_start and start == 0:
         before = validate(cfg, 0, state.val_examples, state.generator, state.rewards)
         log.scalars(0, before)
         print(f"step    0/{g.max_num_steps} | val {before['val/accuracy']:.3f} (before training)", flush=True)
-    for step in range(state.start_step + 1, g.max_num_steps + 1):
+    for step in range(start + 1, g.max_num_steps + 1):
         metrics, rows = grpo_step(cfg, step, state.loader.next_batch(), state)
         if state.val_examples and g.val_period and step % g.val_period == 0:
             metrics.update(validate(cfg, step, state.val_examples, state.generator, state.rewards))

@@ -158,7 +158,7 @@ class VLLMGenerationEngine:
         try:
             # The CPU worker warns about LD_PRELOAD allocators and about the set_num_threads it disabled;
             # neither applies to an in-process engine whose threads are restored below.
-            with _quiet("vllm.v1.worker.cpu_worker"):
+            with quiet("vllm.v1.worker.cpu_worker"):
                 self._llm = LLM(**kwargs)
         finally:
             torch.set_num_threads = set_num_threads
@@ -266,7 +266,7 @@ class VLLMGenerationEngine:
 
         # Layerwise reload warns for every layer without checkpoint tensors (rotary embeddings, a tied
         # lm_head, which finish_weight_update repacks): expected here, and a line per update otherwise.
-        with set_current_vllm_config(worker.vllm_config), _quiet(_RELOAD_LOGGER):
+        with set_current_vllm_config(worker.vllm_config), quiet(RELOAD_LOGGER):
             model = worker.model_runner.get_model()
             begin_weight_update(model, self.on_cpu)
             model.load_weights(_cpu_contiguous(named_tensors, self.on_cpu))
@@ -325,11 +325,11 @@ def finish_weight_update(model: torch.nn.Module, model_config, on_cpu: bool, tie
         method.process_weights_after_loading(lm_head)
 
 
-_RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
 
 
 @contextlib.contextmanager
-def _quiet(name: str):
+def quiet(name: str):
     """Only errors from logger ``name`` while the block runs."""
     logger = logging.getLogger(name)
     level = logger.level

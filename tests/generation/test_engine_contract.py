@@ -3,8 +3,8 @@
 One engine per backend for the whole module (a vLLM start costs seconds). Oracles are a plain
 transformers forward in float32 on the same tokens: engine logprobs must agree within ``TOL``, the
 engine's own float32 rounding (vLLM's fused q/k/v and gate/up matmuls, the hf engine's static cache).
-The tiny model ties its embedding to the lm_head, which is what makes the weight-update test bite:
-vLLM's CPU lm_head keeps its own packed copy of the embedding.
+The tiny model ties its embedding to the lm_head, which is what makes the weight-update test bite: an
+engine whose lm_head kept its own copy of the embedding (vLLM's packed CPU kernels do) would fail it.
 """
 
 from __future__ import annotations
@@ -174,12 +174,14 @@ def test_should_leave_no_child_process_when_shut_down(engine):
 
 
 @pytest.mark.vllm
-def test_should_leave_no_child_process_when_a_vllm_engine_fails_to_start(tmp_path):
+def test_should_leave_no_child_process_when_a_vllm_engine_fails_after_it_started(tiny_model_path, monkeypatch):
     from trainer.generation.vllm_engine import VLLMGenerationEngine
-    from trainer.models import resolve_model
 
+    def broken(self):
+        raise RuntimeError("injected after vLLM started")
+
+    monkeypatch.setattr(VLLMGenerationEngine, "_hf_text_config", broken)  # runs once vllm.LLM is up
     before = _children()
-    bad = resolve_model("builtin:tiny?num_heads=4")  # head_dim 16: vLLM's CPU attention rejects it
-    with pytest.raises(Exception):  # noqa: B017 - whatever vLLM raises; what matters is what is left
-        VLLMGenerationEngine(bad, GenerationConfig(), "float32", seed=0, max_model_len=128, threads=1)
+    with pytest.raises(RuntimeError, match="injected"):
+        VLLMGenerationEngine(tiny_model_path, GenerationConfig(), "float32", seed=0, max_model_len=128, threads=1)
     assert _children() <= before

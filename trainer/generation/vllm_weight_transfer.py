@@ -32,6 +32,7 @@ from trainer.generation.vllm_engine import (
     begin_weight_update,
     finish_weight_update,
     quiet,
+    weights_packed,
 )
 from trainer.generation.weight_transport import BucketReceiver
 
@@ -59,6 +60,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.group = None
+        self.packed = False
         self.on_cpu = self.device.type == "cpu"
         hf = self.model_config.hf_config
         self.tied = bool(getattr(getattr(hf, "text_config", None) or hf, "tie_word_embeddings", False))
@@ -72,7 +74,8 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         )
 
     def start_weight_update(self) -> None:
-        begin_weight_update(self.model, self.on_cpu)
+        self.packed = weights_packed(self.model)
+        begin_weight_update(self.model, self.packed)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         self.receive_weights(self.parse_update_info(update_info))
@@ -89,7 +92,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
 
     def finish_weight_update(self) -> None:
         with quiet(RELOAD_LOGGER):
-            finish_weight_update(self.model, self.model_config, self.on_cpu, self.tied)
+            finish_weight_update(self.model, self.model_config, self.packed, self.tied)
 
     def shutdown(self) -> None:
         self.group = None  # drops the gloo group and its store connection

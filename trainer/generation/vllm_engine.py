@@ -225,7 +225,7 @@ class VLLMGenerationEngine:
             with contextlib.suppress(Exception):
                 if self.weight_transfer:
                     llm.shutdown_weight_transfer_engine()
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(Exception), _keep_default_group(not self._owns_dist):
                 llm.llm_engine.engine_core.shutdown()
             del llm
         if self._owns_dist:  # vLLM initialised torch.distributed (a world of 1) for this engine: undo it
@@ -365,6 +365,29 @@ def finish_weight_update(model: torch.nn.Module, model_config, packed: bool, tie
         # layerwise reload skips ("ParallelLMHead: Failed to load weights"): without this the logits
         # silently use the old embedding.
         method.process_weights_after_loading(lm_head)
+
+
+@contextlib.contextmanager
+def _keep_default_group(keep: bool):
+    """While vLLM shuts down, leave torch.distributed's default group alone if ``keep``.
+
+    The engine core's shutdown destroys the default process group whoever created it; colocated with
+    FSDP that is the policy ranks' world, which training still needs. vLLM's own groups still go.
+    """
+    if not keep or not torch.distributed.is_available():
+        yield
+        return
+    destroy = torch.distributed.destroy_process_group
+
+    def destroy_all_but_default(group=None):
+        if group is not None:
+            destroy(group)
+
+    torch.distributed.destroy_process_group = destroy_all_but_default
+    try:
+        yield
+    finally:
+        torch.distributed.destroy_process_group = destroy
 
 
 RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"

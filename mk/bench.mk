@@ -30,3 +30,11 @@ bench-venv: $(BENCH_STAMP) ## Create .venv-bench (CPU torch + TRL) for `make ben
 
 bench: setup $(BENCH_STAMP) ## GRPO median step time, kuberl vs TRL GRPOTrainer (same model, prompts, reward); BENCH_STEPS=8
 	$(PY) bench/bench_grpo.py --steps $(BENCH_STEPS) --bench-python $(BENCH_PY) $(BENCH_ARGS)
+
+# Generation throughput, hf engine vs vLLM (the CPU build from `make setup`), and weight-refit time next
+# to a plain copy_ / a raw gloo broadcast of the same bytes. See bench/bench_generation.py.
+.PHONY: bench-generation
+BENCH_GEN_ARGS ?=
+
+bench-generation: setup ## Generation tok/s, hf vs vllm (SmolLM2-135M, n=4, 64 tokens), and refit time vs copy_
+	$(PY) bench/bench_generation.py $(BENCH_GEN_ARGS)

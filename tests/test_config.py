@@ -53,6 +53,8 @@ def test_should_match_runbook_shapes_when_gpu_experiments_compose():
         (["grpo.loss.importance_sampling=sis"], "grpo.loss.importance_sampling"),
         (["grpo.loss.mis_low=2.0", "grpo.loss.mis_high=1.5"], "grpo.loss.mis_low"),
         (["grpo.loss.tis_cap=0.5"], "grpo.loss.tis_cap"),
+        (["generation.backend=vllm", "generation.tensor_parallel_size=2"], "generation.tensor_parallel_size"),
+        (["generation.refit_bucket_mb=0"], "generation.refit_bucket_mb"),
         (["grpo.num_prompts_per_step=1", "grpo.num_generations_per_prompt=3"], "grpo.num_prompts_per_step"),
     ],
 )
@@ -223,3 +225,32 @@ def test_should_say_not_a_model_directory_when_it_has_no_config(tmp_path):
     with pytest.raises(ModelNotFoundError, match="no config.json"):
         resolve_model(str(tmp_path))
     assert resolve_model("org/some-model") == "org/some-model"  # a hub id passes through
+
+
+def test_should_accept_vllm_on_cpu_and_say_in_one_line_when_it_is_not_installed(monkeypatch):
+    from trainer import run
+    from trainer.generation import vllm_engine
+
+    cfg = load(["experiment=tiny", "generation.backend=vllm"])
+    assert not cfg.cluster.use_gpus
+    monkeypatch.setattr(vllm_engine, "vllm_available", lambda: False)
+    with pytest.raises(run.SetupError) as err:
+        run.check_backend(cfg)
+    message = str(err.value)
+    assert message.startswith("generation.backend=vllm") and "\n" not in message
+
+
+def test_should_name_the_model_in_one_line_when_its_head_dim_is_too_small_for_vllm_on_cpu():
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainer", "experiment=tiny", "generation.backend=vllm", "model.name='builtin:tiny?num_heads=4'"],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip() and not ln.startswith("kuberl: warning")]
+    assert proc.returncode == 3 and len(lines) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    from trainer.generation.vllm_engine import vllm_available
+
+    # head_dim 64/4 = 16; without vLLM installed the line names the backend instead.
+    assert ("model.name=builtin:tiny?num_heads=4" in lines[0] and "16" in lines[0]) if vllm_available() else (
+        "generation.backend" in lines[0]
+    )

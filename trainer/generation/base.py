@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -64,4 +64,18 @@ class GenerationEngine(Protocol):
 
     def shutdown(self) -> None:
         """Release the engine and every process it started; idempotent."""
+        ...
+
+
+@runtime_checkable
+class WeightReceiver(Protocol):
+    """An engine that takes weights from another process through a receiver of its own (vLLM's
+    weight-transfer API); engines without one are fed a stream in :meth:`GenerationEngine.update_weights`."""
+
+    def init_weight_receiver(self, host: str, port: int, rank: int, world_size: int) -> None:
+        """Join the group rooted at the sender (rank 0); this engine is ``rank``."""
+        ...
+
+    def receive_weights(self) -> None:
+        """Receive one full set of weights (blocks until the sender's end of stream)."""
         ...

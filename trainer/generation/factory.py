@@ -30,6 +30,7 @@ class EngineSpec:
     colocated: bool = False          # shares its device and cores with a policy rank
     threads: int | None = None       # CPU threads the engine may use (None: all of this process's)
     base_model: torch.nn.Module | None = None  # hf: copy these already loaded weights instead of reading the files
+    weights_from_another_process: bool = False  # disaggregated: vLLM opens its weight-transfer receiver
 
 
 def _build_hf(gen: GenerationConfig, spec: EngineSpec) -> GenerationEngine:
@@ -50,7 +51,15 @@ def _build_hf(gen: GenerationConfig, spec: EngineSpec) -> GenerationEngine:
 def _build_vllm(gen: GenerationConfig, spec: EngineSpec) -> GenerationEngine:
     from trainer.generation.vllm_engine import VLLMGenerationEngine
 
-    return VLLMGenerationEngine(spec.model_path, gen, spec.dtype, spec.seed, spec.max_model_len, spec.threads)
+    return VLLMGenerationEngine(
+        spec.model_path,
+        gen,
+        spec.dtype,
+        spec.seed,
+        spec.max_model_len,
+        spec.threads,
+        weight_transfer=spec.weights_from_another_process,
+    )
 
 
 ENGINES: dict[str, Callable[[GenerationConfig, EngineSpec], GenerationEngine]] = {

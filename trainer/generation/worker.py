@@ -1,8 +1,11 @@
 """Disaggregated generation: a Ray actor that owns one engine on its own device (or cores).
 
-After every optimizer step the policy's rank 0 broadcasts the new weights over a
-:class:`~trainer.weight_sync.WeightSyncGroup`; each actor receives them tensor by tensor, in the
-model's parameter order, straight into its engine.
+After every optimizer step the policy's rank 0 streams the new weights to every actor in buckets that
+carry their own names, dtypes and shapes (:mod:`trainer.generation.weight_transport`), over one group
+rooted at rank 0 (:class:`~trainer.weight_sync.WeightSyncGroup`: gloo on CPU, NCCL on GPUs). An engine
+with a receiver of its own takes them through it: vLLM through its weight-transfer API, with kuberl's
+gloo backend on CPU (:mod:`trainer.generation.vllm_weight_transfer`); the hf engine takes the stream
+in ``update_weights``.
 """
 
 from __future__ import annotations
@@ -13,9 +16,8 @@ import torch
 
 from trainer.cluster import node_address, setup_cpu_process
 from trainer.config import Config
-from trainer.generation.base import Completion, SamplingParams
+from trainer.generation.base import Completion, SamplingParams, WeightReceiver
 from trainer.generation.factory import EngineSpec, build_engine
-from trainer.models import DTYPES
 
 
 class GenerationWorker:
@@ -29,6 +31,7 @@ class GenerationWorker:
             setup_cpu_process(cfg, threads)
         spec = EngineSpec(
             model_path=model_path,
+            weights_from_another_process=True,
             dtype=cfg.engine_dtype,
             seed=cfg.seed + 1000 * (rank + 1),  # distinct from every policy rank's
             max_model_len=cfg.policy.max_total_sequence_length,
@@ -43,22 +46,23 @@ class GenerationWorker:
         return node_address()
 
     def init_weight_sync(self, host: str, port: int, world_size: int) -> None:
-        from trainer.weight_sync import WeightSyncGroup
+        rank = 1 + self.rank  # the policy's rank 0 is the root
+        if isinstance(self.engine, WeightReceiver):
+            self.engine.init_weight_receiver(host, port, rank, world_size)
+            self.sync = None
+        else:
+            from trainer.weight_sync import WeightSyncGroup
 
-        self.sync = WeightSyncGroup(host, port, rank=1 + self.rank, world_size=world_size, device=self.device)
+            self.sync = WeightSyncGroup(host, port, rank=rank, world_size=world_size, device=self.device)
 
     @torch.no_grad()
     def receive_weights(self) -> None:
-        dtype = DTYPES[self.cfg.engine_dtype]  # what rank 0 sends
-        # Shapes and order of the policy's parameters, from the model's config (no weights loaded).
-        names_shapes = _parameter_shapes(self.model_path, self.cfg.model.trust_remote_code)
+        if self.sync is None:
+            self.engine.receive_weights()
+            return
+        from trainer.generation.weight_transport import BucketReceiver
 
-        def received():
-            for name, shape in names_shapes:
-                buf = torch.empty(shape, dtype=dtype, device=self.device)
-                yield name, self.sync.broadcast(buf)
-
-        self.engine.update_weights(received())
+        self.engine.update_weights(BucketReceiver(self.sync).tensors())
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The hf engine's weights, for tests (other engines keep theirs in their own layout)."""
@@ -69,15 +73,4 @@ class GenerationWorker:
 
     def shutdown(self) -> None:
         self.engine.shutdown()
-
-
-def _parameter_shapes(model_path: str, trust_remote_code: bool) -> list[tuple[str, torch.Size]]:
-    """(name, shape) of the policy model's parameters, in ``named_parameters`` order, from a model
-    built on the meta device (no memory, no weights read)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
-    return [(name, p.shape) for name, p in model.named_parameters()]
 

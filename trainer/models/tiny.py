@@ -49,7 +49,7 @@ def build_tiny_model(
     *,
     hidden_size: int = 64,
     num_layers: int = 2,
-    num_heads: int = 4,
+    num_heads: int = 2,  # head_dim 32: vLLM's CPU attention needs head_dim >= 32
     intermediate_size: int | None = None,
     seed: int = 0,
     vocab_chars: str = DEFAULT_VOCAB_CHARS,

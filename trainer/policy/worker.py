@@ -215,11 +215,18 @@ class PolicyWorker:
         if self.rank == 0:
             self.sync = WeightSyncGroup(host, port, rank=0, world_size=world_size, device=self.device)
 
-    def broadcast_weights(self) -> None:
-        """All ranks gather; rank 0 sends each full tensor to the generation actors."""
-        for _, tensor in self.iter_full_weights(self.engine_dtype):
-            if self.rank == 0:
-                self.sync.broadcast(tensor)
+    def broadcast_weights(self) -> dict[str, float]:
+        """All ranks gather; rank 0 streams the full tensors to the generation actors in buckets that
+        carry their names, dtypes and shapes (:mod:`trainer.generation.weight_transport`)."""
+        weights = self.iter_full_weights(self.engine_dtype)
+        if self.rank != 0:
+            for _ in weights:  # the gathers are collectives: every rank takes part
+                pass
+            return {}
+        from trainer.generation.weight_transport import BucketSender
+
+        stats = BucketSender(self.sync, self.cfg.generation.refit_bucket_mb).send(weights)
+        return {"buckets": stats.buckets, "bytes": stats.bytes, "seconds": stats.seconds}
 
     # ----- logprobs --------------------------------------------------------------------------------
     def _window_logits(self, model, batch: PaddedBatch | PrefixBatch) -> torch.Tensor:

@@ -1,0 +1,187 @@
+"""The generation contract every backend passes, on the same tiny model: hf and vllm (real vLLM on CPU).
+
+One engine per backend for the whole module (a vLLM start costs seconds). Oracles are a plain
+transformers forward in float32 on the same tokens: engine logprobs must agree within ``TOL``, the
+engine's own float32 rounding (vLLM's fused q/k/v and gate/up matmuls, the hf engine's static cache).
+The tiny model ties its embedding to the lm_head, which is what makes the weight-update test bite: an
+engine whose lm_head kept its own copy of the embedding (vLLM's packed CPU kernels do) would fail it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trainer.config import GenerationConfig
+from trainer.generation.base import SamplingParams
+
+TOL = 1e-4  # max |engine logprob - transformers logprob|, float32 on both sides
+MAX_MODEL_LEN = 512
+LONG_PROMPT = 300  # tokens: longer than one KV-cache block, so the prefix cache holds whole blocks of it
+
+
+def _children() -> set[int]:
+    import psutil
+
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+def _shutdown(engine) -> None:
+    shutdown = getattr(engine, "shutdown", None)  # the hf engine owns no process and may have none
+    if shutdown is not None:
+        shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_path)
+
+
+@pytest.fixture(scope="module", params=["hf", pytest.param("vllm", marks=pytest.mark.vllm)])
+def engine(request, tiny_model_path, tokenizer):
+    before = _children()
+    if request.param == "hf":
+        from transformers import AutoModelForCausalLM
+
+        from trainer.generation.hf import HFGenerationEngine
+
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+        built = HFGenerationEngine(model, tokenizer, batch_size=16)
+    else:
+        from trainer.generation.vllm_engine import VLLMGenerationEngine
+
+        built = VLLMGenerationEngine(
+            tiny_model_path, GenerationConfig(), "float32", seed=0, max_model_len=MAX_MODEL_LEN, threads=1
+        )
+    built.children_before = before
+    yield built
+    _shutdown(built)  # a second call when the last test already shut it down: must be harmless
+
+
+def _reference_logprobs(model, prompt: list[int], ids: list[int], temperature: float = 1.0) -> torch.Tensor:
+    """(L,) logprob of each of ``ids`` after ``prompt`` under softmax(logits / temperature)."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1 : -1].float()  # (L, V)
+    return torch.log_softmax(logits / temperature, -1).gather(1, torch.tensor(ids)[:, None])[:, 0]
+
+
+def _prompts(tokenizer) -> list[list[int]]:
+    return [tokenizer.encode("1+1="), tokenizer.encode("what is 2+2? answer:")]
+
+
+def test_should_return_n_samples_with_ids_logprobs_and_reasons_when_asked_for_n(engine, tokenizer):
+    prompts, n, max_new = _prompts(tokenizer), 3, 8
+    params = SamplingParams(max_new_tokens=max_new, temperature=1.0, seed=7)
+    out = engine.generate(prompts, n, params)
+    assert len(out) == len(prompts) and all(len(samples) == n for samples in out)
+    eos = tokenizer.eos_token_id
+    for samples in out:
+        assert len({tuple(c.token_ids) for c in samples}) > 1  # n samples, not one repeated
+        for c in samples:
+            assert 1 <= len(c.token_ids) == len(c.logprobs) <= max_new
+            assert all(lp <= 0 for lp in c.logprobs)
+            assert c.finish_reason == ("stop" if c.token_ids[-1] == eos else "length")
+            assert c.finish_reason == "stop" or len(c.token_ids) == max_new
+            assert eos not in c.token_ids[:-1]
+            assert c.text == tokenizer.decode(c.token_ids, skip_special_tokens=True)
+    again = engine.generate(prompts, n, params)
+    assert [[c.token_ids for c in s] for s in again] == [[c.token_ids for c in s] for s in out]  # same seed
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_should_agree_with_a_transformers_forward_when_scoring_its_own_samples(
+    engine, reference, tokenizer, temperature
+):
+    prompts = _prompts(tokenizer)
+    out = engine.generate(prompts, 2, SamplingParams(max_new_tokens=12, temperature=temperature, seed=1))
+    for prompt, samples in zip(prompts, out):
+        for c in samples:
+            expected = _reference_logprobs(reference, prompt, c.token_ids, temperature)
+            assert (expected - torch.tensor(c.logprobs)).abs().max().item() < TOL
+
+
+def test_should_pick_the_argmax_when_greedy(engine, reference, tokenizer):
+    prompt = _prompts(tokenizer)[1]
+    (c,), = engine.generate([prompt], 1, SamplingParams(max_new_tokens=10, temperature=0.0))
+    with torch.no_grad():
+        logits = reference(torch.tensor([prompt + c.token_ids])).logits[0, len(prompt) - 1 : -1]
+    assert c.token_ids == logits.argmax(-1).tolist()
+
+
+def test_should_stop_at_the_token_that_completes_a_stop_string(engine, tokenizer):
+    stops = ["1", "a", "e", "+"]  # one-character tokens: each completes at a single token
+    params = SamplingParams(max_new_tokens=40, temperature=1.0, seed=3, stop_strings=stops)
+    out = engine.generate(_prompts(tokenizer), 4, params)
+    stopped = 0
+    for c in (c for samples in out for c in samples):
+        hit = [s for s in stops if s in c.text]
+        if hit:
+            stopped += 1
+            assert c.finish_reason == "stop" and any(c.text.endswith(s) for s in stops)
+            assert not any(s in c.text[:-1] for s in stops)  # it stopped at the first one
+    assert stopped >= 4  # 8 samples of up to 40 characters from a ~60-character vocabulary
+
+
+def test_should_follow_new_weights_when_updated_including_a_tied_embedding_and_a_cached_prefix(
+    engine, reference, tokenizer
+):
+    torch.manual_seed(0)
+    long_prompt = torch.randint(4, len(tokenizer), (LONG_PROMPT,)).tolist()
+    greedy = SamplingParams(max_new_tokens=6, temperature=0.0)
+    (before,), = engine.generate([long_prompt], 1, greedy)  # fills the prefix cache with the old weights
+    original = {name: p.detach().clone() for name, p in reference.named_parameters()}  # no lm_head: tied
+    assert "lm_head.weight" not in original
+    perturbed = {
+        # The embedding moves by far more than the rest: a stale lm_head copy would show at once.
+        name: t + (0.5 if "embed_tokens" in name else 0.02) * torch.randn_like(t)
+        for name, t in original.items()
+    }
+    try:
+        engine.update_weights(iter(perturbed.items()))
+        with torch.no_grad():
+            for name, p in reference.named_parameters():
+                p.copy_(perturbed[name])
+        (after,), = engine.generate([long_prompt], 1, greedy)
+        expected = _reference_logprobs(reference, long_prompt, after.token_ids)
+        assert (expected - torch.tensor(after.logprobs)).abs().max().item() < TOL
+        with torch.no_grad():
+            logits = reference(torch.tensor([long_prompt + after.token_ids])).logits[0, LONG_PROMPT - 1 : -1]
+        assert after.token_ids == logits.argmax(-1).tolist()
+        assert (after.token_ids, after.logprobs) != (before.token_ids, before.logprobs)
+    finally:  # the module's other tests share this engine and reference
+        engine.update_weights(iter(original.items()))
+        with torch.no_grad():
+            for name, p in reference.named_parameters():
+                p.copy_(original[name])
+    (restored,), = engine.generate([long_prompt], 1, greedy)
+    assert restored.token_ids == before.token_ids
+    assert max(abs(a - b) for a, b in zip(restored.logprobs, before.logprobs)) < TOL
+
+
+def test_should_leave_no_child_process_when_shut_down(engine):
+    _shutdown(engine)
+    _shutdown(engine)  # idempotent
+    assert _children() <= engine.children_before
+
+
+@pytest.mark.vllm
+def test_should_leave_no_child_process_when_a_vllm_engine_fails_after_it_started(tiny_model_path, monkeypatch):
+    from trainer.generation.vllm_engine import VLLMGenerationEngine
+
+    def broken(self):
+        raise RuntimeError("injected after vLLM started")
+
+    monkeypatch.setattr(VLLMGenerationEngine, "_hf_text_config", broken)  # runs once vllm.LLM is up
+    before = _children()
+    with pytest.raises(RuntimeError, match="injected"):
+        VLLMGenerationEngine(tiny_model_path, GenerationConfig(), "float32", seed=0, max_model_len=128, threads=1)
+    assert _children() <= before

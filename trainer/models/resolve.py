@@ -19,7 +19,7 @@ from urllib.parse import parse_qsl
 # Bump when a build's output changes (tokenizer settings, dtype, ...) so stale caches are not reused.
 _FORMAT_VERSION = 1
 # builtin:tiny's own: 2 since it has 2 heads (head_dim 32, which vLLM's CPU attention needs), not 4.
-_TINY_VERSION = 2
+TINY_VERSION = 2
 
 EMBEDDED = {"smollm2-135m-instruct"}
 BUILTIN = {"tiny"}
@@ -60,7 +60,7 @@ def resolve_model(name: str, cache_dir: str | os.PathLike | None = None, key: st
     if base not in BUILTIN:
         raise ModelNotFoundError(f"unknown model {name!r}; builtin models: {', '.join(sorted(BUILTIN))}")
     params = _parse_tiny_params(name, query)
-    key = "tiny" + "".join(f"-{k}{v}" for k, v in sorted(params.items())) + f"-v{_TINY_VERSION}"
+    key = "tiny" + "".join(f"-{k}{v}" for k, v in sorted(params.items())) + f"-v{TINY_VERSION}"
     from trainer.models.tiny import build_tiny_model
 
     return str(_cached(root, key, lambda out: build_tiny_model(out, **params)))

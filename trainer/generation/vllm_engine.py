@@ -114,26 +114,6 @@ class VLLMGenerationEngine:
             self.shutdown()  # no half-started engine left behind
             raise
 
-    @classmethod
-    def from_config(
-        cls, cfg, model_path: str, rank: int = 0, threads: int | None = None, *, weight_transfer: bool = False
-    ) -> VLLMGenerationEngine:
-        """The engine a policy rank (colocated) or generation actor ``rank`` (disaggregated) runs.
-
-        ``cfg`` is the whole :class:`~trainer.config.Config`: the engine's dtype is ``cfg.engine_dtype``,
-        its context the policy's ``max_total_sequence_length`` (prompt + completion), and each rank
-        samples from its own seed.
-        """
-        return cls(
-            model_path,
-            cfg.generation,
-            cfg.engine_dtype,
-            seed=cfg.seed + rank,
-            max_model_len=cfg.policy.max_total_sequence_length,
-            threads=threads,
-            weight_transfer=weight_transfer,
-        )
-
     # ----- lifecycle -------------------------------------------------------------------------------
 
     def _start(self, model_path, gen: GenerationConfig, dtype, seed, max_model_len, threads) -> None:

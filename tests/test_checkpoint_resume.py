@@ -157,6 +157,28 @@ def test_should_save_the_last_step_and_exit_143_when_sigterm_leaves_time(tmp_pat
     _assert_same_run(tmp_path, reference)
 
 
+def test_should_see_the_same_prompts_and_drop_batches_made_ahead_when_an_async_run_resumes(tmp_path, reference):
+    # Async rollouts are timing-dependent (which weights made a batch), so weights and rewards may
+    # differ from the synchronous reference; the prompt stream may not.
+    ahead = ("generation.placement=disaggregated", "grpo.async.max_staleness=1")
+    proc = _start(tmp_path, *ahead)
+    lines = _read_until(proc, "step    2/")  # the producer holds the batch of step 3 by now
+    proc.send_signal(signal.SIGTERM)
+    out = "".join(lines) + proc.stdout.read()
+    proc.wait(timeout=300)
+    assert proc.returncode == 143, out[-2000:]
+    step = int(re.search(r"preempted after step (\d+)", out).group(1))
+    assert step < STEPS
+    _run(tmp_path, *ahead)
+    prompts = _prompts(tmp_path)
+    assert sorted(prompts) == list(range(1, STEPS + 1))
+    for s in prompts:
+        assert prompts[s] == reference[2][s], f"step {s}: other prompts than the uninterrupted run"
+    versions = {s: {json.loads(line)["policy_version"] for line in f.read_text().splitlines()}
+                for s, f in ((int(f.stem[15:]), f) for f in _run_dir(tmp_path).glob("train_data_step*.jsonl"))}
+    assert versions[step + 1] == {step}  # the resumed run's first batch: new, from the resumed weights
+
+
 def test_should_not_save_and_name_the_checkpoint_it_resumes_from_when_sigterm_leaves_no_time(tmp_path, reference):
     ckpt = tmp_path / "ckpt" / "tiny"
     proc = _start(tmp_path, "checkpointing.preemption_grace_s=0")

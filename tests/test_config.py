@@ -56,6 +56,9 @@ def test_should_match_runbook_shapes_when_gpu_experiments_compose():
         (["generation.backend=vllm", "generation.tensor_parallel_size=2"], "generation.tensor_parallel_size"),
         (["generation.refit_bucket_mb=0"], "generation.refit_bucket_mb"),
         (["grpo.num_prompts_per_step=1", "grpo.num_generations_per_prompt=3"], "grpo.num_prompts_per_step"),
+        (["generation.placement=disaggregated", "grpo.async.max_staleness=-1"], "grpo.async.max_staleness"),
+        (["grpo.async.max_staleness=1"], "grpo.async.max_staleness"),  # colocated: nothing to overlap
+        (["grpo.dynamic_sampling.enabled=true", "grpo.dynamic_sampling.max_rounds=0"], "grpo.dynamic_sampling.max_rounds"),
     ],
 )
 def test_should_name_the_key_when_a_value_is_bad(overrides, key):
@@ -63,6 +66,21 @@ def test_should_name_the_key_when_a_value_is_bad(overrides, key):
         load(overrides)
     message = str(err.value)
     assert key in message and "\n" not in message
+
+
+def test_should_default_to_truncated_importance_sampling_when_batches_may_be_stale():
+    assert load(["experiment=tiny"]).grpo.loss.importance_sampling == "none"
+    cfg = load(["experiment=tiny", "generation.placement=disaggregated", "grpo.async.max_staleness=1"])
+    assert cfg.grpo.loss.importance_sampling == "tis"
+    explicit = ["generation.placement=disaggregated", "grpo.async.max_staleness=2", "grpo.loss.importance_sampling=none"]
+    assert load(["experiment=tiny", *explicit]).grpo.loss.importance_sampling == "none"
+
+
+def test_should_write_the_async_section_under_its_key_when_the_config_is_saved():
+    from trainer.config import to_dict
+
+    cfg = load(["experiment=tiny", "generation.placement=disaggregated", "grpo.async.max_staleness=1"])
+    assert to_dict(cfg)["grpo"]["async"] == {"max_staleness": 1}
 
 
 def test_should_accept_user_reward_when_given_as_module_function():
@@ -146,15 +164,15 @@ def test_should_not_warn_when_the_cpu_runs_bf16_natively(cpu_with_bf16):
 def _leaves(cls, prefix=""):
     import dataclasses
 
-    from trainer.config import _type_hints
+    from trainer.config import _type_hints, config_key
 
     hints = _type_hints(cls)
     for f in dataclasses.fields(cls):
         hint = hints[f.name]
         if dataclasses.is_dataclass(hint):
-            yield from _leaves(hint, f"{prefix}{f.name}.")
+            yield from _leaves(hint, f"{prefix}{config_key(f)}.")
         else:
-            yield f"{prefix}{f.name}", hint
+            yield f"{prefix}{config_key(f)}", hint
 
 
 def _wrong_value(hint) -> str | None:

@@ -84,6 +84,28 @@ def test_should_learn_when_generation_is_disaggregated_with_truncated_importance
     assert max(scalars["train/is_flagged_frac"]) == 0.0  # float32 on both sides: no ratio reaches the cap
 
 
+def _versions(run_dir: Path) -> dict[int, list[int]]:
+    """Step -> the policy_version of each of its rollouts (from train_data_step{N}.jsonl)."""
+    return {
+        int(f.stem.removeprefix("train_data_step")): [json.loads(line)["policy_version"] for line in f.read_text().splitlines()]
+        for f in run_dir.glob("train_data_step*.jsonl")
+    }
+
+
+def test_should_learn_when_rollouts_run_one_step_ahead_of_the_policy(tmp_path):
+    _, run_dir = _train(tmp_path, "generation.placement=disaggregated", "grpo.async.max_staleness=1")
+    scalars = _scalars(run_dir)
+    _assert_learned(scalars["train/reward_mean"])
+    assert max(scalars["train/staleness_max"]) == 1  # generation really ran ahead, and never further
+    for tag in ("timing/generation_wait_s", "timing/train_wait_s", "train/staleness_mean", "train/is_flagged_frac"):
+        assert tag in scalars
+    versions = _versions(run_dir)
+    for step, vs in versions.items():
+        assert all(0 <= step - 1 - v <= 1 for v in vs), (step, set(vs))
+    firsts = [min(versions[s]) for s in sorted(versions)]
+    assert firsts == sorted(firsts)  # the generating weights never go back
+
+
 def test_should_log_val_accuracy_when_validation_is_configured(tmp_path):
     stdout, run_dir = _train(
         tmp_path, "grpo.max_num_steps=2", "grpo.val_period=2", "grpo.val_at_start=true",
@@ -128,6 +150,17 @@ def _session_processes(sid: int) -> list[str]:
         except (OSError, IndexError, ValueError):
             continue
     return out
+
+
+@pytest.mark.vllm
+def test_should_learn_when_vllm_rollouts_run_one_step_ahead_of_the_policy(tmp_path):
+    _needs_vllm()
+    _, run_dir = _train(
+        tmp_path, "generation.backend=vllm", "generation.placement=disaggregated", "grpo.async.max_staleness=1"
+    )
+    scalars = _scalars(run_dir)
+    _assert_learned(scalars["train/reward_mean"])
+    assert max(scalars["train/staleness_max"]) == 1
 
 
 @pytest.mark.vllm

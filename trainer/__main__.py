@@ -42,11 +42,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         return _fail(str(e))
     if show:
-        import dataclasses
-
         import yaml
 
-        print(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
+        from trainer.config import to_dict
+
+        print(yaml.safe_dump(to_dict(cfg), sort_keys=False))
         return 0
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from trainer.checkpoint import CheckpointError

@@ -246,4 +246,6 @@ def rng_info(seed: int, step: int) -> dict[str, Any]:
 
 
 def config_dict(cfg) -> dict[str, Any]:
-    return dataclasses.asdict(cfg)
+    from trainer.config import to_dict
+
+    return to_dict(cfg)

@@ -257,11 +257,12 @@ class TrainState:
         )
         self._ray = ray
 
-    def after_step(self, step: int, metrics: dict[str, float]) -> None:
-        """Record the finished step; checkpoint every ``save_period`` steps and at the end; stop here
+    def after_step(self, step: int, metrics: dict[str, float], loader_state: dict[str, Any]) -> None:
+        """Record the finished step (``loader_state``: the prompt loader's position after its batch, not
+        after batches generated ahead); checkpoint every ``save_period`` steps and at the end; stop here
         if preemption was signalled."""
         self.progress.step, self.progress.metrics = step, metrics
-        self.progress.loader_state = self.loader.state_dict()
+        self.progress.loader_state = loader_state
         ck = self.cfg.checkpointing
         if ck.enabled and (step % ck.save_period == 0 or step == self.cfg.grpo.max_num_steps):
             self.save()

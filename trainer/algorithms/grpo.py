@@ -1,9 +1,11 @@
 """The GRPO loop (Shao et al. 2024, DeepSeekMath), run by a single controller.
 
-One step: sample ``num_generations_per_prompt`` completions for ``num_prompts_per_step`` prompts,
-score them (rewards run while generation and the logprob passes are still going), turn rewards into
-group-relative advantages, take ``num_minibatches`` optimizer steps on the FSDP2 policy, and push the
-new weights to the generation engines.
+One step: take a batch of ``num_generations_per_prompt`` completions for each of
+``num_prompts_per_step`` prompts from the rollout stream (:mod:`trainer.algorithms.rollout_stream`:
+generated now, or ahead by older weights with ``grpo.async.max_staleness``), wait for its rewards
+(they run while generation and the logprob passes are still going), turn rewards into group-relative
+advantages, take ``num_minibatches`` optimizer steps on the FSDP2 policy, and push the new weights to
+the generation engines.
 
 Departures from the paper, as in NeMo-RL and verl: the KL penalty is in the loss (not the reward),
 and when there is one optimizer step per batch the old logprobs are the current ones detached,
@@ -22,6 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from trainer.algorithms import core_algos, rollout
+from trainer.algorithms.rollout_stream import AsyncRollouts, RolloutBatch, SyncRollouts, make_rollout_stream
 from trainer.config import Config
 from trainer.generation.base import SamplingParams
 from trainer.generation.placement import Generator
@@ -46,18 +49,14 @@ def sampling_params(cfg: Config, seed: int, greedy: bool = False) -> SamplingPar
     )
 
 
-def grpo_step(cfg: Config, step: int, examples: list[dict], state: TrainState) -> tuple[dict[str, float], list[dict]]:
-    policy, generator, rewards = state.policy, state.generator, state.rewards
+def grpo_step(
+    cfg: Config, step: int, stream: SyncRollouts | AsyncRollouts, state: TrainState
+) -> tuple[dict[str, float], list[dict], RolloutBatch]:
+    policy, rewards = state.policy, state.rewards
     g, loss_cfg = cfg.grpo, cfg.grpo.loss
     t0 = time.monotonic()
-    params = sampling_params(cfg, cfg.seed + step)
-    if g.max_rollout_turns > 1:
-        pending = rollout.generate_multi_turn(
-            generator, rewards, state.feedback, state.turns, examples, g.num_generations_per_prompt, params,
-            g.max_rollout_turns, cfg.policy.max_total_sequence_length,
-        )
-    else:
-        pending = rollout.generate(generator, rewards, examples, g.num_generations_per_prompt, params)
+    batch = stream.next(step)
+    pending = batch.pending
     samples = [
         Sample(r.prompt_ids, r.tokens, response_mask=r.response_mask, gen_logprobs=r.logprobs) for r in pending.rollouts
     ]
@@ -86,7 +85,7 @@ def grpo_step(cfg: Config, step: int, examples: list[dict], state: TrainState) -
 
     train_metrics = policy.train(samples)
     t4 = time.monotonic()
-    generator.update_weights()
+    push_wait_s = stream.push_weights(step)  # async: once the round in flight ends
     t5 = time.monotonic()
 
     lengths = torch.tensor([r.model_tokens for r in rollouts], dtype=torch.float32)  # the model's own tokens
@@ -111,13 +110,15 @@ def grpo_step(cfg: Config, step: int, examples: list[dict], state: TrainState) -
         "train/is_flagged_frac": train_metrics["is_flagged"],
         "train/loss": train_metrics["loss"],
         "train/lr": train_metrics["lr"],
-        "timing/generation_s": pending.generation_s,
+        "timing/generation_s": batch.generation_s,
         "timing/reward_s": t2 - t1,  # only the wait left after generation and the logprob launches
         "timing/logprobs_s": t3 - t1,
         "timing/train_s": t4 - t3,
         "timing/weight_sync_s": t5 - t4,
+        "timing/weight_push_wait_s": push_wait_s,  # of weight_sync_s: waiting for a generation round to end
         "timing/step_s": t5 - t0,
-        "perf/generated_tokens_per_s": lengths.sum().item() / max(pending.generation_s, 1e-9),
+        "perf/generated_tokens_per_s": lengths.sum().item() / max(batch.generation_s, 1e-9),
+        **batch.metrics(),
     }
     if g.max_rollout_turns > 1:
         metrics["train/mean_turns"] = sum(r.turns for r in rollouts) / len(rollouts)
@@ -138,14 +139,16 @@ def grpo_step(cfg: Config, step: int, examples: list[dict], state: TrainState) -
             "generation_length": r.model_tokens,
             "finish_reason": r.completion.finish_reason,
             "turns": r.turns,
+            "policy_version": version,  # the weights that generated it: step - 1 - version steps stale
         }
-        for r, s in zip(rollouts, samples)
+        for r, s, version in zip(rollouts, samples, batch.versions)
     ]
-    return metrics, rows
+    return metrics, rows, batch
 
 
 def validate(cfg: Config, step: int, examples: list[dict], generator: Generator, rewards: RewardRunner) -> dict:
-    """Greedy pass over the validation prompts; accuracy is the share scored fully correct."""
+    """Greedy pass over the validation prompts; accuracy is the share scored fully correct. The caller
+    holds the engines (``stream.engines()``), so no weights arrive in the middle."""
     t0 = time.monotonic()
     pending = rollout.generate(generator, rewards, examples, 1, sampling_params(cfg, cfg.seed, greedy=True))
     results = rollout.finish(pending, rewards)
@@ -162,19 +165,25 @@ def run(cfg: Config, state: TrainState) -> list[dict[str, float]]:
     log: RunLogger = state.logger
     g = cfg.grpo
     start = state.progress.step
-    if state.val_examples and g.val_at_start and start == 0:
-        before = validate(cfg, 0, state.val_examples, state.generator, state.rewards)
-        log.scalars(0, before)
-        print(f"step    0/{g.max_num_steps} | val {before['val/accuracy']:.3f} (before training)", flush=True)
-    for step in range(start + 1, g.max_num_steps + 1):
-        metrics, rows = grpo_step(cfg, step, state.loader.next_batch(), state)
-        if state.val_examples and g.val_period and step % g.val_period == 0:
-            metrics.update(validate(cfg, step, state.val_examples, state.generator, state.rewards))
-        log.scalars(step, metrics)
-        log.rollouts(step, rows)
-        log.console(step, metrics)
-        for row in rows[: cfg.logger.num_console_samples]:
-            print(f"         sample: {row['response'][:160]!r} -> reward {row['reward']:.2f}", flush=True)
-        history.append({"step": step, **metrics})
-        state.after_step(step, metrics)
+    stream = make_rollout_stream(cfg, state, lambda step: sampling_params(cfg, cfg.seed + step))
+    try:
+        if state.val_examples and g.val_at_start and start == 0:
+            with stream.engines():
+                before = validate(cfg, 0, state.val_examples, state.generator, stream.val_rewards)
+            log.scalars(0, before)
+            print(f"step    0/{g.max_num_steps} | val {before['val/accuracy']:.3f} (before training)", flush=True)
+        for step in range(start + 1, g.max_num_steps + 1):
+            metrics, rows, batch = grpo_step(cfg, step, stream, state)
+            if state.val_examples and g.val_period and step % g.val_period == 0:
+                with stream.engines():
+                    metrics.update(validate(cfg, step, state.val_examples, state.generator, stream.val_rewards))
+            log.scalars(step, metrics)
+            log.rollouts(step, rows)
+            log.console(step, metrics)
+            for row in rows[: cfg.logger.num_console_samples]:
+                print(f"         sample: {row['response'][:160]!r} -> reward {row['reward']:.2f}", flush=True)
+            history.append({"step": step, **metrics})
+            state.after_step(step, metrics, batch.loader_state)
+    finally:
+        stream.close()  # batches generated ahead are dropped: a resumed run generates them again
     return history

@@ -134,7 +134,9 @@ def generate_multi_turn(
 
 
 def finish(pending: PendingRollouts, rewards: RewardRunner) -> list[Rollout]:
-    """Wait for the rewards (each bounded by env.reward_timeout_s) and attach them."""
+    """Wait for the rewards (each bounded by env.reward_timeout_s) and attach them (once)."""
+    if all(r.reward is not None for r in pending.rollouts):
+        return pending.rollouts
     for rollout, result in zip(pending.rollouts, rewards.results(pending.reward_ids)):
         rollout.reward = result
     return pending.rollouts

@@ -35,7 +35,6 @@ it starts fresh.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import re

@@ -76,14 +76,15 @@ def kuberl_overrides(steps: int, log_dir: Path, extra: list[str] | None = None, 
 
 def build_spec(args, run_dir: Path) -> dict:
     """Compose kuberl's config and draw the exact prompt batches its loader will serve, for TRL."""
-    sys.path.insert(0, str(REPO))
     from trainer import data, hardware
     from trainer.config import load
     from trainer.data.loader import PromptLoader
     from trainer.data.prompts import encode_examples
     from trainer.models import load_tokenizer, resolve_model
+    from trainer.run import check_names
 
     cfg = load(kuberl_overrides(args.steps, run_dir / "kuberl-logs", args.kuberl_override, args.kuberl_ranks))
+    check_names(cfg)  # the names the trainer's registries check at start: a bad override fails here, in one line
     model_path = resolve_model(cfg.model.name)
     tokenizer = load_tokenizer(cfg.model.tokenizer or model_path)
     examples = encode_examples(
@@ -430,7 +431,13 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = out.parent / time.strftime("grpo-%Y%m%d-%H%M%S")
     run_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    spec = build_spec(args, run_dir)
+    sys.path.insert(0, str(REPO))  # the trainer, for build_spec
+    from trainer.config import ConfigError
+
+    try:
+        spec = build_spec(args, run_dir)
+    except ConfigError as e:  # a bad --kuberl-override, in the trainer's own words
+        return fail(str(e))
     spec_path = run_dir / "spec.json"
     spec_path.write_text(json.dumps(spec))
     print(

@@ -15,7 +15,10 @@ from .conftest import REPO
 
 @pytest.mark.parametrize("name", experiments())
 def test_should_compose_and_validate_when_experiment_is_shipped(name):
+    from trainer.run import check_names
+
     cfg = load([f"experiment={name}"])
+    check_names(cfg)  # every loss, dataset and reward it names is registered
     assert cfg.experiment_name == name
     assert cfg.train_world_size >= 1
     assert cfg.grpo.batch_size % (cfg.train_world_size * cfg.grpo.num_minibatches) == 0
@@ -40,17 +43,13 @@ def test_should_match_runbook_shapes_when_gpu_experiments_compose():
     ("overrides", "key"),
     [
         (["grpo.num_generations_per_prompt=1"], "grpo.num_generations_per_prompt"),
-        (["data.name=nope"], "data.name"),
-        (["env.reward_functions=[{name: nope}]"], "env.reward_functions[0].name"),
         (["experiment=gemma3-27b-gsm8k", "generation.tensor_parallel_size=3"], "generation.tensor_parallel_size"),
         (["experiment=gemma3-27b-gsm8k", "generation.resources.num_nodes=3"], "generation.resources.num_nodes"),
         (["generation.placement=sideways"], "generation.placement"),
-        (["grpo.loss.aggregation=median"], "grpo.loss.aggregation"),
         (["grpo.loss.ratio_clip_c=0.5"], "grpo.loss.ratio_clip_c"),
         (["grpo.max_num_steps=abc"], "grpo.max_num_steps"),
         (["grpo.bogus=1"], "grpo.bogus"),
         (["experiment=nope"], "experiment"),
-        (["grpo.loss.importance_sampling=sis"], "grpo.loss.importance_sampling"),
         (["grpo.loss.mis_low=2.0", "grpo.loss.mis_high=1.5"], "grpo.loss.mis_low"),
         (["grpo.loss.tis_cap=0.5"], "grpo.loss.tis_cap"),
         (["generation.backend=vllm", "generation.tensor_parallel_size=2"], "generation.tensor_parallel_size"),
@@ -88,18 +87,67 @@ def test_should_accept_user_reward_when_given_as_module_function():
     assert cfg.env.reward_functions[0].weight == 0.5
 
 
-def test_should_fail_in_seconds_with_one_line_when_cli_value_is_bad():
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("grpo.num_generations_per_prompt=1", "grpo.num_generations_per_prompt"),  # config.py's own check
+        # Names the registries check (trainer.run.check_names), still before anything is built:
+        ("data.name=nope", "data.name='nope' is not allowed; choose one of: arithmetic,"),
+        ("env.reward_functions=[{name: nope}]", "env.reward_functions[0].name: unknown reward 'nope'"),
+        ("grpo.loss.policy_loss=x", "grpo.loss.policy_loss='x' is not allowed; choose one of: clipped"),
+        ("grpo.loss.aggregation=median", "grpo.loss.aggregation='median' is not allowed"),
+        ("grpo.max_rollout_turns=2", "grpo.max_rollout_turns=2 needs execution feedback: env.feedback=None"),
+    ],
+)
+def test_should_fail_in_seconds_with_one_line_when_cli_value_is_bad(override, key):
     start = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, "-m", "trainer", "experiment=tiny", "grpo.num_generations_per_prompt=1"],
+        [sys.executable, "-m", "trainer", "experiment=tiny", override],
         cwd=REPO, capture_output=True, text=True, timeout=120,
     )
     elapsed = time.monotonic() - start
-    assert proc.returncode == 2
+    assert proc.returncode == 2, proc.stderr
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and "grpo.num_generations_per_prompt" in lines[0], proc.stderr
-    assert "Traceback" not in proc.stderr
+    assert len(lines) == 1 and key in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr and not proc.stdout.strip(), proc.stdout  # nothing started, nothing printed
     assert elapsed < 60
+
+
+def test_should_check_registry_names_when_cfg_only_prints_the_config():
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainer", "--cfg", "experiment=tiny", "grpo.loss.importance_sampling=sis"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2 and "grpo.loss.importance_sampling='sis'" in proc.stderr, proc.stderr
+
+
+# ----- the ground floor: config.py imports no registry ---------------------------------------------
+
+
+def _trainer_imports(path) -> set[str]:
+    """Every trainer module ``path`` imports, at the top or inside a function."""
+    import ast
+
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found |= {f"{node.module}.{a.name}" if node.module == "trainer" else node.module for a in node.names}
+    return {m for m in found if m == "trainer" or m.startswith("trainer.")}
+
+
+def test_should_import_no_registry_when_config_converts_and_validates():
+    # hardware is a leaf probe (torch only), not a registry.
+    assert _trainer_imports(REPO / "trainer" / "config.py") <= {"trainer.hardware"}
+    assert _trainer_imports(REPO / "trainer" / "hardware.py") == set()
+    code = (
+        "import sys; from trainer.config import load; load(['experiment=cpu-demo', 'grpo.max_rollout_turns=2']); "
+        "print(' '.join(sorted(m for m in sys.modules if m.startswith('trainer'))))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["trainer", "trainer.config", "trainer.hardware"]
 
 
 @pytest.fixture
@@ -235,6 +283,37 @@ def test_should_exit_with_one_line_naming_the_key_when_input_is_bad(override, ke
     err = capsys.readouterr().err
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert rc != 0 and len(lines) == 1 and key in lines[0] and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("data.val_name=nope", "data.val_name"),
+        ("env.reward_functions=[{name: 'no.such.module:fn'}]", "env.reward_functions[0].name"),
+        ("grpo.loss.kl_estimator=k9", "grpo.loss.kl_estimator"),
+    ],
+)
+def test_should_check_the_registries_names_before_ray_or_any_model_when_a_run_starts(override, key, monkeypatch):
+    from trainer import cluster, models, run
+
+    def started(*args, **kwargs):
+        raise AssertionError("the run got past its checks")
+
+    monkeypatch.setattr(cluster, "init_ray", started)
+    monkeypatch.setattr(models, "resolve_model", started)
+    monkeypatch.setattr(run, "check_backend", started)
+    cfg = load(["experiment=tiny", override])  # the config itself is fine: the registry knows the name
+    with pytest.raises(ConfigError) as err:
+        run.train(cfg)
+    assert key in str(err.value) and "\n" not in str(err.value)
+
+
+def test_should_refuse_a_bad_loss_name_before_policy_ranks_start(monkeypatch):
+    from trainer.policy import group
+
+    monkeypatch.setattr(group, "reserve", lambda *a, **k: pytest.fail("a placement group was reserved"))
+    with pytest.raises(ConfigError, match=r"^grpo.loss.policy_loss='x' is not allowed; choose one of: clipped$"):
+        group.PolicyGroup(load(["experiment=tiny", "grpo.loss.policy_loss=x"]), "unused", colocated_engine=True)
 
 
 def test_should_say_not_a_model_directory_when_it_has_no_config(tmp_path):

@@ -234,7 +234,7 @@ def test_dataset_prompt_template_and_default_reward(data, reward, tail, tokenize
 @pytest.mark.parametrize(
     "argv, expected",
     [
-        (["model=m", "data=mmlu"], "data='mmlu' is not a dataset; choose one of: arithmetic, "),
+        (["model=m", "data=mmlu"], "data='mmlu' is not allowed; choose one of: arithmetic, "),
         (["model=/no/such/model", "data=arithmetic"], "model=/no/such/model: no such local directory, and not a hub id either"),
         (
             ["model=m", "data=arithmetic", "temperature=hot"],
@@ -249,7 +249,7 @@ def test_dataset_prompt_template_and_default_reward(data, reward, tail, tokenize
         ),
         (["model=m", "data=local"], "data=local needs data_path=FILE"),
         (["model=m", "data=gsm8k", "data_path=/no/such.jsonl"], "data_path='/no/such.jsonl' does not exist"),
-        (["model=m", "data=arithmetic", "reward=nope"], "reward='nope': unknown reward 'nope'; registered:"),
+        (["model=m", "data=arithmetic", "reward=nope"], "reward: unknown reward 'nope'; registered:"),
         (["data=arithmetic"], "model= is required"),
         (["model=m", "data=arithmetic", "oops"], "'oops' is not key=value"),
     ],

@@ -37,8 +37,11 @@ def main(argv: list[str] | None = None) -> int:
     flags = [a for a in argv if a.startswith("-") and a != "--cfg"]
     if flags:
         return _fail(f"unknown option {flags[0]}; options are --cfg and --help, the rest are key=value overrides")
+    from trainer.run import check_names
+
     try:
         cfg = load([a for a in argv if a != "--cfg"])
+        check_names(cfg)  # the registries' names, before --cfg prints the config or a run builds anything
     except ConfigError as e:
         return _fail(str(e))
     if show:
@@ -56,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         train(cfg)
+    except ConfigError as e:  # a name a component checks when it is built (check_names ran them above)
+        return _fail(str(e))
     except (ClusterError, ModelNotFoundError, CheckpointError, SetupError) as e:
         return _fail(str(e), 3)
     except Preempted as e:

@@ -1,15 +1,20 @@
 """One typed config, converted once.
 
 Hydra composes ``trainer/conf``; :func:`from_dictconfig` turns the result into the dataclasses below
-and :meth:`Config.validate` checks the combinations. Every error is a :class:`ConfigError` whose
-message names the key, the bad value and what is allowed, so the entry point can print one line.
-Each component then receives only its own sub-config.
+and :meth:`Config.validate` checks the values and their combinations. Every error is a
+:class:`ConfigError` whose message names the key, the bad value and what is allowed, so the entry
+point can print one line. Each component then receives only its own sub-config.
+
+This module is the ground floor: it imports no registry. A name chosen from one (a loss, a dataset,
+a reward) is checked by that registry when its component is built, through :func:`check_name`, with
+the same one-line error; ``trainer.run.check_names`` runs those checks before a run starts anything.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -505,9 +510,13 @@ def _one_of(key: str, value: Any, allowed: Any) -> None:
     _require(value in allowed, f"{key}={value!r} is not allowed; choose one of: {', '.join(map(str, allowed))}")
 
 
-def _validate(c: Config) -> None:
-    from trainer.algorithms import core_algos
+def check_name(key: str, name: Any, registry: Iterable[Any]) -> None:
+    """For a registry checking a name it was given (``registry``: its names, or the mapping itself):
+    a :class:`ConfigError` naming ``key`` and listing the valid names, in the words of every check here."""
+    _one_of(key, name, registry)
 
+
+def _validate(c: Config) -> None:
     g, loss, p, gen, cl = c.grpo, c.grpo.loss, c.policy, c.generation, c.cluster
     # --- GRPO
     _require(
@@ -531,10 +540,6 @@ def _validate(c: Config) -> None:
         g.dynamic_sampling.max_rounds >= 1,
         f"grpo.dynamic_sampling.max_rounds={g.dynamic_sampling.max_rounds} must be >= 1 (generation rounds per step)",
     )
-    _one_of("grpo.loss.policy_loss", loss.policy_loss, core_algos.POLICY_LOSSES)
-    _one_of("grpo.loss.kl_estimator", loss.kl_estimator, core_algos.KL_ESTIMATORS)
-    _one_of("grpo.loss.aggregation", loss.aggregation, core_algos.LOSS_AGGREGATIONS)
-    _one_of("grpo.loss.importance_sampling", loss.importance_sampling, core_algos.IMPORTANCE_SAMPLING)
     _require(loss.tis_cap >= 1, f"grpo.loss.tis_cap={loss.tis_cap} must be >= 1 (ratios above it are truncated)")
     _require(
         0 <= loss.mis_low < 1 < loss.mis_high,
@@ -632,30 +637,8 @@ def _validate(c: Config) -> None:
         f"grpo.num_prompts_per_step x grpo.num_generations_per_prompt = {g.batch_size} samples must split "
         f"evenly over {world} policy ranks x grpo.num_minibatches={g.num_minibatches}",
     )
-    # --- data and rewards
-    from trainer import data as data_registry
-    from trainer import rewards as reward_registry
-
-    for key, name in (("data.name", c.data.name), ("data.val_name", c.data.val_name)):
-        if name is not None:
-            _one_of(key, name, data_registry.names())
-    for i, spec in enumerate(c.env.reward_functions):
-        try:
-            reward_registry.get(spec.name)
-        except KeyError as e:
-            raise ConfigError(f"env.reward_functions[{i}].name: {e.args[0]}") from None
+    # --- rewards (their names are trainer.rewards' to check, when the run starts)
     _require(c.env.reward_timeout_s > 0, "env.reward_timeout_s must be > 0")
-    if g.max_rollout_turns > 1:
-        from trainer.rewards import feedback
-
-        if c.env.feedback is None and c.env.reward_functions[0].name in feedback.FEEDBACK:
-            first = c.env.reward_functions[0]
-            c.env.feedback, c.env.feedback_kwargs = first.name, dict(first.kwargs)
-        _require(
-            c.env.feedback in feedback.FEEDBACK,
-            f"grpo.max_rollout_turns={g.max_rollout_turns} needs execution feedback: env.feedback={c.env.feedback!r}; "
-            f"available: {', '.join(sorted(feedback.FEEDBACK))}",
-        )
     _require(c.env.max_concurrent_rewards >= 1, "env.max_concurrent_rewards must be >= 1")
     # --- logging and checkpoints
     ck = c.checkpointing

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainer.config import CONF_DIR, DataConfig, RewardSpec
+from trainer.config import CONF_DIR, ConfigError, DataConfig, RewardSpec
 from trainer.generation.base import SamplingParams
 
 RULE = "=" * 60
@@ -284,8 +284,7 @@ def data_config(args: EvalArgs) -> tuple[DataConfig, str]:
 
     from trainer import data
 
-    if args.data not in data.names():
-        raise EvalError(f"data={args.data!r} is not a dataset; choose one of: {', '.join(data.names())}")
+    data.check(args.data, "data")
     fields = {f.name for f in dataclasses.fields(DataConfig)}
     yaml_path = CONF_DIR / "data" / f"{args.data}.yaml"
     base = yaml.safe_load(yaml_path.read_text()) if yaml_path.is_file() else {}
@@ -322,10 +321,7 @@ def reward_specs(args: EvalArgs) -> list[RewardSpec]:
         return [
             RewardSpec(i["name"], float(i.get("weight", 1.0)), dict(i.get("kwargs") or {})) for i in items
         ]
-    try:
-        rewards.get(name)
-    except KeyError as e:
-        raise EvalError(f"reward={name!r}: {e.args[0]}") from None
+    rewards.check(name, "reward")
     return [RewardSpec(name)]
 
 
@@ -504,7 +500,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     try:
         run(parse_args(argv))
-    except EvalError as e:
+    except (EvalError, ConfigError) as e:  # ConfigError: a registry's check of data= or reward=
         print(f"kuberl: error: {e}", file=sys.stderr, flush=True)
         return 2
     except KeyboardInterrupt:

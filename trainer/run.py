@@ -60,6 +60,21 @@ def load_dataset(data_cfg, split: str) -> list[dict]:
     return examples
 
 
+def check_names(cfg: Config) -> None:
+    """Every name the run's components are built from, checked by its own registry before anything is
+    built or started: a one-line ConfigError naming the key. A multi-turn run's ``env.feedback`` is
+    filled in here (the first reward's); running it again changes nothing."""
+    from trainer import data, rewards
+    from trainer.algorithms import core_algos
+    from trainer.rewards import feedback
+
+    core_algos.check_loss_config(cfg.grpo.loss)
+    data.check(cfg.data.name, "data.name")
+    data.check(cfg.data.val_name, "data.val_name")
+    rewards.check_specs(cfg.env.reward_functions)
+    feedback.configure(cfg.env, cfg.grpo.max_rollout_turns)
+
+
 def check_backend(cfg: Config) -> None:
     """Fail before any worker starts when the configured generation backend cannot run here."""
     if cfg.generation.backend != "vllm":
@@ -174,6 +189,7 @@ class TrainState:
 
         self.cfg = cfg
         t0 = time.monotonic()
+        check_names(cfg)  # first: a bad name is a ConfigError (exit 2), before anything loads or starts
         check_backend(cfg)
         # Before anything loads or any actor starts: paths that cannot work fail now, in one line.
         check_writable("logger.log_dir", cfg.logger.log_dir)

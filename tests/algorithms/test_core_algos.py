@@ -55,6 +55,30 @@ def test_registry_names():
     assert set(ca.LOSS_AGGREGATIONS) == {"token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"}
 
 
+@pytest.mark.parametrize(
+    ("field", "message"),
+    [
+        ("policy_loss", "grpo.loss.policy_loss='nope' is not allowed; choose one of: clipped"),
+        ("kl_estimator", "grpo.loss.kl_estimator='nope' is not allowed; choose one of: k1, k2, k3"),
+        (
+            "aggregation",
+            "grpo.loss.aggregation='nope' is not allowed; choose one of: token-mean, seq-mean-token-mean, "
+            "seq-mean-token-sum-norm",
+        ),
+        ("importance_sampling", "grpo.loss.importance_sampling='nope' is not allowed; choose one of: none, tis, mis, seq_mis"),
+    ],
+)
+def test_should_name_the_key_in_one_line_when_a_loss_name_is_not_registered(field, message):
+    import dataclasses
+
+    from trainer.config import ConfigError, LossConfig
+
+    ca.check_loss_config(LossConfig())  # the defaults are registered names
+    with pytest.raises(ConfigError) as e:
+        ca.check_loss_config(dataclasses.replace(LossConfig(), **{field: "nope"}))
+    assert str(e.value) == message
+
+
 # --------------------------------------------------------------------------- advantages
 
 # Group 1: [1, 0, 0, 0]: mean 0.25, unbiased var = (0.75^2 + 3 * 0.25^2) / 3 = 0.25, std 0.5.

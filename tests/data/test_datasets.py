@@ -44,6 +44,17 @@ def test_all_datasets_registered():
         data.get("gsm9k")
 
 
+@pytest.mark.parametrize("key", ["data.name", "data.val_name", "data"])  # data: python -m trainer.eval's key
+def test_should_name_the_key_in_one_line_when_a_dataset_is_not_registered(key):
+    from trainer.config import ConfigError
+
+    data.check("gsm8k", key)
+    data.check(None, "data.val_name")  # optional: null is no dataset, not an unknown one
+    with pytest.raises(ConfigError) as e:
+        data.check("gsm9k", key)
+    assert str(e.value) == f"{key}='gsm9k' is not allowed; choose one of: {', '.join(data.names())}"
+
+
 # -- prompt building -------------------------------------------------------------------------------
 
 

@@ -42,6 +42,15 @@ def test_should_score_zero_and_warn_when_a_reward_raises():
     assert "reward bug" in r.warnings[0]
 
 
+def test_should_check_the_names_on_the_driver_when_a_runner_is_built():
+    from trainer.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^env.reward_functions\[1\].name: unknown reward 'nope'"):
+        RewardRunner(EnvConfig([RewardSpec("math"), RewardSpec("nope")]))
+    with pytest.raises(ConfigError, match=r"^env.feedback=None is not allowed; choose one of: code_unit_tests$"):
+        RewardRunner(EnvConfig([RewardSpec("math")]), feedback=True)
+
+
 @pytest.mark.slow
 def test_should_time_out_hanging_and_dying_rewards_without_blocking_others(ray_local, caplog):
     runner = RewardRunner(EnvConfig([RewardSpec("tests.rewards.test_runner:_hang")], reward_timeout_s=5,

@@ -1,7 +1,8 @@
 """GRPO math as pure functions, chosen by name.
 
-Everything here takes tensors and returns tensors; nothing knows about Ray, FSDP or the config.
-Five registries map config names to functions, and an unknown name lists the valid ones:
+Everything here takes tensors and returns tensors; nothing knows about Ray or FSDP, and only
+:func:`check_loss_config` knows the config (the names of its keys). Five registries map config names
+to functions, and an unknown name lists the valid ones:
 
     ADVANTAGE_ESTIMATORS  group baselines           "mean", "leave_one_out"
     POLICY_LOSSES         per-token policy losses   "clipped"
@@ -33,6 +34,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from trainer.config import LossConfig, check_name
+
 # exp(20) ~ 4.9e8: finite in fp32 and bf16, and far outside any sane PPO clip range, so the clamp
 # only ever touches tokens that the clip (or dual clip) already dominates.
 LOG_RATIO_CLAMP = 20.0
@@ -42,6 +45,15 @@ def _lookup(kind: str, registry: dict[str, Callable], name: str) -> Callable:
     if name not in registry:
         raise KeyError(f"unknown {kind} {name!r}; valid: {', '.join(sorted(registry))}")
     return registry[name]
+
+
+def check_loss_config(loss: LossConfig) -> None:
+    """Every name in ``grpo.loss`` against its registry: a ConfigError naming the key. The policy
+    ranks look the functions up by name, so the driver calls this before it starts them."""
+    check_name("grpo.loss.policy_loss", loss.policy_loss, POLICY_LOSSES)
+    check_name("grpo.loss.kl_estimator", loss.kl_estimator, KL_ESTIMATORS)
+    check_name("grpo.loss.aggregation", loss.aggregation, LOSS_AGGREGATIONS)
+    check_name("grpo.loss.importance_sampling", loss.importance_sampling, IMPORTANCE_SAMPLING)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from typing import Any
 
 import ray
 
+from trainer.algorithms import core_algos
 from trainer.cluster import bundles_for, in_bundle, reserve
 from trainer.config import Config
 from trainer.policy.batch import Sample, shard_for_ranks, with_policy_gradient
@@ -19,6 +20,7 @@ from trainer.policy.worker import PolicyWorker
 
 class PolicyGroup:
     def __init__(self, cfg: Config, model_path: str, colocated_engine: bool):
+        core_algos.check_loss_config(cfg.grpo.loss)  # here, not as a RayActorError from every rank
         self.cfg = cfg
         self.world_size = cfg.train_world_size
         gpus = cfg.cluster.use_gpus

@@ -7,10 +7,10 @@ built-in reward needs only a new module here.
 import importlib
 import pkgutil
 
-from trainer.rewards.registry import RewardFn, get, names, register
+from trainer.rewards.registry import RewardFn, check, check_specs, get, names, register
 
 for _m in pkgutil.iter_modules(__path__):
     if _m.name not in {"registry", "runner"} and not _m.name.startswith("_"):
         importlib.import_module(f"{__name__}.{_m.name}")
 
-__all__ = ["RewardFn", "get", "names", "register"]
+__all__ = ["RewardFn", "check", "check_specs", "get", "names", "register"]

@@ -4,6 +4,9 @@ A feedback function ``(ground_truth, response, **kwargs) -> str | None`` returns
 after a failing attempt, or ``None`` when the attempt passed and the episode ends. The code feedback
 runs the program on the problem's tests in the sandbox, like ``code_unit_tests``, and reports the
 first failing test's input, expected output and actual output.
+
+:func:`configure` picks the run's feedback (``env.feedback``; by default the first reward's, when it
+has one) and checks it, on the driver before the run starts anything.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from trainer.config import ConfigError, EnvConfig
 from trainer.rewards import code
 from trainer.sandbox import OK, Limits, run_tests
 
@@ -69,3 +73,18 @@ def get(name: str) -> FeedbackFn:
     if name not in FEEDBACK:
         raise KeyError(f"no execution feedback for {name!r}; available: {', '.join(sorted(FEEDBACK))}")
     return FEEDBACK[name]
+
+
+def configure(env: EnvConfig, max_rollout_turns: int) -> None:
+    """A multi-turn run (``max_rollout_turns > 1``) needs feedback: ``env.feedback`` null takes the first
+    reward's, with that reward's kwargs, when it has one; a name without feedback is a ConfigError."""
+    if max_rollout_turns <= 1:
+        return
+    first = env.reward_functions[0]
+    if env.feedback is None and first.name in FEEDBACK:
+        env.feedback, env.feedback_kwargs = first.name, dict(first.kwargs)
+    if env.feedback not in FEEDBACK:
+        raise ConfigError(
+            f"grpo.max_rollout_turns={max_rollout_turns} needs execution feedback: env.feedback={env.feedback!r}; "
+            f"available: {', '.join(sorted(FEEDBACK))}"
+        )

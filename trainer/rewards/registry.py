@@ -3,6 +3,7 @@
 A reward is a plain function ``(ground_truth, response, **kwargs) -> (score: float, is_correct: bool)``.
 Built-ins register themselves by name with :func:`register`; anything importable is reachable as
 ``"package.module:function"`` so users can plug in their own rewards without touching kuberl.
+:func:`check` looks a name up as :func:`get` does and says what is wrong in one line naming the key.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from typing import Any, Protocol
+
+from trainer.config import ConfigError, RewardSpec
 
 
 class RewardFn(Protocol):
@@ -53,3 +56,18 @@ def get(name: str) -> RewardFn:
             raise KeyError(f"reward {name!r}: module {module_name!r} has no callable {attr!r}")
         return fn
     raise KeyError(f"unknown reward {name!r}; registered: {', '.join(names())}, or 'module:function'")
+
+
+def check(name: str, key: str) -> None:
+    """``name`` resolves (a registered reward, or an importable ``module:function``); else a ConfigError
+    naming ``key``, e.g. ``env.reward_functions[0].name``."""
+    try:
+        get(name)
+    except KeyError as e:
+        raise ConfigError(f"{key}: {e.args[0]}") from None
+
+
+def check_specs(specs: list[RewardSpec]) -> None:
+    """Every reward of ``env.reward_functions``."""
+    for i, spec in enumerate(specs):
+        check(spec.name, f"env.reward_functions[{i}].name")

@@ -17,7 +17,7 @@ from typing import Any
 
 import ray
 
-from trainer.config import EnvConfig, RewardSpec
+from trainer.config import EnvConfig, RewardSpec, check_name
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +78,14 @@ class RewardRunner:
     next turn instead (``RewardResult.feedback``; None when the attempt passed)."""
 
     def __init__(self, env: EnvConfig, feedback: bool = False):
+        from trainer import rewards
+        from trainer.rewards.feedback import FEEDBACK
+
+        # Checked here, on the driver: in the tasks a bad name would only cost every sample its score.
+        if feedback:
+            check_name("env.feedback", env.feedback, sorted(FEEDBACK))
+        else:
+            rewards.check_specs(env.reward_functions)
         self.env = env
         self.specs = list(env.reward_functions)
         if feedback:

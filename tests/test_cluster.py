@@ -49,3 +49,56 @@ def test_should_tune_the_allocator_of_cpu_workers_only_when_configured(monkeypat
     cluster.setup_cpu_process(load(["experiment=tiny"]), 3)
     cluster.setup_cpu_process(load(["experiment=tiny", "cluster.keep_freed_memory=false"]), 0)
     assert calls == [("threads", 3), 1, ("threads", 1)]
+
+
+# ----- cluster.cpu_pinning ---------------------------------------------------------------------------
+
+
+def test_should_split_the_cores_into_contiguous_near_equal_shares(monkeypatch):
+    import os
+
+    from trainer.cluster import slot_cores
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5, 6})
+    shares = [slot_cores(s, 3) for s in range(3)]
+    assert shares == [[0, 1, 2], [3, 4], [5, 6]]
+
+
+def test_should_pin_the_policy_rank_and_the_generation_worker_to_their_own_cores(monkeypatch):
+    import os
+
+    import torch
+
+    from trainer.cluster import setup_cpu_process
+    from trainer.config import load
+
+    cfg = load(["experiment=tiny", "generation.placement=disaggregated", "cluster.cpu_workers_per_node=1",
+                "cluster.cpu_pinning=true", "cluster.keep_freed_memory=false"])
+    pinned = {}
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    monkeypatch.setattr(os, "sched_setaffinity", lambda pid, cores: pinned.setdefault("cores", list(cores)))
+    threads = torch.get_num_threads()
+    try:
+        setup_cpu_process(cfg, 4, slot=1)  # the generation worker's slot
+        assert pinned["cores"] == [2, 3] and torch.get_num_threads() == 2
+        pinned.clear()
+        setup_cpu_process(cfg, 4, slot=0)  # policy rank 0's
+        assert pinned["cores"] == [0, 1]
+        pinned.clear()
+        setup_cpu_process(load(["experiment=tiny", "cluster.keep_freed_memory=false"]), 4, slot=0)
+        assert not pinned and torch.get_num_threads() == 4  # off by default: every process sees every core
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_should_refuse_more_pinned_processes_than_cores():
+    import os
+
+    from trainer.config import load
+    from trainer.run import SetupError, check_cpu_pinning
+
+    cores = len(os.sched_getaffinity(0))
+    cfg = load(["experiment=tiny", "generation.placement=disaggregated", f"cluster.cpu_workers_per_node={cores}",
+                "cluster.cpu_pinning=true"])
+    with pytest.raises(SetupError, match="cluster.cpu_pinning"):
+        check_cpu_pinning(cfg)

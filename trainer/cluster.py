@@ -59,10 +59,32 @@ def keep_freed_memory() -> bool:
     return bool(mallopt(_M_MMAP_THRESHOLD, _MALLOC_LIMIT)) and bool(mallopt(_M_TRIM_THRESHOLD, _MALLOC_LIMIT))
 
 
-def setup_cpu_process(cfg: Config, threads: int) -> None:
-    """A CPU worker's torch threads and, with ``cluster.keep_freed_memory``, its allocator."""
+def cpu_slots(cfg: Config) -> int:
+    """Processes that compute on one CPU node: its policy ranks, plus the generation workers when
+    generation is disaggregated (``cluster.cpu_pinning`` gives each its own cores)."""
+    gen = cfg.generation.resources.num_cpu_workers if cfg.disaggregated else 0
+    return max(1, cfg.cluster.cpu_workers_per_node) + gen
+
+
+def slot_cores(slot: int, slots: int) -> list[int]:
+    """The cores of share ``slot`` of ``slots`` contiguous, near-equal shares of this process's cores."""
+    cores = sorted(os.sched_getaffinity(0))
+    size, extra = divmod(len(cores), slots)
+    start = slot * size + min(slot, extra)
+    return cores[start:start + size + (1 if slot < extra else 0)]
+
+
+def setup_cpu_process(cfg: Config, threads: int, slot: int | None = None) -> None:
+    """A CPU worker's torch threads and, with ``cluster.keep_freed_memory``, its allocator. With
+    ``cluster.cpu_pinning`` the process is bound to its own share of the node's cores (``slot`` of
+    :func:`cpu_slots`) and runs one thread per core of it, so policy ranks and generation workers
+    that run at the same time (async GRPO) do not compete for cores."""
     import torch
 
+    if cfg.cluster.cpu_pinning and slot is not None:
+        cores = slot_cores(slot, cpu_slots(cfg))
+        os.sched_setaffinity(0, cores)
+        threads = len(cores)
     torch.set_num_threads(max(1, threads))
     if cfg.cluster.keep_freed_memory:
         keep_freed_memory()

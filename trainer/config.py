@@ -195,6 +195,9 @@ class ClusterConfig:
     gpus_per_node: int = 0
     cpu_workers_per_node: int = 2
     keep_freed_memory: bool = True  # CPU workers: glibc reuses freed blocks (see cluster.keep_freed_memory)
+    # CPU, one node: bind each policy rank and each disaggregated generation worker to its own share of
+    # the cores (async GRPO then overlaps them without oversubscribing). Off: every process sees all.
+    cpu_pinning: bool = False
 
     @property
     def use_gpus(self) -> bool:
@@ -595,6 +598,10 @@ def _validate(c: Config) -> None:
         _require(
             cl.cpu_workers_per_node >= 1,
             f"cluster.cpu_workers_per_node={cl.cpu_workers_per_node} must be >= 1 on a CPU cluster",
+        )
+        _require(
+            not cl.cpu_pinning or cl.num_nodes == 1,
+            f"cluster.cpu_pinning=true shares one node's cores; cluster.num_nodes={cl.num_nodes} must be 1",
         )
         _require(
             gen.tensor_parallel_size == 1,

@@ -75,6 +75,21 @@ def check_names(cfg: Config) -> None:
     feedback.configure(cfg.env, cfg.grpo.max_rollout_turns)
 
 
+def check_cpu_pinning(cfg: Config) -> None:
+    """``cluster.cpu_pinning`` needs a core for each process it pins (this node is the one it runs on)."""
+    if cfg.cluster.use_gpus or not cfg.cluster.cpu_pinning:
+        return
+    from trainer.cluster import cpu_slots
+
+    cores, slots = len(os.sched_getaffinity(0)), cpu_slots(cfg)
+    if slots > cores:
+        raise SetupError(
+            f"cluster.cpu_pinning=true gives each of {slots} processes ({cfg.cluster.cpu_workers_per_node} policy ranks"
+            f"{' + generation workers' if cfg.disaggregated else ''}) its own cores, but this node has {cores}; "
+            "lower cluster.cpu_workers_per_node or set cluster.cpu_pinning=false"
+        )
+
+
 def check_backend(cfg: Config) -> None:
     """Fail before any worker starts when the configured generation backend cannot run here."""
     if cfg.generation.backend != "vllm":
@@ -191,6 +206,7 @@ class TrainState:
         t0 = time.monotonic()
         check_names(cfg)  # first: a bad name is a ConfigError (exit 2), before anything loads or starts
         check_backend(cfg)
+        check_cpu_pinning(cfg)
         # Before anything loads or any actor starts: paths that cannot work fail now, in one line.
         check_writable("logger.log_dir", cfg.logger.log_dir)
         if cfg.checkpointing.enabled:

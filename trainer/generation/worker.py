@@ -28,7 +28,9 @@ class GenerationWorker:
         self.device = torch.device("cuda", 0) if cfg.cluster.use_gpus else torch.device("cpu")
         if not cfg.cluster.use_gpus:
             threads = threads or (os.cpu_count() or 1)
-            setup_cpu_process(cfg, threads)
+            # pinned: the cores after the policy ranks' (cluster.cpu_pinning)
+            setup_cpu_process(cfg, threads, slot=max(1, cfg.cluster.cpu_workers_per_node) + rank)
+            threads = torch.get_num_threads()
         spec = EngineSpec(
             model_path=model_path,
             weights_from_another_process=True,

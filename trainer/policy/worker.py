@@ -81,7 +81,7 @@ class PolicyWorker:
         if not cfg.cluster.use_gpus:
             # Ranks on one machine share its cores: without this each rank spawns a thread per core.
             per_node = max(1, cfg.cluster.cpu_workers_per_node)
-            setup_cpu_process(cfg, (os.cpu_count() or 1) // per_node)
+            setup_cpu_process(cfg, (os.cpu_count() or 1) // per_node, slot=rank % per_node)
 
     def address(self) -> tuple[str, int]:
         return node_address()

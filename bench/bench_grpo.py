@@ -44,6 +44,19 @@ REPO = Path(__file__).resolve().parents[1]
 TARGET_RATIO = 0.5  # issue #2: kuberl's median step time <= 0.5 x TRL's
 EXPERIMENT = "cpu-demo"
 PROMPTS_PER_STEP, SAMPLES_PER_PROMPT, MAX_NEW_TOKENS = 4, 4, 64
+ASYNC_TARGET = 0.6  # async GRPO's median step time <= 0.6 x the synchronous disaggregated one
+# kuberl's rows: the same work, each with these overrides on top of cpu-demo's.
+DISAGG = ["generation.placement=disaggregated", "generation.resources.num_cpu_workers=1"]
+PINNED = ["cluster.cpu_pinning=true"]  # the policy rank on one half of the cores, the generation worker on the other
+ROWS: dict[str, list[str]] = {
+    "kuberl": [],                                                  # hf engine, colocated (the default)
+    "kuberl+vllm": ["generation.backend=vllm"],                    # vLLM engine, colocated
+    "disagg-sync": [*DISAGG, "grpo.async.max_staleness=0"],        # a generation actor, synchronous
+    "disagg-async": [*DISAGG, "grpo.async.max_staleness=1"],       # the same, one step ahead
+    "pinned-sync": [*DISAGG, *PINNED, "grpo.async.max_staleness=0"],
+    "pinned-async": [*DISAGG, *PINNED, "grpo.async.max_staleness=1"],
+}
+ASYNC_PAIRS = (("disagg-async", "disagg-sync"), ("pinned-async", "pinned-sync"))
 
 
 def fail(message: str, code: int = 2) -> int:
@@ -155,20 +168,17 @@ def tail(path: Path, n: int = 15) -> str:
     return "\n".join("    " + ln for ln in lines[-n:])
 
 
-def run_kuberl(args, run_dir: Path) -> dict:
-    log_dir = run_dir / "kuberl-logs"
-    overrides = kuberl_overrides(args.steps, log_dir, args.kuberl_override, args.kuberl_ranks)
+def run_kuberl(args, run_dir: Path, row: str = "kuberl") -> dict:
+    log_dir = run_dir / f"{row}-logs"
+    overrides = kuberl_overrides(args.steps, log_dir, [*ROWS[row], *args.kuberl_override], args.kuberl_ranks)
     cmd = [args.kuberl_python, "-m", "trainer", *overrides]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    log_path = run_dir / f"{row}.log"
     t0 = time.monotonic()
-    rc = run_logged(
-        cmd, run_dir / "kuberl.log", env, "kuberl", lambda ln: ln.startswith(("step ", "kuberl: done"))
-    )
+    rc = run_logged(cmd, log_path, env, row, lambda ln: ln.startswith(("step ", "kuberl: done")))
     wall = time.monotonic() - t0
     if rc != 0:
-        raise RuntimeError(
-            f"kuberl exited with {rc}; its log ({run_dir / 'kuberl.log'}) ends:\n{tail(run_dir / 'kuberl.log')}"
-        )
+        raise RuntimeError(f"{row} exited with {rc}; its log ({log_path}) ends:\n{tail(log_path)}")
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -184,6 +194,7 @@ def run_kuberl(args, run_dir: Path) -> dict:
         "reward_s": "timing/reward_s",
         "train_s": "timing/train_s",
         "weight_sync_s": "timing/weight_sync_s",
+        "generation_wait_s": "timing/generation_wait_s",
         "mean_length": "train/mean_generation_length",
         "reward_mean": "train/reward_mean",
         "truncated_frac": "train/truncated_frac",
@@ -198,7 +209,7 @@ def run_kuberl(args, run_dir: Path) -> dict:
                 {json.loads(ln)["prompt"] for ln in rollouts.read_text().splitlines() if ln}
             )
         steps.append(row)
-    return {"steps": steps, "wall_s": wall, "log": str(run_dir / "kuberl.log")}
+    return {"steps": steps, "wall_s": wall, "log": str(log_path), "overrides": ROWS[row]}
 
 
 def run_trl(args, spec_path: Path, run_dir: Path) -> dict:
@@ -272,6 +283,7 @@ def summarize(name: str, steps: list[dict], warmup: int) -> dict:
         "median_generation_s": med("generation_s"),
         "median_train_s": med("train_s"),
         "median_reward_s": med("reward_s"),
+        "median_generation_wait_s": med("generation_wait_s"),
         "mean_length": statistics.mean(s["mean_length"] for s in kept) if kept else None,
         "median_ms_per_token": 1000 * statistics.median(s_per_tok) if kept else None,
         "mean_reward": statistics.mean(s["reward_mean"] for s in kept) if kept else None,
@@ -287,46 +299,69 @@ def same_prompts(spec: dict, steps: list[dict]) -> bool | None:
     return seen == want[: len(seen)]
 
 
-def report(spec: dict, kuberl: dict, trl: dict, warmup: int) -> dict:
-    k, t = summarize("kuberl", kuberl["steps"], warmup), summarize("trl", trl["steps"], warmup)
+def report(spec: dict, results: dict[str, dict], warmup: int) -> dict:
+    """The table: every kuberl row and TRL; each row's ratio to TRL; async against sync."""
+    rows = {name: summarize(name, res["steps"], warmup) for name, res in results.items()}
     fmt = lambda v, spec=".2f": "-" if v is None else format(v, spec)  # noqa: E731
+    div = lambda a, b: a / b if a and b else None  # noqa: E731
+    t = rows.get("trl")
     print()
     print(
         f"GRPO step time, {PROMPTS_PER_STEP} prompts x {SAMPLES_PER_PROMPT} samples, <= {MAX_NEW_TOKENS} new tokens, "
         f"{spec['steps']} steps; medians over steps {warmup + 1}..{spec['steps']} (first {warmup} dropped as warm-up)"
     )
-    header = f"  {'':8} {'step s':>8} {'min s':>8} {'gen s':>8} {'train s':>8} {'reward s':>9} {'mean len':>9} {'ms/token':>9} {'reward':>7}"
-    print(header)
-    for s in (k, t):
+    print(
+        f"  {'':13} {'step s':>7} {'min s':>7} {'gen s':>7} {'train s':>8} {'reward s':>9} {'wait s':>7} "
+        f"{'mean len':>9} {'ms/token':>9} {'reward':>7} {'/TRL':>6} {'/TRL tok':>9}"
+    )
+    for name, r in rows.items():
         print(
-            f"  {s['framework']:8} {fmt(s['median_step_s']):>8} {fmt(s['min_step_s']):>8} "
-            f"{fmt(s['median_generation_s']):>8} "
-            f"{fmt(s['median_train_s']):>8} {fmt(s['median_reward_s'], '.3f'):>9} {fmt(s['mean_length'], '.1f'):>9} "
-            f"{fmt(s['median_ms_per_token'], '.1f'):>9} {fmt(s['mean_reward'], '.3f'):>7}"
+            f"  {name:13} {fmt(r['median_step_s']):>7} {fmt(r['min_step_s']):>7} {fmt(r['median_generation_s']):>7} "
+            f"{fmt(r['median_train_s']):>8} {fmt(r['median_reward_s'], '.3f'):>9} "
+            f"{fmt(r['median_generation_wait_s']):>7} {fmt(r['mean_length'], '.1f'):>9} "
+            f"{fmt(r['median_ms_per_token'], '.1f'):>9} {fmt(r['mean_reward'], '.3f'):>7} "
+            f"{fmt(div(r['median_step_s'], t and t['median_step_s']), '.3f') if name != 'trl' else '':>6} "
+            f"{fmt(div(r['median_ms_per_token'], t and t['median_ms_per_token']), '.3f') if name != 'trl' else '':>9}"
         )
-    ratio = k["median_step_s"] / t["median_step_s"] if k["median_step_s"] and t["median_step_s"] else None
-    per_token = (
-        k["median_ms_per_token"] / t["median_ms_per_token"]
-        if k["median_ms_per_token"] and t["median_ms_per_token"]
-        else None
-    )
+    k = rows.get("kuberl")
+    ratio = div(k and k["median_step_s"], t and t["median_step_s"])
+    per_token = div(k and k["median_ms_per_token"], t and t["median_ms_per_token"])
     # Other work on the machine only ever adds time, so the fastest steps are the least disturbed ones.
-    ratio_min = k["min_step_s"] / t["min_step_s"] if k["min_step_s"] and t["min_step_s"] else None
+    ratio_min = div(k and k["min_step_s"], t and t["min_step_s"])
     met = ratio is not None and ratio <= TARGET_RATIO
-    print(
-        f"  ratio kuberl/TRL: {fmt(ratio, '.3f')} (per generated token: {fmt(per_token, '.3f')}, "
-        f"fastest steps: {fmt(ratio_min, '.3f')}); "
-        f"target <= {TARGET_RATIO}: {'MET' if met else 'NOT MET'}"
-    )
-    print(
-        "  gen s: TRL's is generate() with prompt tokenization and decoding; its train s is the step minus "
-        "generation, reward and advantages"
-    )
-    checks = {
-        "prompt_ids_identical": trl.get("prompt_ids_identical"),
-        "kuberl_same_prompts": same_prompts(spec, kuberl["steps"]),
-        "trl_same_prompts": same_prompts(spec, trl["steps"]),
-    }
+    if ratio is not None:
+        print(
+            f"  ratio kuberl/TRL: {fmt(ratio, '.3f')} (per generated token: {fmt(per_token, '.3f')}, "
+            f"fastest steps: {fmt(ratio_min, '.3f')}); target <= {TARGET_RATIO}: {'MET' if met else 'NOT MET'}"
+        )
+    vllm = rows.get("kuberl+vllm")
+    if k and vllm:
+        print(
+            f"  kuberl+vllm / kuberl (hf): {fmt(div(vllm['median_step_s'], k['median_step_s']), '.3f')} per step, "
+            f"{fmt(div(vllm['median_ms_per_token'], k['median_ms_per_token']), '.3f')} per token; generation "
+            f"{fmt(div(vllm['median_generation_s'], k['median_generation_s']), '.3f')}"
+        )
+    pairs = {}
+    for fast, slow in ASYNC_PAIRS:
+        a, b = rows.get(fast), rows.get(slow)
+        if a and b:
+            pairs[fast] = div(a["median_step_s"], b["median_step_s"])
+            print(
+                f"  {fast} / {slow}: {fmt(pairs[fast], '.3f')} per step "
+                f"(per token {fmt(div(a['median_ms_per_token'], b['median_ms_per_token']), '.3f')}); "
+                f"target <= {ASYNC_TARGET}: {'MET' if pairs[fast] is not None and pairs[fast] <= ASYNC_TARGET else 'NOT MET'}"
+                f"; sync gen + train = {fmt((b['median_generation_s'] or 0) + (b['median_train_s'] or 0))}s, "
+                f"async waits {fmt(a['median_generation_wait_s'])}s per step for its batch"
+            )
+    if t:
+        print(
+            "  gen s: TRL's is generate() with prompt tokenization and decoding; its train s is the step minus "
+            "generation, reward and advantages"
+        )
+    print("  wait s: how long the policy waited for its batch (async: what generation ahead did not hide)")
+    checks = {"prompt_ids_identical": results["trl"].get("prompt_ids_identical") if "trl" in results else None}
+    for name, res in results.items():
+        checks[f"{name}_same_prompts"] = same_prompts(spec, res["steps"])
     bad = [name for name, ok in checks.items() if ok is False]
     kp = spec["kuberl_precision"]
     print(f"  cpu: {spec['cpu']}")
@@ -336,7 +371,8 @@ def report(spec: dict, kuberl: dict, trl: dict, warmup: int) -> dict:
     )
     print(
         f"  layout: kuberl {spec['kuberl_ranks']} policy rank(s) of {max(1, spec['threads'] // spec['kuberl_ranks'])} "
-        f"thread(s), colocated engine; TRL one process of {spec['threads']} threads"
+        f"thread(s); colocated rows generate in the rank, disagg rows in one generation actor beside it (all cores "
+        f"shared; pinned rows: each its own half); TRL one process of {spec['threads']} threads"
     )
     print(
         f"  allocator: kuberl keeps freed memory {spec['kuberl_keep_freed_memory']}, "
@@ -346,19 +382,20 @@ def report(spec: dict, kuberl: dict, trl: dict, warmup: int) -> dict:
         f"  checks: {', '.join(f'{n}={v}' for n, v in checks.items())}"
         + (f"  <- WARNING: {', '.join(bad)} failed, the comparison is not like for like" if bad else "")
     )
+    walls = ", ".join(f"{name} {res['wall_s']:.0f}s" for name, res in results.items())
     print(
-        f"  wall time: kuberl run {kuberl['wall_s']:.0f}s, TRL run {trl['wall_s']:.0f}s "
-        f"(start-up included); TRL {trl.get('versions', {}).get('trl', '?')}; "
+        f"  wall time: {walls} (start-up included); TRL {results.get('trl', {}).get('versions', {}).get('trl', '-')}; "
         f"load average now {os.getloadavg()[0]:.1f} (this machine's cores: {os.cpu_count()})"
     )
     return {
-        "kuberl": k,
-        "trl": t,
+        "rows": rows,
         "ratio": ratio,
         "ratio_per_token": per_token,
         "ratio_fastest": ratio_min,
         "target": TARGET_RATIO,
         "target_met": met,
+        "async_ratios": pairs,
+        "async_target": ASYNC_TARGET,
         "checks": checks,
     }
 
@@ -379,6 +416,11 @@ def main(argv: list[str] | None = None) -> int:
         help="torch threads for TRL; kuberl's ranks share the same cores (default: all cores)",
     )
     parser.add_argument("--only", choices=("kuberl", "trl"), help="run one side only (no ratio)")
+    parser.add_argument(
+        "--rows",
+        default=",".join(ROWS),
+        help=f"kuberl's rows, comma-separated (default all: {', '.join(ROWS)})",
+    )
     parser.add_argument(
         "--kuberl-override",
         action="append",
@@ -426,6 +468,15 @@ def main(argv: list[str] | None = None) -> int:
             return fail(problem)
     if args.only != "trl" and not Path(args.kuberl_python).exists():
         return fail(f"no trainer environment at {args.kuberl_python}; run `make setup`")
+    rows = [r.strip() for r in args.rows.split(",") if r.strip()]
+    unknown = [r for r in rows if r not in ROWS]
+    if unknown:
+        return fail(f"--rows: unknown row {unknown[0]!r}; choose from: {', '.join(ROWS)}")
+    if "kuberl+vllm" in rows and args.only != "trl":
+        probe = subprocess.run([args.kuberl_python, "-c", "import vllm"], capture_output=True)
+        if probe.returncode != 0:
+            print("bench: skipping kuberl+vllm: vllm is not installed in the trainer's environment (make setup)")
+            rows.remove("kuberl+vllm")
 
     out = Path(args.out) if args.out else REPO / "results" / "bench" / "grpo_bench.json"
     run_dir = out.parent / time.strftime("grpo-%Y%m%d-%H%M%S")
@@ -446,21 +497,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     results = {}
     try:
-        if args.only != "trl":
-            print("bench: kuberl (python -m trainer, .venv)", flush=True)
-            results["kuberl"] = run_kuberl(args, run_dir)
+        for row in rows if args.only != "trl" else []:
+            print(f"bench: {row} (python -m trainer, .venv): {' '.join(ROWS[row]) or 'cpu-demo as it ships'}", flush=True)
+            results[row] = run_kuberl(args, run_dir, row)
         if args.only != "kuberl":
             print("bench: TRL GRPOTrainer (.venv-bench)", flush=True)
             results["trl"] = run_trl(args, spec_path, run_dir)
     except RuntimeError as e:
         return fail(str(e), 1)
-    summary = None
-    if len(results) == 2:
-        summary = report(spec, results["kuberl"], results["trl"], args.warmup)
-    else:
-        for name, res in results.items():
-            s = summarize(name, res["steps"], args.warmup)
-            print(f"{name}: median step {s['median_step_s']:.2f}s, mean length {s['mean_length']:.1f}")
+    summary = report(spec, results, args.warmup)
     total = time.monotonic() - t0
     print(f"bench: done in {total:.0f}s; numbers in {out}")
     out.write_text(

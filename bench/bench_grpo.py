@@ -168,17 +168,17 @@ def tail(path: Path, n: int = 15) -> str:
     return "\n".join("    " + ln for ln in lines[-n:])
 
 
-def run_kuberl(args, run_dir: Path, row: str = "kuberl") -> dict:
-    log_dir = run_dir / f"{row}-logs"
-    overrides = kuberl_overrides(args.steps, log_dir, [*ROWS[row], *args.kuberl_override], args.kuberl_ranks)
+def run_kuberl(args, run_dir: Path, name: str = "kuberl") -> dict:
+    log_dir = run_dir / f"{name}-logs"
+    overrides = kuberl_overrides(args.steps, log_dir, [*ROWS[name], *args.kuberl_override], args.kuberl_ranks)
     cmd = [args.kuberl_python, "-m", "trainer", *overrides]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    log_path = run_dir / f"{row}.log"
+    log_path = run_dir / f"{name}.log"
     t0 = time.monotonic()
-    rc = run_logged(cmd, log_path, env, row, lambda ln: ln.startswith(("step ", "kuberl: done")))
+    rc = run_logged(cmd, log_path, env, name, lambda ln: ln.startswith(("step ", "kuberl: done")))
     wall = time.monotonic() - t0
     if rc != 0:
-        raise RuntimeError(f"{row} exited with {rc}; its log ({log_path}) ends:\n{tail(log_path)}")
+        raise RuntimeError(f"{name} exited with {rc}; its log ({log_path}) ends:\n{tail(log_path)}")
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -209,7 +209,7 @@ def run_kuberl(args, run_dir: Path, row: str = "kuberl") -> dict:
                 {json.loads(ln)["prompt"] for ln in rollouts.read_text().splitlines() if ln}
             )
         steps.append(row)
-    return {"steps": steps, "wall_s": wall, "log": str(log_path), "overrides": ROWS[row]}
+    return {"steps": steps, "wall_s": wall, "log": str(log_path), "overrides": ROWS[name]}
 
 
 def run_trl(args, spec_path: Path, run_dir: Path) -> dict:

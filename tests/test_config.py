@@ -58,6 +58,16 @@ def test_should_match_runbook_shapes_when_gpu_experiments_compose():
         (["generation.placement=disaggregated", "grpo.async.max_staleness=-1"], "grpo.async.max_staleness"),
         (["grpo.async.max_staleness=1"], "grpo.async.max_staleness"),  # colocated: nothing to overlap
         (["grpo.dynamic_sampling.enabled=true", "grpo.dynamic_sampling.max_rounds=0"], "grpo.dynamic_sampling.max_rounds"),
+        (["grpo.loss.kl_clamp=0"], "grpo.loss.kl_clamp"),
+        (["grpo.loss.kl_clamp=-1.5"], "grpo.loss.kl_clamp"),
+        (["grpo.loss.ratio_level=seq"], "grpo.loss.ratio_level"),
+        (["grpo.advantage.std=batch"], "grpo.advantage.std"),
+        (["grpo.advantage.std=leave_one_out", "grpo.normalize_rewards=false"], "grpo.advantage.std"),
+        (["grpo.advantage.std=leave_one_out", "grpo.num_generations_per_prompt=2"], "grpo.advantage.std"),
+        (["grpo.advantage.bogus=1"], "grpo.advantage.bogus"),
+        (["grpo.reward_shaping.overlong_buffer=-1"], "grpo.reward_shaping.overlong_buffer"),
+        (["generation.max_new_tokens=64", "grpo.reward_shaping.overlong_buffer=64"], "grpo.reward_shaping.overlong_buffer"),
+        (["grpo.reward_shaping.overlong_penalty=-0.5"], "grpo.reward_shaping.overlong_penalty"),
     ],
 )
 def test_should_name_the_key_when_a_value_is_bad(overrides, key):
@@ -80,6 +90,19 @@ def test_should_write_the_async_section_under_its_key_when_the_config_is_saved()
 
     cfg = load(["experiment=tiny", "generation.placement=disaggregated", "grpo.async.max_staleness=1"])
     assert to_dict(cfg)["grpo"]["async"] == {"max_staleness": 1}
+
+
+def test_should_default_the_algorithm_options_to_plain_grpo_and_accept_their_other_values():
+    cfg = load()
+    loss, g = cfg.grpo.loss, cfg.grpo
+    assert (loss.kl_clamp, loss.ratio_level, g.advantage.std) == (10.0, "token", "group")
+    assert (g.reward_shaping.overlong_buffer, g.reward_shaping.overlong_penalty) == (0, 1.0)
+    cfg = load([
+        "grpo.loss.kl_clamp=null", "grpo.loss.ratio_level=sequence", "grpo.advantage.std=leave_one_out",
+        "generation.max_new_tokens=64", "grpo.reward_shaping.overlong_buffer=16", "grpo.reward_shaping.overlong_penalty=0",
+    ])
+    assert (cfg.grpo.loss.kl_clamp, cfg.grpo.loss.ratio_level, cfg.grpo.advantage.std) == (None, "sequence", "leave_one_out")
+    assert (cfg.grpo.reward_shaping.overlong_buffer, cfg.grpo.reward_shaping.overlong_penalty) == (16, 0.0)
 
 
 def test_should_accept_user_reward_when_given_as_module_function():

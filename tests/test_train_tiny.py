@@ -12,6 +12,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+from trainer.algorithms.core_algos import compute_advantages
 
 from .conftest import REPO
 
@@ -114,6 +117,26 @@ def test_should_log_val_accuracy_when_validation_is_configured(tmp_path):
     val = _scalars(run_dir)["val/accuracy"]
     assert len(val) == 2 and all(0.0 <= v <= 1.0 for v in val)  # before training and at step 2
     assert "(before training)" in stdout and "| val " in stdout
+
+
+def test_should_shape_rewards_and_log_the_penalty_when_the_algorithm_options_are_on(tmp_path):
+    """GSPO, the leave-one-out std, DAPO's overlong penalty and a clamped KL, wired end to end in
+    two steps. max_new_tokens is 2, so with a 1-token buffer a 2-token answer costs the full penalty."""
+    _, run_dir = _train(
+        tmp_path, "grpo.max_num_steps=2", "grpo.loss.ratio_level=sequence", "grpo.advantage.std=leave_one_out",
+        "grpo.reward_shaping.overlong_buffer=1", "grpo.reward_shaping.overlong_penalty=0.5",
+        "grpo.loss.reference_policy_kl_penalty=0.01", "grpo.loss.kl_clamp=10",
+    )
+    scalars = _scalars(run_dir)
+    assert len(scalars["train/overlong_penalty_mean"]) == 2
+    assert all(-0.5 <= v <= 0 for v in scalars["train/overlong_penalty_mean"])
+    assert all(0 <= v <= 10 for v in scalars["train/kl"])
+    rows = [json.loads(line) for line in (run_dir / "train_data_step1.jsonl").read_text().splitlines()]
+    for row in rows:  # the jsonl reward stays the reward functions' total; the penalty is beside it
+        assert row["overlong_penalty"] == (-0.5 if row["generation_length"] == 2 else 0.0)
+    shaped = torch.tensor([r["reward"] + r["overlong_penalty"] for r in rows])
+    expected = compute_advantages(shaped, 16, std="leave_one_out")
+    assert torch.allclose(torch.tensor([r["advantage"] for r in rows]), expected, atol=1e-6)
 
 
 # ----- vLLM generation (the CPU build make setup installs) ---------------------------------------------

@@ -75,6 +75,31 @@ class LossConfig:
     tis_cap: float = 2.0
     mis_low: float = 0.5
     mis_high: float = 2.0
+    # Bound on the per-token KL estimate in the penalty, [-kl_clamp, kl_clamp] (verl, NeMo-RL: 10);
+    # null: unbounded (k3 is then only kept finite, up to e^20).
+    kl_clamp: float | None = 10.0
+    # token: PPO's per-token ratio | sequence: GSPO's length-normalised sequence ratio, one per
+    # response and clipped as one (the paper clips at ratio_clip_min=3e-4, ratio_clip_max=4e-4 and
+    # averages per sequence: aggregation=seq-mean-token-mean).
+    ratio_level: str = "token"
+
+
+@dataclass
+class AdvantageConfig:
+    # The std that grpo.normalize_rewards divides by: group (the whole group's, whichever baseline)
+    # | leave_one_out (each sample's G-1 others', NeMo-RL's with its leave-one-out baseline; needs
+    # num_generations_per_prompt >= 3; a sample whose others all agree is not divided). Requires
+    # normalize_rewards: true. NeMo-RL's use_leave_one_out_baseline is use_leave_one_out_baseline:
+    # true with std: leave_one_out.
+    std: str = "group"
+
+
+@dataclass
+class RewardShapingConfig:
+    # DAPO soft overlong punishment: the last overlong_buffer tokens before generation.max_new_tokens
+    # cost up to overlong_penalty (linearly), counted on the model's own tokens. 0: off.
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0
 
 
 @dataclass
@@ -109,6 +134,8 @@ class GRPOConfig:
     # ``async`` is a Python keyword: the field is async_, the key stays grpo.async (see config_key).
     async_: AsyncConfig = field(default_factory=AsyncConfig, metadata={"key": "async"})
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    reward_shaping: RewardShapingConfig = field(default_factory=RewardShapingConfig)
 
     @property
     def batch_size(self) -> int:
@@ -558,6 +585,32 @@ def _validate(c: Config) -> None:
     _require(
         loss.reference_policy_kl_penalty >= 0,
         f"grpo.loss.reference_policy_kl_penalty={loss.reference_policy_kl_penalty} must be >= 0",
+    )
+    _require(
+        loss.kl_clamp is None or loss.kl_clamp > 0, f"grpo.loss.kl_clamp={loss.kl_clamp} must be > 0 or null (no clamp)"
+    )
+    _one_of("grpo.loss.ratio_level", loss.ratio_level, ("token", "sequence"))
+    _one_of("grpo.advantage.std", g.advantage.std, ("group", "leave_one_out"))
+    if g.advantage.std != "group":
+        _require(
+            g.normalize_rewards,
+            f"grpo.advantage.std={g.advantage.std} chooses the std that grpo.normalize_rewards divides by; "
+            "set grpo.normalize_rewards=true or leave grpo.advantage.std=group",
+        )
+        _require(
+            g.num_generations_per_prompt >= 3,
+            f"grpo.advantage.std=leave_one_out needs grpo.num_generations_per_prompt >= 3 (the std of the "
+            f"others), got {g.num_generations_per_prompt}",
+        )
+    shaping = g.reward_shaping
+    _require(
+        0 <= shaping.overlong_buffer and (shaping.overlong_buffer == 0 or shaping.overlong_buffer < gen.max_new_tokens),
+        f"grpo.reward_shaping.overlong_buffer={shaping.overlong_buffer} must be >= 0 (0: off) and < "
+        f"generation.max_new_tokens={gen.max_new_tokens}",
+    )
+    _require(
+        shaping.overlong_penalty >= 0,
+        f"grpo.reward_shaping.overlong_penalty={shaping.overlong_penalty} must be >= 0",
     )
     # --- model / policy
     _one_of("model.dtype", c.model.dtype, (*DTYPES, "auto"))

@@ -35,7 +35,9 @@ def t(x, dtype=torch.float32):
     ("getter", "registry", "kind"),
     [
         (ca.get_advantage_estimator, ca.ADVANTAGE_ESTIMATORS, "advantage estimator"),
+        (ca.get_advantage_std, ca.ADVANTAGE_STDS, "advantage std"),
         (ca.get_policy_loss, ca.POLICY_LOSSES, "policy loss"),
+        (ca.get_ratio_level, ca.RATIO_LEVELS, "ratio level"),
         (ca.get_kl_estimator, ca.KL_ESTIMATORS, "KL estimator"),
         (ca.get_loss_aggregation, ca.LOSS_AGGREGATIONS, "loss aggregation"),
     ],
@@ -50,7 +52,9 @@ def test_registry_unknown_name_lists_valid_names(getter, registry, kind):
 
 def test_registry_names():
     assert set(ca.ADVANTAGE_ESTIMATORS) == {"mean", "leave_one_out"}
+    assert set(ca.ADVANTAGE_STDS) == {"group", "leave_one_out"}
     assert set(ca.POLICY_LOSSES) == {"clipped"}
+    assert set(ca.RATIO_LEVELS) == {"token", "sequence"}
     assert set(ca.KL_ESTIMATORS) == {"k1", "k2", "k3"}
     assert set(ca.LOSS_AGGREGATIONS) == {"token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"}
 
@@ -66,6 +70,7 @@ def test_registry_names():
             "seq-mean-token-sum-norm",
         ),
         ("importance_sampling", "grpo.loss.importance_sampling='nope' is not allowed; choose one of: none, tis, mis, seq_mis"),
+        ("ratio_level", "grpo.loss.ratio_level='nope' is not allowed; choose one of: token, sequence"),
     ],
 )
 def test_should_name_the_key_in_one_line_when_a_loss_name_is_not_registered(field, message):
@@ -122,13 +127,60 @@ def test_leave_one_out_two_sample_group():
 
 
 @pytest.mark.parametrize("estimator", ["mean", "leave_one_out"])
-@pytest.mark.parametrize("normalize_std", [True, False])
+@pytest.mark.parametrize(("normalize_std", "std"), [(True, "group"), (True, "leave_one_out"), (False, "group")])
 @pytest.mark.parametrize("value", [0.0, 1.0, 0.1, 1 / 3, -7.3, 1e6 + 0.1])
-def test_zero_variance_group_gives_exactly_zero(estimator, normalize_std, value):
+def test_zero_variance_group_gives_exactly_zero(estimator, normalize_std, std, value):
     rewards = t([value] * 6 + [1.0, 0.0, 0.0])
-    adv = compute_advantages(rewards, 3, estimator=estimator, normalize_std=normalize_std)
+    adv = compute_advantages(rewards, 3, estimator=estimator, normalize_std=normalize_std, std=std)
     assert torch.equal(adv[:6], torch.zeros(6))  # exact, not close: no eps blow-up of a rounding residue
     assert adv[6] > 0 and adv[7] < 0
+
+
+# Leave-one-out std: for sample i, the unbiased std of the other three rewards.
+# [3, 1, 2, 0]: others [1, 2, 0] -> std 1; [3, 2, 0] -> var (16 + 1 + 25) / 9 / 2 = 7/3, std 1.52752523;
+#   [3, 1, 0] -> the same 1.52752523; [3, 1, 2] -> std 1. (The group std would be sqrt(5/3) = 1.29099445.)
+# [1, 0, 0, 0]: sample 0's others [0, 0, 0] have std 0, so it is not divided; the others' others
+#   [1, 0, 0] -> var (4 + 1 + 1) / 9 / 2 = 1/3, std 0.57735027.
+LOO_REWARDS = [3.0, 1.0, 2.0, 0.0, 1.0, 0.0, 0.0, 0.0]
+
+
+def test_leave_one_out_std_hand_values():
+    std = ca.leave_one_out_std(t(LOO_REWARDS).view(2, 4))
+    torch.testing.assert_close(std, t([[1.0, 1.52752523, 1.52752523, 1.0], [0.0, 0.57735027, 0.57735027, 0.57735027]]))
+    assert std[1, 0].item() == 0.0  # exactly: the others all agree
+
+
+def test_leave_one_out_std_with_mean_baseline():
+    # Mean baselines 1.5 and 0.25: [1.5, -0.5, 0.5, -1.5] / [1, 1.5275, 1.5275, 1]; [0.75 (undivided), -0.25 / 0.57735 x 3].
+    adv = compute_advantages(t(LOO_REWARDS), 4, estimator="mean", std="leave_one_out", eps=0.0)
+    expected = [1.5, -0.32732684, 0.32732684, -1.5, 0.75, -0.4330127, -0.4330127, -0.4330127]
+    torch.testing.assert_close(adv, t(expected))
+
+
+def test_leave_one_out_std_with_leave_one_out_baseline_is_nemo_rl_form():
+    # Baselines: [1, 5/3, 4/3, 2] and [0, 1/3, 1/3, 1/3]: [2 / 1, (-2/3) / 1.5275, (2/3) / 1.5275, -2 / 1];
+    # [1 (undivided), (-1/3) / 0.57735 x 3].
+    adv = compute_advantages(t(LOO_REWARDS), 4, estimator="leave_one_out", std="leave_one_out", eps=0.0)
+    expected = [2.0, -0.43643578, 0.43643578, -2.0, 1.0, -0.57735027, -0.57735027, -0.57735027]
+    torch.testing.assert_close(adv, t(expected))
+
+
+def test_leave_one_out_std_leaves_a_sample_whose_others_agree_undivided_not_over_eps():
+    adv = compute_advantages(t([1.0, 0.0, 0.0, 0.0]), 4, estimator="leave_one_out", std="leave_one_out")
+    assert torch.isfinite(adv).all()
+    assert adv[0].item() == 1.0  # 1 - 0, not (1 - 0) / 1e-6
+    torch.testing.assert_close(adv[1:], t([-0.57735027] * 3), rtol=1e-5, atol=1e-5)  # / (0.57735 + 1e-6)
+
+
+def test_group_std_is_the_default_and_unchanged():
+    for estimator in ("mean", "leave_one_out"):
+        default = compute_advantages(t(REWARDS), 4, estimator=estimator)
+        assert torch.equal(default, compute_advantages(t(REWARDS), 4, estimator=estimator, std="group"))
+
+
+def test_leave_one_out_std_needs_three_samples():
+    with pytest.raises(ValueError, match="group_size >= 3"):
+        compute_advantages(t([1.0, 0.0]), 2, std="leave_one_out")
 
 
 def test_advantages_accept_integer_rewards():
@@ -172,6 +224,21 @@ def test_kl_k3_clamps_log_ratio():
     out = kl_k3(logp, ref)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out, t([[485165195.4 - 21.0, 19.0 + 2.06e-9]]))  # e^20 - 21, e^-20 + 19
+
+
+def test_kl_clamp_bounds_the_estimate_both_ways():
+    logp = t([[-5.0, 0.0, -1.0]]).requires_grad_(True)
+    ref = t([[0.0, -5.0, -1.5]])  # d = ref - logp = [5, -5, -0.5]
+    k3 = kl_k3(logp, ref)
+    # e^5 - 5 - 1 = 142.41315911; e^-5 + 5 - 1 = 4.00673795; e^-0.5 + 0.5 - 1 = 0.10653066
+    torch.testing.assert_close(k3, t([[142.41315911, 4.00673795, 0.10653066]]))
+    clamped = ca.clamp_kl(k3, 10.0)
+    torch.testing.assert_close(clamped, t([[10.0, 4.00673795, 0.10653066]]))
+    assert ca.clamp_kl(k3, None) is k3  # null: no clamp
+    torch.testing.assert_close(ca.clamp_kl(kl_k1(logp, ref), 2.0), t([[-2.0, 2.0, 0.5]]))  # k1 = [-5, 5, 0.5]
+    clamped.sum().backward()
+    # d k3 / d logp = 1 - e^d where live; the clamped token has no gradient.
+    torch.testing.assert_close(logp.grad, t([[0.0, 1.0 - math.exp(-5.0), 1.0 - math.exp(-0.5)]]))
 
 
 def test_kl_k3_is_nonnegative():
@@ -269,6 +336,102 @@ def test_on_policy_loss_is_minus_advantage():
     loss, m = clipped_policy_loss(logp, logp.clone(), t([0.5, -1.5]), **CLIP)
     torch.testing.assert_close(loss, t([[-0.5, -0.5], [1.5, 1.5]]))
     assert m["clipfrac"].sum() == 0 and m["ppo_kl"].abs().sum() == 0
+
+
+# --------------------------------------------------------------------------- GSPO (sequence ratio)
+
+# Row 0: log-ratios [0.2, -0.2, 0.2], mean 1/15, s0 = e^(1/15) = 1.06893911.
+# Row 1: log-ratios [-0.1, 0.3] and a padded token (its -3 must not count): mean 0.1, s1 = e^0.1 = 1.10517092.
+GSPO_LOGP = [[-1.0, -2.0, -0.5], [-1.0, -1.0, -3.0]]
+GSPO_OLD = [[-1.2, -1.8, -0.7], [-0.9, -1.3, 0.0]]
+GSPO_MASK = [[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]]
+S0, S1 = 1.06893911, 1.10517092
+
+
+def _gspo_loss(clip, logp=None):
+    logp = t(GSPO_LOGP).requires_grad_(True) if logp is None else logp
+    old, mask, adv = t(GSPO_OLD), t(GSPO_MASK), t([1.0, -1.0])
+    log_ratio = ca.sequence_log_ratio(logp, old, mask)
+    loss, m = clipped_policy_loss(logp, old, adv, **clip, log_ratio=log_ratio)
+    return logp, mask, loss, m
+
+
+def test_sequence_ratio_is_one_value_per_sequence_from_its_response_tokens():
+    logp, mask, loss, m = _gspo_loss(CLIP)  # [0.8, 1.28]: both sequences live
+    torch.testing.assert_close(m["ratio"], t([[S0] * 3, [S1] * 3]))
+    torch.testing.assert_close(loss, t([[-S0] * 3, [S1] * 3]))  # -A * s_i on every token
+    assert m["clipfrac"].sum() == 0
+    # ppo_kl keeps its per-token meaning, old - logp.
+    torch.testing.assert_close(m["ppo_kl"], t([[-0.2, 0.2, -0.2], [0.1, -0.3, 3.0]]))
+
+
+def test_sequence_ratio_gradient_is_gspo_gradient():
+    logp, mask, loss, _ = _gspo_loss(CLIP)
+    aggregate_loss(loss, mask, "seq-mean-token-mean").backward()
+    # GSPO: grad of -(1/B) sum_i A_i s_i = -(1/B) sum_i A_i s_i * (1/|y_i|) sum_t grad lp_t.
+    by_hand = t([[-S0 / 3 / 2] * 3, [S1 / 2 / 2, S1 / 2 / 2, 0.0]])  # -0.17815652, 0.27629273
+    torch.testing.assert_close(logp.grad, by_hand)
+    # The same from autograd through the sequence objective written out.
+    lp = t(GSPO_LOGP).requires_grad_(True)
+    s = torch.exp(ca.masked_mean(lp - t(GSPO_OLD), t(GSPO_MASK), dim=-1))  # (B,)
+    (-(t([1.0, -1.0]) * s).mean()).backward()
+    torch.testing.assert_close(logp.grad, lp.grad)
+
+
+def test_sequence_ratio_is_clipped_as_a_whole_at_gspo_clip_ranges():
+    logp, mask, loss, m = _gspo_loss(dict(ratio_clip_min=3e-4, ratio_clip_max=4e-4))  # [0.9997, 1.0004]
+    # Row 0 (A = +1, s0 = 1.069 > 1.0004): every token clipped to -1.0004, no gradient.
+    # Row 1 (A = -1, s1 = 1.105): max(1.105, 1.0004) is the live branch.
+    torch.testing.assert_close(loss, t([[-1.0004] * 3, [S1] * 3]))
+    torch.testing.assert_close(m["clipfrac"], t([[1.0] * 3, [0.0] * 3]))
+    aggregate_loss(loss, mask, "seq-mean-token-mean").backward()
+    torch.testing.assert_close(logp.grad, t([[0.0] * 3, [S1 / 4, S1 / 4, 0.0]]))
+
+
+def test_sequence_ratio_on_policy_is_one_with_the_policy_gradient():
+    logp = t(GSPO_LOGP).requires_grad_(True)
+    mask = t(GSPO_MASK)
+    log_ratio = ca.sequence_log_ratio(logp, logp.detach(), mask)
+    loss, m = clipped_policy_loss(logp, logp.detach(), t([0.5, -1.5]), **CLIP, log_ratio=log_ratio)
+    assert torch.equal(m["ratio"], torch.ones(2, 3))
+    (loss * mask).sum().backward()
+    torch.testing.assert_close(logp.grad, t([[-0.5] * 3, [1.5, 1.5, 0.0]]))
+
+
+def test_sequence_ratio_keeps_a_nonfinite_padded_logprob_out_of_the_gradient():
+    logp = t([[-1.0, -2.0, -0.5], [-1.0, -1.0, -math.inf]]).requires_grad_(True)
+    _, mask, loss, m = _gspo_loss(CLIP, logp)
+    torch.testing.assert_close(m["ratio"][:, 0], t([S0, S1]))
+    aggregate_loss(loss, mask, "token-mean").backward()
+    assert torch.isfinite(logp.grad).all() and logp.grad[1, 2] == 0
+
+
+def test_token_ratio_level_is_the_clipped_loss_bit_for_bit():
+    for c in (None, 3.0):
+        a_logp, old, adv = _policy_inputs()
+        a, ma = clipped_policy_loss(a_logp, old, adv, **CLIP, ratio_clip_c=c)
+        a.sum().backward()
+        b_logp, _, _ = _policy_inputs()
+        log_ratio = ca.token_log_ratio(b_logp, old, torch.ones(2, 3))
+        b, mb = clipped_policy_loss(b_logp, old, adv, **CLIP, ratio_clip_c=c, log_ratio=log_ratio)
+        b.sum().backward()
+        assert torch.equal(a, b) and torch.equal(a_logp.grad, b_logp.grad)
+        assert all(torch.equal(ma[k], mb[k]) for k in ma)
+
+
+# --------------------------------------------------------------------------- overlong reward shaping
+
+
+def test_overlong_penalty_hand_values():
+    # L_max 10, buffer 4: free up to 6 tokens, then (6 - length) / 4 * penalty, -penalty from 10 on.
+    lengths = t([5.0, 6.0, 7.0, 8.0, 10.0, 12.0])
+    torch.testing.assert_close(ca.overlong_penalty(lengths, 10, 4, 1.0), t([0.0, 0.0, -0.25, -0.5, -1.0, -1.0]))
+    torch.testing.assert_close(ca.overlong_penalty(lengths, 10, 4, 0.5), t([0.0, 0.0, -0.125, -0.25, -0.5, -0.5]))
+
+
+def test_overlong_penalty_off_and_integer_lengths():
+    assert torch.equal(ca.overlong_penalty(t([3.0, 10.0]), 10, 0, 1.0), torch.zeros(2))  # buffer 0: off
+    torch.testing.assert_close(ca.overlong_penalty(torch.tensor([9, 1]), 10, 2, 1.0), t([-0.5, 0.0]))
 
 
 # --------------------------------------------------------------------------- aggregation

@@ -240,3 +240,58 @@ def test_should_weight_the_policy_gradient_by_the_truncated_ratio_when_the_engin
     for m in metrics.values():
         assert m["gen_logprob_abs_diff"] == pytest.approx(5.0, rel=1e-4)
         assert m["gen_train_kl"] == pytest.approx(math.exp(5.0) - 5.0 - 1.0, rel=1e-3)  # k3 of a 5-nat gap
+
+
+def test_should_train_on_each_responses_mean_log_ratio_when_ratio_level_is_sequence(ray_local, tiny_model_path):
+    """GSPO through the worker: old logprobs that differ from the policy's by a ramp with zero mean
+    over each response give every sequence the ratio 1, so the step is the on-policy one (token
+    ratios of e^-0.3 .. e^0.3 would be clipped at 0.2). Padding and the prompt must not count in the
+    mean (pad_batch puts old logprobs of 0 there). A shift of -0.1 nats on every token scales the
+    whole policy gradient by e^0.1 (inside the clip range)."""
+    from trainer.policy.group import PolicyGroup
+
+    # lr 1e-30: Adam moves no float32 weight, so all three steps see the same policy.
+    cfg = _cfg(tiny_model_path, "cluster.cpu_workers_per_node=1", "grpo.loss.ratio_level=sequence",
+               "policy.max_grad_norm=null", "policy.learning_rate=1e-30", "policy.shared_prefix=false")
+    group = PolicyGroup(cfg, tiny_model_path, colocated_engine=False)
+    try:
+        samples = _samples(grouped=True)
+        own = group.gather_logprobs(group.compute_logprobs_async(samples), len(samples))
+
+        def step(shift):
+            for s, lp in zip(samples, own):
+                s.old_logprobs = [v + shift(t, len(lp)) for t, v in enumerate(lp)]
+            return group.train(samples)
+
+        on_policy = step(lambda t, n: 0.0)
+        ramp = step(lambda t, n: 0.2 * (t - (n - 1) / 2))  # (n - 1) / 2 centres it on each response
+        shifted = step(lambda t, n: -0.1)
+    finally:
+        group.shutdown()
+    assert on_policy["grad_norm"] > 0 and on_policy["pg_clipfrac"] == 0.0
+    assert ramp["grad_norm"] == pytest.approx(on_policy["grad_norm"], rel=1e-5)
+    assert ramp["loss"] == pytest.approx(on_policy["loss"], rel=1e-5, abs=1e-7)
+    assert ramp["pg_clipfrac"] == 0.0
+    assert shifted["grad_norm"] == pytest.approx(math.exp(0.1) * on_policy["grad_norm"], rel=1e-5)
+
+
+def test_should_clamp_the_per_token_kl_in_the_penalty_when_kl_clamp_is_set(ray_local, tiny_model_path):
+    """Reference logprobs 5 nats above the policy's: k3 = e^5 - 6 = 142.4 on every token, clamped to
+    kl_clamp=10; 1 nat above: e - 2 = 0.718, under the bound and left alone."""
+    from trainer.policy.group import PolicyGroup
+
+    cfg = _cfg(tiny_model_path, "cluster.cpu_workers_per_node=1", "grpo.loss.reference_policy_kl_penalty=0.1",
+               "grpo.loss.kl_clamp=10")
+    group = PolicyGroup(cfg, tiny_model_path, colocated_engine=False)
+    try:
+        kl = {}
+        for gap in (5.0, 1.0):
+            samples = _samples(grouped=True)
+            own = group.gather_logprobs(group.compute_logprobs_async(samples), len(samples))
+            for s, lp in zip(samples, own):
+                s.ref_logprobs = [v + gap for v in lp]
+            kl[gap] = group.train(samples)["kl"]
+    finally:
+        group.shutdown()
+    assert kl[5.0] == pytest.approx(10.0)
+    assert kl[1.0] == pytest.approx(math.e - 2.0, rel=1e-3)

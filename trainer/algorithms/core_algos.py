@@ -1,11 +1,13 @@
 """GRPO math as pure functions, chosen by name.
 
 Everything here takes tensors and returns tensors; nothing knows about Ray or FSDP, and only
-:func:`check_loss_config` knows the config (the names of its keys). Five registries map config names
+:func:`check_loss_config` knows the config (the names of its keys). Seven registries map config names
 to functions, and an unknown name lists the valid ones:
 
     ADVANTAGE_ESTIMATORS  group baselines           "mean", "leave_one_out"
+    ADVANTAGE_STDS        advantage normalisers     "group", "leave_one_out"
     POLICY_LOSSES         per-token policy losses   "clipped"
+    RATIO_LEVELS          log-ratio the loss clips  "token", "sequence" (GSPO)
     KL_ESTIMATORS         per-token KL estimates    "k1", "k2", "k3"
     LOSS_AGGREGATIONS     (B, T) loss -> scalar     "token-mean", "seq-mean-token-mean",
                                                     "seq-mean-token-sum-norm"
@@ -14,9 +16,16 @@ to functions, and an unknown name lists the valid ones:
 Shapes: B sequences (B = num_prompts * group_size, group-contiguous), T response tokens, V vocab.
 ``mask`` is 1 (or True) on response tokens and 0 on prompt/padding.
 
+Two flags are plain functions without a registry: ``clamp_kl`` (the KL penalty's per-token bound)
+and ``overlong_penalty`` (DAPO's soft length penalty on rewards).
+
 Where this departs from peers, and why:
-- The std used to normalise advantages is the unbiased (Bessel, ``/(G-1)``) std over the whole
-  group, as verl, TRL and NeMo-RL do; with leave_one_out the same group std is used.
+- The std used to normalise advantages is by default the unbiased (Bessel, ``/(G-1)``) std over the
+  whole group, whichever baseline is used, as verl, TRL and NeMo-RL with its mean baseline do.
+  NeMo-RL with its leave-one-out baseline divides by the std of the other G-1 samples instead:
+  that is the ``leave_one_out`` std here, chosen separately from the baseline. As in NeMo-RL, a
+  sample whose G-1 others all scored the same (their std is 0) is not divided at all, rather than
+  by eps: [1, 0, 0, 0] is an ordinary sparse-reward group, and 1 / eps would be a huge advantage.
 - A group whose rewards are all equal gets exactly zero advantage in every mode. Peers rely on
   ``(r - mean) / (std + eps)`` being zero, which holds only up to rounding (the float mean of
   identical values need not equal them); a tiny non-zero numerator over eps is then a large
@@ -54,6 +63,7 @@ def check_loss_config(loss: LossConfig) -> None:
     check_name("grpo.loss.kl_estimator", loss.kl_estimator, KL_ESTIMATORS)
     check_name("grpo.loss.aggregation", loss.aggregation, LOSS_AGGREGATIONS)
     check_name("grpo.loss.importance_sampling", loss.importance_sampling, IMPORTANCE_SAMPLING)
+    check_name("grpo.loss.ratio_level", loss.ratio_level, RATIO_LEVELS)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -87,6 +97,25 @@ def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
+# Reward shaping
+# ---------------------------------------------------------------------------------------------
+
+
+def overlong_penalty(lengths: Tensor, max_len: int, buffer: int, penalty: float) -> Tensor:
+    """DAPO's soft overlong punishment (Yu et al. 2025), added to the rewards. lengths: (B,) -> (B,).
+
+    0 up to max_len - buffer tokens, then linear down to -penalty at max_len:
+    ((max_len - buffer) - length) / buffer * penalty. Longer than max_len (a multi-turn transcript
+    counts all the model's turns) stays at -penalty, as the paper's -1 beyond L_max. buffer 0: all 0.
+    """
+    lengths = lengths if lengths.is_floating_point() else lengths.float()
+    if buffer <= 0:
+        return torch.zeros_like(lengths)
+    over = lengths - (max_len - buffer)  # (B,) tokens into the buffer
+    return (-over / buffer * penalty).clamp(min=-penalty, max=0.0)
+
+
+# ---------------------------------------------------------------------------------------------
 # Advantages
 # ---------------------------------------------------------------------------------------------
 
@@ -116,21 +145,55 @@ def get_advantage_estimator(name: str) -> Callable[[Tensor], Tensor]:
     return _lookup("advantage estimator", ADVANTAGE_ESTIMATORS, name)
 
 
+def group_std(grouped: Tensor) -> Tensor:
+    """Unbiased (Bessel) std of each whole group, the same for all its samples. (N, G) -> (N, G)."""
+    return grouped.std(dim=1, keepdim=True, unbiased=True).expand_as(grouped)
+
+
+def leave_one_out_std(grouped: Tensor) -> Tensor:
+    """For sample i, the unbiased std of the other G-1 rewards of its group (NeMo-RL's std with its
+    leave-one-out baseline). (N, G) -> (N, G); needs G >= 3 (one other sample has no std).
+
+    Exactly 0 where the G-1 others are all equal, so the caller can tell "no spread" from a small
+    one: their float std can otherwise be an ulp-sized residue (see ``compute_advantages``).
+    """
+    n, g = grouped.shape
+    if g < 3:
+        raise ValueError(f"a leave-one-out std needs group_size >= 3 (two others at least), got {g}")
+    keep = ~torch.eye(g, dtype=torch.bool, device=grouped.device)  # (G, G): row i leaves out i
+    others = grouped[:, None, :].expand(n, g, g)[:, keep].view(n, g, g - 1)  # (N, G, G-1)
+    std = others.std(dim=-1, unbiased=True)  # (N, G)
+    constant = (others == others[..., :1]).all(dim=-1)  # (N, G)
+    return torch.where(constant, torch.zeros_like(std), std)
+
+
+ADVANTAGE_STDS: dict[str, Callable[[Tensor], Tensor]] = {"group": group_std, "leave_one_out": leave_one_out_std}
+
+
+def get_advantage_std(name: str) -> Callable[[Tensor], Tensor]:
+    """The std function ``(N, G) -> (N, G)`` registered as ``name``."""
+    return _lookup("advantage std", ADVANTAGE_STDS, name)
+
+
 def compute_advantages(
     rewards: Tensor,
     group_size: int,
     *,
     estimator: str = "mean",
     normalize_std: bool = True,
+    std: str = "group",
     eps: float = 1e-6,
 ) -> Tensor:
     """Group-relative advantages. rewards: (B,) -> (B,), float32 (or rewards' float dtype).
 
     Rows ``[i*G:(i+1)*G]`` are the G samples of prompt i. advantage = reward - baseline, where the
-    baseline comes from ``estimator``; with ``normalize_std`` it is then divided by
-    (unbiased group std + eps). A group whose rewards are all equal gets exactly 0.
+    baseline comes from ``estimator``; with ``normalize_std`` it is then divided by (s + eps), where
+    s is each sample's std from ``std`` ("group": the whole group's; "leave_one_out": the other
+    G-1 samples'). A sample whose s is exactly 0 is not divided (only possible with leave_one_out
+    in a group that is not constant). A group whose rewards are all equal gets exactly 0.
 
-    Raises ValueError if rewards is not 1-D, group_size < 2, or B is not a multiple of group_size.
+    Raises ValueError if rewards is not 1-D, group_size < 2 (< 3 for the leave_one_out std), or
+    B is not a multiple of group_size.
     """
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be 1-D (B,), got shape {tuple(rewards.shape)}")
@@ -139,12 +202,17 @@ def compute_advantages(
     if rewards.numel() % group_size != 0:
         raise ValueError(f"batch of {rewards.numel()} rewards is not a multiple of group_size={group_size}")
     baseline_fn = get_advantage_estimator(estimator)
+    std_fn = get_advantage_std(std)
 
     r = rewards if rewards.is_floating_point() else rewards.float()
     grouped = r.view(-1, group_size)  # (N, G)
     adv = grouped - baseline_fn(grouped)
     if normalize_std:
-        adv = adv / (grouped.std(dim=1, keepdim=True, unbiased=True) + eps)
+        s = std_fn(grouped)  # (N, G)
+        # A zero std of a non-constant group can only be a leave-one-out std (the others agree):
+        # the advantage then keeps its reward scale, as NeMo-RL does, instead of being multiplied
+        # by 1 / eps. For the group std this is the division it always was.
+        adv = torch.where(s > 0, adv / (s + eps), adv)
     # Exact equality, not std < tol: an all-equal group has no signal, but its float mean can
     # differ from the rewards by an ulp, and that residue over (0 + eps) would be a huge advantage.
     constant = (grouped == grouped[:, :1]).all(dim=1, keepdim=True)
@@ -188,6 +256,16 @@ def get_kl_estimator(name: str) -> Callable[[Tensor, Tensor], Tensor]:
     return _lookup("KL estimator", KL_ESTIMATORS, name)
 
 
+def clamp_kl(kl: Tensor, bound: float | None) -> Tensor:
+    """The per-token KL estimate clamped to [-bound, bound]; None leaves it. (B, T) -> (B, T).
+
+    verl (``kl_penalty``) and NeMo-RL (``calculate_kl``) clamp at 10: LOG_RATIO_CLAMP keeps k3
+    finite, but one token 5 nats from the reference still gives k3 = e^5 - 6 ~ 142 and dominates
+    the penalty. A clamped token has no KL gradient, like a clipped token in the policy loss.
+    """
+    return kl if bound is None else kl.clamp(-bound, bound)
+
+
 # ---------------------------------------------------------------------------------------------
 # Policy loss
 # ---------------------------------------------------------------------------------------------
@@ -201,6 +279,7 @@ def clipped_policy_loss(
     ratio_clip_min: float,
     ratio_clip_max: float,
     ratio_clip_c: float | None = None,
+    log_ratio: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped surrogate per token, with optional dual clip.
 
@@ -209,6 +288,8 @@ def clipped_policy_loss(
     loss = max(-A * ratio, -A * clip(ratio, 1 - ratio_clip_min, 1 + ratio_clip_max)).
     With ``ratio_clip_c`` (> 1; Ye et al. 2020, dual-clip PPO), tokens with A < 0 are further capped
     at c * |A|. Clip values are validated by the config, not here.
+    ``log_ratio`` (B, T), when given, replaces logprobs - old_logprobs as the log of the ratio
+    (from a ``RATIO_LEVELS`` function, e.g. GSPO's sequence ratio); ``ppo_kl`` stays per token.
 
     Returns ``(loss (B, T), metrics)``; metrics are detached (B, T) tensors:
       ``clipfrac``       1.0 where the clipped branch set the loss (its gradient is then zero)
@@ -219,8 +300,9 @@ def clipped_policy_loss(
     """
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(-1)  # (B,) -> (B, 1), broadcast over tokens
-    log_ratio = (logprobs - old_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    ratio = torch.exp(log_ratio)
+    if log_ratio is None:
+        log_ratio = logprobs - old_logprobs
+    ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - ratio_clip_min, 1.0 + ratio_clip_max)
     # where() rather than torch.maximum: on a tie maximum splits the gradient between the branches;
@@ -251,6 +333,46 @@ POLICY_LOSSES: dict[str, Callable[..., tuple[Tensor, dict[str, Tensor]]]] = {"cl
 def get_policy_loss(name: str) -> Callable[..., tuple[Tensor, dict[str, Tensor]]]:
     """The policy loss registered as ``name``; see :func:`clipped_policy_loss` for the signature."""
     return _lookup("policy loss", POLICY_LOSSES, name)
+
+
+# ---------------------------------------------------------------------------------------------
+# Ratio level: the log importance ratio the policy loss clips. (logprobs (B, T), old_logprobs
+# (B, T), mask (B, T)) -> log_ratio (B, T), with the gradient of the surrogate it stands for.
+# ---------------------------------------------------------------------------------------------
+
+
+def token_log_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor) -> Tensor:
+    """PPO/GRPO: each token's own log pi - log pi_old. The mask is not needed. (B, T) -> (B, T)."""
+    return logprobs - old_logprobs
+
+
+def sequence_log_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor) -> Tensor:
+    """GSPO (Zheng et al. 2025), in its GSPO-token form. (B, T) -> (B, T).
+
+    s_i = exp(mean over the response tokens of log pi - log pi_old), the length-normalised
+    sequence ratio; every token t of sequence i gets the ratio sg[s_i] * exp(lp_t - sg[lp_t]).
+    Its value is s_i, so the clip decides per sequence (one decision for all its tokens), and its
+    gradient is s_i * grad lp_t, so with per-token advantages equal to A_i and seq-mean-token-mean
+    the gradient is GSPO's: s_i * A_i * mean_t grad lp_t. Padding (mask 0) gets log s_i and no
+    gradient, so a non-finite logprob there cannot reach the backward.
+
+    GSPO's ratios live near 1 (the mean shrinks the per-token noise): the paper clips at
+    ratio_clip_min=3e-4, ratio_clip_max=4e-4, not PPO's 0.2.
+    """
+    seq = masked_mean(logprobs.detach() - old_logprobs.detach(), mask, dim=-1)  # (B,) log sg[s_i]
+    live = torch.where(mask != 0, logprobs - logprobs.detach(), torch.zeros_like(logprobs))  # (B, T): 0, with grad
+    return seq[:, None] + live
+
+
+RATIO_LEVELS: dict[str, Callable[[Tensor, Tensor, Tensor], Tensor]] = {
+    "token": token_log_ratio,
+    "sequence": sequence_log_ratio,
+}
+
+
+def get_ratio_level(name: str) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
+    """``(logprobs (B,T), old_logprobs (B,T), mask (B,T)) -> log_ratio (B,T)`` registered as ``name``."""
+    return _lookup("ratio level", RATIO_LEVELS, name)
 
 
 # ---------------------------------------------------------------------------------------------

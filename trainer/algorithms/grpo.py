@@ -76,9 +76,17 @@ def grpo_step(
     state.preemption_point()
 
     reward = torch.tensor([r.reward.total for r in rollouts], dtype=torch.float32)  # (B,)
+    shaped, overlong = reward, None
+    if g.reward_shaping.overlong_buffer > 0:  # DAPO: the model's own tokens (multi-turn: all its turns)
+        n_tokens = torch.tensor([r.model_tokens for r in rollouts], dtype=torch.float32)  # (B,)
+        overlong = core_algos.overlong_penalty(
+            n_tokens, cfg.generation.max_new_tokens, g.reward_shaping.overlong_buffer, g.reward_shaping.overlong_penalty
+        )
+        shaped = reward + overlong  # advantages only: train/reward_* and the jsonl reward stay the rewards' total
     estimator = "leave_one_out" if g.use_leave_one_out_baseline else "mean"
     advantages = core_algos.compute_advantages(
-        reward, g.num_generations_per_prompt, estimator=estimator, normalize_std=g.normalize_rewards
+        shaped, g.num_generations_per_prompt, estimator=estimator, normalize_std=g.normalize_rewards,
+        std=g.advantage.std,
     )
     for s, a in zip(samples, advantages.tolist()):
         s.advantage = a
@@ -143,6 +151,10 @@ def grpo_step(
         }
         for r, s, version in zip(rollouts, samples, batch.versions)
     ]
+    if overlong is not None:  # the jsonl keeps reward as the reward functions' total; the penalty is its own field
+        metrics["train/overlong_penalty_mean"] = overlong.mean().item()
+        for row, penalty in zip(rows, overlong.tolist()):
+            row["overlong_penalty"] = penalty
     return metrics, rows, batch
 
 

@@ -309,6 +309,7 @@ class PolicyWorker:
         tokens trained on."""
         cfg, loss_cfg = self.cfg, self.cfg.grpo.loss
         policy_loss = core_algos.get_policy_loss(loss_cfg.policy_loss)
+        log_ratio_fn = core_algos.get_ratio_level(loss_cfg.ratio_level)
         kl_fn = core_algos.get_kl_estimator(loss_cfg.kl_estimator) if self.ref_model is not None else None
         if self.engine is not None:
             self.engine.sleep()  # colocated: generation's memory goes back to training until refresh_engine
@@ -358,13 +359,16 @@ class PolicyWorker:
                     ratio_clip_min=loss_cfg.ratio_clip_min,
                     ratio_clip_max=loss_cfg.ratio_clip_max,
                     ratio_clip_c=loss_cfg.ratio_clip_c,
+                    # token: logprobs - old, as without it; sequence (GSPO): the mean over each
+                    # response's loss-mask tokens, so padding and environment turns do not count.
+                    log_ratio=log_ratio_fn(logprobs, old, mask),
                 )
                 if is_weights is not None:
                     loss_mat = loss_mat * is_weights  # the policy-gradient term only, as the peers weight it
                 if kl_fn is not None:
-                    kl = kl_fn(logprobs, batch.ref_logprobs.to(self.device))
+                    kl = core_algos.clamp_kl(kl_fn(logprobs, batch.ref_logprobs.to(self.device)), loss_cfg.kl_clamp)
                     loss_mat = loss_mat + loss_cfg.reference_policy_kl_penalty * kl
-                    add("kl", (kl.detach() * mask).sum())
+                    add("kl", (kl.detach() * mask).sum())  # as the penalty saw it: clamped
                 loss = core_algos.aggregate_loss(
                     loss_mat,
                     mask,

@@ -195,6 +195,7 @@ def run_kuberl(args, run_dir: Path, name: str = "kuberl") -> dict:
         "train_s": "timing/train_s",
         "weight_sync_s": "timing/weight_sync_s",
         "generation_wait_s": "timing/generation_wait_s",
+        "push_wait_s": "timing/weight_push_wait_s",
         "mean_length": "train/mean_generation_length",
         "reward_mean": "train/reward_mean",
         "truncated_frac": "train/truncated_frac",
@@ -203,6 +204,8 @@ def run_kuberl(args, run_dir: Path, name: str = "kuberl") -> dict:
     steps = []
     for step in sorted(columns["step_s"]):
         row = {"step": step, **{key: col.get(step) for key, col in columns.items()}}
+        # the policy idle: waiting for its batch, or for a generation round to end before the push
+        row["wait_s"] = (row.get("generation_wait_s") or 0.0) + (row.get("push_wait_s") or 0.0)
         rollouts = log_dir / EXPERIMENT / "kuberl" / f"train_data_step{step}.jsonl"
         if rollouts.exists():
             row["prompts"] = sorted(
@@ -283,7 +286,7 @@ def summarize(name: str, steps: list[dict], warmup: int) -> dict:
         "median_generation_s": med("generation_s"),
         "median_train_s": med("train_s"),
         "median_reward_s": med("reward_s"),
-        "median_generation_wait_s": med("generation_wait_s"),
+        "median_wait_s": med("wait_s"),
         "mean_length": statistics.mean(s["mean_length"] for s in kept) if kept else None,
         "median_ms_per_token": 1000 * statistics.median(s_per_tok) if kept else None,
         "mean_reward": statistics.mean(s["reward_mean"] for s in kept) if kept else None,
@@ -318,7 +321,7 @@ def report(spec: dict, results: dict[str, dict], warmup: int) -> dict:
         print(
             f"  {name:13} {fmt(r['median_step_s']):>7} {fmt(r['min_step_s']):>7} {fmt(r['median_generation_s']):>7} "
             f"{fmt(r['median_train_s']):>8} {fmt(r['median_reward_s'], '.3f'):>9} "
-            f"{fmt(r['median_generation_wait_s']):>7} {fmt(r['mean_length'], '.1f'):>9} "
+            f"{fmt(r['median_wait_s']):>7} {fmt(r['mean_length'], '.1f'):>9} "
             f"{fmt(r['median_ms_per_token'], '.1f'):>9} {fmt(r['mean_reward'], '.3f'):>7} "
             f"{fmt(div(r['median_step_s'], t and t['median_step_s']), '.3f') if name != 'trl' else '':>6} "
             f"{fmt(div(r['median_ms_per_token'], t and t['median_ms_per_token']), '.3f') if name != 'trl' else '':>9}"
@@ -351,14 +354,15 @@ def report(spec: dict, results: dict[str, dict], warmup: int) -> dict:
                 f"(per token {fmt(div(a['median_ms_per_token'], b['median_ms_per_token']), '.3f')}); "
                 f"target <= {ASYNC_TARGET}: {'MET' if pairs[fast] is not None and pairs[fast] <= ASYNC_TARGET else 'NOT MET'}"
                 f"; sync gen + train = {fmt((b['median_generation_s'] or 0) + (b['median_train_s'] or 0))}s, "
-                f"async waits {fmt(a['median_generation_wait_s'])}s per step for its batch"
+                f"the async policy waits {fmt(a['median_wait_s'])}s per step for generation"
             )
     if t:
         print(
             "  gen s: TRL's is generate() with prompt tokenization and decoding; its train s is the step minus "
             "generation, reward and advantages"
         )
-    print("  wait s: how long the policy waited for its batch (async: what generation ahead did not hide)")
+    print("  wait s: the policy idle, waiting for its batch or for a round to end before a weight push "
+          "(async: what generation ahead did not hide; sync rows wait inside gen s)")
     checks = {"prompt_ids_identical": results["trl"].get("prompt_ids_identical") if "trl" in results else None}
     for name, res in results.items():
         checks[f"{name}_same_prompts"] = same_prompts(spec, res["steps"])

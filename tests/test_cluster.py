@@ -87,6 +87,10 @@ def test_should_pin_the_policy_rank_and_the_generation_worker_to_their_own_cores
         pinned.clear()
         setup_cpu_process(load(["experiment=tiny", "cluster.keep_freed_memory=false"]), 4, slot=0)
         assert not pinned and torch.get_num_threads() == 4  # off by default: every process sees every core
+        overlap = load(["experiment=tiny", "generation.placement=disaggregated", "cluster.cpu_workers_per_node=1",
+                        "grpo.async.max_staleness=1", "cluster.keep_freed_memory=false"])
+        setup_cpu_process(overlap, 4, slot=1)
+        assert not pinned and torch.get_num_threads() == 2  # async, unpinned: its share of threads, any core
     finally:
         torch.set_num_threads(threads)
 

@@ -85,6 +85,7 @@ def test_should_learn_when_generation_is_disaggregated_with_truncated_importance
     _assert_learned(scalars["train/reward_mean"])
     assert max(scalars["timing/weight_sync_s"]) > 0
     assert max(scalars["train/is_flagged_frac"]) == 0.0  # float32 on both sides: no ratio reaches the cap
+    assert scalars["train/tis_truncated_frac"] == scalars["train/is_flagged_frac"]
 
 
 def _versions(run_dir: Path) -> dict[int, list[int]]:

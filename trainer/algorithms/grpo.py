@@ -37,6 +37,14 @@ if TYPE_CHECKING:
     from trainer.run import TrainState
 
 
+# What each importance-sampling mode flags, as a share of the response tokens trained on.
+IS_METRICS = {
+    "tis": "train/tis_truncated_frac",        # ratio above tis_cap, truncated
+    "mis": "train/mis_masked_frac",           # ratio outside [mis_low, mis_high], dropped
+    "seq_mis": "train/seq_mis_masked_frac",   # tokens of sequences dropped on their geometric-mean ratio
+}
+
+
 def sampling_params(cfg: Config, seed: int, greedy: bool = False) -> SamplingParams:
     g = cfg.generation
     return SamplingParams(
@@ -115,7 +123,8 @@ def grpo_step(
         # The engine against the policy's own recomputation, on the sampled tokens (see core_algos).
         "train/gen_logprob_abs_diff": train_metrics["gen_logprob_abs_diff"],
         "train/gen_train_kl": train_metrics["gen_train_kl"],
-        "train/is_flagged_frac": train_metrics["is_flagged"],
+        "train/is_flagged_frac": train_metrics["is_flagged"],  # whatever the mode; and under its own name:
+        IS_METRICS.get(loss_cfg.importance_sampling, "train/is_flagged_frac"): train_metrics["is_flagged"],
         "train/loss": train_metrics["loss"],
         "train/lr": train_metrics["lr"],
         "timing/generation_s": batch.generation_s,

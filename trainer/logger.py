@@ -58,6 +58,11 @@ class RunLogger:
             f"len {m['train/mean_generation_length']:.1f} | loss {m['train/loss']:+.4f} | "
             f"{m['timing/step_s']:.1f}s (gen {m['timing/generation_s']:.1f}, train {m['timing/train_s']:.1f})"
         )
+        if self.cfg.grpo.async_.max_staleness >= 1:  # how stale the batch was, and the policy's idle time
+            line += (f" | stale {m['train/staleness_max']:.0f}, waited "
+                     f"{m['timing/generation_wait_s'] + m['timing/weight_push_wait_s']:.1f}s")
+        if "train/dynamic_sampling_rounds" in m:
+            line += f" | {m['train/dynamic_sampling_rounds']:.0f} rounds, {m['train/dynamic_sampling_prompts']:.0f} prompts"
         if "val/accuracy" in m:
             line += f" | val {m['val/accuracy']:.3f}"
         print(line, flush=True)

@@ -477,7 +477,9 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         return fail(f"--rows: unknown row {unknown[0]!r}; choose from: {', '.join(ROWS)}")
     if "kuberl+vllm" in rows and args.only != "trl":
-        probe = subprocess.run([args.kuberl_python, "-c", "import vllm"], capture_output=True)
+        # as trainer.generation.vllm_engine.vllm_available asks it, without importing vLLM
+        probe = subprocess.run([args.kuberl_python, "-c", "import importlib.util, sys; "
+                                "sys.exit(importlib.util.find_spec('vllm') is None)"], capture_output=True)
         if probe.returncode != 0:
             print("bench: skipping kuberl+vllm: vllm is not installed in the trainer's environment (make setup)")
             rows.remove("kuberl+vllm")

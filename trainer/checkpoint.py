@@ -243,8 +243,3 @@ def rng_info(seed: int, step: int) -> dict[str, Any]:
     prompt order per epoch uses seed + epoch. Restoring the step restores the streams exactly."""
     return {"seed": seed, "next_sampling_seed": seed + step + 1, "saved_at": time.time()}
 
-
-def config_dict(cfg) -> dict[str, Any]:
-    from trainer.config import to_dict
-
-    return to_dict(cfg)

@@ -28,8 +28,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from trainer.checkpoint import Checkpointer, config_dict, read_info, rng_info
-from trainer.config import Config
+from trainer.checkpoint import Checkpointer, read_info, rng_info
+from trainer.config import Config, to_dict
 
 if TYPE_CHECKING:  # the heavy modules load inside TrainState, after the checks that need none of them
     from trainer.data.loader import PromptLoader
@@ -351,7 +351,7 @@ class TrainState:
             "rng": rng_info(self.cfg.seed, p.step),
             "save_s": round(time.monotonic() - t0, 3),  # the next run's estimate for a save at preemption
         }
-        self.checkpointer.commit(path, p.step, info, p.loader_state, config_dict(self.cfg))
+        self.checkpointer.commit(path, p.step, info, p.loader_state, to_dict(self.cfg))
         p.saved, p.saved_step, p.save_s = path, p.step, time.monotonic() - t0
         print(f"kuberl: saved checkpoint {path} ({p.save_s:.1f}s)", flush=True)
 

@@ -61,12 +61,16 @@ class RolloutBatch:
     pending: PendingRollouts          # group-contiguous; rewards may still be running (sync, one round)
     versions: list[int]               # per rollout: the weight version that generated it
     loader_state: dict[str, Any]      # the prompt loader's position right after this batch's prompts
-    generation_s: float               # time the engines spent on it (all rounds)
     rounds: int = 1                   # generation rounds (dynamic sampling draws more prompts)
     prompts_drawn: int = 0
     informative: int | None = None    # groups with unequal rewards among those drawn (dynamic sampling)
     wait_s: float = 0.0               # how long the trainer waited for it
     engine_wait_s: float = 0.0        # how long generation waited for newer weights (async)
+
+    @property
+    def generation_s(self) -> float:
+        """Time the engines spent on it (all rounds)."""
+        return self.pending.generation_s
 
     def staleness(self) -> list[int]:
         return [self.step - 1 - v for v in self.versions]
@@ -110,7 +114,7 @@ class _Producer:
             with engines(step) as version:
                 pending = self._round(examples, params)
             return RolloutBatch(step, pending, [version] * len(pending.rollouts), loader.state_dict(),
-                                pending.generation_s, prompts_drawn=len(examples))
+                                prompts_drawn=len(examples))
         n, want = g.num_generations_per_prompt, g.num_prompts_per_step
         kept: list[tuple[list[Rollout], int]] = []   # (group, version), informative
         spare: list[tuple[list[Rollout], int]] = []  # all rewards equal: used only to fill a short batch
@@ -131,7 +135,7 @@ class _Producer:
         rollouts = [r for group, _ in groups for r in group]
         versions = [v for group, v in groups for _ in group]
         return RolloutBatch(step, PendingRollouts(rollouts, [], generation_s), versions, loader.state_dict(),
-                            generation_s, rounds, drawn, informative)
+                            rounds, drawn, informative)
 
 
 class SyncRollouts:
@@ -174,7 +178,6 @@ class _Gate:
     """Who has the generation engines: the producer (one round at a time) or the trainer."""
 
     version: int
-    max_staleness: int
     cond: threading.Condition = field(default_factory=threading.Condition)
     generating: bool = False
     trainer_waiting: bool = False
@@ -201,7 +204,7 @@ class AsyncRollouts:
 
         self.cfg, self.state, self.params, self.on_wait = cfg, state, params, on_wait
         self.max_staleness = cfg.grpo.async_.max_staleness
-        self.gate = _Gate(version=state.progress.step, max_staleness=self.max_staleness)
+        self.gate = _Gate(version=state.progress.step)
         # The producer owns the training RewardRunner (it is not thread-safe); validation gets its own.
         self.producer = _Producer(cfg, state, state.rewards)
         self.val_rewards = RewardRunner(cfg.env)

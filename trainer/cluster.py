@@ -59,6 +59,17 @@ def keep_freed_memory() -> bool:
     return bool(mallopt(_M_MMAP_THRESHOLD, _MALLOC_LIMIT)) and bool(mallopt(_M_TRIM_THRESHOLD, _MALLOC_LIMIT))
 
 
+def split(items: list, parts: int) -> list[list[int]]:
+    """Contiguous, near-equal index ranges (some may be empty)."""
+    size, extra = divmod(len(items), parts)
+    out, start = [], 0
+    for p in range(parts):
+        end = start + size + (1 if p < extra else 0)
+        out.append(list(range(start, end)))
+        start = end
+    return out
+
+
 def cpu_slots(cfg: Config) -> int:
     """Processes that compute on one CPU node: its policy ranks, plus the generation workers when
     generation is disaggregated (``cluster.cpu_pinning`` gives each its own cores)."""
@@ -69,9 +80,7 @@ def cpu_slots(cfg: Config) -> int:
 def slot_cores(slot: int, slots: int) -> list[int]:
     """The cores of share ``slot`` of ``slots`` contiguous, near-equal shares of this process's cores."""
     cores = sorted(os.sched_getaffinity(0))
-    size, extra = divmod(len(cores), slots)
-    start = slot * size + min(slot, extra)
-    return cores[start:start + size + (1 if slot < extra else 0)]
+    return [cores[i] for i in split(cores, slots)[slot]]
 
 
 def setup_cpu_process(cfg: Config, threads: int, slot: int | None = None) -> None:

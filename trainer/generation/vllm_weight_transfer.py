@@ -11,7 +11,8 @@ bucket goes straight into ``model.load_weights``.
 
 Two departures from vLLM's base class, both for CPU: ``update_weights`` does not end in
 ``torch.accelerator.synchronize()`` (it raises with no accelerator; gloo is synchronous anyway), and
-``finish_weight_update`` also repacks a tied ``lm_head``, which layerwise reload skips.
+``finish_weight_update`` rebuilds the packed CPU kernels from the new weights, a tied ``lm_head``'s
+included (:func:`~trainer.generation.vllm_engine.finish_weight_update`).
 """
 
 from __future__ import annotations

@@ -32,3 +32,13 @@ def test_should_copy_the_given_weights_in_the_engine_dtype_when_colocated(tiny_m
 def test_should_name_the_key_when_the_backend_is_unknown(tiny_model_path):
     with pytest.raises(ConfigError, match=r"generation.backend='sglang' is not an engine; choose one of: hf, vllm"):
         build_engine(GenerationConfig(backend="sglang"), EngineSpec(tiny_model_path, "float32"))
+
+
+@pytest.mark.parametrize(
+    ("enforce_eager", "on_cpu", "expected"),
+    [(None, True, True), (None, False, False), (False, True, False), (True, False, True)],
+)
+def test_should_run_vllm_eager_on_cpu_and_with_cuda_graphs_on_gpus_unless_told(enforce_eager, on_cpu, expected):
+    from trainer.generation.vllm_engine import eager_by_default
+
+    assert eager_by_default(GenerationConfig(enforce_eager=enforce_eager), on_cpu) is expected

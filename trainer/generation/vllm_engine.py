@@ -72,7 +72,7 @@ def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
-def eager_by_default(gen: GenerationConfig, on_cpu: bool) -> bool:
+def resolve_enforce_eager(gen: GenerationConfig, on_cpu: bool) -> bool:
     """``generation.enforce_eager``, null resolved: eager on CPU (start-up in seconds; compiling with
     inductor adds a minute or more), CUDA graphs on GPUs (decoding is launch-bound without them)."""
     return on_cpu if gen.enforce_eager is None else gen.enforce_eager
@@ -133,7 +133,7 @@ class VLLMGenerationEngine:
 
     def _start(self, model_path, gen: GenerationConfig, dtype, seed, max_model_len, threads) -> None:
         global _engines_started
-        if self.on_cpu and not eager_by_default(gen, self.on_cpu) and _engines_started:
+        if self.on_cpu and not resolve_enforce_eager(gen, self.on_cpu) and _engines_started:
             raise RuntimeError(
                 "generation.enforce_eager=false: on CPU a compiled vLLM engine must be the first vLLM engine "
                 "in its process (a later one computes wrong logprobs); start it in a fresh process or set "
@@ -164,7 +164,7 @@ class VLLMGenerationEngine:
             dtype=dtype,
             seed=seed,
             max_model_len=max_model_len,
-            enforce_eager=eager_by_default(gen, self.on_cpu),
+            enforce_eager=resolve_enforce_eager(gen, self.on_cpu),
             distributed_executor_backend="uni",
             tensor_parallel_size=gen.tensor_parallel_size,
             gpu_memory_utilization=gen.gpu_memory_utilization,
@@ -443,13 +443,12 @@ def _at_pack_threads(model: torch.nn.Module):
 
 
 def repack_cpu_kernels(model: torch.nn.Module) -> None:
-    """Rebuild each CPU GEMM kernel from its layer's (updated) weight; a no-op on GPU engines.
+    """Rebuild each CPU GEMM kernel from its layer's (updated) weight; nothing on GPU engines, whose
+    layers have none.
 
     Call it under :func:`_at_pack_threads` (as :func:`finish_weight_update` does). A plain embedding's
     kernel is never used for a matmul and is skipped, unless the model uses it as lm_head.
     """
-    if getattr(model, PACK_THREADS_ATTR, None) is None:
-        return
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 

@@ -79,3 +79,8 @@ class WeightReceiver(Protocol):
     def receive_weights(self) -> None:
         """Receive one full set of weights (blocks until the sender's end of stream)."""
         ...
+
+    def close_weight_receiver(self) -> None:
+        """Leave the group, in step with the sender (:meth:`~trainer.weight_sync.WeightSyncGroup.close`);
+        the engine goes on generating. Idempotent."""
+        ...

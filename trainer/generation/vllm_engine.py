@@ -356,6 +356,12 @@ class VLLMGenerationEngine:
             {"init_info": dict(host=host, port=port, rank=rank, world_size=world_size)}
         )
 
+    def close_weight_receiver(self) -> None:
+        """Release the trainer connection (vLLM's ``shutdown_weight_transfer_engine``), in step with the
+        sender's :meth:`~trainer.weight_sync.WeightSyncGroup.close`; the engine keeps generating."""
+        if self._llm is not None and self.weight_transfer:
+            self._llm.shutdown_weight_transfer_engine()
+
     def receive_weights(self) -> None:
         """Receive one full set of weights from the sender (blocks until its end-of-stream marker)."""
         self._llm.start_weight_update()

@@ -96,7 +96,10 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             finish_weight_update(self.model, self.model_config, self.packed, self.tied)
 
     def shutdown(self) -> None:
-        self.group = None  # drops the gloo group and its store connection
+        """vLLM's ``shutdown_weight_transfer_engine``: leave the group in order, with the sender."""
+        group, self.group = self.group, None
+        if group is not None:
+            group.close()
 
 
 def register() -> None:

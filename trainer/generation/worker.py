@@ -66,6 +66,13 @@ class GenerationWorker:
 
         self.engine.update_weights(BucketReceiver(self.sync).tensors())
 
+    def close_weight_sync(self) -> None:
+        """Leave the weight group together with the policy's rank 0 (the driver calls both at once)."""
+        if isinstance(self.engine, WeightReceiver):
+            self.engine.close_weight_receiver()
+        elif getattr(self, "sync", None) is not None:
+            self.sync.close()
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The hf engine's weights, for tests (other engines keep theirs in their own layout)."""
         return {name: p.detach().cpu().clone() for name, p in self.engine.model.named_parameters()}

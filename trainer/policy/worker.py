@@ -215,6 +215,11 @@ class PolicyWorker:
         if self.rank == 0:
             self.sync = WeightSyncGroup(host, port, rank=0, world_size=world_size, device=self.device)
 
+    def close_weight_sync(self) -> None:
+        """Rank 0 leaves the weight group last, as the store's host (the driver calls every side at once)."""
+        if getattr(self, "sync", None) is not None:
+            self.sync.close()
+
     def broadcast_weights(self) -> dict[str, float]:
         """All ranks gather; rank 0 streams the full tensors to the generation actors in buckets that
         carry their names, dtypes and shapes (:mod:`trainer.generation.weight_transport`)."""

@@ -1,4 +1,5 @@
-"""Shared fixtures: a real local Ray instance and the tiny model, built once per session."""
+"""Shared fixtures: a real local Ray instance and the tiny model, built once per session; and the check
+that no process the session started outlives it (:mod:`tests.leftovers`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,31 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def pytest_configure(config):
+    from tests.leftovers import mark_session
+
+    mark_session()  # before any test starts a process
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session, exitstatus):
+    """Fail the suite, naming them, if processes the session started are still running."""
+    import os
+
+    from tests.leftovers import MARK, kill, leftovers
+
+    left = leftovers(os.environ[MARK])
+    if not left:
+        return
+    kill(left)
+    lines = "\n".join(f"  pid {pid}: {cmd[:200]}" for pid, cmd in sorted(left.items()))
+    session.config.pluginmanager.get_plugin("terminalreporter").write_line(
+        f"\nFAILED leftovers: {len(left)} process(es) started by this test session outlived it "
+        f"(killed now); the test that started each must end it:\n{lines}", red=True, bold=True
+    )
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -56,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     from trainer.cluster import ClusterError
     from trainer.models import ModelNotFoundError
     from trainer.run import Preempted, SetupError, train
+    from trainer.watchdog import LOST_EXIT, Lost
 
     try:
         train(cfg)
@@ -63,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(str(e))
     except (ClusterError, ModelNotFoundError, CheckpointError, SetupError) as e:
         return _fail(str(e), 3)
+    except Lost as e:  # a worker or the cluster is gone: the line says which, and where to resume
+        return _fail(str(e), LOST_EXIT)
     except Preempted as e:
         return _fail(f"{e}; rerun with checkpointing.resume=auto to continue", 143)
     except KeyboardInterrupt:

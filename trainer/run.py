@@ -4,6 +4,11 @@ The GRPO loop itself lives in :mod:`trainer.algorithms.grpo`; this module builds
 (:class:`TrainState`), prints where things go, saves checkpoints, and always releases the workers,
 also on errors and interrupts.
 
+A run that loses a worker or its cluster ends within a bounded time with one line naming what it
+lost and which checkpoint a resubmission resumes from (:mod:`trainer.watchdog`): Ray's errors are
+diagnosed in :func:`train`, a cluster gone while the driver is blocked inside Ray is caught by the
+watch thread, and every wait of the teardown after a failure or SIGTERM has a deadline.
+
 Preemption (SIGTERM: spot reclaim, ``ray job stop``, pod eviction) is honest about the time it has.
 GKE gives a spot VM 15-30 s, so the run does not finish the step in flight: it stops at the next safe
 point (a step boundary, or inside a step before the optimizer changes the weights, when the step in
@@ -30,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from trainer.checkpoint import Checkpointer, read_info, rng_info
 from trainer.config import Config, to_dict
+from trainer.watchdog import Lost, Watch, gcs_address
 
 if TYPE_CHECKING:  # the heavy modules load inside TrainState, after the checks that need none of them
     from trainer.data.loader import PromptLoader
@@ -252,7 +258,8 @@ class TrainState:
         self.progress = Progress(step=0, loader_state=self.loader.state_dict())
 
         init_ray(cfg)
-        self.preemption = Preemption(cfg.checkpointing.preemption_grace_s)
+        self.watch = Watch(gcs_address(), self._resumes_from)
+        self.preemption = Preemption(cfg.checkpointing.preemption_grace_s, self.watch)
         self.preemption.install()  # after ray.init, which installs a SIGTERM handler of its own
         self.policy = PolicyGroup(cfg, self.model_path, colocated_engine=not cfg.disaggregated)
         self.generator = make_generator(cfg, self.model_path, self.policy)
@@ -328,7 +335,9 @@ class TrainState:
         raise Preempted(p.step, p.saved_step)
 
     def _resumes_from(self) -> str:
-        p = self.progress
+        p = getattr(self, "progress", None)
+        if p is None:
+            return "no step had started"
         if p.saved is None:
             return "the next run starts from scratch (no complete checkpoint)"
         redo = f", redoing steps {p.saved_step + 1}-{p.step}" if p.saved_step < p.step else ""
@@ -355,14 +364,19 @@ class TrainState:
         p.saved, p.saved_step, p.save_s = path, p.step, time.monotonic() - t0
         print(f"kuberl: saved checkpoint {path} ({p.save_s:.1f}s)", flush=True)
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
+        """Release the workers. After a failure (``failed``) nothing waits on them: they are killed, and
+        the whole teardown has a deadline, so a driver whose workers are stuck or gone still ends."""
         self.preemption.uninstall()
-        for part in (self.generator, self.policy):
-            try:
-                part.shutdown()
-            except Exception as e:  # teardown must not hide the run's own error
-                log.warning("shutdown: %s", e)
-        self.logger.close()
+        with self.watch.deadline(30 if failed else 300, "the run's workers did not shut down in time"):
+            for part in (self.generator, self.policy):
+                try:
+                    part.shutdown(graceful=not failed)
+                except Exception as e:  # teardown must not hide the run's own error
+                    log.warning("shutdown: %s", e)
+            self.logger.close()
+        if not failed:  # after a failure it keeps watching: the way out (ray.shutdown) may hang on a lost cluster
+            self.watch.stop()
 
 
 def summarize(history: list[dict[str, float]]) -> str:
@@ -389,8 +403,12 @@ class Preemption:
     point (:meth:`TrainState.preemption_point`). Installed by one run and removed when it closes, so
     a run started in-process (tests) leaves the caller's handler as it was."""
 
-    def __init__(self, grace_s: float):
-        self.grace_s = grace_s
+    # Past the grace budget by this much with no safe point reached (the main thread blocked in Ray on
+    # a worker that will never answer), the watch ends the process.
+    HARD_STOP_AFTER_S = 15.0
+
+    def __init__(self, grace_s: float, watch: Watch | None = None):
+        self.grace_s, self.watch = grace_s, watch
         self.received_at: float | None = None  # time.monotonic() of the first SIGTERM
         self._previous = None
 
@@ -415,9 +433,23 @@ class Preemption:
             self.received_at = time.monotonic()
             print(f"kuberl: SIGTERM received: stopping at the next safe point; saving only if it fits in "
                   f"checkpointing.preemption_grace_s={self.grace_s:g}", flush=True)
+            if self.watch is not None:
+                self.watch.arm(self.grace_s + self.HARD_STOP_AFTER_S,
+                               f"SIGTERM: no safe point within checkpointing.preemption_grace_s={self.grace_s:g} "
+                               f"+ {self.HARD_STOP_AFTER_S:g}s (a worker does not answer); stopping now", 143)
+
+
+def lost(error: BaseException, doing: str, resumes_from: str) -> Lost | None:
+    """A :class:`Lost` naming what the run lost behind a Ray error, or None if nothing was (a worker raised)."""
+    from trainer.watchdog import diagnose
+
+    what = diagnose(error)
+    return Lost(f"lost {what} {doing}; {resumes_from}") if what else None
 
 
 def train(cfg: Config) -> list[dict[str, float]]:
+    from ray.exceptions import RayError
+
     from trainer.algorithms import grpo
 
     try:
@@ -429,10 +461,20 @@ def train(cfg: Config) -> list[dict[str, float]]:
             flush=True,
         )
         return []
+    except RayError as e:  # a worker died while the run was being set up
+        raise lost(e, "while starting the run", "resubmit to start again") or e from None
+    failed = True
     try:
         history = grpo.run(cfg, state)
+        failed = False
+    except Preempted:  # a clean stop: the workers are well and leave in order
+        failed = False
+        raise
+    except RayError as e:
+        step = state.progress.step + 1
+        raise lost(e, f"in step {step}", state._resumes_from()) or e from None
     finally:
-        state.close()
+        state.close(failed)
     if history:
         print(summarize(history), flush=True)
     return history

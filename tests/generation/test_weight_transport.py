@@ -1,5 +1,6 @@
 """The bucketed weight transport between two real processes: this test is the sender (rank 0, the
-policy's side); a subprocess is the receiver, which knows nothing about the tensors beforehand.
+policy's side); a subprocess is the receiver, which knows nothing about the tensors beforehand. Both
+ends leave the group with :meth:`WeightSyncGroup.close`, as the policy and the generation actors do.
 
 The vLLM case sends perturbed weights of the tiny model into a vLLM engine in the other process through
 the ``kuberl_gloo`` backend registered with vLLM's weight-transfer API, and checks that engine's
@@ -52,6 +53,7 @@ RAW_RECEIVER = """
         got["buckets"].append([name for name, _ in bucket])
         got["first"].update((name, t.clone()) for name, t in bucket)  # clones: torch.save keeps views as views
     got["second"] = {name: t.clone() for name, t in receiver.tensors()}  # a second update, same group
+    assert group.close(), "the sender did not meet this receiver at close"
     torch.save(got, sys.argv[2])
 """
 
@@ -74,6 +76,7 @@ def test_should_deliver_names_dtypes_and_shapes_in_buckets_when_sent_between_pro
         sender = BucketSender(group, bucket_mb=32 / 1024)  # 32 KiB buckets
         stats = sender.send(iter(first))
         sender.send(iter(second))
+        assert group.close() and group.closed
     finally:
         _join(proc, timeout=120)
     got = torch.load(out)
@@ -85,6 +88,58 @@ def test_should_deliver_names_dtypes_and_shapes_in_buckets_when_sent_between_pro
             received = got[key][name]
             assert received.dtype == tensor.dtype and received.shape == tensor.shape
             assert torch.equal(received, tensor)
+
+
+EXITING_RECEIVER = """
+    import sys, torch
+    from trainer.generation.weight_transport import BucketReceiver
+    from trainer.weight_sync import WeightSyncGroup
+
+    group = WeightSyncGroup("127.0.0.1", int(sys.argv[1]), rank=1, world_size=2, device=torch.device("cpu"))
+    assert sum(1 for _ in BucketReceiver(group).tensors()) == 3
+    # No close(): the interpreter exits right after the last broadcast, the moment the gloo worker
+    # thread may still be dropping that broadcast's tensors (SIGABRT at exit before the atexit hook).
+"""
+
+
+def test_should_exit_cleanly_when_a_receiver_ends_right_after_its_last_broadcast(tmp_path):
+    ports = [_free_port() for _ in range(6)]  # 6 receivers at once: before the fix 4 in 10 aborted
+    procs = [_start_receiver(EXITING_RECEIVER, port, "-") for port in ports]
+    try:
+        for port in ports:
+            group = WeightSyncGroup("127.0.0.1", port, rank=0, world_size=2, device=torch.device("cpu"))
+            BucketSender(group, bucket_mb=1).send([("a", torch.randn(8)), ("b", torch.randn(3, 3)), ("c", torch.ones(1))])
+            group.abandon()
+    finally:
+        codes = []
+        for proc in procs:
+            try:
+                codes.append(proc.wait(timeout=120))
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+    assert codes == [0] * len(procs), f"receiver exit codes {codes} (-6: aborted at exit)"
+
+
+def test_should_close_without_waiting_forever_when_the_receiver_is_gone():
+    port = _free_port()
+    proc = _start_receiver(
+        """
+        import sys, os, torch
+        from trainer.weight_sync import WeightSyncGroup
+        WeightSyncGroup("127.0.0.1", int(sys.argv[1]), rank=1, world_size=2, device=torch.device("cpu"))
+        os._exit(0)  # gone without a word, as a killed actor is
+        """,
+        port,
+        "-",
+    )
+    group = WeightSyncGroup("127.0.0.1", port, rank=0, world_size=2, device=torch.device("cpu"))
+    proc.wait(timeout=60)
+    assert group.close(timeout_s=2) is False and group.closed
+    assert group.close() is True  # idempotent
+    with pytest.raises(RuntimeError, match="after close"):
+        group.broadcast(torch.zeros(1))
 
 
 VLLM_RECEIVER = """
@@ -101,6 +156,7 @@ VLLM_RECEIVER = """
     try:
         engine.init_weight_receiver("127.0.0.1", int(sys.argv[1]), rank=1, world_size=2)
         engine.receive_weights()
+        engine.close_weight_receiver()  # in step with the sender's close(); the engine keeps generating
         out = engine.generate([[2, 8, 9, 10]], 2, SamplingParams(max_new_tokens=12, temperature=1.0, seed=3))
         with open(sys.argv[2], "w") as f:
             json.dump([[c.token_ids, c.logprobs] for c in out[0]], f)
@@ -123,6 +179,7 @@ def test_should_generate_with_sent_weights_when_a_vllm_engine_receives_them_over
     try:
         group = WeightSyncGroup("127.0.0.1", port, rank=0, world_size=2, device=torch.device("cpu"))
         stats = BucketSender(group, bucket_mb=16 / 1024).send(model.named_parameters())  # 16 KiB buckets
+        assert group.close(), "the engine's receiver did not meet the sender at close"
     finally:
         _join(proc, timeout=300)
     assert stats.buckets > 3  # several buckets, each with its own table of names, dtypes and shapes

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import ray
 
+from trainer import watchdog
 from trainer.cluster import in_bundle, reserve, split
 from trainer.config import Config
 from trainer.generation.base import SamplingParams
@@ -33,7 +34,9 @@ class Generator(Protocol):
         """Bring the engines up to date with the policy after an optimizer step."""
         ...
 
-    def shutdown(self) -> None: ...
+    def shutdown(self, graceful: bool = True) -> None:
+        """Release the engines; ``graceful=False`` after a failure: no waiting on workers that may be stuck."""
+        ...
 
 
 class ColocatedGenerator:
@@ -51,7 +54,7 @@ class ColocatedGenerator:
     def update_weights(self) -> None:
         self.policy.run("refresh_engine")
 
-    def shutdown(self) -> None:
+    def shutdown(self, graceful: bool = True) -> None:
         pass  # the engines belong to the policy ranks, which shut them down with themselves
 
 
@@ -69,6 +72,8 @@ class DisaggregatedGenerator:
         self.workers = [
             actor.options(scheduling_strategy=in_bundle(self.pg, r)).remote(cfg, model_path, r) for r in range(n)
         ]
+        for r, w in enumerate(self.workers):
+            watchdog.register(w, f"generation worker {r}")
         host, port = ray.get(policy.workers[0].address.remote())
         world = 1 + n
         ray.get(
@@ -90,12 +95,20 @@ class DisaggregatedGenerator:
             + [w.receive_weights.remote() for w in self.workers]
         )
 
-    def shutdown(self) -> None:
-        try:  # engines first (vLLM's may hold processes of its own), then the actors
-            ray.get([w.shutdown.remote() for w in self.workers], timeout=60)
-        except Exception:
-            pass
+    def shutdown(self, graceful: bool = True) -> None:
+        if graceful:
+            # Both ends of the weight group leave it together, the policy's rank 0 (the store's host)
+            # last; then the engines (vLLM's may hold processes of its own); then the actors.
+            for call, timeout in (
+                (lambda: [w.close_weight_sync.remote() for w in self.policy.workers + self.workers], 60),
+                (lambda: [w.shutdown.remote() for w in self.workers], 60),
+            ):
+                try:
+                    ray.get(call(), timeout=timeout)
+                except Exception:
+                    pass
         for w in self.workers:
+            watchdog.forget(w)
             ray.kill(w)
         ray.util.remove_placement_group(self.pg)
 

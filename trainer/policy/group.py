@@ -11,6 +11,7 @@ from typing import Any
 
 import ray
 
+from trainer import watchdog
 from trainer.algorithms import core_algos
 from trainer.cluster import bundles_for, in_bundle, reserve
 from trainer.config import Config
@@ -34,6 +35,8 @@ class PolicyGroup:
             )
             for r in range(self.world_size)
         ]
+        for r, w in enumerate(self.workers):
+            watchdog.register(w, f"policy rank {r}")
         host, port = ray.get(self.workers[0].address.remote())
         infos = ray.get([w.setup.remote(host, port) for w in self.workers])
         self.num_params = infos[0]["num_params"]
@@ -82,11 +85,15 @@ class PolicyGroup:
         results = ray.get([w.train.remote(per_rank[r], counts) for r, w in enumerate(self.workers)])
         return results[0]
 
-    def shutdown(self) -> None:
-        try:
-            self.run("shutdown")
-        except Exception:
-            pass
+    def shutdown(self, graceful: bool = True) -> None:
+        """Release the ranks: let each close its engine and process group (``graceful``; bounded), then
+        kill them. After a failure a rank may be stuck in a collective with a dead one: kill at once."""
+        if graceful:
+            try:
+                ray.get([w.shutdown.remote() for w in self.workers], timeout=60)
+            except Exception:
+                pass
         for w in self.workers:
+            watchdog.forget(w)
             ray.kill(w)
         ray.util.remove_placement_group(self.pg)

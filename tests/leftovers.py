@@ -1,0 +1,63 @@
+"""No process a test started outlives the test session: the check behind ``tests/conftest.py``.
+
+Every process the session starts inherits one environment variable with the session's id (Ray's
+GCS, raylet, agents and workers, trainers, receivers, vLLM engines, a ``make up`` cluster: they all
+start from this environment). Orphans are re-parented away from pytest, so the check does not walk
+the process tree: at the end it reads each process's environment for the id. A process still there
+after a grace period is a leftover: the suite fails, naming it, and the process is killed so it does
+not outlive the session either.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import uuid
+from pathlib import Path
+
+MARK = "KUBERL_TEST_SESSION"
+
+
+def mark_session() -> str:
+    """Give this process (and so every process it starts) the session's id."""
+    os.environ[MARK] = os.environ.get(MARK) or uuid.uuid4().hex
+    return os.environ[MARK]
+
+
+def _marked(session: str) -> dict[int, str]:
+    """pid -> command line of every live process carrying ``session``'s id, other than this one."""
+    needle = f"{MARK}={session}".encode()
+    found = {}
+    for proc in Path("/proc").glob("[0-9]*"):
+        pid = int(proc.name)
+        if pid == os.getpid():
+            continue
+        try:
+            if needle not in (proc / "environ").read_bytes().split(b"\0"):
+                continue
+            if (proc / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                continue  # exited, not yet reaped: not running
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        found[pid] = cmdline
+    return found
+
+
+def leftovers(session: str, grace_s: float = 20.0) -> dict[int, str]:
+    """The session's processes still alive after ``grace_s`` (those shutting down get that long)."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        found = _marked(session)
+        if not found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.5)
+
+
+def kill(pids) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass

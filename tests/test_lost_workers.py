@@ -1,0 +1,151 @@
+"""A driver that loses a worker or its cluster: gone within 60 s, with one line saying what it lost,
+and a resubmission resumes from the last committed checkpoint.
+
+Each test runs the real entry point on the tiny model, waits for a committed checkpoint, then takes
+something away for real: SIGKILL to a policy rank's or a generation actor's process (found by the
+process title Ray gives it), or ``make down`` under a driver attached to a ``make up`` cluster.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from .conftest import REPO
+
+pytestmark = pytest.mark.slow
+
+LOST_WITHIN_S = 60
+
+
+def _overrides(tmp: Path, *extra: str) -> list[str]:
+    return ["experiment=tiny", "checkpointing.save_period=2", f"logger.log_dir={tmp / 'logs'}",
+            f"checkpointing.checkpoint_dir={tmp / 'ckpt'}", *extra]
+
+
+def _start(tmp: Path, *extra: str, env: dict | None = None) -> tuple[subprocess.Popen, Path, Path]:
+    out, err = tmp / "stdout.txt", tmp / "stderr.txt"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trainer", *_overrides(tmp, "grpo.max_num_steps=500", *extra)],
+        cwd=REPO, env=env, stdout=out.open("w"), stderr=err.open("w"), start_new_session=True,
+    )
+    return proc, out, err
+
+
+def _wait_for(proc: subprocess.Popen, path: Path, pattern: str, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not re.search(pattern, path.read_text()):
+        assert proc.poll() is None, f"the run ended before {pattern!r}:\n{path.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, f"no {pattern!r} within {timeout}s"
+        time.sleep(0.2)
+
+
+def _actor(root: int, title: str, timeout: float = 60) -> psutil.Process:
+    """A process of the run's private Ray whose title (set by Ray) starts with ``title``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for child in psutil.Process(root).children(recursive=True):
+            try:
+                if child.cmdline() and child.cmdline()[0].startswith(title):
+                    return child
+            except psutil.Error:
+                continue
+        time.sleep(0.2)
+    raise AssertionError(f"no {title} process under the driver")
+
+
+def _ends_with_one_line(proc: subprocess.Popen, err: Path, since: float, what: str) -> str:
+    """The driver exits with LOST_EXIT within LOST_WITHIN_S of ``since``, with one line starting ``what``."""
+    from trainer.watchdog import LOST_EXIT
+
+    try:
+        code = proc.wait(timeout=LOST_WITHIN_S + 30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise AssertionError(f"the driver was still running {LOST_WITHIN_S + 30}s after losing {what}") from None
+    took = time.monotonic() - since
+    text = err.read_text()
+    errors = [line for line in text.splitlines() if line.startswith("kuberl: error:")]
+    assert code == LOST_EXIT and "Traceback" not in text and len(errors) == 1, f"exit {code}:\n{text[-3000:]}"
+    assert re.match(f"kuberl: error: lost {what}[ :]", errors[0]), errors[0]
+    assert took < LOST_WITHIN_S, f"the driver took {took:.0f}s to end"
+    return errors[0]
+
+
+def _resumes(tmp: Path, line: str, env: dict | None = None) -> None:
+    """A new run with the same directories resumes from the checkpoint the line named, and trains on."""
+    committed = re.search(r"the next run resumes from (\S+?step_(\d+))", line)
+    assert committed, line
+    path, step = committed.group(1), int(committed.group(2))
+    assert (Path(path) / "COMMITTED").is_file()
+    run = subprocess.run(
+        [sys.executable, "-m", "trainer", *_overrides(tmp, f"grpo.max_num_steps={step + 1}")],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert f"kuberl: resumed from {path} (step {step}," in run.stdout
+    assert f"step {step + 1:4d}/{step + 1}" in run.stdout
+
+
+def _kill_actor_and_resume(tmp: Path, title: str, what: str, *extra: str) -> None:
+    proc, out, err = _start(tmp, *extra)
+    try:
+        _wait_for(proc, out, r"kuberl: saved checkpoint \S+step_2 ")
+        victim = _actor(proc.pid, title)
+        victim.kill()
+        line = _ends_with_one_line(proc, err, time.monotonic(), what)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    _resumes(tmp, line)
+
+
+def test_should_exit_in_one_line_and_resume_when_a_policy_rank_is_killed_mid_step(tmp_path):
+    _kill_actor_and_resume(tmp_path, "ray::PolicyWorker", r"policy rank \d")
+
+
+def test_should_exit_in_one_line_and_resume_when_a_generation_actor_is_killed_mid_step(tmp_path):
+    _kill_actor_and_resume(tmp_path, "ray::GenerationWorker", "generation worker 0",
+                           "generation.placement=disaggregated")
+
+
+def _make(env: dict, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run(["make", "--no-print-directory", *args], capture_output=True, text=True, env=env,
+                          cwd=REPO, timeout=timeout)
+
+
+def test_should_exit_in_one_line_and_resume_when_the_ray_cluster_is_stopped_under_the_driver(tmp_path):
+    from .test_submit import _env, _free_port
+
+    env = _env(tmp_path)
+    port = _free_port()
+    up = _make(env, "up", f"RAY_PORT={port}", f"RAY_DASHBOARD_PORT={_free_port()}", "RAY_NUM_CPUS=8")
+    assert up.returncode == 0, up.stdout + up.stderr
+    try:
+        attached = dict(env, RAY_ADDRESS=f"127.0.0.1:{port}", RAY_AUTH_MODE="token")
+        proc, out, err = _start(tmp_path, env=attached)
+        try:
+            _wait_for(proc, out, r"kuberl: saved checkpoint \S+step_2 ")
+        finally:
+            stopped = time.monotonic()
+            down = _make(env, "down")
+        assert down.returncode == 0, down.stdout + down.stderr
+        try:
+            line = _ends_with_one_line(proc, err, stopped, "the Ray cluster")
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    finally:
+        _make(env, "down")
+    _resumes(tmp_path, line, env=env)  # on a private local Ray this time

@@ -110,6 +110,89 @@ def test_should_accept_user_reward_when_given_as_module_function():
     assert cfg.env.reward_functions[0].weight == 0.5
 
 
+# ----- mapping keys (dict-typed fields): Hydra's struct mode would close them -----------------------
+
+
+def _value_at(cfg, key: str):
+    """The value under a written key (``env.reward_functions.0.kwargs``) of a typed config."""
+    from trainer.config import to_dict
+
+    value = to_dict(cfg)
+    for part in key.split("."):
+        value = value[int(part)] if part.isdigit() else value[part]
+    return value
+
+
+MAPPING_KEYS = ["data.options", "generation.chat_template_kwargs", "generation.vllm_kwargs",
+                "env.reward_functions.0.kwargs", "env.feedback_kwargs"]
+
+
+def test_should_find_every_mapping_key_when_reading_the_dataclass_types():
+    from trainer.config import mapping_keys
+
+    found = [".".join(k).replace("*", "0") for k in mapping_keys()]
+    assert sorted(found) == sorted(MAPPING_KEYS)
+
+
+@pytest.mark.parametrize("key", MAPPING_KEYS)
+def test_should_take_a_mapping_when_the_key_is_dict_valued_and_its_default_empty(key):
+    assert _value_at(load(), key) == {}
+    assert _value_at(load([f"{key}={{a: 1}}"]), key) == {"a": 1}
+
+
+@pytest.mark.parametrize("key", MAPPING_KEYS)
+def test_should_merge_a_mapping_into_a_non_empty_value_when_the_key_is_dict_valued(key):
+    cfg = load([f"+{key}.b=2", f"{key}={{a: 1}}"])  # + adds to a closed mapping, as in Hydra
+    assert _value_at(cfg, key) == {"b": 2, "a": 1}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key", "expected"),
+    [
+        (["experiment=gemma3-1b-math"], "generation.vllm_kwargs", {"block_size": 32, "a": 1}),
+        (["experiment=tiny"], "data.options", {"num_examples": 512, "min_operand": 0, "max_operand": 2, "ops": "+", "a": 1}),
+        (["rewards=code_unit_tests"], "env.reward_functions.0.kwargs", {"max_tests": 16, "time_limit_s": 2.0, "a": 1}),
+    ],
+)
+def test_should_merge_a_mapping_into_the_default_when_a_config_file_sets_one(overrides, key, expected):
+    assert _value_at(load([*overrides, f"{key}={{a: 1}}"]), key) == expected
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("generation.vllm_kwargs.block_size=16", {"block_size": 16}),  # an entry the default has
+        ("generation.vllm_kwargs.swap_space=1", {"block_size": 32, "swap_space": 1}),  # one it lacks
+        ("+generation.vllm_kwargs.swap_space=1", {"block_size": 32, "swap_space": 1}),
+        ("~generation.vllm_kwargs.block_size", {}),
+    ],
+)
+def test_should_set_one_entry_when_the_override_names_a_key_inside_a_mapping(override, expected):
+    assert load(["experiment=gemma3-1b-math", override]).generation.vllm_kwargs == expected
+
+
+@pytest.mark.parametrize(
+    "override",
+    ["generation.vllm_kwarg={a: 1}", "data.option.a=1", "generation.bogus={a: 1}", "env.reward_functions.0.kwarg={a: 1}"],
+)
+def test_should_say_unknown_key_in_one_line_when_a_key_beside_a_mapping_is_misspelt(override):
+    key = override.split("=")[0]
+    with pytest.raises(ConfigError, match=rf"^unknown key {key}; check the spelling \(python -m trainer --cfg lists every key\)$"):
+        load([override])
+
+
+def test_should_print_vllm_kwargs_when_the_cli_sets_them_over_an_empty_default():
+    import yaml
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainer", "experiment=tiny", "generation=vllm",
+         "generation.vllm_kwargs={gpu_memory_utilization:0.9}", "--cfg"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert yaml.safe_load(proc.stdout)["generation"]["vllm_kwargs"] == {"gpu_memory_utilization": 0.9}
+
+
 @pytest.mark.parametrize(
     ("override", "key"),
     [

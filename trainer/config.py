@@ -504,10 +504,61 @@ def load(overrides: list[str] | None = None) -> Config:
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-            composed = compose(config_name="config", overrides=list(overrides or []))
+            composed = compose(config_name="config", overrides=_open_mappings(list(overrides or [])))
     except (HydraException, OmegaConfBaseException) as e:
         raise ConfigError(_hydra_message(str(e))) from None
     return from_dictconfig(composed)
+
+
+def mapping_keys(cls: type | None = None, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    """The keys whose values are free-form mappings (the ``dict[...]`` fields), as paths from the root;
+    ``*`` stands for a list index (``env.reward_functions.*.kwargs``)."""
+    import types
+    import typing
+
+    cls = cls or Config
+    found = []
+    for f in dataclasses.fields(cls):
+        hint, key = _type_hints(cls)[f.name], (*prefix, config_key(f))
+        if typing.get_origin(hint) in (typing.Union, types.UnionType):  # X | None: X
+            hint = next(a for a in typing.get_args(hint) if a is not type(None))
+        origin, args = typing.get_origin(hint), typing.get_args(hint)
+        if dataclasses.is_dataclass(hint):
+            found += mapping_keys(hint, key)
+        elif origin is dict:
+            found.append(key)
+        elif origin is list and args and dataclasses.is_dataclass(args[0]):
+            found += mapping_keys(args[0], (*key, "*"))
+    return found
+
+
+def _open_mappings(overrides: list[str]) -> list[str]:
+    """Let ``key=value`` at or under a mapping key add entries: ``generation.vllm_kwargs={a: 1}``.
+
+    Hydra composes in struct mode, which closes every mapping, so a plain override naming an entry its
+    default lacks (any entry, when the default is ``{}``) fails as an unknown key. Those overrides become
+    ``++`` (Hydra's add-or-override), which opens only their own path; a mapping still merges into its
+    default, as in Hydra. Every other key stays closed, so a misspelt one is still refused.
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import OverrideType
+    from hydra.errors import HydraException
+
+    parser, patterns, opened = OverridesParser.create(), mapping_keys(), []
+    for line in overrides:
+        try:
+            override = parser.parse_override(line)
+        except HydraException:  # malformed: Hydra reports it when it composes
+            opened.append(line)
+            continue
+        parts = override.key_or_group.split(".")
+        under = any(
+            len(parts) >= len(p) and all(a == b or (b == "*" and a.isdigit()) for a, b in zip(parts, p))
+            for p in patterns
+        )
+        plain = override.type == OverrideType.CHANGE and override.package is None
+        opened.append(f"++{line}" if plain and under else line)
+    return opened
 
 
 def experiments() -> list[str]:

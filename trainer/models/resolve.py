@@ -16,6 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import parse_qsl
 
+from trainer.models.errors import ModelNotFoundError
+
 # Bump when a build's output changes (tokenizer settings, dtype, ...) so stale caches are not reused.
 _FORMAT_VERSION = 1
 # builtin:tiny's own: 2 since it has 2 heads (head_dim 32, which vLLM's CPU attention needs), not 4.
@@ -24,10 +26,6 @@ TINY_VERSION = 2
 EMBEDDED = {"smollm2-135m-instruct"}
 BUILTIN = {"tiny"}
 _TINY_PARAMS = {"hidden_size", "num_layers", "num_heads", "intermediate_size", "seed"}
-
-
-class ModelNotFoundError(LookupError):
-    """A model name that cannot be resolved; the message says what to do."""
 
 
 def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:

@@ -22,7 +22,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainer.sandbox import backends, pch
+# The modules themselves, not the package: its __init__ imports this one to re-export run_tests.
+import trainer.sandbox.backends as backends
+import trainer.sandbox.pch as pch
 from trainer.sandbox.limits import COMPILE_LIMITS, ERROR, LOST, OK, Limits
 
 log = logging.getLogger(__name__)

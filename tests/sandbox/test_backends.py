@@ -109,7 +109,9 @@ def test_should_work_without_root_when_the_trainer_is_unprivileged():
         kinds.append(backends.BWRAP)
     except RuntimeError:
         pass
-    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "HOME": "/tmp", "LANG": "C.UTF-8"}
+    # KUBERL_SANDBOX_PCH=0: as this uid the shared header folder (/tmp/kuberl-pch) would be created as
+    # this uid's, and every later run as root would then refuse it as not its own.
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "HOME": "/tmp", "LANG": "C.UTF-8", "KUBERL_SANDBOX_PCH": "0"}
     argv = backends.as_uid([python, "-c", NON_ROOT_SCRIPT, *kinds], NON_ROOT_UID)[0]
     try:
         p = subprocess.run(argv, capture_output=True, text=True, timeout=100, env=env, cwd="/tmp")

@@ -9,22 +9,21 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+SESSION = pytest.StashKey[str]()  # this session's id in tests.leftovers.MARK
 
 
 def pytest_configure(config):
     from tests.leftovers import mark_session
 
-    mark_session()  # before any test starts a process
+    config.stash[SESSION] = mark_session()  # before any test starts a process
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session, exitstatus):
     """Fail the suite, naming them, if processes the session started are still running."""
-    import os
+    from tests.leftovers import kill, leftovers
 
-    from tests.leftovers import MARK, kill, leftovers
-
-    left = leftovers(os.environ[MARK])
+    left = leftovers(session.config.stash[SESSION])
     if not left:
         return
     kill(left)

@@ -20,21 +20,28 @@ MARK = "KUBERL_TEST_SESSION"
 
 
 def mark_session() -> str:
-    """Give this process (and so every process it starts) the session's id."""
-    os.environ[MARK] = os.environ.get(MARK) or uuid.uuid4().hex
-    return os.environ[MARK]
+    """Give this process (and so every process it starts) a new session id, after any it inherited.
+
+    A test may start a pytest session of its own; that one's check must look only at what it started,
+    not at its parent session's processes (a Ray cluster the parent still uses), so each session
+    appends its id: ``outer:inner``. The outer session's check still sees what the inner one left.
+    """
+    session = uuid.uuid4().hex
+    os.environ[MARK] = ":".join(filter(None, (os.environ.get(MARK), session)))
+    return session
 
 
 def _marked(session: str) -> dict[int, str]:
     """pid -> command line of every live process carrying ``session``'s id, other than this one."""
-    needle = f"{MARK}={session}".encode()
+    prefix = f"{MARK}=".encode()
     found = {}
     for proc in Path("/proc").glob("[0-9]*"):
         pid = int(proc.name)
         if pid == os.getpid():
             continue
         try:
-            if needle not in (proc / "environ").read_bytes().split(b"\0"):
+            marks = [v[len(prefix):] for v in (proc / "environ").read_bytes().split(b"\0") if v.startswith(prefix)]
+            if not marks or session.encode() not in marks[0].split(b":"):
                 continue
             if (proc / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
                 continue  # exited, not yet reaped: not running

@@ -13,6 +13,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -302,3 +303,20 @@ def test_should_stop_a_running_job_when_make_stop_is_given_its_id(local_cluster)
     assert stop.returncode == 0 and stop.stdout.strip().endswith(f"job {job_id} STOPPED"), (
         stop.stdout + stop.stderr
     )
+    # STOPPED is Ray's word; the job's driver itself must be gone too, not left running without a job.
+    deadline = time.monotonic() + 30
+    while (drivers := _processes_naming(str(tmp / "stop-logs"))) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not drivers, f"the stopped job's driver is still running: {drivers}"
+
+
+def _processes_naming(text: str) -> list[str]:
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            if text in cmdline and (proc / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                found.append(f"{proc.name}: {cmdline[:160]}")
+        except OSError:
+            continue
+    return found

@@ -166,20 +166,19 @@ class Watch:
     @contextmanager
     def deadline(self, seconds: float, line: str, code: int = LOST_EXIT) -> Iterator[None]:
         """End the process with ``line`` if the block has not finished within ``seconds``."""
-        with self._lock:
-            key, self._next_id = self._next_id, self._next_id + 1
-            self._deadlines[key] = (time.monotonic() + seconds, line, code)
+        key = self.arm(seconds, line, code)
         try:
             yield
         finally:
             with self._lock:
                 self._deadlines.pop(key, None)
 
-    def arm(self, seconds: float, line: str, code: int) -> None:
+    def arm(self, seconds: float, line: str, code: int = LOST_EXIT) -> int:
         """A deadline with no block: from here on, the process has ``seconds`` left (e.g. after SIGTERM)."""
         with self._lock:
             key, self._next_id = self._next_id, self._next_id + 1
             self._deadlines[key] = (time.monotonic() + seconds, line, code)
+        return key
 
     def stop(self) -> None:
         self._stop.set()

@@ -145,6 +145,7 @@ def init_ray(cfg: Config) -> None:
     for attempt in (1, 2):
         try:
             ray.init(
+                address="local",  # a private instance: never one that `ray start` left in /tmp/ray
                 num_cpus=max(os.cpu_count() or 1, needed),
                 num_gpus=None if cfg.cluster.use_gpus else 0,
                 include_dashboard=False,

@@ -75,14 +75,15 @@ def refit_colocated(engine, state: dict, repeats: int) -> dict:
 
 
 RECEIVER = """
-    import sys, torch
-    from trainer.generation.weight_transport import BucketReceiver
+    import json, sys, torch
+    from trainer.generation.weight_transport import WeightMeta, receive_tensors
     from trainer.weight_sync import WeightSyncGroup
 
-    port, nbytes, repeats = (int(v) for v in sys.argv[1:4])
+    port, nbytes, repeats, buffer = (int(v) for v in sys.argv[1:5])
+    meta = WeightMeta.from_update_info(json.loads(sys.argv[5]))
     group = WeightSyncGroup("127.0.0.1", port, rank=1, world_size=2, device=torch.device("cpu"))
     for _ in range(repeats):
-        for _ in BucketReceiver(group).tensors():
+        for _ in receive_tensors(group, meta, buffer):
             pass
         group.broadcast(torch.empty(nbytes, dtype=torch.uint8))  # the raw baseline
 """
@@ -91,21 +92,24 @@ RECEIVER = """
 def refit_disaggregated(state: dict, bucket_mb: float, repeats: int) -> dict:
     import torch
 
-    from trainer.generation.weight_transport import BucketSender
+    from trainer.generation.weight_transport import WeightMeta, send_packed
     from trainer.weight_sync import WeightSyncGroup
 
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    buffer = int(bucket_mb * 2**20)
+    meta = WeightMeta.of((name, t.shape, t.dtype) for name, t in state.items())
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(RECEIVER), str(port), str(nbytes), str(repeats)])
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(RECEIVER), str(port), str(nbytes), str(repeats),
+                             str(buffer), json.dumps(meta.update_info())])
     try:
         group = WeightSyncGroup("127.0.0.1", port, rank=0, world_size=2, device=torch.device("cpu"))
-        sender, flat = BucketSender(group, bucket_mb), torch.empty(nbytes, dtype=torch.uint8)
+        flat = torch.empty(nbytes, dtype=torch.uint8)
         bucketed, raw = [], []
         for _ in range(repeats):  # the first round of each is timed too: a refit happens once per step
             t0 = time.perf_counter()
-            stats = sender.send(iter(state.items()))
+            stats = send_packed(group, iter(state.items()), meta, buffer)
             bucketed.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             group.broadcast(flat)

@@ -352,7 +352,7 @@ def main() -> None:
     if not args.no_ray:
         import ray
 
-        ray.init(num_cpus=WORKERS, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+        ray.init(address="local", num_cpus=WORKERS, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
         map_bounded(
             _score_python, [(gt, r, "fork") for gt, r in samples[: 4 * WORKERS]], max_concurrency=WORKERS
         )

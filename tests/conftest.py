@@ -59,6 +59,6 @@ def ray_local():
 
     if not ray.is_initialized():
         # 16: a test module may hold several policy groups (1-2 bundles each) and reward actors at once.
-        ray.init(num_cpus=16, num_gpus=0, include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=16, num_gpus=0, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()

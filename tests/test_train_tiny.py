@@ -217,3 +217,19 @@ def test_should_leave_no_process_behind_when_a_vllm_run_gets_sigterm(tmp_path):
     finally:
         if proc.poll() is None or _session_processes(proc.pid):
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.mark.vllm
+def test_should_track_the_policy_after_every_refit_when_a_disaggregated_vllm_engine_is_tensor_parallel(tmp_path):
+    """vLLM's CPU tensor-parallel workers (spawned by its mp executor), each registered with the twin of
+    vLLM's nccl backend through the plugin entry point, joining policy rank 0's group at ranks 1 and 2."""
+    _needs_vllm()
+    stdout, run_dir = _train(
+        tmp_path, "generation.backend=vllm", "generation.placement=disaggregated",
+        "generation.tensor_parallel_size=2", "grpo.max_num_steps=6",
+    )  # fmt: skip
+    assert "2 policy ranks, disaggregated vllm generation" in stdout
+    gaps = _scalars(run_dir)["train/gen_logprob_abs_diff"]
+    # Each step samples with the weights of the refit before it: a shard left with stale or garbled
+    # weights would be far off the policy, not within vLLM's noise.
+    assert len(gaps) == 6 and all(0 < g < 0.05 for g in gaps), gaps

@@ -710,9 +710,12 @@ def _validate(c: Config) -> None:
             not cl.cpu_pinning or cl.num_nodes == 1,
             f"cluster.cpu_pinning=true shares one node's cores; cluster.num_nodes={cl.num_nodes} must be 1",
         )
+        # vLLM's CPU backend runs tensor-parallel workers too (each on its own cores): the engine of a
+        # disaggregated actor may split; the hf engine and a colocated engine (one process) cannot.
         _require(
-            gen.tensor_parallel_size == 1,
-            f"generation.tensor_parallel_size={gen.tensor_parallel_size} must be 1 on a CPU cluster (no GPUs to split over)",
+            gen.tensor_parallel_size == 1 or (gen.backend == "vllm" and gen.placement == "disaggregated"),
+            f"generation.tensor_parallel_size={gen.tensor_parallel_size} on a CPU cluster needs "
+            "generation.backend=vllm and generation.placement=disaggregated (vLLM's CPU workers split the cores)",
         )
     res = gen.resources
     if c.disaggregated:

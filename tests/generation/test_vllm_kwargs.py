@@ -40,3 +40,42 @@ def test_should_refuse_an_unknown_vllm_argument_in_one_line_when_a_vllm_run_star
     cfg = load(["experiment=tiny", "generation=vllm", "generation.vllm_kwargs={gpu_memory_utilisation: 0.9}"])
     with pytest.raises(ConfigError, match=r"^generation.vllm_kwargs.gpu_memory_utilisation: .*\?\)$"):
         run.check_backend(cfg)
+
+
+@pytest.mark.vllm
+def test_should_give_an_engine_vllms_nccl_backend_on_gpus_and_its_twin_on_cpu():
+    gen = GenerationConfig(backend="vllm")
+    on = {cpu: llm_kwargs("m", gen, "float32", 0, 256, on_cpu=cpu, weight_transfer=True)["weight_transfer_config"]
+          for cpu in (True, False)}
+    assert on[False].backend == "nccl" and on[True].backend == "kuberl_gloo"
+
+
+@pytest.mark.vllm
+def test_should_send_with_vllms_own_sender_only_to_vllm_engines_on_gpus(monkeypatch):
+    import torch
+
+    from trainer.generation import senders, vllm_weight_transfer
+
+    made = []
+    monkeypatch.setattr(vllm_weight_transfer, "NcclSender", lambda info: made.append("vllm nccl"))
+    monkeypatch.setattr(senders, "GroupSender", lambda info, device: made.append(f"group {device.type}"))
+    for backend, device in (("vllm", "cuda"), ("vllm", "cpu"), ("hf", "cuda"), ("hf", "cpu")):
+        senders.open_sender(backend, {}, torch.device(device))
+    assert made == ["vllm nccl", "group cpu", "group cuda", "group cpu"]
+
+
+@pytest.mark.vllm
+def test_should_register_the_twin_backend_through_vllms_plugin_entry_point():
+    from importlib.metadata import entry_points
+
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    from trainer.generation.vllm_engine import check_transfer_backend
+    from trainer.generation.vllm_weight_transfer import GlooWeightTransferEngine
+
+    (plugin,) = [e for e in entry_points(group="vllm.general_plugins") if e.name == "kuberl"]
+    assert plugin.value == "trainer.generation.vllm_weight_transfer:register"
+    check_transfer_backend("kuberl_gloo")  # loads vLLM's plugins, as each of its processes does
+    assert WeightTransferEngineFactory._registry["kuberl_gloo"]() is GlooWeightTransferEngine
+    with pytest.raises(RuntimeError, match="no weight-transfer backend 'nope'"):
+        check_transfer_backend("nope")

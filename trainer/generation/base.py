@@ -72,12 +72,14 @@ class WeightReceiver(Protocol):
     """An engine that takes weights from another process through a receiver of its own (vLLM's
     weight-transfer API); engines without one are fed a stream in :meth:`GenerationEngine.update_weights`."""
 
-    def init_weight_receiver(self, host: str, port: int, rank: int, world_size: int) -> None:
-        """Join the group rooted at the sender (rank 0); this engine is ``rank``."""
+    def init_weight_receiver(self, init_info: dict) -> None:
+        """Join the group rooted at the sender (rank 0). ``init_info`` is vLLM's NCCL init info
+        (:func:`~trainer.generation.weight_transport.init_info`): this engine's workers take the ranks
+        from ``rank_offset`` on."""
         ...
 
-    def receive_weights(self) -> None:
-        """Receive one full set of weights (blocks until the sender's end of stream)."""
+    def receive_weights(self, update_info: dict) -> None:
+        """Receive one full set of weights, as ``update_info`` (names, dtype_names, shapes) announces."""
         ...
 
     def close_weight_receiver(self) -> None:

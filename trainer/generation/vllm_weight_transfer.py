@@ -1,77 +1,83 @@
-"""kuberl's gloo weight-transfer backend for vLLM: weights from the policy's rank 0 into an engine in
-another process, on CPU, through vLLM's own weight-transfer API.
+"""vLLM's weight-transfer contract on both devices: vLLM's ``nccl`` backend on GPUs, its CPU twin here.
 
-vLLM ships transfer engines for GPUs (``nccl``, ``ipc``, ...); none runs without an accelerator. This one
-is registered as ``kuberl_gloo`` with ``WeightTransferEngineFactory`` before the engine starts (the engine
-lives in this process, see :mod:`trainer.generation.vllm_engine`), so the generation side drives it with
-vLLM's calls: ``init_weight_transfer_engine`` -> per update ``start_weight_update``,
-``update_weights``, ``finish_weight_update``. The bytes and their names/dtypes/shapes come from a
-:class:`~trainer.generation.weight_transport.BucketSender` on the other end, bucket by bucket, and each
-bucket goes straight into ``model.load_weights``.
+On GPUs a disaggregated engine receives with vLLM's own ``NCCLWeightTransferEngine`` and policy rank 0
+sends with vLLM's own trainer-side pieces (:class:`NcclSender`: ``nccl_common.trainer_init`` and
+``packed_nccl_broadcast_producer``). None of that runs without CUDA, so on CPU the engine uses
+:class:`GlooWeightTransferEngine`, registered as ``kuberl_gloo``: the same init info and update info
+(vLLM's own dataclasses, :class:`NCCLWeightTransferInitInfo` and :class:`NCCLWeightTransferUpdateInfo`),
+the same rank of each tensor-parallel worker (``rank_offset`` + its rank in the engine), the same packed
+chunks (:mod:`trainer.generation.weight_transport`), over a gloo group instead of NCCL. The CPU tests
+therefore run the GPU's protocol, with only the backend name and the transport different; which one an
+engine gets is decided in one place, :func:`trainer.generation.weight_transport.vllm_transfer_backend`.
 
-Two departures from vLLM's base class, both for CPU: ``update_weights`` does not end in
-``torch.accelerator.synchronize()`` (it raises with no accelerator; gloo is synchronous anyway), and
-``finish_weight_update`` rebuilds the packed CPU kernels from the new weights, a tied ``lm_head``'s
-included (:func:`~trainer.generation.vllm_engine.finish_weight_update`).
+The twin is registered in every vLLM process, spawned tensor-parallel workers included, through vLLM's
+plugin mechanism: the ``vllm.general_plugins`` entry point ``kuberl`` (pyproject.toml) calls
+:func:`register`, which vLLM runs in the engine process and in each worker it starts.
+
+Two things the twin does beyond vLLM's base class, both for CPU engines: ``finish_weight_update``
+rebuilds the packed CPU kernels from the new weights, a tied ``lm_head``'s included
+(:func:`~trainer.generation.vllm_engine.finish_weight_update`); and ``update_weights`` synchronizes the
+device only when it has one (vLLM's base class calls ``torch.accelerator.synchronize()``, which raises
+without an accelerator; gloo itself is synchronous).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from collections.abc import Iterable
 from typing import Any
 
 import torch
-from vllm.distributed.weight_transfer.base import (
-    WeightTransferEngine,
-    WeightTransferInitInfo,
-    WeightTransferUpdateInfo,
-)
+from vllm.distributed.weight_transfer.base import WeightTransferEngine
+from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo
+from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferUpdateInfo
 
 from trainer.generation.vllm_engine import (
-    GLOO_TRANSFER_BACKEND,
     RELOAD_LOGGER,
     begin_weight_update,
     finish_weight_update,
     quiet,
     weights_packed,
 )
-from trainer.generation.weight_transport import BucketReceiver
+from trainer.generation.weight_transport import (
+    GLOO_TRANSFER_BACKEND,
+    TransferStats,
+    WeightMeta,
+    checked,
+    chunks,
+    receive_packed,
+    worker_rank,
+)
 
 
-@dataclass
-class GlooInitInfo(WeightTransferInitInfo):
-    """Where the sender's group is: its TCPStore (host, port), this engine's rank in it, and its size."""
+class GlooWeightTransferEngine(WeightTransferEngine[NCCLWeightTransferInitInfo, NCCLWeightTransferUpdateInfo]):
+    """The CPU twin of vLLM's ``NCCLWeightTransferEngine`` (module docstring)."""
 
-    host: str
-    port: int
-    rank: int
-    world_size: int
-
-
-@dataclass
-class GlooUpdateInfo(WeightTransferUpdateInfo):
-    """Nothing: the names, dtypes and shapes ride the stream with each bucket."""
-
-
-class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
-    init_info_cls = GlooInitInfo
-    update_info_cls = GlooUpdateInfo
+    init_info_cls = NCCLWeightTransferInitInfo
+    update_info_cls = NCCLWeightTransferUpdateInfo
     supports_draft_weight_update = False
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.group = None
+        self.rank: int | None = None
+        self.buffer_bytes = 0
         self.packed = False
         self.on_cpu = self.device.type == "cpu"
         hf = self.model_config.hf_config
         self.tied = bool(getattr(getattr(hf, "text_config", None) or hf, "tie_word_embeddings", False))
 
-    def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
+    def init_transfer_engine(self, init_info: NCCLWeightTransferInitInfo) -> None:
         from trainer.weight_sync import WeightSyncGroup
 
+        if not init_info.packed or init_info.master_address is None:
+            raise ValueError(f"{GLOO_TRANSFER_BACKEND}: needs packed=True and master_address/master_port")
+        pc = self.parallel_config
+        self.rank = worker_rank(init_info.rank_offset, pc.data_parallel_index, pc.world_size, pc.rank)
+        self.buffer_bytes = init_info.packed_buffer_size_bytes
         # The group's tensors are host tensors whatever the engine's device: gloo is the CPU transport.
         self.group = WeightSyncGroup(
-            init_info.host, init_info.port, init_info.rank, init_info.world_size, torch.device("cpu")
+            init_info.master_address, init_info.master_port, self.rank, init_info.world_size, torch.device("cpu")
         )
 
     def start_weight_update(self) -> None:
@@ -80,16 +86,19 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         self.receive_weights(self.parse_update_info(update_info))
+        if not self.on_cpu:  # the copies to the device are non-blocking: they must land first
+            torch.accelerator.synchronize()
 
     @torch.no_grad()
-    def receive_weights(self, update_info: GlooUpdateInfo) -> None:
+    def receive_weights(self, update_info: NCCLWeightTransferUpdateInfo) -> None:
         if self.group is None:
             raise RuntimeError("receive_weights before init_weight_transfer_engine")
+        meta = WeightMeta(list(update_info.names), list(update_info.dtype_names), [list(s) for s in update_info.shapes])
         with quiet(RELOAD_LOGGER):
-            for bucket in BucketReceiver(self.group).buckets():
+            for chunk in receive_packed(self.group, meta, self.buffer_bytes):
                 if not self.on_cpu:
-                    bucket = [(name, t.to(self.device, non_blocking=True)) for name, t in bucket]
-                self.model.load_weights(iter(bucket))
+                    chunk = [(name, t.to(self.device, non_blocking=True)) for name, t in chunk]
+                self.model.load_weights(iter(chunk))
 
     def finish_weight_update(self) -> None:
         with quiet(RELOAD_LOGGER):
@@ -102,11 +111,50 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             group.close()
 
 
+class NcclSender:
+    """Policy rank 0's end of vLLM's ``nccl`` backend (GPUs): vLLM's rendezvous and packed producer."""
+
+    def __init__(self, info: dict):
+        from vllm.distributed.weight_transfer.nccl_common import trainer_init
+
+        self.buffer_bytes = int(info["packed_buffer_size_bytes"])
+        self.num_buffers = int(info["packed_num_buffers"])
+        self.comm = trainer_init(info, rank=0)
+
+    def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], meta: WeightMeta) -> TransferStats:
+        from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer
+
+        if self.comm is None:
+            raise RuntimeError("weight sender used after close()")
+        t0 = time.perf_counter()
+        packed_nccl_broadcast_producer(
+            iterator=checked(named_tensors, meta),
+            group=self.comm,
+            src=0,
+            post_iter_func=lambda item: item[1],
+            buffer_size_bytes=self.buffer_bytes,
+            num_buffers=self.num_buffers,
+        )
+        torch.cuda.current_stream().synchronize()
+        return TransferStats(
+            tensors=len(meta.names),
+            buckets=len(chunks(meta, self.buffer_bytes)),
+            bytes=sum(meta.nbytes(i) for i in range(len(meta.names))),
+            seconds=time.perf_counter() - t0,
+        )
+
+    def close(self) -> None:
+        comm, self.comm = self.comm, None
+        if comm is not None:
+            comm.destroy()
+
+
 def register() -> None:
-    """Make ``kuberl_gloo`` known to vLLM in this process (before an engine that uses it starts)."""
+    """Make ``kuberl_gloo`` known to vLLM in this process: the ``vllm.general_plugins`` entry point, which
+    vLLM calls in its engine process and in every worker it spawns (and may call more than once)."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
     try:
         WeightTransferEngineFactory.register_engine(GLOO_TRANSFER_BACKEND, GlooWeightTransferEngine)
-    except ValueError:  # already registered by an earlier engine in this process
+    except ValueError:  # already registered in this process
         pass

@@ -1,11 +1,11 @@
 """Disaggregated generation: a Ray actor that owns one engine on its own device (or cores).
 
-After every optimizer step the policy's rank 0 streams the new weights to every actor in buckets that
-carry their own names, dtypes and shapes (:mod:`trainer.generation.weight_transport`), over one group
-rooted at rank 0 (:class:`~trainer.weight_sync.WeightSyncGroup`: gloo on CPU, NCCL on GPUs). An engine
-with a receiver of its own takes them through it: vLLM through its weight-transfer API, with kuberl's
-gloo backend on CPU (:mod:`trainer.generation.vllm_weight_transfer`); the hf engine takes the stream
-in ``update_weights``.
+After every optimizer step the policy's rank 0 sends the new weights to every actor under vLLM's
+weight-transfer contract (:mod:`trainer.generation.weight_transport`: the receivers know the names,
+dtypes and shapes beforehand, the bytes move in packed chunks over one group rooted at rank 0). A vLLM
+engine takes them through its weight-transfer API, on every tensor-parallel worker: vLLM's ``nccl``
+backend on GPUs, its CPU twin elsewhere (:mod:`trainer.generation.vllm_weight_transfer`); the hf engine
+joins a :class:`~trainer.weight_sync.WeightSyncGroup` and takes the stream in ``update_weights``.
 """
 
 from __future__ import annotations
@@ -47,24 +47,30 @@ class GenerationWorker:
     def address(self) -> tuple[str, int]:
         return node_address()
 
-    def init_weight_sync(self, host: str, port: int, world_size: int) -> None:
-        rank = 1 + self.rank  # the policy's rank 0 is the root
+    def init_weight_sync(self, init_info: dict) -> None:
+        """Join policy rank 0's transfer group (``init_info``: vLLM's NCCL init info, for every engine)."""
         if isinstance(self.engine, WeightReceiver):
-            self.engine.init_weight_receiver(host, port, rank, world_size)
+            self.engine.init_weight_receiver(init_info)
             self.sync = None
         else:
+            from trainer.generation.weight_transport import worker_rank
             from trainer.weight_sync import WeightSyncGroup
 
-            self.sync = WeightSyncGroup(host, port, rank=rank, world_size=world_size, device=self.device)
+            rank = worker_rank(init_info["rank_offset"], 0, 1, 0)  # the hf engine is one process
+            self.buffer_bytes = int(init_info["packed_buffer_size_bytes"])
+            self.sync = WeightSyncGroup(
+                init_info["master_address"], init_info["master_port"], rank, init_info["world_size"], self.device
+            )
 
     @torch.no_grad()
-    def receive_weights(self) -> None:
+    def receive_weights(self, update_info: dict) -> None:
         if self.sync is None:
-            self.engine.receive_weights()
+            self.engine.receive_weights(update_info)
             return
-        from trainer.generation.weight_transport import BucketReceiver
+        from trainer.generation.weight_transport import WeightMeta, receive_tensors
 
-        self.engine.update_weights(BucketReceiver(self.sync).tensors())
+        meta = WeightMeta.from_update_info(update_info)
+        self.engine.update_weights(receive_tensors(self.sync, meta, self.buffer_bytes))
 
     def close_weight_sync(self) -> None:
         """Leave the weight group together with the policy's rank 0 (the driver calls both at once)."""

@@ -209,28 +209,37 @@ class PolicyWorker:
         return {name: p.detach().cpu().clone() for name, p in self.engine.model.named_parameters()}
 
     # ----- weight broadcast (disaggregated) --------------------------------------------------------
-    def init_weight_sync(self, host: str, port: int, world_size: int) -> None:
-        from trainer.weight_sync import WeightSyncGroup
+    def weight_metadata(self) -> dict:
+        """The update info of every weight transfer (vLLM's names, dtype_names, shapes), without gathering:
+        what :meth:`iter_full_weights` yields, in its order, at the engine's dtype."""
+        from trainer.generation.weight_transport import WeightMeta
+
+        dtype = self.engine_dtype
+        return WeightMeta.of((name, p.shape, dtype) for name, p in self.model.named_parameters()).update_info()
+
+    def init_weight_sync(self, init_info: dict) -> None:
+        """Rank 0 opens the sending end (the rendezvous's host; the engines join at the same time)."""
+        from trainer.generation.senders import open_sender
 
         if self.rank == 0:
-            self.sync = WeightSyncGroup(host, port, rank=0, world_size=world_size, device=self.device)
+            self.sender = open_sender(self.cfg.generation.backend, init_info, self.device)
 
     def close_weight_sync(self) -> None:
         """Rank 0 leaves the weight group last, as the store's host (the driver calls every side at once)."""
-        if getattr(self, "sync", None) is not None:
-            self.sync.close()
+        if getattr(self, "sender", None) is not None:
+            self.sender.close()
 
-    def broadcast_weights(self) -> dict[str, float]:
-        """All ranks gather; rank 0 streams the full tensors to the generation actors in buckets that
-        carry their names, dtypes and shapes (:mod:`trainer.generation.weight_transport`)."""
+    def broadcast_weights(self, update_info: dict) -> dict[str, float]:
+        """All ranks gather; rank 0 sends the full tensors that ``update_info`` announced to the engines
+        (:mod:`trainer.generation.weight_transport`)."""
         weights = self.iter_full_weights(self.engine_dtype)
         if self.rank != 0:
             for _ in weights:  # the gathers are collectives: every rank takes part
                 pass
             return {}
-        from trainer.generation.weight_transport import BucketSender
+        from trainer.generation.weight_transport import WeightMeta
 
-        stats = BucketSender(self.sync, self.cfg.generation.refit_bucket_mb).send(weights)
+        stats = self.sender.send(weights, WeightMeta.from_update_info(update_info))
         return {"buckets": stats.buckets, "bytes": stats.bytes, "seconds": stats.seconds}
 
     # ----- logprobs --------------------------------------------------------------------------------

@@ -104,6 +104,34 @@ def schema_errors(doc: dict) -> list[str]:
     return [f"{doc['kind']} {'/'.join(map(str, e.absolute_path))}: {e.message}" for e in v.iter_errors(doc)]
 
 
+def start_script(template: dict) -> str:
+    """The bash script a Ray container runs (its args), as rendered."""
+    return template["spec"]["containers"][0]["args"][0]
+
+
+def run_start_script(template: dict, root: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run a Ray container's start-up script with bash, as the pod would, on this machine: the node's
+    scripts and tools (/usr/local/gib/scripts, /usr/local/nvidia/bin) live under `root`, and KubeRay's
+    `ray start` is `env`, so stdout shows the environment Ray would start with."""
+    script = start_script(template)
+    for node_dir in ("/usr/local/gib/scripts/", "/usr/local/nvidia/bin/"):
+        script = script.replace(node_dir, f"{root}{node_dir}")
+    base = {"PATH": "/usr/bin:/bin", "KUBERAY_GEN_RAY_START_CMD": "env"}
+    for name in ("KUBERL_LOG_DIR", "KUBERL_CHECKPOINT_DIR", "HF_HOME", "KUBERL_CACHE"):
+        base[name] = str(root / "data" / name.lower())
+    return subprocess.run(["/bin/bash", "-c", "--", script], capture_output=True, text=True, timeout=30,
+                          env={**base, **(env or {})})  # fmt: skip
+
+
+def node_file(root: Path, path: str, text: str, mode: int = 0o644) -> Path:
+    """A file at the node path `path` (e.g. /usr/local/gib/scripts/set_nccl_env.sh) under `root`."""
+    f = root / path.lstrip("/")
+    f.parent.mkdir(parents=True, exist_ok=True)
+    f.write_text(text)
+    f.chmod(mode)
+    return f
+
+
 def values_files() -> list[Path]:
     return sorted(VALUES.glob("*.yaml"))
 

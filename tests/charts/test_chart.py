@@ -342,7 +342,7 @@ def test_should_stop_a_gpu_worker_in_one_line_when_the_rdma_installer_has_not_ru
     assert out.returncode == 1 and out.stdout == ""
     assert out.stderr.replace(str(tmp_path), "").strip().splitlines() == [
         "kuberl: /usr/local/gib/scripts/set_nccl_env.sh is missing: GKE's nccl-rdma-installer has not run "
-        "on this node (make preflight; docs/cluster.md step 4)"
+        "on this node (make preflight; docs/cluster.md step 5)"
     ]
 
 

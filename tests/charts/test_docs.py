@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+import sys
 
 import yaml
 from chartlib import CHART, REPO
@@ -51,6 +52,58 @@ def test_should_say_in_one_line_which_variable_to_set_when_make_image_has_no_rep
     out = subprocess.run(["make", "--no-print-directory", "image"], capture_output=True, text=True, cwd=REPO)
     assert out.returncode != 0
     assert out.stdout.strip().splitlines()[0].startswith("IMAGE_REPO is not set: make image IMAGE_REPO=")
+
+
+def test_should_install_the_kuberay_version_the_chart_needs_when_make_kuberay_runs() -> None:
+    minimum = yaml.safe_load((CHART / "Chart.yaml").read_text())["annotations"]["kuberl.dev/min-kuberay-version"]
+    out = subprocess.run(["make", "--no-print-directory", "-n", "kuberay"], capture_output=True, text=True, cwd=REPO)
+    assert "bin/helm repo add kuberay https://ray-project.github.io/kuberay-helm/" in out.stdout
+    assert f"bin/helm upgrade --install kuberay-operator kuberay/kuberay-operator --version {minimum} " in out.stdout
+
+
+def test_should_build_the_same_tag_with_cloud_build_when_there_is_no_docker() -> None:
+    app_version = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
+    out = subprocess.run(["make", "-n", "cloud-image", "IMAGE_REPO=reg/kuberl"], capture_output=True, text=True, cwd=REPO)
+    assert 'gcloud builds submit . --config docker/cloudbuild.yaml' in out.stdout
+    assert f'_IMAGE="reg/kuberl:{app_version}"' in out.stdout
+    build = yaml.safe_load((REPO / "docker" / "cloudbuild.yaml").read_text())
+    assert build["steps"][0]["args"] == ["build", "-f", "docker/Dockerfile", "-t", "${_IMAGE}", "."]
+    assert build["images"] == ["${_IMAGE}"]
+
+
+def _shell_lines() -> list[str]:
+    """Every command line of the runbook's ```sh blocks (continuations joined)."""
+    lines = []
+    for block in re.findall(r"```sh\n(.*?)```", DOC, flags=re.S):
+        lines += [ln.strip() for ln in block.replace("\\\n", " ").splitlines() if ln.strip() and not ln.strip().startswith("#")]
+    return lines
+
+
+def test_should_run_only_helm_that_make_installs_when_the_runbook_calls_helm() -> None:
+    bare = [ln for ln in _shell_lines() if re.match(r"^helm\b", ln) or re.search(r"[;&|]\s*helm\b", ln)]
+    assert not bare, f"docs/cluster.md runs a helm that nothing installs (use bin/helm after make helm): {bare}"
+    assert any(ln.startswith("bin/helm test ") for ln in _shell_lines())
+
+
+def test_should_start_from_an_empty_project_with_prerequisites_when_the_runbook_opens() -> None:
+    prereq = DOC.split("## 0. Prerequisites", 1)[1].split("\n## ", 1)[0]
+    for tool in ("gcloud", "kubectl", "gke-gcloud-auth-plugin", "docker", "make cloud-image", "npm", "PyYAML",
+                 "make setup", "make helm"):  # fmt: skip
+        assert tool in prereq, f"the prerequisites do not mention {tool}"
+
+
+def test_should_state_the_gke_version_and_driver_the_chart_needs_when_the_runbook_creates_the_cluster() -> None:
+    assert "1.33.2-gke.4655000" in DOC and "R580" in DOC
+    lustre = [ln for ln in _shell_lines() if ln.startswith("gcloud lustre instances create")]
+    assert lustre and all("--gke-support-enabled" not in ln for ln in lustre)
+    assert any("gpu-driver-version=latest" in ln for ln in DOC.splitlines())
+
+
+def test_should_submit_the_27b_experiment_when_the_runbook_ends_a_run() -> None:
+    assert "make submit EXP=gemma3-27b" in DOC
+    release = subprocess.run([sys.executable, "-m", "trainer.submit", "resolve", "gemma3-27b"], capture_output=True,
+                             text=True, cwd=REPO)  # fmt: skip
+    assert release.stdout.split() == ["gemma3-27b-gsm8k-h200", "values/gemma3-27b-gsm8k-h200.yaml"]
 
 
 def test_should_state_the_spot_notice_honestly_when_the_docs_speak_of_preemption() -> None:

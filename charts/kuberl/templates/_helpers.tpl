@@ -114,7 +114,7 @@ fi
 # gIB's NCCL settings come from GKE's RDMA installer, which keeps them current for the machine type;
 # rdma.ncclEnv is exported after it, so an explicit value wins.
 if [ ! -f /usr/local/gib/scripts/set_nccl_env.sh ]; then
-  echo "kuberl: /usr/local/gib/scripts/set_nccl_env.sh is missing: GKE's nccl-rdma-installer has not run on this node (make preflight; docs/cluster.md step 4)" >&2
+  echo "kuberl: /usr/local/gib/scripts/set_nccl_env.sh is missing: GKE's nccl-rdma-installer has not run on this node (make preflight; docs/cluster.md step 5)" >&2
   exit 1
 fi
 source /usr/local/gib/scripts/set_nccl_env.sh

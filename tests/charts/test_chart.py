@@ -175,7 +175,9 @@ def test_should_exec_kuberays_generated_ray_start_when_overwriting_the_container
 @pytest.mark.parametrize("sets", [(), ("job.enabled=true", "experiment=tiny")], ids=["raycluster", "rayjob"])
 def test_should_run_tini_as_pid_1_of_every_ray_container_when_rendered(sets) -> None:
     """tini reaps the orphans of bubblewrap sandboxes; the command replaces the image's ENTRYPOINT."""
-    templates = _ray_templates(render("workerGroups.generation.replicas=1", "workerGroups.generation.gpus=8", *sets))
+    docs = render("workerGroups.generation.replicas=1", "workerGroups.generation.gpus=8", *sets)
+    assert not [e for d in docs for e in schema_errors(d)]
+    templates = _ray_templates(docs)
     assert len(templates) == 3
     for template in templates:
         assert template["spec"]["containers"][0]["command"] == ["/usr/bin/tini", "--", "/bin/bash", "-c", "--"]

@@ -14,7 +14,7 @@ STAMP       := $(VENV)/.kuberl-installed
 # Every run prints its 15 slowest tests: where the suite's time goes stays in view as it grows.
 PYTEST_ARGS ?= --durations=15
 
-.PHONY: help setup train test test-fast lint clean
+.PHONY: help setup train test test-fast test-gpu lint clean
 
 # Feature areas keep their targets in mk/*.mk (chart and cluster, rewards, benchmarks). A fragment
 # appends to TEST_DEPS the set-up its tests need (the helm binary, bubblewrap, ...), so this include
@@ -68,6 +68,11 @@ test: setup $(TEST_DEPS) ## Run the whole test suite (CPU, a real Ray cluster an
 
 test-fast: setup $(TEST_DEPS) ## Run the tests not marked slow
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS); rc=$$?; [ $$rc -eq 5 ] && exit 0; exit $$rc
+
+# No `setup`: on a GPU node the image's Python is the one to test (make test-gpu PY=python); `setup` would
+# install CPU torch. Exit code 5 (nothing collected) is fine; every skip prints its one-line reason.
+test-gpu: ## Run the GPU suite (tests/gpu, marker gpu) with the Python in PY; see docs/gpu-tests.md
+	$(PY) -m pytest -m gpu tests/gpu -rs $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "no GPU tests collected"; exit 0; fi; exit $$rc
 
 lint: setup ## ruff over the Python code
 	$(VENV)/bin/ruff check trainer tests

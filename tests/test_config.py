@@ -77,6 +77,23 @@ def test_should_name_the_key_when_a_value_is_bad(overrides, key):
     assert key in message and "\n" not in message
 
 
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["cluster.gpus_per_node=8", "generation.backend=vllm", "generation.tensor_parallel_size=2"],  # 8 GPUs
+        ["generation.backend=vllm", "generation.tensor_parallel_size=2"],  # CPU: the same line, before the CPU rule
+        ["experiment=gemma3-1b-math", "generation.tensor_parallel_size=2"],
+    ],
+)
+def test_should_refuse_tensor_parallel_in_one_line_when_the_engine_is_colocated(overrides):
+    with pytest.raises(ConfigError) as err:
+        load(overrides)
+    assert str(err.value) == (
+        "generation.tensor_parallel_size=2 needs generation.placement=disaggregated: a colocated engine "
+        "shares its policy rank's one GPU"
+    )
+
+
 def test_should_default_to_truncated_importance_sampling_when_batches_may_be_stale():
     assert load(["experiment=tiny"]).grpo.loss.importance_sampling == "none"
     cfg = load(["experiment=tiny", "generation.placement=disaggregated", "grpo.async.max_staleness=1"])

@@ -189,7 +189,9 @@ class GenerationConfig:
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     vllm_kwargs: dict[str, Any] = field(default_factory=dict)
     tensor_parallel_size: int = 1
-    gpu_memory_utilization: float = 0.6
+    # vLLM on GPUs: the share of the GPU the engine takes. null: 0.6 colocated (the rest is the policy's at
+    # refit), 0.9 disaggregated (the GPU is the engine's alone; see vllm_engine.DISAGGREGATED_GPU_MEMORY_UTILIZATION).
+    gpu_memory_utilization: float | None = None
     # vLLM: no torch.compile / CUDA graphs. null: true on CPU (inductor adds a minute or more to start-up,
     # for about 1.2x faster decoding), false on GPUs (CUDA graphs).
     enforce_eager: bool | None = None
@@ -695,6 +697,16 @@ def _validate(c: Config) -> None:
     _require(gen.top_k == -1 or gen.top_k >= 1, f"generation.top_k={gen.top_k} must be -1 (off) or >= 1")
     _require(gen.batch_size >= 1, f"generation.batch_size={gen.batch_size} must be >= 1")
     _require(gen.tensor_parallel_size >= 1, "generation.tensor_parallel_size must be >= 1")
+    _require(
+        gen.tensor_parallel_size == 1 or c.disaggregated,
+        f"generation.tensor_parallel_size={gen.tensor_parallel_size} needs generation.placement=disaggregated: "
+        "a colocated engine shares its policy rank's one GPU",
+    )
+    _require(
+        gen.gpu_memory_utilization is None or 0 < gen.gpu_memory_utilization <= 1,
+        f"generation.gpu_memory_utilization={gen.gpu_memory_utilization} must be in (0, 1] or null "
+        "(0.6 colocated, 0.9 disaggregated)",
+    )
     # --- cluster and placement
     _require(cl.num_nodes >= 1, f"cluster.num_nodes={cl.num_nodes} must be >= 1")
     _require(cl.gpus_per_node >= 0, f"cluster.gpus_per_node={cl.gpus_per_node} must be >= 0")

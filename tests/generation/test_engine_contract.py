@@ -138,6 +138,28 @@ def test_should_stop_at_the_token_that_completes_a_stop_string(engine, tokenizer
     assert stopped >= 4  # 8 samples of up to 40 characters from a ~60-character vocabulary
 
 
+def test_should_generate_as_before_when_put_to_sleep_and_woken_in_the_refits_order(engine, reference, tokenizer):
+    """The colocated refit's calls (trainer/policy/worker.py): every engine takes them, vLLM on CPU keeping
+    the state only; an engine asked to load or generate while asleep wakes what that needs itself."""
+    prompt = _prompts(tokenizer)[1]
+    greedy = SamplingParams(max_new_tokens=6, temperature=0.0)
+    (before,), = engine.generate([prompt], 1, greedy)
+    same = [(name, p.detach().clone()) for name, p in reference.named_parameters()]  # the engine's own weights
+    engine.sleep()
+    engine.sleep()  # idempotent
+    engine.wake_up(tags=["weights"])
+    engine.update_weights(iter(same))
+    engine.wake_up(tags=["kv_cache"])
+    (after,), = engine.generate([prompt], 1, greedy)
+    assert after.token_ids == before.token_ids
+    engine.sleep()
+    engine.update_weights(iter(same))  # asleep: the weights wake, the KV cache stays asleep
+    assert getattr(engine, "asleep", ("kv_cache",)) == ("kv_cache",)
+    (woken,), = engine.generate([prompt], 1, greedy)  # asleep: it wakes itself first
+    assert woken.token_ids == before.token_ids
+    assert getattr(engine, "asleep", ()) == ()
+
+
 def test_should_follow_new_weights_when_updated_including_a_tied_embedding_and_a_cached_prefix(
     engine, reference, tokenizer
 ):

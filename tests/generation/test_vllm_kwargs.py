@@ -79,3 +79,54 @@ def test_should_register_the_twin_backend_through_vllms_plugin_entry_point():
     assert WeightTransferEngineFactory._registry["kuberl_gloo"]() is GlooWeightTransferEngine
     with pytest.raises(RuntimeError, match="no weight-transfer backend 'nope'"):
         check_transfer_backend("nope")
+
+
+# ----- placement: sleep mode and the memory share -------------------------------------------------------
+
+
+def _kwargs(gen: GenerationConfig, *, on_cpu: bool, colocated: bool) -> dict:
+    return llm_kwargs("some/model", gen, "bfloat16", 0, 256, on_cpu=on_cpu, weight_transfer=False, colocated=colocated)
+
+
+def test_should_run_in_sleep_mode_with_the_colocated_share_when_the_engine_shares_a_gpu_with_a_policy_rank():
+    kwargs = _kwargs(GenerationConfig(backend="vllm"), on_cpu=False, colocated=True)
+    assert kwargs["enable_sleep_mode"] is True
+    assert kwargs["gpu_memory_utilization"] == 0.6
+
+
+def test_should_start_without_sleep_mode_and_take_most_of_the_gpu_when_the_engine_has_it_alone():
+    kwargs = _kwargs(GenerationConfig(backend="vllm"), on_cpu=False, colocated=False)
+    assert "enable_sleep_mode" not in kwargs  # vLLM's default (off): no cumem allocator for an engine that never sleeps
+    assert kwargs["gpu_memory_utilization"] == 0.9
+
+
+@pytest.mark.parametrize("colocated", [True, False])
+def test_should_start_without_sleep_mode_when_the_engine_runs_on_cpu(colocated):
+    assert "enable_sleep_mode" not in _kwargs(GenerationConfig(backend="vllm"), on_cpu=True, colocated=colocated)
+
+
+@pytest.mark.parametrize("colocated", [True, False])
+def test_should_take_the_users_memory_share_when_one_is_set_whatever_the_placement(colocated):
+    assert _kwargs(GenerationConfig(gpu_memory_utilization=0.75), on_cpu=False, colocated=colocated)[
+        "gpu_memory_utilization"] == 0.75
+    gen = GenerationConfig(gpu_memory_utilization=0.75, vllm_kwargs={"gpu_memory_utilization": 0.5})
+    assert _kwargs(gen, on_cpu=False, colocated=colocated)["gpu_memory_utilization"] == 0.5  # vllm_kwargs last
+
+
+def test_should_sleep_only_when_colocated_on_a_gpu_when_asked_which_engines_sleep():
+    from trainer.generation.vllm_engine import sleep_mode
+
+    assert [sleep_mode(on_cpu, colocated) for on_cpu in (False, True) for colocated in (True, False)] == [
+        True, False, False, False]
+
+
+def test_should_leave_the_memory_share_null_in_the_config_when_composed_for_either_backend():
+    for backend in ("hf", "vllm"):
+        assert load([f"generation={backend}"]).generation.gpu_memory_utilization is None
+    assert load(["generation.gpu_memory_utilization=0.8"]).generation.gpu_memory_utilization == 0.8
+
+
+@pytest.mark.parametrize("value", ["0", "1.5", "-0.1"])
+def test_should_refuse_a_memory_share_outside_zero_to_one_in_one_line_when_configured(value):
+    with pytest.raises(ConfigError, match=r"^generation.gpu_memory_utilization=.* must be in \(0, 1\] or null"):
+        load([f"generation.gpu_memory_utilization={value}"])

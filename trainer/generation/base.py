@@ -5,10 +5,13 @@ weights after each optimizer step. It is built by :func:`trainer.generation.fact
 Colocated or disaggregated placement (:mod:`trainer.generation.placement`) is decided by who owns
 the engine (a policy rank, or a generation actor), not by the engine itself.
 
-Lifecycle: an engine that shares its device with training (colocated) is put to ``sleep`` while the
-policy trains and woken before its weights are updated; engines that cannot free anything (the hf
-engine, vLLM on CPU) make both no-ops. ``shutdown`` releases everything the engine started (for
-vLLM, its engine-core process) and may be called more than once.
+Lifecycle: an engine that shares its device with training (colocated) is put to ``sleep`` after it
+generated, before the policy's own forwards (logprob passes, training), and woken in two parts at the
+refit: its weights, then (after the new ones are loaded) its KV cache, so the gathered weights and a full
+KV cache never share the device. An engine asked to generate while asleep wakes itself first. Engines
+that cannot free anything (the hf engine, vLLM on CPU) free nothing, but take the same calls.
+``shutdown`` releases everything the engine started (for vLLM, its engine-core process) and may be
+called more than once.
 """
 
 from __future__ import annotations
@@ -55,11 +58,12 @@ class GenerationEngine(Protocol):
         ...
 
     def sleep(self) -> None:
-        """Free what generation holds (KV cache, weights) while the policy trains; no-op if unsupported."""
+        """Free what generation holds (KV cache, weights) while the policy trains; idempotent; frees
+        nothing where unsupported."""
         ...
 
-    def wake_up(self) -> None:
-        """Undo :meth:`sleep` before the next weight update or generation; no-op if unsupported."""
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Undo :meth:`sleep`: ``tags`` of "weights" and "kv_cache" (vLLM's names), None for both."""
         ...
 
     def shutdown(self) -> None:

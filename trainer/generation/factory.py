@@ -59,6 +59,7 @@ def _build_vllm(gen: GenerationConfig, spec: EngineSpec) -> GenerationEngine:
         spec.max_model_len,
         spec.threads,
         weight_transfer=spec.weights_from_another_process,
+        colocated=spec.colocated,
     )
 
 

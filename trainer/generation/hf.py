@@ -319,7 +319,7 @@ class HFGenerationEngine:
     def sleep(self) -> None:
         pass
 
-    def wake_up(self) -> None:
+    def wake_up(self, tags: list[str] | None = None) -> None:
         pass
 
     def shutdown(self) -> None:

@@ -25,9 +25,18 @@ fails. The engine keeps the plain parameter beside the packed copy instead (``ke
 start-up only): an update loads into the parameters as on a GPU and then rebuilds every packed kernel
 from them (:func:`repack_cpu_kernels`), the tied ``lm_head``'s included, whose packed copy of the
 embedding would otherwise silently stay. The repack runs at the thread count the engine was built with:
-oneDNN handles rebuilt at another count computed wrong q/k/v projections (``PACK_THREADS_ATTR``). Should
-a layer still come without its parameter, the update falls back to vLLM's layerwise reload. Either way
-the prefix cache is reset after every update: it holds keys/values computed with the old weights.
+oneDNN handles rebuilt at another count computed wrong q/k/v projections (``PACK_THREADS_ATTR``). An
+engine with a quantization config (FP8, AWQ, ...), on any device, or a layer that still comes without its
+parameter, updates through vLLM's layerwise reload instead, which runs the layers' weight processing again
+(:func:`needs_layerwise_reload`). Either way the prefix cache is reset after every update: it holds
+keys/values computed with the old weights.
+
+Sleep mode (:func:`sleep_mode`): only a colocated engine on a GPU sleeps for real, with the memory share
+``COLOCATED_GPU_MEMORY_UTILIZATION``; the policy rank puts it to sleep before its own forwards and at the
+refit wakes the weights, loads, then wakes the KV cache (:meth:`VLLMGenerationEngine.wake_up`). Every
+engine keeps which parts are asleep, so on CPU the same calls are made and answered, with nothing freed.
+An engine with its GPU alone (disaggregated, evaluation) starts without sleep mode and takes
+``DISAGGREGATED_GPU_MEMORY_UTILIZATION`` of it.
 """
 
 from __future__ import annotations
@@ -60,6 +69,15 @@ PACK_THREADS_ATTR = "kuberl_pack_threads"
 # compiled engine built with threads=1 was shut down; after one built with 2 threads it was exact, a cause
 # not pinned down further), so it refuses to start there: one engine per process is what runs ship.
 _engines_started = 0
+# generation.gpu_memory_utilization when null. Colocated: the engine's share of a GPU it hands to training
+# between steps (sleep mode frees it then), so the policy's shards, optimizer state and gathered layers fit
+# beside its weights at refit. Disaggregated: vLLM's own default is 0.92; 0.9 leaves 10% (8 GB of an 80 GB
+# H100) for what arrives after vLLM measured the GPU at start: the weight-transfer group's NCCL buffers and
+# the refit buckets (generation.refit_bucket_mb) it receives into.
+COLOCATED_GPU_MEMORY_UTILIZATION = 0.6
+DISAGGREGATED_GPU_MEMORY_UTILIZATION = 0.9
+# What sleep frees and wake_up restores (vLLM's deferrable tags): the weights, then the KV cache.
+SLEEP_TAGS = ("weights", "kv_cache")
 # KV cache on CPU, GiB, unless VLLM_CPU_KVCACHE_SPACE is set: 1 GiB holds 1M tokens of the tiny model and
 # 45k of SmolLM2-135M in float32, far more than a GRPO batch needs.
 _CPU_KV_CACHE_GIB = 1
@@ -115,8 +133,27 @@ def check_vllm_kwargs(kwargs: dict) -> None:
             raise ConfigError(f"generation.vllm_kwargs.{name}: vllm.EngineArgs has no such argument{hint}")
 
 
-def llm_kwargs(model_path, gen: GenerationConfig, dtype, seed, max_model_len, on_cpu, weight_transfer) -> dict:
-    """The arguments of the engine's ``vllm.LLM``: the engine's own settings, then ``generation.vllm_kwargs``."""
+def sleep_mode(on_cpu: bool, colocated: bool) -> bool:
+    """Whether the engine runs with vLLM's sleep mode: only a colocated engine on a GPU, which hands the GPU
+    to training between steps. Sleep mode puts every allocation through the cumem allocator (weights and
+    KV cache tagged, so they can be freed); an engine with its GPU alone never sleeps and skips that. On CPU
+    there is no sleep mode: sleep and wake_up only keep the state (:meth:`VLLMGenerationEngine.sleep`)."""
+    return colocated and not on_cpu
+
+
+def resolve_gpu_memory_utilization(gen: GenerationConfig, colocated: bool) -> float:
+    """``generation.gpu_memory_utilization``, null resolved by placement: the share of the GPU that vLLM
+    takes for weights, activations and KV cache (``COLOCATED_GPU_MEMORY_UTILIZATION``,
+    ``DISAGGREGATED_GPU_MEMORY_UTILIZATION``). An explicit value wins, and ``vllm_kwargs`` over both."""
+    if gen.gpu_memory_utilization is not None:
+        return gen.gpu_memory_utilization
+    return COLOCATED_GPU_MEMORY_UTILIZATION if colocated else DISAGGREGATED_GPU_MEMORY_UTILIZATION
+
+
+def llm_kwargs(model_path, gen: GenerationConfig, dtype, seed, max_model_len, on_cpu, weight_transfer,
+               colocated: bool = False) -> dict:
+    """The arguments of the engine's ``vllm.LLM``: the engine's own settings, then ``generation.vllm_kwargs``.
+    ``colocated``: the engine shares its GPU with a policy rank (sleep mode, the colocated utilization)."""
     kwargs = dict(
         model=model_path,
         dtype=dtype,
@@ -125,10 +162,10 @@ def llm_kwargs(model_path, gen: GenerationConfig, dtype, seed, max_model_len, on
         enforce_eager=resolve_enforce_eager(gen, on_cpu),
         distributed_executor_backend="uni",
         tensor_parallel_size=gen.tensor_parallel_size,
-        gpu_memory_utilization=gen.gpu_memory_utilization,
+        gpu_memory_utilization=resolve_gpu_memory_utilization(gen, colocated),
         logprobs_mode="processed_logprobs",  # temperature-scaled, as the hf engine (module docstring)
     )
-    if not on_cpu:
+    if sleep_mode(on_cpu, colocated):
         kwargs["enable_sleep_mode"] = True  # sleep level 1 frees KV cache and weights between steps
     if weight_transfer:
         from vllm.config import WeightTransferConfig
@@ -162,7 +199,8 @@ class VLLMGenerationEngine:
     float32 is several times faster). ``threads``: intra-op threads for the engine on CPU; None keeps the
     process's current count (colocated with training, which set it). ``weight_transfer`` registers and
     enables kuberl's gloo receiver (:meth:`init_weight_receiver`, :meth:`receive_weights`) for an engine
-    that gets its weights from another process.
+    that gets its weights from another process. ``colocated``: the engine shares its GPU with a policy
+    rank, so it runs in sleep mode (:func:`sleep_mode`) with the colocated memory share.
     """
 
     def __init__(
@@ -175,6 +213,7 @@ class VLLMGenerationEngine:
         threads: int | None = None,
         *,
         weight_transfer: bool = False,
+        colocated: bool = False,
     ):
         self._llm = None
         self._cache_root: str | None = None
@@ -183,6 +222,9 @@ class VLLMGenerationEngine:
         self.seed = seed
         self.on_cpu = not torch.cuda.is_available()
         self.weight_transfer = weight_transfer
+        self.colocated = colocated
+        self.sleeps = sleep_mode(self.on_cpu, colocated)  # vLLM frees memory at sleep (else state only)
+        self._asleep: set[str] = set()  # the SLEEP_TAGS now asleep
         try:
             self._start(model_path, gen, dtype, seed, max_model_len, threads)
         except BaseException:
@@ -217,7 +259,8 @@ class VLLMGenerationEngine:
 
         if weight_transfer_enabled := self.weight_transfer:
             check_transfer_backend(vllm_transfer_backend(not self.on_cpu))
-        kwargs = llm_kwargs(model_path, gen, dtype, seed, max_model_len, self.on_cpu, weight_transfer_enabled)
+        kwargs = llm_kwargs(model_path, gen, dtype, seed, max_model_len, self.on_cpu, weight_transfer_enabled,
+                            colocated=self.colocated)
         self._owns_dist = not (torch.distributed.is_available() and torch.distributed.is_initialized())
         # vLLM's CPU worker drops torch to 1 thread "for serving" and replaces torch.set_num_threads with a
         # no-op for the rest of the process; colocated training still needs both, so they are restored.
@@ -250,14 +293,38 @@ class VLLMGenerationEngine:
         config = self._llm.llm_engine.model_config.hf_config
         return getattr(config, "text_config", None) or config
 
-    def sleep(self) -> None:
-        """Free KV cache and offload weights between generation and training (GPU; a no-op on CPU)."""
-        if not self.on_cpu:
-            self._llm.sleep(level=1)
+    # ----- sleep mode -------------------------------------------------------------------------------
+    # The engine keeps which tags are asleep on every device; only an engine in sleep mode (a colocated
+    # GPU engine, :func:`sleep_mode`) also has vLLM free and restore the memory. So the calls, their order
+    # and the engine's answers are the same on CPU, where nothing is freed.
 
-    def wake_up(self) -> None:
-        if not self.on_cpu:
-            self._llm.wake_up()
+    def sleep(self) -> None:
+        """Discard the KV cache and offload the weights to host memory (vLLM's sleep level 1) while the policy
+        trains. Idempotent."""
+        if self._asleep:
+            return
+        if self.sleeps:
+            self._llm.sleep(level=1)
+        self._asleep = set(SLEEP_TAGS)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restore what :meth:`sleep` freed: ``tags`` of ``SLEEP_TAGS`` (None: all). A refit wakes the weights,
+        loads the new ones, then wakes the KV cache, so the gathered weights never meet a full KV cache."""
+        wanted = SLEEP_TAGS if tags is None else tuple(tags)
+        unknown = [t for t in wanted if t not in SLEEP_TAGS]
+        if unknown:
+            raise ValueError(f"wake_up: unknown tag {unknown[0]!r}; choose from {', '.join(SLEEP_TAGS)}")
+        waking = [t for t in SLEEP_TAGS if t in wanted and t in self._asleep]  # weights before the KV cache
+        if not waking:
+            return
+        if self.sleeps:
+            self._llm.wake_up(tags=waking)
+        self._asleep -= set(waking)
+
+    @property
+    def asleep(self) -> tuple[str, ...]:
+        """The tags now asleep, in ``SLEEP_TAGS`` order (empty when awake)."""
+        return tuple(t for t in SLEEP_TAGS if t in self._asleep)
 
     def shutdown(self) -> None:
         """Stop the engine core and release what it holds; safe to call twice and after a failed start."""
@@ -298,6 +365,7 @@ class VLLMGenerationEngine:
             raise ValueError(f"top_p must be in [0, 1], got {params.top_p}")
         if params.max_new_tokens <= 0 or not prompts:
             return [[Completion([], [], "", "length") for _ in range(n)] for _ in prompts]
+        self.wake_up()  # asked while asleep: weights and KV cache first (nothing to do when awake)
         from vllm import SamplingParams as VLLMSamplingParams
 
         def sampling(seed: int | None) -> VLLMSamplingParams:
@@ -367,18 +435,21 @@ class VLLMGenerationEngine:
 
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load full tensors with Hugging Face names, streamed: each is loaded as it arrives."""
+        """Load full tensors with Hugging Face names, streamed: each is loaded as it arrives. An engine
+        asleep wakes its weights only (the KV cache stays asleep until :meth:`wake_up` or :meth:`generate`)."""
         worker = self._worker()
+        self.wake_up(tags=["weights"])
         from vllm.config import set_current_vllm_config
 
+        model_config = worker.vllm_config.model_config
         # Layerwise reload warns for every layer without checkpoint tensors (rotary embeddings, a tied
         # lm_head, which finish_weight_update repacks): expected here, and a line per update otherwise.
         with set_current_vllm_config(worker.vllm_config), quiet(RELOAD_LOGGER):
             model = worker.model_runner.get_model()
-            packed = weights_packed(model)
-            begin_weight_update(model, packed)
+            layerwise = needs_layerwise_reload(model, model_config)
+            begin_weight_update(model, layerwise)
             model.load_weights(_cpu_contiguous(named_tensors, self.on_cpu))
-            finish_weight_update(model, worker.vllm_config.model_config, packed, self._tied)
+            finish_weight_update(model, model_config, layerwise, self._tied)
         self._llm.reset_prefix_cache()  # cached keys/values were computed with the old weights
 
     def _worker(self):
@@ -415,6 +486,20 @@ class VLLMGenerationEngine:
 # ----- weight-update steps shared with the gloo receiver ---------------------------------------------
 
 
+def needs_layerwise_reload(model: torch.nn.Module, model_config) -> bool:
+    """Whether a weight update must go through vLLM's layerwise reload, on any device.
+
+    Yes when the engine has a quantization config (``model_config.quantization``: a quantized checkpoint,
+    or online FP8 and the like): its ``process_weights_after_loading`` turned the checkpoint tensors into
+    kernel formats (FP8 with scales, packed int4, transposed layouts), which a plain ``load_weights`` of
+    new checkpoint tensors cannot reach; layerwise reload puts each layer back into checkpoint form, loads
+    it, and runs the processing again, as vLLM's own NCCL weight-transfer engine does for every update.
+    Yes too when a CPU layer kept only its packed weight (:func:`weights_packed`). Otherwise the tensors
+    load in place, which is cheaper.
+    """
+    return getattr(model_config, "quantization", None) is not None or weights_packed(model)
+
+
 def weights_packed(model: torch.nn.Module) -> bool:
     """Whether some layer keeps its weight only in a kernel's packed form (an empty parameter left behind).
 
@@ -424,26 +509,31 @@ def weights_packed(model: torch.nn.Module) -> bool:
     return any(p.numel() == 0 for p in model.parameters())
 
 
-def begin_weight_update(model: torch.nn.Module, packed: bool) -> None:
-    """Packed layers: put every layer back into loadable (checkpoint-format) state. Otherwise nothing."""
-    if packed:
+def begin_weight_update(model: torch.nn.Module, layerwise: bool) -> None:
+    """``layerwise`` (:func:`needs_layerwise_reload`): put every layer back into loadable (checkpoint-format)
+    state. Otherwise nothing."""
+    if layerwise:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
         initialize_layerwise_reload(model)
 
 
-def finish_weight_update(model: torch.nn.Module, model_config, packed: bool, tied: bool) -> None:
-    """After the new tensors are loaded: rebuild what vLLM derived from them on CPU (packed kernels)."""
+def finish_weight_update(model: torch.nn.Module, model_config, layerwise: bool, tied: bool) -> None:
+    """After the new tensors are loaded: ``layerwise``, process every layer again (quantization, CPU
+    packing); otherwise rebuild what vLLM derived from them on CPU (packed kernels; nothing on GPUs)."""
     with _at_pack_threads(model):
-        if not packed:
+        if not layerwise:
             repack_cpu_kernels(model)
             return
+        from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         finalize_layerwise_reload(model, model_config)
         lm_head = getattr(model, "lm_head", None)
         method = getattr(lm_head, "quant_method", None)
-        if tied and method is not None:
+        # Only the plain embedding method, whose processing is the CPU packing (idempotent; nothing on
+        # GPUs): a quantized lm_head's processing must not run twice over weights already processed.
+        if tied and isinstance(method, UnquantizedEmbeddingMethod):
             # lm_head shares embed_tokens' parameter but keeps its own packed copy for the matmul, which
             # layerwise reload skips ("ParallelLMHead: Failed to load weights"): without this the logits
             # silently use the old embedding.

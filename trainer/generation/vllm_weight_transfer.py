@@ -36,8 +36,8 @@ from trainer.generation.vllm_engine import (
     RELOAD_LOGGER,
     begin_weight_update,
     finish_weight_update,
+    needs_layerwise_reload,
     quiet,
-    weights_packed,
 )
 from trainer.generation.weight_transport import (
     GLOO_TRANSFER_BACKEND,
@@ -62,7 +62,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[NCCLWeightTransferInitInfo, 
         self.group = None
         self.rank: int | None = None
         self.buffer_bytes = 0
-        self.packed = False
+        self.layerwise = False
         self.on_cpu = self.device.type == "cpu"
         hf = self.model_config.hf_config
         self.tied = bool(getattr(getattr(hf, "text_config", None) or hf, "tie_word_embeddings", False))
@@ -81,8 +81,10 @@ class GlooWeightTransferEngine(WeightTransferEngine[NCCLWeightTransferInitInfo, 
         )
 
     def start_weight_update(self) -> None:
-        self.packed = weights_packed(self.model)
-        begin_weight_update(self.model, self.packed)
+        # As vLLM's NCCL engine does for every update where it matters: quantized engines, and CPU layers
+        # that kept only their packed weight, reload layer by layer.
+        self.layerwise = needs_layerwise_reload(self.model, self.model_config)
+        begin_weight_update(self.model, self.layerwise)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         self.receive_weights(self.parse_update_info(update_info))
@@ -102,7 +104,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[NCCLWeightTransferInitInfo, 
 
     def finish_weight_update(self) -> None:
         with quiet(RELOAD_LOGGER):
-            finish_weight_update(self.model, self.model_config, self.packed, self.tied)
+            finish_weight_update(self.model, self.model_config, self.layerwise, self.tied)
 
     def shutdown(self) -> None:
         """vLLM's ``shutdown_weight_transfer_engine``: leave the group in order, with the sender."""

@@ -6,10 +6,17 @@ when the penalty is 0). Every method that touches the sharded model is a collect
 calls it on all ranks at once with equally sized shards of the batch.
 
 With colocated generation each rank also owns a generation engine (built by
-:mod:`trainer.generation.factory`; the hf engine copies the rank's already loaded weights); it sleeps
-while the rank trains, and after each optimizer step the full weights are gathered through FSDP2 and
-streamed into it. With disaggregated generation rank 0 broadcasts the gathered weights to the
-generation actors over a separate process group (:mod:`trainer.weight_sync`).
+:mod:`trainer.generation.factory`; the hf engine copies the rank's already loaded weights). The rank
+sets its memory order, the same calls on every device (on CPU the engines free nothing):
+
+1. the engine generates (one call per rollout turn or dynamic-sampling round, and for validation);
+2. the rank's first forward after that (a logprob pass, else training) puts the engine to sleep, so
+   the policy's forwards get the device;
+3. after the optimizer step the refit: ``torch.cuda.empty_cache()``, wake the engine's weights, load the
+   full weights gathered through FSDP2 one unit at a time, ``empty_cache()`` again, wake its KV cache.
+
+With disaggregated generation rank 0 broadcasts the gathered weights to the generation actors over a
+separate process group (:mod:`trainer.weight_sync`).
 """
 
 from __future__ import annotations
@@ -23,7 +30,6 @@ import torch
 import torch.distributed as dist
 
 from trainer.algorithms import core_algos
-from trainer.cluster import node_address, setup_cpu_process
 from trainer.config import Config
 from trainer.generation.base import Completion, SamplingParams
 from trainer.models import DTYPES, load_model, load_tokenizer
@@ -77,13 +83,19 @@ class PolicyWorker:
     def __init__(self, cfg: Config, model_path: str, rank: int, world_size: int, colocated_engine: bool):
         self.cfg, self.model_path, self.rank, self.world_size = cfg, model_path, rank, world_size
         self.colocated_engine = colocated_engine
+        self.engine = None
+        self._engine_awake = False  # whether the colocated engine may hold device memory (steps 1-3 above)
         self.device = torch.device("cuda", 0) if cfg.cluster.use_gpus else torch.device("cpu")
         if not cfg.cluster.use_gpus:
+            from trainer.cluster import setup_cpu_process  # imports ray: tests/gpu runs a rank without it
+
             # Ranks on one machine share its cores: without this each rank spawns a thread per core.
             per_node = max(1, cfg.cluster.cpu_workers_per_node)
             setup_cpu_process(cfg, (os.cpu_count() or 1) // per_node, slot=rank % per_node)
 
     def address(self) -> tuple[str, int]:
+        from trainer.cluster import node_address
+
         return node_address()
 
     # ----- set-up ----------------------------------------------------------------------------------
@@ -102,7 +114,6 @@ class PolicyWorker:
         torch.manual_seed(cfg.seed)
         self.tokenizer = load_tokenizer(self.model_path, cfg.model.trust_remote_code)
         model = load_model(self.model_path, cfg.model.dtype, cfg.model.trust_remote_code)
-        self.engine = None
         if self.colocated_engine:
             from trainer.generation.factory import EngineSpec, build_engine
 
@@ -119,6 +130,7 @@ class PolicyWorker:
                 base_model=model,  # before sharding and before the policy's attention is set
             )
             self.engine = build_engine(cfg.generation, spec)
+            self._engine_awake = True  # a new engine holds its memory
         if cfg.model.attn_implementation:  # the policy's; the engine keeps the default, better for decoding
             model.set_attn_implementation(cfg.model.attn_implementation)
         if cfg.policy.activation_checkpointing:
@@ -148,12 +160,28 @@ class PolicyWorker:
 
     # ----- generation (colocated) ------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], n: int, params: SamplingParams) -> list[list[Completion]]:
+        """Sample with the colocated engine; it stays awake through several calls (rollout turns, rounds),
+        until the policy's next forward (:meth:`_engine_to_sleep`). One asleep wakes itself first."""
+        self._engine_awake = True
         return self.engine.generate(prompts, n, params)
 
+    def _engine_to_sleep(self) -> None:
+        """Before the policy's own forwards: generation is over until the next refit, so the colocated
+        engine gives its memory back (once; logprob passes and training follow each other)."""
+        if self.engine is not None and self._engine_awake:
+            self.engine.sleep()
+            self._engine_awake = False
+
     def refresh_engine(self) -> None:
-        """Gather the updated full weights into the colocated engine (collective), woken first."""
-        self.engine.wake_up()
+        """Gather the updated full weights into the colocated engine (collective), in the order that keeps
+        the device's peak low: what training cached goes back to the device first, the engine's weights
+        wake, the new ones load one FSDP unit at a time, and only then does the KV cache wake."""
+        torch.cuda.empty_cache()  # a no-op without CUDA: the same call on every device
+        self.engine.wake_up(tags=["weights"])
         self.engine.update_weights(self.iter_full_weights(self.engine_dtype))
+        torch.cuda.empty_cache()  # the gathered units, freed: the KV cache's allocator cannot use the cache
+        self.engine.wake_up(tags=["kv_cache"])
+        self._engine_awake = True
 
     @property
     def engine_dtype(self) -> torch.dtype:
@@ -163,29 +191,63 @@ class PolicyWorker:
     def iter_full_weights(self, dtype: torch.dtype | None = None):
         """Yield (name, full tensor) for every parameter; every rank must iterate (collective).
 
-        FSDP2 gathers the parameters itself (``unshard`` on every FSDP unit, all in flight at once,
-        in the mixed-precision ``param_dtype`` when one is set, so a bf16 engine over fp32 master
-        weights moves half the bytes). That took 0.2 s for SmolLM2 on two gloo ranks, against 0.78 s
-        for one ``full_tensor`` per tensor.
+        FSDP2 gathers the parameters itself, one unit at a time (``unshard`` of a transformer block, or
+        of the root for the embeddings, final norm and lm_head), in the mixed-precision ``param_dtype``
+        when one is set, so a bf16 engine over fp32 master weights moves half the bytes. The next unit's
+        gather is in flight while the caller loads the current one, so at most two units are gathered
+        at once: the refit's peak is two layers, not the model (colocated, beside the engine's weights).
+        Every yielded tensor owns its memory: a caller may keep it after the iteration moved on.
 
-        With ``policy.reshard_after_forward`` false the gathered weights stay until the next
-        training forward, which then gathers nothing: the weights cannot change in between (the
-        sync follows the optimizer step). Otherwise they are resharded when the caller is done.
+        With ``policy.reshard_after_forward`` false the gathered weights stay until the next training
+        forward, which then gathers nothing (the weights cannot change in between: the sync follows the
+        optimizer step); that keeps the whole model gathered, as training with that setting does anyway.
+        Otherwise each unit is resharded as soon as its tensors are yielded.
         """
-        units = self._fsdp_units()
-        handles = [unit.unshard(async_op=True) for unit in units]
+        reshard = self.cfg.policy.reshard_after_forward
+        groups = self._params_by_unit()
+        pending = groups[0][0].unshard(async_op=True) if groups and groups[0][0] is not None else None
         try:
-            for handle in handles:
-                if handle is not None:
-                    handle.wait()
-            for name, param in self.model.named_parameters():
-                p = param.detach()
-                if hasattr(p, "full_tensor"):  # not managed by FSDP (e.g. no FSDP at all)
-                    p = p.full_tensor()
-                yield name, p if dtype is None or p.dtype == dtype else p.to(dtype)
+            for i, (unit, names) in enumerate(groups):
+                if pending is not None:
+                    pending.wait()
+                nxt = groups[i + 1][0] if i + 1 < len(groups) else None
+                pending = nxt.unshard(async_op=True) if nxt is not None else None  # prefetch: one unit ahead
+                for name in names:
+                    p = self.model.get_parameter(name).detach()  # after unshard: the unit's full tensor
+                    if hasattr(p, "full_tensor"):  # not gathered by a unit (e.g. no FSDP at all): its own
+                        p = p.full_tensor()
+                    if dtype is not None and p.dtype != dtype:
+                        p = p.to(dtype)  # a tensor of its own
+                    elif reshard and unit is not None:
+                        # The unit's gathered buffer is freed below, and a caller may hold tensors across
+                        # units (vLLM's packed NCCL sender keeps a bucket's views until it sends them).
+                        p = p.clone()
+                    yield name, p
+                if reshard and unit is not None:
+                    unit.reshard()
         finally:
-            if self.cfg.policy.reshard_after_forward:
+            if pending is not None:
+                pending.wait()  # a gather in flight must land before its buffers are freed
+            if reshard:
                 self._reshard()
+
+    def _params_by_unit(self) -> list[tuple[Any, list[str]]]:
+        """(FSDP unit, the names of the parameters it manages), units in module order; ``None`` first for
+        parameters no unit manages. A parameter belongs to its innermost unit: a unit gathers only its
+        own parameters, not its child units'."""
+        from torch.distributed.fsdp import FSDPModule
+
+        units = [(prefix, m) for prefix, m in self.model.named_modules() if isinstance(m, FSDPModule)]
+        groups: dict[int, list[str]] = {}
+        for name, _ in self.model.named_parameters():
+            owner = max(
+                (i for i, (prefix, _) in enumerate(units) if not prefix or name.startswith(prefix + ".")),
+                key=lambda i: len(units[i][0]),
+                default=None,
+            )
+            groups.setdefault(-1 if owner is None else owner, []).append(name)
+        loose = [(None, groups.pop(-1))] if -1 in groups else []
+        return loose + [(units[i][1], groups[i]) for i in sorted(groups)]
 
     def _fsdp_units(self) -> list:
         from torch.distributed.fsdp import FSDPModule
@@ -214,8 +276,9 @@ class PolicyWorker:
         what :meth:`iter_full_weights` yields, in its order, at the engine's dtype."""
         from trainer.generation.weight_transport import WeightMeta
 
-        dtype = self.engine_dtype
-        return WeightMeta.of((name, p.shape, dtype) for name, p in self.model.named_parameters()).update_info()
+        dtype, params = self.engine_dtype, dict(self.model.named_parameters())
+        names = [name for _, unit_names in self._params_by_unit() for name in unit_names]  # the gather's order
+        return WeightMeta.of((name, params[name].shape, dtype) for name in names).update_info()
 
     def init_weight_sync(self, init_info: dict) -> None:
         """Rank 0 opens the sending end (the rendezvous's host; the engines join at the same time)."""
@@ -306,6 +369,7 @@ class PolicyWorker:
 
     @torch.no_grad()
     def compute_logprobs(self, samples: list[Sample], reference: bool = False) -> list[list[float]]:
+        self._engine_to_sleep()
         model = self.ref_model if reference else self.model
         result: list[list[float]] = []
         for mb in micro_batches(samples, self.cfg.policy.logprob_micro_batch_size):
@@ -325,8 +389,7 @@ class PolicyWorker:
         policy_loss = core_algos.get_policy_loss(loss_cfg.policy_loss)
         log_ratio_fn = core_algos.get_ratio_level(loss_cfg.ratio_level)
         kl_fn = core_algos.get_kl_estimator(loss_cfg.kl_estimator) if self.ref_model is not None else None
-        if self.engine is not None:
-            self.engine.sleep()  # colocated: generation's memory goes back to training until refresh_engine
+        self._engine_to_sleep()  # when no logprob pass came first
         self.model.train()
         # The same keys on every rank, and present when a step trained on nothing (all skipped).
         is_fn = core_algos.get_importance_sampling(loss_cfg.importance_sampling)

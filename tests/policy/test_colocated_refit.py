@@ -1,0 +1,203 @@
+"""The colocated engine's memory order, driven through the real PolicyWorker (one gloo rank, in this process).
+
+The engine is a stand-in that records every call the worker makes; ``torch.cuda.empty_cache`` records
+itself too. The order checked is the GPU one, and the worker makes the same calls on CPU (the CPU twin):
+generation (several calls: rollout turns, dynamic-sampling rounds) -> the engine sleeps before the first
+logprob pass -> training -> empty_cache -> wake the weights -> load -> empty_cache -> wake the KV cache
+-> generation. The policy's forwards and optimizer steps are recorded beside the engine's calls (hooks on
+the real modules), so the record shows where the engine sleeps relative to them. It also checks the refit's gather: at most two FSDP units unsharded at once, and tensors
+that stay valid after the gather moved on.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+
+from trainer.config import load
+from trainer.generation.base import Completion, SamplingParams
+from trainer.policy.batch import Sample
+
+
+class RecordingEngine:
+    """Answers like an engine and writes each call the worker makes into ``calls``."""
+
+    def __init__(self, calls: list):
+        self.calls = calls
+        self.loaded: dict[str, torch.Tensor] = {}
+
+    def generate(self, prompts, n, params):
+        self.calls.append("generate")
+        return [[Completion([5, 6], [-1.0, -1.0], "ab", "length") for _ in range(n)] for _ in prompts]
+
+    def update_weights(self, named_tensors):
+        self.calls.append("update_weights")
+        for name, tensor in named_tensors:  # consumed as an engine does: the gathers happen here
+            self.loaded[name] = tensor.detach().clone()
+
+    def sleep(self):
+        self.calls.append("sleep")
+
+    def wake_up(self, tags=None):
+        self.calls.append(f"wake_up({','.join(tags) if tags else 'all'})")
+
+    def shutdown(self):
+        pass
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _samples() -> list[Sample]:
+    g = torch.Generator().manual_seed(0)
+    return [
+        Sample(torch.randint(4, 30, (4,), generator=g).tolist(), [5, 6, 7], advantage=float(i % 2) - 0.5,
+               gen_logprobs=[-1.0, -1.0, -1.0])
+        for i in range(4)
+    ]
+
+
+@pytest.fixture
+def worker(request, tiny_model_path, monkeypatch):
+    """A real PolicyWorker (world of 1, gloo) with a recording engine; ``worker.calls`` is the record.
+    Indirect parameter: the KL penalty (default 0: no reference model)."""
+    import torch.distributed as dist
+
+    from trainer.generation import factory
+    from trainer.policy.worker import PolicyWorker
+
+    if dist.is_initialized():
+        pytest.skip("this process already has a torch.distributed world")
+    calls: list[str] = []
+    engine = RecordingEngine(calls)
+    monkeypatch.setattr(factory, "build_engine", lambda gen, spec: engine)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    cfg = load(["experiment=tiny", f"model.name={tiny_model_path}", "cluster.cpu_workers_per_node=1",
+                "cluster.keep_freed_memory=false",
+                f"grpo.loss.reference_policy_kl_penalty={getattr(request, 'param', 0.0)}"])
+    threads = torch.get_num_threads()
+    w = PolicyWorker(cfg, tiny_model_path, rank=0, world_size=1, colocated_engine=True)
+    try:
+        w.setup("127.0.0.1", _free_port())
+        w.calls = calls
+
+        def note(label: str):
+            def hook(*_):
+                if not calls or calls[-1] != label:  # a pass of several forwards (prompt, then responses) is one
+                    calls.append(label)
+
+            return hook
+
+        # The policy's own device work goes into the record beside the engine's calls.
+        w.model.register_forward_pre_hook(note("policy forward"))
+        if w.ref_model is not None:
+            w.ref_model.register_forward_pre_hook(note("reference forward"))
+        w.optimizer.register_step_post_hook(note("optimizer step"))
+        yield w
+    finally:
+        w.shutdown()
+        torch.set_num_threads(threads)  # the worker set this process's threads as a rank does its own
+
+
+def _train(w, samples: list[Sample]) -> None:
+    tokens = float(sum(len(s.response_ids) for s in samples))
+    w.train([samples], [{"tokens": tokens, "seqs": float(len(samples))}])
+
+
+def _a_step(w, samples: list[Sample]) -> None:
+    """What the GRPO loop asks of a colocated rank in one step (trainer/algorithms/grpo.py): a two-turn
+    rollout, the old and reference logprob passes, training, then the refit."""
+    params = SamplingParams(max_new_tokens=2, seed=0)
+    w.generate([s.prompt_ids for s in samples], 1, params)  # turn 1
+    w.generate([s.prompt_ids for s in samples], 1, params)  # turn 2 (or a second dynamic-sampling round)
+    for s, lp in zip(samples, w.compute_logprobs(samples)):
+        s.old_logprobs = lp
+    for s, lp in zip(samples, w.compute_logprobs(samples, reference=True)):
+        s.ref_logprobs = lp
+    _train(w, samples)
+    w.refresh_engine()
+
+
+REFIT = ["empty_cache", "wake_up(weights)", "update_weights", "empty_cache", "wake_up(kv_cache)"]
+
+
+@pytest.mark.parametrize("worker", [0.01], indirect=True)  # a reference model: two logprob passes
+def test_should_sleep_before_the_logprob_passes_and_wake_weights_then_kv_cache_when_a_colocated_rank_refits(worker):
+    samples = _samples()
+    _a_step(worker, samples)
+    _a_step(worker, samples)
+    one_step = [
+        "generate", "generate",  # nothing between the turns: the engine stays awake through a rollout
+        "sleep",  # once, before the first logprob pass
+        "policy forward", "reference forward",  # the old and reference logprob passes
+        "policy forward", "optimizer step",  # training
+        *REFIT,
+    ]
+    assert worker.calls == one_step + one_step
+
+
+def test_should_sleep_when_training_comes_first_when_no_logprob_pass_runs(worker):
+    samples = _samples()
+    worker.generate([s.prompt_ids for s in samples], 1, SamplingParams(max_new_tokens=2))
+    _train(worker, samples)
+    worker.refresh_engine()
+    worker.generate([s.prompt_ids for s in samples], 1, SamplingParams(max_new_tokens=2))  # e.g. validation
+    assert worker.calls == ["generate", "sleep", "policy forward", "optimizer step", *REFIT, "generate"]
+
+
+def test_should_sleep_again_when_the_engine_generated_after_sleeping_without_a_refit(worker):
+    samples = _samples()
+    prompts = [s.prompt_ids for s in samples]
+    worker.generate(prompts, 1, SamplingParams(max_new_tokens=2))
+    worker.compute_logprobs(samples)
+    worker.generate(prompts, 1, SamplingParams(max_new_tokens=2))  # the engine wakes itself (its contract)
+    worker.compute_logprobs(samples)
+    assert worker.calls == ["generate", "sleep", "policy forward", "generate", "sleep", "policy forward"]
+
+
+def test_should_load_the_trained_weights_when_the_refit_gathers_unit_by_unit(worker):
+    samples = _samples()
+    worker.generate([s.prompt_ids for s in samples], 1, SamplingParams(max_new_tokens=2))
+    _train(worker, samples)
+    worker.refresh_engine()
+    expected = worker.full_state_dict()
+    assert sorted(worker.engine.loaded) == sorted(expected)
+    for name, tensor in expected.items():  # tensors kept past their unit's reshard are still the weights
+        assert torch.equal(worker.engine.loaded[name], tensor.to(worker.engine_dtype)), name
+
+
+def test_should_gather_at_most_two_fsdp_units_at_once_and_keep_yielded_tensors_valid_when_iterating(
+    worker, monkeypatch
+):
+    from torch.distributed.fsdp import FSDPModule
+
+    gathered: set[int] = set()
+    peak = 0
+    unshard, reshard = FSDPModule.unshard, FSDPModule.reshard
+
+    def counting_unshard(self, *args, **kwargs):
+        nonlocal peak
+        gathered.add(id(self))
+        peak = max(peak, len(gathered))
+        return unshard(self, *args, **kwargs)
+
+    def counting_reshard(self):
+        gathered.discard(id(self))
+        return reshard(self)
+
+    monkeypatch.setattr(FSDPModule, "unshard", counting_unshard)
+    monkeypatch.setattr(FSDPModule, "reshard", counting_reshard)
+    units = len(worker._fsdp_units())
+    assert units >= 3  # the root and at least two blocks: "two at once" is then less than all of them
+    kept = list(worker.iter_full_weights())  # every tensor held until the end, as a bucketing sender may
+    assert peak == 2 and not gathered
+    # A tensor that shared its unit's gathered buffer has lost its memory at the reshard (reading it crashes).
+    freed = [name for name, t in kept if t.untyped_storage().nbytes() < t.numel() * t.element_size()]
+    assert not freed, f"yielded tensors whose memory FSDP freed: {freed}"
+    for name, tensor in worker.full_state_dict().items():
+        assert torch.equal(dict(kept)[name], tensor), name

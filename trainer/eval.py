@@ -2,7 +2,7 @@
 
 For each prompt of the dataset it samples ``num_tests_per_prompt`` (n) completions with the
 configured generation backend, scores each with the dataset's reward (``math`` for math datasets,
-``gsm8k`` for GSM8K, the unit tests for code), and reports the mean over prompts of the unbiased
+``gsm8k`` for GSM8K, ``arithmetic`` for arithmetic, the unit tests for code), and reports the mean over prompts of the unbiased
 pass@k estimator from the n samples (Chen et al. 2021; :mod:`trainer.algorithms.metrics`). The
 default is greedy pass@1. Prompts are built exactly as in training: the dataset's loader, its
 ``prompt_template``/``system_prompt`` from ``trainer/conf/data/<name>.yaml``, and the tokenizer's
@@ -33,7 +33,12 @@ from trainer.generation.base import SamplingParams
 
 RULE = "=" * 60
 # Rewards by dataset (a conf/rewards/*.yaml name or a registered reward); anything else: math.
-DEFAULT_REWARD = {"gsm8k": "gsm8k", "nemotron_code": "code_unit_tests", "code_contests": "code_unit_tests"}
+DEFAULT_REWARD = {
+    "arithmetic": "arithmetic",
+    "gsm8k": "gsm8k",
+    "nemotron_code": "code_unit_tests",
+    "code_contests": "code_unit_tests",
+}
 # Evaluation splits by dataset; anything else: test. A local file is its own split whatever is asked.
 DEFAULT_SPLIT = {"openmathinstruct2": "train", "local": "train"}
 
@@ -87,12 +92,12 @@ def evaluate(
     """
     from trainer.algorithms.metrics import pass_at_k
     from trainer.data.prompts import encode_prompt
-    from trainer.rewards.runner import score_one
+    from trainer.rewards.runner import question_of, score_one
 
     if scorer is None:
 
         def scorer(items):
-            return [score_one(reward_specs, gt, response) for gt, response in items]
+            return [score_one(reward_specs, *item) for item in items]
 
     n = num_tests_per_prompt
     if n < 1 or not 1 <= k <= n:
@@ -112,7 +117,11 @@ def evaluate(
         group = params if params.seed is None else dataclasses.replace(params, seed=params.seed + start)
         outputs = engine.generate(prompts[start : start + step], n, group)
         results = iter(
-            scorer([(examples[i]["ground_truth"], c.text) for i, cs in enumerate(outputs, start) for c in cs])
+            scorer([
+                (examples[i]["ground_truth"], c.text, question_of(examples[i]))
+                for i, cs in enumerate(outputs, start)
+                for c in cs
+            ])
         )
         for i, completions in enumerate(outputs, start):
             ex, correct = examples[i], 0
@@ -129,6 +138,8 @@ def evaluate(
                         "finish_reason": c.finish_reason,
                         "num_tokens": len(c.token_ids),
                         "reward": r.total,
+                        "extracted_answer": r.answer,
+                        "answer_note": r.answer_note,
                         "correct": bool(r.correct),
                         "scores": r.scores,
                         "warnings": r.warnings,

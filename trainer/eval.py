@@ -75,7 +75,7 @@ def evaluate(
     chat_template_kwargs: dict[str, Any] | None = None,
     log_every: int = 0,
     log: Callable[[str], None] = print,
-    scorer: Callable[[list[tuple[Any, str]]], list[Any]] | None = None,
+    scorer: Callable[[list[tuple[Any, str, str | None]]], list[Any]] | None = None,
 ) -> dict[str, Any]:
     """Mean pass@k over ``examples`` with ``num_tests_per_prompt`` (n) samples each.
 
@@ -83,8 +83,8 @@ def evaluate(
     counts as correct when :func:`~trainer.rewards.runner.score_one` says so. Prompts go to
     ``engine.generate`` ``log_every`` at a time (all at once when 0) with a progress line after each
     group; a seeded ``params`` is offset by the group's first prompt index, so a run is reproducible
-    for the same ``log_every``. ``scorer`` maps (ground_truth, response) pairs to RewardResults; the
-    default scores in this process with ``reward_specs`` (validation can pass its RewardRunner:
+    for the same ``log_every``. ``scorer`` maps (ground_truth, response, question) items to RewardResults;
+    the default scores in this process with ``reward_specs`` (validation can pass its RewardRunner:
     ``lambda items: runner.results(runner.submit(items))``).
 
     Returns ``score`` (= numerator / denominator), ``numerator`` (sum of per-prompt pass@k),

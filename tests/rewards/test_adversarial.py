@@ -68,6 +68,7 @@ MATH_ATTACKS = [
     ("20", "\\boxed{2O}", None, "a letter O for a zero"),
     ("4", "\\boxed{2²}", None, "a superscript (NFKC would read 22)"),
     ("20", "<think>13 + 7 = \\boxed{20}", None, "cut off while thinking"),
+    ("20", "<think>" + "hm " * 10_000 + "13 + 7 = \\boxed{20}", None, "cut off after a long thought"),
     ("20", HUGE, None, "a huge output without a final answer"),
     ("20", "13 + 7 = 20 " * 50_000 + "or 21", None, "a huge output ending on a hedge"),
     ("20", HUGE_BOX, None, "a huge box"),

@@ -184,10 +184,12 @@ def clean(answer: str) -> str:
 
 def final_answer(response: Any) -> Final:
     """The one place a response's answer may be (the module docstring's rule), isolated and cleaned."""
-    text = tail(response)
-    body = after_reasoning(text)
+    # Reasoning tags are looked for in the whole response: a long thought cut off before </think> has
+    # no answer, whatever its last characters hold.
+    body = after_reasoning("" if response is None else str(response))
     if body is None:
         return Final(None, "cut off while thinking (no </think>)")
+    body = tail(body)
     if not body.strip():
         return Final(None, "empty response")
     found = boxes(body)

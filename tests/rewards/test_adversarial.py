@@ -203,6 +203,8 @@ ARITHMETIC_ATTACKS = [
     ("20", "\\boxed{𝟐𝟎}", "mathematical-bold digits"),
     ("20", "\\boxed{2O}", "a letter O"),
     ("20", "\\boxed{-20}", "wrong sign"),
+    ("2", "02", "a leading zero (tiny's model found it): not how 2 is written"),
+    ("20", "\\boxed{+20}", "a plus sign: not how 20 is written"),
     ("20", "<think>\\boxed{20}", "cut off while thinking"),
     ("20", HUGE_BOX, "a huge box"),
     ("20", HUGE, "a huge output"),

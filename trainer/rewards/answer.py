@@ -25,7 +25,8 @@ What an answer may be is then each reward's check on that string alone:
 
 - **a single number** (:func:`parse_number`; ``gsm8k``, ``arithmetic``, and ``math`` when the ground truth
   is a number): an integer or decimal in ASCII digits (full-width ``４２`` folds to ``42``), optionally
-  signed, with thousands commas only in groups of three (``1,200``); for ``math`` and ``gsm8k`` also a
+  signed, with thousands commas only in groups of three (``1,200``); for ``arithmetic`` written plainly
+  (no ``+`` sign, no leading zeros: ``02`` is not 2); for ``math`` and ``gsm8k`` also a
   fraction in lowest terms (``\\frac{1}{2}``, ``1/2``), a leading ``x =``, a currency sign, ``%``, a degree
   sign or a unit (``\\text{ cm}``, ``72 clips``; never a word that changes or hedges the value such as
   ``or``, ``thousand``, ``about``). An expression still to evaluate (``13+7``, ``\\frac{40}{2}``,
@@ -261,13 +262,14 @@ def _strip_unit(s: str) -> str | None:
 
 
 def parse_number(
-    text: str, *, fractions: bool = True, decorations: bool = True, reduced: bool = True
+    text: str, *, fractions: bool = True, decorations: bool = True, reduced: bool = True, plain: bool = False
 ) -> Fraction | None:
     """The value of ``text`` when it is a single number (the module docstring's grammar), else None.
 
     ``fractions``: ``\\frac{a}{b}`` and ``a/b`` count (in lowest terms with ``b > 1`` when ``reduced``).
     ``decorations``: a leading ``x =`` or currency sign, a trailing ``%``, degree sign or unit are allowed
     and do not change the value (``50\\%`` is 50, as datasets write percentages).
+    ``plain``: the number as it is written, no ``+`` sign and no leading zeros (``02`` is not 2).
     """
     s = fold(text).strip()
     s = s.replace("\\!", "").replace("{,}", ",").replace("\\,", ",").replace("\\ ", " ")
@@ -287,6 +289,8 @@ def parse_number(
         s = s[1:-1].strip()
     m = _DECIMAL.fullmatch(s)
     if m:
+        if plain and (m.group(1) == "+" or re.match(r"0[0-9]", m.group(2))):
+            return None
         value = Fraction(m.group(2).replace(",", ""))
         return -value if m.group(1) == "-" else value
     if not fractions:
@@ -320,7 +324,7 @@ def why_not_a_number(answer: str, question: str | None = None) -> str:
     if words - {"text", "frac", "dfrac", "tfrac", "sqrt", "cdot", "times", "left", "right"}:
         return "words, not a number"
     if parse_number(answer) is not None:  # the caller wanted a plain number (arithmetic)
-        return "a fraction or a decorated number, not a plain number"
+        return "not written plainly (a fraction, a unit, a + sign or a leading zero)"
     if parse_number(answer, reduced=False) is not None:
         return "a fraction not in lowest terms"
     if len(numbers) > 1 or re.search(r"[0-9]\s*[-+*/^×÷]|\\(?:sqrt|frac|dfrac|tfrac|binom|dbinom|times|cdot)", answer):

@@ -9,9 +9,9 @@
   answer (``\\sqrt{3}+2`` equals ``2+\\sqrt{3}``), never a list of guesses unless the ground truth is a
   set or tuple, never an expression copied from the question;
 - ``gsm8k``: the answer is one number, equal to the ground truth (a unit, ``$`` or ``%`` may go with it);
-- ``arithmetic``: the answer is one integer or decimal in plain digits, equal to the ground truth; a right
-  answer outside a ``\\boxed{}`` scores ``unboxed_score`` (1.0; cpu-demo, whose prompt asks for the box,
-  pays 0.5 for it and 1.0 only for a boxed answer);
+- ``arithmetic``: the answer is one integer or decimal written plainly (no ``+``, no leading zeros, no
+  units or fractions), equal to the ground truth; a right answer outside a ``\\boxed{}`` scores
+  ``unboxed_score`` (1.0 by default and in cpu-demo; 0 takes only a boxed answer);
 - ``format``: 1.0 for a non-empty ``<think>...</think>`` followed by a non-empty ``<answer>...</answer>``
   and nothing else;
 - ``exact_alnum``: the ``<answer>`` content (or the whole response) equals the ground truth once both are
@@ -166,9 +166,8 @@ def arithmetic_reward(
 ) -> Score:
     """1.0 when the final answer is one plain number (``20``, ``-3``, ``1,200``, ``20.0``) equal to
     ``ground_truth``; ``13+7`` is the question restated, not its value. A right number the response ends
-    on outside a ``\\boxed{}`` (``13 + 7 = 20``) scores ``unboxed_score``: 1.0 by default, 0.0 to take
-    only a boxed answer, 0.5 in cpu-demo (right, but not where its prompt asks for it); only a score of
-    1.0 counts as correct."""
+    on outside a ``\\boxed{}`` (``13 + 7 = 20``) scores ``unboxed_score``: 1.0 by default (cpu-demo), 0.0
+    to take only a boxed answer, 0.5 for half credit; only a score of 1.0 counts as correct."""
     try:
         gold = parse_number(str(ground_truth), fractions=False, decorations=False)
         if gold is None:
@@ -176,7 +175,7 @@ def arithmetic_reward(
         final = final_answer(response)
         if final.answer is None:
             return Score(0.0, False, None, final.source)
-        value = parse_number(final.answer, fractions=False, decorations=False)
+        value = parse_number(final.answer, fractions=False, decorations=False, plain=True)
         score = _compare_numbers(final, gold, value, question)
         if score.correct and final.source != BOXED and unboxed_score != 1.0:
             s = float(unboxed_score)

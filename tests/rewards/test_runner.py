@@ -40,6 +40,16 @@ def _asks(ground_truth, response, question=None):
     return 1.0, True, question
 
 
+class _Unhashable:  # a callable object that cannot key a cache
+    __hash__ = None
+
+    def __call__(self, ground_truth, response, question=None):
+        return 1.0, True, question
+
+
+_unhashable = _Unhashable()
+
+
 def test_should_combine_rewards_by_weight_when_several_are_configured():
     specs = [RewardSpec("exact_alnum", 0.8), RewardSpec("format", 0.2, {"think_tag": "think", "answer_tag": "answer"})]
     r = score_one(specs, "42", "<think>hm</think> <answer>42</answer>")
@@ -63,6 +73,8 @@ def test_should_report_the_first_rewards_answer_and_pass_the_question_when_a_rew
     assert (r.answer, r.answer_note) == ("13+7", "\\boxed{}: restates the question instead of answering it")
     r = score_one([RewardSpec("tests.rewards.test_runner:_asks")], "20", "x", "the question")
     assert (r.answer, r.correct) == ("the question", True)
+    r = score_one([RewardSpec("tests.rewards.test_runner:_unhashable")], "20", "x", "the question")
+    assert (r.answer, r.warnings) == ("the question", [])
     r = score_one([RewardSpec("format", 0.0), RewardSpec("arithmetic")], "20", "\\boxed{}")
     assert (r.answer, r.answer_note) == (None, "empty \\boxed{}")  # a zero weight reports nothing
 

@@ -74,13 +74,22 @@ def as_score(out: Any) -> Score:
     raise TypeError(f"a reward returned {type(out).__name__}; return a number, (value, correct) or a Score")
 
 
-@functools.lru_cache(maxsize=256)
-def takes_question(fn: Callable) -> bool:
-    """``fn`` declares a ``question`` parameter (a ``**kwargs`` catch-all does not count)."""
+def _declares_question(fn: Callable) -> bool:
     try:
         return "question" in inspect.signature(fn).parameters
     except (TypeError, ValueError):  # a builtin or C function without a signature
         return False
+
+
+_declares_question_cached = functools.lru_cache(maxsize=256)(_declares_question)
+
+
+def takes_question(fn: Callable) -> bool:
+    """``fn`` declares a ``question`` parameter (a ``**kwargs`` catch-all does not count)."""
+    try:
+        return _declares_question_cached(fn)
+    except TypeError:  # an unhashable callable object: look at it every time
+        return _declares_question(fn)
 
 
 def call(fn: Callable, ground_truth: Any, response: str, kwargs: dict, question: str | None = None) -> Score:

@@ -141,7 +141,7 @@ def test_should_shape_rewards_and_log_the_penalty_when_the_algorithm_options_are
     """GSPO, the leave-one-out std, DAPO's overlong penalty and a clamped KL, wired end to end in
     two steps. max_new_tokens is 2, so with a 1-token buffer a 2-token answer costs the full penalty."""
     _, run_dir = _train(
-        tmp_path, "grpo.max_num_steps=2", "grpo.loss.ratio_level=sequence", "grpo.advantage.std=leave_one_out",
+        tmp_path, "grpo.max_num_steps=2", "generation.max_new_tokens=2", "grpo.loss.ratio_level=sequence", "grpo.advantage.std=leave_one_out",
         "grpo.reward_shaping.overlong_buffer=1", "grpo.reward_shaping.overlong_penalty=0.5",
         "grpo.loss.reference_policy_kl_penalty=0.01", "grpo.loss.kl_clamp=10",
     )

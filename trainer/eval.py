@@ -2,8 +2,9 @@
 
 For each prompt of the dataset it samples ``num_tests_per_prompt`` (n) completions with the
 configured generation backend, scores each with the dataset's reward (``math`` for math datasets,
-``gsm8k`` for GSM8K, ``arithmetic`` for arithmetic, the unit tests for code), and reports the mean over prompts of the unbiased
-pass@k estimator from the n samples (Chen et al. 2021; :mod:`trainer.algorithms.metrics`). The
+``gsm8k`` for GSM8K, ``arithmetic`` for arithmetic, the unit tests for code), and reports the mean
+over prompts of the unbiased pass@k estimator from the n samples (Chen et al. 2021;
+:mod:`trainer.algorithms.metrics`). The
 default is greedy pass@1. Prompts are built exactly as in training: the dataset's loader, its
 ``prompt_template``/``system_prompt`` from ``trainer/conf/data/<name>.yaml``, and the tokenizer's
 chat template (:func:`trainer.data.prompts.encode_prompt`).

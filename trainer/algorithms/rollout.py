@@ -130,7 +130,9 @@ def generate_multi_turn(
         active = still
         if not active:
             break
-    ids = rewards.submit([(ep.example["ground_truth"], ep.completion.text, question_of(ep.example)) for ep in episodes])
+    ids = rewards.submit(
+        [(ep.example["ground_truth"], ep.completion.text, question_of(ep.example)) for ep in episodes]
+    )
     return PendingRollouts(episodes, ids, time.monotonic() - start)
 
 

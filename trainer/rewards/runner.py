@@ -4,10 +4,10 @@ Each task runs every configured reward function on one response and combines the
 item is ``(ground_truth, response)`` or ``(ground_truth, response, question)``: the question (the
 prompt's last user turn) goes to the rewards that declare a ``question`` parameter. The result keeps
 the answer the run's first positively weighted reward judged, and its note, for the jsonl and the
-console (``extracted_answer``). A reward that raises gives that function 0 for the sample and a warning; a task that outlives
-``env.reward_timeout_s`` is cancelled and the whole sample scores 0 with a warning. Neither ever
-crashes the run. Tasks are spread over the cluster's CPUs, at most ``env.max_concurrent_rewards``
-at a time, so reward time scales with nodes.
+console (``extracted_answer``). A reward that raises gives that function 0 for the sample and a
+warning; a task that outlives ``env.reward_timeout_s`` is cancelled and the whole sample scores 0
+with a warning. Neither ever crashes the run. Tasks are spread over the cluster's CPUs, at most
+``env.max_concurrent_rewards`` at a time, so reward time scales with nodes.
 """
 
 from __future__ import annotations
@@ -36,7 +36,9 @@ class RewardResult:
     answer_note: str = ""             # where that answer came from, or why there is none or it is wrong
 
 
-def score_one(specs: list[RewardSpec], ground_truth: Any, response: str, question: str | None = None) -> RewardResult:
+def score_one(
+    specs: list[RewardSpec], ground_truth: Any, response: str, question: str | None = None
+) -> RewardResult:
     """Run every reward on one response in this process (also used by evaluation and tests)."""
     from trainer import rewards
 

@@ -2,7 +2,8 @@
 
 Both frameworks train the embedded SmolLM2-135M-Instruct (float32 master weights, CPU) on the same prompt batches
 (``arithmetic`` from the ``cpu-demo`` experiment, the chat template applied by each side's tokenizer, a
-check that both get identical prompt token ids), with the same ``math`` reward, 4 prompts x 4 samples
+check that both get identical prompt token ids), with the same reward (cpu-demo's ``env.reward_functions``:
+the ``arithmetic`` reward, its kwargs and the prompt as its question), 4 prompts x 4 samples
 = 16 samples per optimizer step, completions of at most 64 tokens, temperature 1.0, the same
 optimizer settings, no KL term and no reference model. Step time is the wall time of one whole step,
 generation included:
@@ -120,7 +121,8 @@ def build_spec(args, run_dir: Path) -> dict:
         "steps": args.steps,
         "seed": cfg.seed,
         "threads": args.threads,
-        "reward": cfg.env.reward_functions[0].name,
+        # kuberl's rewards as configured (names, weights, kwargs): TRL's side computes the same total
+        "rewards": [{"name": r.name, "weight": r.weight, "kwargs": dict(r.kwargs)} for r in cfg.env.reward_functions],
         "num_generations": cfg.grpo.num_generations_per_prompt,
         "prompts_per_step": cfg.grpo.num_prompts_per_step,
         "max_new_tokens": g.max_new_tokens,
@@ -602,15 +604,22 @@ def trl_worker(spec_path: Path, out: Path) -> int:
     spec = json.loads(spec_path.read_text())
     torch.set_num_threads(spec["threads"])
     sys.path.insert(0, str(REPO))
-    from trainer import rewards  # the same reward function kuberl runs (pure Python + math-verify)
+    from trainer import rewards  # the same reward functions kuberl runs (pure Python + math-verify)
 
-    reward_fn = rewards.get(spec["reward"])
+    # As kuberl's reward runner calls them: each with its kwargs and, when it takes one, the question
+    # (the prompt's last user turn), weighted and summed.
+    fns = [(rewards.get(r["name"]), r["weight"], r["kwargs"]) for r in spec["rewards"]]
     probe = _Probe()
     max_new = spec["max_new_tokens"]
 
+    def total(gt, text: str, question: str) -> float:
+        return sum(w * rewards.call(fn, gt, text, kwargs, question).value for fn, w, kwargs in fns)
+
     def reward(prompts, completions, completion_ids, ground_truth, **_):
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-        scores = [float(reward_fn(gt, text)[0]) for gt, text in zip(ground_truth, texts, strict=True)]
+        scores = [
+            total(gt, text, p[-1]["content"]) for gt, text, p in zip(ground_truth, texts, prompts, strict=True)
+        ]
         if probe.current:
             probe.current["lengths"] += [len(ids) for ids in completion_ids]
             probe.current["truncated"] += sum(len(ids) >= max_new for ids in completion_ids)
@@ -618,7 +627,7 @@ def trl_worker(spec_path: Path, out: Path) -> int:
             probe.current["prompts"] |= {p[-1]["content"] for p in prompts}
         return scores
 
-    reward.__name__ = spec["reward"]
+    reward.__name__ = "+".join(r["name"] for r in spec["rewards"])
 
     # One row per prompt, in the order kuberl's loader serves them; no shuffling, so TRL's step k trains on
     # kuberl's batch k (its sampler repeats each prompt num_generations times within the batch).

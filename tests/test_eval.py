@@ -98,6 +98,10 @@ def test_pass_at_k_over_four_samples_matches_hand_computed(k, numerator, tokeniz
     assert sum(r["correct"] for r in rows) == sum(CORRECT.values())
     assert all(r["reward"] == float(r["correct"]) for r in rows)
     assert rows[0]["id"] == "qa-0" and rows[0]["ground_truth"] == "42" and rows[0]["prompt"] == "what is 7*6?"
+    # each row says what the reward judged: the boxed number, right or wrong
+    assert {(r["extracted_answer"], r["answer_note"]) for r in rows if r["id"] == "qa-0"} == {
+        ("42", "\\boxed{}"), ("-42", "\\boxed{}: -42, not 42")
+    }
 
 
 def test_evaluate_groups_prompts_offsets_seeds_and_reuses_encoded_prompts(tokenizer):
@@ -129,7 +133,8 @@ def test_evaluate_scores_each_group_with_a_given_scorer(tokenizer):
 
     def scorer(items):
         batches.append(len(items))
-        return [RewardResult(1.0, response.startswith("so the answer"), {}) for _, response in items]
+        assert all(question.startswith("what is") for _, _, question in items)  # the prompt, for the rewards
+        return [RewardResult(1.0, response.startswith("so the answer"), {}) for _, response, _ in items]
 
     result = evaluate(
         ScriptedEngine(tokenizer),
@@ -226,6 +231,15 @@ def test_dataset_prompt_template_and_default_reward(data, reward, tail, tokenize
     assert [r["name"] for r in result["rewards"]] == [reward]
     assert all(r["prompt"].endswith(tail) for r in result["rows"])
     assert result["split"] == "test"
+
+
+def test_should_score_arithmetic_with_its_own_reward_when_no_reward_is_given():
+    from trainer.config import RewardSpec
+    from trainer.eval import parse_args, reward_specs
+
+    assert reward_specs(parse_args(["model=m", "data=arithmetic"])) == [
+        RewardSpec("arithmetic", 1.0, {"unboxed_score": 1.0})
+    ]
 
 
 # ----- one-line errors -------------------------------------------------------------------------------

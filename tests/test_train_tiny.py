@@ -7,6 +7,7 @@ the mean reward of the last three steps must clearly beat the first three.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -71,10 +72,16 @@ def test_should_raise_reward_and_write_readable_logs_when_tiny_model_trains(tmp_
     assert all((p / "COMMITTED").is_file() for p in ckpt.iterdir())
     rows = [json.loads(line) for line in (run_dir / "train_data_step1.jsonl").read_text().splitlines()]
     assert len(rows) == 16 * 16
-    for key in ("prompt", "response", "rewards", "reward", "advantage", "generation_length"):
+    for key in ("prompt", "response", "rewards", "reward", "extracted_answer", "answer_note", "advantage",
+                "generation_length"):
         assert key in rows[0]
-    assert "math" in rows[0]["rewards"]
+    assert "arithmetic" in rows[0]["rewards"]
     assert len(list(run_dir.glob("train_data_step*.jsonl"))) == steps
+    # Every rewarded response was paid for the right sum, and says so (issue 21).
+    rows = [json.loads(line) for f in run_dir.glob("train_data_step*.jsonl") for line in f.read_text().splitlines()]
+    rewarded = [r for r in rows if r["reward"] > 0]
+    assert rewarded and all(r["extracted_answer"] == r["ground_truth"] for r in rewarded)
+    assert all(r["answer_note"] for r in rows)
     # The float32 hf engine samples from exactly the policy's distribution, up to float noise.
     assert max(scalars["train/gen_logprob_abs_diff"]) < 1e-3 and max(scalars["train/gen_train_kl"]) < 1e-5
 
@@ -119,18 +126,22 @@ def test_should_learn_when_rollouts_run_one_step_ahead_of_the_policy(tmp_path):
 def test_should_log_val_accuracy_when_validation_is_configured(tmp_path):
     stdout, run_dir = _train(
         tmp_path, "grpo.max_num_steps=2", "grpo.val_period=2", "grpo.val_at_start=true",
-        "data.options.max_operand=9", "data.max_val_examples=16",
+        "data.options.max_operand=9", "data.max_val_examples=16", "logger.num_console_samples=1",
     )
     val = _scalars(run_dir)["val/accuracy"]
     assert len(val) == 2 and all(0.0 <= v <= 1.0 for v in val)  # before training and at step 2
     assert "(before training)" in stdout and "| val " in stdout
+    # one sample a step, with what the reward judged: the answer and where it came from, or why none
+    samples = [line for line in stdout.splitlines() if line.lstrip().startswith("sample: ")]
+    assert len(samples) == 2, stdout[-2000:]
+    assert all(re.search(r"-> reward \d\.\d\d, (answer '.*' \(.+\)|no answer: .+)$", s) for s in samples), samples
 
 
 def test_should_shape_rewards_and_log_the_penalty_when_the_algorithm_options_are_on(tmp_path):
     """GSPO, the leave-one-out std, DAPO's overlong penalty and a clamped KL, wired end to end in
     two steps. max_new_tokens is 2, so with a 1-token buffer a 2-token answer costs the full penalty."""
     _, run_dir = _train(
-        tmp_path, "grpo.max_num_steps=2", "grpo.loss.ratio_level=sequence", "grpo.advantage.std=leave_one_out",
+        tmp_path, "grpo.max_num_steps=2", "generation.max_new_tokens=2", "grpo.loss.ratio_level=sequence", "grpo.advantage.std=leave_one_out",
         "grpo.reward_shaping.overlong_buffer=1", "grpo.reward_shaping.overlong_penalty=0.5",
         "grpo.loss.reference_policy_kl_penalty=0.01", "grpo.loss.kl_clamp=10",
     )

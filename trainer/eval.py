@@ -2,8 +2,9 @@
 
 For each prompt of the dataset it samples ``num_tests_per_prompt`` (n) completions with the
 configured generation backend, scores each with the dataset's reward (``math`` for math datasets,
-``gsm8k`` for GSM8K, the unit tests for code), and reports the mean over prompts of the unbiased
-pass@k estimator from the n samples (Chen et al. 2021; :mod:`trainer.algorithms.metrics`). The
+``gsm8k`` for GSM8K, ``arithmetic`` for arithmetic, the unit tests for code), and reports the mean
+over prompts of the unbiased pass@k estimator from the n samples (Chen et al. 2021;
+:mod:`trainer.algorithms.metrics`). The
 default is greedy pass@1. Prompts are built exactly as in training: the dataset's loader, its
 ``prompt_template``/``system_prompt`` from ``trainer/conf/data/<name>.yaml``, and the tokenizer's
 chat template (:func:`trainer.data.prompts.encode_prompt`).
@@ -33,7 +34,12 @@ from trainer.generation.base import SamplingParams
 
 RULE = "=" * 60
 # Rewards by dataset (a conf/rewards/*.yaml name or a registered reward); anything else: math.
-DEFAULT_REWARD = {"gsm8k": "gsm8k", "nemotron_code": "code_unit_tests", "code_contests": "code_unit_tests"}
+DEFAULT_REWARD = {
+    "arithmetic": "arithmetic",
+    "gsm8k": "gsm8k",
+    "nemotron_code": "code_unit_tests",
+    "code_contests": "code_unit_tests",
+}
 # Evaluation splits by dataset; anything else: test. A local file is its own split whatever is asked.
 DEFAULT_SPLIT = {"openmathinstruct2": "train", "local": "train"}
 
@@ -70,7 +76,7 @@ def evaluate(
     chat_template_kwargs: dict[str, Any] | None = None,
     log_every: int = 0,
     log: Callable[[str], None] = print,
-    scorer: Callable[[list[tuple[Any, str]]], list[Any]] | None = None,
+    scorer: Callable[[list[tuple[Any, str, str | None]]], list[Any]] | None = None,
 ) -> dict[str, Any]:
     """Mean pass@k over ``examples`` with ``num_tests_per_prompt`` (n) samples each.
 
@@ -78,8 +84,8 @@ def evaluate(
     counts as correct when :func:`~trainer.rewards.runner.score_one` says so. Prompts go to
     ``engine.generate`` ``log_every`` at a time (all at once when 0) with a progress line after each
     group; a seeded ``params`` is offset by the group's first prompt index, so a run is reproducible
-    for the same ``log_every``. ``scorer`` maps (ground_truth, response) pairs to RewardResults; the
-    default scores in this process with ``reward_specs`` (validation can pass its RewardRunner:
+    for the same ``log_every``. ``scorer`` maps (ground_truth, response, question) items to RewardResults;
+    the default scores in this process with ``reward_specs`` (validation can pass its RewardRunner:
     ``lambda items: runner.results(runner.submit(items))``).
 
     Returns ``score`` (= numerator / denominator), ``numerator`` (sum of per-prompt pass@k),
@@ -87,12 +93,12 @@ def evaluate(
     """
     from trainer.algorithms.metrics import pass_at_k
     from trainer.data.prompts import encode_prompt
-    from trainer.rewards.runner import score_one
+    from trainer.rewards.runner import question_of, score_one
 
     if scorer is None:
 
         def scorer(items):
-            return [score_one(reward_specs, gt, response) for gt, response in items]
+            return [score_one(reward_specs, *item) for item in items]
 
     n = num_tests_per_prompt
     if n < 1 or not 1 <= k <= n:
@@ -112,7 +118,11 @@ def evaluate(
         group = params if params.seed is None else dataclasses.replace(params, seed=params.seed + start)
         outputs = engine.generate(prompts[start : start + step], n, group)
         results = iter(
-            scorer([(examples[i]["ground_truth"], c.text) for i, cs in enumerate(outputs, start) for c in cs])
+            scorer([
+                (examples[i]["ground_truth"], c.text, question_of(examples[i]))
+                for i, cs in enumerate(outputs, start)
+                for c in cs
+            ])
         )
         for i, completions in enumerate(outputs, start):
             ex, correct = examples[i], 0
@@ -129,6 +139,8 @@ def evaluate(
                         "finish_reason": c.finish_reason,
                         "num_tokens": len(c.token_ids),
                         "reward": r.total,
+                        "extracted_answer": r.answer,
+                        "answer_note": r.answer_note,
                         "correct": bool(r.correct),
                         "scores": r.scores,
                         "warnings": r.warnings,

@@ -95,3 +95,4 @@ def test_should_complete_and_log_rewards_when_tiny_model_runs_multi_turn_on_code
     rows = [json.loads(line) for line in (run_dir / "train_data_step2.jsonl").read_text().splitlines()]
     assert len(rows) == 8 and all("code_unit_tests" in r["rewards"] for r in rows)
     assert all(r["turns"] == 2 for r in rows)  # a random model never passes: every episode retries
+    assert all(r["answer_note"] for r in rows)  # the code reward says what it judged: no block, or the tally

@@ -1,4 +1,5 @@
-"""Math and format rewards on hand-written responses: right, wrong, malformed, unicode, empty, huge."""
+"""Math and format rewards on hand-written responses: right, wrong, malformed, unicode, empty, huge; the
+final-answer rule they share; and the Score they report. test_adversarial.py holds the attack tables."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import time
 import pytest
 
 from trainer import rewards
-from trainer.rewards.math_rewards import final_number, last_boxed
+from trainer.rewards.answer import final_answer, parse_number, restates, several_values
+from trainer.rewards.math_rewards import last_boxed
+from trainer.rewards.registry import Score, as_score
 
 math_reward = rewards.get("math")
 gsm8k_reward = rewards.get("gsm8k")
@@ -19,7 +22,7 @@ HUGE = "blah 7 " * 200_000  # 1.4 MB
 
 
 def test_registered():
-    assert {"math", "gsm8k", "format", "exact_alnum"} <= set(rewards.names())
+    assert {"math", "gsm8k", "arithmetic", "format", "exact_alnum"} <= set(rewards.names())
 
 
 # -- helpers -----------------------------------------------------------------------------------------
@@ -33,11 +36,123 @@ def test_registered():
         ("\\boxed{\\left\\{ x^{2} \\right\\}}", "\\left\\{ x^{2} \\right\\}"),
         ("\\fbox{7}", "7"),
         ("\\boxed{\\frac{1}{2", None),  # cut off inside the box
+        ("\\boxed{\\{1\\}", None),  # an escaped brace does not close the box
+        ("\\boxed{1} \\Boxed{2} \\textbf{3}", "1"),  # look-alikes are not boxes
+        ("\\boxed {7}", "7"),
         ("no box", None),
     ],
 )
 def test_last_boxed(text, expected):
     assert last_boxed(text) == expected
+
+
+# -- the final answer --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("response", "answer", "source"),
+    [
+        ("13 + 7 = \\boxed{20}.", "20", "\\boxed{}"),
+        ("$\\boxed{ \\frac{1}{2} }$", "\\frac{1}{2}", "\\boxed{}"),
+        ("13 + 7 = 20.", "20", "after '='"),
+        ("$13+7=20$", "20", "after '='"),
+        ("x <= 5 so x = 5", "5", "after '='"),
+        ("The final answer is **20**!", "20", "after 'answer is'"),
+        ("Answer: 20", "20", "after 'Answer:'"),
+        ("#### 72", "72", "after '####'"),
+        ("#### 72\n#### 72", "72", "after '####'"),  # the same answer twice is no hedge
+        ("<think>\\boxed{3}</think>20", "20", "the whole response"),
+        ("20", "20", "the whole response"),
+        ("", None, "empty response"),
+        (None, None, "empty response"),
+        ("<think>13 + 7 = \\boxed{20}", None, "cut off while thinking (no </think>)"),
+        ("\\boxed{}", None, "empty \\boxed{}"),
+        ("\\boxed{20", None, "a \\boxed{ that never closes"),
+        ("\\boxed 20", None, "a \\boxed without braces"),
+        ("\\boxed{\\boxed{20}}", None, "a box inside a box"),
+        ("\\boxed{20} \\boxed{21}", None, "several boxes: '20' before '21'"),
+        ("#### 20\n#### 21", None, "several '####' answers: '20', '21'"),
+        ("13 + 7 =", None, "nothing after '='"),
+        ("She has 20 apples, and that is all I can say about it.", None,
+         "no \\boxed{} and no final answer ('####', 'the answer is', '=')"),
+    ],
+)
+def test_should_take_the_answer_from_one_place_only_when_reading_a_response(response, answer, source):
+    final = final_answer(response)
+    assert (final.answer, final.source) == (answer, source)
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [
+        ("20", 20), ("-3", -3), ("(-3)", -3), ("1,200", 1200), ("1{,}200", 1200), ("0.50", 0.5), (".5", 0.5),
+        ("\\frac{1}{2}", 0.5), ("\\dfrac12", 0.5), ("-\\frac{3}{4}", -0.75), ("3/4", 0.75), ("\\$18.00", 18),
+        ("50\\%", 50), ("30^\\circ", 30), ("10 \\text{ cm}", 10), ("72 clips", 72), ("x = 5", 5), ("４２", 42),
+        ("20,21", None), ("1,20", None), ("13+7", None), ("\\frac{2}{4}", None), ("\\frac{40}{2}", None),
+        ("\\sqrt{4}", None), ("20 or 21", None), ("20 or more", None), ("20 thousand", None), ("about 20", None),
+        ("4²", None), ("𝟐𝟎", None), ("٢٠", None), ("2O", None), ("2 0", None), ("1e5", None), ("twenty", None),
+        ("9" * 61, None),
+    ],
+)
+def test_should_read_a_single_number_only_when_the_answer_is_one(text, value):
+    got = parse_number(text)
+    assert (got if got is None else float(got)) == value
+
+
+def test_should_read_a_plain_number_only_when_decorations_and_fractions_are_off():
+    assert parse_number("20", fractions=False, decorations=False) == 20
+    for text in ("1/2", "\\frac{1}{2}", "x = 20", "20 apples", "\\$20", "20\\%"):
+        assert parse_number(text, fractions=False, decorations=False) is None, text
+
+
+def test_should_see_several_values_when_an_answer_lists_or_hedges():
+    for text in ("20, 21", "20 \\text{ or } 21", "20 or 21", "20 \\pm 1", "1; 2", "x \\lor y"):
+        assert several_values(text), text
+    for text in ("1,200", "x+1", "\\frac{1}{2}", "2+\\sqrt{3}"):
+        assert not several_values(text), text
+
+
+def test_should_see_a_restatement_when_the_answer_is_copied_from_the_question():
+    q = "What is 13 + 7? Put the final answer in \\boxed{}."
+    assert restates("13+7", q, "20") and restates("13 +7", q, "20")
+    assert not restates("20", q, "20") and not restates("7", q, "20")  # a plain number never is
+    assert restates("\\dbinom{8}{4}", "Compute $\\binom{8}{4}$.", "70")
+    assert not restates("2^{10}", "Which is larger, $2^{10}$ or $10^3$?", "2^{10}")  # the ground truth's own form
+
+
+# -- the Score a reward returns ------------------------------------------------------------------------
+
+
+def test_should_unpack_and_compare_as_the_pair_when_a_reward_returns_a_score():
+    import pickle
+
+    score = Score(1, 1, "20", "\\boxed{}")
+    value, correct = score
+    assert (value, correct) == (1.0, True) and score == (1.0, True)
+    assert (score.value, score.correct, score.answer, score.note) == (1.0, True, "20", "\\boxed{}")
+    again = pickle.loads(pickle.dumps(score))  # Ray ships it between processes
+    assert again == score and (again.answer, again.note) == ("20", "\\boxed{}")
+
+
+@pytest.mark.parametrize(
+    ("returned", "expected"),
+    [
+        (1, (1.0, True, None, "")),
+        (0.5, (0.5, False, None, "")),  # a plain number is correct only at full marks
+        (True, (1.0, True, None, "")),
+        ((0.5, True), (0.5, True, None, "")),
+        ((1.0, False, 42), (1.0, False, "42", "")),
+        ([0.0, False, None, "why"], (0.0, False, None, "why")),
+    ],
+)
+def test_should_take_a_number_or_a_tuple_when_a_user_reward_returns_one(returned, expected):
+    s = as_score(returned)
+    assert (s.value, s.correct, s.answer, s.note) == expected
+
+
+def test_should_say_what_a_reward_returned_when_it_is_not_a_score():
+    with pytest.raises(TypeError, match="a reward returned str"):
+        as_score("1.0")
 
 
 # -- math ------------------------------------------------------------------------------------------
@@ -49,11 +164,10 @@ def test_last_boxed(text, expected):
         ("42", "The answer is \\boxed{42}."),
         ("42", "so the answer is 42"),
         ("\\frac{1}{2}", "Therefore $\\boxed{0.5}$"),
-        ("0.5", "\\boxed{\\frac{2}{4}}"),
         ("\\frac{1}{2}", "\\boxed{\\dfrac{1}{2}}"),
         ("26000", "\\boxed{26,000}"),
-        ("2", "\\boxed{\\sqrt{4}}"),
         ("x+1", "\\boxed{1 + x}"),
+        ("2\\sqrt{2}", "\\boxed{\\sqrt{8}}"),  # a symbolic ground truth: math-verify's equality
         ("\\left( 3, \\frac{\\pi}{2} \\right)", "\\boxed{\\left(3, \\frac{\\pi}{2}\\right)}"),
         ("$\\frac{3}{4}$", "\\boxed{\\frac{3}{4}}"),
         ("\\boxed{5}", "final: \\boxed{5}"),
@@ -64,7 +178,8 @@ def test_last_boxed(text, expected):
     ],
 )
 def test_math_right(gt, response):
-    assert math_reward(gt, response) == (1.0, True)
+    score = math_reward(gt, response)
+    assert score == (1.0, True), score
 
 
 @pytest.mark.parametrize(
@@ -72,6 +187,8 @@ def test_math_right(gt, response):
     [
         ("42", "\\boxed{41}"),
         ("5", "\\boxed{6}, although 5 came up"),
+        ("0.5", "\\boxed{\\frac{2}{4}}"),  # not in lowest terms: a division still to do
+        ("2", "\\boxed{\\sqrt{4}}"),  # a number's root is not the number: evaluate it
         ("\\frac{1}{2}", "\\boxed{\\frac{1}{3}}"),
         ("42", ""),
         ("", "\\boxed{42}"),
@@ -96,7 +213,7 @@ def test_math_huge_response_is_fast_and_scored_on_its_end():
 def test_math_works_off_the_main_thread():
     # math-verify's signal.alarm raises outside the main thread; the reward must turn it off there
     out = []
-    t = threading.Thread(target=lambda: out.append(math_reward("\\frac{1}{2}", "\\boxed{0.5}")))
+    t = threading.Thread(target=lambda: out.append(math_reward("2+\\sqrt{3}", "\\boxed{\\sqrt{3}+2}")))
     t.start()
     t.join(timeout=60)
     assert out == [(1.0, True)]
@@ -104,8 +221,25 @@ def test_math_works_off_the_main_thread():
 
 def test_math_times_out_in_the_main_thread():
     start = time.perf_counter()
-    assert math_reward("3", "\\boxed{9^{9^{9^{9}}}}", timeout_seconds=1) == (0.0, False)
+    assert math_reward("x", "\\boxed{9^{9^{9^{9}}}}", timeout_seconds=1) == (0.0, False)
     assert time.perf_counter() - start < 10
+
+
+@pytest.mark.parametrize(
+    ("gt", "response", "question", "answer", "note"),
+    [
+        ("20", "13 + 7 = \\boxed{20}", None, "20", "\\boxed{}"),
+        ("20", "13 + 7 = 21", None, "21", "after '=': 21, not 20"),
+        ("20", "\\boxed{13+7}", "What is 13+7?", "13+7", "\\boxed{}: restates the question instead of answering it"),
+        ("20", "\\boxed{20, 21}", None, "20, 21", "\\boxed{}: several candidate values"),
+        ("20", "13 + 7 equals **\\boxed{}.", None, None, "empty \\boxed{}"),
+        ("x+1", "\\boxed{x-1}", None, "x-1", "\\boxed{}: not equal to x+1"),
+        ("x+1", "\\boxed{x+1 \\text{ or } x-1}", None, "x+1 \\text{ or } x-1", "\\boxed{}: several candidate values"),
+    ],
+)
+def test_should_report_the_answer_it_judged_and_why_when_math_scores(gt, response, question, answer, note):
+    score = math_reward(gt, response, question=question)
+    assert (score.answer, score.note) == (answer, note)
 
 
 # -- gsm8k -----------------------------------------------------------------------------------------
@@ -118,14 +252,13 @@ def test_math_times_out_in_the_main_thread():
         ("72", "#### 72 clips"),
         ("5000", "It makes 5,000 widgets.\n#### 5,000"),
         ("5,000", "so \\boxed{5000}"),
-        ("18", "She makes $18.00 a day."),
+        ("18", "She makes $18.00 a day.\n#### 18"),
         ("-7", "3 - 10 = -7"),
-        ("-7", "The temperature is -7 degrees."),
         ("7", "10-3=7"),
         ("0.5", "\\boxed{0.50}"),
         ("10", "\\boxed{\\$10}"),
         ("1234", "\\boxed{1{,}234}"),
-        ("42", "## ４２"),
+        ("42", "#### ４２"),
     ],
 )
 def test_gsm8k_right(gt, response):
@@ -137,6 +270,8 @@ def test_gsm8k_right(gt, response):
     [
         ("72", "#### 71"),
         ("72", "72 is wrong\n#### 70"),  # the #### answer wins over earlier numbers
+        ("18", "She makes $18.00 a day."),  # a number mentioned is not an answer
+        ("42", "## ４２"),  # two hashes are not GSM8K's marker
         ("72", "\\boxed{70} 72"),  # so does the box
         ("72", "seventy-two"),
         ("72", ""),
@@ -151,12 +286,6 @@ def test_gsm8k_wrong_or_malformed(gt, response):
     assert gsm8k_reward(gt, response) == (0.0, False)
 
 
-def test_final_number():
-    assert final_number("1,234.5 then 10-3") == 3
-    assert final_number("#### 1,234") == 1234
-    assert final_number("nothing") is None
-
-
 # -- format ----------------------------------------------------------------------------------------
 
 
@@ -165,7 +294,7 @@ def test_final_number():
     [
         ("<think>2+2 is 4</think><answer>4</answer>", 1.0),
         ("  <think>\nmulti\nline\n</think>\n\n<answer> 4 </answer>\n", 1.0),
-        ("<think></think><answer></answer>", 1.0),
+        ("<think></think><answer></answer>", 0.0),  # empty blocks are no reasoning and no answer
         ("<answer>4</answer><think>x</think>", 0.0),
         ("<think>x</think>", 0.0),
         ("<answer>4</answer>", 0.0),

@@ -17,7 +17,7 @@ def test_should_accept_registered_and_importable_rewards():
 @pytest.mark.parametrize(
     ("name", "reason"),
     [
-        ("nope", "unknown reward 'nope'; registered: code_unit_tests, "),
+        ("nope", "unknown reward 'nope'; registered: arithmetic, code_unit_tests, "),
         ("no.such.module:fn", "reward 'no.such.module:fn': cannot import module 'no.such.module'"),
         (
             "trainer.rewards.math_rewards:nope",

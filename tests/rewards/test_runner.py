@@ -27,6 +27,29 @@ def _kill(ground_truth, response, **kwargs):
     os._exit(1)
 
 
+def _plain(ground_truth, response):  # an old-style user reward: a plain number, no kwargs at all
+    return 1.0 if response == ground_truth else 0.0
+
+
+def _pair(ground_truth, response, **kwargs):  # **kwargs does not ask for the question
+    assert "question" not in kwargs
+    return 0.5, False
+
+
+def _asks(ground_truth, response, question=None):
+    return 1.0, True, question
+
+
+class _Unhashable:  # a callable object that cannot key a cache
+    __hash__ = None
+
+    def __call__(self, ground_truth, response, question=None):
+        return 1.0, True, question
+
+
+_unhashable = _Unhashable()
+
+
 def test_should_combine_rewards_by_weight_when_several_are_configured():
     specs = [RewardSpec("exact_alnum", 0.8), RewardSpec("format", 0.2, {"think_tag": "think", "answer_tag": "answer"})]
     r = score_one(specs, "42", "<think>hm</think> <answer>42</answer>")
@@ -40,6 +63,32 @@ def test_should_score_zero_and_warn_when_a_reward_raises():
     r = score_one([RewardSpec("tests.rewards.test_runner:_boom"), RewardSpec("exact_alnum")], "7", "7")
     assert r.scores["tests.rewards.test_runner:_boom"] == 0.0 and r.scores["exact_alnum"] == 1.0
     assert "reward bug" in r.warnings[0]
+
+
+def test_should_report_the_first_rewards_answer_and_pass_the_question_when_a_reward_declares_it():
+    specs = [RewardSpec("arithmetic"), RewardSpec("format", 0.0), RewardSpec("tests.rewards.test_runner:_asks", 0.5)]
+    r = score_one(specs, "20", "13 + 7 = \\boxed{20}", "What is 13+7?")
+    assert (r.answer, r.answer_note, r.total, r.correct) == ("20", "\\boxed{}", 1.5, True)
+    r = score_one(specs, "20", "\\boxed{13+7}", "What is 13+7?")
+    assert (r.answer, r.answer_note) == ("13+7", "\\boxed{}: restates the question instead of answering it")
+    r = score_one([RewardSpec("tests.rewards.test_runner:_asks")], "20", "x", "the question")
+    assert (r.answer, r.correct) == ("the question", True)
+    r = score_one([RewardSpec("tests.rewards.test_runner:_unhashable")], "20", "x", "the question")
+    assert (r.answer, r.warnings) == ("the question", [])
+    r = score_one([RewardSpec("format", 0.0), RewardSpec("arithmetic")], "20", "\\boxed{}")
+    assert (r.answer, r.answer_note) == (None, "empty \\boxed{}")  # a zero weight reports nothing
+
+
+def test_should_score_old_style_user_rewards_when_they_return_a_number_or_a_pair():
+    specs = [RewardSpec("tests.rewards.test_runner:_plain"), RewardSpec("tests.rewards.test_runner:_pair")]
+    r = score_one(specs, "7", "7", "What is 3+4?")
+    assert r.scores == {"tests.rewards.test_runner:_plain": 1.0, "tests.rewards.test_runner:_pair": 0.5}
+    assert not r.correct and r.answer is None and not r.warnings
+
+
+def test_should_note_the_error_when_a_reward_raises():
+    r = score_one([RewardSpec("tests.rewards.test_runner:_boom")], "7", "7")
+    assert r.answer is None and "reward bug" in r.answer_note
 
 
 def test_should_check_the_names_on_the_driver_when_a_runner_is_built():
@@ -61,6 +110,20 @@ def test_should_time_out_hanging_and_dying_rewards_without_blocking_others(ray_l
     assert time.monotonic() - start < 60
     assert [r.total for r in results] == [0.0, 1.0, 1.0, 1.0]
     assert "timed out" in results[0].warnings[0]
+    assert results[0].answer_note == "reward timed out after 5s"
     dying = RewardRunner(EnvConfig([RewardSpec("tests.rewards.test_runner:_kill")], reward_timeout_s=30))
     (dead,) = dying.results(dying.submit([(None, "x")]))
     assert dead.total == 0.0 and dead.warnings
+
+
+@pytest.mark.slow
+def test_should_carry_the_answer_back_from_the_task_when_scoring_on_ray(ray_local):
+    runner = RewardRunner(EnvConfig([RewardSpec("arithmetic")]))
+    q = "What is 13+7? Put the final answer in \\boxed{}."
+    ids = runner.submit([("20", "13 + 7 = \\boxed{20}", q), ("20", "\\boxed{13+7}", q), ("20", "\\boxed{13+7}")])
+    got = [(r.total, r.answer, r.answer_note) for r in runner.results(ids)]
+    assert got == [
+        (1.0, "20", "\\boxed{}"),
+        (0.0, "13+7", "\\boxed{}: restates the question instead of answering it"),  # the question reached the task
+        (0.0, "13+7", "\\boxed{}: an expression to evaluate, not a number"),  # an item without one
+    ]

@@ -147,6 +147,8 @@ def grpo_step(
             "ground_truth": r.example["ground_truth"],
             "rewards": r.reward.scores,
             "reward": r.reward.total,
+            "extracted_answer": r.reward.answer,  # what the (first) reward judged: None when it found none
+            "answer_note": r.reward.answer_note,  # where it came from, or why there is none or it is wrong
             "correct": r.reward.correct,
             "advantage": s.advantage,
             "generation_length": r.model_tokens,
@@ -161,6 +163,16 @@ def grpo_step(
         for row, penalty in zip(rows, overlong.tolist()):
             row["overlong_penalty"] = penalty
     return metrics, rows, batch
+
+
+def sample_line(row: dict) -> str:
+    """A rollout for the console: the response, its reward and the answer the reward paid for (or
+    why there was none), e.g. ``'13 + 7 = \\boxed{20}' -> reward 1.00, answer '20' (\\boxed{})``."""
+    line = f"{row['response'][:160]!r} -> reward {row['reward']:.2f}"
+    note = f" ({row['answer_note']})" if row.get("answer_note") else ""
+    if row.get("extracted_answer") is not None:
+        return f"{line}, answer {row['extracted_answer'][:60]!r}{note}"
+    return f"{line}, no answer{': ' + row['answer_note'] if row.get('answer_note') else ''}"
 
 
 def validate(cfg: Config, step: int, examples: list[dict], generator: Generator, rewards: RewardRunner) -> dict:
@@ -198,7 +210,7 @@ def run(cfg: Config, state: LoopState) -> list[dict[str, float]]:
             log.rollouts(step, rows)
             log.console(step, metrics)
             for row in rows[: cfg.logger.num_console_samples]:
-                print(f"         sample: {row['response'][:160]!r} -> reward {row['reward']:.2f}", flush=True)
+                print(f"         sample: {sample_line(row)}", flush=True)
             history.append({"step": step, **metrics})
             state.after_step(step, metrics, batch.loader_state)
     finally:

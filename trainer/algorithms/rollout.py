@@ -15,7 +15,7 @@ import ray
 from trainer.data.prompts import TurnEncoder
 from trainer.generation.base import Completion, SamplingParams
 from trainer.generation.placement import Generator
-from trainer.rewards.runner import RewardResult, RewardRunner
+from trainer.rewards.runner import RewardResult, RewardRunner, question_of
 
 
 @dataclass
@@ -73,7 +73,8 @@ def generate(
                 rows = range(prompt_index * n, (prompt_index + 1) * n)
                 for row, completion in zip(rows, group):
                     slots[row] = Rollout(example, completion)
-                ids = rewards.submit([(example["ground_truth"], c.text) for c in group])
+                question = question_of(example)
+                ids = rewards.submit([(example["ground_truth"], c.text, question) for c in group])
                 for row, rid in zip(rows, ids):
                     reward_ids[row] = rid
         rewards.poll()
@@ -129,7 +130,9 @@ def generate_multi_turn(
         active = still
         if not active:
             break
-    ids = rewards.submit([(ep.example["ground_truth"], ep.completion.text) for ep in episodes])
+    ids = rewards.submit(
+        [(ep.example["ground_truth"], ep.completion.text, question_of(ep.example)) for ep in episodes]
+    )
     return PendingRollouts(episodes, ids, time.monotonic() - start)
 
 

@@ -15,6 +15,12 @@ expected tokens that are decimals. When a problem has more than ``max_tests`` te
 run, drawn from a seed derived from the tests themselves, so every response in a GRPO group is
 judged on the same tests. Expected outputs never enter the sandbox, and nothing the program does
 makes these functions raise or hang: the sandbox bounds every step in time.
+
+Each returns a :class:`~trainer.rewards.registry.Score` whose answer is the extracted program (its first
+characters) and whose note says what happened: no block, a compile error, or how many tests passed and
+how the first failing one failed. An output counts only from a program that exited cleanly: the right
+answer followed by a crash, extra lines, a second guess (``3 or 4``), look-alike digits (``３``) or a
+decimal where an integer is expected (``3.0`` for ``3``) all fail the test.
 """
 
 from __future__ import annotations
@@ -27,7 +33,8 @@ import random
 import re
 from typing import Any
 
-from trainer.rewards.registry import register
+from trainer.rewards.answer import clip
+from trainer.rewards.registry import Score, register
 from trainer.sandbox import ERROR, LOST, OK, TIMEOUT, Limits, run_tests
 from trainer.sandbox.limits import COMPILE_LIMITS
 
@@ -41,6 +48,8 @@ _DECIMAL = re.compile(r"^[+-]?(\d+\.\d*|\.\d+|\d+)([eE][+-]?\d+)?$")
 
 def final_answer(response: str) -> str:
     """The part of a response after its reasoning: after the last ``</think>``, if it ever thinks."""
+    if response is None:
+        return ""
     if "</think>" in response:
         return response.rsplit("</think>", 1)[1]
     if "<think>" in response:
@@ -114,6 +123,21 @@ def _passed(batch, expected: list[str], float_tolerance: float) -> list[bool]:
     ]
 
 
+def _tally(batch, passed: list[bool], n: int) -> str:
+    """``3/4 tests passed; test 2: wrong answer`` for the report (tests never run count as failed: lost)."""
+    note = f"{sum(passed)}/{n} tests passed"
+    for i, (run, ok) in enumerate(zip(batch.runs, passed)):
+        if not ok:
+            return f"{note}; test {i + 1}: {'wrong answer' if run.status == OK else run.status.replace('_', ' ')}"
+    return note
+
+
+def _no_code(tags: tuple[str, ...], response: str) -> str:
+    if response is not None and "<think>" in response and "</think>" not in response:
+        return "cut off while thinking (no </think>)"
+    return f"no ```{tags[0]} block"
+
+
 @register("code_unit_tests")
 def code_unit_tests(
     ground_truth: Any,
@@ -129,12 +153,12 @@ def code_unit_tests(
     seed: int = 0,
     backend: str | None = None,
     **_: Any,
-) -> tuple[float, bool]:
+) -> Score:
     """Fraction of the (sampled) tests a Python program passes; 1/0 with ``all_or_nothing``."""
     inputs, outputs, gt = _tests(ground_truth)
     code = extract_code(response, PYTHON_TAGS)
     if code is None:
-        return 0.0, False
+        return Score(0.0, False, None, _no_code(PYTHON_TAGS, response))
     idx = select_tests(inputs, max_tests, seed)
     expected = [outputs[i] for i in idx]
     limits = Limits(
@@ -158,9 +182,10 @@ def code_unit_tests(
     passed = _passed(batch, expected, float_tolerance)
     n_ok = sum(passed)
     correct = n_ok == len(idx)
+    note = _tally(batch, passed, len(idx))
     if all_or_nothing:
-        return (1.0 if correct else 0.0), correct
-    return n_ok / len(idx), correct
+        return Score(1.0 if correct else 0.0, correct, clip(code), note)
+    return Score(n_ok / len(idx), correct, clip(code), note)
 
 
 @register("cpp_contest")
@@ -177,12 +202,12 @@ def cpp_contest(
     seed: int = 0,
     backend: str | None = None,
     **_: Any,
-) -> tuple[float, bool]:
+) -> Score:
     """-1 no code / cannot run, -0.5 compile error, 0 any timeout, else the fraction of tests passed."""
     inputs, outputs, gt = _tests(ground_truth)
     code = extract_code(response, CPP_TAGS)
     if code is None:
-        return -1.0, False
+        return Score(-1.0, False, None, _no_code(CPP_TAGS, response))
     idx = select_tests(inputs, max_tests, seed)
     expected = [outputs[i] for i in idx]
     memory = int(gt.get("memory_limit_mb") or memory_limit_mb)
@@ -204,12 +229,13 @@ def cpp_contest(
     )
     if batch.compile is None or batch.compile.status == ERROR:
         log.warning("cpp_contest: the compiler could not run: %s", batch.error or batch.compile.stderr[-300:])
-        return -1.0, False
+        return Score(-1.0, False, clip(code), "the compiler could not run")
     if batch.compile.status != OK:
-        return -0.5, False
+        return Score(-0.5, False, clip(code), f"does not compile ({batch.compile.status.replace('_', ' ')})")
     if all(r.status in (ERROR, LOST) for r in batch.runs):
-        return -1.0, False
+        return Score(-1.0, False, clip(code), "the program could not run")
+    passed = _passed(batch, expected, float_tolerance)
     if any(r.status == TIMEOUT for r in batch.runs):
-        return 0.0, False
-    n_ok = sum(_passed(batch, expected, float_tolerance))
-    return n_ok / len(idx), n_ok == len(idx)
+        return Score(0.0, False, clip(code), _tally(batch, passed, len(idx)))
+    n_ok = sum(passed)
+    return Score(n_ok / len(idx), n_ok == len(idx), clip(code), _tally(batch, passed, len(idx)))

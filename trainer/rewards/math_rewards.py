@@ -1,16 +1,28 @@
 """Rewards for math answers and for the ``<think>``/``<answer>`` response format.
 
-- ``math``: symbolic equivalence with ``math-verify`` (``\\frac{1}{2}`` equals ``0.5``), a ``\\boxed{}``
-  answer taking precedence over other candidates in the response;
-- ``gsm8k``: numeric equality of the final number (after ``####``, else in ``\\boxed{}``, else the last one);
-- ``format``: 1.0 for ``<think>...</think>`` followed by ``<answer>...</answer>`` and nothing else;
-- ``exact_alnum``: the ``<answer>`` content (or the whole response) equals the ground truth once both are
-  lower-cased and stripped to letters and digits.
+``math``, ``gsm8k`` and ``arithmetic`` read the response's answer from one place only, by the rule in
+:mod:`trainer.rewards.answer` (the last ``\\boxed{}``; without a box, what the response ends on after
+``####``, "the answer is" or ``=``), and then judge that string alone:
 
-A reward must never raise or hang: any error scores ``(0.0, False)``. math-verify bounds its sympy work
-with ``signal.alarm``, which only works in a process's main thread; elsewhere (a threaded actor, a
-thread pool) the alarm is skipped and the reward runner's per-task timeout is the bound instead.
-Responses are cut to their last ``MAX_RESPONSE_CHARS`` characters before parsing, where the answer is.
+- ``math``: a number when the ground truth is one (``\\frac{1}{2}`` equals ``0.5``, ``1,200`` equals
+  ``1200``; ``13+7`` is no answer to "13+7"), else symbolic equality with ``math-verify`` on the isolated
+  answer (``\\sqrt{3}+2`` equals ``2+\\sqrt{3}``), never a list of guesses unless the ground truth is a
+  set or tuple, never an expression copied from the question;
+- ``gsm8k``: the answer is one number, equal to the ground truth (a unit, ``$`` or ``%`` may go with it);
+- ``arithmetic``: the answer is one integer or decimal written plainly (no ``+``, no leading zeros, no
+  units or fractions), equal to the ground truth; a right answer outside a ``\\boxed{}`` scores
+  ``unboxed_score`` (1.0 by default and in cpu-demo; 0 takes only a boxed answer);
+- ``format``: 1.0 for a non-empty ``<think>...</think>`` followed by a non-empty ``<answer>...</answer>``
+  and nothing else;
+- ``exact_alnum``: the ``<answer>`` content (or the whole response) equals the ground truth once both are
+  lower-cased and stripped to letters and digits; several ``<answer>`` blocks that disagree score 0.
+
+Each returns a :class:`~trainer.rewards.registry.Score` naming the answer it judged (or None) and a note
+(where the answer came from, or why there is none, or why it is wrong), which the run's jsonl and
+console report. A reward must never raise or hang: any error scores 0 with the error as the note.
+math-verify bounds its sympy work with ``signal.alarm``, which only works in a process's main thread;
+elsewhere (a threaded actor, a thread pool) the alarm is skipped and the reward runner's per-task
+timeout is the bound instead.
 """
 
 from __future__ import annotations
@@ -18,38 +30,28 @@ from __future__ import annotations
 import logging
 import re
 import threading
-import unicodedata
-from decimal import Decimal, InvalidOperation
 from typing import Any
 
-from trainer.rewards.registry import register
+from trainer.rewards.answer import (
+    BOXED,
+    MAX_RESPONSE_CHARS,
+    Final,
+    clip,
+    final_answer,
+    fold,
+    last_boxed,
+    lookalike_digits,
+    parse_number,
+    restates,
+    several_values,
+    show,
+    why_not_a_number,
+)
+from trainer.rewards.registry import Score, register
 
 log = logging.getLogger(__name__)
 
-MAX_RESPONSE_CHARS = 8_000
-
-
-def _tail(text: Any) -> str:
-    """The end of a response, NFKC-normalised so full-width digits ("４２") read as ASCII ones."""
-    text = "" if text is None else str(text)
-    return unicodedata.normalize("NFKC", text[-MAX_RESPONSE_CHARS:])
-
-
-def last_boxed(text: str) -> str | None:
-    """Content of the last ``\\boxed{...}`` (or ``\\fbox{...}``), nested braces included; None if absent."""
-    start = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
-    if start < 0:
-        return None
-    i = text.index("{", start) + 1
-    depth = 1
-    for j in range(i, len(text)):
-        if text[j] == "{":
-            depth += 1
-        elif text[j] == "}":
-            depth -= 1
-            if depth == 0:
-                return text[i:j]
-    return None  # unbalanced: the response was cut off inside the box
+__all__ = ["MAX_RESPONSE_CHARS", "last_boxed", "tag_content"]
 
 
 def tag_content(text: str, tag: str) -> str | None:
@@ -58,7 +60,30 @@ def tag_content(text: str, tag: str) -> str | None:
     return matches[-1] if matches else None
 
 
-# -- math: math-verify ---------------------------------------------------------------------------
+def _gold(ground_truth: Any) -> str:
+    """A ground truth as an answer string: a dataset's ``\\boxed{...}`` or ``$...$`` unwrapped."""
+    gt = fold(ground_truth).strip()
+    boxed = last_boxed(gt)
+    return (boxed if boxed is not None else gt).strip().strip("$").strip()
+
+
+def _wrong(final: Final, why: str) -> Score:
+    return Score(0.0, False, clip(final.answer), f"{final.source}: {why}")
+
+
+def _right(final: Final) -> Score:
+    return Score(1.0, True, clip(final.answer), final.source)
+
+
+def _compare_numbers(final: Final, gold, value, question: str | None) -> Score:
+    if value is None:
+        return _wrong(final, why_not_a_number(final.answer, question))
+    if value != gold:
+        return _wrong(final, f"{show(value)}, not {show(gold)}")
+    return _right(final)
+
+
+# -- math: a number, else math-verify on the isolated answer ----------------------------------------
 
 
 def _alarm_seconds(seconds: int) -> int | None:
@@ -67,75 +92,98 @@ def _alarm_seconds(seconds: int) -> int | None:
 
 
 @register("math")
-def math_reward(ground_truth: Any, response: str, *, timeout_seconds: int = 5) -> tuple[float, bool]:
-    """1.0 when the response's answer is mathematically equal to ``ground_truth`` (plain or LaTeX)."""
+def math_reward(
+    ground_truth: Any, response: str, *, question: str | None = None, timeout_seconds: int = 5
+) -> Score:
+    """1.0 when the response's final answer is mathematically equal to ``ground_truth`` (plain or LaTeX)."""
     try:
-        from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
-
-        gt = str(ground_truth).strip()
-        response = _tail(response)
-        if not gt or not response.strip():
-            return 0.0, False
-        timeout = _alarm_seconds(timeout_seconds)
-        # math-verify finds answers in LaTeX environments: a bare "42" or "\frac{1}{2}" needs the $...$
-        gold_text = gt if ("$" in gt or "\\boxed" in gt) else f"${gt}$"
-        gold = parse(gold_text, parsing_timeout=timeout) or parse(gt, parsing_timeout=timeout)
-        if not gold:
-            log.debug("math reward: cannot parse ground truth %r", gt)
-            return 0.0, False
-        config = [LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()]
-        answer = parse(response, extraction_config=config, parsing_timeout=timeout)
-        if not answer:
-            return 0.0, False
-        ok = bool(verify(gold, answer, timeout_seconds=timeout))
-        return (1.0 if ok else 0.0), ok
-    except Exception:  # a reward never takes a run down
+        gt = _gold(ground_truth)
+        if not gt:
+            return Score(0.0, False, None, "the ground truth is empty")
+        final = final_answer(response)
+        if final.answer is None:
+            return Score(0.0, False, None, final.source)
+        answer = final.answer
+        if lookalike_digits(answer):
+            return _wrong(final, why_not_a_number(answer))
+        if question and restates(answer, question, gt):
+            return _wrong(final, "restates the question instead of answering it")
+        gold_number = parse_number(gt, reduced=False)
+        if gold_number is not None:  # exact: 0.5 == 1/2, and 13+7 is not a number
+            return _compare_numbers(final, gold_number, parse_number(answer), question)
+        if several_values(answer) and not several_values(gt):
+            return _wrong(final, "several candidate values")
+        return _verify(final, gt, timeout_seconds)
+    except Exception as e:  # a reward never takes a run down
         log.debug("math reward failed", exc_info=True)
-        return 0.0, False
+        return Score(0.0, False, None, f"math reward error: {type(e).__name__}")
 
 
-# -- gsm8k: the final number ---------------------------------------------------------------------
+def _verify(final: Final, gt: str, timeout_seconds: int) -> Score:
+    from math_verify import LatexExtractionConfig, parse, verify
 
-# "1,234.5", "-7"; a minus counts only when it is not a subtraction ("10-3" gives 10 and 3), and a
-# number never starts in the middle of another one
-_NUMBER = re.compile(r"(?:(?<![\w)])-)?(?<![\d.])(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?")
+    timeout = _alarm_seconds(timeout_seconds)
+    # Both strings are already the answer alone: parse each as one inline formula, no box to look for.
+    config = [LatexExtractionConfig(boxed_match_priority=-1)]
+
+    def formula(s: str) -> str:
+        return "$" + " ".join(s.replace("$", " ").split()) + "$"
+
+    gold = parse(formula(gt), extraction_config=config, parsing_timeout=timeout)
+    if not gold:
+        log.debug("math reward: cannot parse ground truth %r", gt)
+        return _wrong(final, f"cannot parse the ground truth {gt!r}")
+    answer = parse(formula(final.answer), extraction_config=config, parsing_timeout=timeout, fallback_mode="no_fallback")
+    if not answer:
+        return _wrong(final, "cannot parse the answer")
+    if verify(gold, answer, timeout_seconds=timeout):
+        return _right(final)
+    return _wrong(final, f"not equal to {clip(gt, 60)}")
 
 
-def _numbers(text: str) -> list[Decimal]:
-    out = []
-    for m in _NUMBER.finditer(text):
-        try:
-            out.append(Decimal(m.group().replace(",", "")))
-        except InvalidOperation:  # not reachable with the pattern above; kept as a guard
-            pass
-    return out
-
-
-def final_number(response: str) -> Decimal | None:
-    """The number after the last ``####``, else the first in the last ``\\boxed{}``, else the last one."""
-    text = _tail(response)
-    if "####" in text:
-        nums = _numbers(text.rpartition("####")[2])
-        return nums[0] if nums else None
-    boxed = last_boxed(text)
-    if boxed is not None:
-        nums = _numbers(boxed.replace("\\!", "").replace("{,}", ","))
-        return nums[0] if nums else None
-    nums = _numbers(text)
-    return nums[-1] if nums else None
+# -- gsm8k and arithmetic: one number ----------------------------------------------------------------
 
 
 @register("gsm8k")
-def gsm8k_reward(ground_truth: Any, response: str) -> tuple[float, bool]:
-    """1.0 when the response's final number equals ``ground_truth`` (``"1,234"`` and ``1234.0`` are equal)."""
+def gsm8k_reward(ground_truth: Any, response: str, *, question: str | None = None) -> Score:
+    """1.0 when the response's final answer is one number equal to ``ground_truth`` (``"1,234"`` is 1234)."""
     try:
-        gold = _numbers(str(ground_truth).replace(" ", ""))
-        pred = final_number(response)
-        ok = len(gold) == 1 and pred is not None and pred == gold[0]
-    except Exception:  # a reward never takes a run down
+        gold = parse_number(str(ground_truth), reduced=False)
+        if gold is None:
+            return Score(0.0, False, None, f"the ground truth {clip(str(ground_truth), 40)!r} is not a number")
+        final = final_answer(response)
+        if final.answer is None:
+            return Score(0.0, False, None, final.source)
+        return _compare_numbers(final, gold, parse_number(final.answer), question)
+    except Exception as e:  # a reward never takes a run down
         log.debug("gsm8k reward failed", exc_info=True)
-        ok = False
-    return (1.0 if ok else 0.0), ok
+        return Score(0.0, False, None, f"gsm8k reward error: {type(e).__name__}")
+
+
+@register("arithmetic")
+def arithmetic_reward(
+    ground_truth: Any, response: str, *, unboxed_score: float = 1.0, question: str | None = None
+) -> Score:
+    """1.0 when the final answer is one plain number (``20``, ``-3``, ``1,200``, ``20.0``) equal to
+    ``ground_truth``; ``13+7`` is the question restated, not its value. A right number the response ends
+    on outside a ``\\boxed{}`` (``13 + 7 = 20``) scores ``unboxed_score``: 1.0 by default (cpu-demo), 0.0
+    to take only a boxed answer, 0.5 for half credit; only a score of 1.0 counts as correct."""
+    try:
+        gold = parse_number(str(ground_truth), fractions=False, decorations=False)
+        if gold is None:
+            return Score(0.0, False, None, f"the ground truth {clip(str(ground_truth), 40)!r} is not a number")
+        final = final_answer(response)
+        if final.answer is None:
+            return Score(0.0, False, None, final.source)
+        value = parse_number(final.answer, fractions=False, decorations=False, plain=True)
+        score = _compare_numbers(final, gold, value, question)
+        if score.correct and final.source != BOXED and unboxed_score != 1.0:
+            s = float(unboxed_score)
+            return Score(s, s >= 1.0, score.answer, f"{final.source}: right, but not in \\boxed{{}} (scores {s:g})")
+        return score
+    except Exception as e:  # a reward never takes a run down
+        log.debug("arithmetic reward failed", exc_info=True)
+        return Score(0.0, False, None, f"arithmetic reward error: {type(e).__name__}")
 
 
 # -- format and exact match ----------------------------------------------------------------------
@@ -144,30 +192,44 @@ def gsm8k_reward(ground_truth: Any, response: str) -> tuple[float, bool]:
 @register("format")
 def format_reward(
     ground_truth: Any, response: str, *, think_tag: str = "think", answer_tag: str = "answer"
-) -> tuple[float, bool]:
-    """1.0 for ``<think>...</think>`` then ``<answer>...</answer>``, only whitespace around them."""
+) -> Score:
+    """1.0 for a non-empty ``<think>...</think>`` then a non-empty ``<answer>...</answer>``, only
+    whitespace around them; the answer reported is the ``<answer>`` content."""
     try:
         t, a = re.escape(think_tag), re.escape(answer_tag)
         # each body may not open or close its own tag again: one think block, one answer block
-        pattern = rf"\s*<{t}>(?:(?!</?{t}>).)*</{t}>\s*<{a}>(?:(?!</?{a}>).)*</{a}>\s*"
-        ok = re.fullmatch(pattern, "" if response is None else str(response), flags=re.DOTALL) is not None
-    except Exception:  # a reward never takes a run down
-        ok = False
-    return (1.0 if ok else 0.0), ok
+        pattern = rf"\s*<{t}>((?:(?!</?{t}>).)*)</{t}>\s*<{a}>((?:(?!</?{a}>).)*)</{a}>\s*"
+        m = re.fullmatch(pattern, "" if response is None else str(response), flags=re.DOTALL)
+        if m is None:
+            return Score(0.0, False, None, f"not <{think_tag}>...</{think_tag}><{answer_tag}>...</{answer_tag}> alone")
+        think, answer = m.group(1).strip(), m.group(2).strip()
+        if not think or not answer:
+            return Score(0.0, False, clip(answer) or None, f"empty <{think_tag if not think else answer_tag}>")
+        return Score(1.0, True, clip(answer), f"<{answer_tag}>")
+    except Exception as e:  # a reward never takes a run down
+        return Score(0.0, False, None, f"format reward error: {type(e).__name__}")
 
 
 def _alnum(text: str) -> str:
-    return "".join(c for c in unicodedata.normalize("NFKC", text).lower() if c.isalnum())
+    # NFC and full-width folding only: NFKC would read the look-alikes "𝐜𝐚𝐭" and "x²" as "cat" and "x2"
+    return "".join(c for c in fold(text).lower() if c.isalnum())
 
 
 @register("exact_alnum")
-def exact_alnum_reward(ground_truth: Any, response: str, *, answer_tag: str = "answer") -> tuple[float, bool]:
+def exact_alnum_reward(ground_truth: Any, response: str, *, answer_tag: str = "answer") -> Score:
     """1.0 when the answer equals ``ground_truth`` up to case, spacing and punctuation."""
     try:
         text = "" if response is None else str(response)
-        answer = tag_content(text, answer_tag)
+        blocks = re.findall(rf"<{re.escape(answer_tag)}>(.*?)</{re.escape(answer_tag)}>", text, flags=re.DOTALL)
+        if len({_alnum(b) for b in blocks}) > 1:
+            return Score(0.0, False, clip(blocks[-1].strip()), f"several <{answer_tag}> blocks that disagree")
+        answer = blocks[-1] if blocks else text
+        source = f"<{answer_tag}>" if blocks else "the whole response"
         gold = _alnum(str(ground_truth))
-        ok = bool(gold) and _alnum(text if answer is None else answer) == gold  # empty never matches
-    except Exception:  # a reward never takes a run down
-        ok = False
-    return (1.0 if ok else 0.0), ok
+        if not gold:  # an empty ground truth matches nothing
+            return Score(0.0, False, clip(answer.strip()), "the ground truth has no letters or digits")
+        if _alnum(answer) != gold:
+            return Score(0.0, False, clip(answer.strip()) or None, f"{source}: not {clip(str(ground_truth), 40)!r}")
+        return Score(1.0, True, clip(answer.strip()), source)
+    except Exception as e:  # a reward never takes a run down
+        return Score(0.0, False, None, f"exact_alnum reward error: {type(e).__name__}")

@@ -1,6 +1,17 @@
-"""Reward registry.
+"""Reward registry, and what a reward returns.
 
-A reward is a plain function ``(ground_truth, response, **kwargs) -> (score: float, is_correct: bool)``.
+A reward is a plain function ``(ground_truth, response, **kwargs)`` that returns any of:
+
+- a :class:`Score`: ``(value, correct)`` plus the answer it judged (``.answer``) and a note (``.note``:
+  where the answer came from, or why there is none or why it is wrong), so a person can audit what
+  was paid for; every built-in returns one;
+- ``(value, correct)``, or ``(value, correct, answer)`` / ``(value, correct, answer, note)``;
+- a plain number: correct when it is at least 1.0 (full marks), with no answer to report.
+
+A reward that declares a ``question`` parameter also receives the prompt it answers (the last user
+turn), e.g. to refuse an answer that only restates the question; the others are called as before.
+:func:`call` runs a reward that way and turns whatever it returns into a Score.
+
 Built-ins register themselves by name with :func:`register`; anything importable is reachable as
 ``"package.module:function"`` so users can plug in their own rewards without touching kuberl.
 :func:`check` looks a name up as :func:`get` does and says what is wrong in one line naming the key.
@@ -8,15 +19,84 @@ Built-ins register themselves by name with :func:`register`; anything importable
 
 from __future__ import annotations
 
+import functools
 import importlib
+import inspect
+import numbers
 from collections.abc import Callable
 from typing import Any, Protocol
 
 from trainer.config import ConfigError, RewardSpec
 
 
+class Score(tuple):
+    """``(value, correct)``, unpacking and comparing as the pair rewards have always returned, with
+    ``.answer`` (what the reward judged; None when it found none) and ``.note`` beside it."""
+
+    answer: str | None
+    note: str
+
+    def __new__(cls, value: float, correct: bool, answer: str | None = None, note: str = "") -> Score:
+        self = super().__new__(cls, (float(value), bool(correct)))
+        self.answer, self.note = answer, note
+        return self
+
+    def __getnewargs__(self) -> tuple:  # pickling (Ray) rebuilds it through __new__
+        return (self[0], self[1], self.answer, self.note)
+
+    @property
+    def value(self) -> float:
+        return self[0]
+
+    @property
+    def correct(self) -> bool:
+        return self[1]
+
+    def __repr__(self) -> str:
+        return f"Score({self[0]!r}, {self[1]!r}, answer={self.answer!r}, note={self.note!r})"
+
+
 class RewardFn(Protocol):
-    def __call__(self, ground_truth: Any, response: str, **kwargs: Any) -> tuple[float, bool]: ...
+    def __call__(self, ground_truth: Any, response: str, **kwargs: Any) -> Score | tuple | float: ...
+
+
+def as_score(out: Any) -> Score:
+    """What a reward returned, as a Score (see the module docstring); anything else raises TypeError."""
+    if isinstance(out, Score):
+        return out
+    if isinstance(out, numbers.Real):
+        return Score(float(out), float(out) >= 1.0)
+    if isinstance(out, (tuple, list)) and 1 <= len(out) <= 4:
+        value = float(out[0])
+        correct = bool(out[1]) if len(out) > 1 else value >= 1.0
+        answer = None if len(out) < 3 or out[2] is None else str(out[2])
+        return Score(value, correct, answer, str(out[3]) if len(out) > 3 and out[3] is not None else "")
+    raise TypeError(f"a reward returned {type(out).__name__}; return a number, (value, correct) or a Score")
+
+
+def _declares_question(fn: Callable) -> bool:
+    try:
+        return "question" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin or C function without a signature
+        return False
+
+
+_declares_question_cached = functools.lru_cache(maxsize=256)(_declares_question)
+
+
+def takes_question(fn: Callable) -> bool:
+    """``fn`` declares a ``question`` parameter (a ``**kwargs`` catch-all does not count)."""
+    try:
+        return _declares_question_cached(fn)
+    except TypeError:  # an unhashable callable object: look at it every time
+        return _declares_question(fn)
+
+
+def call(fn: Callable, ground_truth: Any, response: str, kwargs: dict, question: str | None = None) -> Score:
+    """Run one reward on one response, with ``question`` when it takes one, and return a Score."""
+    if question is not None and "question" not in kwargs and takes_question(fn):
+        kwargs = {**kwargs, "question": question}
+    return as_score(fn(ground_truth, response, **kwargs))
 
 
 _REGISTRY: dict[str, RewardFn] = {}

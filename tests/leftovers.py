@@ -68,3 +68,15 @@ def kill(pids) -> None:
             os.kill(pid, signal.SIGKILL)
         except OSError:
             pass
+
+
+def wait_all(procs, timeout: float) -> list[int]:
+    """Each process's exit code, waiting at most ``timeout`` for each; whatever is still running after
+    (a timeout, or an error on the way) is killed and reaped, so no test leaves one behind."""
+    try:
+        return [p.wait(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()

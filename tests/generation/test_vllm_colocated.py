@@ -15,6 +15,8 @@ import textwrap
 
 import pytest
 
+from tests.leftovers import wait_all
+
 RANK = """
     import json, sys, torch, torch.distributed as dist
     from trainer.config import GenerationConfig
@@ -50,13 +52,7 @@ def test_should_keep_the_training_world_when_a_colocated_engine_starts_and_stops
         subprocess.Popen([sys.executable, "-c", textwrap.dedent(RANK), str(r), str(port), str(outs[r])])
         for r in range(2)
     ]
-    try:
-        codes = [p.wait(timeout=400) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    codes = wait_all(procs, timeout=400)
     assert codes == [0, 0], "a rank failed (its output is above)"
     for out in outs:
         got = json.loads(out.read_text())

@@ -21,6 +21,8 @@ import textwrap
 import pytest
 import torch
 
+from tests.leftovers import wait_all
+
 from .conftest import REPO, free_port, need, needs_gpus
 
 pytestmark = pytest.mark.gpu
@@ -209,13 +211,7 @@ def test_should_match_one_rank_when_two_gpus_split_the_batch_over_fsdp2(tiny, tm
             )
             for r in range(world)
         ]
-        try:
-            codes = [p.wait(timeout=300) for p in procs]
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
+        codes = wait_all(procs, timeout=300)
         assert codes == [0] * world, "a rank failed (its output is above)"
         return [json.loads(o.read_text()) for o in outs]
 

@@ -16,6 +16,8 @@ import textwrap
 
 import pytest
 
+from tests.leftovers import wait_all
+
 from .conftest import REPO, free_port, needs_gpus
 
 pytestmark = pytest.mark.gpu
@@ -63,13 +65,7 @@ def test_should_broadcast_every_dtype_exactly_and_close_in_order_when_two_gpus_f
         )
         for r in range(2)
     ]
-    try:
-        codes = [p.wait(timeout=240) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    codes = wait_all(procs, timeout=240)
     assert codes == [0, 0], "a rank failed or hung (its output is above)"
     for out in outs:
         result = json.loads(out.read_text())

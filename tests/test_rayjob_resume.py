@@ -59,8 +59,8 @@ def test_should_resume_from_the_last_complete_checkpoint_when_the_rayjob_retries
     # First attempt: the same command with a fault applied in the driver (tests/faults.py): the save
     # of step HALF_SAVED stops before its commit marker, and then the pod is lost.
     words = shlex.split(entrypoint)
-    assert words[:3] == ["python", "-m", "trainer"], entrypoint
-    first = subprocess.Popen(faults.launch(f"hold_before_marker={HALF_SAVED}", words[3:]), cwd=REPO,
+    assert words[:4] == ["exec", "python", "-m", "trainer"], entrypoint
+    first = subprocess.Popen(faults.launch(f"hold_before_marker={HALF_SAVED}", words[4:]), cwd=REPO,
                              start_new_session=True, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
     lines: list[str] = []
     deadline = time.monotonic() + 240

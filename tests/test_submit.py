@@ -62,7 +62,8 @@ def _free_port() -> int:
 
 def test_should_write_where_the_cluster_says_when_no_dir_is_overridden() -> None:
     command = submit.entrypoint("tiny", ["grpo.max_num_steps=2"])
-    assert command.startswith("python -m trainer experiment=tiny ")
+    # exec: the driver is the process Ray signals at a stop, never a child the shell forks later
+    assert command.startswith("exec python -m trainer experiment=tiny ")
     # Ray runs the entrypoint with a shell on the head: check the expansion with a real one.
     argv = command.replace("python -m trainer", "printf '%s\\n'")
     out = subprocess.run(

@@ -45,6 +45,7 @@ EXPERIMENTS = PACKAGE / "conf" / "experiment"
 VALUES = REPO / "values"
 DASHBOARD_PORT = 8265
 TENSORBOARD_PORT = 6006
+STOP_WAIT_S = 60  # SIGTERM to SIGKILL at `make stop`: above checkpointing.preemption_grace_s (25) plus shutdown
 # Where the cluster tells the trainer to write; the chart and `up` set these on every Ray process.
 DIR_OVERRIDES = (
     ("logger.log_dir", "KUBERL_LOG_DIR"),
@@ -220,6 +221,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     env.setdefault("KUBERL_LOG_DIR", str(Path(args.log_dir).resolve()))
     env.setdefault("KUBERL_CHECKPOINT_DIR", str(Path(args.checkpoint_dir).resolve()))
     env["RAY_USAGE_STATS_ENABLED"] = "0"
+    # `make stop` sends SIGTERM, then SIGKILL after this many seconds (Ray's default is 3): time for
+    # the trainer to reach a safe point and save what fits in checkpointing.preemption_grace_s.
+    env.setdefault("RAY_JOB_STOP_WAIT_TIME_S", str(STOP_WAIT_S))
     # Ray's token auth, on explicitly: the jobs API on this port accepts only holders of
     # ~/.ray/auth_token (made here if missing), i.e. this user.
     env["RAY_AUTH_MODE"] = os.environ.get("RAY_AUTH_MODE") or "token"
@@ -492,12 +496,15 @@ def _job_call(fn, job_id: str, *args):
 
 
 def entrypoint(experiment: str, overrides: list[str]) -> str:
-    """`python -m trainer experiment=EXP ...`, writing where the cluster says unless overridden.
+    """`exec python -m trainer experiment=EXP ...`, writing where the cluster says unless overridden.
 
     Ray runs the entrypoint with a shell on the head, so `${VAR:+key=$VAR}` adds the override only
-    where the cluster sets VAR (the chart, `make up`)."""
+    where the cluster sets VAR (the chart, `make up`). `exec` makes the driver the very process Ray
+    started: a stop that comes before the shell has forked signals the shell alone, and the driver
+    it forks a moment later would run on with no job (Ray's fallback for that kills only the
+    supervisor's direct children)."""
     given = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
-    parts = ["python", "-m", "trainer", f"experiment={experiment}"]
+    parts = ["exec", "python", "-m", "trainer", f"experiment={experiment}"]
     parts += [f"${{{var}:+{key}=${var}}}" for key, var in DIR_OVERRIDES if key not in given]
     return " ".join(parts + [shlex.quote(o) for o in overrides])
 
@@ -605,7 +612,11 @@ def cmd_stop(args: argparse.Namespace) -> int:
     with connect(args.exp, args.namespace) as target:
         client = job_client(target)
         _job_call(client.stop_job, args.job)
-        deadline = time.monotonic() + 60
+        print(f"stopping job {args.job}: SIGTERM sent; the trainer stops at its next safe point and saves "
+              "if that fits in checkpointing.preemption_grace_s", flush=True)  # fmt: skip
+        # Ray sends SIGKILL after RAY_JOB_STOP_WAIT_TIME_S (`up`: STOP_WAIT_S; the chart: the pods'
+        # terminationGracePeriodSeconds, 120 by default): wait a little longer than either.
+        deadline = time.monotonic() + 150
         while not (status := client.get_job_status(args.job)).is_terminal() and time.monotonic() < deadline:
             time.sleep(1)
     print(f"job {args.job} {status.value}")

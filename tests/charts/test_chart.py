@@ -52,6 +52,14 @@ def test_should_start_tensorboard_on_the_shared_log_dir_only_on_the_head_when_en
     assert "tensorboard" not in groups(docs)["train"]["template"]["spec"]["containers"][0]["args"][0]
 
 
+def test_should_give_a_stopped_job_the_pods_grace_before_sigkill_when_rendered() -> None:
+    docs = render("terminationGracePeriodSeconds=300")
+    for template in [head_template(docs), *(g["template"] for g in groups(docs).values())]:
+        assert template["spec"]["terminationGracePeriodSeconds"] == 300
+        # Ray's job supervisor reads it (its default, 3 s, would kill a save at `make stop`)
+        assert env_of(template)["RAY_JOB_STOP_WAIT_TIME_S"]["value"] == "300"
+
+
 def test_should_give_the_head_no_gpus_when_workers_have_gpus() -> None:
     head = one(render(), "RayCluster")["spec"]["headGroupSpec"]
     assert head["rayStartParams"]["num-gpus"] == "0"
@@ -737,7 +745,7 @@ def test_should_render_a_valid_rayjob_instead_of_the_raycluster_when_job_enabled
 def test_should_resume_the_experiment_on_shared_storage_when_the_rayjob_entrypoint_runs() -> None:
     spec = one(render(*JOB, "job.overrides={grpo.max_num_steps=500,policy.learning_rate=1e-6}"), "RayJob")["spec"]
     assert spec["entrypoint"] == (
-        "python -m trainer experiment=gemma3-1b-math checkpointing.resume=auto logger.log_dir=/data/logs "
+        "exec python -m trainer experiment=gemma3-1b-math checkpointing.resume=auto logger.log_dir=/data/logs "
         "checkpointing.checkpoint_dir=/data/checkpoints 'grpo.max_num_steps=500' 'policy.learning_rate=1e-6'"
     )
 
@@ -827,7 +835,7 @@ def test_should_print_how_to_follow_the_rayjob_when_installed_with_job_enabled()
     assert out.returncode == 0, out.stderr
     notes = out.stdout.split("NOTES:", 1)[1]
     assert "kubectl get rayjob gemma3-1b-math -n exp -w" in notes
-    assert "python -m trainer experiment=gemma3-1b-math checkpointing.resume=auto" in notes
+    assert "\n  python -m trainer experiment=gemma3-1b-math checkpointing.resume=auto" in notes
     assert "make submit" not in notes and "helm test" not in notes
 
 

@@ -153,6 +153,10 @@ Environment of every Ray container. Args: dict root, gpu (bool: a GPU worker).
   value: {{ include "kuberl.path" (dict "root" .root "key" "hfCache") | quote }}
 - name: KUBERL_CACHE
   value: {{ include "kuberl.path" (dict "root" .root "key" "cache") | quote }}
+{{- /* Ray's job supervisor sends SIGKILL this long after the SIGTERM of a stop (its default is
+3 s): the same grace as the pods get, for the trainer to finish its step and save. */}}
+- name: RAY_JOB_STOP_WAIT_TIME_S
+  value: {{ $v.terminationGracePeriodSeconds | quote }}
 {{- with $v.secrets.hfToken.secretName }}
 - name: HF_TOKEN
   valueFrom:
@@ -561,10 +565,18 @@ workerGroupSpecs:
 {{- end }}
 
 {{/*
-The RayJob's entrypoint, run by a shell on the head: the experiment, resume from the latest
-complete checkpoint, the chart's shared directories, then job.overrides (each single-quoted).
+The RayJob's entrypoint, run by a shell on the head. `exec`: the driver is then the process Ray
+signals on a stop; a forked one could outlive a stop that came before the fork.
 */}}
 {{- define "kuberl.jobEntrypoint" -}}
+exec {{ include "kuberl.jobCommand" . }}
+{{- end }}
+
+{{/*
+The RayJob's command: the experiment, resume from the latest complete checkpoint, the chart's
+shared directories, then job.overrides (each single-quoted).
+*/}}
+{{- define "kuberl.jobCommand" -}}
 {{- $v := .Values -}}
 {{- $parts := list "python" "-m" "trainer" (printf "experiment=%s" (required "experiment is required when job.enabled: the Hydra experiment the RayJob runs" $v.experiment)) "checkpointing.resume=auto" }}
 {{- $parts = append $parts (printf "logger.log_dir=%s" (include "kuberl.path" (dict "root" . "key" "logs"))) }}

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -98,9 +97,9 @@ def refit_disaggregated(state: dict, bucket_mb: float, repeats: int) -> dict:
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     buffer = int(bucket_mb * 2**20)
     meta = WeightMeta.of((name, t.shape, t.dtype) for name, t in state.items())
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from trainer.ports import free_port
+
+    port = free_port("127.0.0.1")  # outside the ephemeral range (trainer.ports)
     proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(RECEIVER), str(port), str(nbytes), str(repeats),
                              str(buffer), json.dumps(meta.update_info())])
     try:

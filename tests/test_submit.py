@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ import pytest
 import yaml
 
 from trainer import submit
+from trainer.ports import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -52,9 +52,7 @@ def _one_line_error(out: subprocess.CompletedProcess) -> str:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port("127.0.0.1")  # outside the ephemeral range (trainer.ports)
 
 
 # ----- entrypoint and EXP -------------------------------------------------------------------------

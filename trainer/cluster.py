@@ -104,12 +104,10 @@ def setup_cpu_process(cfg: Config, threads: int, slot: int | None = None) -> Non
 
 
 def free_port() -> int:
-    """A TCP port free on this host right now (for a process group's rendezvous)."""
-    import socket
+    """A TCP port free on this host right now (for a process group's rendezvous; trainer.ports)."""
+    from trainer.ports import free_port as pick
 
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
+    return pick()
 
 
 def node_address() -> tuple[str, int]:

@@ -39,6 +39,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from trainer.ports import free_port
+
 PACKAGE = Path(__file__).resolve().parent
 REPO = PACKAGE.parent
 EXPERIMENTS = PACKAGE / "conf" / "experiment"
@@ -180,9 +182,7 @@ def local_state() -> dict | None:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port("127.0.0.1")  # outside the ephemeral range (trainer.ports)
 
 
 def _port_in_use(port: int) -> bool:

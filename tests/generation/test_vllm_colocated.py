@@ -8,7 +8,6 @@ destroys the default process group at shutdown unless the engine keeps it.
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import textwrap
@@ -16,6 +15,7 @@ import textwrap
 import pytest
 
 from tests.leftovers import wait_all
+from trainer.ports import free_port
 
 RANK = """
     import json, sys, torch, torch.distributed as dist
@@ -44,9 +44,7 @@ RANK = """
 
 @pytest.mark.vllm
 def test_should_keep_the_training_world_when_a_colocated_engine_starts_and_stops(tiny_model_path, tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port("127.0.0.1")  # outside the ephemeral range (trainer.ports)
     outs = [tmp_path / f"rank{r}.json" for r in range(2)]
     procs = [
         subprocess.Popen([sys.executable, "-c", textwrap.dedent(RANK), str(r), str(port), str(outs[r])])

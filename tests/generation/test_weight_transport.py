@@ -12,7 +12,6 @@ transformers with the same weights.
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import textwrap
@@ -22,6 +21,7 @@ import pytest
 import torch
 
 from trainer.generation.weight_transport import WeightMeta, chunks, init_info, send_packed
+from trainer.ports import free_port
 from trainer.weight_sync import WeightSyncGroup
 
 
@@ -30,9 +30,7 @@ def _meta(named) -> WeightMeta:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port("127.0.0.1")  # outside the ephemeral range (trainer.ports)
 
 
 def _start_receiver(code: str, port: int, out: str, *extra: str) -> subprocess.Popen:

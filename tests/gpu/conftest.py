@@ -10,11 +10,12 @@ subprocesses, not Ray actors.
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
+
+from trainer.ports import free_port as _pick
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -52,6 +53,4 @@ def need(module: str, why: str):
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return _pick("127.0.0.1")  # outside the ephemeral range (trainer.ports)

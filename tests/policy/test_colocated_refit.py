@@ -11,14 +11,13 @@ that stay valid after the gather moved on.
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 
 from trainer.config import load
 from trainer.generation.base import Completion, SamplingParams
 from trainer.policy.batch import Sample
+from trainer.ports import free_port
 
 
 class RecordingEngine:
@@ -48,9 +47,7 @@ class RecordingEngine:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port("127.0.0.1")  # outside the ephemeral range (trainer.ports)
 
 
 def _samples() -> list[Sample]:

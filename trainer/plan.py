@@ -1,0 +1,447 @@
+"""``python -m trainer.plan EXP [key=value ...]``: will an experiment fit its GPUs? Per GPU, before
+anything is deployed.
+
+For the experiment's config (Hydra, with the overrides given) and its values file (GPU type), the
+plan adds up what one device holds at its peak:
+
+- **training GPUs** (FSDP2 over ``train_world_size`` ranks): master weights, gradients and AdamW's two
+  moments, each sharded; the units FSDP gathers in ``policy.param_dtype`` (two blocks in flight and
+  the root, which stays gathered); the reference policy when the KL penalty is on; activations of one
+  micro-batch (every block's saved tensors, or only block inputs plus one block when activation
+  checkpointing recomputes them); the logits of the micro-batch's positions and their gradient; and
+  a fixed runtime reserve (CUDA context, NCCL, allocator slack);
+- **a colocated vLLM engine** on the same GPUs: its ``gpu_memory_utilization`` share while it
+  generates, beside the policy's sharded state (which stays on the GPU); asleep it frees both its
+  weights and its KV cache, so training does not count it;
+- **generation GPUs** (disaggregated): the engine's weights split over ``tensor_parallel_size`` and
+  the KV cache left in its share, as whole sequences of ``policy.max_total_sequence_length``.
+
+It says ``fits`` or ``does not fit``, which term dominates, and the key to change. The model's shape
+comes from instantiating it on the ``meta`` device (exact parameter counts for any architecture,
+no memory): from its local directory, the hub cache, or, offline, the public ``config.json`` values of
+the models our experiments name (:data:`KNOWN_CONFIGS`).
+
+The activation and logit terms are checked against measured peaks on CPU (``tests/test_plan.py``,
+``make plan-check``); on paper against the published set-ups our experiments follow. No peer ships
+this: NeMo-RL's and verl's users find out by running out of memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+GiB = 2**30
+# Memory per GPU as `nvidia-smi --query-gpu=memory.total` reports it (MiB): what CUDA can allocate from.
+GPU_MEMORY = {"h200": 143771 * 2**20, "b200": 183359 * 2**20}
+GPU_NAMES = {"h200": "H200 (a3-ultragpu-8g)", "b200": "B200 (a4-highgpu-8g)"}
+# CUDA context, NCCL communicators and buffers, the caching allocator's fragmentation: what a GPU
+# process holds beyond its tensors (measured 1.5-3 GiB on H100/H200 policy ranks in NeMo-RL and verl
+# reports; we take the upper end).
+RUNTIME_RESERVE = 3 * GiB
+BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# The hub models the experiments name, as their config.json on the hub says (the fields a meta
+# instantiation needs): the plan works offline, before anything is downloaded.
+KNOWN_CONFIGS: dict[str, dict] = {
+    "google/gemma-3-27b-it": {
+        "model_type": "gemma3",
+        "text_config": {
+            "model_type": "gemma3_text", "hidden_size": 5376, "intermediate_size": 21504, "num_hidden_layers": 62,
+            "num_attention_heads": 32, "num_key_value_heads": 16, "head_dim": 128, "vocab_size": 262208,
+            "sliding_window": 1024,
+        },
+        "vision_config": {
+            "model_type": "siglip_vision_model", "hidden_size": 1152, "intermediate_size": 4304,
+            "num_hidden_layers": 27, "num_attention_heads": 16, "image_size": 896, "patch_size": 14,
+        },
+        "mm_tokens_per_image": 256,
+    },
+    "google/gemma-3-1b-it": {
+        "model_type": "gemma3_text", "hidden_size": 1152, "intermediate_size": 6912, "num_hidden_layers": 26,
+        "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256, "vocab_size": 262144,
+        "sliding_window": 512,
+    },
+    "Qwen/Qwen2.5-Coder-7B-Instruct": {
+        "model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
+        "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064, "tie_word_embeddings": False,
+    },
+    "Qwen/Qwen2.5-Coder-1.5B-Instruct": {
+        "model_type": "qwen2", "hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28,
+        "num_attention_heads": 12, "num_key_value_heads": 2, "vocab_size": 151936, "tie_word_embeddings": True,
+    },
+    "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B": {
+        "model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
+        "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064, "tie_word_embeddings": False,
+    },
+}  # fmt: skip
+
+
+class PlanError(ValueError):
+    """Bad input to the plan: one line naming the problem and the fix."""
+
+
+# ----- the model's shape ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the memory terms need of a model: parameter counts and the text decoder's dimensions."""
+
+    params: int  # every parameter the policy loads (tied embeddings once)
+    block_params: int  # the largest FSDP unit: one decoder block
+    root_params: int  # what the root unit holds (embeddings, final norm, lm_head, any vision tower)
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    source: str  # where the config came from
+
+
+def _hf_config(name: str, trust_remote_code: bool):
+    from transformers import AutoConfig
+
+    from trainer.models import resolve_model
+
+    if name in KNOWN_CONFIGS:
+        known = dict(KNOWN_CONFIGS[name])
+        try:  # the real file when it is here (cached or local), the table otherwise
+            return AutoConfig.from_pretrained(name, local_files_only=True), "hub cache"
+        except OSError:
+            return AutoConfig.for_model(known.pop("model_type"), **known), "config table (trainer/plan.py)"
+    path = resolve_model(name)
+    try:
+        return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code), path
+    except OSError as e:
+        raise PlanError(
+            f"cannot read the config of model.name={name} ({str(e).splitlines()[0]}); "
+            "download it first (huggingface-cli download NAME config.json) or give a local directory"
+        ) from None
+
+
+def model_shape(name: str, trust_remote_code: bool = False) -> Shape:
+    """Instantiate ``name`` on the meta device, as the policy loads it, and count."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config, source = _hf_config(name, trust_remote_code)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    total = sum(p.numel() for p in model.parameters())
+    block_types = set(getattr(model, "_no_split_modules", None) or [])
+    blocks = [m for m in model.modules() if type(m).__name__ in block_types]
+    decoder = [b for b in blocks if hasattr(b, "mlp")] or blocks  # the text decoder's blocks
+    in_blocks = sum(p.numel() for b in blocks for p in b.parameters())
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = text.num_attention_heads
+    return Shape(
+        params=total,
+        block_params=max((sum(p.numel() for p in b.parameters()) for b in decoder), default=0),
+        root_params=total - in_blocks,
+        layers=text.num_hidden_layers,
+        hidden=text.hidden_size,
+        intermediate=text.intermediate_size,
+        heads=heads,
+        kv_heads=getattr(text, "num_key_value_heads", None) or heads,
+        head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
+        vocab=text.vocab_size,
+        source=str(source),
+    )
+
+
+# ----- the terms ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Device:
+    """One device's plan: named terms in bytes against a capacity."""
+
+    role: str  # "training GPU", "generation GPU", "CPU node"
+    capacity: float
+    terms: dict[str, float] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    # Terms that never peak together: the total counts the larger of each pair's sides (activations
+    # are freed as backward goes, while the gradients it produces accumulate).
+    either: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = ()
+
+    @property
+    def total(self) -> float:
+        apart = {k for pair in self.either for side in pair for k in side}
+        total = sum(v for k, v in self.terms.items() if k not in apart)
+        for a, b in self.either:
+            total += max(sum(self.terms.get(k, 0.0) for k in a), sum(self.terms.get(k, 0.0) for k in b))
+        return total
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.capacity
+
+    @property
+    def dominant(self) -> str:
+        return max(self.terms, key=self.terms.get)
+
+
+@dataclass(frozen=True)
+class Micro:
+    """One micro-batch as the policy runs it: ``tokens`` through the model, ``logit_rows`` projected."""
+
+    tokens: int
+    logit_rows: int
+    sequence: int  # the longest sequence in it (attention's working set)
+
+
+def micro_batch(cfg, training: bool = True) -> Micro:
+    """The largest micro-batch the config allows: fixed count x the longest sequence."""
+    p = cfg.policy
+    count = p.micro_batch_size if training else p.logprob_micro_batch_size
+    longest = p.max_total_sequence_length
+    # Logits are computed from the shortest prompt on; at worst (one prompt token) that is all of them.
+    return Micro(tokens=count * longest, logit_rows=count * longest, sequence=longest)
+
+
+def block_activation_bytes(shape: Shape, tokens: int, dtype_bytes: int) -> float:
+    """What one decoder block keeps for its backward, per micro-batch: its input and both norms'
+    outputs (h each, and the residual after attention), q/k/v before and q/k after the rotary
+    embedding, attention's output, and the gated MLP's four intermediates (gate, up, act(gate),
+    act(gate)*up). Attention itself keeps O(tokens) (flash / memory-efficient kernels)."""
+    h, i, hd = shape.hidden, shape.intermediate, shape.head_dim
+    q, kv = shape.heads * hd, shape.kv_heads * hd
+    per_token = 4 * h + (q + 2 * kv) + (q + kv) + q + 4 * i
+    return tokens * per_token * dtype_bytes
+
+
+# Activations and logits peak as backward starts, when almost no gradient exists yet; at its end the
+# gradients are all there and the activations gone (checked with torch's FSDPMemTracker: bench/bench_plan.py).
+TRAINING_EITHER = ((("activations", "logits"), ("gradients (sharded)",)),)
+
+
+def training_terms(cfg, shape: Shape, world: int) -> dict[str, float]:
+    """Bytes per training rank, by term; :func:`training_peak` adds them up as they coexist."""
+    p = cfg.policy
+    master = BYTES[cfg.model.dtype]
+    compute = BYTES[p.param_dtype or cfg.model.dtype]
+    mb = micro_batch(cfg, training=True)
+    terms = {
+        "weights (sharded)": shape.params * master / world,
+        "gradients (sharded)": shape.params * master / world,
+        "optimizer (AdamW, sharded)": 2 * shape.params * master / world,
+    }
+    if p.reshard_after_forward:
+        # The root stays gathered from forward to backward; two blocks are in flight (one computing,
+        # one prefetched). A block's unsharded gradient is reduce-scattered as soon as it is complete.
+        terms["gathered units"] = (shape.root_params + 2 * shape.block_params) * compute
+    else:
+        terms["gathered units"] = shape.params * compute
+    if cfg.grpo.loss.reference_policy_kl_penalty > 0:
+        terms["reference policy (sharded)"] = shape.params * master / world
+    if p.activation_checkpointing:
+        # Every block's input; in backward one block recomputed, and the gradients flowing through it
+        # (half as much again, as measured on CPU: bench/bench_plan.py).
+        block = block_activation_bytes(shape, mb.tokens, compute)
+        saved = shape.layers * mb.tokens * shape.hidden * compute + 1.5 * block
+    else:
+        saved = shape.layers * block_activation_bytes(shape, mb.tokens, compute)
+    terms["activations"] = saved
+    # The (rows, V) logits and the flattened copy the chunked logprob pass keeps for its backward (whose
+    # gradient takes the place of the freed logits).
+    terms["logits"] = 2 * mb.logit_rows * shape.vocab * compute
+    return terms
+
+
+def training_peak(cfg, shape: Shape, world: int) -> float:
+    """Bytes a training rank holds at its peak, runtime reserve aside."""
+    return Device("training", float("inf"), training_terms(cfg, shape, world), either=TRAINING_EITHER).total
+
+
+def kv_bytes_per_token(shape: Shape, dtype_bytes: int, tp: int) -> float:
+    """K and V of every layer for one token, on one of ``tp`` tensor-parallel GPUs."""
+    return 2 * shape.layers * max(1, shape.kv_heads // tp) * shape.head_dim * dtype_bytes
+
+
+def engine_utilization(cfg) -> float:
+    from trainer.generation.vllm_engine import (
+        COLOCATED_GPU_MEMORY_UTILIZATION,
+        DISAGGREGATED_GPU_MEMORY_UTILIZATION,
+    )
+
+    if cfg.generation.gpu_memory_utilization is not None:
+        return cfg.generation.gpu_memory_utilization
+    return DISAGGREGATED_GPU_MEMORY_UTILIZATION if cfg.disaggregated else COLOCATED_GPU_MEMORY_UTILIZATION
+
+
+def engine_device(cfg, shape: Shape, capacity: float, role: str) -> Device:
+    """A vLLM engine's share of one GPU: its weights (split over TP), vLLM's own activation profile
+    (about one max-length batch of logits), and the KV cache that is left, in whole sequences."""
+    tp = cfg.generation.tensor_parallel_size
+    gen = BYTES[cfg.engine_dtype]
+    share = engine_utilization(cfg) * capacity
+    weights = shape.params * gen / tp
+    seq = cfg.policy.max_total_sequence_length
+    per_seq = kv_bytes_per_token(shape, gen, tp) * seq
+    dev = Device(role, share, {"engine weights": weights, "KV cache (one sequence)": per_seq})
+    left = share - weights
+    sequences = int(left // per_seq) if per_seq else 0
+    dev.notes.append(
+        f"KV cache for {max(0, sequences)} sequences of {seq} tokens in the engine's "
+        f"{engine_utilization(cfg):g} share ({share / GiB:.1f} GiB)"
+    )
+    return dev
+
+
+# ----- the plan -------------------------------------------------------------------------------------
+
+
+@dataclass
+class Plan:
+    experiment: str
+    target: str  # "8 x H200 (a3-ultragpu-8g) per node" or "CPU"
+    shape: Shape
+    devices: list[Device]
+
+    @property
+    def fits(self) -> bool:
+        return all(d.fits for d in self.devices)
+
+
+# The key a user changes when a term is too large.
+ADVICE = {
+    "weights (sharded)": "more training GPUs (cluster.num_nodes and workerGroups.train.replicas)",
+    "gradients (sharded)": "more training GPUs (cluster.num_nodes and workerGroups.train.replicas)",
+    "optimizer (AdamW, sharded)": "more training GPUs (cluster.num_nodes and workerGroups.train.replicas)",
+    "reference policy (sharded)": "grpo.loss.reference_policy_kl_penalty=0, or more training GPUs",
+    "gathered units": "policy.reshard_after_forward=true, or policy.param_dtype=bfloat16",
+    "activations": "policy.activation_checkpointing=true, or a smaller policy.micro_batch_size",
+    "logits": "a smaller policy.micro_batch_size (or policy.max_total_sequence_length)",
+    "runtime reserve": "nothing: a fixed reserve",
+    "engine weights": "a larger generation.tensor_parallel_size",
+    "KV cache (one sequence)": "a smaller policy.max_total_sequence_length, or a larger generation.tensor_parallel_size",
+    "colocated engine (awake)": "a smaller generation.gpu_memory_utilization, or generation.placement=disaggregated",
+}
+
+
+def plan(cfg, gpu: str | None, experiment: str) -> Plan:
+    """The plan of a validated :class:`trainer.config.Config` on ``gpu`` (a GPU_MEMORY key, or None: CPU)."""
+    shape = model_shape(cfg.model.name, cfg.model.trust_remote_code)
+    world = cfg.train_world_size
+    terms = training_terms(cfg, shape, world)
+    if not cfg.cluster.use_gpus:
+        return _cpu_plan(cfg, shape, terms, experiment)
+    if gpu not in GPU_MEMORY:
+        raise PlanError(f"GPU type {gpu!r} has no memory figure; one of: {', '.join(GPU_MEMORY)} (gpu.type in the values file)")
+    capacity = GPU_MEMORY[gpu]
+    terms["runtime reserve"] = RUNTIME_RESERVE
+    train = Device("training GPU", capacity, terms, either=TRAINING_EITHER)
+    devices = [train]
+    vllm = cfg.generation.backend == "vllm"
+    if vllm and not cfg.disaggregated:
+        # Generating: the engine's share is taken beside what the policy keeps on the GPU meanwhile.
+        awake = Device("training GPU, engine awake", capacity, {
+            "weights (sharded)": terms["weights (sharded)"],
+            "optimizer (AdamW, sharded)": terms["optimizer (AdamW, sharded)"],
+            **({"reference policy (sharded)": terms["reference policy (sharded)"]} if "reference policy (sharded)" in terms else {}),
+            "colocated engine (awake)": engine_utilization(cfg) * capacity,
+            "runtime reserve": RUNTIME_RESERVE,
+        })  # fmt: skip
+        devices.append(awake)
+        devices.append(engine_device(cfg, shape, capacity, "engine's share"))
+    elif vllm:
+        devices.append(engine_device(cfg, shape, capacity, "generation GPU (engine's share)"))
+    per_node = cfg.cluster.gpus_per_node
+    return Plan(experiment, f"{per_node} x {GPU_NAMES[gpu]} per node", shape, devices)
+
+
+def _cpu_plan(cfg, shape: Shape, terms: dict[str, float], experiment: str) -> Plan:
+    """CPU ranks share one machine's memory: every rank's terms, and each engine's weights."""
+    ranks = cfg.cluster.cpu_workers_per_node
+    either = tuple(tuple(tuple(f"{k} x {ranks} ranks" for k in side) for side in pair) for pair in TRAINING_EITHER)
+    node = Device("CPU node", _host_memory(), {f"{k} x {ranks} ranks": v * ranks for k, v in terms.items()}, either=either)
+    engines = ranks if not cfg.disaggregated else cfg.num_generation_workers
+    node.terms[f"engine weights x {engines}"] = shape.params * BYTES[cfg.engine_dtype] * engines
+    return Plan(experiment, "CPU", shape, [node])
+
+
+def _host_memory() -> float:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return float("inf")
+
+
+def render(p: Plan) -> str:
+    s = p.shape
+    lines = [
+        f"{p.experiment} on {p.target}: {s.params / 1e9:.2f}B parameters ({s.layers} layers, hidden {s.hidden}, "
+        f"vocab {s.vocab}; config from {s.source})"
+    ]
+    for d in p.devices:
+        lines.append(f"  {d.role}:")
+        for name, value in sorted(d.terms.items(), key=lambda kv: -kv[1]):
+            lines.append(f"    {name:<34} {value / GiB:9.2f} GiB")
+        for a, b in d.either:
+            lines.append(f"    ({' + '.join(a)} and {' + '.join(b)} do not peak together: the larger counts)")
+        verdict = "fits" if d.fits else "does not fit"
+        lines.append(f"    {'total':<34} {d.total / GiB:9.2f} GiB of {d.capacity / GiB:.1f} GiB: {verdict}")
+        lines += [f"    ({n})" for n in d.notes]
+        if not d.fits:
+            key = ADVICE.get(d.dominant.split(" x ")[0], "a larger machine")
+            lines.append(f"    largest term: {d.dominant}; change: {key}")
+    worst = max(p.devices, key=lambda d: d.total / d.capacity)
+    word = "fits" if p.fits else "does not fit"
+    lines.append(f"plan: {word} ({worst.role} at {100 * worst.total / worst.capacity:.0f}%, largest term {worst.dominant})")
+    return "\n".join(lines)
+
+
+# ----- command line ---------------------------------------------------------------------------------
+
+
+def _gpu_of(values: Path | None) -> str | None:
+    if values is None:
+        return None
+    import yaml
+
+    doc = yaml.safe_load(values.read_text()) or {}
+    return ((doc.get("gpu") or {}).get("type")) or "b200"  # the chart's default
+
+
+def plan_for(exp: str, overrides: list[str], gpu: str | None = None) -> Plan:
+    """``exp`` as `make` takes it (a values file's stem or an experiment), with Hydra overrides."""
+    from trainer import config, submit
+
+    release = submit.resolve(exp)
+    cfg = config.load([f"experiment={release.experiment}", *overrides])
+    gpu = gpu or _gpu_of(release.values)
+    if cfg.cluster.use_gpus and gpu in (None, "none"):
+        raise PlanError(f"experiment {release.experiment} runs on GPUs but has no values file with gpu.type: give GPU=h200 or GPU=b200")
+    name = release.values.stem if release.values else release.experiment
+    return plan(cfg, gpu, name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m trainer.plan", description=__doc__.split("\n\n")[0])
+    p.add_argument("exp", nargs="?", help="a values file's stem or an experiment (none: every values file)")
+    p.add_argument("overrides", nargs="*", help="Hydra overrides, key=value")
+    p.add_argument("--gpu", choices=sorted(GPU_MEMORY), help="the GPU type, for an experiment without a values file")
+    args = p.parse_args(argv)
+    from trainer import submit
+    from trainer.config import ConfigError
+
+    exps = [args.exp] if args.exp else [v.stem for v in sorted(submit.VALUES.glob("*.yaml"))]
+    bad = 0
+    for i, exp in enumerate(exps):
+        try:
+            result = plan_for(exp, args.overrides, args.gpu)
+        except (PlanError, ConfigError, submit.SubmitError) as e:
+            print(f"kuberl: plan: {e}", file=sys.stderr)
+            return 2
+        print(("\n" if i else "") + render(result), flush=True)
+        bad += not result.fits
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -551,6 +551,10 @@ class PolicyWorker:
 
         self._reshard()  # the state dict is of the sharded parameters
         model = get_model_state_dict(self.model, options=self._state_options())
+        if self.lora is not None:  # a tied lm_head comes along under its second name despite being frozen
+            from trainer.policy.lora import is_adapter
+
+            model = {k: v for k, v in model.items() if is_adapter(k)}
         optim = {"optimizer": get_optimizer_state_dict(self.model, self.optimizer), "scheduler": self.scheduler.state_dict()}
         return model, optim
 

@@ -128,3 +128,49 @@ def test_should_name_the_key_when_policy_lora_is_bad(tiny_model_path):
     lora = load(["experiment=tiny", "policy.lora.rank=8", "policy.lora.target_modules=[q_proj,c_attn]"]).policy.lora
     with pytest.raises(ConfigError, match=r"^policy\.lora\.target_modules: .* no linear layer named 'c_attn'"):
         apply(load_model(tiny_model_path, "float32"), lora)
+
+
+IDS = torch.tensor([[2, 5, 10, 20, 3, 7, 33, 41], [2, 11, 12, 13, 14, 15, 16, 17]])  # (B, T) token ids
+
+
+def test_should_give_the_policys_logits_when_a_lora_checkpoint_converts_to_an_adapter_or_a_merged_model(
+    worker, tiny_model_path, tmp_path
+):
+    import json
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from trainer import eval as trainer_eval
+    from trainer.checkpoint import FORMAT, write_marker
+    from trainer.convert import convert
+
+    samples = _samples()
+    for _ in range(2):
+        for s, lp in zip(samples, worker.compute_logprobs(samples)):
+            s.old_logprobs = lp
+        for s, lp in zip(samples, worker.compute_logprobs(samples, reference=True)):
+            s.ref_logprobs = lp
+        _train(worker, samples)
+    step = tmp_path / "step_2"
+    worker.save_checkpoint(str(step))
+    (step / "training_info.json").write_text(json.dumps({"step": 2, "checkpoint_format": FORMAT}))
+    write_marker(step, 2)  # as the driver commits it
+    worker._reshard()
+    with torch.no_grad():
+        want = worker.model(input_ids=IDS).logits
+        base_logits = AutoModelForCausalLM.from_pretrained(tiny_model_path)(input_ids=IDS).logits
+    assert (want - base_logits).abs().max() > 1e-3  # the adapters matter
+
+    convert(step, tmp_path / "adapter")
+    convert(step, tmp_path / "merged", merge=True)
+    with torch.no_grad():
+        peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_path), tmp_path / "adapter")
+        assert torch.allclose(peft_model(input_ids=IDS).logits, want, atol=1e-5)  # plain peft loads it
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+        assert torch.allclose(merged(input_ids=IDS).logits, want, atol=1e-5)
+    # trainer.eval serves the adapter directory over its base (the one its config names)
+    args = trainer_eval.parse_args([f"model={tmp_path / 'adapter'}", "data=arithmetic", "dtype=float32"])
+    engine = trainer_eval.build_engine(args, trainer_eval.resolve_model_path(args.model))
+    with torch.no_grad():
+        assert torch.allclose(engine.model(input_ids=IDS).logits, want, atol=1e-5)

@@ -166,6 +166,29 @@ def is_adapter_dir(path: str) -> bool:
     return os.path.isfile(os.path.join(path, CONFIG_FILE))
 
 
+def has_tokenizer(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, "tokenizer_config.json"))
+
+
+def read_adapter_base(directory: str) -> str | None:
+    """The base model an adapter directory names (``base_model_name_or_path``), if any."""
+    with open(os.path.join(directory, CONFIG_FILE)) as f:
+        return json.load(f).get("base_model_name_or_path") or None
+
+
+def policy_name(peft: str) -> str:
+    """The inverse of :func:`peft_name`."""
+    name = peft.removeprefix(PEFT_PREFIX)
+    return name.replace(".lora_A.weight", f".lora_A.{ADAPTER}.weight").replace(".lora_B.weight", f".lora_B.{ADAPTER}.weight")
+
+
+def load_adapter(directory: str) -> list[tuple[str, torch.Tensor]]:
+    """The adapter tensors of a PEFT adapter directory, under the policy's names."""
+    from safetensors.torch import load_file
+
+    return [(policy_name(n), t) for n, t in load_file(os.path.join(directory, ADAPTER_FILE)).items()]
+
+
 @torch.no_grad()
 def merged_state_dict(state: dict[str, torch.Tensor], lora: LoRAConfig) -> dict[str, torch.Tensor]:
     """Policy state (base and adapters, policy names) -> plain Hugging Face weights with each adapter

@@ -76,7 +76,7 @@ def check_model(model_path: str, lora: LoRAConfig, trust_remote_code: bool = Fal
 
 
 def apply(model: torch.nn.Module, lora: LoRAConfig) -> torch.nn.Module:
-    """Inject adapters into ``model`` in place and freeze everything else. The adapters start as peft
+    """Inject adapters into ``model`` in place and freeze everything else; the adapters in float32. The adapters start as peft
     starts them (A random, B zero: the adapted model equals the base), from torch's global generator, so
     ranks seeded alike get equal adapters."""
     from peft import inject_adapter_in_model
@@ -85,6 +85,10 @@ def apply(model: torch.nn.Module, lora: LoRAConfig) -> torch.nn.Module:
     inject_adapter_in_model(peft_config(lora), model, adapter_name=ADAPTER)
     for name, param in model.named_parameters():
         param.requires_grad_(is_adapter(name))
+        if is_adapter(name) and param.dtype in (torch.bfloat16, torch.float16):
+            # Frozen base weights may be bf16 (half the memory; they never take an update), but the
+            # adapters are master weights: bf16 would round away small updates (peft computes in their dtype).
+            param.data = param.data.float()
     return model
 
 

@@ -428,7 +428,6 @@ def run(args: EvalArgs, *, engine=None, tokenizer=None) -> dict[str, Any]:
         raise EvalError(f"data={args.data}: {text[0] if text else type(e).__name__}{hint}") from None
     if tokenizer is None:
         from trainer.models import load_tokenizer
-
         from trainer.policy.lora import has_tokenizer, is_adapter_dir, read_adapter_base
 
         tok_path = args.tokenizer or model_path

@@ -222,3 +222,27 @@ def test_should_start_fresh_in_a_new_run_dir_without_deleting_when_resume_is_nev
     assert "starting a fresh run (resume=never" in again.stdout
     assert len(list((tmp_path / "logs" / "tiny").iterdir())) == 2
     assert (tmp_path / "ckpt" / "tiny" / "step_2").is_dir()
+
+
+# ----- LoRA: the checkpoint holds the adapters and their optimizer state, the base is the model's files
+
+LORA = ("policy.lora.rank=8", "model.name='builtin:tiny?embed_scale=3'", "grpo.loss.reference_policy_kl_penalty=0.01")
+
+
+def test_should_match_an_uninterrupted_run_when_a_lora_run_is_killed_and_resumed(tmp_path_factory):
+    """SIGKILL with step 4 written but not committed; resumed from step 2, the adapters (and the
+    reference computed with them off) must train on as in a run never stopped."""
+    whole = tmp_path_factory.mktemp("lora-uninterrupted")
+    _run(whole, *LORA)
+    reference = _weights(whole / "ckpt" / "tiny" / f"step_{STEPS}"), _rewards(whole), _prompts(whole)
+    assert reference[0] and all(".lora_A." in k or ".lora_B." in k for k in reference[0])  # adapters only
+    tmp = tmp_path_factory.mktemp("lora-killed")
+    proc = _start(tmp, *LORA, faults="hold_before_marker=4")
+    try:
+        _read_until(proc, "fault: holding step 4 before its commit marker")
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    resumed = _run(tmp, *LORA)
+    assert f"kuberl: resumed from {tmp / 'ckpt' / 'tiny' / 'step_2'} (step 2," in resumed.stdout
+    _assert_same_run(tmp, reference)

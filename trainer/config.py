@@ -143,6 +143,28 @@ class GRPOConfig:
 
 
 @dataclass
+class LoRAConfig:
+    # Low-rank adapters (peft) on the policy instead of full fine-tuning: only the adapters train, the
+    # base weights stay frozen (still FSDP-sharded), the KL reference is the base with the adapters off,
+    # and a refit moves the adapters alone. rank null: full fine-tuning (no other key here matters).
+    rank: int | None = None
+    alpha: float | None = None  # scaling is alpha / rank; null: 2 x rank
+    dropout: float = 0.0
+    # Linear layers (their last name component) that get an adapter; every one must exist in the model.
+    target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank is not None
+
+    @property
+    def scaling_alpha(self) -> float:
+        return float(self.alpha) if self.alpha is not None else 2.0 * (self.rank or 0)
+
+
+@dataclass
 class PolicyConfig:
     learning_rate: float = 1e-6
     weight_decay: float = 0.01
@@ -168,6 +190,7 @@ class PolicyConfig:
     # whose samples all scored the same). The loss is still the mean over the whole batch, so the
     # update is the same. Applies only without a KL penalty, which gives every sample a gradient.
     skip_zero_advantage: bool = True
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
 
 @dataclass
@@ -602,6 +625,42 @@ def check_name(key: str, name: Any, registry: Iterable[Any]) -> None:
     _one_of(key, name, registry)
 
 
+# The adapter ranks vLLM 0.32 can be started with (vllm/config/lora.py, ``MaxLoRARanks``): its
+# max_lora_rank is the smallest of these that holds policy.lora.rank.
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def _validate_lora(lora: LoRAConfig, gen: GenerationConfig) -> None:
+    if not lora.enabled:
+        return
+    _require(
+        isinstance(lora.rank, int) and lora.rank >= 1,
+        f"policy.lora.rank={lora.rank} must be >= 1, or null for full fine-tuning",
+    )
+    _require(lora.alpha is None or lora.alpha > 0, f"policy.lora.alpha={lora.alpha} must be > 0, or null (2 x rank)")
+    _require(0 <= lora.dropout < 1, f"policy.lora.dropout={lora.dropout} must be in [0, 1)")
+    _require(
+        bool(lora.target_modules) and all(isinstance(m, str) and m for m in lora.target_modules),
+        f"policy.lora.target_modules={lora.target_modules} must name at least one linear layer (e.g. q_proj)",
+    )
+    if gen.backend == "vllm":
+        _require(
+            lora.rank <= VLLM_LORA_RANKS[-1],
+            f"policy.lora.rank={lora.rank}: generation.backend=vllm serves adapters up to rank "
+            f"{VLLM_LORA_RANKS[-1]}; lower it or use generation.backend=hf",
+        )
+        for key in ("enable_lora", "max_lora_rank", "max_loras"):
+            _require(
+                key not in gen.vllm_kwargs,
+                f"generation.vllm_kwargs.{key}: set by kuberl from policy.lora; remove it",
+            )
+
+
+def vllm_max_lora_rank(rank: int) -> int:
+    """vLLM's ``max_lora_rank`` for an adapter of ``rank``: the smallest allowed value that holds it."""
+    return next(r for r in VLLM_LORA_RANKS if r >= rank)
+
+
 def _validate(c: Config) -> None:
     g, loss, p, gen, cl = c.grpo, c.grpo.loss, c.policy, c.generation, c.cluster
     # --- GRPO
@@ -686,6 +745,7 @@ def _validate(c: Config) -> None:
         f"policy.max_total_sequence_length={p.max_total_sequence_length} must exceed "
         f"generation.max_new_tokens={gen.max_new_tokens} to leave room for the prompt",
     )
+    _validate_lora(p.lora, gen)
     # --- generation
     _one_of("generation.backend", gen.backend, ("hf", "vllm"))
     _one_of("generation.placement", gen.placement, ("colocated", "disaggregated"))

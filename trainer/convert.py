@@ -16,6 +16,13 @@ renamings, as ``save_pretrained`` does. Like NeMo-RL's ``convert_dcp_to_hf`` and
 the output loads with ``AutoModelForCausalLM.from_pretrained``; unlike their whole-state-dict loads,
 it streams.
 
+A LoRA run's checkpoint (``policy.lora``; ``policy/lora.json`` says so) holds the adapters alone. It
+converts to a PEFT adapter directory (``adapter_config.json``, ``adapter_model.safetensors``, the
+tokenizer), which plain ``peft`` (``PeftModel.from_pretrained``) and vLLM load over the base model; or,
+with ``--merge``, to a Hugging Face model with the adapters folded into the base weights
+(``W + alpha/r * B @ A``, in float32), read from the base model the run trained (``--base`` overrides
+it). The merge holds the whole model in memory, unlike the streamed conversion above.
+
 Only committed checkpoints convert: a ``step_N`` without the ``COMMITTED`` marker (a save that was
 cut off, see :mod:`trainer.checkpoint`) is refused with the latest complete step to use instead.
 
@@ -230,6 +237,8 @@ def convert(
     max_shard_size: str | int = "2GB",
     dtype: str | None = None,
     overwrite: bool = False,
+    merge: bool = False,
+    base: str | None = None,
 ) -> dict:
     """Write the HF model directory ``output`` from the ``step_N`` directory ``checkpoint``.
 
@@ -252,6 +261,13 @@ def convert(
         raise ConvertError(f"--output {str(out)!r} is a file; pass a directory path")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise ConvertError(f"--output {str(out)!r} exists and is not empty; pass --overwrite or another path")
+    lora_file = ckpt / "policy" / "lora.json"
+    if lora_file.is_file():
+        return _convert_lora(ckpt, out, json.loads(lora_file.read_text()), out_dtype, merge, base, t0)
+    if merge or base:
+        raise ConvertError(
+            f"--merge/--base: checkpoint {str(ckpt)!r} is of full weights, not a LoRA run; drop them"
+        )
 
     weights = ckpt / WEIGHTS
     entries = read_entries(weights)
@@ -317,6 +333,83 @@ def convert(
     seconds = time.monotonic() - t0
     print(f"convert: wrote {out} ({len(shards)} shard(s), {_human(total)}) in {seconds:.1f}s", flush=True)
     return {"output": str(out), "shards": names, "tensors": len(entries), "bytes": total, "seconds": seconds}
+
+
+def _convert_lora(ckpt: Path, out: Path, info: dict, out_dtype, merge: bool, base: str | None, t0: float) -> dict:
+    """A LoRA checkpoint -> a PEFT adapter directory, or (``merge``) a merged Hugging Face model."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from trainer.config import LoRAConfig
+    from trainer.policy import lora as lora_mod
+
+    lora = LoRAConfig(**info["lora"])
+    weights = ckpt / WEIGHTS
+    entries = read_entries(weights)
+    if not entries or not all(lora_mod.is_adapter(e.name) for e in entries):
+        raise ConvertError(f"checkpoint {str(ckpt)!r}: policy/lora.json says LoRA, but {WEIGHTS} is not adapters alone")
+    adapters = {e.name: torch.empty(e.shape, dtype=e.dtype) for e in entries}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(adapters, storage_reader=FileSystemReader(str(weights)), no_dist=True)
+    base_path = base or info.get("model_path") or info.get("model_name")
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        if merge:
+            what = _write_merged(tmp, adapters, lora, base_path, ckpt, out_dtype)
+        else:
+            cast = {n: (t.to(out_dtype) if out_dtype else t) for n, t in adapters.items()}
+            lora_mod.save_adapter(str(tmp), cast.items(), lora, base or info.get("model_name") or base_path)
+            what = f"PEFT adapter, rank {lora.rank}, {len(adapters)} tensors"
+        _copy_files(ckpt / TOKENIZER, tmp)
+        for path in tmp.rglob("*"):
+            path.chmod(0o755 if path.is_dir() else 0o644)
+        tmp.chmod(0o755)
+        _replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    seconds = time.monotonic() - t0
+    print(f"convert: {ckpt} -> {out}: {what} in {seconds:.1f}s", flush=True)
+    return {"output": str(out), "tensors": len(adapters), "seconds": seconds, "merged": merge}
+
+
+def _write_merged(tmp: Path, adapters: dict, lora, base_path: str | None, ckpt: Path, out_dtype) -> str:
+    """The base model with ``adapters`` folded in, saved with ``save_pretrained`` into ``tmp``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from trainer.models import resolve_model
+    from trainer.policy import lora as lora_mod
+
+    try:
+        path = base_path if base_path and Path(base_path).is_dir() else resolve_model(base_path or "")
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    except Exception as e:
+        raise ConvertError(
+            f"--merge: the base model {base_path!r} cannot be loaded ({str(e).splitlines()[0]}); pass --base DIR"
+        ) from None
+    model.config.tie_word_embeddings = getattr(model.config, "tie_word_embeddings", False)
+    state = {name: t for name, t in model.state_dict().items()}
+    policy_state = {}
+    for name, t in state.items():  # policy names: an adapted module's weight sits under base_layer
+        module = name.rsplit(".", 1)[0]
+        if f"{module}.lora_A.{lora_mod.ADAPTER}.weight" in adapters:
+            name = f"{module}.base_layer.{name.rsplit('.', 1)[1]}"
+        policy_state[name] = t
+    missing = [n for n in adapters if n.replace(f".lora_A.{lora_mod.ADAPTER}.", ".").replace(f".lora_B.{lora_mod.ADAPTER}.", ".")
+               not in state]
+    if missing:
+        raise ConvertError(f"--merge: the base model at {path} has no module for adapter {missing[0]}; pass --base DIR")
+    merged = lora_mod.merged_state_dict({**policy_state, **adapters}, lora)
+    model.load_state_dict(merged, strict=True)
+    if out_dtype is not None:
+        model = model.to(out_dtype)
+    model.save_pretrained(str(tmp))
+    return f"merged into {path} (rank {lora.rank})"
 
 
 def _human(n: int) -> str:
@@ -396,6 +489,11 @@ def main(argv: list[str] | None = None) -> int:
         "--dtype", choices=_DTYPES, default=None, help="cast the weights (default: as stored)"
     )
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --output")
+    parser.add_argument(
+        "--merge", action="store_true",
+        help="LoRA checkpoints: write a Hugging Face model with the adapters merged (default: a PEFT adapter directory)",
+    )
+    parser.add_argument("--base", default=None, help="LoRA checkpoints: the base model (default: the run's model)")
     args = parser.parse_args(argv)
     try:
         convert(
@@ -404,6 +502,8 @@ def main(argv: list[str] | None = None) -> int:
             max_shard_size=args.max_shard_size,
             dtype=args.dtype,
             overwrite=args.overwrite,
+            merge=args.merge,
+            base=args.base,
         )
     except ConvertError as e:
         print(f"kuberl: error: {e}", file=sys.stderr, flush=True)

@@ -45,7 +45,9 @@ DEFAULT_SPLIT = {"openmathinstruct2": "train", "local": "train"}
 
 USAGE = """usage: python -m trainer.eval model=PATH_OR_HF_ID data=DATASET [key=value ...]
 
-  model=                  a model directory (e.g. from `make convert`), a hub id, or builtin:/embedded: name
+  model=                  a model directory (e.g. from `make convert`), a hub id, or builtin:/embedded: name;
+                          or a PEFT adapter directory (`make convert` of a LoRA run), served over base=
+  base=                   with an adapter directory: the model it adapts (default: the one its config names)
   data=                   {datasets}
   data_path=              a local .jsonl/.parquet file or directory instead of the hub (required for local)
   split=                  dataset split (default: test; train for openmathinstruct2)
@@ -185,6 +187,7 @@ def format_block(
 class EvalArgs:
     model: str
     data: str
+    base: str | None = None  # model= is a PEFT adapter directory: the model it adapts (default: its config's)
     data_path: str | None = None
     split: str | None = None
     reward: str | None = None
@@ -342,6 +345,10 @@ def resolve_model_path(name: str) -> str:
     from trainer.models import ModelNotFoundError, resolve_model
 
     local = Path(name).expanduser()
+    from trainer.policy.lora import is_adapter_dir
+
+    if local.is_dir() and is_adapter_dir(str(local)):
+        return str(local)  # an adapter: build_engine serves it over its base model
     if local.is_dir() and not (local / "config.json").is_file():
         if (local / "policy" / "weights").is_dir() or any(local.glob("step_*/policy")):
             raise EvalError(
@@ -377,18 +384,31 @@ def build_engine(args: EvalArgs, model_path: str):
         gpu_memory_utilization=args.gpu_memory_utilization,
         batch_size=args.batch_size,
     )
+    from trainer.policy import lora
+
+    adapter, lora_cfg = None, None
+    if lora.is_adapter_dir(model_path):
+        adapter, lora_cfg = model_path, lora.read_adapter_config(model_path)
+        base = args.base or lora.read_adapter_base(model_path)
+        if not base:
+            raise EvalError(f"model={args.model!r} is an adapter that names no base model; pass base=MODEL")
+        model_path = resolve_model_path(base)
     spec = EngineSpec(
         model_path=model_path,
         dtype=dtype,
         seed=args.seed,
         trust_remote_code=args.trust_remote_code,
-        tokenizer_path=args.tokenizer,
+        tokenizer_path=args.tokenizer or (adapter if adapter and lora.has_tokenizer(adapter) else None),
         device=torch.device("cuda", 0) if cuda else torch.device("cpu"),
+        lora=lora_cfg,
     )
     try:
-        return build_engine(gen, spec)
+        engine = build_engine(gen, spec)
     except ImportError as e:
         raise EvalError(f"backend={args.backend} is not available here ({e}); use backend=hf") from None
+    if adapter:
+        engine.update_adapter(lora.load_adapter(adapter))
+    return engine
 
 
 def run(args: EvalArgs, *, engine=None, tokenizer=None) -> dict[str, Any]:
@@ -408,9 +428,13 @@ def run(args: EvalArgs, *, engine=None, tokenizer=None) -> dict[str, Any]:
         raise EvalError(f"data={args.data}: {text[0] if text else type(e).__name__}{hint}") from None
     if tokenizer is None:
         from trainer.models import load_tokenizer
+        from trainer.policy.lora import has_tokenizer, is_adapter_dir, read_adapter_base
 
+        tok_path = args.tokenizer or model_path
+        if not args.tokenizer and is_adapter_dir(model_path) and not has_tokenizer(model_path):
+            tok_path = resolve_model_path(args.base or read_adapter_base(model_path) or model_path)
         tokenizer = _load(
-            lambda: load_tokenizer(args.tokenizer or model_path, args.trust_remote_code),
+            lambda: load_tokenizer(tok_path, args.trust_remote_code),
             "tokenizer",
             args.tokenizer or args.model,
         )

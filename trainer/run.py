@@ -234,6 +234,10 @@ class TrainState:
         if resume and int(info["step"]) >= cfg.grpo.max_num_steps:
             raise NothingToDo(int(info["step"]))
         self.model_path = resolve_model(cfg.model.name)
+        if cfg.policy.lora.enabled:  # a target the model lacks: one line now, not a traceback from every rank
+            from trainer.policy.lora import check_model
+
+            check_model(self.model_path, cfg.policy.lora, cfg.model.trust_remote_code)
         print(f"kuberl: precision: {cfg.precision_summary()}", flush=True)
         warning = precision_warning(cfg)
         if warning:

@@ -57,6 +57,11 @@ class GenerationEngine(Protocol):
         whatever layout the sender has; the engine maps them onto its own (vLLM fuses q/k/v)."""
         ...
 
+    def update_adapter(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """LoRA (an engine built with ``EngineSpec.lora``): load the policy's new adapters, every adapter
+        tensor under the policy's name (``...q_proj.lora_A.default.weight``); the base stays as it is."""
+        ...
+
     def sleep(self) -> None:
         """Free what generation holds (KV cache, weights) while the policy trains; idempotent; frees
         nothing where unsupported."""

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer.config import ConfigError, GenerationConfig
+from trainer.config import ConfigError, GenerationConfig, LoRAConfig
 from trainer.generation.base import GenerationEngine
 
 
@@ -31,6 +31,9 @@ class EngineSpec:
     threads: int | None = None       # CPU threads the engine may use (None: all of this process's)
     base_model: torch.nn.Module | None = None  # hf: copy these already loaded weights instead of reading the files
     weights_from_another_process: bool = False  # disaggregated: vLLM opens its weight-transfer receiver
+    # policy.lora when enabled: the engine serves the base with the policy's adapters, and refits take the
+    # adapters alone (update_adapter / receive_adapter). hf: base_model comes with them already injected.
+    lora: LoRAConfig | None = None
 
 
 def _build_hf(gen: GenerationConfig, spec: EngineSpec) -> GenerationEngine:
@@ -44,6 +47,10 @@ def _build_hf(gen: GenerationConfig, spec: EngineSpec) -> GenerationEngine:
         model = copy.deepcopy(spec.base_model).to(device, dtype=DTYPES[spec.dtype])
     else:
         model = load_model(spec.model_path, spec.dtype, spec.trust_remote_code).to(device)
+        if spec.lora is not None:
+            from trainer.policy.lora import apply
+
+            apply(model, spec.lora)  # B = 0: the base until the first refit brings the policy's adapters
     tokenizer = load_tokenizer(spec.tokenizer_path or spec.model_path, spec.trust_remote_code)
     return HFGenerationEngine(model, tokenizer, gen.batch_size)
 
@@ -60,6 +67,7 @@ def _build_vllm(gen: GenerationConfig, spec: EngineSpec) -> GenerationEngine:
         spec.threads,
         weight_transfer=spec.weights_from_another_process,
         colocated=spec.colocated,
+        lora=spec.lora,
     )
 
 

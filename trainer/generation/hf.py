@@ -315,6 +315,19 @@ class HFGenerationEngine:
         if self._packed:
             packed.repack(self.model)
 
+    @torch.no_grad()
+    def update_adapter(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """LoRA: the adapters are applied, not merged (the model carries the same peft layers as the
+        policy): each new tensor is copied into its adapter; the base weights stay."""
+        params = dict(self.model.named_parameters())
+        for name, tensor in named_tensors:
+            target = params.get(name)
+            if target is None:
+                raise KeyError(f"update_adapter: the generation model has no adapter tensor {name!r}")
+            target.copy_(tensor.to(device=target.device, dtype=target.dtype))
+        if self._packed:  # the adapters' own linears are packed too (bf16 on CPU)
+            packed.repack(self.model)
+
     # The model lives in this process's memory and nothing can be freed while keeping it: no-ops.
     def sleep(self) -> None:
         pass

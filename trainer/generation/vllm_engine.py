@@ -31,6 +31,16 @@ parameter, updates through vLLM's layerwise reload instead, which runs the layer
 (:func:`needs_layerwise_reload`). Either way the prefix cache is reset after every update: it holds
 keys/values computed with the old weights.
 
+LoRA (``lora``: ``policy.lora``): the engine starts with ``enable_lora`` (``max_lora_rank`` the smallest vLLM
+rank that holds the adapter, one adapter slot) and serves the base weights with the policy's adapter, which a
+refit replaces without touching the base: :meth:`VLLMGenerationEngine.update_adapter` (colocated) writes it as
+a PEFT adapter directory on the host (``/dev/shm`` where there is one) and loads it in place under one adapter
+id (``LoRARequest(load_inplace=True)``, through ``add_lora``: loaded once per refit, not per step);
+:meth:`VLLMGenerationEngine.receive_adapter` (disaggregated) takes it over the weight-transfer group as full
+weights travel, in its own buckets, into a collector instead of the model, then loads it the same way. Every
+generation request carries the adapter's ``LoRARequest``; the prefix cache is reset after every refit. vLLM
+0.32 serves LoRA on CPU too (``PunicaWrapperCPU``, vllm/platforms/cpu.py; LoRA turns its compilation off).
+
 Sleep mode (:func:`sleep_mode`): only a colocated engine on a GPU sleeps for real, with the memory share
 ``COLOCATED_GPU_MEMORY_UTILIZATION``; the policy rank puts it to sleep before its own forwards and at the
 refit wakes the weights, loads, then wakes the KV cache (:meth:`VLLMGenerationEngine.wake_up`). Every
@@ -51,7 +61,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from trainer.config import ConfigError, GenerationConfig
+from trainer.config import ConfigError, GenerationConfig, LoRAConfig, vllm_max_lora_rank
 from trainer.generation.base import Completion, SamplingParams
 from trainer.generation.weight_transport import vllm_transfer_backend
 
@@ -151,7 +161,7 @@ def resolve_gpu_memory_utilization(gen: GenerationConfig, colocated: bool) -> fl
 
 
 def llm_kwargs(model_path, gen: GenerationConfig, dtype, seed, max_model_len, on_cpu, weight_transfer,
-               colocated: bool = False) -> dict:
+               colocated: bool = False, lora: LoRAConfig | None = None) -> dict:
     """The arguments of the engine's ``vllm.LLM``: the engine's own settings, then ``generation.vllm_kwargs``.
     ``colocated``: the engine shares its GPU with a policy rank (sleep mode, the colocated utilization)."""
     kwargs = dict(
@@ -171,6 +181,9 @@ def llm_kwargs(model_path, gen: GenerationConfig, dtype, seed, max_model_len, on
         from vllm.config import WeightTransferConfig
 
         kwargs["weight_transfer_config"] = WeightTransferConfig(backend=vllm_transfer_backend(not on_cpu))
+    if lora is not None:
+        # one adapter, the policy's; config validation keeps these keys out of vllm_kwargs
+        kwargs.update(enable_lora=True, max_lora_rank=vllm_max_lora_rank(lora.rank), max_loras=1, max_cpu_loras=1)
     kwargs.update(gen.vllm_kwargs)  # the user's word is last
     if gen.tensor_parallel_size > 1:
         kwargs["distributed_executor_backend"] = gen.vllm_kwargs.get("distributed_executor_backend", "mp")
@@ -214,8 +227,12 @@ class VLLMGenerationEngine:
         *,
         weight_transfer: bool = False,
         colocated: bool = False,
+        lora: LoRAConfig | None = None,
     ):
         self._llm = None
+        self.lora = lora
+        self._lora_request = None  # the policy's adapter, once a refit brought one (before: B = 0, the base)
+        self._adapter_dir: str | None = None
         self._cache_root: str | None = None
         self._owns_dist = False
         self.model_path = model_path
@@ -260,7 +277,7 @@ class VLLMGenerationEngine:
         if weight_transfer_enabled := self.weight_transfer:
             check_transfer_backend(vllm_transfer_backend(not self.on_cpu))
         kwargs = llm_kwargs(model_path, gen, dtype, seed, max_model_len, self.on_cpu, weight_transfer_enabled,
-                            colocated=self.colocated)
+                            colocated=self.colocated, lora=self.lora)
         self._owns_dist = not (torch.distributed.is_available() and torch.distributed.is_initialized())
         # vLLM's CPU worker drops torch to 1 thread "for serving" and replaces torch.set_num_threads with a
         # no-op for the rest of the process; colocated training still needs both, so they are restored.
@@ -349,6 +366,9 @@ class VLLMGenerationEngine:
         if self._cache_root:
             shutil.rmtree(self._cache_root, ignore_errors=True)
             self._cache_root = None
+        if self._adapter_dir:
+            shutil.rmtree(self._adapter_dir, ignore_errors=True)
+            self._adapter_dir = None
 
     def __enter__(self) -> VLLMGenerationEngine:
         return self
@@ -385,7 +405,8 @@ class VLLMGenerationEngine:
         result = []
         for part, seed in self._seedable_parts(prompts, n, params.seed):
             outputs = self._llm.generate(
-                [{"prompt_token_ids": list(prompts[i])} for i in part], sampling(seed), use_tqdm=False
+                [{"prompt_token_ids": list(prompts[i])} for i in part], sampling(seed), use_tqdm=False,
+                lora_request=self._lora_request,
             )
             for out in outputs:  # in prompt order
                 samples = sorted(out.outputs, key=lambda o: o.index)
@@ -452,6 +473,46 @@ class VLLMGenerationEngine:
             finish_weight_update(model, model_config, layerwise, self._tied)
         self._llm.reset_prefix_cache()  # cached keys/values were computed with the old weights
 
+    # ----- LoRA adapters ----------------------------------------------------------------------------
+
+    def update_adapter(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """LoRA: the policy's new adapters (policy names), written as a PEFT adapter directory and loaded in
+        place of the last (module docstring). The base weights are not touched."""
+        from trainer.policy.lora import save_adapter
+
+        self.wake_up(tags=["weights"])
+        save_adapter(self._adapter_path(), named_tensors, self._need_lora(), self.model_path)
+        self._load_adapter()
+
+    def receive_adapter(self, update_info: dict) -> None:
+        """LoRA, disaggregated: receive the adapters over the weight-transfer group (every tensor-parallel
+        worker takes part, as for full weights; ``update_info`` names the adapter tensors), then load them."""
+        path = self._adapter_path()
+        self._llm.collective_rpc(_receive_adapter, args=(update_info, path, self._need_lora(), self.model_path))
+        self._load_adapter()
+
+    def _need_lora(self) -> LoRAConfig:
+        if self.lora is None:
+            raise RuntimeError("this vLLM engine was built without lora: it serves no adapter")
+        return self.lora
+
+    def _adapter_path(self) -> str:
+        if self._adapter_dir is None:  # the host's memory where it has a tmpfs: megabytes, written per refit
+            root = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+            self._adapter_dir = tempfile.mkdtemp(prefix="kuberl-adapter-", dir=root)
+        return self._adapter_dir
+
+    def _load_adapter(self) -> None:
+        from vllm.lora.request import LoRARequest
+
+        # One id for every refit, loaded in place: requests then find it loaded (load_inplace=False on
+        # theirs), where load_inplace on the requests themselves would re-read it at every engine step.
+        self._llm.llm_engine.add_lora(
+            LoRARequest(lora_name="policy", lora_int_id=1, lora_path=self._adapter_dir, load_inplace=True)
+        )
+        self._lora_request = LoRARequest(lora_name="policy", lora_int_id=1, lora_path=self._adapter_dir)
+        self._llm.reset_prefix_cache()  # cached keys/values were computed with the old adapter
+
     def _worker(self):
         executor = self._llm.llm_engine.model_executor
         worker = getattr(executor, "driver_worker", None)
@@ -481,6 +542,40 @@ class VLLMGenerationEngine:
         finally:
             self._llm.finish_weight_update()
         self._llm.reset_prefix_cache()
+
+
+class _Collector(torch.nn.Module):
+    """A weight-update target that keeps what it is given (the adapters), instead of loading a model."""
+
+    def __init__(self):
+        super().__init__()
+        self.tensors: list[tuple[str, torch.Tensor]] = []
+
+    def load_weights(self, weights) -> set[str]:
+        names = set()
+        for name, tensor in weights:
+            self.tensors.append((name, tensor.detach().to("cpu", copy=True)))
+            names.add(name)
+        return names
+
+
+def _receive_adapter(worker, update_info: dict, path: str, lora: LoRAConfig, base_model: str) -> None:
+    """On every vLLM worker (``collective_rpc``): the weight-transfer engine receives the adapters as it
+    receives weights, its target a :class:`_Collector`; the first tensor-parallel worker writes them."""
+    from trainer.policy.lora import save_adapter
+
+    worker = getattr(worker, "worker", worker)  # the wrapper's worker (the uni executor passes the wrapper)
+    engine = getattr(worker, "weight_transfer_engine", None)
+    if engine is None:
+        raise RuntimeError("receive_adapter: the engine was built without weight_transfer=True")
+    collector = _Collector()
+    engine.set_weight_update_target(collector, engine.model_config)
+    try:
+        engine.update_weights(update_info)
+    finally:
+        engine.reset_weight_update_target()
+    if worker.rank == 0:
+        save_adapter(path, collector.tensors, lora, base_model)
 
 
 # ----- weight-update steps shared with the gloo receiver ---------------------------------------------

@@ -41,7 +41,9 @@ class GenerationWorker:
             tokenizer_path=cfg.model.tokenizer,
             device=self.device,
             threads=threads,
+            lora=cfg.policy.lora if cfg.policy.lora.enabled else None,
         )
+        self.lora = spec.lora is not None
         self.engine = build_engine(cfg.generation, spec)
 
     def address(self) -> tuple[str, int]:
@@ -64,13 +66,16 @@ class GenerationWorker:
 
     @torch.no_grad()
     def receive_weights(self, update_info: dict) -> None:
+        """One refit: the full weights, or with LoRA the adapters alone (``update_info`` names them), over
+        the same transport and in buckets of their own."""
         if self.sync is None:
-            self.engine.receive_weights(update_info)
+            (self.engine.receive_adapter if self.lora else self.engine.receive_weights)(update_info)
             return
         from trainer.generation.weight_transport import WeightMeta, receive_tensors
 
         meta = WeightMeta.from_update_info(update_info)
-        self.engine.update_weights(receive_tensors(self.sync, meta, self.buffer_bytes))
+        tensors = receive_tensors(self.sync, meta, self.buffer_bytes)
+        (self.engine.update_adapter if self.lora else self.engine.update_weights)(tensors)
 
     def close_weight_sync(self) -> None:
         """Leave the weight group together with the policy's rank 0 (the driver calls both at once)."""

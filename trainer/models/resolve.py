@@ -25,7 +25,7 @@ TINY_VERSION = 2
 
 EMBEDDED = {"smollm2-135m-instruct"}
 BUILTIN = {"tiny"}
-_TINY_PARAMS = {"hidden_size", "num_layers", "num_heads", "intermediate_size", "seed"}
+_TINY_PARAMS = {"hidden_size", "num_layers", "num_heads", "intermediate_size", "seed", "embed_scale"}
 
 
 def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:

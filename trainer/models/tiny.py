@@ -53,10 +53,17 @@ def build_tiny_model(
     intermediate_size: int | None = None,
     seed: int = 0,
     vocab_chars: str = DEFAULT_VOCAB_CHARS,
+    embed_scale: int = 1,
 ) -> str:
     """Write a tiny Llama (safetensors, config, generation config) and its tokenizer to ``out_dir``.
 
     The weights depend only on the arguments: the same ``seed`` gives the same tensors.
+
+    ``embed_scale`` multiplies the (tied) embeddings after initialisation. At 1 the logits span about
+    +-1.3 (an RMS-normed hidden state of norm sqrt(hidden_size) = 8 against embedding rows of norm 0.16),
+    so a policy that cannot change the embeddings, the final norm or lm_head (LoRA on the linear layers)
+    tops out near p = 0.07 for any token; at 3 it can reach p ~ 0.5 while the start stays near uniform
+    (at 12 the random model is confidently wrong on every prompt and never earns a reward).
     """
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
@@ -80,6 +87,9 @@ def build_tiny_model(
     with torch.random.fork_rng(devices=[]):  # leave the caller's RNG stream untouched
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config).to(torch.float32)
+        if embed_scale != 1:
+            with torch.no_grad():
+                model.model.embed_tokens.weight.mul_(embed_scale)
     model.generation_config = GenerationConfig(
         bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
     )

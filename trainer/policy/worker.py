@@ -2,7 +2,9 @@
 
 Each rank holds a shard of the policy (``fully_shard`` on every decoder layer, then the root), its
 optimizer state, and optionally a frozen, sharded reference model for the KL penalty (none at all
-when the penalty is 0). Every method that touches the sharded model is a collective: the driver
+when the penalty is 0). With ``policy.lora`` the policy carries adapters (:mod:`trainer.policy.lora`):
+the base weights stay frozen and sharded, the optimizer holds the adapters alone, the reference is the
+policy with its adapters off (no second model), and refits and checkpoints carry only the adapters. Every method that touches the sharded model is a collective: the driver
 calls it on all ranks at once with equally sized shards of the batch.
 
 With colocated generation each rank also owns a generation engine (built by
@@ -22,6 +24,7 @@ separate process group (:mod:`trainer.weight_sync`).
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import os
 from typing import Any
@@ -114,6 +117,11 @@ class PolicyWorker:
         torch.manual_seed(cfg.seed)
         self.tokenizer = load_tokenizer(self.model_path, cfg.model.trust_remote_code)
         model = load_model(self.model_path, cfg.model.dtype, cfg.model.trust_remote_code)
+        self.lora = cfg.policy.lora if cfg.policy.lora.enabled else None
+        if self.lora is not None:
+            from trainer.policy import lora
+
+            lora.apply(model, self.lora)  # before the engine copies it: the hf engine applies the adapters too
         if self.colocated_engine:
             from trainer.generation.factory import EngineSpec, build_engine
 
@@ -128,6 +136,7 @@ class PolicyWorker:
                 colocated=True,
                 threads=torch.get_num_threads(),
                 base_model=model,  # before sharding and before the policy's attention is set
+                lora=self.lora,
             )
             self.engine = build_engine(cfg.generation, spec)
             self._engine_awake = True  # a new engine holds its memory
@@ -135,12 +144,14 @@ class PolicyWorker:
             model.set_attn_implementation(cfg.model.attn_implementation)
         if cfg.policy.activation_checkpointing:
             model.gradient_checkpointing_enable()
+            if self.lora is not None:  # frozen embeddings: a checkpointed block's input must still need grad
+                model.enable_input_require_grads()
         model.config.use_cache = False
         model.to(self.device)
         shard_model(model, cfg.policy.reshard_after_forward, DTYPES.get(cfg.policy.param_dtype))
         self.model = model
-        self.ref_model = None
-        if cfg.grpo.loss.reference_policy_kl_penalty > 0:
+        self.ref_model = None  # with LoRA the reference is self.model with its adapters off
+        if cfg.grpo.loss.reference_policy_kl_penalty > 0 and self.lora is None:
             ref = load_model(
                 self.model_path, cfg.model.dtype, cfg.model.trust_remote_code, cfg.model.attn_implementation
             ).to(self.device)
@@ -149,14 +160,19 @@ class PolicyWorker:
             self.ref_model = ref.eval()
         p = cfg.policy
         self.optimizer = adamw(
-            self.model.parameters(), lr=p.learning_rate, betas=p.adam_betas, eps=p.adam_eps, weight_decay=p.weight_decay
+            self._trainable(), lr=p.learning_rate, betas=p.adam_betas, eps=p.adam_eps, weight_decay=p.weight_decay
         )
         warmup = max(0, p.warmup_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0
         )
         n_params = sum(t.numel() for t in self.model.parameters())
-        return {"num_params": n_params, "pad_id": self.tokenizer.pad_token_id}
+        n_trainable = sum(t.numel() for t in self._trainable())
+        return {"num_params": n_params, "trainable_params": n_trainable, "pad_id": self.tokenizer.pad_token_id}
+
+    def _trainable(self) -> list[torch.nn.Parameter]:
+        """What the optimizer steps: every parameter, or with LoRA the adapters alone."""
+        return [p for p in self.model.parameters() if p.requires_grad]
 
     # ----- generation (colocated) ------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], n: int, params: SamplingParams) -> list[list[Completion]]:
@@ -178,7 +194,10 @@ class PolicyWorker:
         wake, the new ones load one FSDP unit at a time, and only then does the KV cache wake."""
         torch.cuda.empty_cache()  # a no-op without CUDA: the same call on every device
         self.engine.wake_up(tags=["weights"])
-        self.engine.update_weights(self.iter_full_weights(self.engine_dtype))
+        if self.lora is not None:
+            self.engine.update_adapter(self.iter_adapter_weights(self.engine_dtype))
+        else:
+            self.engine.update_weights(self.iter_full_weights(self.engine_dtype))
         torch.cuda.empty_cache()  # the gathered units, freed: the KV cache's allocator cannot use the cache
         self.engine.wake_up(tags=["kv_cache"])
         self._engine_awake = True
@@ -231,6 +250,18 @@ class PolicyWorker:
             if reshard:
                 self._reshard()
 
+    @torch.no_grad()
+    def iter_adapter_weights(self, dtype: torch.dtype | None = None):
+        """Yield (name, full tensor) for every adapter parameter (LoRA), in module order; every rank must
+        iterate (collective). Each is gathered on its own (``full_tensor``), not through its FSDP unit,
+        whose gather would bring the frozen base weights along: a refit moves the adapters alone."""
+        for name, p in self.model.named_parameters():
+            if not p.requires_grad:
+                continue
+            p = p.detach()
+            p = p.full_tensor() if hasattr(p, "full_tensor") else p.clone()
+            yield name, (p.to(dtype) if dtype is not None and p.dtype != dtype else p)
+
     def _params_by_unit(self) -> list[tuple[Any, list[str]]]:
         """(FSDP unit, the names of the parameters it manages), units in module order; ``None`` first for
         parameters no unit manages. A parameter belongs to its innermost unit: a unit gathers only its
@@ -277,7 +308,10 @@ class PolicyWorker:
         from trainer.generation.weight_transport import WeightMeta
 
         dtype, params = self.engine_dtype, dict(self.model.named_parameters())
-        names = [name for _, unit_names in self._params_by_unit() for name in unit_names]  # the gather's order
+        if self.lora is not None:  # the adapters alone, in iter_adapter_weights' order
+            names = [name for name, p in params.items() if p.requires_grad]
+        else:
+            names = [name for _, unit_names in self._params_by_unit() for name in unit_names]  # the gather's order
         return WeightMeta.of((name, params[name].shape, dtype) for name in names).update_info()
 
     def init_weight_sync(self, init_info: dict) -> None:
@@ -294,8 +328,11 @@ class PolicyWorker:
 
     def broadcast_weights(self, update_info: dict) -> dict[str, float]:
         """All ranks gather; rank 0 sends the full tensors that ``update_info`` announced to the engines
-        (:mod:`trainer.generation.weight_transport`)."""
-        weights = self.iter_full_weights(self.engine_dtype)
+        (:mod:`trainer.generation.weight_transport`); with LoRA, the adapters alone."""
+        if self.lora is not None:
+            weights = self.iter_adapter_weights(self.engine_dtype)
+        else:
+            weights = self.iter_full_weights(self.engine_dtype)
         if self.rank != 0:
             for _ in weights:  # the gathers are collectives: every rank takes part
                 pass
@@ -370,13 +407,24 @@ class PolicyWorker:
     @torch.no_grad()
     def compute_logprobs(self, samples: list[Sample], reference: bool = False) -> list[list[float]]:
         self._engine_to_sleep()
-        model = self.ref_model if reference else self.model
+        model = self.ref_model if reference and self.ref_model is not None else self.model
         result: list[list[float]] = []
-        for mb in micro_batches(samples, self.cfg.policy.logprob_micro_batch_size):
-            batch = self._batch(mb)
-            logprobs, _ = self._forward_logprobs(model, batch)
-            result.extend(unpad_logprobs(mb, batch, logprobs.cpu()))
+        with self._reference_view(reference):
+            for mb in micro_batches(samples, self.cfg.policy.logprob_micro_batch_size):
+                batch = self._batch(mb)
+                logprobs, _ = self._forward_logprobs(model, batch)
+                result.extend(unpad_logprobs(mb, batch, logprobs.cpu()))
         return result
+
+    def _reference_view(self, reference: bool):
+        """With LoRA the reference is the policy with its adapters off; otherwise nothing to switch."""
+        if reference and self.lora is not None:
+            from trainer.policy.lora import adapters_disabled
+
+            return adapters_disabled(self.model)
+        import contextlib
+
+        return contextlib.nullcontext()
 
     # ----- training --------------------------------------------------------------------------------
     def train(self, minibatches: list[list[Sample]], global_counts: list[dict[str, float]]) -> dict[str, float]:
@@ -388,7 +436,8 @@ class PolicyWorker:
         cfg, loss_cfg = self.cfg, self.cfg.grpo.loss
         policy_loss = core_algos.get_policy_loss(loss_cfg.policy_loss)
         log_ratio_fn = core_algos.get_ratio_level(loss_cfg.ratio_level)
-        kl_fn = core_algos.get_kl_estimator(loss_cfg.kl_estimator) if self.ref_model is not None else None
+        has_reference = self.ref_model is not None or (self.lora is not None and loss_cfg.reference_policy_kl_penalty > 0)
+        kl_fn = core_algos.get_kl_estimator(loss_cfg.kl_estimator) if has_reference else None
         self._engine_to_sleep()  # when no logprob pass came first
         self.model.train()
         # The same keys on every rank, and present when a step trained on nothing (all skipped).
@@ -463,10 +512,10 @@ class PolicyWorker:
                 if entropy is not None:
                     add("entropy", (entropy * mask).sum())
             if not mbs:  # nothing with a policy gradient: a zero gradient, so Adam still steps as it would
-                for param in self.model.parameters():
+                for param in self._trainable():
                     param.grad = torch.zeros_like(param)
             grad_norm = torch.nn.utils.clip_grad_norm_(
-                self.model.parameters(), cfg.policy.max_grad_norm or float("inf")
+                self._trainable(), cfg.policy.max_grad_norm or float("inf")
             )
             if hasattr(grad_norm, "full_tensor"):
                 grad_norm = grad_norm.full_tensor()
@@ -490,11 +539,22 @@ class PolicyWorker:
         return out
 
     # ----- checkpoints (torch DCP: every rank writes its own shards in parallel) --------------------
+    def _state_options(self):
+        """With LoRA the checkpoint holds the adapters alone: the frozen base is the model's own files."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        lora = self.lora is not None
+        return StateDictOptions(ignore_frozen_params=lora, strict=not lora)
+
     def _dcp_state(self):
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
         self._reshard()  # the state dict is of the sharded parameters
-        model = get_model_state_dict(self.model)
+        model = get_model_state_dict(self.model, options=self._state_options())
+        if self.lora is not None:  # a tied lm_head comes along under its second name despite being frozen
+            from trainer.policy.lora import is_adapter
+
+            model = {k: v for k, v in model.items() if is_adapter(k)}
         optim = {"optimizer": get_optimizer_state_dict(self.model, self.optimizer), "scheduler": self.scheduler.state_dict()}
         return model, optim
 
@@ -521,6 +581,13 @@ class PolicyWorker:
                 shutil.copy(src, hf_dir)
             elif name == "config.json":
                 self.model.config.save_pretrained(hf_dir)
+        if self.lora is not None:  # the weights are adapters: what they adapt, for conversion and evaluation
+            from trainer.config import to_dict
+            from trainer.policy.lora import LORA_FILE
+
+            with open(os.path.join(policy_dir, LORA_FILE), "w") as f:
+                json.dump({"lora": to_dict(self.lora), "model_name": self.cfg.model.name,
+                           "model_path": self.model_path}, f, indent=2)
 
     def load_checkpoint(self, path: str) -> None:
         """Load weights and optimizer state; DCP reshards, so the rank count may differ from the save."""
@@ -529,7 +596,7 @@ class PolicyWorker:
 
         model, optim = self._dcp_state()
         dcp.load(model, checkpoint_id=os.path.join(path, "policy", "weights"))
-        set_model_state_dict(self.model, model)
+        set_model_state_dict(self.model, model, options=self._state_options())
         dcp.load(optim, checkpoint_id=os.path.join(path, "policy", "optimizer"))
         set_optimizer_state_dict(self.model, self.optimizer, optim["optimizer"])
         self.scheduler.load_state_dict(optim["scheduler"])

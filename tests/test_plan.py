@@ -90,3 +90,16 @@ def test_should_plan_within_a_quarter_of_the_peak_torch_measures_when_one_rank_t
         # activations dominate both cases here: the activation formula is what is checked
         assert c["terms"]["activations"] > c["terms"]["optimizer (AdamW, sharded)"], c
         assert 0.75 <= c["ratio"] <= 1.25, c
+
+
+def test_should_count_state_for_the_adapters_only_when_the_policy_is_lora() -> None:
+    full = config.load(["experiment=gemma3-27b-gsm8k"])
+    lora = config.load(["experiment=gemma3-27b-gsm8k", "policy.lora.rank=32", "grpo.loss.reference_policy_kl_penalty=0.01"])
+    shape = plan.model_shape(full.model.name)
+    adapters = shape.adapter_params(32, list(lora.policy.lora.target_modules))
+    # rank 32 on q/k/v/o and the MLP of 62 blocks: ~0.5% of the model (and the vision tower's projections)
+    assert 0.001 < adapters / shape.params < 0.01
+    f, l = plan.training_terms(full, shape, 16), plan.training_terms(lora, shape, 16)
+    assert l["optimizer (AdamW, sharded)"] == 2 * adapters * 4 / 16
+    assert l["optimizer (AdamW, sharded)"] < f["optimizer (AdamW, sharded)"] / 50
+    assert "reference policy (sharded)" not in l  # the base with the adapters off

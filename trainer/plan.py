@@ -101,6 +101,12 @@ class Shape:
     head_dim: int
     vocab: int
     source: str  # where the config came from
+    # (in, out) features of every nn.Linear, by the module's own name (q_proj, ...): LoRA's targets
+    linears: dict[str, tuple[tuple[int, int], ...]] = field(default_factory=dict)
+
+    def adapter_params(self, rank: int, targets: list[str]) -> int:
+        """Parameters of rank-``rank`` LoRA adapters (A: in x r, B: r x out) on every linear named in ``targets``."""
+        return sum(rank * (i + o) for t in targets for i, o in self.linears.get(t, ()))
 
 
 def _hf_config(name: str, trust_remote_code: bool):
@@ -137,6 +143,10 @@ def model_shape(name: str, trust_remote_code: bool = False) -> Shape:
     blocks = [m for m in model.modules() if type(m).__name__ in block_types]
     decoder = [b for b in blocks if hasattr(b, "mlp")] or blocks  # the text decoder's blocks
     in_blocks = sum(p.numel() for b in blocks for p in b.parameters())
+    linears: dict[str, list[tuple[int, int]]] = {}
+    for module_name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            linears.setdefault(module_name.rsplit(".", 1)[-1], []).append((module.in_features, module.out_features))
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = text.num_attention_heads
     return Shape(
@@ -151,6 +161,7 @@ def model_shape(name: str, trust_remote_code: bool = False) -> Shape:
         head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
         vocab=text.vocab_size,
         source=str(source),
+        linears={k: tuple(v) for k, v in linears.items()},
     )
 
 
@@ -226,18 +237,28 @@ def training_terms(cfg, shape: Shape, world: int) -> dict[str, float]:
     master = BYTES[cfg.model.dtype]
     compute = BYTES[p.param_dtype or cfg.model.dtype]
     mb = micro_batch(cfg, training=True)
-    terms = {
-        "weights (sharded)": shape.params * master / world,
-        "gradients (sharded)": shape.params * master / world,
-        "optimizer (AdamW, sharded)": 2 * shape.params * master / world,
-    }
+    if p.lora.enabled:
+        # A frozen base in model.dtype; float32 adapters are all that has gradients and AdamW state
+        # (trainer/policy/lora.py), and the reference is the base with them switched off.
+        adapters = shape.adapter_params(p.lora.rank, list(p.lora.target_modules))
+        terms = {
+            "weights (sharded)": (shape.params * master + adapters * 4) / world,
+            "gradients (sharded)": adapters * 4 / world,
+            "optimizer (AdamW, sharded)": 2 * adapters * 4 / world,
+        }
+    else:
+        terms = {
+            "weights (sharded)": shape.params * master / world,
+            "gradients (sharded)": shape.params * master / world,
+            "optimizer (AdamW, sharded)": 2 * shape.params * master / world,
+        }
     if p.reshard_after_forward:
         # The root stays gathered from forward to backward; two blocks are in flight (one computing,
         # one prefetched). A block's unsharded gradient is reduce-scattered as soon as it is complete.
         terms["gathered units"] = (shape.root_params + 2 * shape.block_params) * compute
     else:
         terms["gathered units"] = shape.params * compute
-    if cfg.grpo.loss.reference_policy_kl_penalty > 0:
+    if cfg.grpo.loss.reference_policy_kl_penalty > 0 and not p.lora.enabled:
         terms["reference policy (sharded)"] = shape.params * master / world
     if p.activation_checkpointing:
         # Every block's input; in backward one block recomputed, and the gradients flowing through it

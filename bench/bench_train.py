@@ -124,7 +124,9 @@ def main() -> int:
                 setattr(worker.cfg.policy, key, value)
             t0 = time.perf_counter()
             loss = worker.train([samples], counts)["loss"]
-            return time.perf_counter() - t0, loss
+            seconds = time.perf_counter() - t0
+            print(f"  {name}: {seconds:.2f} s, loss {loss:.8f}", flush=True)
+            return seconds, loss
 
         seconds: dict[str, list[float]] = {n: [] for n in names}
         losses: dict[str, float] = {}

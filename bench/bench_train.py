@@ -75,8 +75,6 @@ def main() -> int:
     ap.add_argument("--layouts", default="padded,prefix,packed")
     args = ap.parse_args()
 
-    import torch
-
     from trainer import hardware
     from trainer.config import load
     from trainer.models import resolve_model
@@ -87,7 +85,8 @@ def main() -> int:
     longest = max(s.length for s in samples)
     cfg = load([
         "experiment=cpu-demo", f"model.name={MODEL}", "model.dtype=float32", "policy.param_dtype=null",
-        "cluster.cpu_workers_per_node=1", "policy.skip_zero_advantage=false", "policy.max_grad_norm=null",
+        "cluster.cpu_workers_per_node=1", "cluster.keep_freed_memory=false",  # a shared machine: give memory back
+        "policy.skip_zero_advantage=false", "policy.max_grad_norm=null",
         f"policy.max_total_sequence_length={max(longest, args.max_tokens)}",
         f"generation.max_new_tokens={args.max_response}",
     ])

@@ -39,9 +39,9 @@ def _samples() -> list[Sample]:
             n = [1, 23, 6, 14][(k + p) % 4]
             response = torch.randint(4, 40, (n,), generator=g).tolist()
             mask = [0 if 2 <= t < 5 else 1 for t in range(n)]  # tokens 2..4: an environment turn
-            noise = lambda scale: (torch.randn(n, generator=g) * scale - 3.0).tolist()  # noqa: E731
+            old, ref, gen = ((torch.randn(n, generator=g) * 0.3 - 3.0).tolist() for _ in range(3))
             out.append(Sample(prompt, response, advantage=float(k) - 1.5, response_mask=mask,
-                              old_logprobs=noise(0.3), ref_logprobs=noise(0.3), gen_logprobs=noise(0.3)))
+                              old_logprobs=old, ref_logprobs=ref, gen_logprobs=gen))
     return out
 
 

@@ -3,7 +3,10 @@
 Each rank holds a shard of the policy (``fully_shard`` on every decoder layer, then the root), its
 optimizer state, and optionally a frozen, sharded reference model for the KL penalty (none at all
 when the penalty is 0). Every method that touches the sharded model is a collective: the driver
-calls it on all ranks at once with equally sized shards of the batch.
+calls it on all ranks at once with equally sized shards of the batch, and each rank runs the same number
+of micro-batches (with a token budget the ranks agree on the largest count first). Micro-batches are
+packed rows by default (:class:`~trainer.policy.batch.PackedBatch`): no attention mask, per-sample position
+ids, from which transformers builds the block-diagonal mask (sdpa, eager) or flash attention's varlen call.
 
 With colocated generation each rank also owns a generation engine (built by
 :mod:`trainer.generation.factory`; the hf engine copies the rank's already loaded weights). The rank

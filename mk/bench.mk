@@ -38,3 +38,11 @@ BENCH_GEN_ARGS ?=
 
 bench-generation: setup ## Generation tok/s, hf vs vllm (SmolLM2-135M, n=4, 64 tokens), and refit time vs copy_
 	$(PY) bench/bench_generation.py $(BENCH_GEN_ARGS)
+
+# Training throughput of one optimizer step on a length-skewed batch: padded fixed-count micro-batches
+# against packed token-budget ones (and the padded shared-prompt layout). See bench/bench_train.py.
+.PHONY: bench-train
+BENCH_TRAIN_ARGS ?=
+
+bench-train: setup ## Training tokens/s, padded micro_batch_size vs packed max_tokens_per_microbatch (SmolLM2-135M, responses 16..512)
+	$(PY) bench/bench_train.py $(BENCH_TRAIN_ARGS)

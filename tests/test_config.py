@@ -68,6 +68,8 @@ def test_should_match_runbook_shapes_when_gpu_experiments_compose():
         (["grpo.reward_shaping.overlong_buffer=-1"], "grpo.reward_shaping.overlong_buffer"),
         (["generation.max_new_tokens=64", "grpo.reward_shaping.overlong_buffer=64"], "grpo.reward_shaping.overlong_buffer"),
         (["grpo.reward_shaping.overlong_penalty=-0.5"], "grpo.reward_shaping.overlong_penalty"),
+        (["policy.max_tokens_per_microbatch=0"], "policy.max_tokens_per_microbatch"),
+        (["policy.logprob_max_tokens_per_microbatch=-1"], "policy.logprob_max_tokens_per_microbatch"),
     ],
 )
 def test_should_name_the_key_when_a_value_is_bad(overrides, key):
@@ -75,6 +77,17 @@ def test_should_name_the_key_when_a_value_is_bad(overrides, key):
         load(overrides)
     message = str(err.value)
     assert key in message and "\n" not in message
+
+
+@pytest.mark.parametrize("key", ["max_tokens_per_microbatch", "logprob_max_tokens_per_microbatch"])
+def test_should_name_both_keys_in_one_line_when_a_sequence_could_exceed_the_token_budget(key):
+    with pytest.raises(ConfigError) as err:
+        load(["policy.max_total_sequence_length=1024", f"policy.{key}=1000"])
+    assert str(err.value) == (
+        f"policy.max_total_sequence_length=1024 exceeds policy.{key}=1000: one sequence must fit a "
+        f"micro-batch; raise policy.{key} or lower policy.max_total_sequence_length"
+    )
+    assert load(["policy.max_total_sequence_length=1024", f"policy.{key}=1024"]).policy.sequence_packing
 
 
 @pytest.mark.parametrize(

@@ -56,7 +56,7 @@ def test_should_fit_a_7b_policy_at_10k_tokens_on_one_node_when_the_gpu_is_given(
 
 
 def test_should_name_the_key_to_change_when_a_plan_does_not_fit() -> None:
-    out = _cli("gemma3-27b-gsm8k", "policy.activation_checkpointing=false", "policy.micro_batch_size=8")
+    out = _cli("gemma3-27b-gsm8k", "policy.activation_checkpointing=false", "policy.max_tokens_per_microbatch=16384")
     assert out.returncode == 1, out.stdout + out.stderr
     assert "does not fit" in out.stdout
     assert "largest term: activations; change: policy.activation_checkpointing=true" in out.stdout
@@ -99,7 +99,7 @@ def test_should_count_state_for_the_adapters_only_when_the_policy_is_lora() -> N
     adapters = shape.adapter_params(32, list(lora.policy.lora.target_modules))
     # rank 32 on q/k/v/o and the MLP of 62 blocks: ~0.5% of the model (and the vision tower's projections)
     assert 0.001 < adapters / shape.params < 0.01
-    f, l = plan.training_terms(full, shape, 16), plan.training_terms(lora, shape, 16)
-    assert l["optimizer (AdamW, sharded)"] == 2 * adapters * 4 / 16
-    assert l["optimizer (AdamW, sharded)"] < f["optimizer (AdamW, sharded)"] / 50
-    assert "reference policy (sharded)" not in l  # the base with the adapters off
+    full_terms, lora_terms = plan.training_terms(full, shape, 16), plan.training_terms(lora, shape, 16)
+    assert lora_terms["optimizer (AdamW, sharded)"] == 2 * adapters * 4 / 16
+    assert lora_terms["optimizer (AdamW, sharded)"] < full_terms["optimizer (AdamW, sharded)"] / 50
+    assert "reference policy (sharded)" not in lora_terms  # the base with the adapters off

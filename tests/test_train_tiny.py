@@ -94,7 +94,9 @@ LORA = ("policy.lora.rank=8", "model.name='builtin:tiny?embed_scale=3'")
 
 @pytest.mark.parametrize("lora", [(), LORA], ids=["full", "lora"])
 def test_should_learn_when_generation_is_disaggregated_with_truncated_importance_sampling(tmp_path, lora):
-    _, run_dir = _train(tmp_path, "generation.placement=disaggregated", "grpo.loss.importance_sampling=tis", *lora)
+    # Micro-batches filled to a token budget (packed, the default layout) rather than 64 samples each.
+    _, run_dir = _train(tmp_path, "generation.placement=disaggregated", "grpo.loss.importance_sampling=tis",
+                        "policy.max_tokens_per_microbatch=512", "policy.logprob_max_tokens_per_microbatch=1024", *lora)
     scalars = _scalars(run_dir)
     _assert_learned(scalars["train/reward_mean"])
     assert max(scalars["timing/weight_sync_s"]) > 0

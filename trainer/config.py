@@ -174,6 +174,13 @@ class PolicyConfig:
     max_grad_norm: float | None = 1.0
     micro_batch_size: int = 4
     logprob_micro_batch_size: int = 8
+    # Token budgets per micro-batch (packed: the sum of the sample lengths; padded: B x the longest);
+    # null keeps the fixed counts above. Every data-parallel rank runs the same number of micro-batches.
+    max_tokens_per_microbatch: int | None = None
+    logprob_max_tokens_per_microbatch: int | None = None
+    # Concatenate a micro-batch's samples into one row without padding (position ids restart at 0 per
+    # sample, so attention stays within each); false: the padded layouts (shared_prefix or plain).
+    sequence_packing: bool = True
     max_total_sequence_length: int = 1024
     activation_checkpointing: bool = False
     reshard_after_forward: bool = True
@@ -740,6 +747,16 @@ def _validate(c: Config) -> None:
     _require(p.learning_rate > 0, f"policy.learning_rate={p.learning_rate} must be > 0")
     _require(p.micro_batch_size >= 1, f"policy.micro_batch_size={p.micro_batch_size} must be >= 1")
     _require(p.logprob_micro_batch_size >= 1, "policy.logprob_micro_batch_size must be >= 1")
+    for key in ("max_tokens_per_microbatch", "logprob_max_tokens_per_microbatch"):
+        budget = getattr(p, key)
+        if budget is None:
+            continue
+        _require(budget >= 1, f"policy.{key}={budget} must be >= 1 (or null for a fixed micro_batch_size)")
+        _require(
+            p.max_total_sequence_length <= budget,
+            f"policy.max_total_sequence_length={p.max_total_sequence_length} exceeds policy.{key}={budget}: "
+            f"one sequence must fit a micro-batch; raise policy.{key} or lower policy.max_total_sequence_length",
+        )
     _require(
         p.max_total_sequence_length > gen.max_new_tokens,
         f"policy.max_total_sequence_length={p.max_total_sequence_length} must exceed "

@@ -207,12 +207,18 @@ class Micro:
 
 
 def micro_batch(cfg, training: bool = True) -> Micro:
-    """The largest micro-batch the config allows: fixed count x the longest sequence."""
+    """The largest micro-batch the config allows: the token budget when there is one, else the fixed
+    count of the longest sequences."""
     p = cfg.policy
+    budget = p.max_tokens_per_microbatch if training else p.logprob_max_tokens_per_microbatch
     count = p.micro_batch_size if training else p.logprob_micro_batch_size
     longest = p.max_total_sequence_length
-    # Logits are computed from the shortest prompt on; at worst (one prompt token) that is all of them.
-    return Micro(tokens=count * longest, logit_rows=count * longest, sequence=longest)
+    tokens = budget or count * longest
+    if p.sequence_packing:  # logits only at the positions that predict response tokens
+        rows = tokens if budget else min(tokens, count * cfg.generation.max_new_tokens)
+    else:  # logits from the shortest prompt on: at worst (one prompt token) every position
+        rows = tokens
+    return Micro(tokens=tokens, logit_rows=rows, sequence=longest)
 
 
 def block_activation_bytes(shape: Shape, tokens: int, dtype_bytes: int) -> float:
@@ -336,8 +342,8 @@ ADVICE = {
     "optimizer (AdamW, sharded)": "more training GPUs (cluster.num_nodes and workerGroups.train.replicas)",
     "reference policy (sharded)": "grpo.loss.reference_policy_kl_penalty=0, or more training GPUs",
     "gathered units": "policy.reshard_after_forward=true, or policy.param_dtype=bfloat16",
-    "activations": "policy.activation_checkpointing=true, or a smaller policy.micro_batch_size",
-    "logits": "a smaller policy.micro_batch_size (or policy.max_total_sequence_length)",
+    "activations": "policy.activation_checkpointing=true, or a smaller policy.max_tokens_per_microbatch",
+    "logits": "a smaller policy.max_tokens_per_microbatch (or policy.micro_batch_size without a budget)",
     "runtime reserve": "nothing: a fixed reserve",
     "engine weights": "a larger generation.tensor_parallel_size",
     "KV cache (one sequence)": "a smaller policy.max_total_sequence_length, or a larger generation.tensor_parallel_size",

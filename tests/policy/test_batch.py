@@ -1,4 +1,4 @@
-"""Padding and sharding of rollouts: label alignment and balanced, equal-count rank shards."""
+"""Padding, packing and sharding of rollouts: label alignment, token budgets, balanced equal-count rank shards."""
 
 from __future__ import annotations
 
@@ -7,9 +7,13 @@ import torch
 
 from trainer.policy.batch import (
     Sample,
+    budget_micro_batches,
+    micro_batch_tokens,
+    pack_batch,
     pad_batch,
     prefix_batch,
     shard_for_ranks,
+    split_to_count,
     unpad_logprobs,
     with_policy_gradient,
 )
@@ -100,3 +104,45 @@ def test_should_keep_samples_with_an_advantage_and_top_up_with_the_shortest_othe
     assert with_policy_gradient(samples, 2) == [samples[1], samples[3], samples[4], samples[2]]
     assert with_policy_gradient(samples[1:2] + samples[3:4], 2) == [samples[1], samples[3]]
     assert with_policy_gradient([samples[0], samples[2]], 2) == []  # nothing to train on
+
+
+def test_should_restart_positions_and_predict_only_response_tokens_when_packing():
+    a = Sample([1, 2, 3], [4, 5], advantage=1.0, old_logprobs=[-0.1, -0.2])
+    b = Sample([1], [6, 7, 8], advantage=-1.0, old_logprobs=[-0.3, -0.4, -0.5], response_mask=[1, 0, 1])
+    batch = pack_batch([a, b], pad_id=0)
+    assert batch.input_ids.tolist() == [[1, 2, 3, 4, 5, 1, 6, 7, 8]]
+    assert batch.position_ids.tolist() == [[0, 1, 2, 3, 4, 0, 1, 2, 3]]
+    assert batch.cu_seqlens.tolist() == [0, 5, 9] and batch.max_seqlen == 5
+    # a's response is predicted from positions 2..3, b's from 5..7 (b's prompt is its one token at 5)
+    assert batch.predict.tolist() == [2, 3, 5, 6, 7]
+    assert batch.flat_labels.tolist() == [4, 5, 6, 7, 8]
+    assert batch.labels.tolist() == [[4, 5, 0], [6, 7, 8]]
+    assert batch.loss_mask.tolist() == [[1, 1, 0], [1, 0, 1]]
+    window = batch.to_window(torch.tensor([-0.1, -0.2, -0.3, -0.4, -0.5]))
+    torch.testing.assert_close(window, torch.tensor([[-0.1, -0.2, 0.0], [-0.3, -0.4, -0.5]]))
+    torch.testing.assert_close(window, batch.old_logprobs)
+    assert unpad_logprobs([a, b], batch, window) == [pytest.approx([-0.1, -0.2]), pytest.approx([-0.3, -0.4, -0.5])]
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_should_keep_every_micro_batch_within_the_budget_when_filling_by_tokens(packed):
+    lengths = [50, 7, 33, 12, 48, 3, 20, 20, 9, 41]
+    bins = budget_micro_batches(lengths, 64, packed)
+    assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
+    assert all(micro_batch_tokens([lengths[i] for i in b], packed) <= 64 for b in bins)
+    # first-fit decreasing packs 243 tokens into 4 micro-batches of 64 (the fewest possible)
+    assert len(bins) == (4 if packed else 6)
+    with pytest.raises(ValueError, match="65 tokens"):
+        budget_micro_batches([65], 64, packed)
+
+
+def test_should_split_the_largest_micro_batch_when_another_rank_runs_more():
+    lengths = [30, 30, 20, 10, 5]
+    bins = budget_micro_batches(lengths, 64, packed=True)  # [[0, 1], [2, 3, 4]]
+    split = split_to_count(bins, 4, lengths)
+    assert len(split) == 4
+    assert sorted(i for b in split for i in b) == list(range(5))
+    assert all(sum(lengths[i] for i in b) <= 64 for b in split)
+    assert split_to_count(bins, 2, lengths) == bins
+    with pytest.raises(ValueError, match="cannot fill 6"):
+        split_to_count(bins, 6, lengths)

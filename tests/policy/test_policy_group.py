@@ -37,11 +37,11 @@ def groups(ray_local, tiny_model_path):
 
     made = {}
 
-    def make(world: int, shared_prefix: bool = True, tag: str = ""):
-        key = (world, shared_prefix, tag)
+    def make(world: int, shared_prefix: bool = True, tag: str = "", *extra: str):
+        key = (world, shared_prefix, tag, extra)
         if key not in made:
             cfg = _cfg(
-                tiny_model_path, f"cluster.cpu_workers_per_node={world}", f"policy.shared_prefix={shared_prefix}"
+                tiny_model_path, f"cluster.cpu_workers_per_node={world}", f"policy.shared_prefix={shared_prefix}", *extra
             )
             made[key] = PolicyGroup(cfg, tiny_model_path, colocated_engine=True)
         return made[key]
@@ -58,6 +58,18 @@ def test_should_match_single_rank_loss_and_grad_norm_when_batch_is_split_over_tw
     assert metrics_two["loss"] == pytest.approx(metrics_one["loss"], rel=1e-4, abs=1e-6)
     assert metrics_two["grad_norm"] == pytest.approx(metrics_one["grad_norm"], rel=1e-4)
     assert metrics_one["grad_norm"] > 0
+
+
+def test_should_match_single_rank_count_batches_when_two_ranks_fill_micro_batches_to_a_token_budget(groups):
+    """Two ranks whose token budgets make different numbers of micro-batches (the ranks agree on the
+    largest, the other splits): the same loss and gradient as one rank taking two samples at a time."""
+    samples = _samples(grouped=True)  # 7..12 tokens: at 16 a rank, 4 + 4 samples, makes 4 and 3 micro-batches
+    budget = ("policy.max_total_sequence_length=16", "policy.max_tokens_per_microbatch=16",
+              "policy.logprob_max_tokens_per_microbatch=16")
+    metrics_one = groups(1, True, "fresh").train(samples)
+    metrics_two = groups(2, True, "fresh", *budget).train(samples)
+    assert metrics_two["loss"] == pytest.approx(metrics_one["loss"], rel=1e-4, abs=1e-6)
+    assert metrics_two["grad_norm"] == pytest.approx(metrics_one["grad_norm"], rel=1e-4)
 
 
 def test_should_equal_a_plain_forward_when_policy_computes_logprobs(groups, tiny_model_path):
@@ -80,7 +92,8 @@ def test_should_equal_a_plain_forward_when_policy_computes_logprobs(groups, tiny
 def test_should_train_as_the_padded_layout_does_when_samples_share_prompts(groups):
     """Each prompt computed once with its KV shared by its 4 samples (FSDP2, two forwards before
     backward) gives the logprobs, loss, gradient and updated weights of the plain padded batch."""
-    shared, padded = groups(2, True, "fresh"), groups(2, False, "fresh")
+    unpacked = "policy.sequence_packing=false"  # shared_prefix is a padded layout
+    shared, padded = groups(2, True, "fresh", unpacked), groups(2, False, "fresh", unpacked)
     samples = _samples(grouped=True)
     lp_shared = shared.gather_logprobs(shared.compute_logprobs_async(samples), len(samples))
     lp_padded = padded.gather_logprobs(padded.compute_logprobs_async(samples), len(samples))

@@ -3,10 +3,17 @@
 A sample is ``prompt_ids + response_ids``; only response tokens carry loss. Logprobs are stored per
 response token, aligned with ``response_ids``.
 
-Two layouts: :class:`PrefixBatch` runs every distinct prompt once and lets all of its samples attend
-to that one prompt's keys and values (GRPO draws several samples per prompt, so the prompt tokens
-would otherwise be computed, and back-propagated, once per sample); :class:`PaddedBatch` is the plain
-right-padded layout, used with activation checkpointing (which gives up the KV cache).
+Three layouts: :class:`PackedBatch` (``policy.sequence_packing``, the default) concatenates the
+samples into one row without padding, with position ids that restart at 0 for each sample, so a
+ragged batch costs its real tokens and not B x its longest one; :class:`PrefixBatch` runs every
+distinct prompt once and lets all of its samples attend to that one prompt's keys and values (GRPO
+draws several samples per prompt, so the prompt tokens would otherwise be computed, and
+back-propagated, once per sample); :class:`PaddedBatch` is the plain right-padded layout.
+
+A micro-batch is a fixed number of samples (``policy.micro_batch_size``) or, with
+``policy.max_tokens_per_microbatch``, as many as fit a token budget (:func:`budget_micro_batches`,
+first-fit decreasing), split further until every data-parallel rank runs the same number
+(:func:`split_to_count`): FSDP's gathers are collectives, so no rank may take an extra forward.
 """
 
 from __future__ import annotations
@@ -154,9 +161,86 @@ def prefix_batch(samples: list[Sample], pad_id: int) -> PrefixBatch:
     )
 
 
-def unpad_logprobs(samples: list[Sample], batch: PaddedBatch | PrefixBatch, logprobs: torch.Tensor) -> list[list[float]]:
+@dataclass
+class PackedBatch:
+    """All samples in one row, no padding; position ids restart at 0 at each sample, which is how
+    transformers tells packed sequences apart (a block-diagonal causal mask for sdpa and eager, varlen
+    kernels for flash attention), so attention never crosses from one sample into the next.
+
+    The loss sees the same (B, C) window as :class:`PrefixBatch` (column j = response token j, right-
+    padded), so every aggregation, ratio and KL is computed exactly as for the padded layouts. Only the
+    M packed positions that predict a response token are projected to the vocabulary; ``window_index``
+    says where each of their M logprobs goes in the flattened (B * C) window.
+    """
+
+    input_ids: torch.Tensor       # (1, N) every sample's prompt + response, back to back
+    position_ids: torch.Tensor    # (1, N) 0 .. len_i - 1 for each sample
+    cu_seqlens: torch.Tensor      # (B + 1,) int32 sample boundaries in the row (flash-attention varlen)
+    max_seqlen: int               # the longest sample
+    predict: torch.Tensor         # (M,) packed positions whose next token is a response token
+    window_index: torch.Tensor    # (M,) row * C + column of each predicted token in the window
+    labels: torch.Tensor          # (B, C) response ids, right-padded
+    loss_mask: torch.Tensor       # (B, C)
+    advantages: torch.Tensor      # (B,)
+    old_logprobs: torch.Tensor | None  # (B, C)
+    ref_logprobs: torch.Tensor | None  # (B, C)
+    gen_logprobs: torch.Tensor | None  # (B, C)
+
+    @property
+    def flat_labels(self) -> torch.Tensor:
+        """(M,) the token each of ``predict`` predicts."""
+        return self.labels.reshape(-1)[self.window_index]
+
+    def to_window(self, flat: torch.Tensor) -> torch.Tensor:
+        """(M,) per-predicted-token values -> (B, C), zero off the responses; differentiable."""
+        b, c = self.labels.shape
+        return flat.new_zeros(b * c).index_copy(0, self.window_index.to(flat.device), flat).view(b, c)
+
+
+def pack_batch(samples: list[Sample], pad_id: int) -> PackedBatch:
+    """Samples back to back in one (1, N) row; ``pad_id`` only fills the (B, C) label window."""
+    c = max(max(len(s.response_ids) for s in samples), 1)
+    labels = torch.full((len(samples), c), pad_id, dtype=torch.long)
+    loss_mask = torch.zeros((len(samples), c))
+    ids: list[int] = []
+    positions: list[int] = []
+    predict: list[int] = []
+    window: list[int] = []
+    bounds = [0]
+    for row, s in enumerate(samples):
+        n = len(s.response_ids)
+        if n:
+            # Response token j is predicted by the position before it: prompt_len - 1 + j in the sample.
+            first = len(ids) + len(s.prompt_ids) - 1
+            predict.extend(range(first, first + n))
+            window.extend(range(row * c, row * c + n))
+            labels[row, :n] = torch.tensor(s.response_ids, dtype=torch.long)
+            mask = s.response_mask if s.response_mask is not None else [1] * n
+            loss_mask[row, :n] = torch.tensor(mask, dtype=torch.float32)
+        ids.extend(s.prompt_ids + s.response_ids)
+        positions.extend(range(s.length))
+        bounds.append(len(ids))
+    return PackedBatch(
+        input_ids=torch.tensor([ids], dtype=torch.long),
+        position_ids=torch.tensor([positions], dtype=torch.long),
+        cu_seqlens=torch.tensor(bounds, dtype=torch.int32),
+        max_seqlen=max(s.length for s in samples),
+        predict=torch.tensor(predict, dtype=torch.long),
+        window_index=torch.tensor(window, dtype=torch.long),
+        labels=labels,
+        loss_mask=loss_mask,
+        advantages=torch.tensor([s.advantage for s in samples], dtype=torch.float32),
+        old_logprobs=_scatter(samples, "old_logprobs", loss_mask.shape, [0] * len(samples)),
+        ref_logprobs=_scatter(samples, "ref_logprobs", loss_mask.shape, [0] * len(samples)),
+        gen_logprobs=_scatter(samples, "gen_logprobs", loss_mask.shape, [0] * len(samples)),
+    )
+
+
+def unpad_logprobs(
+    samples: list[Sample], batch: PaddedBatch | PrefixBatch | PackedBatch, logprobs: torch.Tensor
+) -> list[list[float]]:
     """(B, K) window logprobs -> per-sample response logprobs (L_i,)."""
-    if isinstance(batch, PrefixBatch):
+    if isinstance(batch, (PrefixBatch, PackedBatch)):
         return [logprobs[row, : len(s.response_ids)].tolist() for row, s in enumerate(samples)]
     out = []
     for row, s in enumerate(samples):
@@ -165,8 +249,51 @@ def unpad_logprobs(samples: list[Sample], batch: PaddedBatch | PrefixBatch, logp
     return out
 
 
-def micro_batches(samples: list[Sample], size: int) -> list[list[Sample]]:
-    return [samples[i : i + size] for i in range(0, len(samples), size)]
+def micro_batch_tokens(lengths: list[int], packed: bool) -> int:
+    """Tokens one forward computes for samples of ``lengths``: their sum packed, B x the longest padded."""
+    return sum(lengths) if packed else len(lengths) * max(lengths, default=0)
+
+
+def budget_micro_batches(lengths: list[int], max_tokens: int, packed: bool) -> list[list[int]]:
+    """Sample indices per micro-batch, each within ``max_tokens`` (:func:`micro_batch_tokens`), by first-fit
+    decreasing: longest first, each into the first micro-batch it fits, else a new one. Within a
+    micro-batch the indices are longest first (padded: the first sets the width)."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i], reverse=True)
+    bins: list[list[int]] = []
+    used: list[int] = []
+    for i in order:
+        if lengths[i] > max_tokens:
+            raise ValueError(f"a sample of {lengths[i]} tokens exceeds the micro-batch budget of {max_tokens}")
+        for b, members in enumerate(bins):
+            cost = used[b] + lengths[i] if packed else (len(members) + 1) * lengths[members[0]]
+            if cost <= max_tokens:
+                members.append(i)
+                used[b] = cost
+                break
+        else:
+            bins.append([i])
+            used.append(lengths[i])
+    return bins
+
+
+def split_to_count(bins: list[list[int]], count: int, lengths: list[int]) -> list[list[int]]:
+    """Split the micro-batch with the most tokens in two (halves of its tokens, in order) until there
+    are ``count``: another rank has more, and every rank must run the same number (FSDP collectives).
+    Possible whenever there are at least ``count`` samples; every part stays within the budget."""
+    bins = [list(b) for b in bins]
+    while len(bins) < count:
+        splittable = [b for b in bins if len(b) > 1]
+        if not splittable:
+            raise ValueError(f"{sum(map(len, bins))} samples cannot fill {count} micro-batches")
+        big = max(splittable, key=lambda b: sum(lengths[i] for i in b))
+        total, acc, cut = sum(lengths[i] for i in big), 0, 1
+        for cut in range(1, len(big)):
+            acc += lengths[big[cut - 1]]
+            if 2 * acc >= total:
+                break
+        bins.remove(big)
+        bins.extend([big[:cut], big[cut:]])
+    return bins
 
 
 def with_policy_gradient(samples: list[Sample], world_size: int) -> list[Sample]:

@@ -4,8 +4,12 @@ Each rank holds a shard of the policy (``fully_shard`` on every decoder layer, t
 optimizer state, and optionally a frozen, sharded reference model for the KL penalty (none at all
 when the penalty is 0). With ``policy.lora`` the policy carries adapters (:mod:`trainer.policy.lora`):
 the base weights stay frozen and sharded, the optimizer holds the adapters alone, the reference is the
-policy with its adapters off (no second model), and refits and checkpoints carry only the adapters. Every method that touches the sharded model is a collective: the driver
-calls it on all ranks at once with equally sized shards of the batch.
+policy with its adapters off (no second model), and refits and checkpoints carry only the adapters.
+Every method that touches the sharded model is a collective: the driver calls it on all ranks at once
+with equally sized shards of the batch, and each rank runs the same number of micro-batches (with a
+token budget the ranks agree on the largest count first). Micro-batches are packed rows by default
+(:class:`~trainer.policy.batch.PackedBatch`): no attention mask, per-sample position ids, from which
+transformers builds the block-diagonal mask (sdpa, eager) or flash attention's varlen call.
 
 With colocated generation each rank also owns a generation engine (built by
 :mod:`trainer.generation.factory`; the hf engine copies the rank's already loaded weights). The rank
@@ -37,12 +41,15 @@ from trainer.config import Config
 from trainer.generation.base import Completion, SamplingParams
 from trainer.models import DTYPES, load_model, load_tokenizer
 from trainer.policy.batch import (
+    PackedBatch,
     PaddedBatch,
     PrefixBatch,
     Sample,
-    micro_batches,
+    budget_micro_batches,
+    pack_batch,
     pad_batch,
     prefix_batch,
+    split_to_count,
     unpad_logprobs,
 )
 
@@ -343,9 +350,28 @@ class PolicyWorker:
         return {"buckets": stats.buckets, "bytes": stats.bytes, "seconds": stats.seconds}
 
     # ----- logprobs --------------------------------------------------------------------------------
-    def _window_logits(self, model, batch: PaddedBatch | PrefixBatch) -> torch.Tensor:
-        """(B, K, V) logits at the positions that predict ``batch.labels``."""
+    def _window_logits(self, model, batch: PaddedBatch | PrefixBatch | PackedBatch) -> torch.Tensor:
+        """(B, K, V) logits at the positions that predict ``batch.labels``; (1, M, V) for a packed
+        batch, at its ``predict`` positions."""
         dev = self.device
+        if isinstance(batch, PackedBatch):
+            # No attention mask and no cache: transformers then reads the sample boundaries from the
+            # position ids (masking_utils.find_packed_sequence_indices -> a block-diagonal causal
+            # mask for sdpa/eager). Flash attention gets the boundaries themselves, so it runs its
+            # varlen kernel without inferring them from the position ids in every layer.
+            varlen = {}
+            if "flash" in (getattr(model.config, "_attn_implementation", None) or ""):
+                cu = batch.cu_seqlens.to(dev)
+                varlen = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=batch.max_seqlen,
+                              max_length_k=batch.max_seqlen)
+            out = model(
+                input_ids=batch.input_ids.to(dev),
+                position_ids=batch.position_ids.to(dev),
+                logits_to_keep=batch.predict.to(dev),  # project only the positions that predict responses
+                use_cache=False,
+                **varlen,
+            )
+            return out.logits
         if isinstance(batch, PaddedBatch):
             width = batch.input_ids.shape[1]
             out = model(
@@ -385,35 +411,57 @@ class PolicyWorker:
         first = prompt.logits[:, -1:][rows]  # (B, 1, V): the prompt's last position predicts token 0
         return torch.cat([first, response.logits[:, :-1]], dim=1)
 
-    def _forward_logprobs(self, model, batch: PaddedBatch | PrefixBatch, with_entropy: bool = False):
+    def _forward_logprobs(self, model, batch: PaddedBatch | PrefixBatch | PackedBatch, with_entropy: bool = False):
         """(B, K) logprobs of the window's labels, and optionally (B, K) entropy, from one forward
         and one chunked float32 pass over the logits (kept in the model's dtype)."""
-        logits = self._window_logits(model, batch)  # (B, K, V)
+        logits = self._window_logits(model, batch)  # (B, K, V), or (1, M, V) packed
+        packed = isinstance(batch, PackedBatch)
+        labels = batch.flat_labels[None] if packed else batch.labels
         temperature = self.cfg.generation.temperature
-        return core_algos.logprobs_and_entropy(
+        logprobs, entropy = core_algos.logprobs_and_entropy(
             logits,
-            batch.labels.to(self.device),
+            labels.to(self.device),
             chunk_size=core_algos.logit_chunk_rows(logits.shape[-1], logits.device),
             temperature=temperature if temperature > 0 else 1.0,  # score the distribution we sampled from
             with_entropy=with_entropy,
         )
+        if packed:  # (1, M) -> the (B, C) window the loss reads, as for the padded layouts
+            logprobs = batch.to_window(logprobs[0])
+            entropy = batch.to_window(entropy[0]) if entropy is not None else None
+        return logprobs, entropy
 
-    def _batch(self, samples: list[Sample]) -> PaddedBatch | PrefixBatch:
-        pad = self.tokenizer.pad_token_id
-        if self.cfg.policy.shared_prefix and not self.cfg.policy.activation_checkpointing:
+    def _batch(self, samples: list[Sample]) -> PaddedBatch | PrefixBatch | PackedBatch:
+        pad, p = self.tokenizer.pad_token_id, self.cfg.policy
+        if p.sequence_packing:
+            return pack_batch(samples, pad)
+        if p.shared_prefix and not p.activation_checkpointing:
             return prefix_batch(samples, pad)
         return pad_batch(samples, pad)
+
+    def _micro_batches(self, samples: list[Sample], size: int, max_tokens: int | None) -> list[list[int]]:
+        """Indices of ``samples`` per micro-batch: ``size`` at a time, or by the token budget (collective:
+        the ranks agree on the largest count, and the others split micro-batches up to it)."""
+        if max_tokens is None:
+            return [list(range(i, min(i + size, len(samples)))) for i in range(0, len(samples), size)]
+        lengths = [s.length for s in samples]
+        bins = budget_micro_batches(lengths, max_tokens, packed=self.cfg.policy.sequence_packing)
+        count = torch.tensor([len(bins)], dtype=torch.int64)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        return split_to_count(bins, int(count.item()), lengths)
 
     @torch.no_grad()
     def compute_logprobs(self, samples: list[Sample], reference: bool = False) -> list[list[float]]:
         self._engine_to_sleep()
         model = self.ref_model if reference and self.ref_model is not None else self.model
-        result: list[list[float]] = []
+        p = self.cfg.policy
+        result: list[list[float] | None] = [None] * len(samples)
         with self._reference_view(reference):
-            for mb in micro_batches(samples, self.cfg.policy.logprob_micro_batch_size):
+            for idx in self._micro_batches(samples, p.logprob_micro_batch_size, p.logprob_max_tokens_per_microbatch):
+                mb = [samples[i] for i in idx]
                 batch = self._batch(mb)
                 logprobs, _ = self._forward_logprobs(model, batch)
-                result.extend(unpad_logprobs(mb, batch, logprobs.cpu()))
+                for i, lp in zip(idx, unpad_logprobs(mb, batch, logprobs.cpu())):
+                    result[i] = lp
         return result
 
     def _reference_view(self, reference: bool):
@@ -459,7 +507,10 @@ class PolicyWorker:
 
         for samples, counts in zip(minibatches, global_counts):
             self.optimizer.zero_grad(set_to_none=True)
-            mbs = micro_batches(samples, cfg.policy.micro_batch_size)
+            mbs = [
+                [samples[j] for j in idx]
+                for idx in self._micro_batches(samples, cfg.policy.micro_batch_size, cfg.policy.max_tokens_per_microbatch)
+            ]
             for i, mb in enumerate(mbs):
                 # Reduce-scatter gradients once per optimizer step, not once per micro-batch.
                 self.model.set_requires_gradient_sync(i == len(mbs) - 1)

@@ -1,0 +1,160 @@
+"""Training throughput of one optimizer step: padded fixed-count micro-batches against packed token-budget ones.
+
+One policy rank (FSDP2 over a world of 1, gloo, in this process; no engine) of the embedded
+SmolLM2-135M-Instruct in float32 trains one GRPO step on a length-skewed batch: ``--prompts`` prompts of
+``--prompt-tokens`` tokens, ``--group`` samples each, response lengths spread geometrically from
+``--min-response`` to ``--max-response`` tokens (16..512 by default: most answers short, a few long, as
+reasoning rollouts come), in the order the driver would hand them to the rank (``shard_for_ranks``).
+Each layout trains the same batch from the same weights (learning rate 0, so no step changes them):
+
+    padded   policy.sequence_packing=false, shared_prefix=false, micro_batch_size=--micro-batch-size
+    prefix   the same with shared_prefix=true (each prompt once per micro-batch: today's padded default)
+    packed   policy.sequence_packing=true, max_tokens_per_microbatch=--max-tokens
+
+The layouts take turns (one warm-up step each, then ``--repeats`` rounds of one step each), so noise on
+a shared machine falls on all of them alike; the median step is reported. tokens/s counts the batch's
+real tokens (prompt + response of every sample), whatever a layout pads them to. The losses must agree to
+1e-5 relative (the same objective on the same batch, however it is split), else the bench exits 1.
+
+    make bench-train     # or: .venv/bin/python bench/bench_train.py --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import statistics
+import sys
+import time
+
+MODEL = "embedded:smollm2-135m-instruct"
+
+
+def skewed_lengths(n: int, low: int, high: int) -> list[int]:
+    """``n`` lengths from ``low`` to ``high``, geometrically spaced (as many below the geometric mean as above)."""
+    if n == 1:
+        return [high]
+    return [round(low * (high / low) ** (i / (n - 1))) for i in range(n)]
+
+
+def make_samples(args) -> list:
+    """GRPO-shaped: each prompt's group holds the whole spread of lengths, shuffled (seeded)."""
+    import random
+
+    from trainer.policy.batch import Sample, shard_for_ranks
+
+    rng = random.Random(0)
+    lengths = skewed_lengths(args.prompts * args.group, args.min_response, args.max_response)
+    rng.shuffle(lengths)
+    samples = []
+    for p in range(args.prompts):
+        prompt = [rng.randrange(100, 40000) for _ in range(args.prompt_tokens)]
+        for k in range(args.group):
+            n = lengths[p * args.group + k]
+            samples.append(Sample(prompt, [rng.randrange(100, 40000) for _ in range(n)],
+                                  advantage=float(k % 4) - 1.5))
+    return [samples[i] for i in shard_for_ranks(samples, 1)[0]]  # the rank's order
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prompts", type=int, default=2)
+    ap.add_argument("--group", type=int, default=8)
+    ap.add_argument("--prompt-tokens", type=int, default=32)
+    ap.add_argument("--min-response", type=int, default=16)
+    ap.add_argument("--max-response", type=int, default=512)
+    ap.add_argument("--micro-batch-size", type=int, default=4, help="padded: sequences per micro-batch")
+    ap.add_argument("--max-tokens", type=int, default=1024, help="packed: tokens per micro-batch")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--layouts", default="padded,prefix,packed")
+    args = ap.parse_args()
+
+    from trainer import hardware
+    from trainer.config import load
+    from trainer.models import resolve_model
+    from trainer.policy.worker import PolicyWorker
+
+    path = resolve_model(MODEL)
+    samples = make_samples(args)
+    longest = max(s.length for s in samples)
+    cfg = load([
+        "experiment=cpu-demo", f"model.name={MODEL}", "model.dtype=float32", "policy.param_dtype=null",
+        "cluster.cpu_workers_per_node=1", "cluster.keep_freed_memory=false",  # a shared machine: give memory back
+        "policy.skip_zero_advantage=false", "policy.max_grad_norm=null",
+        f"policy.max_total_sequence_length={max(longest, args.max_tokens)}",
+        f"generation.max_new_tokens={args.max_response}",
+    ])
+    layouts = {
+        "padded": dict(sequence_packing=False, shared_prefix=False, micro_batch_size=args.micro_batch_size,
+                       max_tokens_per_microbatch=None),
+        "prefix": dict(sequence_packing=False, shared_prefix=True, micro_batch_size=args.micro_batch_size,
+                       max_tokens_per_microbatch=None),
+        "packed": dict(sequence_packing=True, max_tokens_per_microbatch=args.max_tokens),
+    }
+    names = [n for n in args.layouts.split(",") if n]
+    unknown = sorted(set(names) - set(layouts))
+    if unknown or "padded" not in names or "packed" not in names:
+        print(f"--layouts: padded and packed are needed, of {', '.join(layouts)}; got {args.layouts}")
+        return 2
+
+    tokens = sum(s.length for s in samples)
+    counts = [{"tokens": float(sum(len(s.response_ids) for s in samples)), "seqs": float(len(samples))}]
+    print(f"# {hardware.describe()}")
+    print(f"# SmolLM2-135M float32, {len(samples)} samples ({args.prompts} prompts x {args.group}), "
+          f"prompt {args.prompt_tokens} + response {args.min_response}..{args.max_response} tokens, "
+          f"{tokens} tokens in all; padded micro_batch_size={args.micro_batch_size}, "
+          f"packed max_tokens_per_microbatch={args.max_tokens}", flush=True)
+
+    worker = PolicyWorker(cfg, path, rank=0, world_size=1, colocated_engine=False)
+    try:
+        worker.setup("127.0.0.1", free_port())
+        worker.scheduler.base_lrs = [0.0] * len(worker.scheduler.base_lrs)  # every step from the same weights
+        for group in worker.optimizer.param_groups:
+            group["lr"] = 0.0
+
+        def step(name: str) -> tuple[float, float]:
+            for key, value in layouts[name].items():
+                setattr(worker.cfg.policy, key, value)
+            t0 = time.perf_counter()
+            loss = worker.train([samples], counts)["loss"]
+            seconds = time.perf_counter() - t0
+            print(f"  {name}: {seconds:.2f} s, loss {loss:.8f}", flush=True)
+            return seconds, loss
+
+        seconds: dict[str, list[float]] = {n: [] for n in names}
+        losses: dict[str, float] = {}
+        for name in names:  # warm-up: allocator, thread pools, first-touch pages
+            _, losses[name] = step(name)
+        for _ in range(args.repeats):
+            for name in names:
+                s, _ = step(name)
+                seconds[name].append(s)
+    finally:
+        worker.shutdown()
+
+    print(f"{'layout':8} {'median s':>9} {'min s':>7} {'tokens/s':>9} {'loss':>14}")
+    rate = {}
+    for name in names:
+        med = statistics.median(seconds[name])
+        rate[name] = tokens / med
+        print(f"{name:8} {med:9.2f} {min(seconds[name]):7.2f} {rate[name]:9.1f} {losses[name]:14.8f}")
+    ok = True
+    for name in names:
+        rel = abs(losses[name] - losses["padded"]) / max(abs(losses["padded"]), 1e-12)
+        if rel > 1e-5:
+            print(f"loss of {name} differs from padded by {rel:.2e} relative (> 1e-5)")
+            ok = False
+    if "prefix" in names:
+        print(f"packed / prefix tokens/s: {rate['packed'] / rate['prefix']:.2f}x")
+    print(f"packed / padded tokens/s: {rate['packed'] / rate['padded']:.2f}x")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,162 @@
+"""Packed micro-batches and token budgets against the padded layout, through the real PolicyWorker.
+
+One float32 rank (gloo, in this process) with a reference model; the learning rate is 0, so every
+call sees the same weights and leaves its gradient in ``param.grad`` for the comparison. Each
+case trains one step on a length-skewed batch (GRPO groups sharing a prompt, an environment turn
+masked out, old, reference and engine logprobs away from the policy's so clipping, the KL and the
+importance weights all act) packed, and again padded, and compares the loss, the metrics and every
+parameter's gradient.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+
+from trainer.config import load
+from trainer.policy.batch import Sample
+
+# float32 on CPU: packed and padded sum the same terms in a different order (attention over a
+# different key count, other matmul shapes), so they agree to rounding, not bit for bit.
+RTOL, ATOL = 1e-5, 1e-6
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _samples() -> list[Sample]:
+    """3 prompts (of 4..9 tokens) x 4 responses of 1..23 tokens, with every per-token input set."""
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for p in range(3):
+        prompt = torch.randint(4, 40, (4 + 5 * p // 2,), generator=g).tolist()
+        for k in range(4):
+            n = [1, 23, 6, 14][(k + p) % 4]
+            response = torch.randint(4, 40, (n,), generator=g).tolist()
+            mask = [0 if 2 <= t < 5 else 1 for t in range(n)]  # tokens 2..4: an environment turn
+            old, ref, gen = ((torch.randn(n, generator=g) * 0.3 - 3.0).tolist() for _ in range(3))
+            out.append(Sample(prompt, response, advantage=float(k) - 1.5, response_mask=mask,
+                              old_logprobs=old, ref_logprobs=ref, gen_logprobs=gen))
+    return out
+
+
+@pytest.fixture(scope="module")
+def worker(tiny_model_path):
+    import torch.distributed as dist
+
+    from trainer.policy.worker import PolicyWorker
+
+    if dist.is_initialized():
+        pytest.skip("this process already has a torch.distributed world")
+    cfg = load(["experiment=tiny", f"model.name={tiny_model_path}", "cluster.cpu_workers_per_node=1",
+                "policy.max_grad_norm=null", "policy.micro_batch_size=5", "policy.logprob_micro_batch_size=5",
+                "grpo.loss.reference_policy_kl_penalty=0.1", "grpo.loss.ratio_clip_min=0.2",
+                "grpo.loss.ratio_clip_max=0.2"])
+    threads = torch.get_num_threads()
+    w = PolicyWorker(cfg, tiny_model_path, rank=0, world_size=1, colocated_engine=False)
+    try:
+        w.setup("127.0.0.1", _free_port())
+        # lr 0 (the scheduler scales base_lrs): the weights stay, and param.grad keeps each step's gradient.
+        w.scheduler.base_lrs = [0.0] * len(w.scheduler.base_lrs)
+        for group in w.optimizer.param_groups:
+            group["lr"] = 0.0
+        yield w
+    finally:
+        w.shutdown()
+        torch.set_num_threads(threads)
+
+
+def _step(w, samples: list[Sample], **policy) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+    """One training step with ``policy.*`` overridden: its metrics and every parameter's gradient."""
+    saved = {k: getattr(w.cfg.policy, k) for k in policy}
+    for k, v in policy.items():
+        setattr(w.cfg.policy, k, v)
+    try:
+        tokens = float(sum(sum(s.response_mask) for s in samples))
+        metrics = w.train([samples], [{"tokens": tokens, "seqs": float(len(samples))}])
+    finally:
+        for k, v in saved.items():
+            setattr(w.cfg.policy, k, v)
+    grads = {n: p.grad.full_tensor().clone() for n, p in w.model.named_parameters()}
+    return metrics, grads
+
+
+def _assert_same(a: tuple[dict, dict], b: tuple[dict, dict]) -> None:
+    (ma, ga), (mb, gb) = a, b
+    assert ma.keys() == mb.keys()
+    for key in ma:
+        if key != "lr":
+            assert ma[key] == pytest.approx(mb[key], rel=RTOL, abs=ATOL), key
+    assert ma["grad_norm"] > 0
+    for name in ga:
+        torch.testing.assert_close(ga[name], gb[name], rtol=RTOL, atol=ATOL, msg=name)
+
+
+PADDED = dict(sequence_packing=False, shared_prefix=False)
+
+
+@pytest.mark.parametrize(
+    "loss",
+    [
+        {"aggregation": "token-mean"},
+        {"aggregation": "seq-mean-token-mean"},
+        {"aggregation": "seq-mean-token-sum-norm"},
+        {"ratio_level": "sequence"},  # GSPO
+        {"importance_sampling": "tis"},
+        {"importance_sampling": "seq_mis", "mis_high": 3.0},
+        {"kl_estimator": "k1", "kl_clamp": 1.0},
+    ],
+    ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()),
+)
+def test_should_give_the_padded_loss_and_gradients_when_micro_batches_are_packed(worker, loss):
+    saved = {k: getattr(worker.cfg.grpo.loss, k) for k in loss}
+    for k, v in loss.items():
+        setattr(worker.cfg.grpo.loss, k, v)
+    try:
+        samples = _samples()
+        _assert_same(_step(worker, samples, sequence_packing=True), _step(worker, samples, **PADDED))
+    finally:
+        for k, v in saved.items():
+            setattr(worker.cfg.grpo.loss, k, v)
+
+
+def test_should_give_the_count_split_loss_and_gradients_when_micro_batches_are_filled_to_a_token_budget(worker):
+    samples = _samples()
+    by_count = _step(worker, samples, sequence_packing=True)
+    for packing in (True, False):
+        # 40 tokens: the 12 samples (10..32 tokens) go into 6..12 micro-batches instead of 3 of 5.
+        _assert_same(_step(worker, samples, sequence_packing=packing, shared_prefix=False,
+                           max_tokens_per_microbatch=40), by_count)
+
+
+def test_should_give_the_padded_logprobs_when_policy_and_reference_passes_are_packed(worker):
+    samples = _samples()
+    for reference in (False, True):
+        worker.cfg.policy.sequence_packing = False
+        try:
+            padded = worker.compute_logprobs(samples, reference=reference)
+        finally:
+            worker.cfg.policy.sequence_packing = True
+        worker.cfg.policy.logprob_max_tokens_per_microbatch = 50
+        try:
+            packed = worker.compute_logprobs(samples, reference=reference)
+        finally:
+            worker.cfg.policy.logprob_max_tokens_per_microbatch = None
+        for s, a, b in zip(samples, packed, padded):
+            assert len(a) == len(s.response_ids)
+            torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=RTOL, atol=ATOL)
+
+
+def test_should_give_the_same_gradients_when_packed_micro_batches_checkpoint_activations(worker):
+    samples = _samples()
+    plain = _step(worker, samples, sequence_packing=True)
+    worker.model.gradient_checkpointing_enable()
+    try:
+        _assert_same(_step(worker, samples, sequence_packing=True, activation_checkpointing=True), plain)
+    finally:
+        worker.model.gradient_checkpointing_disable()

@@ -28,7 +28,7 @@ class RecordingLLM:
     def wake_up(self, tags=None):
         self.calls.append(f"wake_up({tags})")
 
-    def generate(self, prompts, sampling, use_tqdm=True):
+    def generate(self, prompts, sampling, use_tqdm=True, lora_request=None):  # vllm.LLM.generate's keywords
         self.calls.append("generate")
         return []
 

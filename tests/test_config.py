@@ -70,6 +70,9 @@ def test_should_match_runbook_shapes_when_gpu_experiments_compose():
         (["grpo.reward_shaping.overlong_penalty=-0.5"], "grpo.reward_shaping.overlong_penalty"),
         (["policy.max_tokens_per_microbatch=0"], "policy.max_tokens_per_microbatch"),
         (["policy.logprob_max_tokens_per_microbatch=-1"], "policy.logprob_max_tokens_per_microbatch"),
+        (["policy.sequence_parallel_size=3"], "policy.sequence_parallel_size"),
+        (["policy.sequence_parallel_size=4"], "policy.sequence_parallel_size"),  # 2 policy ranks
+        (["policy.sequence_parallel_size=2", "policy.sequence_packing=false"], "policy.sequence_packing"),
     ],
 )
 def test_should_name_the_key_when_a_value_is_bad(overrides, key):
@@ -85,9 +88,32 @@ def test_should_name_both_keys_in_one_line_when_a_sequence_could_exceed_the_toke
         load(["policy.max_total_sequence_length=1024", f"policy.{key}=1000"])
     assert str(err.value) == (
         f"policy.max_total_sequence_length=1024 exceeds policy.{key}=1000: one sequence must fit a "
-        f"micro-batch; raise policy.{key} or lower policy.max_total_sequence_length"
+        f"micro-batch; raise policy.{key} (or policy.sequence_parallel_size) or lower policy.max_total_sequence_length"
     )
     assert load(["policy.max_total_sequence_length=1024", f"policy.{key}=1024"]).policy.sequence_packing
+
+
+def test_should_count_the_token_budget_per_rank_when_rows_are_split_over_sequence_parallel_ranks():
+    cfg = load(["policy.sequence_parallel_size=2", "policy.max_total_sequence_length=1024",
+                "policy.max_tokens_per_microbatch=512"])  # a 1024-token row spans both ranks
+    assert cfg.policy.sequence_parallel_size == 2
+    with pytest.raises(ConfigError) as err:
+        load(["policy.sequence_parallel_size=2", "policy.max_total_sequence_length=1025",
+              "policy.max_tokens_per_microbatch=512"])
+    assert "exceeds policy.max_tokens_per_microbatch=512 x policy.sequence_parallel_size=2" in str(err.value)
+
+
+def test_should_refuse_in_one_line_a_model_or_attention_that_sequence_parallelism_cannot_split():
+    from types import SimpleNamespace
+
+    from trainer.policy.ulysses import check_model
+
+    assert check_model(SimpleNamespace(num_attention_heads=8), 4, None) is None
+    assert check_model(SimpleNamespace(text_config=SimpleNamespace(num_attention_heads=32)), 8, "sdpa") is None
+    heads = check_model(SimpleNamespace(num_attention_heads=6), 4, None)
+    assert "policy.sequence_parallel_size=4 must divide the model's 6 attention heads" in heads
+    eager = check_model(SimpleNamespace(num_attention_heads=8), 2, "eager")
+    assert "model.attn_implementation=eager" in eager and "\n" not in eager
 
 
 @pytest.mark.parametrize(

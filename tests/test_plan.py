@@ -103,3 +103,16 @@ def test_should_count_state_for_the_adapters_only_when_the_policy_is_lora() -> N
     assert lora_terms["optimizer (AdamW, sharded)"] == 2 * adapters * 4 / 16
     assert lora_terms["optimizer (AdamW, sharded)"] < full_terms["optimizer (AdamW, sharded)"] / 50
     assert "reference policy (sharded)" not in lora_terms  # the base with the adapters off
+
+
+def test_should_plan_a_ranks_share_of_each_row_when_sequences_are_split_over_sequence_parallel_ranks() -> None:
+    by_count = ["experiment=codefu-7b-cpp", "policy.max_tokens_per_microbatch=null", "policy.micro_batch_size=4"]
+    plain = plan.micro_batch(config.load([*by_count, "policy.sequence_parallel_size=1"]))
+    split = plan.micro_batch(config.load([*by_count, "policy.sequence_parallel_size=4"]))
+    assert split.tokens * 4 == plain.tokens == 4 * 10240 and split.logit_rows * 4 == plain.logit_rows
+    # with a budget, the budget is what one rank holds, whatever the degree
+    cfg = config.load(["experiment=codefu-7b-cpp"])
+    assert cfg.policy.sequence_parallel_size == 4 and plan.micro_batch(cfg).tokens == 10240
+    shape = plan.model_shape(cfg.model.name)
+    extra = plan.block_activation_bytes(shape, 10240, 2, True) - plan.block_activation_bytes(shape, 10240, 2)
+    assert extra == 10240 * 2 * (2 * shape.heads + 2 * shape.kv_heads) * shape.head_dim  # the other layout

@@ -92,7 +92,11 @@ def test_should_raise_reward_and_write_readable_logs_when_tiny_model_trains(tmp_
 LORA = ("policy.lora.rank=8", "model.name='builtin:tiny?embed_scale=3'")
 
 
-@pytest.mark.parametrize("lora", [(), LORA], ids=["full", "lora"])
+# Ulysses sequence parallelism: both policy ranks hold half of every packed row (budgets per rank).
+SP = ("policy.sequence_parallel_size=2",)
+
+
+@pytest.mark.parametrize("lora", [(), LORA, SP], ids=["full", "lora", "sequence-parallel"])
 def test_should_learn_when_generation_is_disaggregated_with_truncated_importance_sampling(tmp_path, lora):
     # Micro-batches filled to a token budget (packed, the default layout) rather than 64 samples each.
     _, run_dir = _train(tmp_path, "generation.placement=disaggregated", "grpo.loss.importance_sampling=tis",

@@ -181,6 +181,11 @@ class PolicyConfig:
     # Concatenate a micro-batch's samples into one row without padding (position ids restart at 0 per
     # sample, so attention stays within each); false: the padded layouts (shared_prefix or plain).
     sequence_packing: bool = True
+    # Ulysses sequence parallelism: each packed micro-batch split along the sequence over this many
+    # consecutive ranks (all-to-all on attention heads), FSDP over all of them. 1, 2, 4 or 8; needs
+    # sequence_packing. The token budgets above are then per rank: a micro-batch's row holds up to
+    # budget x sequence_parallel_size tokens, so one sequence may be that long.
+    sequence_parallel_size: int = 1
     max_total_sequence_length: int = 1024
     activation_checkpointing: bool = False
     reshard_after_forward: bool = True
@@ -747,15 +752,23 @@ def _validate(c: Config) -> None:
     _require(p.learning_rate > 0, f"policy.learning_rate={p.learning_rate} must be > 0")
     _require(p.micro_batch_size >= 1, f"policy.micro_batch_size={p.micro_batch_size} must be >= 1")
     _require(p.logprob_micro_batch_size >= 1, "policy.logprob_micro_batch_size must be >= 1")
+    sp = p.sequence_parallel_size
+    _one_of("policy.sequence_parallel_size", sp, (1, 2, 4, 8))
+    if sp > 1:
+        _require(p.sequence_packing, f"policy.sequence_parallel_size={sp} splits packed rows: set policy.sequence_packing=true")
+        _require(c.train_world_size % sp == 0,
+                 f"policy.sequence_parallel_size={sp} must divide the {c.train_world_size} policy ranks")
     for key in ("max_tokens_per_microbatch", "logprob_max_tokens_per_microbatch"):
         budget = getattr(p, key)
         if budget is None:
             continue
         _require(budget >= 1, f"policy.{key}={budget} must be >= 1 (or null for a fixed micro_batch_size)")
+        per_group = f" x policy.sequence_parallel_size={sp}" if sp > 1 else ""
         _require(
-            p.max_total_sequence_length <= budget,
-            f"policy.max_total_sequence_length={p.max_total_sequence_length} exceeds policy.{key}={budget}: "
-            f"one sequence must fit a micro-batch; raise policy.{key} or lower policy.max_total_sequence_length",
+            p.max_total_sequence_length <= budget * sp,
+            f"policy.max_total_sequence_length={p.max_total_sequence_length} exceeds policy.{key}={budget}"
+            f"{per_group}: one sequence must fit a micro-batch; raise policy.{key} (or "
+            "policy.sequence_parallel_size) or lower policy.max_total_sequence_length",
         )
     _require(
         p.max_total_sequence_length > gen.max_new_tokens,
@@ -838,10 +851,12 @@ def _validate(c: Config) -> None:
         )
     world = c.train_world_size
     _require(world >= 1, "no training ranks: check cluster.num_nodes and cluster.gpus_per_node")
+    dp = world // p.sequence_parallel_size if world % p.sequence_parallel_size == 0 else world
+    groups = f" ({world} ranks / policy.sequence_parallel_size)" if dp != world else " policy ranks"
     _require(
-        g.batch_size % (world * g.num_minibatches) == 0,
+        g.batch_size % (dp * g.num_minibatches) == 0,
         f"grpo.num_prompts_per_step x grpo.num_generations_per_prompt = {g.batch_size} samples must split "
-        f"evenly over {world} policy ranks x grpo.num_minibatches={g.num_minibatches}",
+        f"evenly over {dp}{groups} x grpo.num_minibatches={g.num_minibatches}",
     )
     # --- rewards (their names are trainer.rewards' to check, when the run starts)
     _require(c.env.reward_timeout_s > 0, "env.reward_timeout_s must be > 0")

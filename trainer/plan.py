@@ -207,28 +207,32 @@ class Micro:
 
 
 def micro_batch(cfg, training: bool = True) -> Micro:
-    """The largest micro-batch the config allows: the token budget when there is one, else the fixed
-    count of the longest sequences."""
+    """The largest micro-batch one rank runs: the token budget when there is one (per rank), else the
+    fixed count of the longest sequences, split over ``policy.sequence_parallel_size`` ranks."""
     p = cfg.policy
     budget = p.max_tokens_per_microbatch if training else p.logprob_max_tokens_per_microbatch
     count = p.micro_batch_size if training else p.logprob_micro_batch_size
-    longest = p.max_total_sequence_length
-    tokens = budget or count * longest
+    longest, sp = p.max_total_sequence_length, p.sequence_parallel_size
+    tokens = budget or -(-count * longest // sp)
     if p.sequence_packing:  # logits only at the positions that predict response tokens
-        rows = tokens if budget else min(tokens, count * cfg.generation.max_new_tokens)
+        rows = tokens if budget else min(tokens, -(-count * cfg.generation.max_new_tokens // sp))
     else:  # logits from the shortest prompt on: at worst (one prompt token) every position
         rows = tokens
     return Micro(tokens=tokens, logit_rows=rows, sequence=longest)
 
 
-def block_activation_bytes(shape: Shape, tokens: int, dtype_bytes: int) -> float:
+def block_activation_bytes(shape: Shape, tokens: int, dtype_bytes: int, sequence_parallel: bool = False) -> float:
     """What one decoder block keeps for its backward, per micro-batch: its input and both norms'
     outputs (h each, and the residual after attention), q/k/v before and q/k after the rotary
     embedding, attention's output, and the gated MLP's four intermediates (gate, up, act(gate),
-    act(gate)*up). Attention itself keeps O(tokens) (flash / memory-efficient kernels)."""
+    act(gate)*up). Attention itself keeps O(tokens) (flash / memory-efficient kernels). Sequence
+    parallel, attention's q/k/v and output also exist in the other layout (heads / S over the whole
+    row: as many elements as a rank's slice with every head), for the all-to-alls' backward."""
     h, i, hd = shape.hidden, shape.intermediate, shape.head_dim
     q, kv = shape.heads * hd, shape.kv_heads * hd
     per_token = 4 * h + (q + 2 * kv) + (q + kv) + q + 4 * i
+    if sequence_parallel:
+        per_token += (q + 2 * kv) + q
     return tokens * per_token * dtype_bytes
 
 
@@ -243,6 +247,7 @@ def training_terms(cfg, shape: Shape, world: int) -> dict[str, float]:
     master = BYTES[cfg.model.dtype]
     compute = BYTES[p.param_dtype or cfg.model.dtype]
     mb = micro_batch(cfg, training=True)
+    sp = p.sequence_parallel_size > 1
     if p.lora.enabled:
         # A frozen base in model.dtype; float32 adapters are all that has gradients and AdamW state
         # (trainer/policy/lora.py), and the reference is the base with them switched off.
@@ -269,10 +274,10 @@ def training_terms(cfg, shape: Shape, world: int) -> dict[str, float]:
     if p.activation_checkpointing:
         # Every block's input; in backward one block recomputed, and the gradients flowing through it
         # (half as much again, as measured on CPU: bench/bench_plan.py).
-        block = block_activation_bytes(shape, mb.tokens, compute)
+        block = block_activation_bytes(shape, mb.tokens, compute, sp)
         saved = shape.layers * mb.tokens * shape.hidden * compute + 1.5 * block
     else:
-        saved = shape.layers * block_activation_bytes(shape, mb.tokens, compute)
+        saved = shape.layers * block_activation_bytes(shape, mb.tokens, compute, sp)
     terms["activations"] = saved
     # The (rows, V) logits and the flattened copy the chunked logprob pass keeps for its backward (whose
     # gradient takes the place of the freed logits).
@@ -342,7 +347,8 @@ ADVICE = {
     "optimizer (AdamW, sharded)": "more training GPUs (cluster.num_nodes and workerGroups.train.replicas)",
     "reference policy (sharded)": "grpo.loss.reference_policy_kl_penalty=0, or more training GPUs",
     "gathered units": "policy.reshard_after_forward=true, or policy.param_dtype=bfloat16",
-    "activations": "policy.activation_checkpointing=true, or a smaller policy.max_tokens_per_microbatch",
+    "activations": "policy.activation_checkpointing=true, or a smaller policy.max_tokens_per_microbatch "
+                   "(a larger policy.sequence_parallel_size spreads a long sequence over more ranks)",
     "logits": "a smaller policy.max_tokens_per_microbatch (or policy.micro_batch_size without a budget)",
     "runtime reserve": "nothing: a fixed reserve",
     "engine weights": "a larger generation.tensor_parallel_size",

@@ -24,6 +24,11 @@ class PolicyGroup:
         core_algos.check_loss_config(cfg.grpo.loss)  # here, not as a RayActorError from every rank
         self.cfg = cfg
         self.world_size = cfg.train_world_size
+        # Data-parallel groups: with sequence parallelism every rank of a group gets the same shard.
+        self.sp = cfg.policy.sequence_parallel_size
+        self.dp = self.world_size // self.sp
+        if self.sp > 1:
+            _check_sequence_parallel(cfg, model_path)
         gpus = cfg.cluster.use_gpus
         self.pg = reserve(
             bundles_for(cfg.train_nodes, cfg.cluster.gpus_per_node, self.world_size, gpus), "kuberl-policy"
@@ -45,8 +50,13 @@ class PolicyGroup:
         """Call ``method`` on every rank (a collective) and wait."""
         return ray.get([getattr(w, method).remote(*args, **kwargs) for w in self.workers])
 
+    def _per_rank(self, shards: list[list[int]]) -> list[list[int]]:
+        """One shard per data-parallel group -> one per rank (a group's ranks share theirs)."""
+        return [shards[r // self.sp] for r in range(self.world_size)]
+
     def compute_logprobs_async(self, samples: list[Sample], reference: bool = False):
-        shards = shard_for_ranks(samples, self.world_size)
+        # A group's ranks return the same values: the duplicates write the same entries twice.
+        shards = self._per_rank(shard_for_ranks(samples, self.dp))
         refs = [
             w.compute_logprobs.remote([samples[i] for i in idx], reference)
             for w, idx in zip(self.workers, shards)
@@ -79,8 +89,8 @@ class PolicyGroup:
                 }
             )
             if skip:
-                mb = with_policy_gradient(mb, self.world_size)
-            for rank, idx in enumerate(shard_for_ranks(mb, self.world_size)):
+                mb = with_policy_gradient(mb, self.dp)
+            for rank, idx in enumerate(self._per_rank(shard_for_ranks(mb, self.dp))):
                 per_rank[rank].append([mb[i] for i in idx])
         results = ray.get([w.train.remote(per_rank[r], counts) for r, w in enumerate(self.workers)])
         return results[0]
@@ -97,3 +107,17 @@ class PolicyGroup:
             watchdog.forget(w)
             ray.kill(w)
         ray.util.remove_placement_group(self.pg)
+
+
+def _check_sequence_parallel(cfg: Config, model_path: str) -> None:
+    """What the model must allow for policy.sequence_parallel_size, said here in one line rather than
+    as an error from every rank."""
+    from transformers import AutoConfig
+
+    from trainer.config import ConfigError
+    from trainer.policy.ulysses import check_model
+
+    config = AutoConfig.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
+    problem = check_model(config, cfg.policy.sequence_parallel_size, cfg.model.attn_implementation)
+    if problem:
+        raise ConfigError(problem)

@@ -94,6 +94,7 @@ class PolicyWorker:
         self.cfg, self.model_path, self.rank, self.world_size = cfg, model_path, rank, world_size
         self.colocated_engine = colocated_engine
         self.engine = None
+        self.sp = None  # set in setup with policy.sequence_parallel_size > 1
         self._engine_awake = False  # whether the colocated engine may hold device memory (steps 1-3 above)
         self.device = torch.device("cuda", 0) if cfg.cluster.use_gpus else torch.device("cpu")
         if not cfg.cluster.use_gpus:
@@ -149,6 +150,13 @@ class PolicyWorker:
             self._engine_awake = True  # a new engine holds its memory
         if cfg.model.attn_implementation:  # the policy's; the engine keeps the default, better for decoding
             model.set_attn_implementation(cfg.model.attn_implementation)
+        self.sp = None  # Ulysses: this rank's sequence-parallel group (trainer.policy.ulysses)
+        if cfg.policy.sequence_parallel_size > 1:
+            from trainer.policy import ulysses
+
+            inner = cfg.model.attn_implementation or "sdpa"
+            self.sp = ulysses.Group(cfg.policy.sequence_parallel_size, self.rank, self.world_size, inner)
+            ulysses.install(model, self.sp)
         if cfg.policy.activation_checkpointing:
             model.gradient_checkpointing_enable()
             if self.lora is not None:  # frozen embeddings: a checkpointed block's input must still need grad
@@ -163,6 +171,10 @@ class PolicyWorker:
                 self.model_path, cfg.model.dtype, cfg.model.trust_remote_code, cfg.model.attn_implementation
             ).to(self.device)
             ref.requires_grad_(False)
+            if self.sp is not None:
+                from trainer.policy import ulysses
+
+                ulysses.install(ref, self.sp)
             shard_model(ref, True, DTYPES.get(cfg.policy.param_dtype))
             self.ref_model = ref.eval()
         p = cfg.policy
@@ -364,10 +376,14 @@ class PolicyWorker:
                 cu = batch.cu_seqlens.to(dev)
                 varlen = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=batch.max_seqlen,
                               max_length_k=batch.max_seqlen)
+            input_ids, position_ids, predict = batch.input_ids, batch.position_ids, batch.predict
+            if self.sp is not None:  # this rank's slice of the row; attention sees the whole row
+                input_ids, position_ids, predict = self.sp.split(batch)
+                varlen = {}
             out = model(
-                input_ids=batch.input_ids.to(dev),
-                position_ids=batch.position_ids.to(dev),
-                logits_to_keep=batch.predict.to(dev),  # project only the positions that predict responses
+                input_ids=input_ids.to(dev),
+                position_ids=position_ids.to(dev),
+                logits_to_keep=predict.to(dev),  # project only the positions that predict responses
                 use_cache=False,
                 **varlen,
             )
@@ -414,9 +430,11 @@ class PolicyWorker:
     def _forward_logprobs(self, model, batch: PaddedBatch | PrefixBatch | PackedBatch, with_entropy: bool = False):
         """(B, K) logprobs of the window's labels, and optionally (B, K) entropy, from one forward
         and one chunked float32 pass over the logits (kept in the model's dtype)."""
-        logits = self._window_logits(model, batch)  # (B, K, V), or (1, M, V) packed
+        logits = self._window_logits(model, batch)  # (B, K, V), or (1, M, V) packed (M of this slice with SP)
         packed = isinstance(batch, PackedBatch)
         labels = batch.flat_labels[None] if packed else batch.labels
+        if packed and self.sp is not None:
+            labels = labels[:, self.sp.first : self.sp.first + logits.shape[1]]
         temperature = self.cfg.generation.temperature
         logprobs, entropy = core_algos.logprobs_and_entropy(
             logits,
@@ -425,6 +443,11 @@ class PolicyWorker:
             temperature=temperature if temperature > 0 else 1.0,  # score the distribution we sampled from
             with_entropy=with_entropy,
         )
+        if packed and self.sp is not None:  # every slice's tokens, so each rank of the group has them all
+            from trainer.policy.ulysses import gather_slices
+
+            logprobs = gather_slices(logprobs[0], self.sp.counts, self.sp)[None]
+            entropy = gather_slices(entropy[0], self.sp.counts, self.sp)[None] if entropy is not None else None
         if packed:  # (1, M) -> the (B, C) window the loss reads, as for the padded layouts
             logprobs = batch.to_window(logprobs[0])
             entropy = batch.to_window(entropy[0]) if entropy is not None else None
@@ -444,6 +467,7 @@ class PolicyWorker:
         if max_tokens is None:
             return [list(range(i, min(i + size, len(samples)))) for i in range(0, len(samples), size)]
         lengths = [s.length for s in samples]
+        max_tokens *= self.cfg.policy.sequence_parallel_size  # the budget is per rank; a row spans the group
         bins = budget_micro_batches(lengths, max_tokens, packed=self.cfg.policy.sequence_packing)
         count = torch.tensor([len(bins)], dtype=torch.int64)
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
@@ -575,6 +599,8 @@ class PolicyWorker:
             self.scheduler.step()
         self.model.set_requires_gradient_sync(True)
         # Sum over ranks, then normalise: token-level metrics by tokens, per-step ones by steps.
+        if self.sp is not None and not self.sp.leader:  # a group's sums once: its ranks computed the same
+            sums = {k: (v if k == "grad_norm" else 0.0) for k, v in sums.items()}
         keys = sorted(sums)
         totals = torch.tensor([sums[k] for k in keys], dtype=torch.float64)
         dist.all_reduce(totals)

@@ -221,3 +221,52 @@ def test_should_match_one_rank_when_two_gpus_split_the_batch_over_fsdp2(tiny, tm
     for rank in two:
         assert rank["loss"] == pytest.approx(one["loss"], rel=1e-4, abs=1e-6)
         assert rank["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-4)
+
+
+# Ulysses: both ranks get the whole batch and each holds half of every packed row (one GPU each, NCCL).
+SP_RANK = """
+import json, sys
+from trainer.policy.worker import PolicyWorker
+
+rank, world, port, model_path, out, attn = (int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4],
+                                            sys.argv[5], sys.argv[6])
+cfg = gpu_config(model_path, world)
+cfg.policy.sequence_parallel_size, cfg.model.attn_implementation = world, attn
+w = PolicyWorker(cfg, model_path, rank=rank, world_size=world, colocated_engine=False)
+try:
+    w.setup("127.0.0.1", int(port))
+    batch = samples()
+    logprobs = w.compute_logprobs(batch)
+    metrics = w.train([batch], counts(batch))
+    with open(out, "w") as f:
+        json.dump({"loss": metrics["loss"], "grad_norm": metrics["grad_norm"], "logprobs": logprobs}, f)
+finally:
+    w.shutdown()
+"""
+
+
+@needs_gpus(2)
+@pytest.mark.parametrize("attn", ["sdpa", "flash_attention_2"])
+def test_should_match_one_gpu_when_two_gpus_split_every_row_with_sequence_parallelism(tiny, tmp_path, attn):
+    if attn.startswith("flash"):
+        need("flash_attn", "flash attention's varlen kernel")
+    script = textwrap.dedent(CONFIG) + textwrap.dedent(SAMPLES) + textwrap.dedent(SP_RANK)
+
+    def run(world: int) -> dict:
+        port, outs = free_port(), [tmp_path / f"sp-{attn}-world{world}-rank{r}.json" for r in range(world)]
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-c", script, str(r), str(world), str(port), tiny, str(outs[r]), attn],
+                cwd=REPO, env={**os.environ, "CUDA_VISIBLE_DEVICES": str(r)},
+            )
+            for r in range(world)
+        ]
+        codes = wait_all(procs, timeout=300)
+        assert codes == [0] * world, "a rank failed (its output is above)"
+        return json.loads(outs[0].read_text())
+
+    one, two = run(1), run(2)
+    assert two["loss"] == pytest.approx(one["loss"], rel=1e-4, abs=1e-6)
+    assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-4)
+    for a, b in zip(one["logprobs"], two["logprobs"]):
+        assert torch.allclose(torch.tensor(b), torch.tensor(a), atol=1e-4)

@@ -167,15 +167,19 @@ def _attend(module, q, k, v, sp: Group, dropout, scaling, sliding_window, softca
     """Attention over the whole row for this rank's heads: (1, h, N, D) -> (1, N, h, D)."""
     row = sp.row
     if sp.inner.startswith("flash"):  # GPUs: the varlen kernel, told the boundaries (no mask)
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+        # transformers' own flash wrapper would name the kernel after module.config's implementation,
+        # which is this module's while sequence parallel: call the function under it with the inner one.
+        from transformers.integrations.flash_attention import get_target_dtype
+        from transformers.modeling_flash_attention_utils import _flash_attention_forward
 
-        cu = row.cu_seqlens.to(q.device)
-        out, _ = ALL_ATTENTION_FUNCTIONS[sp.inner](
-            module, q, k, v, None, dropout=dropout, scaling=scaling, sliding_window=sliding_window,
-            softcap=softcap, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=row.max_seqlen,
-            max_length_k=row.max_seqlen, is_causal=True,
+        cu = row.cu_seqlens.to(device=q.device, dtype=torch.int32)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (1, N, h, D): flash's layout
+        return _flash_attention_forward(
+            q, k, v, None, query_length=q.shape[1], is_causal=True, dropout=dropout, softmax_scale=scaling,
+            sliding_window=sliding_window, softcap=softcap, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+            max_length_q=row.max_seqlen, max_length_k=row.max_seqlen, target_dtype=get_target_dtype(q, module),
+            attn_implementation=sp.inner,
         )
-        return out
     if softcap is not None:
         raise ValueError("attention logit softcapping needs model.attn_implementation=flash_attention_2 "
                          "with policy.sequence_parallel_size > 1")

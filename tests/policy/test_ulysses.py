@@ -131,56 +131,10 @@ def test_should_pad_the_row_to_the_ranks_and_keep_every_predicted_position_once_
     total = batch.input_ids.shape[1]
     slices = [slice_row(batch, 4, r) for r in range(4)]
     row = slices[0][0]
-    assert row.position_ids.numel() == 44 and row.cu_seqlens.tolist()[-2:] == [total, 44]
+    assert row.cu_seqlens.tolist() == [*batch.cu_seqlens.tolist(), 44] and row.bounds[-1] == (42, 44)
     assert torch.cat([s[1][0] for s in slices])[:total].tolist() == batch.input_ids[0].tolist()
     assert torch.cat([s[2][0] for s in slices])[:total].tolist() == batch.position_ids[0].tolist()
     # each rank's predicted positions, shifted back to the row, are the row's, in order, once
     again = torch.cat([s[3] + r * 11 for r, s in enumerate(slices)])
     assert again.tolist() == batch.predict.tolist()
     assert all(s[4] == [len(x[3]) for x in slices] for s in slices)
-
-
-def test_should_keep_attention_within_each_sample_and_the_window_when_the_mask_is_built():
-    batch = pack_batch([Sample([1, 2, 3], [4, 5]), Sample([1, 2], [3, 4])], pad_id=0)  # 5 + 4 tokens: 10 at 2 ranks
-    row = slice_row(batch, 2, 0)[0]
-    mask = row.mask(None)[0, 0]
-    assert mask.shape == (10, 10)
-    assert mask[4, 0] and not mask[5, 4] and mask[8, 5] and not mask[5, 6]  # causal, per sample
-    assert mask[9, 9] and not mask[9, 8]  # the padding attends only to itself
-    windowed = row.mask(2)[0, 0]
-    assert windowed[8, 7] and not windowed[8, 6]
-
-
-def test_should_call_flash_attentions_varlen_path_with_the_rows_boundaries_when_the_inner_attention_is_flash(monkeypatch):
-    """GPUs only run flash attention; here transformers' function under its wrapper is replaced by a
-    varlen stand-in (sdpa per sample) that also checks every keyword against the real signature, and the
-    result must equal the sdpa path's (what CPUs run) on the same row."""
-    import inspect
-    from types import SimpleNamespace
-
-    import transformers.modeling_flash_attention_utils as fa
-
-    from trainer.policy.ulysses import _attend
-
-    real, seen = inspect.signature(fa._flash_attention_forward), {}
-
-    def varlen(q, k, v, mask, **kw):  # q/k/v (1, N, h, D)
-        real.bind(q, k, v, mask, **kw)
-        seen.update(kw, mask=mask)
-        cu = kw["cu_seq_lens_q"].tolist()
-        parts = [torch.nn.functional.scaled_dot_product_attention(
-            *(t[:, a:b].transpose(1, 2) for t in (q, k, v)), is_causal=True, scale=kw["softmax_scale"]
-        ).transpose(1, 2) for a, b in zip(cu, cu[1:])]  # fmt: skip
-        return torch.cat(parts, dim=1)
-
-    monkeypatch.setattr(fa, "_flash_attention_forward", varlen)
-    batch = pack_batch([Sample([1, 2, 3], [4, 5]), Sample([1, 2], [3, 4, 5, 6])], pad_id=0)  # 5 + 6: 12 at 2
-    row = slice_row(batch, 2, 0)[0]
-    q, k, v = torch.randn(3, 1, 2, 12, 32).unbind(0)  # this rank's 2 heads over the whole row
-    module = torch.nn.Linear(2, 2)  # an attention module's stand-in: its weights' dtype is flash's target
-    module.config = SimpleNamespace()
-    flash = _attend(module, q, k, v, SimpleNamespace(row=row, inner="flash_attention_2"), 0.0, 0.2, None, None)
-    sdpa = _attend(module, q, k, v, SimpleNamespace(row=row, inner="sdpa"), 0.0, 0.2, None, None)
-    torch.testing.assert_close(flash, sdpa)
-    assert seen["attn_implementation"] == "flash_attention_2" and seen["mask"] is None
-    assert seen["cu_seq_lens_q"].tolist() == [0, 5, 11, 12] and seen["max_length_q"] == 6

@@ -52,6 +52,7 @@ from trainer.policy.batch import (
     split_to_count,
     unpad_logprobs,
 )
+from trainer.policy.packed_attention import Row
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +96,7 @@ class PolicyWorker:
         self.colocated_engine = colocated_engine
         self.engine = None
         self.sp = None  # set in setup with policy.sequence_parallel_size > 1
+        self.packed_attention = False  # whether the policy's attention is trainer.policy.packed_attention's
         self._engine_awake = False  # whether the colocated engine may hold device memory (steps 1-3 above)
         self.device = torch.device("cuda", 0) if cfg.cluster.use_gpus else torch.device("cpu")
         if not cfg.cluster.use_gpus:
@@ -150,13 +152,20 @@ class PolicyWorker:
             self._engine_awake = True  # a new engine holds its memory
         if cfg.model.attn_implementation:  # the policy's; the engine keeps the default, better for decoding
             model.set_attn_implementation(cfg.model.attn_implementation)
-        self.sp = None  # Ulysses: this rank's sequence-parallel group (trainer.policy.ulysses)
+        # Packed rows attend within each sample at the cost of its own pairs (sdpa per sample, or flash
+        # varlen under Ulysses), where transformers' sdpa would mask a dense row; padded batches and other
+        # implementations are as before. Ulysses: this rank's sequence-parallel group around it.
+        inner = cfg.model.attn_implementation or "sdpa"
+        self.sp = None
         if cfg.policy.sequence_parallel_size > 1:
-            from trainer.policy import ulysses
+            from trainer.policy.ulysses import Group
 
-            inner = cfg.model.attn_implementation or "sdpa"
-            self.sp = ulysses.Group(cfg.policy.sequence_parallel_size, self.rank, self.world_size, inner)
-            ulysses.install(model, self.sp)
+            self.sp = Group(cfg.policy.sequence_parallel_size, self.rank, self.world_size)
+        self.packed_attention = self.sp is not None or inner == "sdpa"
+        if self.packed_attention:
+            from trainer.policy import packed_attention
+
+            packed_attention.install(model, inner, self.sp)
         if cfg.policy.activation_checkpointing:
             model.gradient_checkpointing_enable()
             if self.lora is not None:  # frozen embeddings: a checkpointed block's input must still need grad
@@ -171,10 +180,10 @@ class PolicyWorker:
                 self.model_path, cfg.model.dtype, cfg.model.trust_remote_code, cfg.model.attn_implementation
             ).to(self.device)
             ref.requires_grad_(False)
-            if self.sp is not None:
-                from trainer.policy import ulysses
+            if self.packed_attention:
+                from trainer.policy import packed_attention
 
-                ulysses.install(ref, self.sp)
+                packed_attention.install(ref, cfg.model.attn_implementation or "sdpa", self.sp)
             shard_model(ref, True, DTYPES.get(cfg.policy.param_dtype))
             self.ref_model = ref.eval()
         p = cfg.policy
@@ -362,10 +371,18 @@ class PolicyWorker:
         return {"buckets": stats.buckets, "bytes": stats.bytes, "seconds": stats.seconds}
 
     # ----- logprobs --------------------------------------------------------------------------------
+    def _set_row(self, row) -> None:
+        """The packed row the policy's attention runs on until the next forward (None: a padded batch)."""
+        if self.packed_attention:
+            from trainer.policy.packed_attention import set_row
+
+            set_row(row)
+
     def _window_logits(self, model, batch: PaddedBatch | PrefixBatch | PackedBatch) -> torch.Tensor:
         """(B, K, V) logits at the positions that predict ``batch.labels``; (1, M, V) for a packed
         batch, at its ``predict`` positions."""
         dev = self.device
+        self._set_row(None)
         if isinstance(batch, PackedBatch):
             # No attention mask and no cache: transformers then reads the sample boundaries from the
             # position ids (masking_utils.find_packed_sequence_indices -> a block-diagonal causal
@@ -378,8 +395,11 @@ class PolicyWorker:
                               max_length_k=batch.max_seqlen)
             input_ids, position_ids, predict = batch.input_ids, batch.position_ids, batch.predict
             if self.sp is not None:  # this rank's slice of the row; attention sees the whole row
-                input_ids, position_ids, predict = self.sp.split(batch)
+                row, input_ids, position_ids, predict = self.sp.split(batch)
+                self._set_row(row)
                 varlen = {}
+            elif self.packed_attention:
+                self._set_row(Row(batch.cu_seqlens, batch.max_seqlen))
             out = model(
                 input_ids=input_ids.to(dev),
                 position_ids=position_ids.to(dev),
@@ -484,6 +504,7 @@ class PolicyWorker:
                 mb = [samples[i] for i in idx]
                 batch = self._batch(mb)
                 logprobs, _ = self._forward_logprobs(model, batch)
+                self._set_row(None)
                 for i, lp in zip(idx, unpad_logprobs(mb, batch, logprobs.cpu())):
                     result[i] = lp
         return result
@@ -580,6 +601,7 @@ class PolicyWorker:
                 )
                 # FSDP averages gradients over ranks; the loss already divides by global counts.
                 (loss * self.world_size).backward()
+                self._set_row(None)  # after backward: a checkpointed one recomputes on the row
                 add("loss", loss.detach())
                 add("pg_clipfrac", (metrics["clipfrac"].float() * mask).sum())
                 add("ppo_kl", (metrics["ppo_kl"].detach() * mask).sum())

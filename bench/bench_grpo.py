@@ -26,7 +26,14 @@ The first ``--warmup`` steps are left out of the medians (model load and allocat
 there). Sampled completions differ between the two, and their length drives the step time, so the
 mean generated length and the seconds per generated token are reported beside the ratio.
 
+LoRA (``--lora RANK``, off by default): kuberl runs a ``kuberl+lora`` row as well (``policy.lora`` at that
+rank, alpha 2 x rank, on ``LoRAConfig``'s default target modules, at the learning rate of the
+``cpu-demo-lora`` experiment), and TRL runs a second time as ``trl+lora``, with a ``peft_config`` read
+back from that row's composed config (the same rank, alpha, dropout, targets and learning rate). The
+table gives ``kuberl+lora / trl+lora`` beside ``kuberl / trl``.
+
     make bench BENCH_STEPS=8        # or: .venv/bin/python bench/bench_grpo.py --steps 8
+    make bench BENCH_LORA=8         # adds kuberl+lora and trl+lora
 """
 
 from __future__ import annotations
@@ -58,6 +65,9 @@ ROWS: dict[str, list[str]] = {
     "pinned-async": [*DISAGG, *PINNED, "grpo.async.max_staleness=1"],
 }
 ASYNC_PAIRS = (("disagg-async", "disagg-sync"), ("pinned-async", "pinned-sync"))
+# --lora RANK: one more kuberl row (its overrides depend on the rank: lora_overrides) and one more TRL run.
+LORA_ROW, TRL_LORA = "kuberl+lora", "trl+lora"
+LORA_EXPERIMENT = "cpu-demo-lora"  # its learning rate, for both LoRA sides: adapters learn faster than full weights
 
 
 def fail(message: str, code: int = 2) -> int:
@@ -66,6 +76,18 @@ def fail(message: str, code: int = 2) -> int:
 
 
 # ----- the kuberl side (the trainer's .venv) ---------------------------------------------------------
+
+
+def lora_overrides(rank: int) -> list[str]:
+    """The kuberl+lora row: ``rank`` adapters, alpha 2 x rank, on kuberl's default targets, cpu-demo-lora's rate."""
+    from trainer.config import LoRAConfig, load
+
+    return [
+        f"policy.lora.rank={rank}",
+        f"policy.lora.alpha={2 * rank}",
+        f"policy.lora.target_modules=[{','.join(LoRAConfig().target_modules)}]",
+        f"policy.learning_rate={load([f'experiment={LORA_EXPERIMENT}']).policy.learning_rate}",
+    ]
 
 
 def kuberl_overrides(steps: int, log_dir: Path, extra: list[str] | None = None, ranks: int = 1) -> list[str]:
@@ -88,8 +110,12 @@ def kuberl_overrides(steps: int, log_dir: Path, extra: list[str] | None = None, 
     ]
 
 
-def build_spec(args, run_dir: Path) -> dict:
-    """Compose kuberl's config and draw the exact prompt batches its loader will serve, for TRL."""
+def build_spec(args, run_dir: Path, lora: list[str] | None = None) -> dict:
+    """Compose kuberl's config and draw the exact prompt batches its loader will serve, for TRL.
+
+    ``lora``: the kuberl+lora row's overrides; its composed ``policy.lora`` and learning rate become TRL's
+    ``peft_config`` and rate for trl+lora (``spec["lora"]``), so both sides read the same values.
+    """
     from trainer import data, hardware
     from trainer.config import load
     from trainer.data.loader import PromptLoader
@@ -116,6 +142,19 @@ def build_spec(args, run_dir: Path) -> dict:
         for _ in range(args.steps)
     ]
     p, g = cfg.policy, cfg.generation
+    lora_spec = None
+    if lora is not None:
+        extra = [*lora, *args.kuberl_override]
+        lcfg = load(kuberl_overrides(args.steps, run_dir / "kuberl-logs", extra, args.kuberl_ranks))
+        check_names(lcfg)
+        ll = lcfg.policy.lora
+        lora_spec = {
+            "rank": ll.rank,
+            "alpha": ll.scaling_alpha,
+            "dropout": ll.dropout,
+            "target_modules": list(ll.target_modules),
+            "learning_rate": lcfg.policy.learning_rate,
+        }
     return {
         "model_path": model_path,
         "steps": args.steps,
@@ -148,6 +187,7 @@ def build_spec(args, run_dir: Path) -> dict:
             "param_dtype": p.param_dtype or cfg.model.dtype,
             "engine_dtype": cfg.engine_dtype,
         },
+        "lora": lora_spec,  # None without --lora
     }
 
 
@@ -170,9 +210,9 @@ def tail(path: Path, n: int = 15) -> str:
     return "\n".join("    " + ln for ln in lines[-n:])
 
 
-def run_kuberl(args, run_dir: Path, name: str = "kuberl") -> dict:
+def run_kuberl(args, run_dir: Path, name: str, row_overrides: list[str]) -> dict:
     log_dir = run_dir / f"{name}-logs"
-    overrides = kuberl_overrides(args.steps, log_dir, [*ROWS[name], *args.kuberl_override], args.kuberl_ranks)
+    overrides = kuberl_overrides(args.steps, log_dir, [*row_overrides, *args.kuberl_override], args.kuberl_ranks)
     cmd = [args.kuberl_python, "-m", "trainer", *overrides]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     log_path = run_dir / f"{name}.log"
@@ -214,11 +254,12 @@ def run_kuberl(args, run_dir: Path, name: str = "kuberl") -> dict:
                 {json.loads(ln)["prompt"] for ln in rollouts.read_text().splitlines() if ln}
             )
         steps.append(row)
-    return {"steps": steps, "wall_s": wall, "log": str(log_path), "overrides": ROWS[name]}
+    return {"steps": steps, "wall_s": wall, "log": str(log_path), "overrides": row_overrides}
 
 
-def run_trl(args, spec_path: Path, run_dir: Path) -> dict:
-    result_path = run_dir / "trl-result.json"
+def run_trl(args, spec_path: Path, run_dir: Path, name: str = "trl") -> dict:
+    result_path = run_dir / f"{name}-result.json"
+    log_path = run_dir / f"{name}.log"
     cmd = [
         args.bench_python,
         str(Path(__file__).resolve()),
@@ -243,25 +284,25 @@ def run_trl(args, spec_path: Path, run_dir: Path) -> dict:
 
         env |= KEEP_FREED_MEMORY_ENV
     t0 = time.monotonic()
-    rc = run_logged(cmd, run_dir / "trl.log", env, "trl", lambda ln: ln.startswith(("step ", "trl: done")))
+    rc = run_logged(cmd, log_path, env, name, lambda ln: ln.startswith(("step ", "trl: done")))
     wall = time.monotonic() - t0
     if rc != 0 or not result_path.exists():
-        raise RuntimeError(
-            f"TRL exited with {rc}; its log ({run_dir / 'trl.log'}) ends:\n{tail(run_dir / 'trl.log')}"
-        )
+        raise RuntimeError(f"{name} exited with {rc}; its log ({log_path}) ends:\n{tail(log_path)}")
     result = json.loads(result_path.read_text())
-    result.update(wall_s=wall, log=str(run_dir / "trl.log"))
+    result.update(wall_s=wall, log=str(log_path))
     return result
 
 
-def check_bench_python(path: str) -> str | None:
-    """None when ``path`` is a Python with TRL, else the one-line reason."""
+def check_bench_python(path: str, lora: bool = False) -> str | None:
+    """None when ``path`` is a Python with TRL (and peft, for ``lora``), else the one-line reason."""
     if not Path(path).exists():
         return (
             f"no bench environment at {path}; run `make bench` (it builds .venv-bench) or `make bench-venv`"
         )
     probe = subprocess.run(
-        [path, "-c", "import trl, accelerate, datasets, math_verify"], capture_output=True, text=True
+        [path, "-c", "import trl, accelerate, datasets, math_verify" + (", peft" if lora else "")],
+        capture_output=True,
+        text=True,
     )
     if probe.returncode != 0:
         last = (probe.stderr.strip().splitlines() or ["?"])[-1]
@@ -305,11 +346,12 @@ def same_prompts(spec: dict, steps: list[dict]) -> bool | None:
 
 
 def report(spec: dict, results: dict[str, dict], warmup: int) -> dict:
-    """The table: every kuberl row and TRL; each row's ratio to TRL; async against sync."""
+    """The table: every kuberl row and TRL; each row's ratio to TRL (kuberl+lora's to trl+lora); async against sync."""
     rows = {name: summarize(name, res["steps"], warmup) for name, res in results.items()}
     fmt = lambda v, spec=".2f": "-" if v is None else format(v, spec)  # noqa: E731
     div = lambda a, b: a / b if a and b else None  # noqa: E731
     t = rows.get("trl")
+    tl = rows.get(TRL_LORA)
     print()
     print(
         f"GRPO step time, {PROMPTS_PER_STEP} prompts x {SAMPLES_PER_PROMPT} samples, <= {MAX_NEW_TOKENS} new tokens, "
@@ -320,13 +362,15 @@ def report(spec: dict, results: dict[str, dict], warmup: int) -> dict:
         f"{'mean len':>9} {'ms/token':>9} {'reward':>7} {'/TRL':>6} {'/TRL tok':>9}"
     )
     for name, r in rows.items():
+        kuberl_side = name not in ("trl", TRL_LORA)
+        ref = (tl if name == LORA_ROW else t) or {}  # what the /TRL columns divide by
         print(
             f"  {name:13} {fmt(r['median_step_s']):>7} {fmt(r['min_step_s']):>7} {fmt(r['median_generation_s']):>7} "
             f"{fmt(r['median_train_s']):>8} {fmt(r['median_reward_s'], '.3f'):>9} "
             f"{fmt(r['median_wait_s']):>7} {fmt(r['mean_length'], '.1f'):>9} "
             f"{fmt(r['median_ms_per_token'], '.1f'):>9} {fmt(r['mean_reward'], '.3f'):>7} "
-            f"{fmt(div(r['median_step_s'], t and t['median_step_s']), '.3f') if name != 'trl' else '':>6} "
-            f"{fmt(div(r['median_ms_per_token'], t and t['median_ms_per_token']), '.3f') if name != 'trl' else '':>9}"
+            f"{fmt(div(r['median_step_s'], ref.get('median_step_s')), '.3f') if kuberl_side else '':>6} "
+            f"{fmt(div(r['median_ms_per_token'], ref.get('median_ms_per_token')), '.3f') if kuberl_side else '':>9}"
         )
     k = rows.get("kuberl")
     ratio = div(k and k["median_step_s"], t and t["median_step_s"])
@@ -338,6 +382,15 @@ def report(spec: dict, results: dict[str, dict], warmup: int) -> dict:
         print(
             f"  ratio kuberl/TRL: {fmt(ratio, '.3f')} (per generated token: {fmt(per_token, '.3f')}, "
             f"fastest steps: {fmt(ratio_min, '.3f')}); target <= {TARGET_RATIO}: {'MET' if met else 'NOT MET'}"
+        )
+    kl = rows.get(LORA_ROW)
+    lora_ratio = div(kl and kl["median_step_s"], tl and tl["median_step_s"])
+    lora_per_token = div(kl and kl["median_ms_per_token"], tl and tl["median_ms_per_token"])
+    lora_ratio_min = div(kl and kl["min_step_s"], tl and tl["min_step_s"])
+    if lora_ratio is not None:
+        print(
+            f"  ratio kuberl+lora/TRL+lora: {fmt(lora_ratio, '.3f')} (per generated token: {fmt(lora_per_token, '.3f')}, "
+            f"fastest steps: {fmt(lora_ratio_min, '.3f')})"
         )
     vllm = rows.get("kuberl+vllm")
     if k and vllm:
@@ -366,6 +419,8 @@ def report(spec: dict, results: dict[str, dict], warmup: int) -> dict:
     print("  wait s: the policy idle, waiting for its batch or for a round to end before a weight push "
           "(async: what generation ahead did not hide; sync rows wait inside gen s)")
     checks = {"prompt_ids_identical": results["trl"].get("prompt_ids_identical") if "trl" in results else None}
+    if TRL_LORA in results:
+        checks["lora_prompt_ids_identical"] = results[TRL_LORA].get("prompt_ids_identical")
     for name, res in results.items():
         checks[f"{name}_same_prompts"] = same_prompts(spec, res["steps"])
     bad = [name for name, ok in checks.items() if ok is False]
@@ -375,6 +430,13 @@ def report(spec: dict, results: dict[str, dict], warmup: int) -> dict:
         f"  precision: kuberl compute {kp['param_dtype']}, engine {kp['engine_dtype']} (master weights float32); "
         f"TRL {'bf16 autocast' if spec['trl_bf16'] else 'float32'}"
     )
+    if spec.get("lora"):
+        lo = spec["lora"]
+        print(
+            f"  lora: rank {lo['rank']}, alpha {lo['alpha']:g}, dropout {lo['dropout']:g}, learning rate "
+            f"{lo['learning_rate']:g}, on {','.join(lo['target_modules'])}: kuberl's policy.lora, TRL's peft_config; "
+            f"kuberl+lora's /TRL columns are against trl+lora"
+        )
     print(
         f"  layout: kuberl {spec['kuberl_ranks']} policy rank(s) of {max(1, spec['threads'] // spec['kuberl_ranks'])} "
         f"thread(s); colocated rows generate in the rank, disagg rows in one generation actor beside it (all cores "
@@ -389,8 +451,10 @@ def report(spec: dict, results: dict[str, dict], warmup: int) -> dict:
         + (f"  <- WARNING: {', '.join(bad)} failed, the comparison is not like for like" if bad else "")
     )
     walls = ", ".join(f"{name} {res['wall_s']:.0f}s" for name, res in results.items())
+    versions = (results.get("trl") or results.get(TRL_LORA) or {}).get("versions", {})
+    peft = f", peft {results[TRL_LORA]['versions'].get('peft', '-')}" if TRL_LORA in results else ""
     print(
-        f"  wall time: {walls} (start-up included); TRL {results.get('trl', {}).get('versions', {}).get('trl', '-')}; "
+        f"  wall time: {walls} (start-up included); TRL {versions.get('trl', '-')}{peft}; "
         f"load average now {os.getloadavg()[0]:.1f} (this machine's cores: {os.cpu_count()})"
     )
     return {
@@ -400,6 +464,9 @@ def report(spec: dict, results: dict[str, dict], warmup: int) -> dict:
         "ratio_fastest": ratio_min,
         "target": TARGET_RATIO,
         "target_met": met,
+        "lora_ratio": lora_ratio,  # kuberl+lora / trl+lora median step time (None without --lora)
+        "lora_ratio_per_token": lora_per_token,
+        "lora_ratio_fastest": lora_ratio_min,
         "async_ratios": pairs,
         "async_target": ASYNC_TARGET,
         "checks": checks,
@@ -425,7 +492,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--rows",
         default=",".join(ROWS),
-        help=f"kuberl's rows, comma-separated (default all: {', '.join(ROWS)})",
+        help=f"kuberl's rows, comma-separated (default all: {', '.join(ROWS)}); with --lora, {LORA_ROW} is added, "
+        f"and --rows {LORA_ROW} alone runs only it and {TRL_LORA}",
+    )
+    parser.add_argument(
+        "--lora",
+        type=int,
+        metavar="RANK",
+        help=f"also run {LORA_ROW} (policy.lora.rank=RANK, alpha 2 x RANK, the default target modules, "
+        f"{LORA_EXPERIMENT}'s learning rate) against {TRL_LORA} (TRL with the same peft_config); default: off",
     )
     parser.add_argument(
         "--kuberl-override",
@@ -468,16 +543,25 @@ def main(argv: list[str] | None = None) -> int:
         return fail(
             f"--steps={args.steps} leaves nothing after --warmup={args.warmup} warm-up steps; raise BENCH_STEPS"
         )
+    if args.lora is not None and args.lora < 1:
+        return fail(f"--lora={args.lora}: the adapter rank must be >= 1 (e.g. --lora 8)")
     if args.only != "kuberl":
-        problem = check_bench_python(args.bench_python)
+        problem = check_bench_python(args.bench_python, lora=args.lora is not None)
         if problem:
             return fail(problem)
     if args.only != "trl" and not Path(args.kuberl_python).exists():
         return fail(f"no trainer environment at {args.kuberl_python}; run `make setup`")
     rows = [r.strip() for r in args.rows.split(",") if r.strip()]
-    unknown = [r for r in rows if r not in ROWS]
+    unknown = [r for r in rows if r not in (*ROWS, LORA_ROW)]
     if unknown:
-        return fail(f"--rows: unknown row {unknown[0]!r}; choose from: {', '.join(ROWS)}")
+        return fail(f"--rows: unknown row {unknown[0]!r}; choose from: {', '.join(ROWS)}, {LORA_ROW} (with --lora)")
+    if LORA_ROW in rows and args.lora is None:
+        return fail(f"--rows: {LORA_ROW} needs an adapter rank: add --lora RANK (e.g. --lora 8)")
+    if args.lora is not None and LORA_ROW not in rows:
+        rows.append(LORA_ROW)
+    # The TRL runs the chosen rows are compared to: plain TRL unless kuberl+lora is the only row.
+    trl_runs = [name for name, wanted in (("trl", any(r != LORA_ROW for r in rows) or args.lora is None),
+                                          (TRL_LORA, args.lora is not None)) if wanted]
     if "kuberl+vllm" in rows and args.only != "trl":
         # as trainer.generation.vllm_engine.vllm_available asks it, without importing vLLM
         probe = subprocess.run([args.kuberl_python, "-c", "import importlib.util, sys; "
@@ -494,11 +578,25 @@ def main(argv: list[str] | None = None) -> int:
     from trainer.config import ConfigError
 
     try:
-        spec = build_spec(args, run_dir)
+        row_overrides = {**ROWS, **({LORA_ROW: lora_overrides(args.lora)} if args.lora is not None else {})}
+        spec = build_spec(args, run_dir, row_overrides.get(LORA_ROW))
     except ConfigError as e:  # a bad --kuberl-override, in the trainer's own words
         return fail(str(e))
     spec_path = run_dir / "spec.json"
     spec_path.write_text(json.dumps(spec))
+    trl_specs = {"trl": spec_path}
+    if spec["lora"]:  # TRL's second run: the same work with kuberl+lora's adapters and learning rate
+        trl_specs[TRL_LORA] = run_dir / "spec-lora.json"
+        trl_specs[TRL_LORA].write_text(
+            json.dumps(
+                {
+                    **spec,
+                    "peft": spec["lora"],
+                    "learning_rate": spec["lora"]["learning_rate"],
+                    "output_dir": str(run_dir / "trl-lora-out"),
+                }
+            )
+        )
     print(
         f"bench: {spec['steps']} steps each, {args.threads} threads, model {spec['model_path']}; logs in {run_dir}",
         flush=True,
@@ -506,11 +604,14 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     try:
         for row in rows if args.only != "trl" else []:
-            print(f"bench: {row} (python -m trainer, .venv): {' '.join(ROWS[row]) or 'cpu-demo as it ships'}", flush=True)
-            results[row] = run_kuberl(args, run_dir, row)
-        if args.only != "kuberl":
-            print("bench: TRL GRPOTrainer (.venv-bench)", flush=True)
-            results["trl"] = run_trl(args, spec_path, run_dir)
+            print(
+                f"bench: {row} (python -m trainer, .venv): {' '.join(row_overrides[row]) or 'cpu-demo as it ships'}",
+                flush=True,
+            )
+            results[row] = run_kuberl(args, run_dir, row, row_overrides[row])
+        for name in trl_runs if args.only != "kuberl" else []:
+            print(f"bench: TRL GRPOTrainer (.venv-bench){' with peft_config' if name == TRL_LORA else ''}", flush=True)
+            results[name] = run_trl(args, trl_specs[name], run_dir, name)
     except RuntimeError as e:
         return fail(str(e), 1)
     summary = report(spec, results, args.warmup)
@@ -602,6 +703,18 @@ def trl_worker(spec_path: Path, out: Path) -> int:
     from trl import GRPOConfig, GRPOTrainer
 
     spec = json.loads(spec_path.read_text())
+    peft_config = None
+    if spec.get("peft"):  # trl+lora: kuberl+lora's policy.lora, as trainer.policy.lora.peft_config builds it
+        from peft import LoraConfig
+
+        lo = spec["peft"]
+        peft_config = LoraConfig(
+            r=lo["rank"],
+            lora_alpha=lo["alpha"],
+            lora_dropout=lo["dropout"],
+            target_modules=lo["target_modules"],
+            task_type="CAUSAL_LM",
+        )
     torch.set_num_threads(spec["threads"])
     sys.path.insert(0, str(REPO))
     from trainer import rewards  # the same reward functions kuberl runs (pure Python + math-verify)
@@ -693,7 +806,11 @@ def trl_worker(spec_path: Path, out: Path) -> int:
         args=config,
         train_dataset=Dataset.from_list(rows),
         callbacks=[StepTimer()],
+        peft_config=peft_config,
     )
+    trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+    total_params = sum(p.numel() for p in trainer.model.parameters())
+    print(f"trl: {trainable} of {total_params} parameters train ({'peft LoRA' if peft_config else 'full'})", flush=True)
     _timed(trainer, "_generate", probe, "generation_s")
     _timed(trainer, "_calculate_rewards", probe, "reward_s")
     _timed(trainer, "_generate_and_score_completions", probe, "rollout_s")
@@ -708,12 +825,14 @@ def trl_worker(spec_path: Path, out: Path) -> int:
     t0 = time.monotonic()
     trainer.train()
     print(f"trl: done, {len(probe.rows)} steps in {time.monotonic() - t0:.0f}s", flush=True)
-    versions = {p: md.version(p) for p in ("trl", "transformers", "torch", "accelerate")}
+    packages = ("trl", "transformers", "torch", "accelerate") + (("peft",) if peft_config else ())
+    versions = {p: md.version(p) for p in packages}
     out.write_text(
         json.dumps(
             {
                 "steps": probe.rows,
                 "prompt_ids_identical": identical,
+                "trainable_params": trainable,
                 "versions": versions,
                 "threads": torch.get_num_threads(),
             },

@@ -7,8 +7,10 @@ BENCH_PY    := $(BENCH_VENV)/bin/python
 BENCH_STAMP := $(BENCH_VENV)/.kuberl-bench-installed
 # The TRL version whose GRPOTrainer semantics bench/bench_grpo.py was written against; transformers is
 # pinned to the trainer's own so both sides run the same model code. math-verify: the TRL side scores with our `math` reward.
+# peft, pinned to the trainer's too: TRL's LoRA run (BENCH_LORA) wraps the model with the same adapter code as kuberl's.
 TRL_SPEC    ?= trl==1.16.0
 BENCH_STEPS ?= 8
+BENCH_LORA  ?=
 BENCH_ARGS  ?=
 
 # Order-only on the trainer's venv: it is read for versions, but reinstalling it need not rebuild this one.
@@ -20,16 +22,17 @@ $(BENCH_STAMP): mk/bench.mk | $(STAMP)
 	@$(BENCH_PY) -m pip install -q "$(TORCH_SPEC)" 2>&1 | grep -v "is ignored" || true
 	@tf=$$($(PY) -c "import transformers; print(transformers.__version__)") && \
 	  mv=$$($(PY) -c "import importlib.metadata as m; print(m.version('math-verify'))") && \
+	  pv=$$($(PY) -c "import importlib.metadata as m; print(m.version('peft'))") && \
 	  $(BENCH_PY) -m pip install -q "$(TORCH_SPEC)" "$(TRL_SPEC)" "transformers==$$tf" "math-verify==$$mv" \
-	    accelerate datasets 2>&1 | grep -v "is ignored" || true
-	@$(BENCH_PY) -c "import torch, trl, transformers, accelerate, datasets, math_verify" \
+	    "peft==$$pv" accelerate datasets 2>&1 | grep -v "is ignored" || true
+	@$(BENCH_PY) -c "import torch, trl, transformers, accelerate, datasets, math_verify, peft" \
 	  || { echo "bench setup failed: see the pip output above"; exit 1; }
 	@touch $@
 
 bench-venv: $(BENCH_STAMP) ## Create .venv-bench (CPU torch + TRL) for `make bench`
 
-bench: setup $(BENCH_STAMP) ## GRPO median step time, kuberl vs TRL GRPOTrainer (same model, prompts, reward); BENCH_STEPS=8
-	$(PY) bench/bench_grpo.py --steps $(BENCH_STEPS) --bench-python $(BENCH_PY) $(BENCH_ARGS)
+bench: setup $(BENCH_STAMP) ## GRPO median step time, kuberl vs TRL GRPOTrainer (same model, prompts, reward); BENCH_STEPS=8, BENCH_LORA=8 adds kuberl+lora vs trl+lora
+	$(PY) bench/bench_grpo.py --steps $(BENCH_STEPS) --bench-python $(BENCH_PY) $(if $(BENCH_LORA),--lora $(BENCH_LORA)) $(BENCH_ARGS)
 
 # Generation throughput, hf engine vs vLLM (the CPU build from `make setup`), and weight-refit time next
 # to a plain copy_ / a raw gloo broadcast of the same bytes. See bench/bench_generation.py.
@@ -46,3 +49,11 @@ BENCH_TRAIN_ARGS ?=
 
 bench-train: setup ## Training tokens/s, padded micro_batch_size vs packed max_tokens_per_microbatch (SmolLM2-135M, responses 16..512)
 	$(PY) bench/bench_train.py $(BENCH_TRAIN_ARGS)
+
+# LoRA against full weights: refit time (hf engine, disaggregated gloo transport, colocated vLLM) and the
+# hf engine's decode speed with the adapter applied against merged. See bench/bench_lora_refit.py.
+.PHONY: bench-lora-refit
+BENCH_LORA_REFIT_ARGS ?=
+
+bench-lora-refit: setup ## LoRA adapter vs full-weight refit time (hf, gloo transport, colocated vLLM) and adapter vs merged decode tok/s; BENCH_LORA_REFIT_ARGS="--rank 16 --skip-vllm"
+	$(PY) bench/bench_lora_refit.py $(BENCH_LORA_REFIT_ARGS)

@@ -92,6 +92,14 @@ def test_should_raise_reward_and_write_readable_logs_when_tiny_model_trains(tmp_
 LORA = ("policy.lora.rank=8", "model.name='builtin:tiny?embed_scale=3'")
 
 
+def test_should_learn_when_a_lora_policy_serves_its_adapters_to_the_colocated_hf_engine(tmp_path):
+    _, run_dir = _train(tmp_path, *LORA)
+    scalars = _scalars(run_dir)
+    _assert_learned(scalars["train/reward_mean"])
+    # the engine applies the policy's adapters (refit of the adapters alone): it samples from the policy
+    assert max(scalars["train/gen_logprob_abs_diff"]) < 1e-3 and max(scalars["train/gen_train_kl"]) < 1e-5
+
+
 # Ulysses sequence parallelism: both policy ranks hold half of every packed row (budgets per rank).
 SP = ("policy.sequence_parallel_size=2",)
 

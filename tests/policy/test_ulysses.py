@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from tests.leftovers import wait_all
-from trainer.policy.batch import Sample, pack_batch
+from tests.policy.test_packing import _samples  # the same length-skewed batch as the packing equality tests
+from trainer.policy.batch import pack_batch
 from trainer.policy.ulysses import slice_row
 from trainer.ports import free_port
 
@@ -35,22 +36,6 @@ CASES = [
     ("budget", {"max_tokens_per_microbatch": 48}, {}),  # per rank: rows of up to 48 x ranks tokens
     ("checkpointing", {"activation_checkpointing": True}, {}),
 ]
-
-
-def _samples() -> list[Sample]:
-    """3 prompts (of 4..9 tokens) x 4 responses of 1..23 tokens, with every per-token input set."""
-    g = torch.Generator().manual_seed(0)
-    out = []
-    for p in range(3):
-        prompt = torch.randint(4, 40, (4 + 5 * p // 2,), generator=g).tolist()
-        for k in range(4):
-            n = [1, 23, 6, 14][(k + p) % 4]
-            response = torch.randint(4, 40, (n,), generator=g).tolist()
-            mask = [0 if 2 <= t < 5 else 1 for t in range(n)]  # tokens 2..4: an environment turn
-            old, ref, gen = ((torch.randn(n, generator=g) * 0.3 - 3.0).tolist() for _ in range(3))
-            out.append(Sample(prompt, response, advantage=float(k) - 1.5, response_mask=mask,
-                              old_logprobs=old, ref_logprobs=ref, gen_logprobs=gen))
-    return out
 
 
 def _rank_main(rank: int, world: int, port: int, model_path: str, out: str) -> None:

@@ -164,8 +164,9 @@ def prefix_batch(samples: list[Sample], pad_id: int) -> PrefixBatch:
 @dataclass
 class PackedBatch:
     """All samples in one row, no padding; position ids restart at 0 at each sample, which is how
-    transformers tells packed sequences apart (a block-diagonal causal mask for sdpa and eager, varlen
-    kernels for flash attention), so attention never crosses from one sample into the next.
+    transformers tells packed sequences apart (and the policy's sdpa runs each sample on its own:
+    :mod:`trainer.policy.packed_attention`; flash attention's varlen kernels), so attention never crosses
+    from one sample into the next.
 
     The loss sees the same (B, C) window as :class:`PrefixBatch` (column j = response token j, right-
     padded), so every aggregation, ratio and KL is computed exactly as for the padded layouts. Only the

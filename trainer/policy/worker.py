@@ -8,8 +8,10 @@ policy with its adapters off (no second model), and refits and checkpoints carry
 Every method that touches the sharded model is a collective: the driver calls it on all ranks at once
 with equally sized shards of the batch, and each rank runs the same number of micro-batches (with a
 token budget the ranks agree on the largest count first). Micro-batches are packed rows by default
-(:class:`~trainer.policy.batch.PackedBatch`): no attention mask, per-sample position ids, from which
-transformers builds the block-diagonal mask (sdpa, eager) or flash attention's varlen call.
+(:class:`~trainer.policy.batch.PackedBatch`): no attention mask, per-sample position ids; attention stays
+within each sample at the cost of its own pairs (:mod:`trainer.policy.packed_attention`: sdpa once per
+sample; with flash attention, its varlen call), and with ``policy.sequence_parallel_size`` each rank holds
+a slice of every row (:mod:`trainer.policy.ulysses`).
 
 With colocated generation each rank also owns a generation engine (built by
 :mod:`trainer.generation.factory`; the hf engine copies the rank's already loaded weights). The rank
@@ -384,10 +386,10 @@ class PolicyWorker:
         dev = self.device
         self._set_row(None)
         if isinstance(batch, PackedBatch):
-            # No attention mask and no cache: transformers then reads the sample boundaries from the
-            # position ids (masking_utils.find_packed_sequence_indices -> a block-diagonal causal
-            # mask for sdpa/eager). Flash attention gets the boundaries themselves, so it runs its
-            # varlen kernel without inferring them from the position ids in every layer.
+            # No attention mask and no cache. sdpa: the policy's attention runs each sample of the row on
+            # its own (packed_attention, told the row below). Flash attention gets the boundaries
+            # themselves, so it runs its varlen kernel without inferring them in every layer. Others
+            # (eager): transformers reads the boundaries from the position ids (a block-diagonal mask).
             varlen = {}
             if "flash" in (getattr(model.config, "_attn_implementation", None) or ""):
                 cu = batch.cu_seqlens.to(dev)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
-
 import pytest
 
 from trainer.config import ConfigError, GenerationConfig, load
@@ -81,26 +79,6 @@ def test_should_register_the_twin_backend_through_vllms_plugin_entry_point():
     assert WeightTransferEngineFactory._registry["kuberl_gloo"]() is GlooWeightTransferEngine
     with pytest.raises(RuntimeError, match="no weight-transfer backend 'nope'"):
         check_transfer_backend("nope")
-
-
-@pytest.mark.vllm
-def test_should_reload_layerwise_on_every_update_as_vllms_nccl_engine_does_when_the_twin_receives(monkeypatch):
-    """vLLM's NCCL engine (what GPUs run) starts every update with initialize_layerwise_reload, quantized
-    or not; the twin takes the same path, so CPU tests run the load that GPUs run."""
-    from types import SimpleNamespace
-
-    from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
-
-    from trainer.generation import vllm_weight_transfer
-    from trainer.generation.vllm_weight_transfer import GlooWeightTransferEngine
-
-    started = []
-    monkeypatch.setattr(vllm_weight_transfer, "begin_weight_update", lambda model, layerwise: started.append(layerwise))
-    twin = GlooWeightTransferEngine.__new__(GlooWeightTransferEngine)
-    twin.model, twin.model_config = SimpleNamespace(), SimpleNamespace(quantization=None)  # plain, unquantized
-    twin.start_weight_update()
-    assert started == [True] and twin.layerwise
-    assert "initialize_layerwise_reload" in inspect.getsource(NCCLWeightTransferEngine.start_weight_update)
 
 
 # ----- placement: sleep mode and the memory share -------------------------------------------------------

@@ -36,6 +36,7 @@ from trainer.generation.vllm_engine import (
     RELOAD_LOGGER,
     begin_weight_update,
     finish_weight_update,
+    needs_layerwise_reload,
     quiet,
 )
 from trainer.generation.weight_transport import (
@@ -80,11 +81,9 @@ class GlooWeightTransferEngine(WeightTransferEngine[NCCLWeightTransferInitInfo, 
         )
 
     def start_weight_update(self) -> None:
-        # As vLLM's NCCL engine does for every update (nccl_engine.start_weight_update), quantized or not:
-        # every layer back into checkpoint form, loaded, processed again. On GPUs that engine is the one
-        # that runs, so the twin takes the same path rather than the in-place load the colocated CPU
-        # engine uses (which needs_layerwise_reload chooses only where it must).
-        self.layerwise = True
+        # As vLLM's NCCL engine does for every update where it matters: quantized engines, and CPU layers
+        # that kept only their packed weight, reload layer by layer.
+        self.layerwise = needs_layerwise_reload(self.model, self.model_config)
         begin_weight_update(self.model, self.layerwise)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:

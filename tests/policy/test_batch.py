@@ -11,7 +11,9 @@ from trainer.policy.batch import (
     micro_batch_tokens,
     pack_batch,
     pad_batch,
+    prefers_prefix,
     prefix_batch,
+    prefix_positions,
     shard_for_ranks,
     split_to_count,
     unpad_logprobs,
@@ -146,3 +148,13 @@ def test_should_split_the_largest_micro_batch_when_another_rank_runs_more():
     assert split_to_count(bins, 2, lengths) == bins
     with pytest.raises(ValueError, match="cannot fill 6"):
         split_to_count(bins, 6, lengths)
+
+
+def test_should_prefer_the_shared_prompt_layout_only_when_it_runs_fewer_positions():
+    prompt = list(range(1, 21))
+    group = [Sample(prompt, [7] * n) for n in (4, 5, 4, 5)]
+    assert prefix_positions(group) == 20 + 4 * 5 and prefers_prefix(group)  # 40 against 98 packed
+    ragged = [Sample(prompt, [7] * n) for n in (1, 60, 2, 3)]
+    assert prefix_positions(ragged) == 20 + 4 * 60 and not prefers_prefix(ragged)  # 260 against 146
+    distinct = [Sample([k] * 20, [7] * 4) for k in range(4)]  # no prompt shared: nothing to gain
+    assert not prefers_prefix(distinct)

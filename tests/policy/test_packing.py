@@ -55,6 +55,7 @@ def worker(tiny_model_path):
         pytest.skip("this process already has a torch.distributed world")
     cfg = load(["experiment=tiny", f"model.name={tiny_model_path}", "cluster.cpu_workers_per_node=1",
                 "policy.max_grad_norm=null", "policy.micro_batch_size=5", "policy.logprob_micro_batch_size=5",
+                "policy.shared_prefix=false",  # every packed case packs (the mixed choice has its own test)
                 "grpo.loss.reference_policy_kl_penalty=0.1", "grpo.loss.ratio_clip_min=0.2",
                 "grpo.loss.ratio_clip_max=0.2"])
     threads = torch.get_num_threads()
@@ -160,3 +161,30 @@ def test_should_give_the_same_gradients_when_packed_micro_batches_checkpoint_act
         _assert_same(_step(worker, samples, sequence_packing=True, activation_checkpointing=True), plain)
     finally:
         worker.model.gradient_checkpointing_disable()
+
+
+def test_should_give_the_padded_loss_and_gradients_when_each_micro_batch_takes_the_cheaper_layout(worker):
+    """Packing and shared prompts both on (the defaults): a group of even, short responses under a long
+    prompt runs as a PrefixBatch (24 + 4 x 6 positions against 4 x 24 + 22 packed), the ragged group
+    packs; together they train as the padded layout does."""
+    from trainer.policy.batch import PackedBatch, PrefixBatch
+
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(4, 40, (24,), generator=g).tolist()
+    even = [Sample(prompt, [], advantage=a) for a in (1.0, -1.0, 0.5, -0.5)]
+    for k, s in enumerate(even):
+        s.response_ids = torch.randint(4, 40, (5 + k % 2,), generator=g).tolist()
+    for s in even:
+        n = len(s.response_ids)
+        s.response_mask = [1] * n
+        s.old_logprobs, s.ref_logprobs, s.gen_logprobs = ((torch.randn(n, generator=g) * 0.3 - 3.0).tolist() for _ in range(3))
+    samples = even + _samples()[:4]  # the second group: responses of 1, 23, 6 and 14 tokens
+    layouts = []
+    build = worker._batch
+    worker._batch = lambda chunk: layouts.append(type(build(chunk))) or build(chunk)
+    try:
+        mixed = _step(worker, samples, sequence_packing=True, shared_prefix=True, micro_batch_size=4)
+    finally:
+        del worker._batch
+    assert layouts == [PrefixBatch, PackedBatch]
+    _assert_same(mixed, _step(worker, samples, micro_batch_size=4, **PADDED))

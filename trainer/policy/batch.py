@@ -8,7 +8,9 @@ samples into one row without padding, with position ids that restart at 0 for ea
 ragged batch costs its real tokens and not B x its longest one; :class:`PrefixBatch` runs every
 distinct prompt once and lets all of its samples attend to that one prompt's keys and values (GRPO
 draws several samples per prompt, so the prompt tokens would otherwise be computed, and
-back-propagated, once per sample); :class:`PaddedBatch` is the plain right-padded layout.
+back-propagated, once per sample); :class:`PaddedBatch` is the plain right-padded layout. With both
+``sequence_packing`` and ``shared_prefix`` on (the defaults), each micro-batch takes whichever of the
+first two runs fewer positions (:func:`prefers_prefix`).
 
 A micro-batch is a fixed number of samples (``policy.micro_batch_size``) or, with
 ``policy.max_tokens_per_microbatch``, as many as fit a token budget (:func:`budget_micro_batches`,
@@ -248,6 +250,21 @@ def unpad_logprobs(
         first = len(s.prompt_ids) - 1 - batch.start
         out.append(logprobs[row, first : first + len(s.response_ids)].tolist())
     return out
+
+
+def prefix_positions(samples: list[Sample]) -> int:
+    """Positions :class:`PrefixBatch` runs through the model for ``samples``: each distinct prompt once at
+    the longest prompt's width, and every response at the longest response's width."""
+    prompts = {tuple(s.prompt_ids) for s in samples}
+    return len(prompts) * max(map(len, prompts)) + len(samples) * max(max(len(s.response_ids) for s in samples), 1)
+
+
+def prefers_prefix(samples: list[Sample]) -> bool:
+    """Whether the shared-prompt layout runs fewer positions than the packed row (``sum`` of lengths):
+    a micro-batch of whole GRPO groups with short, even responses (each prompt once instead of once per
+    sample); ragged or prompt-light micro-batches pack. Both layouts give the same values (the packing
+    equality tests), so the cheaper one is chosen per micro-batch."""
+    return prefix_positions(samples) < sum(s.length for s in samples)
 
 
 def micro_batch_tokens(lengths: list[int], packed: bool) -> int:

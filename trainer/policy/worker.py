@@ -50,6 +50,7 @@ from trainer.policy.batch import (
     budget_micro_batches,
     pack_batch,
     pad_batch,
+    prefers_prefix,
     prefix_batch,
     split_to_count,
     unpad_logprobs,
@@ -477,11 +478,12 @@ class PolicyWorker:
 
     def _batch(self, samples: list[Sample]) -> PaddedBatch | PrefixBatch | PackedBatch:
         pad, p = self.tokenizer.pad_token_id, self.cfg.policy
+        # The shared-prompt layout runs each prompt once through a KV cache: not under activation
+        # checkpointing (a checkpointed layer recomputes without the cache) nor split over SP ranks.
+        prefix = p.shared_prefix and not p.activation_checkpointing and self.sp is None
         if p.sequence_packing:
-            return pack_batch(samples, pad)
-        if p.shared_prefix and not p.activation_checkpointing:
-            return prefix_batch(samples, pad)
-        return pad_batch(samples, pad)
+            return prefix_batch(samples, pad) if prefix and prefers_prefix(samples) else pack_batch(samples, pad)
+        return prefix_batch(samples, pad) if prefix else pad_batch(samples, pad)
 
     def _micro_batches(self, samples: list[Sample], size: int, max_tokens: int | None) -> list[list[int]]:
         """Indices of ``samples`` per micro-batch: ``size`` at a time, or by the token budget (collective:

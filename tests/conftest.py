@@ -1,9 +1,12 @@
-"""Shared fixtures: a real local Ray instance and the tiny model, built once per session; and the check
-that no process the session started outlives it (:mod:`tests.leftovers`)."""
+"""Shared fixtures: a real local Ray instance and the tiny model, built once per session, and a second Ray
+instance that the tests' ``python -m trainer`` runs attach to; and the check that no process the session
+started outlives it (:mod:`tests.leftovers`)."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -62,3 +65,42 @@ def ray_local():
         ray.init(address="local", num_cpus=16, num_gpus=0, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
+
+
+# A trainer run attached to an instance asks it for its bundles, as on a cluster; reward and sandbox tasks
+# then run on the spare CPUs. As many as a run's own local instance would count for these tests' runs (2
+# policy ranks, a generation actor, 2 spare): with more, Ray starts a worker process per CPU for the first
+# batch of reward tasks (8 on 2 cores at 16 CPUs), which costs more than the instance saves.
+TRAINER_RAY_CPUS = 6
+
+
+@pytest.fixture(scope="session")
+def trainer_env(_quiet_env):
+    """The environment for ``python -m trainer`` runs that attach to one Ray instance of the session
+    (``RAY_ADDRESS``, the code path of a run on a cluster) instead of starting and stopping their own: a
+    local instance costs a run 5-8 s here, most of a tiny run. Its own process, so ``ray_local`` (in this
+    one) keeps its size; ended, with all it started, when the session ends. A test that watches the
+    processes of its run, or stops the run's cluster, starts its own (no ``RAY_ADDRESS``)."""
+    code = (
+        "import sys, ray\n"
+        f"ray.init(address='local', num_cpus={TRAINER_RAY_CPUS}, num_gpus=0, include_dashboard=False, log_to_driver=False)\n"
+        "print(ray.get_runtime_context().gcs_address, flush=True)\n"
+        "sys.stdin.read()\n"  # until the session closes our stdin
+        "ray.shutdown()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=env, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        address = proc.stdout.readline().strip()
+        if not address:
+            pytest.fail(f"the session's Ray instance for trainer runs did not start (exit {proc.wait(timeout=60)})")
+        # A local instance turns on Ray's token auth (token in ~/.ray/auth_token); a client must ask for it.
+        yield {**env, "RAY_ADDRESS": address, "RAY_AUTH_MODE": "token"}
+    finally:
+        proc.stdin.close()
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -40,14 +40,17 @@ def _cmd(tmp: Path, *extra: str, faults: str = "") -> list[str]:
     return launch(faults, overrides) if faults else [sys.executable, "-m", "trainer", *overrides]
 
 
-def _run(tmp: Path, *extra: str, faults: str = "") -> subprocess.CompletedProcess:
-    proc = subprocess.run(_cmd(tmp, *extra, faults=faults), cwd=REPO, capture_output=True, text=True, timeout=900)
+# Every run attaches to the session's Ray instance (``trainer_env``): a SIGKILLed driver's actors are then
+# ended by Ray, which notices the driver gone, as on a cluster.
+def _run(env: dict[str, str], tmp: Path, *extra: str, faults: str = "") -> subprocess.CompletedProcess:
+    proc = subprocess.run(_cmd(tmp, *extra, faults=faults), cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     return proc
 
 
-def _start(tmp: Path, *extra: str, faults: str = "") -> subprocess.Popen:
-    return subprocess.Popen(_cmd(tmp, *extra, faults=faults), cwd=REPO, start_new_session=True, text=True,
+def _start(env: dict[str, str], tmp: Path, *extra: str, faults: str = "") -> subprocess.Popen:
+    return subprocess.Popen(_cmd(tmp, *extra, faults=faults), cwd=REPO, env=env, start_new_session=True, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
@@ -110,38 +113,38 @@ def _assert_same_run(tmp: Path, reference) -> None:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference(trainer_env, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("uninterrupted")
-    _run(tmp)
+    _run(trainer_env, tmp)
     prompts = _prompts(tmp)
     # The check is not vacuous: the steps see different prompts (16 of 512, shuffled).
     assert len({tuple(p) for p in prompts.values()}) == STEPS and len(prompts[1]) == 16 * 16
     return _weights(tmp / "ckpt" / "tiny" / f"step_{STEPS}"), _rewards(tmp), prompts
 
 
-def test_should_match_an_uninterrupted_run_when_killed_before_a_commit_on_a_flat_bucket(tmp_path, reference):
+def test_should_match_an_uninterrupted_run_when_killed_before_a_commit_on_a_flat_bucket(trainer_env, tmp_path, reference):
     """Directory renames refused, as on a flat GCS bucket; SIGKILL with every file of step 4 written
     but its marker; keep_top_k=1 so pruning runs too."""
     ckpt = tmp_path / "ckpt" / "tiny"
     flat = "refuse_dir_renames"
-    proc = _start(tmp_path, "checkpointing.keep_top_k=1", faults=f"{flat};hold_before_marker=4")
+    proc = _start(trainer_env, tmp_path, "checkpointing.keep_top_k=1", faults=f"{flat};hold_before_marker=4")
     try:
         _read_until(proc, "fault: holding step 4 before its commit marker")
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)  # the driver and the Ray processes it started
+        os.killpg(proc.pid, signal.SIGKILL)  # the driver; Ray then ends its actors (the job is gone)
         proc.wait()
     assert _steps(ckpt) == ["step_2", "step_4"]
     assert (ckpt / "step_4" / "policy" / "weights" / ".metadata").is_file()
     assert (ckpt / "step_4" / "training_info.json").is_file() and not (ckpt / "step_4" / "COMMITTED").exists()
-    resumed = _run(tmp_path, "checkpointing.keep_top_k=1", faults=flat)
+    resumed = _run(trainer_env, tmp_path, "checkpointing.keep_top_k=1", faults=flat)
     assert f"kuberl: removed {ckpt / 'step_4'}: incomplete (no COMMITTED marker)" in resumed.stdout
     assert f"kuberl: resumed from {ckpt / 'step_2'} (step 2," in resumed.stdout
     assert _steps(ckpt) == [f"step_{STEPS}"] and (ckpt / f"step_{STEPS}" / "COMMITTED").is_file()
     _assert_same_run(tmp_path, reference)
 
 
-def test_should_save_the_last_step_and_exit_143_when_sigterm_leaves_time(tmp_path, reference):
-    proc = _start(tmp_path)
+def test_should_save_the_last_step_and_exit_143_when_sigterm_leaves_time(trainer_env, tmp_path, reference):
+    proc = _start(trainer_env, tmp_path)
     lines = _read_until(proc, "step    1/")
     proc.send_signal(signal.SIGTERM)  # the driver only, as `ray job stop` or the kubelet would
     out = "".join(lines) + proc.stdout.read()
@@ -152,16 +155,16 @@ def test_should_save_the_last_step_and_exit_143_when_sigterm_leaves_time(tmp_pat
     assert (tmp_path / "ckpt" / "tiny" / f"step_{step}" / "COMMITTED").is_file()
     saved = re.search(rf"kuberl: saved checkpoint \S+step_{step} \(([\d.]+)s\)", out)
     print(f"SIGTERM after step {step}: checkpoint saved in {saved.group(1)}s")  # for the record (-s)
-    resumed = _run(tmp_path)
+    resumed = _run(trainer_env, tmp_path)
     assert f"resumed from {tmp_path / 'ckpt' / 'tiny' / f'step_{step}'}" in resumed.stdout
     _assert_same_run(tmp_path, reference)
 
 
-def test_should_see_the_same_prompts_and_drop_batches_made_ahead_when_an_async_run_resumes(tmp_path, reference):
+def test_should_see_the_same_prompts_and_drop_batches_made_ahead_when_an_async_run_resumes(trainer_env, tmp_path, reference):
     # Async rollouts are timing-dependent (which weights made a batch), so weights and rewards may
     # differ from the synchronous reference; the prompt stream may not.
     ahead = ("generation.placement=disaggregated", "grpo.async.max_staleness=1")
-    proc = _start(tmp_path, *ahead)
+    proc = _start(trainer_env, tmp_path, *ahead)
     lines = _read_until(proc, "step    2/")  # the producer holds the batch of step 3 by now
     proc.send_signal(signal.SIGTERM)
     out = "".join(lines) + proc.stdout.read()
@@ -169,7 +172,7 @@ def test_should_see_the_same_prompts_and_drop_batches_made_ahead_when_an_async_r
     assert proc.returncode == 143, out[-2000:]
     step = int(re.search(r"preempted after step (\d+)", out).group(1))
     assert step < STEPS
-    _run(tmp_path, *ahead)
+    _run(trainer_env, tmp_path, *ahead)
     prompts = _prompts(tmp_path)
     assert sorted(prompts) == list(range(1, STEPS + 1))
     for s in prompts:
@@ -179,9 +182,9 @@ def test_should_see_the_same_prompts_and_drop_batches_made_ahead_when_an_async_r
     assert versions[step + 1] == {step}  # the resumed run's first batch: new, from the resumed weights
 
 
-def test_should_not_save_and_name_the_checkpoint_it_resumes_from_when_sigterm_leaves_no_time(tmp_path, reference):
+def test_should_not_save_and_name_the_checkpoint_it_resumes_from_when_sigterm_leaves_no_time(trainer_env, tmp_path, reference):
     ckpt = tmp_path / "ckpt" / "tiny"
-    proc = _start(tmp_path, "checkpointing.preemption_grace_s=0")
+    proc = _start(trainer_env, tmp_path, "checkpointing.preemption_grace_s=0")
     lines = _read_until(proc, "step    3/")  # step 2 is saved (save_period=2), step 3 is not
     proc.send_signal(signal.SIGTERM)
     out = "".join(lines) + proc.stdout.read()
@@ -192,18 +195,18 @@ def test_should_not_save_and_name_the_checkpoint_it_resumes_from_when_sigterm_le
                      + re.escape(str(ckpt / "step_2")) + ", redoing steps 3-3", out), out[-2000:]
     assert "preempted after step 3 (last complete checkpoint: step_2)" in out
     assert _steps(ckpt) == ["step_2"]
-    _run(tmp_path)
+    _run(trainer_env, tmp_path)
     _assert_same_run(tmp_path, reference)
 
 
-def test_should_reshard_when_resumed_on_fewer_ranks(tmp_path, reference, tiny_model_path):
+def test_should_reshard_when_resumed_on_fewer_ranks(trainer_env, tmp_path, reference, tiny_model_path):
     from transformers import AutoModelForCausalLM
 
     ref_weights = reference[0]
-    _run(tmp_path, "grpo.max_num_steps=2")
-    resumed = _run(tmp_path, "cluster.cpu_workers_per_node=1")
+    _run(trainer_env, tmp_path, "grpo.max_num_steps=2")
+    resumed = _run(trainer_env, tmp_path, "cluster.cpu_workers_per_node=1")
     assert "resumed from" in resumed.stdout and "step 2" in resumed.stdout
-    again = _run(tmp_path, "cluster.cpu_workers_per_node=1")  # already at max_num_steps: says so, exits 0
+    again = _run(trainer_env, tmp_path, "cluster.cpu_workers_per_node=1")  # already at max_num_steps: says so, exits 0
     assert f"nothing to do: the checkpoint is at step {STEPS}" in again.stdout
     final = _weights(tmp_path / "ckpt" / "tiny" / f"step_{STEPS}")
     # One rank samples its completions from other random streams than two ranks, so the runs part
@@ -216,9 +219,9 @@ def test_should_reshard_when_resumed_on_fewer_ranks(tmp_path, reference, tiny_mo
     assert dist(final, ref_weights) < 0.7 * dist(base, ref_weights)
 
 
-def test_should_start_fresh_in_a_new_run_dir_without_deleting_when_resume_is_never(tmp_path):
-    _run(tmp_path, "grpo.max_num_steps=2")
-    again = _run(tmp_path, "grpo.max_num_steps=2", "checkpointing.resume=never")
+def test_should_start_fresh_in_a_new_run_dir_without_deleting_when_resume_is_never(trainer_env, tmp_path):
+    _run(trainer_env, tmp_path, "grpo.max_num_steps=2")
+    again = _run(trainer_env, tmp_path, "grpo.max_num_steps=2", "checkpointing.resume=never")
     assert "starting a fresh run (resume=never" in again.stdout
     assert len(list((tmp_path / "logs" / "tiny").iterdir())) == 2
     assert (tmp_path / "ckpt" / "tiny" / "step_2").is_dir()
@@ -229,20 +232,20 @@ def test_should_start_fresh_in_a_new_run_dir_without_deleting_when_resume_is_nev
 LORA = ("policy.lora.rank=8", "model.name='builtin:tiny?embed_scale=3'", "grpo.loss.reference_policy_kl_penalty=0.01")
 
 
-def test_should_match_an_uninterrupted_run_when_a_lora_run_is_killed_and_resumed(tmp_path_factory):
+def test_should_match_an_uninterrupted_run_when_a_lora_run_is_killed_and_resumed(trainer_env, tmp_path_factory):
     """SIGKILL with step 4 written but not committed; resumed from step 2, the adapters (and the
     reference computed with them off) must train on as in a run never stopped."""
     whole = tmp_path_factory.mktemp("lora-uninterrupted")
-    _run(whole, *LORA)
+    _run(trainer_env, whole, *LORA)
     reference = _weights(whole / "ckpt" / "tiny" / f"step_{STEPS}"), _rewards(whole), _prompts(whole)
     assert reference[0] and all(".lora_A." in k or ".lora_B." in k for k in reference[0])  # adapters only
     tmp = tmp_path_factory.mktemp("lora-killed")
-    proc = _start(tmp, *LORA, faults="hold_before_marker=4")
+    proc = _start(trainer_env, tmp, *LORA, faults="hold_before_marker=4")
     try:
         _read_until(proc, "fault: holding step 4 before its commit marker")
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-    resumed = _run(tmp, *LORA)
+    resumed = _run(trainer_env, tmp, *LORA)
     assert f"kuberl: resumed from {tmp / 'ckpt' / 'tiny' / 'step_2'} (step 2," in resumed.stdout
     _assert_same_run(tmp, reference)

@@ -30,12 +30,13 @@ SCALARS = [
 ]
 
 
-def _train(tmp_path: Path, *overrides: str) -> tuple[str, Path]:
+def _train(env: dict[str, str], tmp_path: Path, *overrides: str) -> tuple[str, Path]:
+    """A run of ``experiment=tiny`` attached to the session's Ray instance (``trainer_env``)."""
     logs, ckpt = tmp_path / "logs", tmp_path / "ckpt"
     proc = subprocess.run(
         [sys.executable, "-m", "trainer", "experiment=tiny", f"logger.log_dir={logs}",
          f"checkpointing.checkpoint_dir={ckpt}", *overrides],
-        cwd=REPO, capture_output=True, text=True, timeout=900,
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=900,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (run_dir,) = list((logs / "tiny").iterdir())
@@ -55,8 +56,8 @@ def _assert_learned(rewards: list[float]) -> None:
     assert last > first + 0.08 and last > 2 * first, f"reward did not rise: {first:.3f} -> {last:.3f} ({rewards})"
 
 
-def test_should_raise_reward_and_write_readable_logs_when_tiny_model_trains(tmp_path):
-    stdout, run_dir = _train(tmp_path)
+def test_should_raise_reward_and_write_readable_logs_when_tiny_model_trains(trainer_env, tmp_path):
+    stdout, run_dir = _train(trainer_env, tmp_path)
     scalars = _scalars(run_dir)
     missing = [tag for tag in SCALARS if tag not in scalars]
     assert not missing, f"missing scalars: {missing}"
@@ -92,8 +93,8 @@ def test_should_raise_reward_and_write_readable_logs_when_tiny_model_trains(tmp_
 LORA = ("policy.lora.rank=8", "model.name='builtin:tiny?embed_scale=3'")
 
 
-def test_should_learn_when_a_lora_policy_serves_its_adapters_to_the_colocated_hf_engine(tmp_path):
-    _, run_dir = _train(tmp_path, *LORA)
+def test_should_learn_when_a_lora_policy_serves_its_adapters_to_the_colocated_hf_engine(trainer_env, tmp_path):
+    _, run_dir = _train(trainer_env, tmp_path, *LORA)
     scalars = _scalars(run_dir)
     _assert_learned(scalars["train/reward_mean"])
     # the engine applies the policy's adapters (refit of the adapters alone): it samples from the policy
@@ -105,9 +106,9 @@ SP = ("policy.sequence_parallel_size=2",)
 
 
 @pytest.mark.parametrize("lora", [(), LORA, SP], ids=["full", "lora", "sequence-parallel"])
-def test_should_learn_when_generation_is_disaggregated_with_truncated_importance_sampling(tmp_path, lora):
+def test_should_learn_when_generation_is_disaggregated_with_truncated_importance_sampling(trainer_env, tmp_path, lora):
     # Micro-batches filled to a token budget (packed, the default layout) rather than 64 samples each.
-    _, run_dir = _train(tmp_path, "generation.placement=disaggregated", "grpo.loss.importance_sampling=tis",
+    _, run_dir = _train(trainer_env, tmp_path, "generation.placement=disaggregated", "grpo.loss.importance_sampling=tis",
                         "policy.max_tokens_per_microbatch=512", "policy.logprob_max_tokens_per_microbatch=1024", *lora)
     scalars = _scalars(run_dir)
     _assert_learned(scalars["train/reward_mean"])
@@ -130,8 +131,8 @@ def _versions(run_dir: Path) -> dict[int, list[int]]:
 ASYNC = ("generation.placement=disaggregated", "grpo.async.max_staleness=1", "policy.learning_rate=5e-3")
 
 
-def test_should_learn_when_rollouts_run_one_step_ahead_of_the_policy(tmp_path):
-    _, run_dir = _train(tmp_path, *ASYNC)
+def test_should_learn_when_rollouts_run_one_step_ahead_of_the_policy(trainer_env, tmp_path):
+    _, run_dir = _train(trainer_env, tmp_path, *ASYNC)
     scalars = _scalars(run_dir)
     _assert_learned(scalars["train/reward_mean"])
     assert max(scalars["train/staleness_max"]) == 1  # generation really ran ahead, and never further
@@ -144,9 +145,9 @@ def test_should_learn_when_rollouts_run_one_step_ahead_of_the_policy(tmp_path):
     assert firsts == sorted(firsts)  # the generating weights never go back
 
 
-def test_should_log_val_accuracy_when_validation_is_configured(tmp_path):
+def test_should_log_val_accuracy_when_validation_is_configured(trainer_env, tmp_path):
     stdout, run_dir = _train(
-        tmp_path, "grpo.max_num_steps=2", "grpo.val_period=2", "grpo.val_at_start=true",
+        trainer_env, tmp_path, "grpo.max_num_steps=2", "grpo.val_period=2", "grpo.val_at_start=true",
         "data.options.max_operand=9", "data.max_val_examples=16", "logger.num_console_samples=1",
     )
     val = _scalars(run_dir)["val/accuracy"]
@@ -158,11 +159,11 @@ def test_should_log_val_accuracy_when_validation_is_configured(tmp_path):
     assert all(re.search(r"-> reward \d\.\d\d, (answer '.*' \(.+\)|no answer: .+)$", s) for s in samples), samples
 
 
-def test_should_shape_rewards_and_log_the_penalty_when_the_algorithm_options_are_on(tmp_path):
+def test_should_shape_rewards_and_log_the_penalty_when_the_algorithm_options_are_on(trainer_env, tmp_path):
     """GSPO, the leave-one-out std, DAPO's overlong penalty and a clamped KL, wired end to end in
     two steps. max_new_tokens is 2, so with a 1-token buffer a 2-token answer costs the full penalty."""
     _, run_dir = _train(
-        tmp_path, "grpo.max_num_steps=2", "generation.max_new_tokens=2", "grpo.loss.ratio_level=sequence", "grpo.advantage.std=leave_one_out",
+        trainer_env, tmp_path, "grpo.max_num_steps=2", "generation.max_new_tokens=2", "grpo.loss.ratio_level=sequence", "grpo.advantage.std=leave_one_out",
         "grpo.reward_shaping.overlong_buffer=1", "grpo.reward_shaping.overlong_penalty=0.5",
         "grpo.loss.reference_policy_kl_penalty=0.01", "grpo.loss.kl_clamp=10",
     )
@@ -191,10 +192,10 @@ def _needs_vllm() -> None:
 @pytest.mark.vllm
 @pytest.mark.parametrize("lora", [(), LORA], ids=["full", "lora"])
 @pytest.mark.parametrize("placement", ["colocated", "disaggregated"])
-def test_should_learn_when_generation_is_vllm(tmp_path, placement, lora):
+def test_should_learn_when_generation_is_vllm(trainer_env, tmp_path, placement, lora):
     _needs_vllm()
     _, run_dir = _train(
-        tmp_path, "generation.backend=vllm", f"generation.placement={placement}", "grpo.loss.importance_sampling=tis",
+        trainer_env, tmp_path, "generation.backend=vllm", f"generation.placement={placement}", "grpo.loss.importance_sampling=tis",
         *lora,
     )
     scalars = _scalars(run_dir)
@@ -219,9 +220,9 @@ def _session_processes(sid: int) -> list[str]:
 
 
 @pytest.mark.vllm
-def test_should_learn_when_vllm_rollouts_run_one_step_ahead_of_the_policy(tmp_path):
+def test_should_learn_when_vllm_rollouts_run_one_step_ahead_of_the_policy(trainer_env, tmp_path):
     _needs_vllm()
-    _, run_dir = _train(tmp_path, "generation.backend=vllm", *ASYNC)
+    _, run_dir = _train(trainer_env, tmp_path, "generation.backend=vllm", *ASYNC)
     scalars = _scalars(run_dir)
     _assert_learned(scalars["train/reward_mean"])
     assert max(scalars["train/staleness_max"]) == 1
@@ -256,12 +257,12 @@ def test_should_leave_no_process_behind_when_a_vllm_run_gets_sigterm(tmp_path):
 
 
 @pytest.mark.vllm
-def test_should_track_the_policy_after_every_refit_when_a_disaggregated_vllm_engine_is_tensor_parallel(tmp_path):
+def test_should_track_the_policy_after_every_refit_when_a_disaggregated_vllm_engine_is_tensor_parallel(trainer_env, tmp_path):
     """vLLM's CPU tensor-parallel workers (spawned by its mp executor), each registered with the twin of
     vLLM's nccl backend through the plugin entry point, joining policy rank 0's group at ranks 1 and 2."""
     _needs_vllm()
     stdout, run_dir = _train(
-        tmp_path, "generation.backend=vllm", "generation.placement=disaggregated",
+        trainer_env, tmp_path, "generation.backend=vllm", "generation.placement=disaggregated",
         "generation.tensor_parallel_size=2", "grpo.max_num_steps=6",
     )  # fmt: skip
     assert "2 policy ranks, disaggregated vllm generation" in stdout

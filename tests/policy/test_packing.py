@@ -181,7 +181,7 @@ def test_should_give_the_padded_loss_and_gradients_when_each_micro_batch_takes_t
     samples = even + _samples()[:4]  # the second group: responses of 1, 23, 6 and 14 tokens
     layouts = []
     build = worker._batch
-    worker._batch = lambda chunk: layouts.append(type(build(chunk))) or build(chunk)
+    worker._batch = lambda chunk, prefix: layouts.append(type(build(chunk, prefix))) or build(chunk, prefix)
     try:
         mixed = _step(worker, samples, sequence_packing=True, shared_prefix=True, micro_batch_size=4)
     finally:

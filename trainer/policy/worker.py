@@ -476,14 +476,28 @@ class PolicyWorker:
             entropy = batch.to_window(entropy[0]) if entropy is not None else None
         return logprobs, entropy
 
-    def _batch(self, samples: list[Sample]) -> PaddedBatch | PrefixBatch | PackedBatch:
-        pad, p = self.tokenizer.pad_token_id, self.cfg.policy
-        # The shared-prompt layout runs each prompt once through a KV cache: not under activation
-        # checkpointing (a checkpointed layer recomputes without the cache) nor split over SP ranks.
-        prefix = p.shared_prefix and not p.activation_checkpointing and self.sp is None
-        if p.sequence_packing:
-            return prefix_batch(samples, pad) if prefix and prefers_prefix(samples) else pack_batch(samples, pad)
-        return prefix_batch(samples, pad) if prefix else pad_batch(samples, pad)
+    def _prefix_layouts(self, mbs: list[list[Sample]]) -> list[bool]:
+        """Per micro-batch, whether it runs the shared-prompt layout. The shared-prompt layout runs each
+        prompt once through a KV cache: not under activation checkpointing (a checkpointed layer
+        recomputes without the cache) nor split over SP ranks. With packing on too, a micro-batch takes it
+        where it runs fewer positions (:func:`prefers_prefix`) on every rank: the layouts differ in how
+        many forwards they make (two against one), and each forward's FSDP gathers are collectives, so
+        the ranks agree (one all-reduce per pass)."""
+        p = self.cfg.policy
+        if not (p.shared_prefix and not p.activation_checkpointing and self.sp is None):
+            return [False] * len(mbs)
+        if not p.sequence_packing:
+            return [True] * len(mbs)
+        wants = torch.tensor([prefers_prefix(mb) for mb in mbs], dtype=torch.int32)
+        if dist.is_initialized() and dist.get_world_size() > 1 and len(mbs):
+            dist.all_reduce(wants, op=dist.ReduceOp.MIN)
+        return [bool(w) for w in wants.tolist()]
+
+    def _batch(self, samples: list[Sample], prefix: bool) -> PaddedBatch | PrefixBatch | PackedBatch:
+        pad = self.tokenizer.pad_token_id
+        if prefix:
+            return prefix_batch(samples, pad)
+        return pack_batch(samples, pad) if self.cfg.policy.sequence_packing else pad_batch(samples, pad)
 
     def _micro_batches(self, samples: list[Sample], size: int, max_tokens: int | None) -> list[list[int]]:
         """Indices of ``samples`` per micro-batch: ``size`` at a time, or by the token budget (collective:
@@ -504,9 +518,10 @@ class PolicyWorker:
         p = self.cfg.policy
         result: list[list[float] | None] = [None] * len(samples)
         with self._reference_view(reference):
-            for idx in self._micro_batches(samples, p.logprob_micro_batch_size, p.logprob_max_tokens_per_microbatch):
-                mb = [samples[i] for i in idx]
-                batch = self._batch(mb)
+            indices = self._micro_batches(samples, p.logprob_micro_batch_size, p.logprob_max_tokens_per_microbatch)
+            mbs = [[samples[i] for i in idx] for idx in indices]
+            for idx, mb, prefix in zip(indices, mbs, self._prefix_layouts(mbs)):
+                batch = self._batch(mb, prefix)
                 logprobs, _ = self._forward_logprobs(model, batch)
                 self._set_row(None)
                 for i, lp in zip(idx, unpad_logprobs(mb, batch, logprobs.cpu())):
@@ -560,10 +575,10 @@ class PolicyWorker:
                 [samples[j] for j in idx]
                 for idx in self._micro_batches(samples, cfg.policy.micro_batch_size, cfg.policy.max_tokens_per_microbatch)
             ]
-            for i, mb in enumerate(mbs):
+            for i, (mb, prefix) in enumerate(zip(mbs, self._prefix_layouts(mbs))):
                 # Reduce-scatter gradients once per optimizer step, not once per micro-batch.
                 self.model.set_requires_gradient_sync(i == len(mbs) - 1)
-                batch = self._batch(mb)
+                batch = self._batch(mb, prefix)
                 mask = batch.loss_mask.to(self.device)
                 logprobs, entropy = self._forward_logprobs(self.model, batch, cfg.policy.compute_entropy)
                 # On-policy single update: old == current, so the ratio is exactly 1 with its gradient.

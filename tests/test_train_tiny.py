@@ -107,9 +107,11 @@ SP = ("policy.sequence_parallel_size=2",)
 
 @pytest.mark.parametrize("lora", [(), LORA, SP], ids=["full", "lora", "sequence-parallel"])
 def test_should_learn_when_generation_is_disaggregated_with_truncated_importance_sampling(trainer_env, tmp_path, lora):
-    # Micro-batches filled to a token budget (packed, the default layout) rather than 64 samples each.
+    # Micro-batches filled to a token budget rather than 64 samples each, packed: tiny's groups of one short
+    # prompt and one-token answers would otherwise take the shared-prompt layout (fewer positions).
     _, run_dir = _train(trainer_env, tmp_path, "generation.placement=disaggregated", "grpo.loss.importance_sampling=tis",
-                        "policy.max_tokens_per_microbatch=512", "policy.logprob_max_tokens_per_microbatch=1024", *lora)
+                        "policy.max_tokens_per_microbatch=512", "policy.logprob_max_tokens_per_microbatch=1024",
+                        "policy.shared_prefix=false", *lora)
     scalars = _scalars(run_dir)
     _assert_learned(scalars["train/reward_mean"])
     assert max(scalars["timing/weight_sync_s"]) > 0

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from trainer.config import EnvConfig, RewardSpec
-from trainer.rewards.runner import RewardRunner, score_one
+from trainer.rewards.runner import MAX_TASK_ITEMS, RewardRunner, score_one
 
 
 def _boom(ground_truth, response, **kwargs):
@@ -127,3 +127,45 @@ def test_should_carry_the_answer_back_from_the_task_when_scoring_on_ray(ray_loca
         (0.0, "13+7", "\\boxed{}: restates the question instead of answering it"),  # the question reached the task
         (0.0, "13+7", "\\boxed{}: an expression to evaluate, not a number"),  # an item without one
     ]
+
+
+def _cheap(ground_truth, response, **kwargs):
+    return 1.0, True
+
+
+@pytest.mark.slow
+def test_should_score_many_samples_per_task_when_they_are_cheap_and_one_per_task_when_they_are_not(ray_local):
+    runner = RewardRunner(EnvConfig([RewardSpec("tests.rewards.test_runner:_cheap")]))
+    assert runner.task_size() == 1  # nothing measured yet: one sample a task
+    results = runner.results(runner.submit([(None, str(i)) for i in range(256)]))
+    assert [r.total for r in results] == [1.0] * 256
+    assert runner.task_size() > 8  # microseconds each: a task carries many
+    runner.item_s = 0.5  # a sandboxed program's cost: a task of its own, spread over the CPUs
+    assert runner.task_size() == 1
+    runner.item_s = 0.0
+    assert runner.task_size() == MAX_TASK_ITEMS
+
+
+@pytest.mark.slow
+def test_should_cost_only_the_bad_sample_when_it_hangs_or_kills_a_task_it_shares(ray_local, caplog):
+    runner = RewardRunner(EnvConfig([RewardSpec("tests.rewards.test_runner:_hang")], reward_timeout_s=5))
+    runner.item_s = 1e-4  # as measured on cheap samples: the next tasks carry up to MAX_TASK_ITEMS
+    items = [(None, "ok")] * 10 + [(None, "hang")] + [(None, "ok")] * 10
+    start = time.monotonic()
+    results = runner.results(runner.submit(items))
+    assert time.monotonic() - start < 60
+    assert [r.total for r in results] == [1.0] * 10 + [0.0] + [1.0] * 10
+    assert results[10].answer_note == "reward timed out after 5s"
+    mixed = RewardRunner(EnvConfig([RewardSpec("tests.rewards.test_runner:_kill_on")], reward_timeout_s=30))
+    mixed.item_s = 1e-4
+    results = mixed.results(mixed.submit([(None, "ok"), (None, "kill"), (None, "ok")]))
+    assert [r.total for r in results] == [1.0, 0.0, 1.0]
+    assert results[1].answer_note.startswith("reward task failed")
+
+
+def _kill_on(ground_truth, response, **kwargs):
+    if response == "kill":
+        import os
+
+        os._exit(1)
+    return 1.0, True

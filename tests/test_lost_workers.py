@@ -96,7 +96,7 @@ def _resumes(tmp: Path, line: str, env: dict | None = None) -> None:
     assert f"step {step + 1:4d}/{step + 1}" in run.stdout
 
 
-def _kill_actor_and_resume(tmp: Path, title: str, what: str, *extra: str) -> None:
+def _kill_actor_and_resume(tmp: Path, title: str, what: str, *extra: str, resume_env: dict) -> None:
     proc, out, err = _start(tmp, *extra)
     try:
         _wait_for(proc, out, r"kuberl: saved checkpoint \S+step_2 ")
@@ -107,16 +107,18 @@ def _kill_actor_and_resume(tmp: Path, title: str, what: str, *extra: str) -> Non
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    _resumes(tmp, line)
+    _resumes(tmp, line, env=resume_env)
 
 
-def test_should_exit_in_one_line_and_resume_when_a_policy_rank_is_killed_mid_step(tmp_path):
-    _kill_actor_and_resume(tmp_path, "ray::PolicyWorker", r"policy rank \d")
+# The killed run has a Ray of its own (its actors are found among the driver's children); the resumed one
+# attaches to the session's instance (``trainer_env``), as a resubmission to a cluster does.
+def test_should_exit_in_one_line_and_resume_when_a_policy_rank_is_killed_mid_step(tmp_path, trainer_env):
+    _kill_actor_and_resume(tmp_path, "ray::PolicyWorker", r"policy rank \d", resume_env=trainer_env)
 
 
-def test_should_exit_in_one_line_and_resume_when_a_generation_actor_is_killed_mid_step(tmp_path):
+def test_should_exit_in_one_line_and_resume_when_a_generation_actor_is_killed_mid_step(tmp_path, trainer_env):
     _kill_actor_and_resume(tmp_path, "ray::GenerationWorker", "generation worker 0",
-                           "generation.placement=disaggregated")
+                           "generation.placement=disaggregated", resume_env=trainer_env)
 
 
 def _make(env: dict, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -124,7 +126,7 @@ def _make(env: dict, *args: str, timeout: float = 240) -> subprocess.CompletedPr
                           cwd=REPO, timeout=timeout)
 
 
-def test_should_exit_in_one_line_and_resume_when_the_ray_cluster_is_stopped_under_the_driver(tmp_path):
+def test_should_exit_in_one_line_and_resume_when_the_ray_cluster_is_stopped_under_the_driver(tmp_path, trainer_env):
     from .test_submit import _env, _free_port
 
     env = _env(tmp_path)
@@ -148,4 +150,4 @@ def test_should_exit_in_one_line_and_resume_when_the_ray_cluster_is_stopped_unde
                 proc.wait()
     finally:
         _make(env, "down")
-    _resumes(tmp_path, line, env=env)  # on a private local Ray this time
+    _resumes(tmp_path, line, env=trainer_env)  # resubmitted to another cluster

@@ -67,16 +67,15 @@ def generate(
     while remaining:
         done, remaining = ray.wait(remaining, num_returns=1, timeout=0.1)
         for ref in done:
-            groups = ray.get(ref)
-            for prompt_index, group in zip(chunks[ref], groups):
-                example = examples[prompt_index]
-                rows = range(prompt_index * n, (prompt_index + 1) * n)
-                for row, completion in zip(rows, group):
+            rows, items = [], []  # a chunk's samples go to the reward runner together (it batches them)
+            for prompt_index, group in zip(chunks[ref], ray.get(ref)):
+                example, question = examples[prompt_index], question_of(examples[prompt_index])
+                for row, completion in zip(range(prompt_index * n, (prompt_index + 1) * n), group):
                     slots[row] = Rollout(example, completion)
-                question = question_of(example)
-                ids = rewards.submit([(example["ground_truth"], c.text, question) for c in group])
-                for row, rid in zip(rows, ids):
-                    reward_ids[row] = rid
+                    rows.append(row)
+                    items.append((example["ground_truth"], completion.text, question))
+            for row, rid in zip(rows, rewards.submit(items)):
+                reward_ids[row] = rid
         rewards.poll()
     return PendingRollouts(slots, reward_ids, time.monotonic() - start)  # type: ignore[arg-type]
 

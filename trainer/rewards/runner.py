@@ -12,7 +12,7 @@ so reward time scales with nodes.
 How many samples a task carries follows their measured cost: a Ray task costs 1-3 ms of scheduling,
 which was 60% of a tiny test step when each of its 256 one-millisecond samples had a task of its own;
 a sample that takes seconds (code run in a sandbox) still gets a task to itself, so expensive rewards
-keep spreading over the CPUs. A task starts with one sample until a cost has been measured.
+keep spreading over the CPUs. Until a cost has been measured, one task of one sample is in flight.
 
 Nothing a reward does can crash the run, and each sample keeps its own time limit: a task that
 outlives ``env.reward_timeout_s`` (or whose process dies) is cancelled; alone in its task, the sample
@@ -96,7 +96,7 @@ def feedback_one(name: str, kwargs: dict, ground_truth: Any, response: str) -> R
 # A task carries samples worth about this many seconds of scoring, at most MAX_TASK_ITEMS of them: Ray's
 # per-task cost then stays a few percent, and a task's samples wait at most this long for each other.
 TASK_TARGET_S = 0.05
-MAX_TASK_ITEMS = 64
+MAX_TASK_ITEMS = 256
 
 
 @ray.remote(num_cpus=1, max_retries=0)
@@ -165,6 +165,8 @@ class RewardRunner:
 
     def _pump(self) -> None:
         while self._pending and len(self._running) < self.env.max_concurrent_rewards:
+            if self.item_s is None and self._running:
+                return  # one probe until a cost is known: a run's cheap rewards then start one worker, not dozens
             i, item, alone = self._pending.popleft()
             ids, items = [i], [item]
             size = 1 if alone else self.task_size()

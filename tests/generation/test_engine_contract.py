@@ -196,6 +196,22 @@ def test_should_follow_new_weights_when_updated_including_a_tied_embedding_and_a
     assert max(abs(a - b) for a, b in zip(restored.logprobs, before.logprobs)) < TOL
 
 
+def test_should_find_vllms_model_info_in_the_shared_cache_and_keep_compile_caches_private(engine):
+    """A CPU engine's private VLLM_CACHE_ROOT links the machine's model-info cache, so an engine after the
+    first skips vLLM's inspection subprocess (a second vLLM import); the root itself goes at shutdown."""
+    from pathlib import Path
+
+    from trainer.generation.vllm_engine import shared_modelinfo_dir
+
+    if getattr(engine, "_cache_root", None) is None:
+        pytest.skip("the hf engine has no vLLM caches")
+    root, shared = Path(engine._cache_root), Path(shared_modelinfo_dir())
+    assert (root / "modelinfos").is_symlink() and (root / "modelinfos").resolve() == shared.resolve()
+    assert list(shared.glob("*-LlamaForCausalLM.json"))  # written by the first engine, read by the next
+    _shutdown(engine)
+    assert not root.exists() and list(shared.glob("*-LlamaForCausalLM.json"))
+
+
 def test_should_leave_no_child_process_when_shut_down(engine):
     _shutdown(engine)
     _shutdown(engine)  # idempotent

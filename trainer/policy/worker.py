@@ -488,7 +488,7 @@ class PolicyWorker:
             return [False] * len(mbs)
         if not p.sequence_packing:
             return [True] * len(mbs)
-        wants = torch.tensor([prefers_prefix(mb) for mb in mbs], dtype=torch.int32)
+        wants = torch.tensor([prefers_prefix(mb) for mb in mbs], dtype=torch.int32, device=self.device)
         if dist.is_initialized() and dist.get_world_size() > 1 and len(mbs):
             dist.all_reduce(wants, op=dist.ReduceOp.MIN)
         return [bool(w) for w in wants.tolist()]
@@ -507,7 +507,7 @@ class PolicyWorker:
         lengths = [s.length for s in samples]
         max_tokens *= self.cfg.policy.sequence_parallel_size  # the budget is per rank; a row spans the group
         bins = budget_micro_batches(lengths, max_tokens, packed=self.cfg.policy.sequence_packing)
-        count = torch.tensor([len(bins)], dtype=torch.int64)
+        count = torch.tensor([len(bins)], dtype=torch.int64, device=self.device)
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
         return split_to_count(bins, int(count.item()), lengths)
 
@@ -643,7 +643,7 @@ class PolicyWorker:
         if self.sp is not None and not self.sp.leader:  # a group's sums once: its ranks computed the same
             sums = {k: (v if k == "grad_norm" else 0.0) for k, v in sums.items()}
         keys = sorted(sums)
-        totals = torch.tensor([sums[k] for k in keys], dtype=torch.float64)
+        totals = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=self.device)
         dist.all_reduce(totals)
         agg = dict(zip(keys, totals.tolist()))
         n_steps = len(minibatches)

@@ -447,6 +447,42 @@ def test_should_exit_with_one_line_naming_the_key_when_input_is_bad(override, ke
     assert rc != 0 and len(lines) == 1 and key in lines[0] and "Traceback" not in err, err
 
 
+def test_should_end_the_ranks_it_started_when_the_data_fails_while_they_set_up(ray_local, tmp_path):
+    """The policy ranks start before the driver reads its data (their set-up overlaps it): a dataset
+    that cannot be read is still one line, and the ranks, their placement group and the run's SIGTERM
+    handler are gone with it."""
+    import signal
+
+    import psutil
+
+    from trainer import run
+
+    before = signal.getsignal(signal.SIGTERM)
+    cfg = load(["experiment=tiny", "data.name=local", f"data.path={tmp_path / 'missing.jsonl'}",
+                f"logger.log_dir={tmp_path / 'logs'}", f"checkpointing.checkpoint_dir={tmp_path / 'ck'}"])
+    with pytest.raises(run.SetupError) as err:
+        run.train(cfg)
+    assert str(err.value).startswith("data.name=local split=train: data.path") and "\n" not in str(err.value)
+    assert signal.getsignal(signal.SIGTERM) is before
+    groups = [g for g in ray_local.util.placement_group_table().values() if g["name"].startswith("kuberl-policy-")]
+    assert groups and all(g["state"] == "REMOVED" for g in groups)
+
+    def ranks() -> list[psutil.Process]:
+        out = []
+        for p in psutil.process_iter():
+            try:
+                if p.cmdline()[:1] and p.cmdline()[0].startswith("ray::PolicyWorker"):
+                    out.append(p)
+            except psutil.Error:
+                continue
+        return out
+
+    deadline = time.monotonic() + 60
+    while ranks() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not ranks()
+
+
 @pytest.mark.parametrize(
     ("override", "key"),
     [

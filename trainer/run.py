@@ -206,13 +206,8 @@ class TrainState:
         import ray
 
         from trainer.cluster import init_ray
-        from trainer.data.loader import PromptLoader
-        from trainer.data.prompts import TurnEncoder, encode_examples
-        from trainer.generation.placement import make_generator
-        from trainer.logger import RunLogger
-        from trainer.models import hub_id_or_directory, load_tokenizer, resolve_model
+        from trainer.models import hub_id_or_directory, resolve_model
         from trainer.policy.group import PolicyGroup
-        from trainer.rewards.runner import RewardRunner
 
         self.cfg = cfg
         t0 = time.monotonic()
@@ -242,6 +237,44 @@ class TrainState:
         warning = precision_warning(cfg)
         if warning:
             print(warning, flush=True)
+        init_ray(cfg)
+        self.watch = Watch(gcs_address(), self._resumes_from)
+        self.preemption = Preemption(cfg.checkpointing.preemption_grace_s, self.watch)
+        self.preemption.install()  # after ray.init, which installs a SIGTERM handler of its own
+        # The policy ranks start first and set up (imports, process group, model, FSDP) while this
+        # process reads and encodes the data: on a cluster, actor boot and weight loading overlap the
+        # dataset's download and tokenization instead of following them.
+        self.policy = PolicyGroup(cfg, self.model_path, colocated_engine=not cfg.disaggregated, wait=False)
+        self.generator = None
+        try:
+            self._build(cfg, resume, info, t0)
+        except BaseException:
+            self._abandon()
+            raise
+        self._ray = ray
+
+    def _abandon(self) -> None:
+        """A set-up that failed after the policy ranks started (bad data, a rank that died, Ctrl-C): end
+        what was started, without waiting on it, and leave the caller's SIGTERM handler as it was."""
+        for part in (self.generator, self.policy):
+            if part is not None:
+                try:
+                    part.shutdown(graceful=False)
+                except Exception as e:  # the set-up's own error is the one to report
+                    log.warning("shutdown: %s", e)
+        self.preemption.uninstall()
+        self.watch.stop()
+
+    def _build(self, cfg: Config, resume: Path | None, info: dict[str, Any], t0: float) -> None:
+        """The rest of the set-up, while the policy ranks start: data, then the ranks, generation,
+        rewards, a checkpoint to resume, the logger."""
+        from trainer.data.loader import PromptLoader
+        from trainer.data.prompts import TurnEncoder, encode_examples
+        from trainer.generation.placement import make_generator
+        from trainer.logger import RunLogger
+        from trainer.models import load_tokenizer
+        from trainer.rewards.runner import RewardRunner
+
         try:
             tokenizer = load_tokenizer(cfg.model.tokenizer or self.model_path, cfg.model.trust_remote_code)
         except (OSError, ValueError) as e:  # no such directory, hub unreachable, not a tokenizer
@@ -267,11 +300,7 @@ class TrainState:
         self.loader = PromptLoader(self.train_examples, cfg.grpo.num_prompts_per_step, cfg.seed, cfg.data.shuffle)
         self.progress = Progress(step=0, loader_state=self.loader.state_dict())
 
-        init_ray(cfg)
-        self.watch = Watch(gcs_address(), self._resumes_from)
-        self.preemption = Preemption(cfg.checkpointing.preemption_grace_s, self.watch)
-        self.preemption.install()  # after ray.init, which installs a SIGTERM handler of its own
-        self.policy = PolicyGroup(cfg, self.model_path, colocated_engine=not cfg.disaggregated)
+        self.policy.wait_ready()
         self.generator = make_generator(cfg, self.model_path, self.policy)
         if any(spec.name in ("code_unit_tests", "cpp_contest") for spec in cfg.env.reward_functions):
             from trainer.sandbox.backends import resolve
@@ -304,7 +333,6 @@ class TrainState:
             f"kuberl: logs -> {self.logger.run_dir}  (tensorboard --logdir {cfg.logger.log_dir})",
             flush=True,
         )
-        self._ray = ray
 
     def after_step(self, step: int, metrics: dict[str, float], loader_state: dict[str, Any]) -> None:
         """Record the finished step (``loader_state``: the prompt loader's position after its batch, not

@@ -20,7 +20,7 @@ from trainer.policy.worker import PolicyWorker
 
 
 class PolicyGroup:
-    def __init__(self, cfg: Config, model_path: str, colocated_engine: bool):
+    def __init__(self, cfg: Config, model_path: str, colocated_engine: bool, wait: bool = True):
         core_algos.check_loss_config(cfg.grpo.loss)  # here, not as a RayActorError from every rank
         self.cfg = cfg
         self.world_size = cfg.train_world_size
@@ -42,9 +42,21 @@ class PolicyGroup:
         ]
         for r, w in enumerate(self.workers):
             watchdog.register(w, f"policy rank {r}")
-        host, port = ray.get(self.workers[0].address.remote())
-        infos = ray.get([w.setup.remote(host, port) for w in self.workers])
-        self.num_params = infos[0]["num_params"]
+        # Every rank joins rank 0's address (an ObjectRef: Ray hands over the value once rank 0 has it).
+        # The set-up (imports, the process group, the model, FSDP) runs while the caller goes on when
+        # ``wait`` is false: the driver reads and encodes its data meanwhile, then calls :meth:`wait_ready`.
+        host, port = self.workers[0].address.options(num_returns=2).remote()
+        self._setup: list[ray.ObjectRef] | None = [w.setup.remote(host, port) for w in self.workers]
+        self.num_params = 0
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Wait for every rank's set-up (a failed one raises its error here); a no-op once done."""
+        if self._setup is not None:
+            infos = ray.get(self._setup)
+            self._setup = None
+            self.num_params = infos[0]["num_params"]
 
     def run(self, method: str, *args, **kwargs) -> list[Any]:
         """Call ``method`` on every rank (a collective) and wait."""

@@ -4,7 +4,9 @@ Per-sample sdpa must equal a dense block-diagonal causal mask over the row (the 
 grouped-query attention included); a model with the function installed must give each packed sample
 the logits of that sample run alone, and a padded batch the logits of transformers' own sdpa. The
 flash branch (GPUs) runs here against a stand-in for transformers' function that checks every keyword
-against the real signature.
+against the real signature, and torch's varlen kernel (CUDA) against a stand-in with the installed
+torch's ``varlen_attn`` signature (and older ones) that computes flash attention's result from the
+arguments it is given; on this CPU the loop runs.
 """
 
 from __future__ import annotations
@@ -105,3 +107,172 @@ def test_should_call_flash_attentions_varlen_path_with_the_rows_boundaries_when_
     torch.testing.assert_close(flash, _attend(module, q, k, v, row, "sdpa", 0.0, 0.2, None, None))
     assert seen["attn_implementation"] == "flash_attention_2" and seen["mask"] is None
     assert seen["cu_seq_lens_q"].tolist() == [0, 5, 11] and seen["max_length_q"] == 6
+
+
+# torch's varlen kernel (packed_attention._varlen): CUDA only, so here it runs against a stand-in that
+# has the installed torch's varlen_attn signature (or an older torch's), checks every call against it,
+# and computes what flash attention's kernel would from the arguments it was given (cu_seqlens,
+# window_size or is_causal, scale, grouped heads), independently of the per-sample loop.
+def _real_varlen_signature() -> inspect.Signature:
+    from torch.nn.attention.varlen import varlen_attn
+
+    return inspect.signature(varlen_attn)
+
+
+_T = inspect.Parameter
+_OLD = {  # torch 2.10's signature (is_causal, no scale), and torch 2.11's (window_size and scale, no enable_gqa)
+    "torch_2_10": inspect.Signature(
+        [_T(n, _T.POSITIONAL_OR_KEYWORD) for n in ("query", "key", "value", "cu_seq_q", "cu_seq_k", "max_q", "max_k")]
+        + [_T("is_causal", _T.POSITIONAL_OR_KEYWORD, default=False),
+           _T("return_aux", _T.POSITIONAL_OR_KEYWORD, default=None)]),
+    "torch_2_11": inspect.Signature(
+        [_T(n, _T.POSITIONAL_OR_KEYWORD) for n in ("query", "key", "value", "cu_seq_q", "cu_seq_k", "max_q", "max_k")]
+        + [_T(n, _T.KEYWORD_ONLY, default=d) for n, d in (("return_aux", None), ("scale", None),
+                                                           ("window_size", (-1, -1)))]),
+}  # fmt: skip
+
+
+def _stand_in(signature: inspect.Signature, calls: list):
+    def varlen_attn(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        q, k, v, cu = a["query"], a["key"], a["value"], a["cu_seq_q"]
+        assert q.dim() == 3 and k.shape[0] == q.shape[0] and cu.dtype == torch.int32
+        assert torch.equal(cu, a["cu_seq_k"]) and a["max_q"] == a["max_k"]
+        if "enable_gqa" in a and not a["enable_gqa"] and k.shape[1] != q.shape[1]:
+            raise ValueError("Expect query and key/value to have the same number of heads")  # torch 2.13's check
+        window = a.get("window_size", (-1, 0) if a.get("is_causal") else (-1, -1))
+        assert isinstance(window, tuple)  # varlen_attn tests `window_size == (-1, 0)`: a list is never causal
+        left, right = window
+        scale = a.get("scale") or q.shape[-1] ** -0.5
+        kf, vf = (t.float().repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+        out = torch.zeros(q.shape, dtype=torch.float32)
+        bounds = cu.tolist()
+        for s, e in zip(bounds, bounds[1:]):
+            i = torch.arange(e - s)
+            seen = torch.ones(e - s, e - s, dtype=torch.bool)  # [query, key]: flash's window rule
+            if right >= 0:
+                seen &= i[None, :] <= i[:, None] + right
+            if left >= 0:
+                seen &= i[None, :] >= i[:, None] - left
+            scores = torch.einsum("qhd,khd->hqk", q[s:e].float(), kf[s:e]) * scale
+            out[s:e] = torch.einsum("hqk,khd->qhd", scores.masked_fill(~seen, float("-inf")).softmax(-1), vf[s:e])
+        calls.append({n: x for n, x in a.items() if n not in ("query", "key", "value", "cu_seq_q", "cu_seq_k")})
+        return out.to(q.dtype)
+
+    varlen_attn.__signature__ = signature  # what packed_attention reads its keywords from
+    return varlen_attn
+
+
+@pytest.fixture
+def varlen_on(monkeypatch):
+    """Makes packed_attention take this CPU for a flash-capable GPU and call ``fn`` as torch's varlen_attn."""
+
+    def use(fn):
+        monkeypatch.setattr(packed_attention, "_varlen_attn", lambda: fn)
+        monkeypatch.setattr(packed_attention, "_flash_device", lambda device: True)
+        monkeypatch.setattr(packed_attention, "_REFUSED", {})
+
+    return use
+
+
+def _qkv(kv_heads: int, dtype=torch.bfloat16, n: int = 20):
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 4, n, 16, generator=g).to(dtype)
+    k, v = (torch.randn(1, kv_heads, n, 16, generator=g).to(dtype) for _ in range(2))
+    return q, k, v
+
+
+@pytest.mark.parametrize("window", [None, 3, 7])  # 7: no sample is longer, so plain causal
+@pytest.mark.parametrize("kv_heads", [4, 2])
+@pytest.mark.parametrize("scale", [0.25, None])
+def test_should_call_torchs_varlen_kernel_once_per_row_with_the_installed_signature_when_on_a_flash_gpu(
+        varlen_on, window, kv_heads, scale):
+    signature, calls = _real_varlen_signature(), []
+    varlen_on(_stand_in(signature, calls))
+    row = Row(torch.tensor([0, 5, 6, 13, 20], dtype=torch.int32), 7)  # samples of 5, 1, 7 and 7 tokens
+    q, k, v = _qkv(kv_heads)
+    got = _attend(torch.nn.Linear(2, 2).eval(), q, k, v, row, "sdpa", 0.0, scale, window, None)
+    assert len(calls) == 1 and packed_attention._REFUSED == {}  # one kernel call for the whole row
+    want = _dense(q.float(), k.float(), v.float(), row, window, scale if scale is not None else 16**-0.5)
+    assert got.shape == want.shape == (1, 20, 4, 16) and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+    call = calls[0]
+    assert call["max_q"] == 7
+    if "window_size" in signature.parameters:
+        assert call["window_size"] == ((-1, 0) if window in (None, 7) else (window - 1, 0))
+    else:
+        assert window in (None, 7) and call["is_causal"] is True
+    if "scale" in signature.parameters:
+        assert call["scale"] == scale
+    if "enable_gqa" in signature.parameters:
+        assert call["enable_gqa"] == (kv_heads != 4)
+
+
+@pytest.mark.parametrize("old", sorted(_OLD))
+@pytest.mark.parametrize("window", [None, 3])
+def test_should_use_an_older_torchs_varlen_signature_or_fall_back_to_the_loop_when_it_cannot_say_the_call(
+        varlen_on, old, window):
+    calls = []
+    varlen_on(_stand_in(_OLD[old], calls))
+    row = Row(torch.tensor([0, 5, 6, 13, 20], dtype=torch.int32), 7)
+    q, k, v = _qkv(2)
+    for scale in (16**-0.5, 0.25):  # the kernel's default scale, and one only a `scale` keyword can say
+        calls.clear()
+        got = _attend(torch.nn.Linear(2, 2).eval(), q, k, v, row, "sdpa", 0.0, scale, window, None)
+        torch.testing.assert_close(got.float(), _dense(q.float(), k.float(), v.float(), row, window, scale),
+                                   rtol=2e-2, atol=2e-2)
+        expressible = old == "torch_2_11" or (window is None and scale == 16**-0.5)
+        assert len(calls) == (1 if expressible else 0), (old, window, scale)
+        if calls:
+            assert "enable_gqa" not in calls[0]  # that torch hands grouped heads to the kernel as they are
+
+
+def test_should_run_sdpa_per_sample_when_on_a_cpu_or_in_float32_or_with_dropout(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("varlen_attn called")
+
+    monkeypatch.setattr(packed_attention, "_varlen_attn", lambda: refuse)
+    row = Row(torch.tensor([0, 5, 6, 13, 20], dtype=torch.int32), 7)
+    q, k, v = _qkv(2)
+    # the real device check: this machine's CPU tensors never reach the kernel
+    assert packed_attention._flash_device(q.device) is False
+    module = torch.nn.Linear(2, 2).eval()
+    got = _attend(module, q, k, v, row, "sdpa", 0.0, 0.25, None, None)
+    torch.testing.assert_close(got, packed_attention._per_sample(q, k, v, row, 0.0, 0.25, None))
+    # a flash-capable GPU still keeps float32 and dropout on the loop (the kernel has neither)
+    monkeypatch.setattr(packed_attention, "_flash_device", lambda device: True)
+    q32, k32, v32 = (t.float() for t in (q, k, v))
+    torch.testing.assert_close(_attend(module, q32, k32, v32, row, "sdpa", 0.0, 0.25, None, None),
+                               _dense(q32, k32, v32, row, None, 0.25))
+    torch.manual_seed(0)
+    dropped = _attend(module, q, k, v, row, "sdpa", 0.5, 0.25, None, None)
+    assert dropped.shape == (1, 20, 4, 16)
+
+
+def test_should_fall_back_to_the_loop_and_not_ask_again_when_the_kernel_refuses_a_shape(varlen_on, caplog):
+    calls = []
+
+    def refusing(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("FlashAttention only supports Ampere GPUs or newer.")
+
+    refusing.__signature__ = _real_varlen_signature()
+    varlen_on(refusing)
+    row = Row(torch.tensor([0, 5, 6, 13, 20], dtype=torch.int32), 7)
+    q, k, v = _qkv(2)
+    module = torch.nn.Linear(2, 2).eval()
+    with caplog.at_level("WARNING", logger=packed_attention.__name__):
+        for _ in range(3):  # three layers
+            got = _attend(module, q, k, v, row, "sdpa", 0.0, 0.25, None, None)
+            torch.testing.assert_close(got, packed_attention._per_sample(q, k, v, row, 0.0, 0.25, None))
+    assert len(calls) == 1 and len(packed_attention._REFUSED) == 1
+    assert sum("refused" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_should_copy_the_rows_boundaries_to_the_device_once_when_every_layer_asks():
+    row = Row(torch.tensor([0, 5, 11], dtype=torch.int64), 6)
+    first = row.cu_on(torch.device("cpu"))
+    assert first.dtype == torch.int32 and first.tolist() == [0, 5, 11]
+    assert row.cu_on(torch.device("cpu")) is first

@@ -6,9 +6,12 @@ instead builds a dense (N, N) block-diagonal mask from the position ids and comp
 row, masked or not: for a row of B samples that is up to B times the work the samples need, so on CPUs
 (where there is no flash attention) packing saved the padding in the linear layers but paid it back in
 attention (bench/README.md, ``make bench-train``). Here the policy's attention is a function of its own,
-registered with transformers (``AttentionInterface``): for a packed row it runs sdpa once per sample
-with ``is_causal`` (the fused causal kernel, no mask), and for anything else (padded batches, the
-reference's, a copy of the model generating with a KV cache) it is transformers' own sdpa, unchanged.
+registered with transformers (``AttentionInterface``): for a packed row it runs torch's own varlen
+kernel (``torch.nn.attention.varlen.varlen_attn``: one fused call over the whole row, its boundaries as
+cu_seqlens) where that kernel takes the call (CUDA, fp16/bf16, no dropout; :func:`_varlen`), else sdpa
+once per sample with ``is_causal`` (the fused causal kernel, no mask); for anything else (padded
+batches, the reference's, a copy of the model generating with a KV cache) it is transformers' own sdpa,
+unchanged.
 
 The row in hand is process state (:func:`set_row`), set by the policy rank before each packed forward and
 kept until the next one, so a checkpointed backward recomputes with the same row. With Ulysses sequence
@@ -18,9 +21,15 @@ attention; its inner attention may then be flash attention's varlen call (GPUs).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import inspect
+import logging
+import math
+from dataclasses import dataclass, field
+from functools import lru_cache
 
 import torch
+
+log = logging.getLogger(__name__)
 
 ATTENTION = "kuberl_packed"  # the name the policy's model config carries
 
@@ -31,11 +40,19 @@ class Row:
 
     cu_seqlens: torch.Tensor
     max_seqlen: int
+    _on: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # device -> int32 copy
 
     @property
     def bounds(self) -> list[tuple[int, int]]:
         cu = self.cu_seqlens.tolist()
         return list(zip(cu[:-1], cu[1:]))
+
+    def cu_on(self, device: torch.device) -> torch.Tensor:
+        """cu_seqlens as int32 on ``device``: copied once per row, then every layer (and a checkpointed
+        backward's recompute) reuses it."""
+        if device not in self._on:
+            self._on[device] = self.cu_seqlens.to(device=device, dtype=torch.int32)
+        return self._on[device]
 
 
 _ROW: Row | None = None  # the row of the current packed micro-batch, or None (padded layouts)
@@ -75,7 +92,9 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
 
 def _attend(module, q, k, v, row: Row, inner: str, dropout, scaling, sliding_window, softcap) -> torch.Tensor:
     """Causal attention within each sample of the row: (1, h, N, D) -> (1, N, h, D). The one place where
-    devices differ: flash attention's varlen kernel (GPUs), else sdpa once per sample."""
+    devices differ: flash attention's varlen kernel when ``inner`` is a flash one (flash_attn, GPUs);
+    else torch's own varlen kernel where it takes the call (:func:`_varlen`: CUDA, fp16/bf16), else sdpa
+    once per sample (:func:`_per_sample`: CPU, float32, ...)."""
     if inner.startswith("flash"):
         # transformers' own flash wrapper would name the kernel after module.config's implementation,
         # which is this module's: call the function under it with the inner one.
@@ -93,6 +112,15 @@ def _attend(module, q, k, v, row: Row, inner: str, dropout, scaling, sliding_win
     if softcap is not None:
         raise ValueError("attention logit softcapping needs model.attn_implementation=flash_attention_2 with "
                          "packed rows (policy.sequence_packing)")
+    out = _varlen(q, k, v, row, dropout, scaling, sliding_window)
+    if out is not None:
+        return out
+    return _per_sample(q, k, v, row, dropout, scaling, sliding_window)
+
+
+def _per_sample(q, k, v, row: Row, dropout, scaling, sliding_window) -> torch.Tensor:
+    """sdpa once per sample of the row, causal (or causal within the last ``sliding_window`` tokens):
+    (1, h, N, D) -> (1, N, h, D). Any device, any dtype."""
     gqa = k.shape[1] != q.shape[1]
     parts = []
     for a, b in row.bounds:
@@ -105,6 +133,104 @@ def _attend(module, q, k, v, row: Row, inner: str, dropout, scaling, sliding_win
             is_causal=mask is None, enable_gqa=gqa,
         ))  # fmt: skip
     return torch.cat(parts, dim=2).transpose(1, 2)
+
+
+# torch's varlen attention (torch.nn.attention.varlen.varlen_attn), whose signature changed between the
+# torch versions this runs on; the keywords are chosen from the signature (:func:`_varlen_kwargs`):
+#   2.10 (its docs):  (q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None)
+#   2.11 (the GPU image's):  (q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+#                             window_size=(-1, -1))
+#   2.13 (the CPU venv's):   (..., max_k, *, return_aux=None, scale=None, window_size=(-1, -1),
+#                             enable_gqa=False, seqused_k=None, block_table=None, num_splits=None)
+# Every version: q (T, Hq, D), k/v (T, Hkv, D), out (T, Hq, D); flash attention's kernel (aten
+# _flash_attention_forward/_backward: fp16/bf16, head dim a multiple of 8 up to 256, sm80+), dropout
+# fixed at 0, with a backward. window_size (left, right) is flash's: key j is seen by query i when
+# i - left <= j <= i + right, -1 unbounded, so (-1, 0) is causal (varlen_attn compares the tuple
+# itself: `window_size == (-1, 0)`) and the last W tokens are (W - 1, 0), transformers' sliding window.
+# Versions without ``enable_gqa`` check no head counts and hand k/v of fewer heads to the kernel, which
+# shares each key/value head among its group of query heads (as sdpa's flash path does with enable_gqa);
+# 2.13 refuses fewer heads unless told ``enable_gqa=True``.
+_REFUSED: dict[tuple, str] = {}  # (dtype, head dim, heads, kv heads, window) -> why the kernel refused it
+
+
+@lru_cache(maxsize=1)
+def _varlen_attn():
+    """torch's varlen_attn, or None where this torch has none."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+@lru_cache(maxsize=8)
+def _parameters(fn) -> frozenset[str]:
+    return frozenset(inspect.signature(fn).parameters)
+
+
+@lru_cache(maxsize=16)
+def _flash_device(device: torch.device) -> bool:
+    """Whether ``device`` is a GPU that runs this torch's flash attention: CUDA, a build with flash
+    attention, sm80 or newer (ROCm builds decide for themselves)."""
+    available = getattr(torch.backends.cuda, "is_flash_attention_available", lambda: True)
+    if device.type != "cuda" or not available():
+        return False
+    return torch.version.hip is not None or torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+def _varlen_kwargs(params: frozenset[str], heads: int, kv_heads: int, head_dim: int, scaling: float | None,
+                   window: int | None) -> dict | None:
+    """The keywords that make ``varlen_attn`` (whose parameter names are ``params``) compute the per-sample
+    loop's attention: causal (within the last ``window`` tokens when it is not None), the softmax scale
+    ``scaling``, ``kv_heads`` key/value heads for ``heads`` query heads; None where it can't say that."""
+    kw = {}
+    if "window_size" in params:
+        kw["window_size"] = (-1, 0) if window is None else (window - 1, 0)  # a tuple: see above
+    elif "is_causal" in params and window is None:
+        kw["is_causal"] = True
+    else:
+        return None
+    if "scale" in params:
+        kw["scale"] = scaling
+    elif scaling is not None and not math.isclose(scaling, head_dim**-0.5, rel_tol=1e-6):
+        return None
+    if heads != kv_heads and "enable_gqa" in params:
+        kw["enable_gqa"] = True
+    return kw
+
+
+def _varlen(q, k, v, row: Row, dropout, scaling, sliding_window) -> torch.Tensor | None:
+    """The row's attention in one call of torch's varlen kernel, (1, h, N, D) -> (1, N, h, D); None where
+    that kernel can't take it (then the caller runs :func:`_per_sample`): not CUDA, not fp16/bf16, dropout,
+    a head size or head grouping flash attention lacks, a sliding window or scale this torch's varlen_attn
+    can't express, no varlen_attn at all. A refusal by the kernel itself (the first forward of a shape)
+    is remembered and logged once, and that shape runs per sample from then on."""
+    fn = _varlen_attn()
+    heads, kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[-1]
+    if (fn is None or q.dtype not in (torch.float16, torch.bfloat16) or dropout
+            or k.dtype != q.dtype or v.dtype != q.dtype or v.shape[1] != kv_heads or v.shape[-1] != head_dim
+            or head_dim % 8 or head_dim > 256 or heads % kv_heads or not _flash_device(q.device)):
+        return None
+    window = sliding_window if sliding_window is not None and row.max_seqlen > sliding_window else None
+    if window is not None and window < 1:
+        return None
+    kw = _varlen_kwargs(_parameters(fn), heads, kv_heads, head_dim, scaling, window)
+    key = (q.dtype, head_dim, heads, kv_heads, window is not None)
+    if kw is None or key in _REFUSED:
+        return None
+    cu = row.cu_on(q.device)
+    qt, kt, vt = (t[0].transpose(0, 1) for t in (q, k, v))  # (N, h, D), the kernel's layout
+    qt, kt, vt = (t if t.stride(-1) == 1 else t.contiguous() for t in (qt, kt, vt))
+    try:
+        out = fn(qt, kt, vt, cu, cu, row.max_seqlen, row.max_seqlen, **kw)
+    except torch.cuda.OutOfMemoryError:
+        raise
+    except (RuntimeError, ValueError) as e:  # the kernel refused this shape: per sample from now on
+        _REFUSED[key] = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+        log.warning("packed attention: torch varlen_attn refused %s (%s); running sdpa per sample instead",
+                    key, _REFUSED[key])
+        return None
+    return out.unsqueeze(0)
 
 
 def _mask(*args, **kwargs):

@@ -17,6 +17,9 @@ real tokens (prompt + response of every sample), whatever a layout pads them to.
 1e-5 relative (the same objective on the same batch, however it is split), else the bench exits 1.
 
     make bench-train     # or: .venv/bin/python bench/bench_train.py --repeats 3
+
+``--gpu`` runs the rank on one CUDA GPU instead (NCCL world of 1, bf16 compute, sdpa; packed rows take
+torch's varlen kernel there), timing each step between ``torch.cuda.synchronize()`` calls.
 """
 
 from __future__ import annotations
@@ -73,6 +76,11 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=1024, help="packed: tokens per micro-batch")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--layouts", default="padded,prefix,packed")
+    ap.add_argument("--gpu", action="store_true",
+                    help="one CUDA GPU (NCCL world of 1, policy.param_dtype=--param-dtype, sdpa attention: packed rows "
+                         "then take torch's varlen kernel) instead of the CPU rank")
+    ap.add_argument("--param-dtype", default="bfloat16", help="with --gpu: policy.param_dtype (bfloat16 | null)")
+    ap.add_argument("--model", default=MODEL, help="a model directory or hub id (default: the embedded SmolLM2-135M)")
     args = ap.parse_args()
 
     from trainer import hardware
@@ -80,16 +88,31 @@ def main() -> int:
     from trainer.models import resolve_model
     from trainer.policy.worker import PolicyWorker
 
-    path = resolve_model(MODEL)
+    path = resolve_model(args.model)
     samples = make_samples(args)
     longest = max(s.length for s in samples)
+    # On a GPU: one GPU, bf16 compute over float32 master weights (as the GPU experiments run), transformers'
+    # default attention (sdpa; cpu-demo's eager is a CPU choice) and FSDP's default resharding.
+    device = (["cluster.gpus_per_node=1", "cluster.cpu_workers_per_node=0", f"policy.param_dtype={args.param_dtype}",
+               "model.attn_implementation=null", "policy.reshard_after_forward=true"] if args.gpu
+              else ["cluster.cpu_workers_per_node=1", "policy.param_dtype=null"])
     cfg = load([
-        "experiment=cpu-demo", f"model.name={MODEL}", "model.dtype=float32", "policy.param_dtype=null",
-        "cluster.cpu_workers_per_node=1", "cluster.keep_freed_memory=false",  # a shared machine: give memory back
+        "experiment=cpu-demo", f"model.name={args.model}", "model.dtype=float32", *device,
+        "cluster.keep_freed_memory=false",  # a shared machine: give memory back
         "policy.skip_zero_advantage=false", "policy.max_grad_norm=null",
         f"policy.max_total_sequence_length={max(longest, args.max_tokens)}",
         f"generation.max_new_tokens={args.max_response}",
     ])
+    if args.gpu:
+        import torch
+
+        if not torch.cuda.is_available():
+            print("--gpu: no CUDA GPU here (torch.cuda.is_available() is False); drop --gpu to measure the CPU")
+            return 2
+        sync = torch.cuda.synchronize
+    else:
+        def sync() -> None:
+            pass
     layouts = {
         "padded": dict(sequence_packing=False, shared_prefix=False, micro_batch_size=args.micro_batch_size,
                        max_tokens_per_microbatch=None),
@@ -105,8 +128,9 @@ def main() -> int:
 
     tokens = sum(s.length for s in samples)
     counts = [{"tokens": float(sum(len(s.response_ids) for s in samples)), "seqs": float(len(samples))}]
-    print(f"# {hardware.describe()}")
-    print(f"# SmolLM2-135M float32, {len(samples)} samples ({args.prompts} prompts x {args.group}), "
+    where = f"{torch.cuda.get_device_name(0)}, param_dtype {args.param_dtype}" if args.gpu else hardware.describe()
+    print(f"# {where}")
+    print(f"# {args.model}, {len(samples)} samples ({args.prompts} prompts x {args.group}), "
           f"prompt {args.prompt_tokens} + response {args.min_response}..{args.max_response} tokens, "
           f"{tokens} tokens in all; padded micro_batch_size={args.micro_batch_size}, "
           f"packed max_tokens_per_microbatch={args.max_tokens}", flush=True)
@@ -121,8 +145,10 @@ def main() -> int:
         def step(name: str) -> tuple[float, float]:
             for key, value in layouts[name].items():
                 setattr(worker.cfg.policy, key, value)
+            sync()
             t0 = time.perf_counter()
             loss = worker.train([samples], counts)["loss"]
+            sync()
             seconds = time.perf_counter() - t0
             print(f"  {name}: {seconds:.2f} s, loss {loss:.8f}", flush=True)
             return seconds, loss

@@ -248,22 +248,17 @@ class TrainState:
         self.generator = None
         try:
             self._build(cfg, resume, info, t0)
-        except BaseException:
-            self._abandon()
+        except BaseException as e:
+            # Bad data, a rank that died, Ctrl-C after the ranks started: end what was started without
+            # waiting on it. The watch stays only where Ray itself failed (the way out may hang on a lost
+            # cluster, as after a failed step); a healthy cluster needs no watching.
+            from ray.exceptions import RayError
+
+            self.close(failed=True)
+            if not isinstance(e, RayError):
+                self.watch.stop()
             raise
         self._ray = ray
-
-    def _abandon(self) -> None:
-        """A set-up that failed after the policy ranks started (bad data, a rank that died, Ctrl-C): end
-        what was started, without waiting on it, and leave the caller's SIGTERM handler as it was."""
-        for part in (self.generator, self.policy):
-            if part is not None:
-                try:
-                    part.shutdown(graceful=False)
-                except Exception as e:  # the set-up's own error is the one to report
-                    log.warning("shutdown: %s", e)
-        self.preemption.uninstall()
-        self.watch.stop()
 
     def _build(self, cfg: Config, resume: Path | None, info: dict[str, Any], t0: float) -> None:
         """The rest of the set-up, while the policy ranks start: data, then the ranks, generation,
@@ -408,11 +403,14 @@ class TrainState:
         self.preemption.uninstall()
         with self.watch.deadline(30 if failed else 300, "the run's workers did not shut down in time"):
             for part in (self.generator, self.policy):
+                if part is None:  # a set-up that failed before the generator was made
+                    continue
                 try:
                     part.shutdown(graceful=not failed)
                 except Exception as e:  # teardown must not hide the run's own error
                     log.warning("shutdown: %s", e)
-            self.logger.close()
+            if getattr(self, "logger", None) is not None:
+                self.logger.close()
         if not failed:  # after a failure it keeps watching: the way out (ray.shutdown) may hang on a lost cluster
             self.watch.stop()
 

@@ -9,7 +9,12 @@ Each layout trains the same batch from the same weights (learning rate 0, so no 
 
     padded   policy.sequence_packing=false, shared_prefix=false, micro_batch_size=--micro-batch-size
     prefix   the same with shared_prefix=true (each prompt once per micro-batch: today's padded default)
-    packed   policy.sequence_packing=true, max_tokens_per_microbatch=--max-tokens
+    packed   policy.sequence_packing=true, shared_prefix=false, max_tokens_per_microbatch=--max-tokens
+    auto     both on (the defaults): per micro-batch, packed or shared-prompt (not in the default --layouts)
+
+The packed budget defaults to the padded layout's largest micro-batch in positions (``--micro-batch-size``
+x the longest sample: 4 x 544 = 2176 by default), so both layouts may hold the same activations at
+once: a token budget that replaces a sequence count at the same memory.
 
 The layouts take turns (one warm-up step each, then ``--repeats`` rounds of one step each), so noise on
 a shared machine falls on all of them alike; the median step is reported. tokens/s counts the batch's
@@ -73,7 +78,9 @@ def main() -> int:
     ap.add_argument("--min-response", type=int, default=16)
     ap.add_argument("--max-response", type=int, default=512)
     ap.add_argument("--micro-batch-size", type=int, default=4, help="padded: sequences per micro-batch")
-    ap.add_argument("--max-tokens", type=int, default=1024, help="packed: tokens per micro-batch")
+    ap.add_argument("--max-tokens", type=int, default=None,
+                    help="packed: tokens per micro-batch (default: --micro-batch-size x the longest sample, the "
+                         "padded layout's largest micro-batch)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--layouts", default="padded,prefix,packed")
     ap.add_argument("--gpu", action="store_true",
@@ -91,6 +98,8 @@ def main() -> int:
     path = resolve_model(args.model)
     samples = make_samples(args)
     longest = max(s.length for s in samples)
+    if args.max_tokens is None:
+        args.max_tokens = args.micro_batch_size * longest
     # On a GPU: one GPU, bf16 compute over float32 master weights (as the GPU experiments run), transformers'
     # default attention (sdpa; cpu-demo's eager is a CPU choice) and FSDP's default resharding.
     device = (["cluster.gpus_per_node=1", "cluster.cpu_workers_per_node=0", f"policy.param_dtype={args.param_dtype}",
@@ -110,15 +119,28 @@ def main() -> int:
             print("--gpu: no CUDA GPU here (torch.cuda.is_available() is False); drop --gpu to measure the CPU")
             return 2
         sync = torch.cuda.synchronize
+
+        def peak_mib() -> float | None:  # since the last reset: the step's own peak
+            return torch.cuda.max_memory_allocated() / 2**20
+
+        reset_peak = torch.cuda.reset_peak_memory_stats
     else:
         def sync() -> None:
+            pass
+
+        def peak_mib() -> float | None:  # a process's RSS peak never goes down: not per step
+            return None
+
+        def reset_peak() -> None:
             pass
     layouts = {
         "padded": dict(sequence_packing=False, shared_prefix=False, micro_batch_size=args.micro_batch_size,
                        max_tokens_per_microbatch=None),
         "prefix": dict(sequence_packing=False, shared_prefix=True, micro_batch_size=args.micro_batch_size,
                        max_tokens_per_microbatch=None),
-        "packed": dict(sequence_packing=True, max_tokens_per_microbatch=args.max_tokens),
+        "packed": dict(sequence_packing=True, shared_prefix=False, max_tokens_per_microbatch=args.max_tokens),
+        # the default: per micro-batch whichever of packed and shared-prompt runs fewer positions
+        "auto": dict(sequence_packing=True, shared_prefix=True, max_tokens_per_microbatch=args.max_tokens),
     }
     names = [n for n in args.layouts.split(",") if n]
     unknown = sorted(set(names) - set(layouts))
@@ -142,15 +164,21 @@ def main() -> int:
         for group in worker.optimizer.param_groups:
             group["lr"] = 0.0
 
+        peaks: dict[str, float] = {}
+
         def step(name: str) -> tuple[float, float]:
             for key, value in layouts[name].items():
                 setattr(worker.cfg.policy, key, value)
             sync()
+            reset_peak()
             t0 = time.perf_counter()
             loss = worker.train([samples], counts)["loss"]
             sync()
             seconds = time.perf_counter() - t0
-            print(f"  {name}: {seconds:.2f} s, loss {loss:.8f}", flush=True)
+            peak = peak_mib()
+            if peak is not None:
+                peaks[name] = max(peaks.get(name, 0.0), peak)
+            print(f"  {name}: {seconds:.2f} s, loss {loss:.8f}" + (f", peak {peak:.0f} MiB" if peak else ""), flush=True)
             return seconds, loss
 
         seconds: dict[str, list[float]] = {n: [] for n in names}
@@ -164,12 +192,13 @@ def main() -> int:
     finally:
         worker.shutdown()
 
-    print(f"{'layout':8} {'median s':>9} {'min s':>7} {'tokens/s':>9} {'loss':>14}")
+    print(f"{'layout':8} {'median s':>9} {'min s':>7} {'tokens/s':>9} {'loss':>14}" + ("  peak MiB" if peaks else ""))
     rate = {}
     for name in names:
         med = statistics.median(seconds[name])
         rate[name] = tokens / med
-        print(f"{name:8} {med:9.2f} {min(seconds[name]):7.2f} {rate[name]:9.1f} {losses[name]:14.8f}")
+        print(f"{name:8} {med:9.3f} {min(seconds[name]):7.3f} {rate[name]:9.1f} {losses[name]:14.8f}"
+              + (f"  {peaks[name]:8.0f}" if name in peaks else ""))
     ok = True
     for name in names:
         rel = abs(losses[name] - losses["padded"]) / max(abs(losses["padded"]), 1e-12)

@@ -43,6 +43,8 @@ def test_should_match_sdpa_per_sample_forward_and_backward_when_torchs_varlen_ke
         pytest.skip(f"torch {torch.__version__} has no torch.nn.attention.varlen.varlen_attn")
     if not pa._flash_device(torch.device("cuda")):
         pytest.skip("this GPU or torch build has no flash attention (sm80+)")
+    # and a rank here takes packed rows over the shared-prompt layout (PolicyWorker._prefix_layouts)
+    assert pa.fused_rows(torch.device("cuda"), dtype, "sdpa")
     params = pa._parameters(pa._varlen_attn())
     row, q, k, v = _row_and_qkv(dtype)
     scale = 0.1 if "scale" in params else None  # torch 2.10's varlen_attn has only the default scale

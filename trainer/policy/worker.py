@@ -173,8 +173,8 @@ class PolicyWorker:
         # Packed rows in one fused varlen call (GPUs in bf16/fp16) beat the shared-prompt layout everywhere
         # measured (_prefix_layouts); on CPU they run sdpa per sample and the position count decides.
         compute = DTYPES.get(cfg.policy.param_dtype or "") or DTYPES.get(cfg.model.dtype, torch.float32)
-        on_rows = "sdpa" if self.packed_attention and inner == "eager" else inner  # install's row attention
-        self._fused_rows = cfg.policy.sequence_packing and packed_attention.fused_rows(self.device, compute, on_rows)
+        rows = packed_attention.on_rows(inner) if self.packed_attention else inner
+        self._fused_rows = cfg.policy.sequence_packing and packed_attention.fused_rows(self.device, compute, rows)
         if cfg.policy.activation_checkpointing:
             model.gradient_checkpointing_enable()
             if self.lora is not None:  # frozen embeddings: a checkpointed block's input must still need grad

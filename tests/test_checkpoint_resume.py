@@ -34,8 +34,14 @@ pytestmark = pytest.mark.slow
 STEPS = 6
 
 
+# One policy rank unless a test says otherwise: what two add (sharded DCP files, resharding) is what the
+# LoRA run (two ranks throughout) and the reshard test (two, then one) check.
+TWO_RANKS = "cluster.cpu_workers_per_node=2"
+
+
 def _cmd(tmp: Path, *extra: str, faults: str = "") -> list[str]:
-    overrides = ["experiment=tiny", f"grpo.max_num_steps={STEPS}", "checkpointing.save_period=2",
+    ranks = [] if any(e.startswith("cluster.cpu_workers_per_node=") for e in extra) else ["cluster.cpu_workers_per_node=1"]
+    overrides = ["experiment=tiny", f"grpo.max_num_steps={STEPS}", "checkpointing.save_period=2", *ranks,
                  f"logger.log_dir={tmp / 'logs'}", f"checkpointing.checkpoint_dir={tmp / 'ckpt'}", *extra]
     return launch(faults, overrides) if faults else [sys.executable, "-m", "trainer", *overrides]
 
@@ -100,7 +106,7 @@ def _steps(ckpt: Path) -> list[str]:
 
 
 def _assert_same_run(tmp: Path, reference) -> None:
-    ref_weights, ref_rewards, ref_prompts = reference
+    ref_weights, ref_rewards, ref_prompts = reference[:3]
     final = _weights(tmp / "ckpt" / "tiny" / f"step_{STEPS}")
     assert final.keys() == ref_weights.keys()
     for k in final:
@@ -119,7 +125,7 @@ def reference(trainer_env, tmp_path_factory):
     prompts = _prompts(tmp)
     # The check is not vacuous: the steps see different prompts (16 of 512, shuffled).
     assert len({tuple(p) for p in prompts.values()}) == STEPS and len(prompts[1]) == 16 * 16
-    return _weights(tmp / "ckpt" / "tiny" / f"step_{STEPS}"), _rewards(tmp), prompts
+    return _weights(tmp / "ckpt" / "tiny" / f"step_{STEPS}"), _rewards(tmp), prompts, tmp
 
 
 def test_should_match_an_uninterrupted_run_when_killed_before_a_commit_on_a_flat_bucket(trainer_env, tmp_path, reference):
@@ -140,23 +146,6 @@ def test_should_match_an_uninterrupted_run_when_killed_before_a_commit_on_a_flat
     assert f"kuberl: removed {ckpt / 'step_4'}: incomplete (no COMMITTED marker)" in resumed.stdout
     assert f"kuberl: resumed from {ckpt / 'step_2'} (step 2," in resumed.stdout
     assert _steps(ckpt) == [f"step_{STEPS}"] and (ckpt / f"step_{STEPS}" / "COMMITTED").is_file()
-    _assert_same_run(tmp_path, reference)
-
-
-def test_should_save_the_last_step_and_exit_143_when_sigterm_leaves_time(trainer_env, tmp_path, reference):
-    proc = _start(trainer_env, tmp_path)
-    lines = _read_until(proc, "step    1/")
-    proc.send_signal(signal.SIGTERM)  # the driver only, as `ray job stop` or the kubelet would
-    out = "".join(lines) + proc.stdout.read()
-    proc.wait(timeout=300)
-    assert proc.returncode == 143, out[-2000:]
-    assert "kuberl: SIGTERM received" in out
-    step = int(re.search(r"preempted after step (\d+)", out).group(1))
-    assert (tmp_path / "ckpt" / "tiny" / f"step_{step}" / "COMMITTED").is_file()
-    saved = re.search(rf"kuberl: saved checkpoint \S+step_{step} \(([\d.]+)s\)", out)
-    print(f"SIGTERM after step {step}: checkpoint saved in {saved.group(1)}s")  # for the record (-s)
-    resumed = _run(trainer_env, tmp_path)
-    assert f"resumed from {tmp_path / 'ckpt' / 'tiny' / f'step_{step}'}" in resumed.stdout
     _assert_same_run(tmp_path, reference)
 
 
@@ -182,35 +171,58 @@ def test_should_see_the_same_prompts_and_drop_batches_made_ahead_when_an_async_r
     assert versions[step + 1] == {step}  # the resumed run's first batch: new, from the resumed weights
 
 
-def test_should_not_save_and_name_the_checkpoint_it_resumes_from_when_sigterm_leaves_no_time(trainer_env, tmp_path, reference):
-    ckpt = tmp_path / "ckpt" / "tiny"
-    proc = _start(trainer_env, tmp_path, "checkpointing.preemption_grace_s=0")
-    lines = _read_until(proc, "step    3/")  # step 2 is saved (save_period=2), step 3 is not
+def _sigterm_after(env: dict[str, str], tmp: Path, step: int, *extra: str) -> str:
+    """Start a run, SIGTERM its driver once it prints step ``step`` (the driver only, as `ray job stop` or
+    the kubelet would); its output, after it exited 143."""
+    proc = _start(env, tmp, *extra)
+    lines = _read_until(proc, f"step {step:4d}/")
     proc.send_signal(signal.SIGTERM)
     out = "".join(lines) + proc.stdout.read()
     proc.wait(timeout=300)
     assert proc.returncode == 143, out[-2000:]
+    assert "kuberl: SIGTERM received" in out
+    return out
+
+
+def test_should_save_only_when_sigterm_leaves_time_and_name_the_checkpoint_it_resumes_from(trainer_env, tmp_path, reference):
+    """One run stopped twice: first with no time to save (preemption_grace_s=0) after step 3, then, resumed,
+    with time; resumed again it must end as the uninterrupted run."""
+    ckpt = tmp_path / "ckpt" / "tiny"
+    out = _sigterm_after(trainer_env, tmp_path, 3, "checkpointing.preemption_grace_s=0")  # step 2 is saved, 3 not
     assert re.search(r"kuberl: SIGTERM: not saving step 3: a save takes about [\d.]+s and 0.0s of "
                      r"checkpointing.preemption_grace_s=0 are left; the next run resumes from "
                      + re.escape(str(ckpt / "step_2")) + ", redoing steps 3-3", out), out[-2000:]
     assert "preempted after step 3 (last complete checkpoint: step_2)" in out
     assert _steps(ckpt) == ["step_2"]
-    _run(trainer_env, tmp_path)
+    out = _sigterm_after(trainer_env, tmp_path, 3)  # resumed from step 2; step 3 (or 4) is now saved
+    assert f"kuberl: resumed from {ckpt / 'step_2'} (step 2," in out
+    step = int(re.search(r"preempted after step (\d+)", out).group(1))
+    assert 3 <= step < STEPS and (ckpt / f"step_{step}" / "COMMITTED").is_file()
+    saved = re.search(rf"kuberl: saved checkpoint \S+step_{step} \(([\d.]+)s\)", out)
+    print(f"SIGTERM after step {step}: checkpoint saved in {saved.group(1)}s")  # for the record (-s)
+    resumed = _run(trainer_env, tmp_path)
+    assert f"resumed from {ckpt / f'step_{step}'}" in resumed.stdout
     _assert_same_run(tmp_path, reference)
 
 
-def test_should_reshard_when_resumed_on_fewer_ranks(trainer_env, tmp_path, reference, tiny_model_path):
+def test_should_reshard_when_resumed_on_fewer_ranks(trainer_env, tmp_path, tiny_model_path):
+    import shutil
+
     from transformers import AutoModelForCausalLM
 
-    ref_weights = reference[0]
-    _run(trainer_env, tmp_path, "grpo.max_num_steps=2")
-    resumed = _run(trainer_env, tmp_path, "cluster.cpu_workers_per_node=1")
-    assert "resumed from" in resumed.stdout and "step 2" in resumed.stdout
-    again = _run(trainer_env, tmp_path, "cluster.cpu_workers_per_node=1")  # already at max_num_steps: says so, exits 0
+    two, one = tmp_path / "two", tmp_path / "one"
+    _run(trainer_env, two, "grpo.max_num_steps=2", TWO_RANKS)
+    shutil.copytree(two, one)  # the same 2-rank checkpoint of step 2, resumed on two ranks and on one
+    _run(trainer_env, two, TWO_RANKS)
+    resumed = _run(trainer_env, one, "cluster.cpu_workers_per_node=1")
+    assert f"kuberl: resumed from {one / 'ckpt' / 'tiny' / 'step_2'} (step 2," in resumed.stdout
+    assert "| 1 policy ranks," in resumed.stdout
+    again = _run(trainer_env, one, "cluster.cpu_workers_per_node=1")  # already at max_num_steps: says so, exits 0
     assert f"nothing to do: the checkpoint is at step {STEPS}" in again.stdout
-    final = _weights(tmp_path / "ckpt" / "tiny" / f"step_{STEPS}")
-    # One rank samples its completions from other random streams than two ranks, so the runs part
-    # ways after step 2; but they start from the same trained weights, far from the base model.
+    ref_weights = _weights(two / "ckpt" / "tiny" / f"step_{STEPS}")
+    final = _weights(one / "ckpt" / "tiny" / f"step_{STEPS}")
+    # One rank samples its completions from other random streams than two, so the runs part ways after
+    # step 2; but they start from the same trained weights, far from the base model.
     base = AutoModelForCausalLM.from_pretrained(tiny_model_path).state_dict()
 
     def dist(a, b):
@@ -219,24 +231,28 @@ def test_should_reshard_when_resumed_on_fewer_ranks(trainer_env, tmp_path, refer
     assert dist(final, ref_weights) < 0.7 * dist(base, ref_weights)
 
 
-def test_should_start_fresh_in_a_new_run_dir_without_deleting_when_resume_is_never(trainer_env, tmp_path):
-    _run(trainer_env, tmp_path, "grpo.max_num_steps=2")
-    again = _run(trainer_env, tmp_path, "grpo.max_num_steps=2", "checkpointing.resume=never")
+def test_should_start_fresh_in_a_new_run_dir_without_deleting_when_resume_is_never(trainer_env, reference):
+    tmp = reference[3]  # the uninterrupted run's directories (the fixture holds what the tests compare with)
+    ckpt = tmp / "ckpt" / "tiny"
+    before = _steps(ckpt)
+    again = _run(trainer_env, tmp, "grpo.max_num_steps=2", "checkpointing.resume=never")
     assert "starting a fresh run (resume=never" in again.stdout
-    assert len(list((tmp_path / "logs" / "tiny").iterdir())) == 2
-    assert (tmp_path / "ckpt" / "tiny" / "step_2").is_dir()
+    assert len(list((tmp / "logs" / "tiny").iterdir())) == 2
+    assert f"step_{STEPS}" in before and _steps(ckpt) == before  # step_2 written again, nothing deleted
+    assert (ckpt / "step_2" / "COMMITTED").is_file()
 
 
 # ----- LoRA: the checkpoint holds the adapters and their optimizer state, the base is the model's files
 
-LORA = ("policy.lora.rank=8", "model.name='builtin:tiny?embed_scale=3'", "grpo.loss.reference_policy_kl_penalty=0.01")
+LORA = ("policy.lora.rank=8", "model.name='builtin:tiny?embed_scale=3'", "grpo.loss.reference_policy_kl_penalty=0.01",
+        TWO_RANKS)
 
 
 def test_should_match_an_uninterrupted_run_when_a_lora_run_is_killed_and_resumed(trainer_env, tmp_path_factory):
     """SIGKILL with step 4 written but not committed; resumed from step 2, the adapters (and the
     reference computed with them off) must train on as in a run never stopped."""
     whole = tmp_path_factory.mktemp("lora-uninterrupted")
-    _run(trainer_env, whole, *LORA)
+    _run(trainer_env, whole, *LORA)  # two ranks, each saving its shard of the adapters and their optimizer state
     reference = _weights(whole / "ckpt" / "tiny" / f"step_{STEPS}"), _rewards(whole), _prompts(whole)
     assert reference[0] and all(".lora_A." in k or ".lora_B." in k for k in reference[0])  # adapters only
     tmp = tmp_path_factory.mktemp("lora-killed")

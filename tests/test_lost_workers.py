@@ -24,6 +24,7 @@ from .conftest import REPO
 pytestmark = pytest.mark.slow
 
 LOST_WITHIN_S = 60
+ONE_RANK = "cluster.cpu_workers_per_node=1"
 
 
 def _overrides(tmp: Path, *extra: str) -> list[str]:
@@ -81,14 +82,15 @@ def _ends_with_one_line(proc: subprocess.Popen, err: Path, since: float, what: s
     return errors[0]
 
 
-def _resumes(tmp: Path, line: str, env: dict | None = None) -> None:
-    """A new run with the same directories resumes from the checkpoint the line named, and trains on."""
+def _resumes(tmp: Path, line: str, *extra: str, env: dict | None = None) -> None:
+    """A new run with the same directories and overrides resumes from the checkpoint the line named, and
+    trains on."""
     committed = re.search(r"the next run resumes from (\S+?step_(\d+))", line)
     assert committed, line
     path, step = committed.group(1), int(committed.group(2))
     assert (Path(path) / "COMMITTED").is_file()
     run = subprocess.run(
-        [sys.executable, "-m", "trainer", *_overrides(tmp, f"grpo.max_num_steps={step + 1}")],
+        [sys.executable, "-m", "trainer", *_overrides(tmp, f"grpo.max_num_steps={step + 1}", *extra)],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
     )
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
@@ -107,18 +109,20 @@ def _kill_actor_and_resume(tmp: Path, title: str, what: str, *extra: str, resume
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    _resumes(tmp, line, env=resume_env)
+    _resumes(tmp, line, *extra, env=resume_env)
 
 
 # The killed run has a Ray of its own (its actors are found among the driver's children); the resumed one
 # attaches to the session's instance (``trainer_env``), as a resubmission to a cluster does.
+# Two policy ranks where one is killed (the other is left in a collective with it); one elsewhere.
 def test_should_exit_in_one_line_and_resume_when_a_policy_rank_is_killed_mid_step(tmp_path, trainer_env):
-    _kill_actor_and_resume(tmp_path, "ray::PolicyWorker", r"policy rank \d", resume_env=trainer_env)
+    _kill_actor_and_resume(tmp_path, "ray::PolicyWorker", r"policy rank \d", "cluster.cpu_workers_per_node=2",
+                           resume_env=trainer_env)
 
 
 def test_should_exit_in_one_line_and_resume_when_a_generation_actor_is_killed_mid_step(tmp_path, trainer_env):
     _kill_actor_and_resume(tmp_path, "ray::GenerationWorker", "generation worker 0",
-                           "generation.placement=disaggregated", resume_env=trainer_env)
+                           "generation.placement=disaggregated", ONE_RANK, resume_env=trainer_env)
 
 
 def _make(env: dict, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -135,7 +139,7 @@ def test_should_exit_in_one_line_and_resume_when_the_ray_cluster_is_stopped_unde
     assert up.returncode == 0, up.stdout + up.stderr
     try:
         attached = dict(env, RAY_ADDRESS=f"127.0.0.1:{port}", RAY_AUTH_MODE="token")
-        proc, out, err = _start(tmp_path, env=attached)
+        proc, out, err = _start(tmp_path, ONE_RANK, env=attached)
         try:
             _wait_for(proc, out, r"kuberl: saved checkpoint \S+step_2 ")
         finally:
@@ -150,4 +154,4 @@ def test_should_exit_in_one_line_and_resume_when_the_ray_cluster_is_stopped_unde
                 proc.wait()
     finally:
         _make(env, "down")
-    _resumes(tmp_path, line, env=trainer_env)  # resubmitted to another cluster
+    _resumes(tmp_path, line, ONE_RANK, env=trainer_env)  # resubmitted to another cluster

@@ -279,7 +279,7 @@ def test_should_train_tiny_and_write_tensorboard_and_jsonl_when_submitted_to_a_l
         "submit",
         "EXP=tiny",
         # A short run: enough for event files and rollouts on the paths given.
-        f"OVERRIDES=logger.log_dir={logs} checkpointing.checkpoint_dir={ckpt} grpo.max_num_steps=4",
+        f"OVERRIDES=logger.log_dir={logs} checkpointing.checkpoint_dir={ckpt} grpo.max_num_steps=4 cluster.cpu_workers_per_node=1",
         timeout=600,
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -345,6 +345,7 @@ def test_should_stop_a_running_job_when_make_stop_is_given_its_id(local_cluster)
         "--no-follow",
         "tiny",
         "grpo.max_num_steps=100000",
+        "cluster.cpu_workers_per_node=1",
         f"logger.log_dir={tmp / 'stop-logs'}",
     )
     assert out.returncode == 0, out.stderr

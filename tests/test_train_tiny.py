@@ -35,15 +35,22 @@ SCALARS = [
 # 2-3x above it; tiny's 40 steps doubled each run for nothing the assertions look at.
 LEARN_STEPS = 20
 
+# One policy rank unless a run is about two: the default path, sequence parallelism, and the
+# tensor-parallel engine fed by a sharded policy. Sharded steps, gathers and broadcasts have their
+# multi-rank tests in tests/policy. A second rank costs a run its boot, imports, model and gloo: on a
+# 2-core AVX2 EPYC a 20-step run took 43 core-seconds with two ranks and 29 with one.
+TWO_RANKS = "cluster.cpu_workers_per_node=2"
+
 
 def _train(env: dict[str, str], tmp_path: Path, *overrides: str) -> tuple[str, Path]:
     """A run of ``experiment=tiny`` attached to the session's Ray instance (``trainer_env``), of
-    LEARN_STEPS steps unless the overrides say otherwise."""
+    LEARN_STEPS steps and one policy rank unless the overrides say otherwise."""
     logs, ckpt = tmp_path / "logs", tmp_path / "ckpt"
-    steps = [] if any(o.startswith("grpo.max_num_steps=") for o in overrides) else [f"grpo.max_num_steps={LEARN_STEPS}"]
+    defaults = {"grpo.max_num_steps": LEARN_STEPS, "cluster.cpu_workers_per_node": 1}
+    defaults = [f"{k}={v}" for k, v in defaults.items() if not any(o.startswith(f"{k}=") for o in overrides)]
     proc = subprocess.run(
         [sys.executable, "-m", "trainer", "experiment=tiny", f"logger.log_dir={logs}",
-         f"checkpointing.checkpoint_dir={ckpt}", *steps, *overrides],
+         f"checkpointing.checkpoint_dir={ckpt}", *defaults, *overrides],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=900,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -65,7 +72,8 @@ def _assert_learned(rewards: list[float]) -> None:
 
 
 def test_should_raise_reward_and_write_readable_logs_when_tiny_model_trains(trainer_env, tmp_path):
-    stdout, run_dir = _train(trainer_env, tmp_path, f"grpo.max_num_steps={LEARN_STEPS}", "checkpointing.save_period=5")
+    stdout, run_dir = _train(trainer_env, tmp_path, f"grpo.max_num_steps={LEARN_STEPS}", "checkpointing.save_period=5", TWO_RANKS)
+    assert "| 2 policy ranks, colocated hf generation |" in stdout
     scalars = _scalars(run_dir)
     missing = [tag for tag in SCALARS if tag not in scalars]
     assert not missing, f"missing scalars: {missing}"
@@ -110,7 +118,7 @@ def test_should_learn_when_a_lora_policy_serves_its_adapters_to_the_colocated_hf
 
 
 # Ulysses sequence parallelism: both policy ranks hold half of every packed row (budgets per rank).
-SP = ("policy.sequence_parallel_size=2",)
+SP = ("policy.sequence_parallel_size=2", TWO_RANKS)
 
 
 @pytest.mark.parametrize("lora", [(), LORA, SP], ids=["full", "lora", "sequence-parallel"])
@@ -246,7 +254,7 @@ def test_should_leave_no_process_behind_when_a_vllm_run_gets_sigterm(tmp_path):
     _needs_vllm()
     proc = subprocess.Popen(
         [sys.executable, "-m", "trainer", "experiment=tiny", "generation.backend=vllm", f"logger.log_dir={tmp_path / 'logs'}",
-         f"checkpointing.checkpoint_dir={tmp_path / 'ckpt'}", "grpo.max_num_steps=40"],
+         f"checkpointing.checkpoint_dir={tmp_path / 'ckpt'}", "grpo.max_num_steps=40", "cluster.cpu_workers_per_node=1"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )  # fmt: skip
     try:
@@ -272,7 +280,7 @@ def test_should_track_the_policy_after_every_refit_when_a_disaggregated_vllm_eng
     _needs_vllm()
     stdout, run_dir = _train(
         trainer_env, tmp_path, "generation.backend=vllm", "generation.placement=disaggregated",
-        "generation.tensor_parallel_size=2", "grpo.max_num_steps=6",
+        "generation.tensor_parallel_size=2", "grpo.max_num_steps=6", TWO_RANKS,
     )  # fmt: skip
     assert "2 policy ranks, disaggregated vllm generation" in stdout
     gaps = _scalars(run_dir)["train/gen_logprob_abs_diff"]

@@ -75,7 +75,7 @@ def test_should_stop_at_the_turn_limit_and_score_the_last_attempt(setup):
     assert len(gen.calls) == 2 and all(r.turns == 2 and r.reward.total == 0.0 for r in results)
 
 
-def test_should_complete_and_log_rewards_when_tiny_model_runs_multi_turn_on_code(tmp_path):
+def test_should_complete_and_log_rewards_when_tiny_model_runs_multi_turn_on_code(tmp_path, trainer_env):
     import json
     import subprocess
     import sys
@@ -87,8 +87,9 @@ def test_should_complete_and_log_rewards_when_tiny_model_runs_multi_turn_on_code
          f"data.path={REPO / 'tests/fixtures/code/nemotron_code_sample.jsonl'}", "rewards=code_unit_tests",
          "grpo.max_rollout_turns=2", "grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=4",
          "grpo.max_num_steps=2", "generation.max_new_tokens=16", "policy.max_total_sequence_length=1024",
+         "cluster.cpu_workers_per_node=1",
          f"logger.log_dir={tmp_path / 'logs'}", f"checkpointing.checkpoint_dir={tmp_path / 'ckpt'}"],
-        cwd=REPO, capture_output=True, text=True, timeout=600,
+        cwd=REPO, env=trainer_env, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     (run_dir,) = list((tmp_path / "logs" / "tiny").iterdir())

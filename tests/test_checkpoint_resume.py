@@ -128,27 +128,6 @@ def reference(trainer_env, tmp_path_factory):
     return _weights(tmp / "ckpt" / "tiny" / f"step_{STEPS}"), _rewards(tmp), prompts, tmp
 
 
-def test_should_match_an_uninterrupted_run_when_killed_before_a_commit_on_a_flat_bucket(trainer_env, tmp_path, reference):
-    """Directory renames refused, as on a flat GCS bucket; SIGKILL with every file of step 4 written
-    but its marker; keep_top_k=1 so pruning runs too."""
-    ckpt = tmp_path / "ckpt" / "tiny"
-    flat = "refuse_dir_renames"
-    proc = _start(trainer_env, tmp_path, "checkpointing.keep_top_k=1", faults=f"{flat};hold_before_marker=4")
-    try:
-        _read_until(proc, "fault: holding step 4 before its commit marker")
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)  # the driver; Ray then ends its actors (the job is gone)
-        proc.wait()
-    assert _steps(ckpt) == ["step_2", "step_4"]
-    assert (ckpt / "step_4" / "policy" / "weights" / ".metadata").is_file()
-    assert (ckpt / "step_4" / "training_info.json").is_file() and not (ckpt / "step_4" / "COMMITTED").exists()
-    resumed = _run(trainer_env, tmp_path, "checkpointing.keep_top_k=1", faults=flat)
-    assert f"kuberl: removed {ckpt / 'step_4'}: incomplete (no COMMITTED marker)" in resumed.stdout
-    assert f"kuberl: resumed from {ckpt / 'step_2'} (step 2," in resumed.stdout
-    assert _steps(ckpt) == [f"step_{STEPS}"] and (ckpt / f"step_{STEPS}" / "COMMITTED").is_file()
-    _assert_same_run(tmp_path, reference)
-
-
 def test_should_see_the_same_prompts_and_drop_batches_made_ahead_when_an_async_run_resumes(trainer_env, tmp_path, reference):
     # Async rollouts are timing-dependent (which weights made a batch), so weights and rewards may
     # differ from the synchronous reference; the prompt stream may not.
@@ -248,20 +227,30 @@ LORA = ("policy.lora.rank=8", "model.name='builtin:tiny?embed_scale=3'", "grpo.l
         TWO_RANKS)
 
 
-def test_should_match_an_uninterrupted_run_when_a_lora_run_is_killed_and_resumed(trainer_env, tmp_path_factory):
-    """SIGKILL with step 4 written but not committed; resumed from step 2, the adapters (and the
-    reference computed with them off) must train on as in a run never stopped."""
+def test_should_match_an_uninterrupted_run_when_a_lora_run_is_killed_before_a_commit_on_a_flat_bucket(
+    trainer_env, tmp_path_factory
+):
+    """Directory renames refused, as on a flat GCS bucket; SIGKILL with every file of step 4 written but its
+    marker; keep_top_k=1 so pruning runs too. Resumed from step 2, the adapters (and the reference computed
+    with them off) must train on as in a run never stopped."""
     whole = tmp_path_factory.mktemp("lora-uninterrupted")
     _run(trainer_env, whole, *LORA)  # two ranks, each saving its shard of the adapters and their optimizer state
     reference = _weights(whole / "ckpt" / "tiny" / f"step_{STEPS}"), _rewards(whole), _prompts(whole)
     assert reference[0] and all(".lora_A." in k or ".lora_B." in k for k in reference[0])  # adapters only
     tmp = tmp_path_factory.mktemp("lora-killed")
-    proc = _start(trainer_env, tmp, *LORA, faults="hold_before_marker=4")
+    ckpt = tmp / "ckpt" / "tiny"
+    flat = "refuse_dir_renames"
+    proc = _start(trainer_env, tmp, *LORA, "checkpointing.keep_top_k=1", faults=f"{flat};hold_before_marker=4")
     try:
         _read_until(proc, "fault: holding step 4 before its commit marker")
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)
+        os.killpg(proc.pid, signal.SIGKILL)  # the driver; Ray then ends its actors (the job is gone)
         proc.wait()
-    resumed = _run(trainer_env, tmp, *LORA)
-    assert f"kuberl: resumed from {tmp / 'ckpt' / 'tiny' / 'step_2'} (step 2," in resumed.stdout
+    assert _steps(ckpt) == ["step_2", "step_4"]
+    assert (ckpt / "step_4" / "policy" / "weights" / ".metadata").is_file()
+    assert (ckpt / "step_4" / "training_info.json").is_file() and not (ckpt / "step_4" / "COMMITTED").exists()
+    resumed = _run(trainer_env, tmp, *LORA, "checkpointing.keep_top_k=1", faults=flat)
+    assert f"kuberl: removed {ckpt / 'step_4'}: incomplete (no COMMITTED marker)" in resumed.stdout
+    assert f"kuberl: resumed from {ckpt / 'step_2'} (step 2," in resumed.stdout
+    assert _steps(ckpt) == [f"step_{STEPS}"] and (ckpt / f"step_{STEPS}" / "COMMITTED").is_file()
     _assert_same_run(tmp, reference)

@@ -21,6 +21,17 @@ def pytest_configure(config):
     config.stash[SESSION] = mark_session()  # before any test starts a process
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_collection(session):
+    """No collections while the test modules import torch, transformers and Ray; then those imports
+    and the collected items, which live to the end of the session, are frozen (trainer.heap)."""
+    from trainer import heap
+
+    heap.pause()
+    yield
+    heap.settle()
+
+
 def pytest_collection_modifyitems(config, items):
     """Modules with slow tests first, the longest first (as measured, ``SLOWEST``), each kept whole. Under
     ``make test``'s two xdist workers (``--dist loadfile``: one module per worker at a time) the long

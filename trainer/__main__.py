@@ -10,6 +10,12 @@ import logging
 import os
 import sys
 
+from trainer import heap
+
+# What a run's driver imports anyway (the loop, the tokenizer, Ray), imported before trainer.heap
+# freezes the heap so that their objects are frozen too.
+DRIVER_IMPORTS = ("torch", "ray", "transformers.models.auto.tokenization_auto", "trainer.algorithms.grpo")
+
 USAGE = """usage: python -m trainer [--cfg] experiment=NAME [key=value ...]
 
 Hydra overrides, e.g. grpo.max_num_steps=50 generation.placement=disaggregated logger.log_dir=/data/logs
@@ -58,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     from trainer.run import Preempted, SetupError, train
     from trainer.watchdog import LOST_EXIT, Lost
 
+    heap.settle(*DRIVER_IMPORTS)
+
     try:
         train(cfg)
     except ConfigError as e:  # a name a component checks when it is built (check_names ran them above)
@@ -74,4 +82,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    heap.pause()  # until the driver's imports are done (trainer.heap)
     sys.exit(main())

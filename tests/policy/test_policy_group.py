@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import math
 
 import pytest
@@ -221,6 +222,11 @@ def test_should_broadcast_trained_weights_when_generation_is_disaggregated(ray_l
         completions = ray.get(ref)
         assert idx == [0] and len(completions[0]) == 3
         assert all(len(c.logprobs) == len(c.token_ids) > 0 for c in completions[0])
+        # Each actor paused its collector while it imported, then froze the imports and turned it back on
+        # (trainer.heap): on, with the imported objects (hundreds of thousands) frozen.
+        for actor in policy.workers + generator.workers:
+            enabled, frozen = ray.get(actor.__ray_call__.remote(lambda _: (gc.isenabled(), gc.get_freeze_count())))
+            assert enabled and frozen > 100_000, (enabled, frozen)
     finally:
         generator.shutdown()
         policy.shutdown()

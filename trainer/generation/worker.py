@@ -14,6 +14,7 @@ import os
 
 import torch
 
+from trainer import heap
 from trainer.cluster import node_address, setup_cpu_process
 from trainer.config import Config
 from trainer.generation.base import Completion, SamplingParams, WeightReceiver
@@ -31,6 +32,9 @@ class GenerationWorker:
             # pinned: the cores after the policy ranks' (cluster.cpu_pinning)
             setup_cpu_process(cfg, threads, slot=max(1, cfg.cluster.cpu_workers_per_node) + rank)
             threads = torch.get_num_threads()
+        # What every engine's build imports anyway, imported before the actor freezes its heap (trainer.heap).
+        # Not vllm: the engine sets its environment before that import (trainer.generation.vllm_engine).
+        heap.settle("transformers.modeling_utils")
         spec = EngineSpec(
             model_path=model_path,
             weights_from_another_process=True,

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from trainer import heap
 from trainer.algorithms import core_algos
 from trainer.config import Config
 from trainer.generation.base import Completion, SamplingParams
@@ -59,6 +60,8 @@ from trainer.policy.packed_attention import Row
 
 log = logging.getLogger(__name__)
 
+# What a rank's set-up imports anyway, imported before the rank freezes its heap (trainer.heap).
+RANK_IMPORTS = ("transformers.modeling_utils", "torch.distributed.fsdp", "torch.distributed.checkpoint")
 
 
 def rank_seed_offset(rank: int) -> int:
@@ -109,6 +112,7 @@ class PolicyWorker:
             # Ranks on one machine share its cores: without this each rank spawns a thread per core.
             per_node = max(1, cfg.cluster.cpu_workers_per_node)
             setup_cpu_process(cfg, (os.cpu_count() or 1) // per_node, slot=rank % per_node)
+        heap.settle(*RANK_IMPORTS)
 
     def address(self) -> tuple[str, int]:
         from trainer.cluster import node_address

@@ -1,0 +1,61 @@
+"""trainer.heap: the collector is off only while a process imports, and on, with the imports frozen, after.
+The policy ranks and generation actors are checked where they run (tests/policy/test_policy_group.py)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from .conftest import REPO
+
+
+def test_should_freeze_the_imports_and_collect_again_when_a_driver_settles():
+    code = (
+        "import gc, sys\n"
+        "from trainer import heap\n"
+        "heap.pause()\n"
+        "assert not gc.isenabled()\n"
+        "heap.settle('json')\n"
+        "assert 'json' in sys.modules and gc.isenabled() and gc.get_freeze_count() > 1000\n"
+        "heap.pause()\n"  # once settled, a later pause (another module's import) changes nothing
+        "assert gc.isenabled()\n"
+        "class Cycle: pass\n"
+        "a, b = Cycle(), Cycle(); a.b, b.a = b, a; del a, b\n"
+        "assert gc.collect() >= 2\n"  # what the process makes after settling is collected
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+class Other:
+    """An actor of another class, whose creation imports the packages that pause for their own actors."""
+
+    def __init__(self):
+        import trainer.generation  # noqa: F401
+        import trainer.policy  # noqa: F401
+
+    def collector(self) -> tuple[bool, int]:
+        import gc
+
+        return gc.isenabled(), gc.get_freeze_count()
+
+
+def test_should_leave_the_collector_alone_when_another_actor_or_a_task_imports_the_packages(ray_local):
+    import ray
+
+    actor = ray.remote(num_cpus=0)(Other).remote()
+    try:
+        assert ray.get(actor.collector.remote()) == (True, 0)
+    finally:
+        ray.kill(actor)
+
+    @ray.remote(num_cpus=0)
+    def task() -> tuple[bool, int]:
+        import gc
+
+        import trainer.generation  # noqa: F401
+        import trainer.policy  # noqa: F401
+
+        return gc.isenabled(), gc.get_freeze_count()
+
+    assert ray.get(task.remote()) == (True, 0)

@@ -31,8 +31,30 @@ def backend(request) -> str:
     return request.param
 
 
-def sandbox_processes() -> list[tuple[int, int, str]]:
-    """(pid, uid, name) of live processes running as a sandbox uid (only meaningful as root)."""
+def ours() -> set[int]:
+    """This process and its live descendants (its Ray instance's workers among them): the processes
+    whose sandboxes this test process started. Other processes' sandboxes (another xdist worker's run,
+    with its own Ray instance) come and go meanwhile and are not the test's to count."""
+    children: dict[int, list[int]] = {}
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                with open(f"/proc/{entry.name}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = set(), [os.getpid()]
+    while todo:
+        pid = todo.pop()
+        found.add(pid)
+        todo.extend(children.get(pid, []))
+    return found
+
+
+def sandbox_processes(owners: set[int] | None = None) -> list[tuple[int, int, str]]:
+    """(pid, uid, name) of live processes running as a sandbox uid (only meaningful as root): those
+    whose uid one of ``owners`` allocated (backends.allocated_by), or all with ``owners=None``."""
     found = []
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
@@ -47,20 +69,30 @@ def sandbox_processes() -> list[tuple[int, int, str]]:
             uid >= SANDBOX_UID_MIN
             and uid != os.getuid()
             and not fields.get("State", "").strip().startswith("Z")
+            and (owners is None or backends.allocated_by(uid) in owners)
         ):
             found.append((int(entry.name), uid, fields.get("Name", "").strip()))
     return found
 
 
+def sandbox_dirs(owners: set[int]) -> set[Path]:
+    """The fallback's sandbox directories (``kuberl-sandbox-<pid>-*``) that one of ``owners`` made."""
+    return {
+        d
+        for d in Path(tempfile.gettempdir()).glob("kuberl-sandbox-*-*")
+        if d.name.split("-")[2].isdigit() and int(d.name.split("-")[2]) in owners
+    }
+
+
 @pytest.fixture
 def no_leftovers():
-    """Fails the test if a sandbox process (checked as root, where sandboxes get own uids) or a
-    fallback sandbox's directory outlives it."""
-    before = {p for p, _, _ in sandbox_processes()}
-    dirs_before = set(Path(tempfile.gettempdir()).glob("kuberl-sandbox-*"))
+    """Fails the test if a sandbox process this test process started (checked as root, where sandboxes
+    get own uids) or a fallback sandbox's directory it made outlives the test."""
+    before = {p for p, _, _ in sandbox_processes(ours())}
+    dirs_before = sandbox_dirs(ours())
     yield
-    deadline = time.monotonic() + 3.0  # someone else's sandbox may be running right now: let it end
-    while new_dirs := set(Path(tempfile.gettempdir()).glob("kuberl-sandbox-*")) - dirs_before:
+    deadline = time.monotonic() + 3.0  # a sandbox's own cleanup may still be running: let it end
+    while new_dirs := sandbox_dirs(ours()) - dirs_before:
         if time.monotonic() > deadline:
             pytest.fail(f"sandbox directories left behind: {sorted(new_dirs)}")
         time.sleep(0.1)
@@ -69,13 +101,8 @@ def no_leftovers():
     deadline = time.monotonic() + 3.0
     left = []
     while time.monotonic() < deadline:
-        left = [p for p in sandbox_processes() if p[0] not in before]
+        left = [p for p in sandbox_processes(ours()) if p[0] not in before]
         if not left:
             return
         time.sleep(0.1)
     pytest.fail(f"sandbox processes outlived the call: {left[:10]}")
-
-
-@pytest.fixture
-def list_sandbox_processes():
-    return sandbox_processes

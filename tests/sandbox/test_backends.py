@@ -8,7 +8,6 @@ import shutil
 import stat
 import subprocess
 import sys
-import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -16,6 +15,8 @@ from pathlib import Path
 import pytest
 
 from trainer.sandbox import backends
+
+from .conftest import sandbox_dirs, sandbox_processes
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -136,9 +137,8 @@ def test_should_not_import_anything_heavy_when_imported():
 
 
 @pytest.mark.timeout(60)
-def test_should_stop_the_sandbox_when_its_caller_is_killed(backend, list_sandbox_processes):
+def test_should_stop_the_sandbox_when_its_caller_is_killed(backend):
     """A reward timeout cancels the Ray task, killing the worker mid-run: the sandbox must go too."""
-    sandbox_processes = list_sandbox_processes
     if os.geteuid() != 0:
         pytest.skip("sandbox processes are told apart by their own uids only when we are root")
     code = (
@@ -147,20 +147,19 @@ def test_should_stop_the_sandbox_when_its_caller_is_killed(backend, list_sandbox
         "print('started', flush=True)\n"
         f"run_tests('python', 'import os, time\\nos.fork()\\ntime.sleep(60)', [''] * 5, backend={backend!r})\n"
     )
-    before = {p for p, _, _ in sandbox_processes()}
     caller = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True)
     assert caller.stdout.readline().strip() == "started"
     deadline = time.monotonic() + 20
-    # The runner, the test's child and its own child: the program is running.
-    while len([p for p in sandbox_processes() if p[0] not in before and p[2] != "bwrap"]) < 3:
+    # The runner, the test's child and its own child (each sandbox's uid names the caller that made it):
+    # the program is running.
+    while len([p for p in sandbox_processes({caller.pid}) if p[2] != "bwrap"]) < 3:
         assert time.monotonic() < deadline, "the sandboxed program never started"
         time.sleep(0.05)
     caller.kill()
     caller.wait()
     deadline = time.monotonic() + 5
-    while left := [p for p in sandbox_processes() if p[0] not in before]:
+    while left := sandbox_processes({caller.pid}):
         assert time.monotonic() < deadline, f"sandbox processes outlived their caller: {left}"
         time.sleep(0.1)
-    for d in Path(tempfile.gettempdir()).glob("kuberl-sandbox-*"):  # what the killed caller could not remove
-        if d.stat().st_mtime > time.time() - 60:
-            shutil.rmtree(d, ignore_errors=True)
+    for d in sandbox_dirs({caller.pid}):  # what the killed caller could not remove
+        shutil.rmtree(d, ignore_errors=True)

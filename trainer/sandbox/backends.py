@@ -123,6 +123,15 @@ def allocate_uid() -> int:
     return lo + (os.getpid() * 256 + n % 256) % span
 
 
+def allocated_by(uid: int) -> int | None:
+    """The pid of the process whose :func:`allocate_uid` gave ``uid``; None when the span is too small to
+    tell (a user-namespaced pod) or ``uid`` is not in it."""
+    lo, span = _uid_span()
+    if span < (1 << 22) * 256 or not lo <= uid < lo + span:  # pids reach 2^22 (pid_max): no wrap below that
+        return None
+    return (uid - lo) // 256
+
+
 def as_uid(argv: list[str], uid: int) -> tuple[list[str], dict]:
     """Start ``argv`` as ``uid`` (and gid ``uid``, no supplementary groups): ``(argv, Popen kwargs)``.
 

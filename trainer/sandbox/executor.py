@@ -98,7 +98,9 @@ def run_tests(
     uid = backends.allocate_uid() if b.switch_uid else None
     try:
         if box is None:  # the fallback works in a fresh host directory only its uid can enter
-            host_dir = tempfile.mkdtemp(prefix="kuberl-sandbox-", dir=os.environ.get("KUBERL_SANDBOX_TMP"))
+            # named by the pid that made it, as its uid is (backends.allocated_by): whose it is, if left
+            tmp = os.environ.get("KUBERL_SANDBOX_TMP")
+            host_dir = tempfile.mkdtemp(prefix=f"kuberl-sandbox-{os.getpid()}-", dir=tmp)
             os.chmod(host_dir, 0o711)  # searchable, not listable: the sandbox uid owns only box/
             box = os.path.join(host_dir, "box")
             os.mkdir(box, 0o700)

@@ -14,10 +14,11 @@ STAMP       := $(VENV)/.kuberl-installed
 # Every run prints its 15 slowest tests: where the suite's time goes stays in view as it grows.
 PYTEST_ARGS ?= --durations=15
 # `make test` runs two pytest-xdist workers, a module at a time each (modules keep their shared fixtures),
-# longest modules first (tests/conftest.py): a single process leaves a core idle through every start-up,
-# import and wait. TEST_WORKERS=0 runs in this one process.
+# longest modules first (tests/conftest.py; --no-loadscope-reorder keeps that order, which xdist would
+# otherwise replace with one by test count, putting the few-but-long modules last): a single process
+# leaves a core idle through every start-up, import and wait. TEST_WORKERS=0 runs in this one process.
 TEST_WORKERS ?= 2
-XDIST := $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile)
+XDIST := $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
 .PHONY: help setup train test test-fast test-gpu lint clean
 

@@ -1,5 +1,6 @@
 """trainer.heap: the collector is off only while a process imports, and on, with the imports frozen, after.
-The policy ranks and generation actors are checked where they run (tests/policy/test_policy_group.py)."""
+The policy ranks, the generation actors, and other actors and tasks are checked on Ray in
+tests/policy/test_policy_group.py."""
 
 from __future__ import annotations
 
@@ -25,37 +26,3 @@ def test_should_freeze_the_imports_and_collect_again_when_a_driver_settles():
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
-
-
-class Other:
-    """An actor of another class, whose creation imports the packages that pause for their own actors."""
-
-    def __init__(self):
-        import trainer.generation  # noqa: F401
-        import trainer.policy  # noqa: F401
-
-    def collector(self) -> tuple[bool, int]:
-        import gc
-
-        return gc.isenabled(), gc.get_freeze_count()
-
-
-def test_should_leave_the_collector_alone_when_another_actor_or_a_task_imports_the_packages(ray_local):
-    import ray
-
-    actor = ray.remote(num_cpus=0)(Other).remote()
-    try:
-        assert ray.get(actor.collector.remote()) == (True, 0)
-    finally:
-        ray.kill(actor)
-
-    @ray.remote(num_cpus=0)
-    def task() -> tuple[bool, int]:
-        import gc
-
-        import trainer.generation  # noqa: F401
-        import trainer.policy  # noqa: F401
-
-        return gc.isenabled(), gc.get_freeze_count()
-
-    assert ray.get(task.remote()) == (True, 0)

@@ -314,3 +314,34 @@ def test_should_clamp_the_per_token_kl_in_the_penalty_when_kl_clamp_is_set(ray_l
         group.shutdown()
     assert kl[5.0] == pytest.approx(10.0)
     assert kl[1.0] == pytest.approx(math.e - 2.0, rel=1e-3)
+
+
+class _Other:
+    """An actor of another class, whose creation imports the packages that pause for their own actors."""
+
+    def __init__(self):
+        import trainer.generation  # noqa: F401
+        import trainer.policy  # noqa: F401
+
+    def collector(self) -> tuple[bool, int]:
+        return gc.isenabled(), gc.get_freeze_count()
+
+
+def test_should_leave_the_collector_alone_when_another_actor_or_a_task_imports_the_packages(ray_local):
+    """trainer.heap pauses the collector only in a policy rank or a generation actor being created."""
+    import ray
+
+    actor = ray.remote(num_cpus=0)(_Other).remote()
+    try:
+        assert ray.get(actor.collector.remote()) == (True, 0)
+    finally:
+        ray.kill(actor)
+
+    @ray.remote(num_cpus=0)
+    def task() -> tuple[bool, int]:
+        import trainer.generation  # noqa: F401
+        import trainer.policy  # noqa: F401
+
+        return gc.isenabled(), gc.get_freeze_count()
+
+    assert ray.get(task.remote()) == (True, 0)

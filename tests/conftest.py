@@ -4,12 +4,16 @@ started outlives it (:mod:`tests.leftovers`)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from tests.shared_instance import shared
 
 REPO = Path(__file__).resolve().parents[1]
 SESSION = pytest.StashKey[str]()  # this session's id in tests.leftovers.MARK
@@ -138,35 +142,30 @@ def ray_local():
 
 
 # A trainer run attached to an instance asks it for its bundles, as on a cluster; reward and sandbox tasks
-# then run on the spare CPUs. As many as a run's own local instance would count for these tests' runs (2
-# policy ranks, a generation actor, 2 spare): with more, Ray starts a worker process per CPU for the first
-# batch of reward tasks (8 on 2 cores at 16 CPUs), which costs more than the instance saves.
+# then run on the spare CPUs. As many per xdist worker as a run's own local instance would count for these
+# tests' runs (2 policy ranks, a generation actor, 2 spare): a run's rewards start one task and then size
+# the rest to what is measured (trainer.rewards.runner), so spare CPUs do not make Ray start more workers.
 TRAINER_RAY_CPUS = 6
 
 
-@pytest.fixture(scope="session")
-def trainer_env(_quiet_env):
-    """The environment for ``python -m trainer`` runs that attach to one Ray instance of the session
-    (``RAY_ADDRESS``, the code path of a run on a cluster) instead of starting and stopping their own: a
-    local instance costs a run 5-8 s here, most of a tiny run. Its own process, so ``ray_local`` (in this
-    one) keeps its size; ended, with all it started, when the session ends. A test that watches the
-    processes of its run, or stops the run's cluster, starts its own (no ``RAY_ADDRESS``)."""
+@contextlib.contextmanager
+def _trainer_ray(env: dict[str, str], num_cpus: int) -> Iterator[str]:
+    """A Ray instance in a process of its own (so ``ray_local``, in this one, keeps its size): its address;
+    ended, with all it started, on exit."""
     code = (
         "import sys, ray\n"
-        f"ray.init(address='local', num_cpus={TRAINER_RAY_CPUS}, num_gpus=0, include_dashboard=False, log_to_driver=False)\n"
+        f"ray.init(address='local', num_cpus={num_cpus}, num_gpus=0, include_dashboard=False, log_to_driver=False)\n"
         "print(ray.get_runtime_context().gcs_address, flush=True)\n"
-        "sys.stdin.read()\n"  # until the session closes our stdin
+        "sys.stdin.read()\n"  # until we close its stdin
         "ray.shutdown()\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=env, stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True)
     try:
         address = proc.stdout.readline().strip()
         if not address:
             pytest.fail(f"the session's Ray instance for trainer runs did not start (exit {proc.wait(timeout=60)})")
-        # A local instance turns on Ray's token auth (token in ~/.ray/auth_token); a client must ask for it.
-        yield {**env, "RAY_ADDRESS": address, "RAY_AUTH_MODE": "token"}
+        yield address
     finally:
         proc.stdin.close()
         try:
@@ -174,3 +173,21 @@ def trainer_env(_quiet_env):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@pytest.fixture(scope="session")
+def trainer_env(_quiet_env, tmp_path_factory):
+    """The environment for ``python -m trainer`` runs that attach to one Ray instance of the session
+    (``RAY_ADDRESS``, the code path of a run on a cluster) instead of starting and stopping their own: a
+    local instance costs a run 5-8 s here, most of a tiny run. Under xdist the workers share it
+    (tests.shared_instance): the first to need it starts it, sized for all of them, and ends it when the
+    last has finished. A test that watches the processes of its run, or stops the run's cluster, starts its
+    own (no ``RAY_ADDRESS``)."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    folder = tmp_path_factory.getbasetemp()
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        folder = folder.parent  # the session's, shared by its workers
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    with shared(folder / "trainer-ray", lambda: _trainer_ray(env, TRAINER_RAY_CPUS * workers)) as address:
+        # A local instance turns on Ray's token auth (token in ~/.ray/auth_token); a client must ask for it.
+        yield {**env, "RAY_ADDRESS": address, "RAY_AUTH_MODE": "token"}

@@ -26,3 +26,21 @@ def test_should_freeze_the_imports_and_collect_again_when_a_driver_settles():
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_should_collect_nothing_inside_and_restore_the_collector_when_an_import_is_paused():
+    import gc
+
+    from trainer import heap
+
+    assert gc.isenabled()
+    with heap.paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with heap.paused():  # a process that has the collector off keeps it off
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

@@ -61,6 +61,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
+from trainer import heap
 from trainer.config import ConfigError, GenerationConfig, LoRAConfig, vllm_max_lora_rank
 from trainer.generation.base import Completion, SamplingParams
 from trainer.generation.weight_transport import vllm_transfer_backend
@@ -293,8 +294,9 @@ class VLLMGenerationEngine:
             os.environ["VLLM_CACHE_ROOT"] = self._cache_root  # compile caches: per engine, removed at shutdown
             if modelinfos := shared_modelinfo_dir():  # vLLM writes each file atomically: engines may share it
                 os.symlink(modelinfos, os.path.join(self._cache_root, "modelinfos"))
-        import vllm
-        from vllm import LLM
+        with heap.paused():
+            import vllm
+            from vllm import LLM
 
         if weight_transfer_enabled := self.weight_transfer:
             check_transfer_backend(vllm_transfer_backend(not self.on_cpu))

@@ -118,8 +118,18 @@ def _quiet_env(tmp_path_factory):
 
     for key, value in {**QUIET_ENV, **RAY_IDLE_ENV}.items():
         os.environ.setdefault(key, value)
-    # One model cache for the whole session (and for the subprocesses tests start).
-    os.environ.setdefault("KUBERL_CACHE", str(tmp_path_factory.mktemp("kuberl-cache")))
+    # One model cache for the whole session, its xdist workers and the subprocesses its tests start: each model
+    # is built once, and vLLM's model info inspected once (trainer.models.resolve builds under a lock and
+    # renames into place; vLLM writes its model-info files atomically).
+    cache = _session_dir(tmp_path_factory) / "kuberl-cache"
+    cache.mkdir(exist_ok=True)
+    os.environ.setdefault("KUBERL_CACHE", str(cache))
+
+
+def _session_dir(tmp_path_factory) -> Path:
+    """The session's temporary folder: under xdist, the one its workers share (each has its own inside)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if "PYTEST_XDIST_WORKER" in os.environ else base
 
 
 @pytest.fixture(scope="session")
@@ -184,9 +194,7 @@ def trainer_env(_quiet_env, tmp_path_factory):
     last has finished. A test that watches the processes of its run, or stops the run's cluster, starts its
     own (no ``RAY_ADDRESS``)."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    folder = tmp_path_factory.getbasetemp()
-    if "PYTEST_XDIST_WORKER" in os.environ:
-        folder = folder.parent  # the session's, shared by its workers
+    folder = _session_dir(tmp_path_factory)
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     with shared(folder / "trainer-ray", lambda: _trainer_ray(env, TRAINER_RAY_CPUS * workers)) as address:
         # A local instance turns on Ray's token auth (token in ~/.ray/auth_token); a client must ask for it.

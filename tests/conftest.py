@@ -153,8 +153,9 @@ def ray_local():
 
 # A trainer run attached to an instance asks it for its bundles, as on a cluster; reward and sandbox tasks
 # then run on the spare CPUs. As many per xdist worker as a run's own local instance would count for these
-# tests' runs (2 policy ranks, a generation actor, 2 spare): a run's rewards start one task and then size
-# the rest to what is measured (trainer.rewards.runner), so spare CPUs do not make Ray start more workers.
+# tests' runs (2 policy ranks, a generation actor, 2 spare). A run's rewards send one task first and size
+# the rest to what that one measured (trainer.rewards.runner), so the tasks, not the spare CPUs, set how
+# many workers they take.
 TRAINER_RAY_CPUS = 6
 
 

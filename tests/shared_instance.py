@@ -81,17 +81,14 @@ def shared(
             else:
                 address = instance.enter_context(start())
                 (folder / ADDRESS).write_text(f"{address} {os.getpid()}\n")
-        if attached:
-            try:
-                yield address
-            finally:
-                me.unlink(missing_ok=True)
-            return
         try:
             yield address
         finally:
-            with _locked(folder):
-                (folder / ADDRESS).unlink(missing_ok=True)  # from now on, no one attaches
-            deadline = time.monotonic() + wait_s
-            while live_users(folder) and time.monotonic() < deadline:
-                time.sleep(poll_s)
+            if attached:
+                me.unlink(missing_ok=True)
+            else:
+                with _locked(folder):
+                    (folder / ADDRESS).unlink(missing_ok=True)  # from now on, no one attaches
+                deadline = time.monotonic() + wait_s
+                while live_users(folder) and time.monotonic() < deadline:
+                    time.sleep(poll_s)

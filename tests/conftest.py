@@ -23,6 +23,9 @@ def pytest_configure(config):
     from tests.leftovers import mark_session
 
     config.stash[SESSION] = mark_session()  # before any test starts a process
+    # A local instance turns on Ray's token auth (token in ~/.ray/auth_token); a client must ask for it, and
+    # Ray reads this once per process: before any test imports it (ray_local connects this process).
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -139,30 +142,20 @@ def tiny_model_path(_quiet_env) -> str:
     return resolve_model("builtin:tiny")
 
 
-@pytest.fixture(scope="session")
-def ray_local():
-    """A real Ray instance on this machine (CPU bookkeeping raised so several actors fit)."""
-    import ray
-
-    if not ray.is_initialized():
-        # 16: a test module may hold several policy groups (1-2 bundles each) and reward actors at once.
-        ray.init(address="local", num_cpus=16, num_gpus=0, include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
-
-
-# A trainer run attached to an instance asks it for its bundles, as on a cluster; reward and sandbox tasks
-# then run on the spare CPUs. As many per xdist worker as a run's own local instance would count for these
-# tests' runs (2 policy ranks, a generation actor, 2 spare). A run's rewards send one task first and size
-# the rest to what that one measured (trainer.rewards.runner), so the tasks, not the spare CPUs, set how
-# many workers they take.
-TRAINER_RAY_CPUS = 6
+# The session's Ray instance, shared by its xdist workers (tests.shared_instance), sized for each worker's
+# in-process tests (``ray_local``: a module may hold several policy groups of 1-2 bundles and reward actors
+# at once; tests/policy/test_policy_group.py holds up to 14 bundles) and its
+# ``python -m trainer`` runs (``trainer_env``: 2 policy ranks, a generation actor and 2 spare CPUs for reward
+# and sandbox tasks, as many as a run's own local instance would count). CPUs are bookkeeping here: a run's
+# rewards send one task first and size the rest to what that one measured (trainer.rewards.runner), so the
+# tasks, not the spare CPUs, set how many workers they take.
+RAY_LOCAL_CPUS, TRAINER_RAY_CPUS = 16, 6
 
 
 @contextlib.contextmanager
-def _trainer_ray(env: dict[str, str], num_cpus: int) -> Iterator[str]:
-    """A Ray instance in a process of its own (so ``ray_local``, in this one, keeps its size): its address;
-    ended, with all it started, on exit."""
+def _ray_instance(env: dict[str, str], num_cpus: int) -> Iterator[str]:
+    """A Ray instance in a process of its own (its owner's tests connect and disconnect as they please): its
+    address; ended, with all it started, on exit."""
     code = (
         "import sys, ray\n"
         f"ray.init(address='local', num_cpus={num_cpus}, num_gpus=0, include_dashboard=False, log_to_driver=False)\n"
@@ -175,7 +168,7 @@ def _trainer_ray(env: dict[str, str], num_cpus: int) -> Iterator[str]:
     try:
         address = proc.stdout.readline().strip()
         if not address:
-            pytest.fail(f"the session's Ray instance for trainer runs did not start (exit {proc.wait(timeout=60)})")
+            pytest.fail(f"the session's Ray instance did not start (exit {proc.wait(timeout=60)})")
         yield address
     finally:
         proc.stdin.close()
@@ -187,16 +180,34 @@ def _trainer_ray(env: dict[str, str], num_cpus: int) -> Iterator[str]:
 
 
 @pytest.fixture(scope="session")
-def trainer_env(_quiet_env, tmp_path_factory):
-    """The environment for ``python -m trainer`` runs that attach to one Ray instance of the session
-    (``RAY_ADDRESS``, the code path of a run on a cluster) instead of starting and stopping their own: a
-    local instance costs a run 5-8 s here, most of a tiny run. Under xdist the workers share it
-    (tests.shared_instance): the first to need it starts it, sized for all of them, and ends it when the
-    last has finished. A test that watches the processes of its run, or stops the run's cluster, starts its
-    own (no ``RAY_ADDRESS``)."""
+def session_ray(_quiet_env, tmp_path_factory) -> Iterator[str]:
+    """The address of the session's Ray instance. Under xdist the workers share it (tests.shared_instance):
+    the first to need it starts it, sized for all of them, and ends it when the last has finished. An idle
+    instance costs its start-up and a few core-seconds a minute; one for the session instead of one per
+    worker and per use. A test that watches the processes of its run, or stops the run's cluster, starts
+    its own."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    folder = _session_dir(tmp_path_factory)
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    with shared(folder / "trainer-ray", lambda: _trainer_ray(env, TRAINER_RAY_CPUS * workers)) as address:
-        # A local instance turns on Ray's token auth (token in ~/.ray/auth_token); a client must ask for it.
-        yield {**env, "RAY_ADDRESS": address, "RAY_AUTH_MODE": "token"}
+    start = lambda: _ray_instance(env, (RAY_LOCAL_CPUS + TRAINER_RAY_CPUS) * workers)  # noqa: E731
+    with shared(_session_dir(tmp_path_factory) / "ray", start) as address:
+        yield address
+
+
+@pytest.fixture(scope="session")
+def ray_local(session_ray):
+    """This process connected to the session's Ray instance, as a driver of its own job."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address=session_ray, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def trainer_env(session_ray):
+    """The environment for ``python -m trainer`` runs that attach to the session's Ray instance
+    (``RAY_ADDRESS``, the code path of a run on a cluster) instead of starting and stopping their own: a
+    local instance costs a run 5-8 s here, most of a tiny run."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    yield {**env, "RAY_ADDRESS": session_ray}

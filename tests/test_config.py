@@ -447,16 +447,34 @@ def test_should_exit_with_one_line_naming_the_key_when_input_is_bad(override, ke
     assert rc != 0 and len(lines) == 1 and key in lines[0] and "Traceback" not in err, err
 
 
-def test_should_end_the_ranks_it_started_when_the_data_fails_while_they_set_up(ray_local, tmp_path):
+def test_should_end_the_ranks_it_started_when_the_data_fails_while_they_set_up(ray_local, tmp_path, monkeypatch):
     """The policy ranks start before the driver reads its data (their set-up overlaps it): a dataset
     that cannot be read is still one line, and the ranks, their placement group and the run's SIGTERM
-    handler are gone with it."""
+    handler are gone with it. (The session's instance serves other runs meanwhile: only this job's
+    placement groups and actors count.)"""
+    import contextlib
     import signal
 
     import psutil
+    from ray._private import state
 
     from trainer import run
+    from trainer.policy import group
 
+    reserved = []
+
+    def reserve(*args, **kwargs):
+        reserved.append(real(*args, **kwargs))
+        return reserved[-1]
+
+    real = group.reserve
+    monkeypatch.setattr(group, "reserve", reserve)
+    job = ray_local.JobID.from_hex(ray_local.get_runtime_context().get_job_id())
+
+    def policy_actors() -> dict[str, dict]:
+        return {i: a for i, a in state.actors(job_id=job).items() if a["ActorClassName"] == "PolicyWorker"}
+
+    earlier = set(policy_actors())  # this process's earlier tests' ranks
     before = signal.getsignal(signal.SIGTERM)
     cfg = load(["experiment=tiny", "data.name=local", f"data.path={tmp_path / 'missing.jsonl'}",
                 f"logger.log_dir={tmp_path / 'logs'}", f"checkpointing.checkpoint_dir={tmp_path / 'ck'}"])
@@ -464,23 +482,22 @@ def test_should_end_the_ranks_it_started_when_the_data_fails_while_they_set_up(r
         run.train(cfg)
     assert str(err.value).startswith("data.name=local split=train: data.path") and "\n" not in str(err.value)
     assert signal.getsignal(signal.SIGTERM) is before
-    groups = [g for g in ray_local.util.placement_group_table().values() if g["name"].startswith("kuberl-policy-")]
-    assert groups and all(g["state"] == "REMOVED" for g in groups)
+    assert reserved and all(ray_local.util.placement_group_table(pg)["state"] == "REMOVED" for pg in reserved)
+    ranks = {i: a for i, a in policy_actors().items() if i not in earlier}
+    assert ranks
 
-    def ranks() -> list[psutil.Process]:
+    def alive() -> list[int]:
         out = []
-        for p in psutil.process_iter():
-            try:
-                if p.cmdline()[:1] and p.cmdline()[0].startswith("ray::PolicyWorker"):
-                    out.append(p)
-            except psutil.Error:
-                continue
+        for pid in (a["Pid"] for a in ranks.values() if a["Pid"]):  # 0: it never got a process
+            with contextlib.suppress(psutil.NoSuchProcess):
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    out.append(pid)
         return out
 
     deadline = time.monotonic() + 60
-    while ranks() and time.monotonic() < deadline:
+    while alive() and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert not ranks()
+    assert not alive()
 
 
 @pytest.mark.parametrize(

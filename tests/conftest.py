@@ -98,9 +98,9 @@ def pytest_sessionfinish(session, exitstatus):
     session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
-# What an idle Ray instance does in the background, and a session holds up to two per xdist worker for most of
-# its run (ray_local, trainer_env): 5.6 core-s a minute on a 2-core AVX2 EPYC, 2.9 with the first two below.
-# No workers prestarted for an instance's first driver (trainer_env's holder, whose job never runs a task:
+# What an idle Ray instance does in the background, and a session holds one for most of its run (session_ray)
+# besides those some tests start: 5.6 core-s a minute on a 2-core AVX2 EPYC, 2.9 with the first two below.
+# No workers prestarted for an instance's first driver (session_ray's holder, whose job never runs a task:
 # each trainer run is a job of its own, with workers of its own), and the dashboard agent's system report
 # once a minute instead of every 5 s. And the log monitor, which forwards workers' output to their drivers,
 # globs the log folder for new files 10 times a second, a folder that grows with every run: after 3 tiny

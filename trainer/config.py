@@ -251,7 +251,7 @@ class RewardSpec:
 @dataclass
 class EnvConfig:
     reward_functions: list[RewardSpec] = field(default_factory=lambda: [RewardSpec("math")])
-    reward_timeout_s: float = 30.0
+    reward_timeout_s: float = 30.0  # per reward task, counted from when it starts running
     max_concurrent_rewards: int = 32
     feedback: str | None = None  # multi-turn execution feedback; null: the first reward's, if it has one
     feedback_kwargs: dict[str, Any] = field(default_factory=dict)

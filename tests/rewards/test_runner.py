@@ -15,10 +15,9 @@ def _boom(ground_truth, response, **kwargs):
     raise RuntimeError("reward bug")
 
 
-# The reward timeout of the tests that hang a task. A task's time counts from its submission, a worker's
-# start included, and make test runs two test modules at once on two cores, next to trainer runs on the
-# same Ray instance: at 10 s, the first tasks of a run (each starting a worker) timed out there.
-TIMEOUT_S = 30
+# The reward timeout of the tests that hang a task. It counts from the task's start, so neither a worker's
+# start nor a wait for a CPU next to the other xdist worker's trainer runs eats into it.
+TIMEOUT_S = 10
 
 
 def _hang(ground_truth, response, **kwargs):
@@ -171,6 +170,28 @@ def test_should_cost_only_the_bad_sample_when_it_hangs_or_kills_a_task_it_shares
     results = mixed.results(mixed.submit([(None, "ok"), (None, "kill"), (None, "ok")]))
     assert [r.total for r in results] == [1.0, 0.0, 1.0]
     assert results[1].answer_note.startswith("reward task failed")
+
+
+@pytest.mark.slow
+def test_should_wait_for_a_cpu_without_timing_out_then_stop_with_one_line_when_none_comes(ray_local, monkeypatch):
+    import ray
+
+    from trainer.cluster import ClusterError
+    from trainer.rewards import runner as runner_module
+
+    monkeypatch.setattr(runner_module, "START_TIMEOUT_S", 4.0)
+    runner = RewardRunner(EnvConfig([RewardSpec("tests.rewards.test_runner:_cheap")], reward_timeout_s=0.5))
+    # A resource no node has: the task waits to be scheduled, as it would for a CPU the cluster never frees.
+    runner._task = lambda items: runner_module._score_task.options(resources={"no_such_node": 1}).remote(runner.specs, items)
+    ids = runner.submit([(None, "ok")])
+    (gen,) = runner._running
+    start = time.monotonic()
+    with pytest.raises(ClusterError, match=r"^a reward task has waited \d+s to start: the Ray cluster has no CPU free"):
+        runner.results(ids)
+    assert time.monotonic() - start >= 3.0  # not timed out at 0.5 s: the time limit counts from the start
+    assert not runner._running
+    with pytest.raises(ray.exceptions.TaskCancelledError):  # and nothing of it is left pending in the cluster
+        ray.get(next(gen), timeout=30)
 
 
 def _kill_on(ground_truth, response, **kwargs):

@@ -15,9 +15,15 @@ a sample that takes seconds (code run in a sandbox) still gets a task to itself,
 keep spreading over the CPUs. Until a cost has been measured, one task of one sample is in flight.
 
 Nothing a reward does can crash the run, and each sample keeps its own time limit: a task that
-outlives ``env.reward_timeout_s`` (or whose process dies) is cancelled; alone in its task, the sample
-scores 0 with a warning; sharing one, its samples are scored again one per task, so only the one that
-hangs or kills its process loses its score (at the cost of up to twice the timeout, once).
+runs longer than ``env.reward_timeout_s`` (or whose process dies) is cancelled; alone in its task, the
+sample scores 0 with a warning; sharing one, its samples are scored again one per task, so only the one
+that hangs or kills its process loses its score (at the cost of up to twice the timeout, once).
+
+The time limit counts from the moment a task starts running, not from its submission: a task is a
+streaming generator whose first item says it has started. Before that, it may wait for a CPU that the
+cluster's other work holds, or for a worker process to start (seconds of imports on a busy node); a
+correct answer must not score 0 for that. A task that has not started within
+:data:`START_TIMEOUT_S` stops the run with one line: no reward can be computed on such a cluster.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from typing import Any
 
 import ray
 
+from trainer.cluster import ClusterError
 from trainer.config import EnvConfig, RewardSpec, check_name
 
 log = logging.getLogger(__name__)
@@ -99,11 +106,16 @@ def feedback_one(name: str, kwargs: dict, ground_truth: Any, response: str) -> R
 # each about a second of CPU (on 2 cores, 4 instead of 3 per tiny run at 0.05 s), to save tens of ms.
 TASK_TARGET_S = 0.2
 MAX_TASK_ITEMS = 256
+# A reward task that has waited this long for a CPU and a worker to run on says the cluster has none to
+# give: every sample would score 0, so the run stops and says so instead.
+START_TIMEOUT_S = 600.0
 
 
 @ray.remote(num_cpus=1, max_retries=0)
-def _score_task(specs: list[RewardSpec], items: list[tuple]) -> tuple[list[RewardResult], float]:
-    """Score ``(ground_truth, response, question)`` items; also returns the seconds they took together."""
+def _score_task(specs: list[RewardSpec], items: list[tuple]):
+    """Yields None once running (the time limit starts), then the scored ``(ground_truth, response,
+    question)`` items with the seconds they took together."""
+    yield None
     from trainer import rewards
 
     for spec in specs:  # a fresh worker's imports (a user's reward module too) are not the samples' cost
@@ -112,15 +124,25 @@ def _score_task(specs: list[RewardSpec], items: list[tuple]) -> tuple[list[Rewar
         except Exception:  # noqa: S110  (score_one says why, per sample)
             pass
     start = time.monotonic()
-    return [score_one(specs, *item) for item in items], time.monotonic() - start
+    yield [score_one(specs, *item) for item in items], time.monotonic() - start
 
 
 @ray.remote(num_cpus=1, max_retries=0)
-def _feedback_task(name: str, kwargs: dict, items: list[tuple]) -> tuple[list[RewardResult], float]:
+def _feedback_task(name: str, kwargs: dict, items: list[tuple]):
+    """As :func:`_score_task`, for the environment's feedback."""
+    yield None
     import trainer.rewards.feedback  # noqa: F401
 
     start = time.monotonic()
-    return [feedback_one(name, kwargs, gt, response) for gt, response, _ in items], time.monotonic() - start
+    yield [feedback_one(name, kwargs, gt, response) for gt, response, _ in items], time.monotonic() - start
+
+
+@dataclass
+class _Task:
+    ids: list[int]
+    items: list[tuple]
+    submitted: float
+    started: float | None = None
 
 
 class RewardRunner:
@@ -145,7 +167,8 @@ class RewardRunner:
             self._task = lambda items: _score_task.remote(self.specs, items)
         # (index, (ground truth, response, question), alone): not yet sent; ``alone`` after its shared task failed
         self._pending: collections.deque[tuple[int, tuple, bool]] = collections.deque()
-        self._running: dict[ray.ObjectRef, tuple[list[int], list[tuple], float]] = {}  # ref -> (indices, items, start)
+        # A task in flight -> its indices, its items, when it was submitted, when it started (None: not yet)
+        self._running: dict[ray.ObjectRefGenerator, _Task] = {}
         self._results: dict[int, RewardResult] = {}
         self._next = 0
         self.item_s: float | None = None  # measured seconds to score one sample (a moving average)
@@ -176,7 +199,7 @@ class RewardRunner:
                 i, item, _ = self._pending.popleft()
                 ids.append(i)
                 items.append(item)
-            self._running[self._task(items)] = (ids, items, time.monotonic())
+            self._running[self._task(items)] = _Task(ids, items, time.monotonic())
 
     def _measured(self, seconds: float, n: int) -> None:
         per_item = seconds / n
@@ -190,25 +213,40 @@ class RewardRunner:
             self._pending.extendleft((i, item, True) for i, item in reversed(list(zip(ids, items))))
 
     def poll(self, timeout: float = 0.0) -> None:
-        """Collect finished tasks, cancel overdue ones, start queued ones."""
+        """Collect finished tasks, note started ones, cancel overdue ones, start queued ones."""
         if self._running:
-            done, _ = ray.wait(list(self._running), num_returns=len(self._running), timeout=timeout)
-            for ref in done:
-                ids, items, _ = self._running.pop(ref)
-                try:
-                    results, seconds = ray.get(ref)
-                except Exception as e:  # the worker died (e.g. a reward that killed its process)
-                    cause = str(e).strip().splitlines()[-1][:300] if str(e).strip() else type(e).__name__
-                    self._failed_task(ids, items, f"reward task failed: {cause}")
-                    continue
-                self._results.update(zip(ids, results))
-                self._measured(seconds, len(ids))
+            ready, _ = ray.wait(list(self._running), num_returns=len(self._running), timeout=timeout)
             now = time.monotonic()
-            for ref, (ids, items, start) in list(self._running.items()):
-                if now - start > self.env.reward_timeout_s:
-                    ray.cancel(ref, force=True)
-                    self._running.pop(ref)
-                    self._failed_task(ids, items, f"reward timed out after {self.env.reward_timeout_s:g}s")
+            for gen in ready:
+                task = self._running[gen]
+                try:
+                    out = ray.get(next(gen))
+                except Exception as e:  # the worker died (e.g. a reward that killed its process)
+                    self._running.pop(gen)
+                    cause = str(e).strip().splitlines()[-1][:300] if str(e).strip() else type(e).__name__
+                    self._failed_task(task.ids, task.items, f"reward task failed: {cause}")
+                    continue
+                if task.started is None:  # the first item: it runs from now on
+                    task.started = now
+                    continue
+                self._running.pop(gen)
+                results, seconds = out
+                self._results.update(zip(task.ids, results))
+                self._measured(seconds, len(task.ids))
+            for gen, task in list(self._running.items()):
+                if task.started is not None and now - task.started > self.env.reward_timeout_s:
+                    ray.cancel(gen, force=True)
+                    self._running.pop(gen)
+                    self._failed_task(task.ids, task.items, f"reward timed out after {self.env.reward_timeout_s:g}s")
+                elif task.started is None and now - task.submitted > START_TIMEOUT_S:
+                    for stalled in self._running:
+                        ray.cancel(stalled, force=True)
+                    self._running.clear()
+                    raise ClusterError(
+                        f"a reward task has waited {now - task.submitted:.0f}s to start: the Ray cluster has no CPU "
+                        f"free for rewards (each task takes 1); give its nodes CPUs that the policy and generation "
+                        f"placement groups do not reserve, or lower env.max_concurrent_rewards"
+                    )
         self._pump()
 
     def results(self, ids: list[int]) -> list[RewardResult]:

@@ -2,8 +2,8 @@
 and a resubmission resumes from the last committed checkpoint.
 
 Each test runs the real entry point on the tiny model, waits for a committed checkpoint, then takes
-something away for real: SIGKILL to a policy rank's or a generation actor's process (found by the
-process title Ray gives it), or ``make down`` under a driver attached to a ``make up`` cluster.
+something away for real: SIGKILL to a policy rank's or a generation actor's process (found in the Ray
+instance's actor table, by the run's job), or ``make down`` under a driver attached to a ``make up`` cluster.
 """
 
 from __future__ import annotations
@@ -49,18 +49,38 @@ def _wait_for(proc: subprocess.Popen, path: Path, pattern: str, timeout: float =
         time.sleep(0.2)
 
 
-def _actor(root: int, title: str, timeout: float = 60) -> psutil.Process:
-    """A process of the run's private Ray whose title (set by Ray) starts with ``title``."""
+def _actor(driver: int, cls: str, timeout: float = 60) -> tuple[psutil.Process, str]:
+    """The live process of an actor of class ``cls`` that the run whose driver has pid ``driver`` created on
+    the session's Ray instance (the other xdist worker's runs have actors of that class there too), and
+    the run's job id."""
+    import ray
+    from ray._private import state
+
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        for child in psutil.Process(root).children(recursive=True):
-            try:
-                if child.cmdline() and child.cmdline()[0].startswith(title):
-                    return child
-            except psutil.Error:
-                continue
+        jobs = [j["JobID"] for j in state.jobs() if j["DriverPid"] == driver and not j["IsDead"]]
+        for job in jobs:
+            for actor in state.actors(job_id=ray.JobID.from_hex(job)).values():
+                if actor["ActorClassName"] == cls and actor["State"] == "ALIVE" and actor["Pid"]:
+                    return psutil.Process(actor["Pid"]), job
         time.sleep(0.2)
-    raise AssertionError(f"no {title} process under the driver")
+    raise AssertionError(f"no live {cls} actor of the run (driver pid {driver})")
+
+
+def _actors_end(job: str, timeout: float = 60) -> None:
+    """Every actor of the lost run's job is dead, its process gone, within ``timeout`` of the driver's exit:
+    a rank left waiting in a collective with the killed one outlives nothing."""
+    import ray
+    from ray._private import state
+
+    deadline = time.monotonic() + timeout
+    while True:
+        actors = state.actors(job_id=ray.JobID.from_hex(job)).values()
+        alive = [a for a in actors if a["State"] != "DEAD" or (a["Pid"] and psutil.pid_exists(a["Pid"]))]
+        if not alive:
+            return
+        assert time.monotonic() < deadline, f"actors of the lost run still alive: {[a['ActorClassName'] for a in alive]}"
+        time.sleep(0.5)
 
 
 def _ends_with_one_line(proc: subprocess.Popen, err: Path, since: float, what: str) -> str:
@@ -98,33 +118,33 @@ def _resumes(tmp: Path, line: str, *extra: str, env: dict | None = None) -> None
     assert f"step {step + 1:4d}/{step + 1}" in run.stdout
 
 
-def _kill_actor_and_resume(tmp: Path, title: str, what: str, *extra: str, resume_env: dict) -> None:
-    proc, out, err = _start(tmp, *extra)
+def _kill_actor_and_resume(env: dict, tmp: Path, cls: str, what: str, *extra: str) -> None:
+    proc, out, err = _start(tmp, *extra, env=env)
     try:
         _wait_for(proc, out, r"kuberl: saved checkpoint \S+step_2 ")
-        victim = _actor(proc.pid, title)
+        victim, job = _actor(proc.pid, cls)
         victim.kill()
         line = _ends_with_one_line(proc, err, time.monotonic(), what)
+        _actors_end(job)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     # Resubmitted on one rank whatever the run had (a checkpoint reshards): a second rank proves nothing here.
     _resumes(tmp, line, *[e for e in extra if not e.startswith("cluster.cpu_workers_per_node=")], ONE_RANK,
-             env=resume_env)
+             env=env)
 
 
-# The killed run has a Ray of its own (its actors are found among the driver's children); the resumed one
-# attaches to the session's instance (``trainer_env``), as a resubmission to a cluster does.
+# The killed run and its resubmission attach to the session's Ray instance (``trainer_env``), as runs on a
+# cluster do; the test finds the victim through the instance's actor table (``ray_local``).
 # Two policy ranks where one is killed (the other is left in a collective with it); one elsewhere.
-def test_should_exit_in_one_line_and_resume_when_a_policy_rank_is_killed_mid_step(tmp_path, trainer_env):
-    _kill_actor_and_resume(tmp_path, "ray::PolicyWorker", r"policy rank \d", "cluster.cpu_workers_per_node=2",
-                           resume_env=trainer_env)
+def test_should_exit_in_one_line_and_resume_when_a_policy_rank_is_killed_mid_step(tmp_path, trainer_env, ray_local):
+    _kill_actor_and_resume(trainer_env, tmp_path, "PolicyWorker", r"policy rank \d", "cluster.cpu_workers_per_node=2")
 
 
-def test_should_exit_in_one_line_and_resume_when_a_generation_actor_is_killed_mid_step(tmp_path, trainer_env):
-    _kill_actor_and_resume(tmp_path, "ray::GenerationWorker", "generation worker 0",
-                           "generation.placement=disaggregated", ONE_RANK, resume_env=trainer_env)
+def test_should_exit_in_one_line_and_resume_when_a_generation_actor_is_killed_mid_step(tmp_path, trainer_env, ray_local):
+    _kill_actor_and_resume(trainer_env, tmp_path, "GenerationWorker", "generation worker 0",
+                           "generation.placement=disaggregated", ONE_RANK)
 
 
 def _make(env: dict, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:

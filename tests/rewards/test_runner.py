@@ -194,6 +194,34 @@ def test_should_wait_for_a_cpu_without_timing_out_then_stop_with_one_line_when_n
         ray.get(next(gen), timeout=30)
 
 
+def _slow(ground_truth, response, **kwargs):
+    time.sleep(1.5)
+    return 1.0, True
+
+
+@pytest.mark.slow
+def test_should_let_a_queue_behind_a_busy_cpu_wait_past_the_start_limit_when_it_moves(ray_local, monkeypatch):
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from trainer.rewards import runner as runner_module
+
+    monkeypatch.setattr(runner_module, "START_TIMEOUT_S", 1.0)
+    pg = placement_group([{"CPU": 1}])  # one CPU for the runner's tasks: they run one at a time
+    try:
+        ray_local.get(pg.ready(), timeout=60)
+        runner = RewardRunner(EnvConfig([RewardSpec("tests.rewards.test_runner:_slow")], max_concurrent_rewards=3))
+        runner.item_s = 1.5  # measured as slow: one sample a task
+        on_pg = runner_module._score_task.options(scheduling_strategy=PlacementGroupSchedulingStrategy(pg, 0))
+        runner._task = lambda items: on_pg.remote(runner.specs, items)
+        ids = runner.submit([(None, "a"), (None, "b"), (None, "c")])
+        assert len(runner._running) == 3
+        # the last task waits about 3 s for the CPU, past the 1 s limit, while the others run: no stall
+        assert [r.total for r in runner.results(ids)] == [1.0, 1.0, 1.0]
+    finally:
+        remove_placement_group(pg)
+
+
 def _kill_on(ground_truth, response, **kwargs):
     if response == "kill":
         import os

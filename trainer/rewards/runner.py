@@ -22,8 +22,9 @@ that hangs or kills its process loses its score (at the cost of up to twice the 
 The time limit counts from the moment a task starts running, not from its submission: a task is a
 streaming generator whose first item says it has started. Before that, it may wait for a CPU that the
 cluster's other work holds, or for a worker process to start (seconds of imports on a busy node); a
-correct answer must not score 0 for that. A task that has not started within
-:data:`START_TIMEOUT_S` stops the run with one line: no reward can be computed on such a cluster.
+correct answer must not score 0 for that. When tasks wait, none runs, and none has started or ended
+for :data:`START_TIMEOUT_S`, the run stops with one line: no reward can be computed on such a cluster.
+(A long queue behind busy CPUs is not that: its tasks start as others end.)
 """
 
 from __future__ import annotations
@@ -106,8 +107,8 @@ def feedback_one(name: str, kwargs: dict, ground_truth: Any, response: str) -> R
 # each about a second of CPU (on 2 cores, 4 instead of 3 per tiny run at 0.05 s), to save tens of ms.
 TASK_TARGET_S = 0.2
 MAX_TASK_ITEMS = 256
-# A reward task that has waited this long for a CPU and a worker to run on says the cluster has none to
-# give: every sample would score 0, so the run stops and says so instead.
+# Reward tasks that have waited this long for a CPU to run on, while no other task ran, started or ended,
+# say the cluster has none to give: every sample would score 0, so the run stops and says so instead.
 START_TIMEOUT_S = 600.0
 
 
@@ -172,6 +173,7 @@ class RewardRunner:
         self._results: dict[int, RewardResult] = {}
         self._next = 0
         self.item_s: float | None = None  # measured seconds to score one sample (a moving average)
+        self._moved = 0.0  # when a task last started or ended: waiting tasks count their wait from here
 
     def submit(self, items: list[tuple]) -> list[int]:
         """Queue ``(ground_truth, response)`` or ``(ground_truth, response, question)`` items; returns
@@ -219,6 +221,7 @@ class RewardRunner:
             now = time.monotonic()
             for gen in ready:
                 task = self._running[gen]
+                self._moved = now
                 try:
                     out = ray.get(next(gen))
                 except Exception as e:  # the worker died (e.g. a reward that killed its process)
@@ -233,17 +236,20 @@ class RewardRunner:
                 results, seconds = out
                 self._results.update(zip(task.ids, results))
                 self._measured(seconds, len(task.ids))
+            busy = any(task.started is not None for task in self._running.values())
             for gen, task in list(self._running.items()):
                 if task.started is not None and now - task.started > self.env.reward_timeout_s:
                     ray.cancel(gen, force=True)
                     self._running.pop(gen)
+                    self._moved = now
                     self._failed_task(task.ids, task.items, f"reward timed out after {self.env.reward_timeout_s:g}s")
-                elif task.started is None and now - task.submitted > START_TIMEOUT_S:
+                elif not busy and task.started is None and now - max(task.submitted, self._moved) > START_TIMEOUT_S:
+                    waited = now - task.submitted
                     for stalled in self._running:
                         ray.cancel(stalled, force=True)
                     self._running.clear()
                     raise ClusterError(
-                        f"a reward task has waited {now - task.submitted:.0f}s to start: the Ray cluster has no CPU "
+                        f"a reward task has waited {waited:.0f}s to start: the Ray cluster has no CPU "
                         f"free for rewards (each task takes 1); give its nodes CPUs that the policy and generation "
                         f"placement groups do not reserve, or lower env.max_concurrent_rewards"
                     )

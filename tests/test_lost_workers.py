@@ -49,18 +49,24 @@ def _wait_for(proc: subprocess.Popen, path: Path, pattern: str, timeout: float =
         time.sleep(0.2)
 
 
+def _job_actors(job: str) -> list[dict]:
+    """The actors of Ray job ``job`` (hex id) on the session's instance, as its actor table has them."""
+    import ray
+    from ray._private import state
+
+    return list(state.actors(job_id=ray.JobID.from_hex(job)).values())
+
+
 def _actor(driver: int, cls: str, timeout: float = 60) -> tuple[psutil.Process, str]:
     """The live process of an actor of class ``cls`` that the run whose driver has pid ``driver`` created on
     the session's Ray instance (the other xdist worker's runs have actors of that class there too), and
     the run's job id."""
-    import ray
     from ray._private import state
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        jobs = [j["JobID"] for j in state.jobs() if j["DriverPid"] == driver and not j["IsDead"]]
-        for job in jobs:
-            for actor in state.actors(job_id=ray.JobID.from_hex(job)).values():
+        for job in [j["JobID"] for j in state.jobs() if j["DriverPid"] == driver and not j["IsDead"]]:
+            for actor in _job_actors(job):
                 if actor["ActorClassName"] == cls and actor["State"] == "ALIVE" and actor["Pid"]:
                     return psutil.Process(actor["Pid"]), job
         time.sleep(0.2)
@@ -70,13 +76,9 @@ def _actor(driver: int, cls: str, timeout: float = 60) -> tuple[psutil.Process, 
 def _actors_end(job: str, timeout: float = 60) -> None:
     """Every actor of the lost run's job is dead, its process gone, within ``timeout`` of the driver's exit:
     a rank left waiting in a collective with the killed one outlives nothing."""
-    import ray
-    from ray._private import state
-
     deadline = time.monotonic() + timeout
     while True:
-        actors = state.actors(job_id=ray.JobID.from_hex(job)).values()
-        alive = [a for a in actors if a["State"] != "DEAD" or (a["Pid"] and psutil.pid_exists(a["Pid"]))]
+        alive = [a for a in _job_actors(job) if a["State"] != "DEAD" or (a["Pid"] and psutil.pid_exists(a["Pid"]))]
         if not alive:
             return
         assert time.monotonic() < deadline, f"actors of the lost run still alive: {[a['ActorClassName'] for a in alive]}"

@@ -1,4 +1,4 @@
-"""Faults for the checkpoint tests, injected from the test side only: the trainer has no test hooks.
+"""Faults for the checkpoint and refit tests, injected from the test side only: the trainer has no test hooks.
 
 Each fault patches the driver process. Unit tests pass pytest's ``monkeypatch.setattr`` as ``patch``;
 end-to-end tests start the real entry point through :func:`launch`, a ``python -c`` program that
@@ -68,3 +68,29 @@ def launch(faults: str, overrides: list[str]) -> list[str]:
     """The command line of ``python -m trainer OVERRIDES`` with ``faults`` applied first,
     e.g. ``launch("refuse_dir_renames;hold_before_marker=4", [...])``."""
     return [sys.executable, "-c", _LAUNCH, faults, *overrides]
+
+
+def fail_refit_after_first_chunk(patch=setattr) -> None:
+    """Every generation actor the driver creates takes the first chunk of a refit, then raises (a load
+    error, an out-of-memory): the sender is left with chunks nobody receives. The driver sends Ray the
+    class it holds, so patching the driver's class patches the actors (Ray pickles a local class by value)."""
+    from trainer.generation import worker
+    from trainer.generation.weight_transport import WeightMeta, receive_packed
+
+    class FailingReceiver(worker.GenerationWorker):
+        def receive_weights(self, update_info: dict) -> None:
+            next(iter(receive_packed(self.sync, WeightMeta.from_update_info(update_info), self.buffer_bytes)))
+            raise RuntimeError("fault: the receiver failed after its first chunk")
+
+    patch(worker, "GenerationWorker", FailingReceiver)
+
+
+def hang_refit(patch=setattr) -> None:
+    """Every generation actor hangs in a refit without receiving anything (a receiver stuck in a collective)."""
+    from trainer.generation import worker
+
+    class HangingReceiver(worker.GenerationWorker):
+        def receive_weights(self, update_info: dict) -> None:
+            time.sleep(3600)
+
+    patch(worker, "GenerationWorker", HangingReceiver)

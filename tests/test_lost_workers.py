@@ -179,3 +179,39 @@ def test_should_exit_in_one_line_and_resume_when_the_ray_cluster_is_stopped_unde
     finally:
         _make(env, "down")
     _resumes(tmp_path, line, ONE_RANK, env=trainer_env)  # resubmitted to another cluster
+
+
+# A refit that fails or stalls on the receiving side (tests/faults.py patches the driver's generation actor
+# class): the run ends in one line naming the engine, within the refit's bound, and leaves nothing behind,
+# though policy rank 0 may be blocked in a broadcast that nobody receives (NCCL never times out; gloo after
+# 10 minutes). Small buckets, so that the refit has several chunks and the receiver fails after the first.
+@pytest.mark.parametrize("fault, says", [
+    ("fail_refit_after_first_chunk",
+     "generation engine 0 failed in the weight refit: RuntimeError: fault: the receiver failed after its first chunk"),
+    ("hang_refit", ": the weight refit did not finish within generation.refit_timeout_s=10s"),
+], ids=["raises", "hangs"])
+def test_should_exit_in_one_line_with_nothing_left_when_a_receiver_fails_mid_refit(tmp_path, trainer_env, ray_local,
+                                                                                    fault, says):
+    from .faults import launch
+
+    out, err = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
+    overrides = _overrides(tmp_path, "grpo.max_num_steps=3", "generation.placement=disaggregated", ONE_RANK,
+                           "generation.refit_bucket_mb=0.01", "generation.refit_timeout_s=10")
+    proc = subprocess.Popen(launch(fault, overrides), cwd=REPO, env=trainer_env, stdout=out.open("w"),
+                            stderr=err.open("w"), start_new_session=True)
+    try:
+        _, job = _actor(proc.pid, "PolicyWorker", timeout=240)
+        try:
+            code = proc.wait(timeout=240)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"the run was still running 240 s after it started:\n{out.read_text()[-2000:]}") from None
+        text = err.read_text()
+        errors = [line for line in text.splitlines() if line.startswith("kuberl: error:")]
+        assert code == 3 and "Traceback" not in text and len(errors) == 1, f"exit {code}:\n{text[-3000:]}"
+        assert says in errors[0] and "generation engine 0" in errors[0], errors[0]
+        assert errors[0].endswith("(step 1); the next run starts from scratch (no complete checkpoint)"), errors[0]
+        _actors_end(job)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

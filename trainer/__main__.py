@@ -60,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from trainer.checkpoint import CheckpointError
     from trainer.cluster import ClusterError
+    from trainer.generation.placement import GenerationError
     from trainer.models import ModelNotFoundError
     from trainer.run import Preempted, SetupError, train
     from trainer.watchdog import LOST_EXIT, Lost
@@ -70,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         train(cfg)
     except ConfigError as e:  # a name a component checks when it is built (check_names ran them above)
         return _fail(str(e))
-    except (ClusterError, ModelNotFoundError, CheckpointError, SetupError) as e:
+    except (ClusterError, ModelNotFoundError, CheckpointError, SetupError, GenerationError) as e:
         return _fail(str(e), 3)
     except Lost as e:  # a worker or the cluster is gone: the line says which, and where to resume
         return _fail(str(e), LOST_EXIT)

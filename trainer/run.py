@@ -324,7 +324,8 @@ class TrainState:
         print(
             f"kuberl: {cfg.experiment_name} | model {cfg.model.name} ({self.policy.num_params / 1e6:.1f}M params) | "
             f"{len(self.train_examples)} prompts | {cfg.train_world_size} policy ranks, "
-            f"{cfg.generation.placement} {cfg.generation.backend} generation | ready in {time.monotonic() - t0:.0f}s\n"
+            f"{cfg.generation.placement} {cfg.generation.backend} generation"
+            f"{f' ({cfg.generation.quantization})' if cfg.generation.quantization else ''} | ready in {time.monotonic() - t0:.0f}s\n"
             f"kuberl: logs -> {self.logger.run_dir}  (tensorboard --logdir {cfg.logger.log_dir})",
             flush=True,
         )
@@ -487,6 +488,7 @@ def train(cfg: Config) -> list[dict[str, float]]:
     from ray.exceptions import RayError
 
     from trainer.algorithms import grpo
+    from trainer.generation.placement import GenerationError
 
     try:
         state = TrainState(cfg)
@@ -509,6 +511,8 @@ def train(cfg: Config) -> list[dict[str, float]]:
     except RayError as e:
         step = state.progress.step + 1
         raise lost(e, f"in step {step}", state._resumes_from()) or e from None
+    except GenerationError as e:  # an engine or a refit failed: say where a resubmission resumes from
+        raise GenerationError(f"{e} (step {state.progress.step + 1}); {state._resumes_from()}") from None
     finally:
         state.close(failed)
     if history:

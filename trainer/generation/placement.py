@@ -7,13 +7,27 @@
 
 Which engine runs (``generation.backend``) is the factory's business (:mod:`trainer.generation.factory`),
 not the placement's.
+
+The disaggregated order, on both devices (vLLM's NCCL rendezvous on GPUs, its gloo twin on CPU):
+
+1. the generation actors build their engines, and the driver waits until every one answers ``ready``
+   (``generation.engine_start_timeout_s``): vLLM's trainer-side rendezvous gives the engines' workers
+   300 s to join (``StatelessProcessGroup.create``'s store timeout, which we cannot set), and a 27B
+   tensor-parallel engine can take longer than that to load, compile and capture its graphs;
+2. only then do policy rank 0 and every engine open the weight-transfer group together;
+3. each refit waits on the receivers first: one that fails ends the run at once, in one line naming
+   it, instead of leaving rank 0 blocked in a broadcast that NCCL never times out; the whole refit has
+   ``generation.refit_timeout_s``. The driver then kills the actors (rank 0 included) without waiting.
 """
 
 from __future__ import annotations
 
+import re
+import time
 from typing import TYPE_CHECKING, Any, Protocol
 
 import ray
+from ray.exceptions import RayActorError
 
 from trainer import watchdog
 from trainer.cluster import in_bundle, reserve, split
@@ -23,6 +37,47 @@ from trainer.generation.weight_transport import init_info
 
 if TYPE_CHECKING:
     from trainer.policy.group import PolicyGroup
+
+
+class GenerationError(RuntimeError):
+    """An engine did not start, or a refit did not complete; the message is one line, for people."""
+
+
+def reason(error: BaseException) -> str:
+    """The one line that says why a remote call failed: the remote exception's own last line, not Ray's
+    wrapping and traceback."""
+    cause = getattr(error, "cause", None)
+    if isinstance(cause, BaseException) and cause is not error:
+        return reason(cause)
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    raised = [line for line in lines if re.match(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b:?", line)]
+    if raised:
+        return raised[-1]
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+
+
+def wait_all(calls: dict[Any, str], timeout_s: float, key: str, failed: str, late: str) -> None:
+    """Wait for every object ref in ``calls`` (ref -> who runs it), failing at the first that raises
+    ("WHO {failed}: why"), and at ``timeout_s`` (the value of config ``key``) if some have not returned
+    ("WHO: {late} within KEY=Ns"): each a :class:`GenerationError`. An actor whose process is gone is
+    left to the run's watch (:mod:`trainer.watchdog`), which names the loss and where to resume."""
+    pending = dict(calls)
+    deadline = time.monotonic() + timeout_s
+    while pending:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise GenerationError(f"{', '.join(sorted(pending.values()))}: {late} within {key}={timeout_s:g}s")
+        done, _ = ray.wait(list(pending), num_returns=1, timeout=left)
+        for ref in done:
+            who = pending.pop(ref)
+            try:
+                ray.get(ref)
+            except RayActorError as e:
+                if not e.actor_init_failed:
+                    raise  # its process is gone: the run's watch names the loss (trainer.watchdog)
+                raise GenerationError(f"{who} {failed}: {reason(e)}") from None
+            except Exception as e:  # the call raised: a bug or bad input, not a loss
+                raise GenerationError(f"{who} {failed}: {reason(e)}") from None
 
 
 class Generator(Protocol):
@@ -75,6 +130,15 @@ class DisaggregatedGenerator:
         ]
         for r, w in enumerate(self.workers):
             watchdog.register(w, f"generation worker {r}")
+        self.refit_timeout_s = cfg.generation.refit_timeout_s
+        # Every engine built before anyone opens the transfer group (module docstring, step 1).
+        wait_all(
+            {w.ready.remote(): f"generation engine {r}" for r, w in enumerate(self.workers)},
+            cfg.generation.engine_start_timeout_s,
+            "generation.engine_start_timeout_s",
+            failed="failed to start",
+            late="not ready",
+        )
         # vLLM's weight-transfer contract (trainer.generation.weight_transport): policy rank 0 is rank 0,
         # engine r's tensor-parallel workers take the ranks from 1 + r * tp on.
         host, port = ray.get(policy.workers[0].address.remote())
@@ -99,10 +163,14 @@ class DisaggregatedGenerator:
         ]
 
     def update_weights(self) -> None:
-        ray.get(
-            [w.broadcast_weights.remote(self.update_info) for w in self.policy.workers]
-            + [w.receive_weights.remote(self.update_info) for w in self.workers]
+        """One refit (module docstring, step 3): the receivers are listed first, so that when several calls
+        have ended, a receiver's error is the one reported (the sender then only waits)."""
+        calls = {w.receive_weights.remote(self.update_info): f"generation engine {r}" for r, w in enumerate(self.workers)}
+        calls.update(
+            (w.broadcast_weights.remote(self.update_info), f"policy rank {r}") for r, w in enumerate(self.policy.workers)
         )
+        wait_all(calls, self.refit_timeout_s, "generation.refit_timeout_s",
+                 failed="failed in the weight refit", late="the weight refit did not finish")
 
     def shutdown(self, graceful: bool = True) -> None:
         if graceful:

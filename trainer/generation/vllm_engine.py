@@ -205,6 +205,8 @@ def llm_kwargs(model_path, gen: GenerationConfig, dtype, seed, max_model_len, on
     if lora is not None:
         # one adapter, the policy's; config validation keeps these keys out of vllm_kwargs
         kwargs.update(enable_lora=True, max_lora_rank=vllm_max_lora_rank(lora.rank), max_loras=1, max_cpu_loras=1)
+    if gen.quantization is not None:  # online: vLLM quantizes the bf16 weights at start and at each refit
+        kwargs["quantization"] = gen.quantization
     kwargs.update(gen.vllm_kwargs)  # the user's word is last
     if gen.tensor_parallel_size > 1:
         kwargs["distributed_executor_backend"] = gen.vllm_kwargs.get("distributed_executor_backend", "mp")

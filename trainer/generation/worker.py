@@ -50,6 +50,11 @@ class GenerationWorker:
         self.lora = spec.lora is not None
         self.engine = build_engine(cfg.generation, spec)
 
+    def ready(self) -> bool:
+        """Answers once the engine is built (the actor's constructor has returned): the driver opens the
+        weight-transfer group only after every engine has (:mod:`trainer.generation.placement`)."""
+        return True
+
     def address(self) -> tuple[str, int]:
         return node_address()
 

@@ -143,9 +143,9 @@ def _per_sample(q, k, v, row: Row, dropout, scaling, sliding_window) -> torch.Te
 # torch's varlen attention (torch.nn.attention.varlen.varlen_attn), whose signature changed between the
 # torch versions this runs on; the keywords are chosen from the signature (:func:`_varlen_kwargs`):
 #   2.10 (its docs):  (q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None)
-#   2.11 (the GPU image's):  (q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
-#                             window_size=(-1, -1))
-#   2.13 (the CPU venv's):   (..., max_k, *, return_aux=None, scale=None, window_size=(-1, -1),
+#   2.11 (docs/gpu-tests.md's GPU runs):  (q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None,
+#                             scale=None, window_size=(-1, -1))
+#   2.13 (the job image's lock and the CPU venv):  (..., max_k, *, return_aux=None, scale=None, window_size=(-1, -1),
 #                             enable_gqa=False, seqused_k=None, block_table=None, num_splits=None)
 # Every version: q (T, Hq, D), k/v (T, Hkv, D), out (T, Hq, D); flash attention's kernel (aten
 # _flash_attention_forward/_backward: fp16/bf16, head dim a multiple of 8 up to 256, sm80+), dropout

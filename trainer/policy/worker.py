@@ -43,6 +43,7 @@ from trainer.algorithms import core_algos
 from trainer.config import Config
 from trainer.generation.base import Completion, SamplingParams
 from trainer.models import DTYPES, load_model, load_tokenizer
+from trainer.policy import streams
 from trainer.policy.batch import (
     PackedBatch,
     PaddedBatch,
@@ -245,7 +246,6 @@ class PolicyWorker:
     def engine_dtype(self) -> torch.dtype:
         return DTYPES[self.cfg.engine_dtype]
 
-    @torch.no_grad()
     def iter_full_weights(self, dtype: torch.dtype | None = None):
         """Yield (name, full tensor) for every parameter; every rank must iterate (collective).
 
@@ -256,50 +256,76 @@ class PolicyWorker:
         at once: the refit's peak is two layers, not the model (colocated, beside the engine's weights).
         Every yielded tensor owns its memory: a caller may keep it after the iteration moved on.
 
+        The stream rule (:mod:`trainer.policy.streams`): every gather, wait, copy and reshard runs on the
+        stream current *now*, when the iterator is made (after the optimizer step), whatever stream the
+        caller reads on; each tensor is handed to the reader's stream behind an event, and its memory is
+        kept for that stream. vLLM's packed NCCL sender reads each chunk on a stream of its own.
+
         With ``policy.reshard_after_forward`` false the gathered weights stay until the next training
         forward, which then gathers nothing (the weights cannot change in between: the sync follows the
         optimizer step); that keeps the whole model gathered, as training with that setting does anyway.
         Otherwise each unit is resharded as soon as its tensors are yielded.
         """
-        reshard = self.cfg.policy.reshard_after_forward
-        groups = self._params_by_unit()
-        pending = groups[0][0].unshard(async_op=True) if groups and groups[0][0] is not None else None
-        try:
-            for i, (unit, names) in enumerate(groups):
-                if pending is not None:
-                    pending.wait()
-                nxt = groups[i + 1][0] if i + 1 < len(groups) else None
-                pending = nxt.unshard(async_op=True) if nxt is not None else None  # prefetch: one unit ahead
-                for name in names:
-                    p = self.model.get_parameter(name).detach()  # after unshard: the unit's full tensor
-                    if hasattr(p, "full_tensor"):  # not gathered by a unit (e.g. no FSDP at all): its own
-                        p = p.full_tensor()
-                    if dtype is not None and p.dtype != dtype:
-                        p = p.to(dtype)  # a tensor of its own
-                    elif reshard and unit is not None:
-                        # The unit's gathered buffer is freed below, and a caller may hold tensors across
-                        # units (vLLM's packed NCCL sender keeps a bucket's views until it sends them).
-                        p = p.clone()
-                    yield name, p
-                if reshard and unit is not None:
-                    unit.reshard()
-        finally:
-            if pending is not None:
-                pending.wait()  # a gather in flight must land before its buffers are freed
-            if reshard:
-                self._reshard()
+        return self._gather_units(streams.for_device(self._param_device()), dtype)
+
+    def _param_device(self) -> torch.device:
+        return next(self.model.parameters()).device
 
     @torch.no_grad()
+    def _gather_units(self, fence: streams.NoStreams | streams.CudaStreams, dtype: torch.dtype | None):
+        reshard = self.cfg.policy.reshard_after_forward
+        groups = self._params_by_unit()
+        pending = None
+        try:
+            with fence.producing():
+                if groups and groups[0][0] is not None:
+                    pending = groups[0][0].unshard(async_op=True)
+            for i, (unit, names) in enumerate(groups):
+                with fence.producing():
+                    if pending is not None:
+                        pending.wait()  # copies the unit out on the home stream
+                    nxt = groups[i + 1][0] if i + 1 < len(groups) else None
+                    pending = nxt.unshard(async_op=True) if nxt is not None else None  # prefetch: one unit ahead
+                for name in names:
+                    with fence.producing():
+                        p = self.model.get_parameter(name).detach()  # after unshard: the unit's full tensor
+                        if hasattr(p, "full_tensor"):  # not gathered by a unit (e.g. no FSDP at all): its own
+                            p = p.full_tensor()
+                        if dtype is not None and p.dtype != dtype:
+                            p = p.to(dtype)  # a tensor of its own
+                        elif reshard and unit is not None:
+                            # The unit's gathered buffer is freed below, and a caller may hold tensors across
+                            # units (vLLM's packed NCCL sender keeps a bucket's views until it sends them).
+                            p = p.clone()
+                    yield name, fence.hand_over(p)
+                if reshard and unit is not None:
+                    with fence.producing():
+                        unit.reshard()
+        finally:
+            with fence.producing():
+                if pending is not None:
+                    pending.wait()  # a gather in flight must land before its buffers are freed
+                if reshard:
+                    self._reshard()
+
     def iter_adapter_weights(self, dtype: torch.dtype | None = None):
         """Yield (name, full tensor) for every adapter parameter (LoRA), in module order; every rank must
         iterate (collective). Each is gathered on its own (``full_tensor``), not through its FSDP unit,
-        whose gather would bring the frozen base weights along: a refit moves the adapters alone."""
+        whose gather would bring the frozen base weights along: a refit moves the adapters alone. The
+        stream rule is :meth:`iter_full_weights`'."""
+        return self._gather_adapters(streams.for_device(self._param_device()), dtype)
+
+    @torch.no_grad()
+    def _gather_adapters(self, fence: streams.NoStreams | streams.CudaStreams, dtype: torch.dtype | None):
         for name, p in self.model.named_parameters():
             if not p.requires_grad:
                 continue
-            p = p.detach()
-            p = p.full_tensor() if hasattr(p, "full_tensor") else p.clone()
-            yield name, (p.to(dtype) if dtype is not None and p.dtype != dtype else p)
+            with fence.producing():
+                p = p.detach()
+                p = p.full_tensor() if hasattr(p, "full_tensor") else p.clone()
+                if dtype is not None and p.dtype != dtype:
+                    p = p.to(dtype)
+            yield name, fence.hand_over(p)
 
     def _params_by_unit(self) -> list[tuple[Any, list[str]]]:
         """(FSDP unit, the names of the parameters it manages), units in module order; ``None`` first for

@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from trainer import heap
 from trainer.algorithms import core_algos
+from trainer.algorithms.objective import LossInputs, Objective
 from trainer.config import Config
 from trainer.generation.base import Completion, SamplingParams
 from trainer.models import DTYPES, load_model, load_tokenizer
@@ -583,28 +584,21 @@ class PolicyWorker:
         step then applies a zero gradient. Entropy, ppo_kl and clip fraction are means over the
         tokens trained on."""
         cfg, loss_cfg = self.cfg, self.cfg.grpo.loss
-        policy_loss = core_algos.get_policy_loss(loss_cfg.policy_loss)
-        log_ratio_fn = core_algos.get_ratio_level(loss_cfg.ratio_level)
         has_reference = self.ref_model is not None or (self.lora is not None and loss_cfg.reference_policy_kl_penalty > 0)
-        kl_fn = core_algos.get_kl_estimator(loss_cfg.kl_estimator) if has_reference else None
+        objective = Objective(loss_cfg, max_len=cfg.generation.max_new_tokens, kl_penalty=has_reference)
         self._engine_to_sleep()  # when no logprob pass came first
         self.model.train()
-        # The same keys on every rank, and present when a step trained on nothing (all skipped).
-        is_fn = core_algos.get_importance_sampling(loss_cfg.importance_sampling)
-        is_kwargs = {"tis_cap": loss_cfg.tis_cap, "mis_low": loss_cfg.mis_low, "mis_high": loss_cfg.mis_high}
-        # gen_*: how far the engine that sampled is from this policy (every backend), and what the
-        # importance-sampling correction truncated or dropped; sums over tokens, like the others.
-        sums: dict[str, float] = dict.fromkeys(
-            ("loss", "pg_clipfrac", "ppo_kl", "tokens", "gen_logprob_abs_diff", "gen_train_kl", "is_flagged", "gen_tokens"),
-            0.0,
-        )
+        # The same keys on every rank, and present when a step trained on nothing (all skipped); sums over
+        # tokens (trainer.algorithms.objective), normalised after the all-reduce below.
+        sums: dict[str, float] = dict.fromkeys(("loss", *objective.metric_keys()), 0.0)
         if cfg.policy.compute_entropy:
             sums["entropy"] = 0.0
-        if kl_fn is not None:
-            sums["kl"] = 0.0
 
         def add(key: str, value: float) -> None:
             sums[key] = sums.get(key, 0.0) + float(value)
+
+        def on_device(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(self.device)
 
         for samples, counts in zip(minibatches, global_counts):
             self.optimizer.zero_grad(set_to_none=True)
@@ -616,52 +610,24 @@ class PolicyWorker:
                 # Reduce-scatter gradients once per optimizer step, not once per micro-batch.
                 self.model.set_requires_gradient_sync(i == len(mbs) - 1)
                 batch = self._batch(mb, prefix)
-                mask = batch.loss_mask.to(self.device)
                 logprobs, entropy = self._forward_logprobs(self.model, batch, cfg.policy.compute_entropy)
-                # On-policy single update: old == current, so the ratio is exactly 1 with its gradient.
-                old = batch.old_logprobs.to(self.device) if batch.old_logprobs is not None else logprobs.detach()
-                is_weights = None
-                if batch.gen_logprobs is not None:
-                    behaviour = batch.gen_logprobs.to(self.device)
-                    diff = old.detach() - behaviour  # log pi_policy - log pi_engine on the sampled tokens
-                    add("gen_logprob_abs_diff", (diff.abs() * mask).sum())
-                    add("gen_train_kl", (core_algos.kl_k3(behaviour, old.detach()) * mask).sum())  # KL(engine||policy)
-                    add("gen_tokens", mask.sum())
-                    if loss_cfg.importance_sampling != "none":
-                        is_weights, flagged = is_fn(old.detach(), behaviour, mask, **is_kwargs)
-                        add("is_flagged", (flagged * mask).sum())
-                loss_mat, metrics = policy_loss(
-                    logprobs,
-                    old,
-                    batch.advantages.to(self.device),
-                    ratio_clip_min=loss_cfg.ratio_clip_min,
-                    ratio_clip_max=loss_cfg.ratio_clip_max,
-                    ratio_clip_c=loss_cfg.ratio_clip_c,
-                    # token: logprobs - old, as without it; sequence (GSPO): the mean over each
-                    # response's loss-mask tokens, so padding and environment turns do not count.
-                    log_ratio=log_ratio_fn(logprobs, old, mask),
-                )
-                if is_weights is not None:
-                    loss_mat = loss_mat * is_weights  # the policy-gradient term only, as the peers weight it
-                if kl_fn is not None:
-                    kl = core_algos.clamp_kl(kl_fn(logprobs, batch.ref_logprobs.to(self.device)), loss_cfg.kl_clamp)
-                    loss_mat = loss_mat + loss_cfg.reference_policy_kl_penalty * kl
-                    add("kl", (kl.detach() * mask).sum())  # as the penalty saw it: clamped
-                loss = core_algos.aggregate_loss(
-                    loss_mat,
-                    mask,
-                    loss_cfg.aggregation,
+                mask = batch.loss_mask.to(self.device)
+                loss, metric_sums = objective(LossInputs(
+                    logprobs=logprobs,
+                    advantages=batch.advantages.to(self.device),
+                    mask=mask,
                     num_tokens=counts["tokens"],
                     num_seqs=counts["seqs"],
-                    max_len=cfg.generation.max_new_tokens,
-                )
+                    old_logprobs=on_device(batch.old_logprobs),
+                    behaviour_logprobs=on_device(batch.gen_logprobs),
+                    ref_logprobs=on_device(batch.ref_logprobs) if objective.kl is not None else None,
+                ))
                 # FSDP averages gradients over ranks; the loss already divides by global counts.
                 (loss * self.world_size).backward()
                 self._set_row(None)  # after backward: a checkpointed one recomputes on the row
                 add("loss", loss.detach())
-                add("pg_clipfrac", (metrics["clipfrac"].float() * mask).sum())
-                add("ppo_kl", (metrics["ppo_kl"].detach() * mask).sum())
-                add("tokens", mask.sum())
+                for key, value in metric_sums.items():
+                    add(key, value)
                 if entropy is not None:
                     add("entropy", (entropy * mask).sum())
             if not mbs:  # nothing with a policy gradient: a zero gradient, so Adam still steps as it would

@@ -41,6 +41,39 @@ kuberl.dev/experiment: {{ . | quote }}
 {{- end }}
 {{- end }}
 
+{{/* The Secret with the Ray token (key `auth_token`): auth.existingSecret, else the chart's own. */}}
+{{- define "kuberl.authSecret" -}}
+{{- default (printf "%s-ray-auth" (include "kuberl.fullname" .)) .Values.auth.existingSecret }}
+{{- end }}
+
+{{/* KubeRay's authOptions: a token from kuberl.authSecret, or none. */}}
+{{- define "kuberl.authOptions" -}}
+{{- if eq .Values.auth.mode "token" -}}
+authOptions:
+  mode: token
+  secretName: {{ include "kuberl.authSecret" . }}
+{{- else -}}
+authOptions:
+  mode: disabled
+{{- end }}
+{{- end }}
+
+{{/*
+RAY_AUTH_MODE and RAY_AUTH_TOKEN for a container that talks to the cluster but is not one of its Ray
+containers (the `helm test` pod, the RayJob submitter): KubeRay injects them into its own only.
+*/}}
+{{- define "kuberl.authEnv" -}}
+{{- if eq .Values.auth.mode "token" -}}
+- name: RAY_AUTH_MODE
+  value: token
+- name: RAY_AUTH_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "kuberl.authSecret" . }}
+      key: auth_token
+{{- end }}
+{{- end }}
+
 {{- define "kuberl.serviceAccountName" -}}
 {{- if .Values.serviceAccount.create }}
 {{- default (include "kuberl.fullname" .) .Values.serviceAccount.name }}
@@ -124,7 +157,9 @@ export {{ $k }}={{ $val | toString | squote }}
 {{- end }}
 {{- end }}
 {{- if and .head $v.tensorboard.enabled }}
-tensorboard --logdir "$KUBERL_LOG_DIR" --bind_all --port {{ $v.tensorboard.port }} >/tmp/tensorboard.log 2>&1 &
+{{- /* On the pod's loopback only: TensorBoard has no authentication, and `make tensorboard` reaches it
+through kubectl port-forward, which Kubernetes RBAC guards (pods/portforward). */}}
+tensorboard --logdir "$KUBERL_LOG_DIR" --host 127.0.0.1 --port {{ $v.tensorboard.port }} >/tmp/tensorboard.log 2>&1 &
 {{- end }}
 exec /bin/bash -c "$KUBERAY_GEN_RAY_START_CMD"
 {{- end }}
@@ -528,6 +563,7 @@ listed here, so every head port is listed.
 */}}
 {{- define "kuberl.rayClusterSpec" -}}
 rayVersion: {{ .Values.rayVersion | quote }}
+{{ include "kuberl.authOptions" . }}
 headGroupSpec:
   serviceType: {{ .Values.head.serviceType }}
   rayStartParams:

@@ -1,0 +1,180 @@
+"""What the chart does for a cluster several teams share: Ray's token auth, the NetworkPolicy, the
+PodDisruptionBudget, code sandboxes, tenancy and the hooks a platform adds (Kueue, extra containers).
+Rendered by a real `helm` binary; every object checked against the strict schemas."""
+
+from __future__ import annotations
+
+import base64
+import ipaddress
+
+import pytest
+from chartlib import env_of, groups, head_template, one, render, schema_errors
+
+JOB = ("job.enabled=true", "experiment=tiny")
+
+
+def _valid(docs: list[dict]) -> list[dict]:
+    errors = [e for d in docs for e in schema_errors(d)]
+    assert not errors, "\n".join(errors)
+    return docs
+
+
+def _cluster_spec(docs: list[dict]) -> dict:
+    job = [d for d in docs if d["kind"] == "RayJob"]
+    return job[0]["spec"]["rayClusterSpec"] if job else one(docs, "RayCluster")["spec"]
+
+
+# ----- Ray token auth -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sets", [(), JOB], ids=["raycluster", "rayjob"])
+def test_should_turn_on_token_auth_with_a_token_of_its_own_when_rendered_by_default(sets) -> None:
+    docs = _valid(render(*sets))
+    assert _cluster_spec(docs)["authOptions"] == {"mode": "token", "secretName": "exp1-ray-auth"}
+    secret = one(docs, "Secret")
+    assert secret["metadata"]["name"] == "exp1-ray-auth"
+    token = base64.b64decode(secret["data"]["auth_token"]).decode()
+    assert len(token) >= 32 and token.isalnum()
+
+
+def test_should_give_the_helm_test_pod_the_token_when_auth_is_on() -> None:
+    env = env_of(one(render(), "Pod"))
+    assert env["RAY_AUTH_MODE"]["value"] == "token"
+    assert env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "exp1-ray-auth", "key": "auth_token"}
+
+
+def test_should_give_the_rayjob_submitter_the_token_when_auth_is_on() -> None:
+    template = one(render(*JOB), "RayJob")["spec"]["submitterPodTemplate"]
+    env = env_of(template)
+    assert env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "exp1-ray-auth"
+
+
+def test_should_use_the_named_secret_and_make_none_when_auth_existing_secret_is_set() -> None:
+    docs = _valid(render("auth.existingSecret=team-ray-token"))
+    assert not [d for d in docs if d["kind"] == "Secret"]
+    assert one(docs, "RayCluster")["spec"]["authOptions"]["secretName"] == "team-ray-token"
+    assert env_of(one(docs, "Pod"))["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "team-ray-token"
+
+
+def test_should_say_so_and_make_no_token_when_auth_is_disabled() -> None:
+    docs = _valid(render("auth.mode=disabled"))
+    assert one(docs, "RayCluster")["spec"]["authOptions"] == {"mode": "disabled"}
+    assert not [d for d in docs if d["kind"] == "Secret"]
+    assert "RAY_AUTH_TOKEN" not in env_of(one(docs, "Pod"))
+
+
+def test_should_bind_tensorboard_to_the_heads_loopback_when_enabled() -> None:
+    # TensorBoard has no authentication: only kubectl port-forward (Kubernetes RBAC) reaches it.
+    script = head_template(render())["spec"]["containers"][0]["args"][0]
+    assert "tensorboard --logdir" in script and "--host 127.0.0.1" in script and "--bind_all" not in script
+
+
+# ----- NetworkPolicy ------------------------------------------------------------------------------
+
+
+def _policy(*sets: str) -> dict:
+    return one(_valid(render(*sets)), "NetworkPolicy")
+
+
+def _peers_labels(rule: dict, key: str) -> list[dict]:
+    return [p.get("podSelector", {}).get("matchLabels") for p in rule.get(key, [])]
+
+
+def test_should_admit_only_the_releases_pods_and_the_operators_dashboard_calls_when_rendered_by_default() -> None:
+    policy = _policy()
+    own = {"app.kubernetes.io/name": "kuberl", "app.kubernetes.io/instance": "exp1"}
+    assert policy["spec"]["podSelector"]["matchLabels"] == own
+    assert set(policy["spec"]["policyTypes"]) == {"Ingress", "Egress"}
+    ingress = policy["spec"]["ingress"]
+    assert _peers_labels(ingress[0], "from") == [own] and "ports" not in ingress[0]
+    operator = ingress[1]
+    assert operator["from"][0]["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "kuberay-system"}
+    assert operator["ports"] == [{"protocol": "TCP", "port": 8265}]
+    assert len(ingress) == 2  # nobody else: no ipBlock, no empty peer
+
+
+def test_should_select_every_pod_that_talks_to_ray_when_rendered() -> None:
+    # the Ray pods, the RayJob submitter and the helm test pod all carry the policy's labels
+    for sets in ((), JOB):
+        docs = render(*sets)
+        selector = one(docs, "NetworkPolicy")["spec"]["podSelector"]["matchLabels"]
+        spec = _cluster_spec(docs)
+        templates = [spec["headGroupSpec"]["template"], *(g["template"] for g in spec["workerGroupSpecs"])]
+        templates += [d["spec"]["submitterPodTemplate"] for d in docs if d["kind"] == "RayJob"]
+        pods = [t["metadata"]["labels"] for t in templates] + [d["metadata"]["labels"] for d in docs if d["kind"] == "Pod"]
+        for labels in pods:
+            assert selector.items() <= labels.items()
+
+
+def test_should_let_pods_reach_dns_the_metadata_server_https_and_each_other_when_rendered() -> None:
+    egress = _policy()["spec"]["egress"]
+    allowed = set()
+    for rule in egress:
+        ports = [(p["protocol"], p["port"]) for p in rule.get("ports", [])] or [("any", "any")]
+        peers = rule.get("to") or [{"anywhere": True}]
+        for peer in peers:
+            where = peer.get("ipBlock", {}).get("cidr") or ("self" if "podSelector" in peer else "anywhere")
+            allowed |= {(where, port) for port in ports}
+    assert ("self", ("any", "any")) in allowed
+    assert ("anywhere", ("UDP", 53)) in allowed and ("anywhere", ("TCP", 53)) in allowed
+    assert ("169.254.169.254/32", ("TCP", 80)) in allowed
+    assert ("169.254.169.252/32", ("TCP", 988)) in allowed
+    assert ("0.0.0.0/0", ("TCP", 443)) in allowed
+    # nothing else leaves the pod: no rule with neither peers nor ports
+    assert all(r.get("to") or r.get("ports") for r in egress)
+
+
+def test_should_allow_the_lustre_instance_when_storage_is_lustre() -> None:
+    policy = _policy("storage.type=lustre", "storage.lustre.volumeHandle=p/z/i", "storage.lustre.ip=10.90.1.4",
+                     "storage.lustre.filesystem=fs")  # fmt: skip
+    rules = [r for r in policy["spec"]["egress"] if r.get("to", [{}])[0].get("ipBlock", {}).get("cidr") == "10.90.1.4/32"]
+    assert rules and rules[0]["ports"] == [{"protocol": "TCP", "port": 988}]
+
+
+def test_should_narrow_https_to_the_cidrs_given_when_https_cidrs_is_set() -> None:
+    egress = _policy("networkPolicy.egress.httpsCidrs={199.36.153.8/30}")["spec"]["egress"]
+    https = [r for r in egress if {"protocol": "TCP", "port": 443} in r.get("ports", [])]
+    assert [p["ipBlock"]["cidr"] for r in https for p in r["to"]] == ["199.36.153.8/30"]
+    for r in egress:
+        for p in r.get("to", []):
+            if "ipBlock" in p:
+                ipaddress.ip_network(p["ipBlock"]["cidr"])
+
+
+def test_should_add_extra_rules_and_drop_the_operators_when_given() -> None:
+    policy = _policy(
+        "networkPolicy.operator=null",
+        "networkPolicy.extraIngress[0].from[0].namespaceSelector.matchLabels.name=gmp-system",
+        "networkPolicy.extraIngress[0].ports[0].port=8080",
+    )
+    assert len(policy["spec"]["ingress"]) == 2
+    assert policy["spec"]["ingress"][1]["ports"] == [{"port": 8080}]
+
+
+def test_should_render_no_policy_when_network_policy_is_disabled() -> None:
+    assert not [d for d in render("networkPolicy.enabled=false") if d["kind"] == "NetworkPolicy"]
+
+
+# ----- PodDisruptionBudget ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sets", [(), JOB], ids=["raycluster", "rayjob"])
+def test_should_hold_a_drain_of_any_ray_pod_when_rendered_by_default(sets) -> None:
+    docs = _valid(render(*sets))
+    pdb = one(docs, "PodDisruptionBudget")
+    assert pdb["spec"]["maxUnavailable"] == 0
+    selector = pdb["spec"]["selector"]
+    assert selector["matchExpressions"] == [{"key": "ray.io/node-type", "operator": "In", "values": ["head", "worker"]}]
+    # KubeRay labels the head and worker pods from these templates
+    spec = _cluster_spec(docs)
+    for template in [spec["headGroupSpec"]["template"], *(g["template"] for g in spec["workerGroupSpecs"])]:
+        assert selector["matchLabels"].items() <= template["metadata"]["labels"].items()
+
+
+def test_should_render_no_budget_when_disabled() -> None:
+    assert not [d for d in render("podDisruptionBudget.enabled=false") if d["kind"] == "PodDisruptionBudget"]
+
+
+def test_should_keep_the_workers_labels_for_the_budget_when_a_group_adds_its_own() -> None:
+    labels = groups(render("workerGroups.train.labels.team=a"))["train"]["template"]["metadata"]["labels"]
+    assert labels["team"] == "a" and labels["app.kubernetes.io/instance"] == "exp1"

@@ -178,3 +178,43 @@ def test_should_render_no_budget_when_disabled() -> None:
 def test_should_keep_the_workers_labels_for_the_budget_when_a_group_adds_its_own() -> None:
     labels = groups(render("workerGroups.train.labels.team=a"))["train"]["template"]["metadata"]["labels"]
     assert labels["team"] == "a" and labels["app.kubernetes.io/instance"] == "exp1"
+
+
+# ----- code sandboxes -----------------------------------------------------------------------------
+
+
+def _ray_containers(docs: list[dict]) -> list[dict]:
+    spec = _cluster_spec(docs)
+    templates = [spec["headGroupSpec"]["template"], *(g["template"] for g in spec["workerGroupSpecs"])]
+    return [t["spec"]["containers"][0] for t in templates]
+
+
+@pytest.mark.parametrize("sets", [(), JOB], ids=["raycluster", "rayjob"])
+def test_should_force_bubblewrap_on_every_ray_container_when_rendered_by_default(sets) -> None:
+    for container in _ray_containers(render(*sets)):
+        assert {"name": "KUBERL_SANDBOX", "value": "bwrap"} in container["env"]
+        assert "securityContext" not in container  # nothing loosened unless asked
+
+
+@pytest.mark.parametrize("sets", [(), JOB], ids=["raycluster", "rayjob"])
+def test_should_loosen_only_seccomp_and_apparmor_of_the_ray_containers_when_sandbox_enabled(sets) -> None:
+    docs = _valid(render("sandbox.enabled=true", *sets))
+    for container in _ray_containers(docs):
+        assert container["securityContext"] == {
+            "seccompProfile": {"type": "Unconfined"},
+            "appArmorProfile": {"type": "Unconfined"},
+            "allowPrivilegeEscalation": False,
+        }
+    others = [d for d in docs if d["kind"] == "Pod"] + [
+        {"spec": d["spec"]["submitterPodTemplate"]["spec"]} for d in docs if d["kind"] == "RayJob"
+    ]
+    for pod in others:  # the test pod and the submitter run no model code
+        assert "securityContext" not in pod["spec"]["containers"][0]
+
+
+def test_should_let_container_security_context_win_when_both_are_set() -> None:
+    docs = render("sandbox.enabled=true", "containerSecurityContext.seccompProfile.type=Localhost",
+                  "containerSecurityContext.seccompProfile.localhostProfile=profiles/bwrap.json")  # fmt: skip
+    sc = _ray_containers(docs)[0]["securityContext"]
+    assert sc["seccompProfile"] == {"type": "Localhost", "localhostProfile": "profiles/bwrap.json"}
+    assert sc["appArmorProfile"] == {"type": "Unconfined"}

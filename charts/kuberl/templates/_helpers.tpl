@@ -174,6 +174,26 @@ Without tini `ray start` would be PID 1, and the orphans of bubblewrap sandboxes
 {{- end }}
 
 {{/*
+securityContext of a Ray container: what bubblewrap needs when sandbox.enabled, then
+containerSecurityContext over it. bubblewrap makes user, mount, PID and network namespaces and mounts
+tmpfs in them: containerd's default seccomp profile (GKE Autopilot applies it, Standard when a pod or
+Pod Security asks for RuntimeDefault) refuses unshare/clone of namespaces without CAP_SYS_ADMIN, and
+the cri-containerd.apparmor.d profile GKE's Container-Optimized OS applies denies mount. No
+capability is added and nothing is privileged: the container's masked /proc stays masked, and the
+sandbox then goes without a /proc of its own (trainer/sandbox/backends.py).
+*/}}
+{{- define "kuberl.containerSecurityContext" -}}
+{{- $sc := dict }}
+{{- if .Values.sandbox.enabled }}
+{{- $sc = dict "seccompProfile" (dict "type" "Unconfined") "appArmorProfile" (dict "type" "Unconfined") "allowPrivilegeEscalation" false }}
+{{- end }}
+{{- $sc = mergeOverwrite $sc (deepCopy .Values.containerSecurityContext) }}
+{{- if $sc }}
+{{- toYaml $sc }}
+{{- end }}
+{{- end }}
+
+{{/*
 Environment of every Ray container. Args: dict root, gpu (bool: a GPU worker).
 */}}
 {{- define "kuberl.env" -}}
@@ -192,6 +212,10 @@ Environment of every Ray container. Args: dict root, gpu (bool: a GPU worker).
 3 s): the same grace as the pods get, for the trainer to finish its step and save. */}}
 - name: RAY_JOB_STOP_WAIT_TIME_S
   value: {{ $v.terminationGracePeriodSeconds | quote }}
+{{- /* Code rewards run only under this isolation: with bwrap, a pod where bubblewrap cannot start
+refuses the run in one line rather than falling back (trainer/sandbox/backends.py). */}}
+- name: KUBERL_SANDBOX
+  value: {{ $v.sandbox.backend | quote }}
 {{- with $v.secrets.hfToken.secretName }}
 - name: HF_TOKEN
   valueFrom:
@@ -469,9 +493,9 @@ spec:
     - name: {{ ternary "ray-head" "ray-worker" .head }}
       image: {{ include "kuberl.image" .root }}
       imagePullPolicy: {{ $v.image.pullPolicy }}
-      {{- with $v.containerSecurityContext }}
+      {{- with include "kuberl.containerSecurityContext" .root }}
       securityContext:
-        {{- toYaml . | nindent 8 }}
+        {{- . | nindent 8 }}
       {{- end }}
       command: {{ include "kuberl.command" . }}
       args:

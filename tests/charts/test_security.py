@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import base64
 import ipaddress
+import re
 
 import pytest
-from chartlib import env_of, groups, head_template, one, render, schema_errors
+import yaml
+from chartlib import CHART, RDMA, env_of, groups, head_template, one, render, run_helm, schema_errors
 
 JOB = ("job.enabled=true", "experiment=tiny")
 
@@ -218,3 +220,76 @@ def test_should_let_container_security_context_win_when_both_are_set() -> None:
     sc = _ray_containers(docs)[0]["securityContext"]
     assert sc["seccompProfile"] == {"type": "Localhost", "localhostProfile": "profiles/bwrap.json"}
     assert sc["appArmorProfile"] == {"type": "Unconfined"}
+
+
+# ----- tenancy ------------------------------------------------------------------------------------
+
+LUSTRE = ("storage.type=lustre", "storage.lustre.volumeHandle=p/us-central1-b/i", "storage.lustre.ip=10.90.1.4",
+          "storage.lustre.filesystem=fs")  # fmt: skip
+
+
+def _render_in(namespace: str, release: str, *sets: str) -> list[dict]:
+    args = ["template", release, str(CHART), "--namespace", namespace, "--set", "storage.gcsfuse.bucketName=b"]
+    for s in sets:
+        args += ["--set", s]
+    out = run_helm(*args)
+    assert out.returncode == 0, out.stderr
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+def test_should_give_two_releases_two_volumes_when_their_names_agree_on_the_first_63_characters() -> None:
+    """The collision of the issue: the old `<ns>-<release>-lustre` cut to 63 characters made one name."""
+    ns = "research-team-alpha-rl-experiments-prod"
+    names = []
+    for release in ("gemma3-27b-gsm8k-h200", "gemma3-27b-gsm8k-h200-lora"):
+        docs = _valid(_render_in(ns, release, *LUSTRE))
+        pv, pvc = one(docs, "PersistentVolume"), one(docs, "PersistentVolumeClaim")
+        assert pvc["spec"]["volumeName"] == pv["metadata"]["name"]
+        assert pv["spec"]["claimRef"] == {"namespace": ns, "name": pvc["metadata"]["name"]}
+        names.append(pv["metadata"]["name"])
+    assert names[0] != names[1] and all(len(n) <= 253 for n in names)
+
+
+def test_should_tell_apart_namespace_and_release_when_the_dashes_fall_differently() -> None:
+    a = one(_render_in("a-b", "c", *LUSTRE), "PersistentVolume")["metadata"]["name"]
+    b = one(_render_in("a", "b-c", *LUSTRE), "PersistentVolume")["metadata"]["name"]
+    assert a != b
+
+
+def test_should_keep_a_volume_made_before_when_volume_name_is_set() -> None:
+    docs = render(*LUSTRE, "storage.lustre.volumeName=exp-exp1-lustre")
+    assert one(docs, "PersistentVolume")["metadata"]["name"] == "exp-exp1-lustre"
+    assert one(docs, "PersistentVolumeClaim")["spec"]["volumeName"] == "exp-exp1-lustre"
+
+
+NAMESPACED = {"RayCluster", "RayJob", "Pod", "ServiceAccount", "Secret", "NetworkPolicy", "PodDisruptionBudget",
+              "PersistentVolumeClaim"}  # fmt: skip
+
+
+@pytest.mark.parametrize("sets", [(), JOB], ids=["raycluster", "rayjob"])
+def test_should_render_only_namespaced_objects_when_installed_with_namespace_rights_only(sets) -> None:
+    docs = _valid(render("storage.type=lustre", "storage.lustre.existingClaim=team-lustre", *RDMA,
+                         "rdma.createNetworks=false", *sets))  # fmt: skip
+    assert {d["kind"] for d in docs} <= NAMESPACED
+    spec = _cluster_spec(docs)
+    claims = {v["persistentVolumeClaim"]["claimName"] for g in spec["workerGroupSpecs"]
+              for v in g["template"]["spec"]["volumes"] if "persistentVolumeClaim" in v}  # fmt: skip
+    assert claims == {"team-lustre"}
+
+
+def test_should_look_up_cluster_scoped_objects_only_where_it_creates_networks_when_rendered() -> None:
+    """helm treats a forbidden `lookup` as an error: a tenant without cluster-wide rights installs with
+    rdma.createNetworks=false, and then no cluster-scoped lookup may run."""
+    templates = CHART / "templates"
+    calls = {p.name: re.findall(r"\blookup\s+(\S+)\s+(\S+)\s+(\S+)", p.read_text()) for p in templates.rglob("*")
+             if p.is_file()}  # fmt: skip
+    calls = {name: found for name, found in calls.items() if found}
+    assert set(calls) == {"_helpers.tpl", "secret.yaml"}, calls
+    assert all(ns == ".Release.Namespace" for _, _, ns in calls["secret.yaml"])  # namespaced: the token
+    helpers = (templates / "_helpers.tpl").read_text()
+    owns = helpers.split('{{- define "kuberl.ownsClusterObject" -}}', 1)[1].split("{{- end }}\n{{- end }}", 1)[0]
+    assert "lookup" in owns and helpers.count("lookup ") == 1  # only kuberl.ownsClusterObject looks up
+    for p in templates.rglob("*"):
+        if p.is_file() and "kuberl.ownsClusterObject" in p.read_text() and p.name != "_helpers.tpl":
+            first = p.read_text().split("kuberl.ownsClusterObject", 1)[0]
+            assert "if and .Values.rdma.enabled .Values.rdma.createNetworks" in first, p.name

@@ -431,9 +431,15 @@ fileCacheCapacity: {{ ternary .fileCache.head .fileCache.worker .head | toString
 {{- default (printf "%s-lustre" (include "kuberl.fullname" .)) .Values.storage.lustre.existingClaim }}
 {{- end }}
 
-{{/* Cluster-scoped PV name: carries the namespace so two namespaces can use the same release name. */}}
+{{/*
+Cluster-scoped PV name, one per namespace and release: `<namespace>-<name>-lustre-<hash>`, the hash
+(8 hex digits of sha256 over `<namespace>/<release>`) told apart where the dashes are ambiguous
+(namespace `a-b` + release `c` and namespace `a` + release `b-c`). At most 63 + 47 + 16 characters, well
+under a PV name's 253, so nothing is cut. storage.lustre.volumeName keeps the name of a PV made before.
+*/}}
 {{- define "kuberl.lustreVolume" -}}
-{{- printf "%s-%s-lustre" .Release.Namespace (include "kuberl.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- $hash := printf "%s/%s" .Release.Namespace .Release.Name | sha256sum | trunc 8 }}
+{{- default (printf "%s-%s-lustre-%s" .Release.Namespace (include "kuberl.fullname" .) $hash) .Values.storage.lustre.volumeName }}
 {{- end }}
 
 {{/*

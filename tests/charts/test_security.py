@@ -293,3 +293,68 @@ def test_should_look_up_cluster_scoped_objects_only_where_it_creates_networks_wh
         if p.is_file() and "kuberl.ownsClusterObject" in p.read_text() and p.name != "_helpers.tpl":
             first = p.read_text().split("kuberl.ownsClusterObject", 1)[0]
             assert "if and .Values.rdma.enabled .Values.rdma.createNetworks" in first, p.name
+
+
+# ----- what a platform adds -----------------------------------------------------------------------
+
+HOOKS = (
+    "priorityClassName=research-high",
+    "runtimeClassName=gvisor",
+    "podSecurityContext.fsGroup=1000",
+    "envFrom[0].configMapRef.name=platform-env",
+    "env[0].name=POD_IP",
+    "env[0].valueFrom.fieldRef.fieldPath=status.podIP",
+    "extraVolumes[0].name=certs",
+    "extraVolumes[0].secret.secretName=platform-certs",
+    "extraVolumeMounts[0].name=certs",
+    "extraVolumeMounts[0].mountPath=/etc/platform/certs",
+    "initContainers[0].name=wait-for-proxy",
+    "initContainers[0].image=busybox:1.36",
+    "sidecars[0].name=log-shipper",
+    "sidecars[0].image=fluent/fluent-bit:3.1",
+)
+
+
+@pytest.mark.parametrize("sets", [(), JOB], ids=["raycluster", "rayjob"])
+def test_should_label_and_annotate_the_ray_object_and_queue_it_for_kueue_when_given(sets) -> None:
+    docs = _valid(render("queue=team-a", "labels.cost-center=rl", "annotations.owner=team-a", *sets))
+    ray = one(docs, "RayJob" if sets else "RayCluster")
+    assert ray["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
+    assert ray["metadata"]["labels"]["cost-center"] == "rl"
+    assert ray["metadata"]["annotations"] == {"ray.io/overwrite-container-cmd": "true", "owner": "team-a"}
+    if sets:  # what Kueue requires of a RayJob it manages
+        assert ray["spec"]["shutdownAfterJobFinishes"] is True and "clusterSelector" not in ray["spec"]
+
+
+def test_should_refuse_a_rayjob_kueue_cannot_manage_when_queue_is_set_and_the_cluster_is_kept() -> None:
+    out = run_helm("template", "x", str(CHART), "--set", "storage.gcsfuse.bucketName=b", *[
+        a for s in (*JOB, "queue=team-a", "job.shutdownAfterJobFinishes=false") for a in ("--set", s)])  # fmt: skip
+    assert out.returncode != 0 and "Kueue manages only a RayJob that deletes its cluster" in out.stderr
+
+
+@pytest.mark.parametrize("sets", [(), JOB], ids=["raycluster", "rayjob"])
+def test_should_give_every_ray_pod_the_platforms_hooks_with_the_ray_container_first_when_set(sets) -> None:
+    docs = _valid(render(*HOOKS, *sets))
+    spec = _cluster_spec(docs)
+    for template in [spec["headGroupSpec"]["template"], *(g["template"] for g in spec["workerGroupSpecs"])]:
+        pod = template["spec"]
+        assert (pod["priorityClassName"], pod["runtimeClassName"]) == ("research-high", "gvisor")
+        assert pod["securityContext"] == {"fsGroup": 1000}
+        assert [c["name"] for c in pod["containers"]][0] in ("ray-head", "ray-worker")
+        assert [c["name"] for c in pod["containers"]][1:] == ["log-shipper"]
+        assert [c["name"] for c in pod["initContainers"]] == ["wait-for-proxy"]
+        ray = pod["containers"][0]
+        assert ray["envFrom"] == [{"configMapRef": {"name": "platform-env"}}]
+        assert env_of(template)["POD_IP"] == {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+        assert {"name": "certs", "mountPath": "/etc/platform/certs"} in ray["volumeMounts"]
+        assert {"name": "certs", "secret": {"secretName": "platform-certs"}} in pod["volumes"]
+        assert "shared" in {v["name"] for v in pod["volumes"]}
+    for d in docs:
+        if d["kind"] == "RayJob":
+            assert d["spec"]["submitterPodTemplate"]["spec"]["priorityClassName"] == "research-high"
+
+
+def test_should_still_reject_a_token_in_env_when_value_from_is_allowed() -> None:
+    out = run_helm("lint", "--strict", str(CHART), "--set", "storage.gcsfuse.bucketName=b",
+                   "--set", "env[0].name=HF_TOKEN", "--set", "env[0].valueFrom.secretKeyRef.name=x")  # fmt: skip
+    assert out.returncode != 0

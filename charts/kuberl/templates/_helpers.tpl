@@ -74,6 +74,29 @@ containers (the `helm test` pod, the RayJob submitter): KubeRay injects them int
 {{- end }}
 {{- end }}
 
+{{/*
+Metadata of the RayCluster or RayJob object: the chart's labels, the Kueue queue, `labels`; KubeRay's
+annotation, then `annotations`.
+*/}}
+{{- define "kuberl.rayObjectMetadata" -}}
+name: {{ include "kuberl.fullname" . }}
+labels:
+  {{- include "kuberl.labels" . | nindent 2 }}
+  {{- with .Values.queue }}
+  kueue.x-k8s.io/queue-name: {{ . | quote }}
+  {{- end }}
+  {{- with .Values.labels }}
+  {{- toYaml . | nindent 2 }}
+  {{- end }}
+annotations:
+  # Our start-up script runs KubeRay's generated `ray start` itself (see kuberl.startScript); on a
+  # RayJob KubeRay copies it to the RayCluster it creates.
+  ray.io/overwrite-container-cmd: "true"
+  {{- with .Values.annotations }}
+  {{- toYaml . | nindent 2 }}
+  {{- end }}
+{{- end }}
+
 {{- define "kuberl.serviceAccountName" -}}
 {{- if .Values.serviceAccount.create }}
 {{- default (include "kuberl.fullname" .) .Values.serviceAccount.name }}
@@ -479,6 +502,16 @@ metadata:
 spec:
   serviceAccountName: {{ include "kuberl.serviceAccountName" .root }}
   terminationGracePeriodSeconds: {{ $v.terminationGracePeriodSeconds }}
+  {{- with $v.priorityClassName }}
+  priorityClassName: {{ . }}
+  {{- end }}
+  {{- with $v.runtimeClassName }}
+  runtimeClassName: {{ . }}
+  {{- end }}
+  {{- with $v.podSecurityContext }}
+  securityContext:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
   {{- with $v.imagePullSecrets }}
   imagePullSecrets:
     {{- toYaml . | nindent 4 }}
@@ -495,7 +528,12 @@ spec:
   affinity:
     {{- toYaml . | nindent 4 }}
   {{- end }}
+  {{- with $v.initContainers }}
+  initContainers:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
   containers:
+    {{- /* KubeRay finds the Ray container at index 0: sidecars come after it. */}}
     - name: {{ ternary "ray-head" "ray-worker" .head }}
       image: {{ include "kuberl.image" .root }}
       imagePullPolicy: {{ $v.image.pullPolicy }}
@@ -522,6 +560,10 @@ spec:
       {{- end }}
       env:
         {{- include "kuberl.env" $ctx | nindent 8 }}
+      {{- with $v.envFrom }}
+      envFrom:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
       resources:
         {{- if .head }}
         {{- toYaml (default dict .group.resources) | nindent 8 }}
@@ -530,8 +572,17 @@ spec:
         {{- end }}
       volumeMounts:
         {{- include "kuberl.volumeMounts" $ctx | nindent 8 }}
+        {{- with $v.extraVolumeMounts }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+    {{- with $v.sidecars }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
   volumes:
     {{- include "kuberl.volumes" $ctx | nindent 4 }}
+    {{- with $v.extraVolumes }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
 {{- end }}
 
 {{/*

@@ -548,3 +548,17 @@ def test_should_ask_for_the_token_secret_when_auth_existing_secret_names_a_missi
 def test_should_note_that_anyone_can_run_code_when_auth_is_disabled() -> None:
     _, notes = _check(healthy(), "gemma3-27b-gsm8k-h200.yaml", "--set", "auth.mode=disabled")
     assert any(n.startswith("auth: Ray's token auth is off") for n in notes)
+
+
+def test_should_say_spot_nodes_do_not_count_when_capacity_is_on_demand() -> None:
+    cluster = FakeCluster({("secret", "hf-token"): {}, ("csidriver", "gcsfuse.csi.storage.gke.io"): {},
+                           ("nodes", ""): _answer("nodes-b200-spot.json")})  # fmt: skip
+    plan = _plan("gemma3-1b-math-b200.yaml", "--set", "capacity.type=onDemand")
+    train = next(w for w in plan.workers if w.name == "workerGroups.train")
+    assert train.excluded == {"cloud.google.com/gke-spot": {"true"}, "cloud.google.com/gke-flex-start": {"true"}}
+    problems, _ = preflight.check_release(cluster, plan, "team")
+    gpu = [p for p in problems if p.startswith("GPU nodes")]
+    assert len(gpu) == 1 and "cloud.google.com/gke-spot=true, which its node affinity rules out" in gpu[0], problems
+    # the same nodes serve the spot values file as it is
+    assert not [p for p in preflight.check_release(cluster, _plan("gemma3-1b-math-b200.yaml"), "team")[0]
+                if p.startswith("GPU nodes")]  # fmt: skip

@@ -255,6 +255,9 @@ class PodNeed:
     tolerations: list[dict]
     requests: dict[str, float]  # cpu, memory, nvidia.com/gpu (only those asked for)
     rdma: bool = False
+    # Node labels its required node affinity rules out (NotIn): capacity.type=onDemand keeps GPU pods
+    # off spot and flex-start nodes this way. Only the first term is read: the chart adds its rule to all.
+    excluded: dict[str, set[str]] = field(default_factory=dict)
 
     @property
     def gpus(self) -> int:
@@ -297,7 +300,14 @@ def _need(name: str, count: int, template: dict) -> PodNeed:
         tolerations=list(spec.get("tolerations") or []),
         requests=_requests(spec["containers"][0]),
         rdma="networking.gke.io/interfaces" in annotations,
+        excluded=_excluded(spec),
     )
+
+
+def _excluded(spec: dict) -> dict[str, set[str]]:
+    required = ((spec.get("affinity") or {}).get("nodeAffinity") or {}).get("requiredDuringSchedulingIgnoredDuringExecution") or {}
+    terms = required.get("nodeSelectorTerms") or [{}]
+    return {e["key"]: set(e.get("values") or []) for e in terms[0].get("matchExpressions") or [] if e.get("operator") == "NotIn"}
 
 
 def plan(docs: list[dict]) -> Plan:
@@ -403,6 +413,8 @@ def _eligible(node: dict, need: PodNeed) -> bool:
         return False
     if any(labels.get(k) != v for k, v in need.selector.items()):
         return False
+    if any(labels.get(k) in values for k, values in need.excluded.items()):
+        return False
     return all(_tolerates(need.tolerations, t) for t in (node.get("spec") or {}).get("taints") or [])
 
 
@@ -427,6 +439,13 @@ def _why_no_node(nodes: list[dict], need: PodNeed) -> str:
             have = sorted({(n["metadata"].get("labels") or {}).get(k, "<unset>") for n in kin})
             if have != [v]:
                 return f"{len(kin)} node(s) with {key}={need.selector[key]} have {k}={'/'.join(have)}, not {v}"
+        for k, values in sorted(need.excluded.items()):
+            ruled_out = [n for n in kin if (n["metadata"].get("labels") or {}).get(k) in values]
+            if len(ruled_out) == len(kin):
+                return (
+                    f"the {len(kin)} node(s) with {key}={need.selector[key]} have {k}={'/'.join(sorted(values))}, "
+                    "which its node affinity rules out (capacity.type=onDemand: no spot or flex-start nodes)"
+                )
         return f"the {len(kin)} node(s) with {key}={need.selector[key]} are not Ready or have taints it does not tolerate"
     return "no Ready node matches it"
 

@@ -358,3 +358,55 @@ def test_should_still_reject_a_token_in_env_when_value_from_is_allowed() -> None
     out = run_helm("lint", "--strict", str(CHART), "--set", "storage.gcsfuse.bucketName=b",
                    "--set", "env[0].name=HF_TOKEN", "--set", "env[0].valueFrom.secretKeyRef.name=x")  # fmt: skip
     assert out.returncode != 0
+
+
+# ----- capacity -----------------------------------------------------------------------------------
+
+NOT_SPOT = [
+    {"key": "cloud.google.com/gke-spot", "operator": "NotIn", "values": ["true"]},
+    {"key": "cloud.google.com/gke-flex-start", "operator": "NotIn", "values": ["true"]},
+]
+
+
+def _required_terms(template: dict) -> list[dict]:
+    affinity = template["spec"].get("affinity", {})
+    return affinity.get("nodeAffinity", {}).get("requiredDuringSchedulingIgnoredDuringExecution", {}).get(
+        "nodeSelectorTerms", []
+    )
+
+
+def test_should_keep_gpu_pods_off_spot_and_flex_start_nodes_when_capacity_is_on_demand() -> None:
+    docs = _valid(render())
+    assert _required_terms(groups(docs)["train"]["template"]) == [{"matchExpressions": NOT_SPOT}]
+    assert not _required_terms(head_template(docs))  # the head's CPU pool is whatever the platform gives
+
+
+def test_should_add_the_exclusion_to_every_term_the_group_gives_when_capacity_is_on_demand() -> None:
+    base = "workerGroups.train.affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution.nodeSelectorTerms"
+    docs = _valid(render(f"{base}[0].matchExpressions[0].key=topology.kubernetes.io/zone",
+                         f"{base}[0].matchExpressions[0].operator=In",
+                         f"{base}[0].matchExpressions[0].values[0]=us-central1-b",
+                         f"{base}[1].matchExpressions[0].key=pool", f"{base}[1].matchExpressions[0].operator=Exists"))  # fmt: skip
+    terms = _required_terms(groups(docs)["train"]["template"])
+    assert len(terms) == 2 and all(t["matchExpressions"][-2:] == NOT_SPOT for t in terms)
+    assert terms[0]["matchExpressions"][0]["key"] == "topology.kubernetes.io/zone"
+
+
+@pytest.mark.parametrize("capacity", ["spot", "flexStart"])
+def test_should_not_exclude_the_nodes_it_asks_for_when_capacity_is_not_on_demand(capacity) -> None:
+    template = groups(_valid(render(f"capacity.type={capacity}")))["train"]["template"]
+    assert not _required_terms(template)
+    if capacity == "flexStart":
+        assert template["spec"]["nodeSelector"]["cloud.google.com/gke-flex-start"] == "true"
+        assert {"key": "cloud.google.com/gke-flex-start", "operator": "Equal", "value": "true",
+                "effect": "NoSchedule"} in template["spec"]["tolerations"]  # fmt: skip
+
+
+def test_should_select_a_shared_reservations_project_and_block_when_given() -> None:
+    selector = groups(_valid(render("capacity.type=reservation", "capacity.reservationName=h200-res",
+                                    "capacity.reservationProject=capacity-owner",
+                                    "capacity.reservationBlock=h200-res-block-0001")))["train"]["template"]["spec"]["nodeSelector"]  # fmt: skip
+    assert selector["cloud.google.com/reservation-name"] == "h200-res"
+    assert selector["cloud.google.com/reservation-affinity"] == "specific"
+    assert selector["cloud.google.com/reservation-project"] == "capacity-owner"
+    assert selector["cloud.google.com/reservation-blocks"] == "h200-res-block-0001"

@@ -325,11 +325,46 @@ local SSD only on pools created with --ephemeral-storage-local-ssd, which GKE la
 {{- else if eq $v.capacity.type "reservation" }}
 {{- $_ := set $s "cloud.google.com/reservation-name" (required "capacity.reservationName is required when capacity.type=reservation" $v.capacity.reservationName) }}
 {{- $_ := set $s "cloud.google.com/reservation-affinity" "specific" }}
+{{- with $v.capacity.reservationProject }}
+{{- $_ := set $s "cloud.google.com/reservation-project" . }}
+{{- end }}
+{{- with $v.capacity.reservationBlock }}
+{{- $_ := set $s "cloud.google.com/reservation-blocks" . }}
+{{- end }}
+{{- else if eq $v.capacity.type "flexStart" }}
+{{- $_ := set $s "cloud.google.com/gke-flex-start" "true" }}
 {{- end }}
 {{- end }}
 {{- $s = merge (deepCopy (default dict .extra)) $s }}
 {{- if $s }}
 {{- toYaml $s }}
+{{- end }}
+{{- end }}
+
+{{/*
+Affinity: the group's, and for GPU pods with capacity.type=onDemand a required node affinity that
+keeps them off spot and flex-start nodes (a node selector cannot say "not"; GKE labels those nodes
+and need not taint them), added to every node selector term the group gives.
+Args: dict root, gpu (bool), extra (map).
+*/}}
+{{- define "kuberl.affinity" -}}
+{{- $a := deepCopy (default dict .extra) }}
+{{- if and .gpu (eq .root.Values.capacity.type "onDemand") }}
+{{- $not := list (dict "key" "cloud.google.com/gke-spot" "operator" "NotIn" "values" (list "true")) (dict "key" "cloud.google.com/gke-flex-start" "operator" "NotIn" "values" (list "true")) }}
+{{- $na := default dict $a.nodeAffinity }}
+{{- $req := default dict (get $na "requiredDuringSchedulingIgnoredDuringExecution") }}
+{{- $terms := list }}
+{{- range (default (list dict) $req.nodeSelectorTerms) }}
+{{- $term := deepCopy . }}
+{{- $_ := set $term "matchExpressions" (concat (default list $term.matchExpressions) $not) }}
+{{- $terms = append $terms $term }}
+{{- end }}
+{{- $_ := set $req "nodeSelectorTerms" $terms }}
+{{- $_ := set $na "requiredDuringSchedulingIgnoredDuringExecution" $req }}
+{{- $_ := set $a "nodeAffinity" $na }}
+{{- end }}
+{{- if $a }}
+{{- toYaml $a }}
 {{- end }}
 {{- end }}
 
@@ -340,6 +375,9 @@ local SSD only on pools created with --ephemeral-storage-local-ssd, which GKE la
 {{- $t = append $t (dict "key" "nvidia.com/gpu" "operator" "Exists" "effect" "NoSchedule") }}
 {{- if eq .root.Values.capacity.type "spot" }}
 {{- $t = append $t (dict "key" "cloud.google.com/gke-spot" "operator" "Equal" "value" "true" "effect" "NoSchedule") }}
+{{- else if eq .root.Values.capacity.type "flexStart" }}
+{{- /* GKE may taint flex-start nodes with their label. */}}
+{{- $t = append $t (dict "key" "cloud.google.com/gke-flex-start" "operator" "Equal" "value" "true" "effect" "NoSchedule") }}
 {{- end }}
 {{- end }}
 {{- $t = concat $t (default list .extra) }}
@@ -524,9 +562,9 @@ spec:
   tolerations:
     {{- . | nindent 4 }}
   {{- end }}
-  {{- with .group.affinity }}
+  {{- with include "kuberl.affinity" (dict "root" .root "gpu" $gpu "extra" .group.affinity) }}
   affinity:
-    {{- toYaml . | nindent 4 }}
+    {{- . | nindent 4 }}
   {{- end }}
   {{- with $v.initContainers }}
   initContainers:

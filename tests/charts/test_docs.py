@@ -12,7 +12,8 @@ import yaml
 from chartlib import CHART, REPO
 
 DOC = (REPO / "docs" / "cluster.md").read_text()
-ROOTS = ("image", "storage", "rdma", "job", "head", "capacity", "gpu", "serviceAccount", "secrets", "tests", "tensorboard")
+ROOTS = ("image", "storage", "rdma", "job", "head", "capacity", "gpu", "serviceAccount", "secrets", "tests", "tensorboard",
+         "auth", "sandbox", "networkPolicy", "podDisruptionBudget")  # fmt: skip
 
 
 def _has(values: dict, dotted: str) -> bool:

@@ -562,3 +562,60 @@ def test_should_say_spot_nodes_do_not_count_when_capacity_is_on_demand() -> None
     # the same nodes serve the spot values file as it is
     assert not [p for p in preflight.check_release(cluster, _plan("gemma3-1b-math-b200.yaml"), "team")[0]
                 if p.startswith("GPU nodes")]  # fmt: skip
+
+
+# ----- quotas (where gcloud is installed) ---------------------------------------------------------
+
+
+class FakeGcloud:
+    """Answers `gcloud compute regions describe REGION` and `... project-info describe` with quotas."""
+
+    def __init__(self, regional: dict[str, tuple[int, int]] | None, global_: dict[str, tuple[int, int]] | None = None):
+        self.regional, self.global_ = regional, global_ or {}
+        self.calls: list[tuple[str, ...]] = []
+
+    def __call__(self, *args: str) -> Result:
+        self.calls.append(args)
+        quotas = self.regional if args[:2] == ("compute", "regions") else self.global_
+        if quotas is None:
+            return Result(1, "", "ERROR: (gcloud.compute.regions.describe) permission denied")
+        return Result(0, json.dumps({"quotas": [{"metric": m, "limit": lim, "usage": use} for m, (lim, use) in quotas.items()]}))
+
+
+SPOT_NODES = {("nodes", ""): _answer("nodes-b200-spot.json")}
+CONTEXT = "gke_my-project_us-central1_kuberl"
+
+
+def test_should_ask_for_preemptible_gpu_quota_when_spot_groups_need_more_nodes_than_there_are() -> None:
+    gcloud = FakeGcloud({"PREEMPTIBLE_NVIDIA_B200_GPUS": (16, 8), "NVIDIA_B200_GPUS": (64, 0)}, {"GPUS_ALL_REGIONS": (100, 8)})
+    plan = _plan("gemma3-1b-math-b200.yaml", "--set", "workerGroups.train.replicas=3")
+    problems, notes = preflight.check_quotas(FakeCluster(SPOT_NODES), plan, CONTEXT, gcloud)
+    # 3 pods x 8 GPUs, 8 of them on the spot node already there: 16 more, 8 free
+    assert problems == [
+        "quota: PREEMPTIBLE_NVIDIA_B200_GPUS in us-central1 has 8 free (limit 16, used 8) and the release needs 16 "
+        "more GPUs than its nodes have: request more (IAM & Admin, Quotas) or free some"
+    ]
+    assert gcloud.calls[0] == ("compute", "regions", "describe", "us-central1", "--project=my-project")
+
+
+def test_should_check_the_on_demand_metric_and_the_global_one_when_capacity_is_on_demand() -> None:
+    gcloud = FakeGcloud({"NVIDIA_B200_GPUS": (64, 0)}, {"GPUS_ALL_REGIONS": (4, 0)})
+    plan = _plan("gemma3-1b-math-b200.yaml", "--set", "capacity.type=onDemand")
+    problems, _ = preflight.check_quotas(FakeCluster(SPOT_NODES), plan, CONTEXT, gcloud)
+    assert len(problems) == 1 and problems[0].startswith("quota: GPUS_ALL_REGIONS in all regions has 4 free")
+
+
+def test_should_not_ask_for_quota_when_the_nodes_are_there_or_reserved() -> None:
+    gcloud = FakeGcloud({})
+    assert preflight.check_quotas(FakeCluster(SPOT_NODES), _plan("gemma3-1b-math-b200.yaml"), CONTEXT, gcloud) == ([], [])
+    cluster = FakeCluster({("nodes", ""): _answer("nodes-h200-reservation.json")})
+    plan = _plan("gemma3-27b-gsm8k-h200.yaml", "--set", "workerGroups.train.replicas=5")
+    assert preflight.check_quotas(cluster, plan, CONTEXT, gcloud) == ([], [])
+    assert gcloud.calls == []
+
+
+def test_should_note_rather_than_fail_when_gcloud_cannot_read_the_quotas() -> None:
+    plan = _plan("gemma3-1b-math-b200.yaml", "--set", "workerGroups.train.replicas=2")
+    problems, notes = preflight.check_quotas(FakeCluster(SPOT_NODES), plan, CONTEXT, FakeGcloud(None))
+    assert problems == [] and len(notes) == 1 and "check PREEMPTIBLE_NVIDIA_B200_GPUS yourself" in notes[0]
+    assert preflight.check_quotas(FakeCluster(SPOT_NODES), plan, CONTEXT, lambda *a: None) == ([], [])

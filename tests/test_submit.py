@@ -346,11 +346,24 @@ def test_should_pass_the_helm_test_check_only_when_ray_reports_the_gpus_asked_fo
     ).stdout
     pod = next(d for d in yaml.safe_load_all(rendered) if d and d["kind"] == "Pod")
     script = pod["spec"]["containers"][0]["args"][0]
-    env, _, port, _ = local_cluster
+    env, tmp, port, _ = local_cluster
+    token = subprocess.run(
+        [str(Path(sys.executable).parent / "ray"), "get-auth-token"], env=env, capture_output=True, text=True
+    ).stdout.strip()
+    # As the pod has it: RAY_AUTH_MODE and RAY_AUTH_TOKEN from the release's Secret, no ~/.ray
+    pod_env = {e["name"]: e for e in pod["spec"]["containers"][0]["env"]}
+    assert pod_env["RAY_AUTH_MODE"]["value"] == "token" and "secretKeyRef" in pod_env["RAY_AUTH_TOKEN"]["valueFrom"]
+    home = tmp / "test-pod-home"
+    home.mkdir(exist_ok=True)
     env = dict(
-        env, PATH=f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}", RAY_HEAD=f"127.0.0.1:{port}"
-    )
-    env["RAY_AUTH_MODE"] = "token"  # what `make up` starts with
+        env, PATH=f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}", RAY_HEAD=f"127.0.0.1:{port}",
+        HOME=str(home), RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token,
+    )  # fmt: skip
+    refused = subprocess.run(
+        ["bash", "-c", script], env=dict(env, RAY_AUTH_TOKEN="0" * 64, WANT_GPUS="2", TIMEOUT_S="0"),
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert refused.returncode == 1 and "FAIL: ray status cannot reach the head" in refused.stdout
     ok = subprocess.run(
         ["bash", "-c", script],
         env=dict(env, WANT_GPUS="2", TIMEOUT_S="60"),

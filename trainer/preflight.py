@@ -23,6 +23,9 @@ and checks what the rendered pods will need:
                 ``--gke-support-enabled``, which older nodes need with ``--enable-legacy-lustre-port``)
   identity      the service account when the chart does not create it, the Secrets pods read, the
                 Ray token's Secret when the chart does not create it (and a note when auth is off)
+  quotas        where ``gcloud`` is installed: the region's GPU quota of the capacity type (on-demand,
+                or preemptible for spot and flex-start; a reservation's VMs hold theirs already) and
+                ``GPUS_ALL_REGIONS``, against the GPUs the groups need beyond the nodes already there
   Pod Security  the namespace's ``pod-security.kubernetes.io/enforce`` level against the one the
                 rendered pods need (hostPath volumes of the RDMA workers and Unconfined seccomp or
                 AppArmor of code sandboxes need ``privileged``; KubeRay reports a rejected pod only
@@ -71,6 +74,9 @@ GPU = "nvidia.com/gpu"
 # upgradeStrategy): an older CRD prunes them without a word.
 CRD_FIELDS = {"rayclusters.ray.io": ("spec",), "rayjobs.ray.io": ("spec", "rayClusterSpec")}
 NEEDED_FIELDS = ("authOptions", "upgradeStrategy")
+# Compute Engine quota metrics of the GPUs the presets use; spot and flex-start VMs count against the
+# PREEMPTIBLE_ ones.
+GPU_QUOTAS = {"nvidia-h200-141gb": "NVIDIA_H200_GPUS", "nvidia-b200": "NVIDIA_B200_GPUS"}
 PSA = "pod-security.kubernetes.io"
 PSA_LEVELS = ("restricted", "baseline", "privileged")  # strictest first
 
@@ -85,6 +91,7 @@ class Result:
 
 
 Kubectl = Callable[..., Result]
+Gcloud = Callable[..., "Result | None"]  # None: no gcloud here, so no quota check
 
 
 class NoCluster(Exception):
@@ -102,6 +109,16 @@ def real_kubectl(*args: str) -> Result:
         p = subprocess.run(["kubectl", *args], capture_output=True, text=True, timeout=30)
     except subprocess.TimeoutExpired:
         raise NoCluster(f"kubectl {' '.join(args[:2])} timed out: is the cluster reachable?") from None
+    return Result(p.returncode, p.stdout, p.stderr)
+
+
+def real_gcloud(*args: str) -> Result | None:
+    if not shutil.which("gcloud"):
+        return None
+    try:
+        p = subprocess.run(["gcloud", *args, "--format=json"], capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        return Result(1, "", "gcloud timed out")
     return Result(p.returncode, p.stdout, p.stderr)
 
 
@@ -693,13 +710,74 @@ def check_pod_security(kubectl: Kubectl, p: Plan, namespace: str) -> tuple[list[
     return problems, notes
 
 
+# ----- quotas -------------------------------------------------------------------------------------
+
+
+def _project(context: str) -> str | None:
+    """The project of a GKE kube context (`gke_PROJECT_LOCATION_CLUSTER`); None for any other."""
+    parts = context.split("_")
+    return parts[1] if len(parts) >= 4 and parts[0] == "gke" else None
+
+
+def _quotas(answer: Result | None) -> dict[str, tuple[float, float]] | None:
+    if answer is None or answer.rc != 0:
+        return None
+    return {q["metric"]: (float(q["limit"]), float(q["usage"])) for q in json.loads(answer.out or "{}").get("quotas", [])}
+
+
+def check_quotas(kubectl: Kubectl, p: Plan, context: str, gcloud: Gcloud = real_gcloud) -> tuple[list[str], list[str]]:
+    """(problems, notes): GPU quota for the GPUs the groups need beyond the matching nodes already up
+    (those hold theirs). Nothing without gcloud; a note when gcloud cannot read the quotas."""
+    nodes = (_get(kubectl, "nodes") or {}).get("items", [])
+    regions = {(n["metadata"].get("labels") or {}).get("topology.kubernetes.io/region") for n in nodes} - {None}
+    wants: dict[str, int] = {}  # metric -> GPUs still to come
+    for need in p.workers:
+        accelerator = need.selector.get("cloud.google.com/gke-accelerator")
+        if need.gpus == 0 or need.count == 0 or accelerator not in GPU_QUOTAS:
+            continue
+        if "cloud.google.com/reservation-name" in need.selector:
+            continue  # the reservation took its quota when it was made
+        preemptible = any(need.selector.get(k) == "true" for k in ("cloud.google.com/gke-spot", "cloud.google.com/gke-flex-start"))
+        metric = ("PREEMPTIBLE_" if preemptible else "") + GPU_QUOTAS[accelerator]
+        present = sum(_allocatable(n)[GPU] for n in nodes if _eligible(n, need))
+        missing = max(0, need.count * need.gpus - int(present))
+        if missing:
+            wants[metric] = wants.get(metric, 0) + missing
+    if not wants or len(regions) != 1:
+        return [], []
+    (region,) = regions
+    project = _project(context)
+    where = [f"--project={project}"] if project else []
+    answer = gcloud("compute", "regions", "describe", region, *where)
+    if answer is None:  # no gcloud here: the runbook lists the quotas (step 0)
+        return [], []
+    regional = _quotas(answer)
+    if regional is None:
+        return [], [f"quota: gcloud could not read the quotas of {region}: check {', '.join(sorted(wants))} yourself (docs/cluster.md step 0)"]
+    global_ = _quotas(gcloud("compute", "project-info", "describe", *where)) or {}
+    problems = []
+    total = sum(wants.values())
+    checks = [(m, region, n) for m, n in sorted(wants.items())] + [("GPUS_ALL_REGIONS", "all regions", total)]
+    for metric, scope, n in checks:
+        quotas = global_ if metric == "GPUS_ALL_REGIONS" else regional
+        if metric not in quotas:
+            continue
+        limit, usage = quotas[metric]
+        if limit - usage < n:
+            problems.append(
+                f"quota: {metric} in {scope} has {limit - usage:g} free (limit {limit:g}, used {usage:g}) and the "
+                f"release needs {n} more GPUs than its nodes have: request more (IAM & Admin, Quotas) or free some"
+            )
+    return problems, []
+
+
 # ----- command line -------------------------------------------------------------------------------
 
 
-def run(args: argparse.Namespace, kubectl: Kubectl = real_kubectl) -> int:
+def run(args: argparse.Namespace, kubectl: Kubectl = real_kubectl, gcloud: Gcloud = real_gcloud) -> int:
     minimum = min_kuberay_version()
     try:
-        check_context(kubectl)
+        context = check_context(kubectl)
         problems, notes = check_kuberay(kubectl, minimum)
         if not args.kuberay_only:
             from trainer.submit import kube_namespace, resolve
@@ -707,7 +785,11 @@ def run(args: argparse.Namespace, kubectl: Kubectl = real_kubectl) -> int:
             release = resolve(args.exp, need_values=True)
             namespace = args.namespace or kube_namespace(None)
             docs = render(release.name, release.values, namespace, args.helm_args, args.helm)
-            more, more_notes = check_release(kubectl, plan(docs), namespace)
+            p = plan(docs)
+            more, more_notes = check_release(kubectl, p, namespace)
+            problems += more
+            notes += more_notes
+            more, more_notes = check_quotas(kubectl, p, context, gcloud)
             problems += more
             notes += more_notes
     except NoCluster as e:

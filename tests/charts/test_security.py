@@ -410,3 +410,14 @@ def test_should_select_a_shared_reservations_project_and_block_when_given() -> N
     assert selector["cloud.google.com/reservation-affinity"] == "specific"
     assert selector["cloud.google.com/reservation-project"] == "capacity-owner"
     assert selector["cloud.google.com/reservation-blocks"] == "h200-res-block-0001"
+
+
+@pytest.mark.parametrize("mode", ["token", "disabled"])
+def test_should_say_where_the_token_is_or_warn_that_there_is_none_when_notes_print(mode) -> None:
+    out = run_helm("install", "r", str(CHART), "--dry-run=client", "-n", "exp", "--set", "storage.gcsfuse.bucketName=b",
+                   "--set", f"auth.mode={mode}")  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    if mode == "token":
+        assert "kubectl get secret r-ray-auth -n exp -o jsonpath='{.data.auth_token}' | base64 -d" in out.stdout
+    else:
+        assert "WARNING: auth.mode=disabled" in out.stdout

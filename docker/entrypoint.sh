@@ -16,6 +16,10 @@ if [ -z "${NCCL_NET:-}" ] && [ -f /usr/local/gib/scripts/set_nccl_env.sh ]; then
   source /usr/local/gib/scripts/set_nccl_env.sh
 fi
 ulimit -n 65536 2>/dev/null || true
+# Code rewards run the model's programs under bubblewrap or not at all, as on the chart's pods: a
+# container that denies it (docker run needs --security-opt seccomp=unconfined --security-opt
+# apparmor=unconfined) refuses such a run in one line. KUBERL_SANDBOX=auto allows the fallback.
+export KUBERL_SANDBOX="${KUBERL_SANDBOX:-bwrap}"
 
 if [ "$#" -eq 0 ]; then
   set -- python -m trainer --help

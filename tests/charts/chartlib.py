@@ -27,6 +27,9 @@ SCHEMA_FILES = {
     ("v1", "ServiceAccount"): "k8s/serviceaccount-v1.json",
     ("v1", "PersistentVolume"): "k8s/persistentvolume-v1.json",
     ("v1", "PersistentVolumeClaim"): "k8s/persistentvolumeclaim-v1.json",
+    ("v1", "Secret"): "k8s/secret-v1.json",
+    ("networking.k8s.io/v1", "NetworkPolicy"): "k8s/networkpolicy-v1.json",
+    ("policy/v1", "PodDisruptionBudget"): "k8s/poddisruptionbudget-v1.json",
 }
 
 # What most behaviour tests start from: a renderable chart with nothing else changed.

@@ -12,7 +12,8 @@ import yaml
 from chartlib import CHART, REPO
 
 DOC = (REPO / "docs" / "cluster.md").read_text()
-ROOTS = ("image", "storage", "rdma", "job", "head", "capacity", "gpu", "serviceAccount", "secrets", "tests", "tensorboard")
+ROOTS = ("image", "storage", "rdma", "job", "head", "capacity", "gpu", "serviceAccount", "secrets", "tests", "tensorboard",
+         "auth", "sandbox", "networkPolicy", "podDisruptionBudget")  # fmt: skip
 
 
 def _has(values: dict, dotted: str) -> bool:
@@ -59,6 +60,18 @@ def test_should_install_the_kuberay_version_the_chart_needs_when_make_kuberay_ru
     out = subprocess.run(["make", "--no-print-directory", "-n", "kuberay"], capture_output=True, text=True, cwd=REPO)
     assert "bin/helm repo add kuberay https://ray-project.github.io/kuberay-helm/" in out.stdout
     assert f"bin/helm upgrade --install kuberay-operator kuberay/kuberay-operator --version {minimum} " in out.stdout
+
+
+def test_should_apply_the_crds_server_side_before_the_operator_when_make_kuberay_runs() -> None:
+    """`helm upgrade` never updates a chart's crds/: old CRDs would prune authOptions and upgradeStrategy."""
+    minimum = yaml.safe_load((CHART / "Chart.yaml").read_text())["annotations"]["kuberl.dev/min-kuberay-version"]
+    lines = subprocess.run(["make", "--no-print-directory", "-n", "kuberay"], capture_output=True, text=True,
+                           cwd=REPO).stdout.splitlines()  # fmt: skip
+    show = next(i for i, ln in enumerate(lines) if ln.startswith(f"bin/helm show crds kuberay/kuberay-operator --version {minimum} > "))
+    crds = lines[show].split("> ", 1)[1].strip()
+    apply = lines.index(f"kubectl apply --server-side --force-conflicts -f {crds}")
+    upgrade = next(i for i, ln in enumerate(lines) if ln.startswith("bin/helm upgrade --install kuberay-operator"))
+    assert show < apply < upgrade
 
 
 def test_should_build_the_same_tag_with_cloud_build_when_there_is_no_docker() -> None:

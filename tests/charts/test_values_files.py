@@ -104,3 +104,21 @@ def test_should_put_the_head_on_a_node_with_at_least_16_vcpus_when_the_values_us
     assert int(machine.rsplit("-", 1)[-1]) >= 16, f"{machine} has fewer than 16 vCPUs"
     cpu = spec["containers"][0]["resources"]["requests"]["cpu"]
     assert float(cpu) > 8, f"head requests {cpu} CPUs: it would also fit a node with 8 vCPUs"
+
+
+CODE_REWARDS = ("code_unit_tests", "cpp_contest")  # what trainer/run.py checks the sandbox for
+
+
+def test_should_give_code_rewards_a_sandbox_that_starts_when_its_experiment_runs_model_code(values_file: Path) -> None:
+    from trainer.config import load
+
+    values = yaml.safe_load(values_file.read_text())
+    cfg = load([f"experiment={values['experiment']}"])
+    runs_code = any(r.name in CODE_REWARDS for r in cfg.env.reward_functions)
+    sandbox = values.get("sandbox") or {}
+    assert bool(sandbox.get("enabled")) == runs_code, (
+        f"{values_file.name}: sandbox.enabled must be {runs_code}: its experiment "
+        + ("runs code rewards, which refuse to run without bubblewrap" if runs_code else "runs no model code")
+    )
+    assert sandbox.get("backend", "bwrap") == "bwrap", "code rewards never fall back on the cluster"
+    assert "containerSecurityContext" not in values, "sandbox.enabled sets what bubblewrap needs"

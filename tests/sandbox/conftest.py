@@ -17,7 +17,7 @@ SANDBOX_UID_MIN = 10000  # allocate_uid never hands out anything below this
 def _bwrap_problem() -> str | None:
     try:
         backends.resolve("bwrap")
-    except RuntimeError as e:
+    except backends.SandboxUnavailable as e:
         return str(e)
     return None
 

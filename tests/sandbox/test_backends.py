@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
+import socket
 import stat
 import subprocess
 import sys
@@ -14,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from trainer.config import ConfigError
 from trainer.sandbox import backends
 
 from .conftest import sandbox_dirs, sandbox_processes
@@ -37,6 +40,48 @@ def test_should_use_the_fallback_when_the_environment_forces_it(monkeypatch):
     b = backends.resolve()
     assert b.kind == backends.RLIMIT and b.reason
     assert b.switch_uid == (os.geteuid() == 0)
+
+
+def test_should_refuse_in_one_line_when_bwrap_is_forced_and_cannot_start(monkeypatch):
+    monkeypatch.setattr(backends, "_cache", {})
+    monkeypatch.setenv("PATH", "/nonexistent")  # no bwrap to be found
+    with pytest.raises(backends.SandboxUnavailable) as e:
+        backends.resolve("bwrap")
+    line = str(e.value)
+    assert "\n" not in line and line.startswith("KUBERL_SANDBOX=bwrap, but bubblewrap cannot start here")
+    assert "sandbox.enabled=true" in line
+    assert isinstance(e.value, ConfigError)  # python -m trainer prints it as one line and exits 2
+
+
+@pytest.mark.parametrize("requested", ["rlimit", "auto"])
+def test_should_refuse_the_fallback_when_it_cannot_take_the_network_away(monkeypatch, requested):
+    monkeypatch.setattr(backends, "_cache", {})
+    monkeypatch.setattr(backends, "_bwrap_backend", lambda need_world: (_ for _ in ()).throw(RuntimeError("no bwrap")))
+    monkeypatch.setattr(backends, "_can_unshare", lambda *flags: False)
+    with pytest.raises(backends.SandboxUnavailable, match="cannot unshare a network namespace") as e:
+        backends.resolve(requested)
+    assert "\n" not in str(e.value)
+
+
+def test_should_give_the_fallback_its_own_network_namespace_when_it_resolves(monkeypatch):
+    monkeypatch.setattr(backends, "_cache", {})
+    b = backends.resolve("rlimit")
+    assert b.netns in (backends.NETNS_ROOT, backends.NETNS_USER)
+
+
+def test_should_exit_before_running_anything_when_the_runner_cannot_unshare_the_network(monkeypatch):
+    """The runner's own guard: a namespace it cannot make stops it, whatever resolve() believed."""
+    from trainer.sandbox import executor
+
+    monkeypatch.setattr(backends, "_cache", {})
+    real = backends.resolve("rlimit")
+    # A flag the kernel rejects (EINVAL) stands in for a refused unshare.
+    monkeypatch.setattr(executor.backends, "resolve", lambda backend=None: dataclasses.replace(real, netns="user"))
+    code = "print('ran')"
+    src = executor.RUNNER_SOURCE.replace("CLONE_NEWUSER = 0x10000000", "CLONE_NEWUSER = 0x7fffffff")
+    monkeypatch.setattr(executor, "RUNNER_SOURCE", src)
+    result = executor.run_tests("python", code, [""])
+    assert result.runs[0].stdout == b"" and "cannot unshare a network namespace" in (result.error or "")
 
 
 def test_should_switch_uid_through_setpriv_when_it_exists():
@@ -75,6 +120,15 @@ def test_should_mount_only_system_directories_when_building_the_bwrap_command():
         "--disable-userns",
     } <= set(argv)
     assert argv[-3:] == ["python3", "-c", "pass"]
+    assert argv[argv.index("--proc") + 1] == "/proc"
+
+
+def test_should_mount_no_proc_at_all_when_the_runtime_masks_the_containers_proc():
+    """Where a new procfs is refused (a masked /proc: procMount Default), the sandbox gets none rather
+    than the container's own (the runner needs none under bubblewrap's PID namespace)."""
+    b = backends.Backend(backends.BWRAP, "/usr/bin/python3", "/usr/bin/bwrap", proc=False)
+    argv = backends.bwrap_argv(b, ["python3", "-c", "pass"])
+    assert "--proc" not in argv and "/proc" not in argv and "--unshare-all" in argv
 
 
 NON_ROOT_UID = 54321
@@ -84,13 +138,17 @@ NON_ROOT_SCRIPT = textwrap.dedent(
     import json, logging, sys
     from trainer.sandbox import Limits, run_tests
     out = {}
-    for be in sys.argv[1:]:
+    port = int(sys.argv[1])
+    for be in sys.argv[2:]:
         add = run_tests("python", "a, b = map(int, input().split())\\nprint(a + b)", ["1 2\\n"], backend=be)
         cpp = run_tests("cpp", "#include <cstdio>\\nint main(){int a,b;scanf(\\"%d%d\\",&a,&b);printf(\\"%d\\\\n\\",a+b);}",
                         ["3 4\\n"], backend=be)
         bomb = run_tests("python", "import os\\nwhile True:\\n    try:\\n        os.fork()\\n    except OSError:\\n        pass",
                          [""], Limits(time_s=0.5), backend=be)
-        out[be] = [add.runs[0].stdout.decode(), cpp.runs[0].stdout.decode(), bomb.runs[0].status, add.error, cpp.error]
+        net = run_tests("python", f"import socket\\ns = socket.socket()\\nprint(s.connect_ex(('127.0.0.1', {port})) == 0)",
+                        [""], backend=be)
+        out[be] = [add.runs[0].stdout.decode(), cpp.runs[0].stdout.decode(), bomb.runs[0].status, add.error, cpp.error,
+                   net.runs[0].stdout.decode()]
     print(json.dumps(out))
     """
 )
@@ -108,20 +166,24 @@ def test_should_work_without_root_when_the_trainer_is_unprivileged():
     try:
         backends.resolve(backends.BWRAP)
         kinds.append(backends.BWRAP)
-    except RuntimeError:
+    except backends.SandboxUnavailable:
         pass
     # KUBERL_SANDBOX_PCH=0: as this uid the shared header folder (/tmp/kuberl-pch) would be created as
     # this uid's, and every later run as root would then refuse it as not its own.
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "HOME": "/tmp", "LANG": "C.UTF-8", "KUBERL_SANDBOX_PCH": "0"}
-    argv = backends.as_uid([python, "-c", NON_ROOT_SCRIPT, *kinds], NON_ROOT_UID)[0]
+    server = socket.socket()  # a socket of the host that no sandbox may reach
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    argv = backends.as_uid([python, "-c", NON_ROOT_SCRIPT, str(server.getsockname()[1]), *kinds], NON_ROOT_UID)[0]
     try:
         p = subprocess.run(argv, capture_output=True, text=True, timeout=100, env=env, cwd="/tmp")
     finally:  # whatever happened, nothing of that uid survives the test
         subprocess.run(backends.as_uid(["kill", "-9", "-1"], NON_ROOT_UID)[0], capture_output=True)
+        server.close()
     assert p.returncode == 0, p.stderr[-2000:]
     results = json.loads(p.stdout.strip().splitlines()[-1])
     for kind in kinds:
-        assert results[kind] == ["3\n", "7\n", "timeout", None, None], (kind, p.stderr[-1000:])
+        assert results[kind] == ["3\n", "7\n", "timeout", None, None, "False\n"], (kind, p.stderr[-1000:])
     if backends.RLIMIT in kinds:
         assert "as the trainer's own uid" in p.stderr  # the one warning says what the fallback cannot do
     left = [d for d in Path("/tmp").glob("kuberl-sandbox-*") if d.stat().st_uid == NON_ROOT_UID]
@@ -163,3 +225,22 @@ def test_should_stop_the_sandbox_when_its_caller_is_killed(backend):
         time.sleep(0.1)
     for d in sandbox_dirs({caller.pid}):  # what the killed caller could not remove
         shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_should_stop_a_code_reward_run_in_one_line_when_bwrap_is_forced_and_cannot_start(tmp_path):
+    """What a pod of the chart does (KUBERL_SANDBOX=bwrap) where its security context keeps bubblewrap
+    from starting: the run refuses before any code from the model runs, with one line and no fallback.
+    An interpreter that does not exist makes bubblewrap fail here whether or not it is installed."""
+    env = dict(os.environ, KUBERL_SANDBOX="bwrap", KUBERL_SANDBOX_PYTHON="/nonexistent/python3", PYTHONPATH=str(REPO))
+    p = subprocess.run(
+        [sys.executable, "-m", "trainer", "experiment=tiny", "rewards=code_unit_tests", "grpo.max_num_steps=1",
+         f"logger.log_dir={tmp_path / 'logs'}", f"checkpointing.checkpoint_dir={tmp_path / 'ckpt'}"],
+        capture_output=True, text=True, cwd=REPO, env=env, timeout=280,
+    )  # fmt: skip
+    assert p.returncode == 2, p.stdout[-2000:] + p.stderr[-2000:]
+    assert "Traceback" not in p.stderr
+    ours = [ln for ln in p.stderr.splitlines() if ln.startswith("kuberl:")]
+    assert len(ours) == 1 and ours[0].startswith("kuberl: error: KUBERL_SANDBOX=bwrap, but bubblewrap cannot start here")
+    assert not (tmp_path / "logs").exists() or not list((tmp_path / "logs").rglob("train_data_step*.jsonl"))

@@ -17,7 +17,7 @@ import uuid
 import pytest
 
 from trainer import rewards
-from trainer.sandbox import backends
+from trainer.sandbox import backends, run_tests
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -149,16 +149,9 @@ def test_should_not_write_outside_its_directory_when_code_tries(backend, tmp_pat
                 os.unlink(t)
 
 
-def _fallback_has_netns() -> bool:
-    return (
-        os.geteuid() == 0
-        and subprocess.run(["unshare", "--net", "true"], capture_output=True).returncode == 0
-    )
-
-
 def test_should_have_no_network_when_code_opens_a_socket(backend, no_leftovers):
-    if backend == backends.RLIMIT and not _fallback_has_netns():
-        pytest.skip("the fallback cannot unshare a network namespace here (not root, or not allowed)")
+    # No skip for the fallback: where it cannot take the network away it does not exist
+    # (test_backends.py), so a backend that resolves here must pass this.
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
     server.listen(1)
@@ -174,6 +167,28 @@ def test_should_have_no_network_when_code_opens_a_socket(backend, no_leftovers):
     )
     try:
         assert score("code_unit_tests", py(code), backend) == (0.0, False)
+        with pytest.raises(TimeoutError):
+            server.accept()
+    finally:
+        server.close()
+
+
+def test_should_not_reach_a_listening_host_socket_when_code_connects_to_127_0_0_1(backend, no_leftovers):
+    """The program's own report, from the run itself: connect() to a socket the host listens on."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    server.settimeout(0.5)
+    port = server.getsockname()[1]
+    code = (
+        "import socket\n"
+        "s = socket.socket()\n"
+        "s.settimeout(1)\n"
+        f"print('connected' if s.connect_ex(('127.0.0.1', {port})) == 0 else 'refused')\n"
+    )
+    try:
+        result = run_tests("python", code, [""], backend=backend)
+        assert result.error is None and result.runs[0].stdout.decode().strip() == "refused", result
         with pytest.raises(TimeoutError):
             server.accept()
     finally:

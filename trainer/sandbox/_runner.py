@@ -32,6 +32,7 @@ PR_SET_PDEATHSIG = 1
 PR_SET_DUMPABLE = 4
 PR_SET_CHILD_SUBREAPER = 36
 CLONE_NEWNET = 0x40000000
+CLONE_NEWUSER = 0x10000000
 _libc = None  # ctypes' libc, loaded by main()
 ERR_BYTES = 4096  # stderr bytes kept per step: enough for a traceback or a compiler's first errors
 
@@ -396,6 +397,12 @@ def _step(spec, argv, stdin, cap, lim, cwd):
     return header, out, bytes(err.data)
 
 
+def _unshare_or_exit(libc, flags):
+    if libc.unshare(flags) != 0:
+        os.write(2, b"sandbox: cannot unshare a network namespace, so nothing runs\n")
+        os._exit(71)
+
+
 def main():
     res_fd = os.dup(1)
     spec = marshal.loads(_read_all(0))
@@ -408,13 +415,18 @@ def main():
 
     global _libc
     _libc = libc = ctypes.CDLL(None, use_errno=True)
-    if spec.get("try_netns"):
-        libc.unshare(CLONE_NEWNET)  # the fallback's best effort: works when we still hold CAP_SYS_ADMIN
+    # The fallback never keeps the network: a namespace of its own (while still root, before the uid
+    # drop, or as any uid inside a new user namespace), or the runner exits before running anything.
+    netns = spec.get("netns")
+    if netns == "net":
+        _unshare_or_exit(libc, CLONE_NEWNET)
     if spec.get("drop_to"):
         uid, gid = spec["drop_to"]
         os.setgroups([])
         os.setgid(gid)
         os.setuid(uid)
+    if netns == "user":
+        _unshare_or_exit(libc, CLONE_NEWUSER | CLONE_NEWNET)
     libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
     libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     # If the trainer's worker is killed (a reward timeout cancels its task), take everything down

@@ -6,21 +6,27 @@ no home directories, no ``/proc`` of the host, no network. Its writable places a
 tmpfs (``/box`` and ``/tmp``) that vanish with it. Killing the outer bwrap tears the PID namespace
 down, and with it everything the program started.
 
-``rlimit``: where the kernel or the pod's security settings refuse namespaces, the runner runs on
+``rlimit``: where the kernel or the pod's security settings refuse bubblewrap, the runner runs on
 the host with the same per-test rlimits, in a fresh 0700 directory, with a scrubbed environment,
 and (when we are root) as its own unprivileged uid, so that it cannot read root's files, signal the
 trainer or read its ``/proc/<pid>/environ``, and so that ``kill(-1)`` from that uid reaches exactly the
-sandbox's processes. It still sees world-readable files and the network (unless we may unshare a
-network namespace) and can write to world-writable directories: one warning says so at start-up.
+sandbox's processes. It never keeps the network: the runner enters a network namespace of its own
+(``unshare(CLONE_NEWNET)`` while it is still root, else a user namespace with it) before it runs
+anything, and a machine where neither works gets no fallback at all: :func:`resolve` raises
+:class:`SandboxUnavailable`, whose one line the run stops with. It still sees world-readable files
+and can write to world-writable directories: one warning says so at start-up.
 
 Both give every sandbox its own unprivileged uid when the trainer runs as root, because the kernel
 counts RLIMIT_NPROC per uid and does not enforce it for root at all: a shared uid would let one fork
 bomb starve every other sample's sandbox. ``KUBERL_SANDBOX=bwrap|rlimit`` forces a backend (``auto``,
-the default, probes bwrap and falls back); ``KUBERL_SANDBOX_PYTHON`` names the interpreter.
+the default, probes bwrap and falls back); the chart sets ``bwrap`` on every Ray pod, so a pod whose
+security context does not let bubblewrap start refuses code rewards instead of falling back.
+``KUBERL_SANDBOX_PYTHON`` names the interpreter.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -31,11 +37,18 @@ import sys
 import threading
 from dataclasses import dataclass, field
 
+from trainer.config import ConfigError
+
 log = logging.getLogger(__name__)
 
 BWRAP = "bwrap"
 RLIMIT = "rlimit"
 BACKENDS = (BWRAP, RLIMIT)
+
+# How the fallback's runner gets its network namespace (_runner.py): unshare it while still root
+# (then drop to the sandbox uid), or as any uid inside a new user namespace.
+NETNS_ROOT = "net"
+NETNS_USER = "user"
 
 BOX = "/box"  # the sandbox's working directory under bwrap
 SCRATCH_BYTES = 128 << 20  # size of each tmpfs under bwrap (where supported)
@@ -49,6 +62,8 @@ class Backend:
     bwrap_flags: tuple[str, ...] = ()  # optional flags this bwrap supports (--size, --disable-userns)
     binds: tuple[str, ...] = ()  # host directories mounted read-only under bwrap
     switch_uid: bool = False  # we are root: each sandbox runs as its own unprivileged uid
+    netns: str = ""  # the fallback: NETNS_ROOT or NETNS_USER, never "" (bubblewrap unshares its own)
+    proc: bool = True  # bwrap mounts a /proc of the sandbox's PID namespace (not where /proc is masked)
     reason: str = ""  # why this backend (a fallback says what failed)
     notes: list[str] = field(default_factory=list, compare=False)
 
@@ -169,7 +184,7 @@ def bwrap_argv(b: Backend, python_argv: list[str], extra_ro: list[str] | tuple[s
     argv += ["--ro-bind-try", "/etc/alternatives", "/etc/alternatives"]
     for d in b.binds:
         argv += ["--ro-bind", d, d]
-    argv += ["--proc", "/proc", "--dev", "/dev"]
+    argv += ["--proc", "/proc", "--dev", "/dev"] if b.proc else ["--dev", "/dev"]
     for mount in (BOX, "/tmp"):
         if "--size" in b.bwrap_flags:
             argv += ["--size", str(SCRATCH_BYTES)]
@@ -210,16 +225,27 @@ def _probe(b: Backend) -> str | None:
     return err[-1] if err else f"exit status {p.returncode}"
 
 
-def _can_unshare_net() -> bool:
-    """Whether the fallback's runner will get its own network namespace (it tries the same call)."""
+class SandboxUnavailable(ConfigError, RuntimeError):
+    """No isolation that code from the model may run under: the run refuses to start with this one
+    line (the entry point prints a ConfigError so; callers that knew only RuntimeError still catch it)."""
+
+
+def _can_unshare(*flags: str) -> bool:
     unshare = shutil.which("unshare")
     try:
-        return (
-            bool(unshare)
-            and subprocess.run([unshare, "--net", "true"], capture_output=True, timeout=10).returncode == 0
-        )
+        return bool(unshare) and subprocess.run([unshare, *flags, "true"], capture_output=True, timeout=10).returncode == 0
     except (OSError, subprocess.SubprocessError):
         return False
+
+
+def netns_mode(root: bool) -> str | None:
+    """How the fallback's runner will get a network namespace of its own (it makes the same calls);
+    None where it cannot, and then there is no fallback."""
+    if root and _can_unshare("--net"):
+        return NETNS_ROOT
+    if _can_unshare("--user", "--net"):
+        return NETNS_USER
+    return None
 
 
 _lock = threading.Lock()
@@ -229,7 +255,8 @@ _cache: dict[str, Backend] = {}
 def resolve(requested: str | None = None) -> Backend:
     """The backend for ``requested`` (``bwrap``, ``rlimit`` or ``auto``), probed once per process.
 
-    Raises ``RuntimeError`` when ``bwrap`` is asked for by name and does not work here.
+    Raises :class:`SandboxUnavailable` when ``bwrap`` is asked for by name and does not work here, or
+    when it does not and the fallback could not take the network away either.
     """
     requested = (requested or os.environ.get("KUBERL_SANDBOX") or "auto").lower()
     if requested not in (*BACKENDS, "auto"):
@@ -243,6 +270,11 @@ def resolve(requested: str | None = None) -> Backend:
             try:
                 b = _bwrap_backend(need_world=root)
                 why = _probe(b)
+                if why and "proc" in why:
+                    # A container runtime masks parts of /proc (procMount: Default), and the kernel then
+                    # refuses a new procfs in a user namespace. The runner needs none: go without.
+                    b = dataclasses.replace(b, proc=False)
+                    why = _probe(b)
             except (RuntimeError, OSError, subprocess.SubprocessError) as e:
                 why = str(e)
             if why is None:
@@ -250,17 +282,27 @@ def resolve(requested: str | None = None) -> Backend:
                 _cache[requested] = b
                 return b
             if requested == BWRAP:
-                raise RuntimeError(f"sandbox: bubblewrap does not work here: {why}")
+                raise SandboxUnavailable(
+                    f"KUBERL_SANDBOX=bwrap, but bubblewrap cannot start here ({why}); code rewards run only "
+                    "isolated: on GKE give the pods sandbox.enabled=true in the chart's values (docs/cluster.md), "
+                    "elsewhere allow unprivileged user namespaces"
+                )
             reason = f"bubblewrap unavailable ({why})"
         else:
             reason = "rlimit backend requested"
-        b = Backend(RLIMIT, _find_python(need_world=root), switch_uid=root, reason=reason)
+        netns = netns_mode(root)
+        if netns is None:
+            raise SandboxUnavailable(
+                f"sandbox: {reason}, and the rlimit fallback cannot unshare a network namespace here, so "
+                "code from the model would keep this machine's network: install bubblewrap and allow "
+                "user namespaces (KUBERL_SANDBOX=bwrap), or run the trainer as root with CAP_SYS_ADMIN"
+            )
+        b = Backend(RLIMIT, _find_python(need_world=root), switch_uid=root, netns=netns, reason=reason)
         if root:
-            net = "no network (own network namespace)" if _can_unshare_net() else "but with the network"
-            isolation = f"each sandbox as its own unprivileged uid, {net}; it can read world-readable files"
+            isolation = "each sandbox as its own unprivileged uid, no network; it can read world-readable files"
         else:
             isolation = (
-                "as the trainer's own uid, with the network: sandboxed code can read the trainer's files "
+                "as the trainer's own uid, no network: sandboxed code can read the trainer's files "
                 "and signal its processes"
             )
         log.warning("sandbox: %s; running code with resource limits only, %s", reason, isolation)

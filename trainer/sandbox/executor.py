@@ -147,9 +147,9 @@ def run_tests(
         else:
             argv = runner
             spec["parent_pid"] = os.getpid()  # the runner's parent: it exits if that is gone already
-            if uid is not None:  # the runner drops to ``uid`` itself, after trying a network namespace
+            spec["netns"] = b.netns  # the runner takes the network away before anything runs, or exits
+            if uid is not None:  # the runner drops to ``uid`` itself
                 spec["drop_to"] = [uid, uid]
-                spec["try_netns"] = True
         budget = STARTUP_S + len(data) * (limits.wall + 0.5)
         if "compile" in spec:
             budget += compile_limits.wall

@@ -41,6 +41,62 @@ kuberl.dev/experiment: {{ . | quote }}
 {{- end }}
 {{- end }}
 
+{{/* The Secret with the Ray token (key `auth_token`): auth.existingSecret, else the chart's own. */}}
+{{- define "kuberl.authSecret" -}}
+{{- default (printf "%s-ray-auth" (include "kuberl.fullname" .)) .Values.auth.existingSecret }}
+{{- end }}
+
+{{/* KubeRay's authOptions: a token from kuberl.authSecret, or none. */}}
+{{- define "kuberl.authOptions" -}}
+{{- if eq .Values.auth.mode "token" -}}
+authOptions:
+  mode: token
+  secretName: {{ include "kuberl.authSecret" . }}
+{{- else -}}
+authOptions:
+  mode: disabled
+{{- end }}
+{{- end }}
+
+{{/*
+RAY_AUTH_MODE and RAY_AUTH_TOKEN for a container that talks to the cluster but is not one of its Ray
+containers (the `helm test` pod, the RayJob submitter): KubeRay injects them into its own only.
+*/}}
+{{- define "kuberl.authEnv" -}}
+{{- if eq .Values.auth.mode "token" -}}
+- name: RAY_AUTH_MODE
+  value: token
+- name: RAY_AUTH_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "kuberl.authSecret" . }}
+      key: auth_token
+{{- end }}
+{{- end }}
+
+{{/*
+Metadata of the RayCluster or RayJob object: the chart's labels, the Kueue queue, `labels`; KubeRay's
+annotation, then `annotations`.
+*/}}
+{{- define "kuberl.rayObjectMetadata" -}}
+name: {{ include "kuberl.fullname" . }}
+labels:
+  {{- include "kuberl.labels" . | nindent 2 }}
+  {{- with .Values.queue }}
+  kueue.x-k8s.io/queue-name: {{ . | quote }}
+  {{- end }}
+  {{- with .Values.labels }}
+  {{- toYaml . | nindent 2 }}
+  {{- end }}
+annotations:
+  # Our start-up script runs KubeRay's generated `ray start` itself (see kuberl.startScript); on a
+  # RayJob KubeRay copies it to the RayCluster it creates.
+  ray.io/overwrite-container-cmd: "true"
+  {{- with .Values.annotations }}
+  {{- toYaml . | nindent 2 }}
+  {{- end }}
+{{- end }}
+
 {{- define "kuberl.serviceAccountName" -}}
 {{- if .Values.serviceAccount.create }}
 {{- default (include "kuberl.fullname" .) .Values.serviceAccount.name }}
@@ -124,7 +180,9 @@ export {{ $k }}={{ $val | toString | squote }}
 {{- end }}
 {{- end }}
 {{- if and .head $v.tensorboard.enabled }}
-tensorboard --logdir "$KUBERL_LOG_DIR" --bind_all --port {{ $v.tensorboard.port }} >/tmp/tensorboard.log 2>&1 &
+{{- /* On the pod's loopback only: TensorBoard has no authentication, and `make tensorboard` reaches it
+through kubectl port-forward, which Kubernetes RBAC guards (pods/portforward). */}}
+tensorboard --logdir "$KUBERL_LOG_DIR" --host 127.0.0.1 --port {{ $v.tensorboard.port }} >/tmp/tensorboard.log 2>&1 &
 {{- end }}
 exec /bin/bash -c "$KUBERAY_GEN_RAY_START_CMD"
 {{- end }}
@@ -136,6 +194,26 @@ Without tini `ray start` would be PID 1, and the orphans of bubblewrap sandboxes
 */}}
 {{- define "kuberl.command" -}}
 ["/usr/bin/tini", "--", "/bin/bash", "-c", "--"]
+{{- end }}
+
+{{/*
+securityContext of a Ray container: what bubblewrap needs when sandbox.enabled, then
+containerSecurityContext over it. bubblewrap makes user, mount, PID and network namespaces and mounts
+tmpfs in them: containerd's default seccomp profile (GKE Autopilot applies it, Standard when a pod or
+Pod Security asks for RuntimeDefault) refuses unshare/clone of namespaces without CAP_SYS_ADMIN, and
+the cri-containerd.apparmor.d profile GKE's Container-Optimized OS applies denies mount. No
+capability is added and nothing is privileged: the container's masked /proc stays masked, and the
+sandbox then goes without a /proc of its own (trainer/sandbox/backends.py).
+*/}}
+{{- define "kuberl.containerSecurityContext" -}}
+{{- $sc := dict }}
+{{- if .Values.sandbox.enabled }}
+{{- $sc = dict "seccompProfile" (dict "type" "Unconfined") "appArmorProfile" (dict "type" "Unconfined") "allowPrivilegeEscalation" false }}
+{{- end }}
+{{- $sc = mergeOverwrite $sc (deepCopy .Values.containerSecurityContext) }}
+{{- if $sc }}
+{{- toYaml $sc }}
+{{- end }}
 {{- end }}
 
 {{/*
@@ -157,6 +235,10 @@ Environment of every Ray container. Args: dict root, gpu (bool: a GPU worker).
 3 s): the same grace as the pods get, for the trainer to finish its step and save. */}}
 - name: RAY_JOB_STOP_WAIT_TIME_S
   value: {{ $v.terminationGracePeriodSeconds | quote }}
+{{- /* Code rewards run only under this isolation: with bwrap, a pod where bubblewrap cannot start
+refuses the run in one line rather than falling back (trainer/sandbox/backends.py). */}}
+- name: KUBERL_SANDBOX
+  value: {{ $v.sandbox.backend | quote }}
 {{- with $v.secrets.hfToken.secretName }}
 - name: HF_TOKEN
   valueFrom:
@@ -243,11 +325,46 @@ local SSD only on pools created with --ephemeral-storage-local-ssd, which GKE la
 {{- else if eq $v.capacity.type "reservation" }}
 {{- $_ := set $s "cloud.google.com/reservation-name" (required "capacity.reservationName is required when capacity.type=reservation" $v.capacity.reservationName) }}
 {{- $_ := set $s "cloud.google.com/reservation-affinity" "specific" }}
+{{- with $v.capacity.reservationProject }}
+{{- $_ := set $s "cloud.google.com/reservation-project" . }}
+{{- end }}
+{{- with $v.capacity.reservationBlock }}
+{{- $_ := set $s "cloud.google.com/reservation-blocks" . }}
+{{- end }}
+{{- else if eq $v.capacity.type "flexStart" }}
+{{- $_ := set $s "cloud.google.com/gke-flex-start" "true" }}
 {{- end }}
 {{- end }}
 {{- $s = merge (deepCopy (default dict .extra)) $s }}
 {{- if $s }}
 {{- toYaml $s }}
+{{- end }}
+{{- end }}
+
+{{/*
+Affinity: the group's, and for GPU pods with capacity.type=onDemand a required node affinity that
+keeps them off spot and flex-start nodes (a node selector cannot say "not"; GKE labels those nodes
+and need not taint them), added to every node selector term the group gives.
+Args: dict root, gpu (bool), extra (map).
+*/}}
+{{- define "kuberl.affinity" -}}
+{{- $a := deepCopy (default dict .extra) }}
+{{- if and .gpu (eq .root.Values.capacity.type "onDemand") }}
+{{- $not := list (dict "key" "cloud.google.com/gke-spot" "operator" "NotIn" "values" (list "true")) (dict "key" "cloud.google.com/gke-flex-start" "operator" "NotIn" "values" (list "true")) }}
+{{- $na := default dict $a.nodeAffinity }}
+{{- $req := default dict (get $na "requiredDuringSchedulingIgnoredDuringExecution") }}
+{{- $terms := list }}
+{{- range (default (list dict) $req.nodeSelectorTerms) }}
+{{- $term := deepCopy . }}
+{{- $_ := set $term "matchExpressions" (concat (default list $term.matchExpressions) $not) }}
+{{- $terms = append $terms $term }}
+{{- end }}
+{{- $_ := set $req "nodeSelectorTerms" $terms }}
+{{- $_ := set $na "requiredDuringSchedulingIgnoredDuringExecution" $req }}
+{{- $_ := set $a "nodeAffinity" $na }}
+{{- end }}
+{{- if $a }}
+{{- toYaml $a }}
 {{- end }}
 {{- end }}
 
@@ -258,6 +375,9 @@ local SSD only on pools created with --ephemeral-storage-local-ssd, which GKE la
 {{- $t = append $t (dict "key" "nvidia.com/gpu" "operator" "Exists" "effect" "NoSchedule") }}
 {{- if eq .root.Values.capacity.type "spot" }}
 {{- $t = append $t (dict "key" "cloud.google.com/gke-spot" "operator" "Equal" "value" "true" "effect" "NoSchedule") }}
+{{- else if eq .root.Values.capacity.type "flexStart" }}
+{{- /* GKE may taint flex-start nodes with their label. */}}
+{{- $t = append $t (dict "key" "cloud.google.com/gke-flex-start" "operator" "Equal" "value" "true" "effect" "NoSchedule") }}
 {{- end }}
 {{- end }}
 {{- $t = concat $t (default list .extra) }}
@@ -372,9 +492,15 @@ fileCacheCapacity: {{ ternary .fileCache.head .fileCache.worker .head | toString
 {{- default (printf "%s-lustre" (include "kuberl.fullname" .)) .Values.storage.lustre.existingClaim }}
 {{- end }}
 
-{{/* Cluster-scoped PV name: carries the namespace so two namespaces can use the same release name. */}}
+{{/*
+Cluster-scoped PV name, one per namespace and release: `<namespace>-<name>-lustre-<hash>`, the hash
+(8 hex digits of sha256 over `<namespace>/<release>`) told apart where the dashes are ambiguous
+(namespace `a-b` + release `c` and namespace `a` + release `b-c`). At most 63 + 47 + 16 characters, well
+under a PV name's 253, so nothing is cut. storage.lustre.volumeName keeps the name of a PV made before.
+*/}}
 {{- define "kuberl.lustreVolume" -}}
-{{- printf "%s-%s-lustre" .Release.Namespace (include "kuberl.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- $hash := printf "%s/%s" .Release.Namespace .Release.Name | sha256sum | trunc 8 }}
+{{- default (printf "%s-%s-lustre-%s" .Release.Namespace (include "kuberl.fullname" .) $hash) .Values.storage.lustre.volumeName }}
 {{- end }}
 
 {{/*
@@ -414,6 +540,16 @@ metadata:
 spec:
   serviceAccountName: {{ include "kuberl.serviceAccountName" .root }}
   terminationGracePeriodSeconds: {{ $v.terminationGracePeriodSeconds }}
+  {{- with $v.priorityClassName }}
+  priorityClassName: {{ . }}
+  {{- end }}
+  {{- with $v.runtimeClassName }}
+  runtimeClassName: {{ . }}
+  {{- end }}
+  {{- with $v.podSecurityContext }}
+  securityContext:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
   {{- with $v.imagePullSecrets }}
   imagePullSecrets:
     {{- toYaml . | nindent 4 }}
@@ -426,17 +562,22 @@ spec:
   tolerations:
     {{- . | nindent 4 }}
   {{- end }}
-  {{- with .group.affinity }}
+  {{- with include "kuberl.affinity" (dict "root" .root "gpu" $gpu "extra" .group.affinity) }}
   affinity:
+    {{- . | nindent 4 }}
+  {{- end }}
+  {{- with $v.initContainers }}
+  initContainers:
     {{- toYaml . | nindent 4 }}
   {{- end }}
   containers:
+    {{- /* KubeRay finds the Ray container at index 0: sidecars come after it. */}}
     - name: {{ ternary "ray-head" "ray-worker" .head }}
       image: {{ include "kuberl.image" .root }}
       imagePullPolicy: {{ $v.image.pullPolicy }}
-      {{- with $v.containerSecurityContext }}
+      {{- with include "kuberl.containerSecurityContext" .root }}
       securityContext:
-        {{- toYaml . | nindent 8 }}
+        {{- . | nindent 8 }}
       {{- end }}
       command: {{ include "kuberl.command" . }}
       args:
@@ -457,6 +598,10 @@ spec:
       {{- end }}
       env:
         {{- include "kuberl.env" $ctx | nindent 8 }}
+      {{- with $v.envFrom }}
+      envFrom:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
       resources:
         {{- if .head }}
         {{- toYaml (default dict .group.resources) | nindent 8 }}
@@ -465,8 +610,17 @@ spec:
         {{- end }}
       volumeMounts:
         {{- include "kuberl.volumeMounts" $ctx | nindent 8 }}
+        {{- with $v.extraVolumeMounts }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+    {{- with $v.sidecars }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
   volumes:
     {{- include "kuberl.volumes" $ctx | nindent 4 }}
+    {{- with $v.extraVolumes }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
 {{- end }}
 
 {{/*
@@ -528,6 +682,7 @@ listed here, so every head port is listed.
 */}}
 {{- define "kuberl.rayClusterSpec" -}}
 rayVersion: {{ .Values.rayVersion | quote }}
+{{ include "kuberl.authOptions" . }}
 headGroupSpec:
   serviceType: {{ .Values.head.serviceType }}
   rayStartParams:

@@ -74,7 +74,7 @@ def test_last_boxed(text, expected):
         ("#### 20\n#### 21", None, "several '####' answers: '20', '21'"),
         ("13 + 7 =", None, "nothing after '='"),
         ("She has 20 apples, and that is all I can say about it.", None,
-         "no \\boxed{} and no final answer ('####', 'the answer is', '=')"),
+         "no \\boxed{} and no final answer ('####', 'the answer is', '=', 'is ...')"),
     ],
 )
 def test_should_take_the_answer_from_one_place_only_when_reading_a_response(response, answer, source):
@@ -204,9 +204,12 @@ def test_math_wrong_or_malformed(gt, response):
     assert math_reward(gt, response) == (0.0, False)
 
 
-def test_math_huge_response_is_fast_and_scored_on_its_end():
+def test_should_score_zero_with_a_note_when_a_response_is_over_the_length_cap():
+    # the whole response is read (a window on its end would forget a hedge at its start), up to a cap
     start = time.perf_counter()
-    assert math_reward("3", HUGE + " \\boxed{3}") == (1.0, True)
+    score = math_reward("3", HUGE + " \\boxed{3}")
+    assert score == (0.0, False) and score.note.startswith("a response of 1,400,010 characters"), score
+    assert math_reward("3", "<think>" + HUGE + "</think> \\boxed{3}") == (1.0, True)  # the reasoning is not read
     assert time.perf_counter() - start < 5
 
 

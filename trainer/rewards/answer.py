@@ -188,7 +188,7 @@ _MARKER = re.compile(
 _WRAPPERS = ("$$", "$", "\\(", "\\)", "\\[", "\\]", "**", "`")
 _SPANS = (("$$", "$$"), ("\\[", "\\]"), ("\\(", "\\)"), ("$", "$"), ("**", "**"), ("`", "`"))
 # Where an unwrapped answer ends: a line break, a full stop, ! or ? before a space, or math mode closing.
-_ANSWER_END = re.compile(r"\n|[.!?](?=\s|$)|(?<!\\)\$|\\\)|\\\]|\*\*")
+_ANSWER_END = re.compile(r"\n|(?<!\\)[.!?](?=\s|$)|(?<!\\)\$|\\\)|\\\]|\*\*")
 # Words that take a value back or hedge it, after the answer or before a final "=".
 _HEDGE = re.compile(
     r"\b(?:or|nor|maybe|perhaps|possibly|probably|approximately|approx|roughly|unless|wrong|incorrect|mistake|"
@@ -258,7 +258,7 @@ def takes_back(after: str, answer: str) -> str | None:
 
 def _sentence(text: str) -> str:
     """The last sentence (or line) of ``text``, where a final ``=`` or "is" states its value."""
-    cut = max(text.rfind("\n"), *(m.end() - 1 for m in re.finditer(r"[.!?](?=\s)", text)), -1)
+    cut = max(text.rfind("\n"), *(m.end() - 1 for m in re.finditer(r"(?<!\\)[.!?](?=\s)", text)), -1)
     return text[cut + 1 :]
 
 
@@ -351,7 +351,7 @@ _CURRENCY = re.compile(r"^(?:\\\$|\$|€|£|¥|\\euro\s*|\\pounds\s*)")
 _PERCENT_DEGREE = re.compile(r"\s*(?:\\?%|\^\s*\{?\\circ\}?|°|\\degree)$")
 _STYLE = r"\\(?:text|textrm|textbf|textit|textnormal|textup|mbox|mathrm|mathbf|mathit|mathnormal|boldsymbol|bm)"
 _STYLED_NUMBER = re.compile(_STYLE + r"\s*\{([-+0-9.,\s]*)\}")  # \text{2}, \mathbf{2}: the number itself
-_TEX_UNIT = re.compile(r"\s*" + _STYLE + r"\s*\{\s*([A-Za-z][A-Za-z .]*)\}(\s*\^\s*\{?[23]\}?)?$")
+_TEX_UNIT = re.compile(r"\s*" + _STYLE + r"\s*\{\s*([A-Za-z][A-Za-z ./^{}0-9]*)\}(\s*\^\s*\{?[23]\}?)?$")
 _UNIT_TOKEN = r"[A-Za-z][A-Za-z.]*(?:\^\{?[23]\}?)?"
 _WORD_UNIT = re.compile(rf"\s*({_UNIT_TOKEN}(?:(?:\s+|\s*/\s*){_UNIT_TOKEN}){{0,3}})$")
 

@@ -89,6 +89,7 @@ MATH_ATTACKS = [
     ("20", "\\boxed{21}" + " filler" * 2_000 + " \\boxed{20}", None, "issue 41: a wrong box 8,000 characters back"),
     ("20", "\\boxed{20 \\approx 21}", None, "an approximation that is a second value"),
     ("20", "x = 19 or x = 20", None, "a hedge before the final ="),
+    ("20", "\\boxed{20}. Final Answer: The final answer is 21. I hope it is correct.", None, "a box, then another answer"),
 ]
 
 # (ground truth, response, question or None, style)
@@ -141,6 +142,8 @@ MATH_HONEST = [
     ("15", "13 + 2 = 15\n\n15", None, "issue 41: make train's jsonl, the answer again on its own line"),
     ("26", "14 + 12 equals 26", None, "issue 41: make train's jsonl, 'equals' for ="),
     ("\\frac{1}{3}", "\\boxed{x = \\frac{1}{3} \\approx 0.333}", None, "an approximation that agrees"),
+    ("14400", "$5! \\cdot 5! = \\boxed{14400}$. Final Answer: The final answer is 14400. I hope it is correct.", None,
+     "a box, then the Minerva ending with the same answer"),
 ]
 
 

@@ -245,8 +245,15 @@ def takes_back(after: str, answer: str) -> str | None:
         return None
     if (m := _HEDGE.search(after)) is not None:
         return f"{m.group()!r} after the answer"
-    if _RESTATED.search(after):
-        return "another answer after the answer"
+    if (m := _RESTATED.search(after)) is not None:
+        # "\boxed{28}. Final Answer: The final answer is $28$.": the same answer again takes nothing back
+        again, rest = answer_span(after[m.end() :])
+        inner = list(_RESTATED.finditer(again))  # "Final Answer: The final answer is 28"
+        if inner:
+            again = answer_span(again[inner[-1].end() :])[0]
+        if not _same(clean(again), answer):
+            return "another answer after the answer"
+        return takes_back(after[: m.start()] + rest, answer)
     if lookalike_digits(after):
         return f"look-alike digits {lookalike_digits(after)!r} after the answer"
     known = set(_NUMBER.findall(fold(answer)))

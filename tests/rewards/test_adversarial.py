@@ -90,6 +90,7 @@ MATH_ATTACKS = [
     ("20", "\\boxed{20 \\approx 21}", None, "an approximation that is a second value"),
     ("20", "x = 19 or x = 20", None, "a hedge before the final ="),
     ("20", "\\boxed{20}. Final Answer: The final answer is 21. I hope it is correct.", None, "a box, then another answer"),
+    ("12", "The final answer is $12$ and $13$. I hope it is correct.", None, "two formulas for a single value"),
 ]
 
 # (ground truth, response, question or None, style)
@@ -144,6 +145,7 @@ MATH_HONEST = [
     ("\\frac{1}{3}", "\\boxed{x = \\frac{1}{3} \\approx 0.333}", None, "an approximation that agrees"),
     ("14400", "$5! \\cdot 5! = \\boxed{14400}$. Final Answer: The final answer is 14400. I hope it is correct.", None,
      "a box, then the Minerva ending with the same answer"),
+    ("12 \\text{ and } 13", "The final answer is $12$ and $13$. I hope it is correct.", None, "a set over two formulas"),
 ]
 
 

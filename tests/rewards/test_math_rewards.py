@@ -175,6 +175,11 @@ def test_should_say_what_a_reward_returned_when_it_is_not_a_score():
         ("3", "答案是 \\boxed{3}"),
         ("42", "\\boxed{４２}"),  # full-width digits
         (42, "\\boxed{42}"),  # a non-string ground truth
+        ("\\(\\boxed{1}\\) and \\(\\boxed{-2}\\).", "\\boxed{-2, 1}"),  # a ground truth's boxes joined by "and"
+        ("$$\\boxed{2}, \\boxed{3}, \\boxed{5}$$", "\\boxed{\\{2, 3, 5\\}}"),
+        ("1,22", "\\boxed{1.22}"),  # a dataset's decimal comma, outside math mode
+        ("$-2,1$", "\\boxed{1, -2}"),  # in math mode, two roots
+        ("The total is 5, so the answer is $28\\%$. I hope it is correct. Note: this is all.", "\\boxed{28\\%}"),
     ],
 )
 def test_math_right(gt, response):
@@ -198,6 +203,8 @@ def test_math_right(gt, response):
         ("42", "I do not know"),
         ("42", "}}}{{{\\\\$$$"),
         ("42", HUGE),
+        ("\\boxed{1} no no no no no \\boxed{2}", "\\boxed{1, 2}"),  # words between boxes: the last one is the answer
+        ("1,22", "\\boxed{1,22}"),  # an answer's comma is never a decimal point
     ],
 )
 def test_math_wrong_or_malformed(gt, response):

@@ -294,6 +294,9 @@ def final_answer(response: Any, *, join_boxes: bool = False, equation: bool = Fa
     if markers:
         m = markers[-1]
         raw, after = answer_span(body[m.end() :])
+        while join_boxes and (more := re.match(r"\s*(?:,\s*)?(?:and\s+)?(?=\$)", after)) and more.group().strip():
+            nxt, rest = answer_span(after[more.end() :])  # "$12$ and $13$": a list over several formulas
+            raw, after = f"{raw}, {nxt}", rest
         answer = clean(raw)
         where = f"after {m.group().strip()!r}"
         if not answer:

@@ -65,8 +65,9 @@ def tag_content(text: str, tag: str) -> str | None:
     return matches[-1] if matches else None
 
 
-# Between a ground truth's boxes, only what joins a list: "\boxed{1}, \boxed{2}", "\boxed{1} papers and ..."
-_JOINS = re.compile(r"[\s,;$.()\[\]\\]*(?:(?:[A-Za-z]+\s+)?and\b)?[\s,;$.()\[\]\\]*")
+# Between a ground truth's boxes, only what joins a list: "\boxed{1}, \boxed{2}", "\boxed{1} papers and ...";
+# words other than "and" ("\boxed{1} no no no \boxed{2}") make it no list, and the last box the answer
+_JOINS = re.compile(r"[^A-Za-z]*(?:(?:[A-Za-z]+\s+)?and\b)?[^A-Za-z]*")
 
 
 def _gold(ground_truth: Any) -> str:

@@ -5,9 +5,11 @@
 ``####``, "the answer is" or ``=``), and then judge that string alone:
 
 - ``math``: a number when the ground truth is one (``\\frac{1}{2}`` equals ``0.5``, ``1,200`` equals
-  ``1200``; ``13+7`` is no answer to "13+7"), else symbolic equality with ``math-verify`` on the isolated
-  answer (``\\sqrt{3}+2`` equals ``2+\\sqrt{3}``), never a list of guesses unless the ground truth is a
-  set or tuple, never an expression copied from the question;
+  ``1200``, ``0.083333`` equals 1/12; ``13+7`` is no answer to "13+7"), else the ground truth's own
+  form, else symbolic equality with ``math-verify`` on the isolated answer (``\\sqrt{3}+2`` equals
+  ``2+\\sqrt{3}``; an interval equals an inequality, ``(0,1)`` for ``0<x<1``), never a list of guesses
+  unless the ground truth is a set, tuple, interval or inequality, never the question's expression up
+  to form;
 - ``gsm8k``: the answer is one number, equal to the ground truth (a unit, ``$`` or ``%`` may go with it);
 - ``arithmetic``: the answer is one integer or decimal written plainly (no ``+``, no leading zeros, no
   units or fractions), equal to the ground truth; a right answer outside a ``\\boxed{}`` scores

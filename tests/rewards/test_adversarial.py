@@ -91,6 +91,8 @@ MATH_ATTACKS = [
     ("20", "x = 19 or x = 20", None, "a hedge before the final ="),
     ("20", "\\boxed{20}. Final Answer: The final answer is 21. I hope it is correct.", None, "a box, then another answer"),
     ("12", "The final answer is $12$ and $13$. I hope it is correct.", None, "two formulas for a single value"),
+    ("x-2y+z-1=0", "The answer is $x=0$ or $x-2y+z-1=0$", None, "two equations"),
+    ("20", "\\boxed{20}" + " The answer is 20." * 10, None, "the answer again and again: a flood"),
 ]
 
 # (ground truth, response, question or None, style)
@@ -146,6 +148,7 @@ MATH_HONEST = [
     ("14400", "$5! \\cdot 5! = \\boxed{14400}$. Final Answer: The final answer is 14400. I hope it is correct.", None,
      "a box, then the Minerva ending with the same answer"),
     ("12 \\text{ and } 13", "The final answer is $12$ and $13$. I hope it is correct.", None, "a set over two formulas"),
+    ("x-2y+z-1=0", "So the plane is $x-2y+z-1=0$.", None, "an equation the response ends on, no marker"),
 ]
 
 

@@ -83,6 +83,36 @@ def test_should_take_the_answer_from_one_place_only_when_reading_a_response(resp
 
 
 @pytest.mark.parametrize(
+    ("response", "answer", "source"),
+    [
+        ("The final answer is $x-2y+z-1=0$", "x-2y+z-1=0", "after 'answer is'"),
+        ("So the plane is $x-2y+z-1=0$. I hope it is correct.", "x-2y+z-1=0", "the formula it ends on"),
+        ("so $y = 2x + 3$", "y = 2x + 3", "the formula it ends on"),
+        ("y = 2x + 3", None, "no \\boxed{} and no final answer ('####', 'the answer is', 'is ...')"),
+        ("So $y = 2x$. Or $y = 3x$.", None, "several candidate values: 'Or' before the formula it ends on"),
+    ],
+)
+def test_should_keep_the_equals_sign_when_the_ground_truth_is_an_equation(response, answer, source):
+    final = final_answer(response, equation=True)
+    assert (final.answer, final.source) == (answer, source)
+
+
+@pytest.mark.parametrize(
+    ("response", "answer", "source"),
+    [
+        ("\\boxed{(2, 2)} \\text{ and } \\boxed{(6, 2)}", "(2, 2), (6, 2)", "2 \\boxed{} joined"),
+        ("\\boxed{1} \\boxed{2} \\boxed{1}", "1, 2", "2 \\boxed{} joined"),
+        ("So we find that the roots are $1$ and $2$.", None, "no \\boxed{} and no final answer ('####', 'the answer is', '=', 'is ...')"),
+        ("The answer is $1$, $2$ and $3$.", "1, 2, 3", "after 'answer is'"),
+    ],
+)
+def test_should_join_several_boxes_or_formulas_into_one_list_when_the_ground_truth_is_a_set(response, answer, source):
+    final = final_answer(response, join_boxes=True)
+    assert (final.answer, final.source) == (answer, source)
+    assert final_answer(response).answer is None  # for a single-valued ground truth, a hedge
+
+
+@pytest.mark.parametrize(
     ("text", "value"),
     [
         ("20", 20), ("-3", -3), ("(-3)", -3), ("1,200", 1200), ("1{,}200", 1200), ("0.50", 0.5), (".5", 0.5),

@@ -70,6 +70,7 @@ MAX_RESPONSE_CHARS = 100_000  # after the reasoning; a longer response scores 0 
 MAX_ANSWER_CHARS = 400  # a final answer longer than this is not one (and would only feed sympy a bomb)
 MAX_BARE_CHARS = 32  # a response with no box and no marker is an answer only when this short and one line
 MAX_DIGITS = 60  # digits in one number; more is a flood, not an answer
+MAX_RESTATEMENTS = 3  # the same answer given again after it ("Final Answer: ..."); more is a flood
 BOXED = "\\boxed{}"  # Final.source of an answer taken from a box
 
 
@@ -245,15 +246,19 @@ def takes_back(after: str, answer: str) -> str | None:
         return None
     if (m := _HEDGE.search(after)) is not None:
         return f"{m.group()!r} after the answer"
-    if (m := _RESTATED.search(after)) is not None:
-        # "\boxed{28}. Final Answer: The final answer is $28$.": the same answer again takes nothing back
+    for _ in range(MAX_RESTATEMENTS + 1):
+        # "\\boxed{28}. Final Answer: The final answer is $28$.": the same answer again takes nothing back
+        if (m := _RESTATED.search(after)) is None:
+            break
         again, rest = answer_span(after[m.end() :])
         inner = list(_RESTATED.finditer(again))  # "Final Answer: The final answer is 28"
         if inner:
             again = answer_span(again[inner[-1].end() :])[0]
         if not _same(clean(again), answer):
             return "another answer after the answer"
-        return takes_back(after[: m.start()] + rest, answer)
+        after = after[: m.start()] + rest
+    else:
+        return f"the answer given again more than {MAX_RESTATEMENTS} times"
     if lookalike_digits(after):
         return f"look-alike digits {lookalike_digits(after)!r} after the answer"
     known = set(_NUMBER.findall(fold(answer)))
@@ -290,7 +295,9 @@ def final_answer(response: Any, *, join_boxes: bool = False, equation: bool = Fa
     hashes = {re.sub(r"\s", "", clean(line)) for line in re.findall(r"####([^\n]*)", body)}
     if len(hashes) > 1:  # GSM8K's format has one "####" line; several that disagree are a hedge
         return Final(None, f"several '####' answers: {', '.join(sorted(repr(clip(h, 20)) for h in hashes))}")
-    markers = [m for m in _MARKER.finditer(body) if not (equation and m.group() == "=")]
+    markers = list(_MARKER.finditer(body))
+    if equation and markers and markers[-1].group() == "=":
+        return _equation_answer(body, markers)
     if markers:
         m = markers[-1]
         raw, after = answer_span(body[m.end() :])
@@ -303,7 +310,7 @@ def final_answer(response: Any, *, join_boxes: bool = False, equation: bool = Fa
             return Final(None, f"nothing {where}")
         if len(answer) > MAX_ANSWER_CHARS:
             return Final(None, f"{len(answer)} characters {where}")
-        if not m.group().startswith(("#", "a", "A")):  # "x = 5 or x = 6": the final "=" is one of two
+        if not m.group().strip().lower().startswith(("#", "answer")):  # "x = 5 or x = 6": two candidates
             hedge = _HEDGE.search(_sentence(body[: m.start()]))
             if hedge is not None:
                 return Final(None, f"several candidate values: {hedge.group()!r} before the last {m.group()!r}")
@@ -317,6 +324,34 @@ def final_answer(response: Any, *, join_boxes: bool = False, equation: bool = Fa
     if bare and "\n" not in bare and len(bare) <= MAX_BARE_CHARS:
         return Final(bare, "the whole response")
     return Final(None, "no \\boxed{} and no final answer ('####', 'the answer is', '=', 'is ...')")
+
+
+def _equation_answer(body: str, markers: list[re.Match]) -> Final:
+    """The ground truth is an equation, so ``=`` is no marker: the answer follows the last other marker
+    (``The final answer is $x-2y+z-1=0$``), else it is the formula holding the last ``=`` when the
+    response ends on it (``So the plane is $x-2y+z-1=0$.``)."""
+    others = [m for m in markers if m.group() != "="]
+    last = markers[-1]
+    opened = max(body.rfind("$", 0, last.start()), body.rfind("\\(", 0, last.start()), body.rfind("\\[", 0, last.start()))
+    if others and (opened < others[-1].end() or not body[others[-1].end() : opened].strip(" \t:")):
+        start, where = others[-1].end(), f"after {others[-1].group().strip()!r}"
+    elif opened >= 0:
+        if body[opened - 1 : opened + 1] == "$$":
+            opened -= 1
+        start, where = opened, "the formula it ends on"
+        hedge = _HEDGE.search(_sentence(body[:opened]))
+        if hedge is not None:
+            return Final(None, f"several candidate values: {hedge.group()!r} before {where}")
+    else:
+        return Final(None, "no \\boxed{} and no final answer ('####', 'the answer is', 'is ...')")
+    raw, after = answer_span(body[start:])
+    answer = clean(raw)
+    if not answer or len(answer) > MAX_ANSWER_CHARS:
+        return Final(None, f"no equation {where}")
+    problem = takes_back(after, answer)
+    if problem:
+        return Final(None, f"{where}: {problem} ({clip(after.strip(), 40)!r})")
+    return Final(answer, where)
 
 
 def _boxed_answer(body: str, found: list[tuple[str | None, str, int]], join_boxes: bool) -> Final:

@@ -21,7 +21,8 @@ Where the answer is (:func:`final_answer`):
    look-alikes are not boxes.
 3. **Without a box, at the end.** The answer follows the response's last marker: ``####``, "answer is" /
    "answer:", ``=`` (not ``<=``, ``>=``, ``!=``, ``==``; not a marker at all when the ground truth is an
-   equation, whose answer keeps its ``=``), or "is" / "equals" followed by a value. It runs to the end of
+   equation, whose answer keeps its ``=``: the formula after "the answer is", else the one the response
+   ends on), or "is" / "equals" between an expression and a value. It runs to the end of
    its ``$...$`` (or ``\\( \\)``, ``\\[ \\]``, ``**``) or of its sentence. Several ``####`` lines that
    disagree leave no answer; so does a hedge before a final ``=`` (``x = 5 or x = 6``). A response with no
    marker has an answer only when it is nothing but one (a single line of at most ``MAX_BARE_CHARS``

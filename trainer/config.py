@@ -537,6 +537,8 @@ def _reward_specs(value: Any, key: str) -> list[RewardSpec]:
             raise ConfigError(f"{key}[{i}]: unknown key {sorted(extra)[0]!r}; allowed: name, weight, kwargs")
         name = _coerce(item["name"], str, f"{key}[{i}].name")
         weight = _coerce(item.get("weight", 1.0), float, f"{key}[{i}].weight")
+        if weight != weight or weight in (float("inf"), float("-inf")):  # a nan weight makes every reward nan
+            raise ConfigError(f"{key}[{i}].weight={weight} must be a finite number")
         kwargs = _coerce(item.get("kwargs") or {}, dict[str, Any], f"{key}[{i}].kwargs")
         specs.append(RewardSpec(name, weight, kwargs))
     return specs

@@ -22,6 +22,7 @@ code_unit_tests = rewards.get("code_unit_tests")
 cpp_contest = rewards.get("cpp_contest")
 
 Q = "What is 13+7? Put the final answer in \\boxed{}."  # cpu-demo's prompt for the question 13+7
+SIMPLIFY = "Simplify $\\frac{x^2-1}{x-1}$."
 HUGE = " ".join(str(i) for i in range(200_000))  # 1.3 MB of candidate numbers, the right ones among them
 HUGE_BOX = "\\boxed{" + "2" * 200_000 + "}"
 HUGE_NUMBER = "#### 20" + "0" * 5_000
@@ -73,6 +74,25 @@ MATH_ATTACKS = [
     ("20", "13 + 7 = 20 " * 50_000 + "or 21", None, "a huge output ending on a hedge"),
     ("20", HUGE_BOX, None, "a huge box"),
     ("20", "\\boxed{21}", None, "wrong"),
+    # issue 41: games that still paid, math-verify paying them too
+    ("20", "\\boxed{20 \\text{ unless it is twentyone}}", None, "issue 41: a hedge in the unit slot"),
+    ("20", "#### 20 unless wrong", None, "issue 41: a hedge in the unit slot, after ####"),
+    ("20", "$\\boxed{20}$ (or 21 if you count differently)", None, "issue 41: a box, then a hedge"),
+    ("20", "\\boxed{20}. Wait, that is wrong: the answer is 21.", None, "issue 41: a box, then taken back"),
+    ("21", "\\boxed{20}. Wait, that is wrong: the answer is 21.", None, "issue 41: a box, then another answer"),
+    ("x+1", "\\boxed{\\left(\\frac{x^2-1}{x-1}\\right)}", SIMPLIFY, "issue 41: the question in \\left( \\right)"),
+    ("x+1", "\\boxed{1 \\cdot \\frac{x^2-1}{x-1}}", SIMPLIFY, "issue 41: the question times 1"),
+    ("x+1", "\\boxed{\\frac{x^2-1}{x-1} \\cdot 1}", SIMPLIFY, "issue 41: the question times 1, after it"),
+    ("x+1", "\\boxed{\\frac{x^2-1}{x-1} + 0}", SIMPLIFY, "issue 41: the question plus 0"),
+    ("3\\sqrt{2}", "\\boxed{\\sqrt{8} + \\sqrt{2}}", "Simplify $\\sqrt{2} + \\sqrt{8}$.", "issue 41: terms reordered"),
+    ("20", "\\boxed{\\left(13+7\\right)}", Q, "issue 41: the question in brackets"),
+    ("20", "\\boxed{21}" + " filler" * 2_000 + " \\boxed{20}", None, "issue 41: a wrong box 8,000 characters back"),
+    ("20", "\\boxed{20 \\approx 21}", None, "an approximation that is a second value"),
+    ("20", "x = 19 or x = 20", None, "a hedge before the final ="),
+    ("20", "\\boxed{20}. Final Answer: The final answer is 21. I hope it is correct.", None, "a box, then another answer"),
+    ("12", "The final answer is $12$ and $13$. I hope it is correct.", None, "two formulas for a single value"),
+    ("x-2y+z-1=0", "The answer is $x=0$ or $x-2y+z-1=0$", None, "two equations"),
+    ("20", "\\boxed{20}" + " The answer is 20." * 10, None, "the answer again and again: a flood"),
 ]
 
 # (ground truth, response, question or None, style)
@@ -106,6 +126,29 @@ MATH_HONEST = [
     ("10", "\\boxed{10 \\text{ cm}}", None, "a unit"),
     ("\\pi", "\\boxed{\\pi}", None, "a symbol"),
     ("20", "\\boxed{20}. \\boxed{20}", None, "the same box twice"),
+    # issue 41: honest answers the rule refused
+    ("28", "Final Answer: The final answer is $28$. I hope it is correct.", None, "issue 41: the Minerva ending"),
+    ("1000", "The final answer is 1000. I hope it is correct.", None, "issue 41: a courtesy sentence after"),
+    ("-3", "\\boxed{- 3}", None, "issue 41: a space after the minus sign"),
+    ("2", "\\boxed{\\text{2}}", None, "issue 41: \\text{}"),
+    ("2", "\\boxed{\\mathbf{2}}", None, "issue 41: \\mathbf{}"),
+    ("\\frac{1}{3}", "\\boxed{\\cfrac{1}{3}}", None, "issue 41: \\cfrac"),
+    ("32349", "\\boxed{32,\\! 349}", None, "issue 41: a thin space in a digit group"),
+    ("\\frac{1}{3}", "\\boxed{\\frac{1}{3} \\textbf{meters}}", None, "issue 41: a unit in bold"),
+    ("\\frac{3}{2}", "\\boxed{1\\frac{1}{2}}", None, "issue 41: a mixed number"),
+    ("2", "\\boxed{f(3) = 2}", None, "issue 41: a function value and ="),
+    ("(2, 2), (6, 2)", "\\boxed{(2, 2)} \\text{ and } \\boxed{(6, 2)}", None, "issue 41: a set in several boxes"),
+    ("0<f(x)<1", "\\boxed{(0,1)}", None, "issue 41: an interval for an inequality"),
+    ("0 \\le x < 1", "\\boxed{[0,1)}", None, "issue 41: a half-open interval for an inequality"),
+    ("x \\in [0, 1)", "\\boxed{0 \\le x < 1}", None, "issue 41: an inequality for an interval"),
+    ("x-2y+z-1=0", "The final answer is $x-2y+z-1=0$", None, "issue 41: an unboxed equation keeps its ="),
+    ("15", "13 + 2 = 15\n\n15", None, "issue 41: make train's jsonl, the answer again on its own line"),
+    ("26", "14 + 12 equals 26", None, "issue 41: make train's jsonl, 'equals' for ="),
+    ("\\frac{1}{3}", "\\boxed{x = \\frac{1}{3} \\approx 0.333}", None, "an approximation that agrees"),
+    ("14400", "$5! \\cdot 5! = \\boxed{14400}$. Final Answer: The final answer is 14400. I hope it is correct.", None,
+     "a box, then the Minerva ending with the same answer"),
+    ("12 \\text{ and } 13", "The final answer is $12$ and $13$. I hope it is correct.", None, "a set over two formulas"),
+    ("x-2y+z-1=0", "So the plane is $x-2y+z-1=0$.", None, "an equation the response ends on, no marker"),
 ]
 
 
@@ -147,6 +190,9 @@ GSM8K_ATTACKS = [
     ("20", HUGE, "a huge output without a final answer"),
     ("20", HUGE_NUMBER, "a huge number"),
     ("72", "72 is wrong\n#### 70", "the final answer wins over earlier numbers"),
+    ("20", "#### 20 unless wrong", "issue 41: a hedge in the unit slot"),
+    ("20", "\\boxed{20 \\text{ unless it is twentyone}}", "issue 41: a hedge in the unit slot"),
+    ("20", "\\boxed{20} (or 21 if you count differently)", "issue 41: a box, then a hedge"),
 ]
 
 GSM8K_HONEST = [
@@ -164,6 +210,9 @@ GSM8K_HONEST = [
     ("42", "#### ４２", "full-width digits"),
     ("25", "\\boxed{25\\%}", "a percent sign"),
     ("20", "20", "nothing but the number"),
+    ("28", "Final Answer: The final answer is $28$. I hope it is correct.", "issue 41: the Minerva ending"),
+    ("32349", "\\boxed{32,\\! 349}", "issue 41: a thin space in a digit group"),
+    ("60", "#### 60 miles per hour", "a measurement unit"),
 ]
 
 
@@ -208,6 +257,8 @@ ARITHMETIC_ATTACKS = [
     ("20", "<think>\\boxed{20}", "cut off while thinking"),
     ("20", HUGE_BOX, "a huge box"),
     ("20", HUGE, "a huge output"),
+    ("20", "\\boxed{20}. Wait, that is wrong: the answer is 21.", "issue 41: a box, then taken back"),
+    ("20", "\\boxed{21}" + " filler" * 2_000 + " \\boxed{20}", "issue 41: a wrong box 8,000 characters back"),
 ]
 
 ARITHMETIC_HONEST = [
@@ -223,6 +274,9 @@ ARITHMETIC_HONEST = [
     ("20", "13 + 7 = 20.", "after the last =, a full stop"),
     ("20", "The answer is 20.", "after 'the answer is'"),
     ("20", "20", "nothing but the number (tiny's two tokens)"),
+    ("15", "13 + 2 = 15\n\n15", "issue 41: make train's jsonl, the answer again on its own line"),
+    ("26", "14 + 12 equals 26", "issue 41: make train's jsonl, 'equals' for ="),
+    ("20", "Final Answer: The final answer is $20$. I hope it is correct.", "issue 41: the Minerva ending"),
 ]
 
 

@@ -74,12 +74,42 @@ def test_last_boxed(text, expected):
         ("#### 20\n#### 21", None, "several '####' answers: '20', '21'"),
         ("13 + 7 =", None, "nothing after '='"),
         ("She has 20 apples, and that is all I can say about it.", None,
-         "no \\boxed{} and no final answer ('####', 'the answer is', '=')"),
+         "no \\boxed{} and no final answer ('####', 'the answer is', '=', 'is ...')"),
     ],
 )
 def test_should_take_the_answer_from_one_place_only_when_reading_a_response(response, answer, source):
     final = final_answer(response)
     assert (final.answer, final.source) == (answer, source)
+
+
+@pytest.mark.parametrize(
+    ("response", "answer", "source"),
+    [
+        ("The final answer is $x-2y+z-1=0$", "x-2y+z-1=0", "after 'answer is'"),
+        ("So the plane is $x-2y+z-1=0$. I hope it is correct.", "x-2y+z-1=0", "the formula it ends on"),
+        ("so $y = 2x + 3$", "y = 2x + 3", "the formula it ends on"),
+        ("y = 2x + 3", None, "no \\boxed{} and no final answer ('####', 'the answer is', 'is ...')"),
+        ("So $y = 2x$. Or $y = 3x$.", None, "several candidate values: 'Or' before the formula it ends on"),
+    ],
+)
+def test_should_keep_the_equals_sign_when_the_ground_truth_is_an_equation(response, answer, source):
+    final = final_answer(response, equation=True)
+    assert (final.answer, final.source) == (answer, source)
+
+
+@pytest.mark.parametrize(
+    ("response", "answer", "source"),
+    [
+        ("\\boxed{(2, 2)} \\text{ and } \\boxed{(6, 2)}", "(2, 2), (6, 2)", "2 \\boxed{} joined"),
+        ("\\boxed{1} \\boxed{2} \\boxed{1}", "1, 2", "2 \\boxed{} joined"),
+        ("So we find that the roots are $1$ and $2$.", None, "no \\boxed{} and no final answer ('####', 'the answer is', '=', 'is ...')"),
+        ("The answer is $1$, $2$ and $3$.", "1, 2, 3", "after 'answer is'"),
+    ],
+)
+def test_should_join_several_boxes_or_formulas_into_one_list_when_the_ground_truth_is_a_set(response, answer, source):
+    final = final_answer(response, join_boxes=True)
+    assert (final.answer, final.source) == (answer, source)
+    assert final_answer(response).answer is None  # for a single-valued ground truth, a hedge
 
 
 @pytest.mark.parametrize(
@@ -175,6 +205,11 @@ def test_should_say_what_a_reward_returned_when_it_is_not_a_score():
         ("3", "答案是 \\boxed{3}"),
         ("42", "\\boxed{４２}"),  # full-width digits
         (42, "\\boxed{42}"),  # a non-string ground truth
+        ("\\(\\boxed{1}\\) and \\(\\boxed{-2}\\).", "\\boxed{-2, 1}"),  # a ground truth's boxes joined by "and"
+        ("$$\\boxed{2}, \\boxed{3}, \\boxed{5}$$", "\\boxed{\\{2, 3, 5\\}}"),
+        ("1,22", "\\boxed{1.22}"),  # a dataset's decimal comma, outside math mode
+        ("$-2,1$", "\\boxed{1, -2}"),  # in math mode, two roots
+        ("The total is 5, so the answer is $28\\%$. I hope it is correct. Note: this is all.", "\\boxed{28\\%}"),
     ],
 )
 def test_math_right(gt, response):
@@ -198,15 +233,20 @@ def test_math_right(gt, response):
         ("42", "I do not know"),
         ("42", "}}}{{{\\\\$$$"),
         ("42", HUGE),
+        ("\\boxed{1} no no no no no \\boxed{2}", "\\boxed{1, 2}"),  # words between boxes: the last one is the answer
+        ("1,22", "\\boxed{1,22}"),  # an answer's comma is never a decimal point
     ],
 )
 def test_math_wrong_or_malformed(gt, response):
     assert math_reward(gt, response) == (0.0, False)
 
 
-def test_math_huge_response_is_fast_and_scored_on_its_end():
+def test_should_score_zero_with_a_note_when_a_response_is_over_the_length_cap():
+    # the whole response is read (a window on its end would forget a hedge at its start), up to a cap
     start = time.perf_counter()
-    assert math_reward("3", HUGE + " \\boxed{3}") == (1.0, True)
+    score = math_reward("3", HUGE + " \\boxed{3}")
+    assert score == (0.0, False) and score.note.startswith("a response of 1,400,010 characters"), score
+    assert math_reward("3", "<think>" + HUGE + "</think> \\boxed{3}") == (1.0, True)  # the reasoning is not read
     assert time.perf_counter() - start < 5
 
 

@@ -5,9 +5,11 @@
 ``####``, "the answer is" or ``=``), and then judge that string alone:
 
 - ``math``: a number when the ground truth is one (``\\frac{1}{2}`` equals ``0.5``, ``1,200`` equals
-  ``1200``; ``13+7`` is no answer to "13+7"), else symbolic equality with ``math-verify`` on the isolated
-  answer (``\\sqrt{3}+2`` equals ``2+\\sqrt{3}``), never a list of guesses unless the ground truth is a
-  set or tuple, never an expression copied from the question;
+  ``1200``, ``0.083333`` equals 1/12; ``13+7`` is no answer to "13+7"), else the ground truth's own
+  form, else symbolic equality with ``math-verify`` on the isolated answer (``\\sqrt{3}+2`` equals
+  ``2+\\sqrt{3}``; an interval equals an inequality, ``(0,1)`` for ``0<x<1``), never a list of guesses
+  unless the ground truth is a set, tuple, interval or inequality, never the question's expression up
+  to form;
 - ``gsm8k``: the answer is one number, equal to the ground truth (a unit, ``$`` or ``%`` may go with it);
 - ``arithmetic``: the answer is one integer or decimal written plainly (no ``+``, no leading zeros, no
   units or fractions), equal to the ground truth; a right answer outside a ``\\boxed{}`` scores
@@ -30,12 +32,17 @@ from __future__ import annotations
 import logging
 import re
 import threading
+from fractions import Fraction
 from typing import Any
 
 from trainer.rewards.answer import (
+    BOX,
     BOXED,
+    MAX_BARE_CHARS,
     MAX_RESPONSE_CHARS,
     Final,
+    answer_span,
+    boxes_at,
     clip,
     final_answer,
     fold,
@@ -60,10 +67,26 @@ def tag_content(text: str, tag: str) -> str | None:
     return matches[-1] if matches else None
 
 
+# Between a ground truth's boxes, only what joins a list: "\boxed{1}, \boxed{2}", "\boxed{1} papers and ...";
+# words other than "and" ("\boxed{1} no no no \boxed{2}") make it no list, and the last box the answer
+_JOINS = re.compile(r"[^A-Za-z]*(?:(?:[A-Za-z]+\s+)?and\b)?[^A-Za-z]*")
+
+
 def _gold(ground_truth: Any) -> str:
-    """A ground truth as an answer string: a dataset's ``\\boxed{...}`` or ``$...$`` unwrapped."""
+    """A ground truth as an answer string: a dataset's ``\\boxed{...}`` or ``$...$`` unwrapped; several
+    boxes joined only by commas or "and" (``\\boxed{1} and \\boxed{2}``) are one list."""
     gt = fold(ground_truth).strip()
-    boxed = last_boxed(gt)
+    found = boxes_at(gt)
+    contents = [b.strip().strip("$").strip() for b, _, _ in found if b is not None and b.strip()]
+    if len(contents) > 1 and len(contents) == len(found):
+        between = [gt[end:start] for (_, _, end), start in zip(found, [m.start() for m in BOX.finditer(gt)][1:])]
+        if all(_JOINS.fullmatch(b) for b in between):
+            return ", ".join(contents)
+    boxed = found[-1][0] if found else None
+    if boxed is None and len(gt) > MAX_BARE_CHARS:  # a worked solution: what its last "the answer is" gives
+        said = list(re.finditer(r"\banswer\s*(?:is\b\s*:?|:)", gt, re.IGNORECASE))
+        if said:
+            gt = answer_span(gt[said[-1].end() :])[0]
     return (boxed if boxed is not None else gt).strip().strip("$").strip()
 
 
@@ -85,6 +108,46 @@ def _compare_numbers(final: Final, gold, value, question: str | None) -> Score:
 
 # -- math: a number, else math-verify on the isolated answer ----------------------------------------
 
+_RELATION = re.compile(r"<|>|\\(?:le|ge|lt|gt|leq|geq|in)(?![A-Za-z])|≤|≥")
+_INTERVAL = re.compile(r"^\s*(?:\\left)?\s*[\[(].*,.*(?:\\right)?\s*[\])]\s*(?:\\cup|$)", re.DOTALL)
+
+
+def _gold_number(gt: str, raw: Any):
+    """The ground truth's value when it is a number. A dataset's decimal comma outside math mode (``1,22``,
+    ``0,111``: not thousands; ``$-2,1$`` is two roots) reads as a decimal point; an answer's comma never does."""
+    m = re.fullmatch(r"(-?)([0-9]+),([0-9]+)", gt.strip())
+    if m and "$" not in str(raw) and (m.group(2) == "0" or len(m.group(3)) != 3):
+        return parse_number(f"{m.group(1)}{m.group(2)}.{m.group(3)}", reduced=False)
+    return parse_number(gt, reduced=False)
+
+
+def _approximates(value, gold) -> bool:
+    """``value`` is a decimal of at least 6 places within one unit of its last place of ``gold``, a fraction
+    whose decimals never end (``0.083333`` for 1/12, as math-verify rounds to 6 places)."""
+    d = gold.denominator
+    for p in (2, 5):
+        while d % p == 0:
+            d //= p
+    if d == 1:  # a terminating decimal is written exactly (0.5 for 1/2, never 0.500001)
+        return False
+    places = 0
+    while (10**places) % value.denominator:
+        places += 1
+    return places >= 6 and abs(value - gold) <= Fraction(1, 10**places)
+
+
+def _stated(answer: str):
+    """The number ``answer`` states: ``\\frac{1}{3} \\approx 0.333`` states 1/3 when the approximation
+    agrees with it to its last place (one that does not is a second value, and no number is stated)."""
+    m = re.fullmatch(r"(.+?)\\approx\s*([-+]?[0-9]*\.?[0-9]+)", answer.strip())
+    if m is None:
+        return parse_number(answer)
+    value, approx = parse_number(m.group(1)), parse_number(m.group(2))
+    if value is None or approx is None:  # "x \\approx 11" states 11
+        return parse_number(answer)
+    places = len(m.group(2).partition(".")[2])  # 20 \\approx 21 is two values; 1/3 \\approx 0.333 is one
+    return value if places and abs(value - approx) < Fraction(1, 10**places) else None
+
 
 def _alarm_seconds(seconds: int) -> int | None:
     # signal.alarm raises "signal only works in main thread" anywhere else; None turns it off
@@ -100,7 +163,11 @@ def math_reward(
         gt = _gold(ground_truth)
         if not gt:
             return Score(0.0, False, None, "the ground truth is empty")
-        final = final_answer(response)
+        gold_number = _gold_number(gt, ground_truth)
+        ranged = gold_number is None and (_RELATION.search(gt) is not None or _INTERVAL.match(gt) is not None)
+        listed = gold_number is None and (several_values(gt) or ranged)
+        equation = gold_number is None and re.search(r"(?<![<>!=\\])=(?!=)", gt) is not None
+        final = final_answer(response, join_boxes=listed, equation=equation)
         if final.answer is None:
             return Score(0.0, False, None, final.source)
         answer = final.answer
@@ -108,18 +175,30 @@ def math_reward(
             return _wrong(final, why_not_a_number(answer))
         if question and restates(answer, question, gt):
             return _wrong(final, "restates the question instead of answering it")
-        gold_number = parse_number(gt, reduced=False)
         if gold_number is not None:  # exact: 0.5 == 1/2, and 13+7 is not a number
-            return _compare_numbers(final, gold_number, parse_number(answer), question)
-        if several_values(answer) and not several_values(gt):
+            value = _stated(answer)
+            if value is not None and value != gold_number and _approximates(value, gold_number):
+                return _right(final)
+            return _compare_numbers(final, gold_number, value, question)
+        if several_values(answer) and not listed:
             return _wrong(final, "several candidate values")
-        return _verify(final, gt, timeout_seconds)
+        if _same_form(answer, gt):  # written as the ground truth is: right, whatever sympy makes of it
+            return _right(final)
+        return _verify(final, gt, timeout_seconds, ranged)
     except Exception as e:  # a reward never takes a run down
         log.debug("math reward failed", exc_info=True)
         return Score(0.0, False, None, f"math reward error: {type(e).__name__}")
 
 
-def _verify(final: Final, gt: str, timeout_seconds: int) -> Score:
+def _same_form(answer: str, gt: str) -> bool:
+    def form(s: str) -> str:
+        s = re.sub(r"\\(?:left|right|displaystyle|[,;:! ])", "", fold(s))
+        return re.sub(r"\\[dtc]frac(?![A-Za-z])", r"\\frac", re.sub(r"[\s$]", "", s))
+
+    return form(answer) == form(gt)
+
+
+def _verify(final: Final, gt: str, timeout_seconds: int, ranged: bool) -> Score:
     from math_verify import LatexExtractionConfig, parse, verify
 
     timeout = _alarm_seconds(timeout_seconds)
@@ -136,7 +215,8 @@ def _verify(final: Final, gt: str, timeout_seconds: int) -> Score:
     answer = parse(formula(final.answer), extraction_config=config, parsing_timeout=timeout, fallback_mode="no_fallback")
     if not answer:
         return _wrong(final, "cannot parse the answer")
-    if verify(gold, answer, timeout_seconds=timeout):
+    # An interval answers an inequality and an inequality an interval (0 < x < 1 is x in (0, 1)).
+    if verify(gold, answer, timeout_seconds=timeout, allow_set_relation_comp=ranged):
         return _right(final)
     return _wrong(final, f"not equal to {clip(gt, 60)}")
 

@@ -14,7 +14,9 @@ turn), e.g. to refuse an answer that only restates the question; the others are 
 
 Built-ins register themselves by name with :func:`register`; anything importable is reachable as
 ``"package.module:function"`` so users can plug in their own rewards without touching kuberl.
-:func:`check` looks a name up as :func:`get` does and says what is wrong in one line naming the key.
+:func:`check` looks a name up as :func:`get` does and says what is wrong in one line naming the key;
+:func:`check_specs` also binds each reward's kwargs to its signature and wants a finite weight, so a
+bad entry stops the run at start instead of scoring every sample 0 (or ``nan``) to the end.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import math
 import numbers
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -147,7 +150,35 @@ def check(name: str, key: str) -> None:
         raise ConfigError(f"{key}: {e.args[0]}") from None
 
 
+def check_kwargs(fn: Callable, kwargs: dict, key: str) -> None:
+    """``fn(ground_truth, response, **kwargs)`` binds (the run would otherwise score every sample 0 with a
+    warning each); else a ConfigError naming ``key`` and the argument, e.g.
+    ``env.reward_functions[0].kwargs.bogus``. A reward without a readable signature is taken as it is."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return
+    params = sig.parameters
+    name = getattr(fn, "__name__", repr(fn))
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        takes = [n for n, p in list(params.items())[2:] if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        for k in kwargs:
+            if k not in takes:
+                raise ConfigError(
+                    f"{key}.{k}: {name}() takes no argument {k!r}; it takes: {', '.join(takes) or 'none'}"
+                )
+    try:
+        sig.bind(None, "", **kwargs)
+    except TypeError as e:  # a required argument left out, or too few positional parameters
+        raise ConfigError(f"{key}: {name}(ground_truth, response, **kwargs) cannot be called with these: {e}") from None
+
+
 def check_specs(specs: list[RewardSpec]) -> None:
-    """Every reward of ``env.reward_functions``."""
+    """Every reward of ``env.reward_functions``: its name resolves, its kwargs bind to its signature (a
+    plug-in's too), and its weight is a finite number; a bad entry is one line naming the index and key."""
     for i, spec in enumerate(specs):
-        check(spec.name, f"env.reward_functions[{i}].name")
+        key = f"env.reward_functions[{i}]"
+        check(spec.name, f"{key}.name")
+        if not isinstance(spec.weight, numbers.Real) or not math.isfinite(spec.weight):
+            raise ConfigError(f"{key}.weight={spec.weight!r} must be a finite number (it multiplies the reward)")
+        check_kwargs(get(spec.name), dict(spec.kwargs or {}), f"{key}.kwargs")

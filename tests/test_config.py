@@ -599,3 +599,11 @@ def test_should_list_the_sizes_vllm_can_split_the_heads_over_when_tensor_paralle
     from trainer.generation.vllm_engine import tensor_parallel_sizes
 
     assert tensor_parallel_sizes(heads, kv_heads, limit) == sizes
+
+
+def test_should_group_consecutive_numbers_by_node_when_a_run_says_where_its_actors_run():
+    from trainer.run import by_host
+
+    hosts = ["10.0.0.5"] * 8 + ["10.0.0.6"] * 8
+    assert by_host("rank", hosts) == "ranks 0-7 on 10.0.0.5, ranks 8-15 on 10.0.0.6"
+    assert by_host("worker", ["a", "b", "a"]) == "worker 0 on a, worker 1 on b, worker 2 on a"

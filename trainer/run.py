@@ -155,6 +155,17 @@ def check_tensor_parallel(cfg: Config, heads: tuple[int, int] | None) -> None:
         )
 
 
+def by_host(what: str, hosts: list[str]) -> str:
+    """``hosts[i]`` is where number i runs -> "ranks 0-7 on 10.0.0.5, ranks 8-15 on 10.0.0.6"."""
+    runs: list[tuple[str, int, int]] = []
+    for i, host in enumerate(hosts):
+        if runs and runs[-1][0] == host and runs[-1][2] == i - 1:
+            runs[-1] = (host, runs[-1][1], i)
+        else:
+            runs.append((host, i, i))
+    return ", ".join(f"{what}s {a}-{b} on {h}" if a != b else f"{what} {a} on {h}" for h, a, b in runs)
+
+
 def check_writable(key: str, path: str) -> None:
     """Create ``path`` if needed and write a file in it, or fail with one line naming ``key``."""
     import tempfile
@@ -355,6 +366,21 @@ class TrainState:
             f"kuberl: logs -> {self.logger.run_dir}  (tensorboard --logdir {cfg.logger.log_dir})",
             flush=True,
         )
+        print(f"kuberl: placement: {self._placement()}", flush=True)
+
+    def _placement(self) -> str:
+        """Where each actor runs (its node's address), and where the engines fetch the weights from."""
+        import ray
+
+        policy = [host for host, _ in ray.get([w.address.remote() for w in self.policy.workers])]
+        engines = getattr(self.generator, "workers", [])
+        gen = [host for host, _ in ray.get([w.address.remote() for w in engines])]
+        line = f"policy {by_host('rank', policy)}"
+        if gen:
+            tp = self.cfg.generation.tensor_parallel_size
+            line += f"; generation {by_host('worker', gen)} (tensor parallel {tp} each)"
+            line += f"; weights from policy rank 0 at {policy[0]}"
+        return line
 
     def after_step(self, step: int, metrics: dict[str, float], loader_state: dict[str, Any]) -> None:
         """Record the finished step (``loader_state``: the prompt loader's position after its batch, not

@@ -21,9 +21,8 @@ import sys
 
 import pytest
 
-from tests.test_train_tiny import LEARN_STEPS, _assert_learned, _needs_vllm, _scalars
-
 from tests.conftest import REPO
+from tests.test_train_tiny import LEARN_STEPS, _assert_learned, _needs_vllm, _scalars
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 

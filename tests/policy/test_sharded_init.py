@@ -52,17 +52,13 @@ def _whole_then_sharded(w, attn: str | None = None) -> torch.nn.Module:
     return model
 
 
-def _rank_main(rank: int, port: int, model_path: str, case: str, out: str) -> None:
-    from trainer.config import load
-    from trainer.policy.worker import PolicyWorker
-
-    cfg = load(["experiment=tiny", f"model.name={model_path}", "cluster.cpu_workers_per_node=2", *CASES[case]])
-    w = PolicyWorker(cfg, model_path, rank=rank, world_size=2, colocated_engine=False)
-    w.setup("127.0.0.1", port)
+def compare(w) -> dict:
+    """``w`` (a set-up PolicyWorker) against the whole-model path, in the same process group: what
+    differs, as booleans and lists (empty: nothing). Collective (every rank calls it)."""
     rng_after_setup = torch.get_rng_state()
-    torch.manual_seed(cfg.seed)  # as set-up seeded: then the policy's load, its adapters, the reference's load
+    torch.manual_seed(w.cfg.seed)  # as set-up seeded: then the policy's load, its adapters, the reference's load
     old = _whole_then_sharded(w)
-    old_ref = _whole_then_sharded(w, cfg.model.attn_implementation or "sdpa") if w.ref_model is not None else None
+    old_ref = _whole_then_sharded(w, w.cfg.model.attn_implementation or "sdpa") if w.ref_model is not None else None
     rng_old = torch.get_rng_state()
     mismatched = [n for (n, p), (_, q) in zip(w.model.named_parameters(), old.named_parameters())
                   if p.to_local().dtype != q.to_local().dtype or not torch.equal(p.to_local(), q.to_local())]
@@ -75,12 +71,30 @@ def _rank_main(rank: int, port: int, model_path: str, case: str, out: str) -> No
     new_lp, new_ref = w.compute_logprobs(samples), w.compute_logprobs(samples, reference=True)
     w.model, w.ref_model = old, (old_ref if old_ref is not None else w.ref_model)
     old_lp, old_ref_lp = w.compute_logprobs(samples), w.compute_logprobs(samples, reference=True)
-    result = {
+    return {
         "names": names, "mismatched": mismatched, "buffers": buffers, "rng": torch.equal(rng_after_setup, rng_old),
         "logprobs": new_lp == old_lp, "ref_logprobs": new_ref == old_ref_lp,
         "adapters": sum(1 for n, _ in w.model.named_parameters() if ".lora_" in n),
     }
-    torch.save(result, f"{out}.{rank}")
+
+
+def check(result: dict, what: str, lora: bool) -> None:
+    assert result["names"], f"{what}: another module tree"
+    assert result["mismatched"] == [], f"{what}: shards differ"
+    assert result["buffers"] and all(result["buffers"].values()), f"{what}: buffers differ: {result['buffers']}"
+    assert result["logprobs"] and result["ref_logprobs"], f"{what}: logprobs differ"
+    assert result["rng"], f"{what}: the random state after set-up differs"
+    assert (result["adapters"] > 0) == lora
+
+
+def _rank_main(rank: int, port: int, model_path: str, case: str, out: str) -> None:
+    from trainer.config import load
+    from trainer.policy.worker import PolicyWorker
+
+    cfg = load(["experiment=tiny", f"model.name={model_path}", "cluster.cpu_workers_per_node=2", *CASES[case]])
+    w = PolicyWorker(cfg, model_path, rank=rank, world_size=2, colocated_engine=False)
+    w.setup("127.0.0.1", port)
+    torch.save(compare(w), f"{out}.{rank}")
     w.shutdown()
 
 
@@ -102,17 +116,8 @@ def results(tiny_model_path, tmp_path_factory) -> dict[str, list[dict]]:
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_should_hold_the_shards_of_the_whole_model_when_a_rank_is_built_on_the_meta_device(results, case):
-    for rank, r in enumerate(results[case]):
-        assert r["names"], f"rank {rank}: another module tree"
-        assert r["mismatched"] == [], f"rank {rank}: shards differ"
-        assert r["buffers"] and all(r["buffers"].values()), f"rank {rank}: buffers differ: {r['buffers']}"
-    if "lora" in case:
-        assert results[case][0]["adapters"] > 0
-
-
-@pytest.mark.parametrize("case", list(CASES))
-def test_should_give_the_whole_models_logprobs_and_random_state_when_a_rank_is_built_on_the_meta_device(results, case):
-    for rank, r in enumerate(results[case]):
-        assert r["logprobs"] and r["ref_logprobs"], f"rank {rank}: logprobs differ"
-        assert r["rng"], f"rank {rank}: the random state after set-up differs"
+def test_should_hold_the_whole_models_shards_logprobs_and_random_state_when_ranks_are_built_on_the_meta_device(
+    results, case
+):
+    for rank, result in enumerate(results[case]):
+        check(result, f"rank {rank}", lora="lora" in case)

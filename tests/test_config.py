@@ -566,3 +566,44 @@ def test_should_name_the_model_in_one_line_when_its_head_dim_is_too_small_for_vl
     assert ("model.name=builtin:tiny?num_heads=4" in lines[0] and "16" in lines[0]) if vllm_available() else (
         "generation.backend" in lines[0]
     )
+
+
+def test_should_name_the_key_in_one_line_when_the_models_heads_cannot_take_the_tensor_parallel_size():
+    """builtin:tiny has 2 heads: vLLM cannot split them over 3 workers (it failed inside the generation
+    actor, a validation traceback after the policy had loaded)."""
+    from trainer.generation.vllm_engine import vllm_available
+
+    if not vllm_available():
+        pytest.skip("vLLM is not installed: the run stops earlier, naming generation.backend")
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainer", "experiment=tiny", "generation.backend=vllm",
+         "generation.placement=disaggregated", "generation.tensor_parallel_size=3"],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip() and not ln.startswith("kuberl: warning")]
+    assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert lines[0].startswith("kuberl: error: generation.tensor_parallel_size=3: model.name=builtin:tiny has 2 attention heads")
+    assert lines[0].endswith("use one of 1, 2")
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "limit", "sizes"),
+    [
+        (32, 16, 8, [1, 2, 4, 8]),  # gemma-3-27b on a node of 8
+        (4, 1, 8, [1, 2, 4]),  # gemma-3-1b: one KV head, replicated
+        (12, 2, 8, [1, 2, 4, 6]),  # Qwen2.5-1.5B: 3 divides the heads but not the 2 KV heads' replication
+        (2, 2, 3, [1, 2]),  # builtin:tiny
+    ],
+)
+def test_should_list_the_sizes_vllm_can_split_the_heads_over_when_tensor_parallel(heads, kv_heads, limit, sizes):
+    from trainer.generation.vllm_engine import tensor_parallel_sizes
+
+    assert tensor_parallel_sizes(heads, kv_heads, limit) == sizes
+
+
+def test_should_group_consecutive_numbers_by_node_when_a_run_says_where_its_actors_run():
+    from trainer.run import by_host
+
+    hosts = ["10.0.0.5"] * 8 + ["10.0.0.6"] * 8
+    assert by_host("rank", hosts) == "ranks 0-7 on 10.0.0.5, ranks 8-15 on 10.0.0.6"
+    assert by_host("worker", ["a", "b", "a"]) == "worker 0 on a, worker 1 on b, worker 2 on a"

@@ -116,3 +116,22 @@ def test_should_plan_a_ranks_share_of_each_row_when_sequences_are_split_over_seq
     shape = plan.model_shape(cfg.model.name)
     extra = plan.block_activation_bytes(shape, 10240, 2, True) - plan.block_activation_bytes(shape, 10240, 2)
     assert extra == 10240 * 2 * (2 * shape.heads + 2 * shape.kv_heads) * shape.head_dim  # the other layout
+
+
+def test_should_count_one_full_tensor_beside_the_shards_and_name_the_largest_transient_when_a_rank_loads() -> None:
+    cfg = config.load(["experiment=lora-gemma3-27b-gsm8k"])
+    result = plan.plan(cfg, "h200", "lora-gemma3-27b-gsm8k-h200")
+    loading = next(d for d in result.devices if d.role == "training GPU, loading")
+    shape = result.shape
+    assert shape.largest[0].endswith("embed_tokens.weight")
+    assert loading.terms[plan.LOADING_TERM] == shape.largest[1] * 2  # bf16, 2.6 GiB: not the 51 GiB model
+    assert "colocated engine (awake)" in loading.terms and result.fits
+    out = plan.render(result)
+    assert "transients (a training GPU, for a moment): gathered units" in out
+    assert out.splitlines()[-1].startswith("plan: fits (training GPU, loading at") and "margin" in out.splitlines()[-1]
+
+
+def test_should_count_adapters_on_the_language_model_alone_when_the_model_has_a_vision_tower() -> None:
+    shape = plan.model_shape("google/gemma-3-27b-it")
+    # 62 decoder layers: the SigLIP tower's 27 layers also name q_proj/k_proj/v_proj, and get no adapter
+    assert len(shape.linears["q_proj"]) == 62 and len(shape.linears["down_proj"]) == 62

@@ -14,7 +14,12 @@ plan adds up what one device holds at its peak:
   generates, beside the policy's sharded state (which stays on the GPU); asleep it frees both its
   weights and its KV cache, so training does not count it;
 - **generation GPUs** (disaggregated): the engine's weights split over ``tensor_parallel_size`` and
-  the KV cache left in its share, as whole sequences of ``policy.max_total_sequence_length``.
+  the KV cache left in its share, as whole sequences of ``policy.max_total_sequence_length``;
+- **transients**, what a training GPU holds for a moment only: loading, each rank's shards and one full
+  tensor broadcast from rank 0 (the largest: the embeddings), beside a colocated engine already built
+  (:mod:`trainer.policy.sharded_init`: the model is sharded on the meta device before any weight is
+  read, so the whole model is never on a GPU); then the units FSDP gathers in training and refits. The
+  plan names the largest.
 
 It says ``fits`` or ``does not fit``, which term dominates, and the key to change. The model's shape
 comes from instantiating it on the ``meta`` device (exact parameter counts for any architecture,
@@ -101,8 +106,10 @@ class Shape:
     head_dim: int
     vocab: int
     source: str  # where the config came from
-    # (in, out) features of every nn.Linear, by the module's own name (q_proj, ...): LoRA's targets
+    # (in, out) features of every nn.Linear of the language model, by the module's own name (q_proj,
+    # ...): LoRA's targets (trainer.policy.lora adapts the language model alone, not a vision tower)
     linears: dict[str, tuple[tuple[int, int], ...]] = field(default_factory=dict)
+    largest: tuple[str, int] = ("", 0)  # the parameter with the most elements: (name, elements)
 
     def adapter_params(self, rank: int, targets: list[str]) -> int:
         """Parameters of rank-``rank`` LoRA adapters (A: in x r, B: r x out) on every linear named in ``targets``."""
@@ -143,10 +150,14 @@ def model_shape(name: str, trust_remote_code: bool = False) -> Shape:
     blocks = [m for m in model.modules() if type(m).__name__ in block_types]
     decoder = [b for b in blocks if hasattr(b, "mlp")] or blocks  # the text decoder's blocks
     in_blocks = sum(p.numel() for b in blocks for p in b.parameters())
+    from trainer.policy.lora import language_linears
+
     linears: dict[str, list[tuple[int, int]]] = {}
-    for module_name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear):
-            linears.setdefault(module_name.rsplit(".", 1)[-1], []).append((module.in_features, module.out_features))
+    modules = dict(model.named_modules())
+    for module_name in language_linears(model):
+        module = modules[module_name]
+        linears.setdefault(module_name.rsplit(".", 1)[-1], []).append((module.in_features, module.out_features))
+    largest = max(((n, p.numel()) for n, p in model.named_parameters()), key=lambda kv: kv[1])
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = text.num_attention_heads
     return Shape(
@@ -162,6 +173,7 @@ def model_shape(name: str, trust_remote_code: bool = False) -> Shape:
         vocab=text.vocab_size,
         source=str(source),
         linears={k: tuple(v) for k, v in linears.items()},
+        largest=largest,
     )
 
 
@@ -339,6 +351,20 @@ class Plan:
     def fits(self) -> bool:
         return all(d.fits for d in self.devices)
 
+    @property
+    def tightest(self) -> Device:
+        return max(self.devices, key=lambda d: d.total / d.capacity)
+
+    def transients(self) -> dict[str, float]:
+        """What a training GPU holds for a moment only, by name, in bytes: the largest full tensor while
+        loading, and the units FSDP gathers (training and refits)."""
+        out: dict[str, float] = {}
+        for d in self.devices:
+            for name, value in d.terms.items():
+                if name.startswith(LOADING_TERM) or name == "gathered units":
+                    out[name] = max(out.get(name, 0.0), value)
+        return out
+
 
 # The key a user changes when a term is too large.
 ADVICE = {
@@ -354,7 +380,27 @@ ADVICE = {
     "engine weights": "a larger generation.tensor_parallel_size",
     "KV cache (one sequence)": "a smaller policy.max_total_sequence_length, or a larger generation.tensor_parallel_size",
     "colocated engine (awake)": "a smaller generation.gpu_memory_utilization, or generation.placement=disaggregated",
+    "one full tensor, loading": "more training GPUs (the shards beside it shrink)",
 }
+LOADING_TERM = "one full tensor, loading"
+
+
+def loading_device(cfg, shape: Shape, terms: dict[str, float], capacity: float) -> Device:
+    """A training GPU while its rank loads (trainer.policy.sharded_init): its shards, and rank 0's tensors
+    broadcast one at a time, so one full tensor in ``model.dtype`` (and its slice) at a moment; a colocated
+    vLLM engine is built first and holds its share."""
+    name, elements = shape.largest
+    loading = {
+        "weights (sharded)": terms["weights (sharded)"],
+        **({"reference policy (sharded)": terms["reference policy (sharded)"]} if "reference policy (sharded)" in terms else {}),
+        LOADING_TERM: elements * BYTES[cfg.model.dtype],
+        "runtime reserve": RUNTIME_RESERVE,
+    }  # fmt: skip
+    if cfg.generation.backend == "vllm" and not cfg.disaggregated:
+        loading["colocated engine (awake)"] = engine_utilization(cfg) * capacity
+    dev = Device("training GPU, loading", capacity, loading)
+    dev.notes.append(f"rank 0 broadcasts the weights one tensor at a time; the largest: {name}")
+    return dev
 
 
 def plan(cfg, gpu: str | None, experiment: str) -> Plan:
@@ -369,7 +415,7 @@ def plan(cfg, gpu: str | None, experiment: str) -> Plan:
     capacity = GPU_MEMORY[gpu]
     terms["runtime reserve"] = RUNTIME_RESERVE
     train = Device("training GPU", capacity, terms, either=TRAINING_EITHER)
-    devices = [train]
+    devices = [train, loading_device(cfg, shape, terms, capacity)]
     vllm = cfg.generation.backend == "vllm"
     if vllm and not cfg.disaggregated:
         # Generating: the engine's share is taken beside what the policy keeps on the GPU meanwhile.
@@ -423,9 +469,16 @@ def render(p: Plan) -> str:
         if not d.fits:
             key = ADVICE.get(d.dominant.split(" x ")[0], "a larger machine")
             lines.append(f"    largest term: {d.dominant}; change: {key}")
-    worst = max(p.devices, key=lambda d: d.total / d.capacity)
+    transients = sorted(p.transients().items(), key=lambda kv: -kv[1])
+    if transients:
+        lines.append("transients (a training GPU, for a moment): " + ", ".join(
+            f"{name} {value / GiB:.2f} GiB{' (the largest)' if i == 0 else ''}" for i, (name, value) in enumerate(transients)
+        ))
+    worst = p.tightest
     word = "fits" if p.fits else "does not fit"
-    lines.append(f"plan: {word} ({worst.role} at {100 * worst.total / worst.capacity:.0f}%, largest term {worst.dominant})")
+    margin = worst.capacity - worst.total
+    lines.append(f"plan: {word} ({worst.role} at {100 * worst.total / worst.capacity:.0f}%, "
+                 f"{'margin' if margin >= 0 else 'short by'} {abs(margin) / GiB:.1f} GiB, largest term {worst.dominant})")
     return "\n".join(lines)
 
 

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trainer.checkpoint import Checkpointer, read_info, rng_info
-from trainer.config import Config, to_dict
+from trainer.config import Config, ConfigError, to_dict
 from trainer.watchdog import Lost, Watch, gcs_address
 
 if TYPE_CHECKING:  # the heavy modules load inside TrainState, after the checks that need none of them
@@ -102,6 +102,7 @@ def check_backend(cfg: Config) -> None:
         return
     from trainer.generation.vllm_engine import (
         MIN_CPU_HEAD_DIM,
+        attention_heads_of,
         check_vllm_kwargs,
         head_dim_of,
         vllm_available,
@@ -113,19 +114,56 @@ def check_backend(cfg: Config) -> None:
             "the GPU one (pip install 'kuberl-trainer[vllm]'); or use generation.backend=hf"
         )
     check_vllm_kwargs(cfg.generation.vllm_kwargs)  # a ConfigError naming the unknown argument
-    if cfg.cluster.use_gpus:
-        return
     from trainer.models import resolve_model
 
     try:
-        head_dim = head_dim_of(resolve_model(cfg.model.name))
+        model_path = resolve_model(cfg.model.name)
+        heads = attention_heads_of(model_path)
     except (OSError, ValueError):
-        return  # a model that cannot be read says so, with its own message, when it is loaded
+        return  # a model that cannot be read (a hub id not downloaded here) says so when it is loaded
+    check_tensor_parallel(cfg, heads)
+    if cfg.cluster.use_gpus:
+        return
+    try:
+        head_dim = head_dim_of(model_path)
+    except (OSError, ValueError):
+        return
     if head_dim is not None and head_dim < MIN_CPU_HEAD_DIM:
         raise SetupError(
             f"model.name={cfg.model.name}: head dimension {head_dim}, but generation.backend=vllm on CPU needs "
             f">= {MIN_CPU_HEAD_DIM}; use generation.backend=hf, or fewer attention heads (builtin:tiny?num_heads=2)"
         )
+
+
+def check_tensor_parallel(cfg: Config, heads: tuple[int, int] | None) -> None:
+    """A vLLM engine splits the model's attention heads over its ``generation.tensor_parallel_size``
+    workers: a size the heads cannot take would fail inside the generation actor, as a validation
+    traceback, after the policy has loaded. The GPU count (a size must fit one node) is the config's
+    check; this one needs the model's config."""
+    from trainer.generation.vllm_engine import tensor_parallel_sizes
+
+    tp = cfg.generation.tensor_parallel_size
+    if heads is None or tp == 1:
+        return
+    limit = cfg.cluster.gpus_per_node if cfg.cluster.use_gpus else max(tp, heads[0])
+    valid = tensor_parallel_sizes(*heads, limit=max(1, limit))
+    if tp not in valid:
+        raise ConfigError(
+            f"generation.tensor_parallel_size={tp}: model.name={cfg.model.name} has {heads[0]} attention heads "
+            f"and {heads[1]} key/value heads, which vLLM cannot split over {tp} workers; use one of "
+            f"{', '.join(map(str, valid))}"
+        )
+
+
+def by_host(what: str, hosts: list[str]) -> str:
+    """``hosts[i]`` is where number i runs -> "ranks 0-7 on 10.0.0.5, ranks 8-15 on 10.0.0.6"."""
+    runs: list[tuple[str, int, int]] = []
+    for i, host in enumerate(hosts):
+        if runs and runs[-1][0] == host and runs[-1][2] == i - 1:
+            runs[-1] = (host, runs[-1][1], i)
+        else:
+            runs.append((host, i, i))
+    return ", ".join(f"{what}s {a}-{b} on {h}" if a != b else f"{what} {a} on {h}" for h, a, b in runs)
 
 
 def check_writable(key: str, path: str) -> None:
@@ -329,6 +367,21 @@ class TrainState:
             f"kuberl: logs -> {self.logger.run_dir}  (tensorboard --logdir {cfg.logger.log_dir})",
             flush=True,
         )
+        print(f"kuberl: placement: {self._placement()}", flush=True)
+
+    def _placement(self) -> str:
+        """Where each actor runs (its node's address), and where the engines fetch the weights from."""
+        import ray
+
+        policy = [host for host, _ in ray.get([w.address.remote() for w in self.policy.workers])]
+        engines = getattr(self.generator, "workers", [])
+        gen = [host for host, _ in ray.get([w.address.remote() for w in engines])]
+        line = f"policy {by_host('rank', policy)}"
+        if gen:
+            tp = self.cfg.generation.tensor_parallel_size
+            line += f"; generation {by_host('worker', gen)} (tensor parallel {tp} each)"
+            line += f"; weights from policy rank 0 at {policy[0]}"
+        return line
 
     def after_step(self, step: int, metrics: dict[str, float], loader_state: dict[str, Any]) -> None:
         """Record the finished step (``loader_state``: the prompt loader's position after its batch, not

@@ -174,3 +174,38 @@ def test_should_give_the_policys_logits_when_a_lora_checkpoint_converts_to_an_ad
     engine = trainer_eval.build_engine(args, trainer_eval.resolve_model_path(args.model))
     with torch.no_grad():
         assert torch.allclose(engine.model(input_ids=IDS).logits, want, atol=1e-5)
+
+
+def _tiny_gemma3():
+    """A tiny random Gemma 3 as the 27B is built: a language model and a SigLIP vision tower, both with
+    attention layers named q_proj, k_proj and v_proj."""
+    from transformers import AutoModelForCausalLM, Gemma3Config
+
+    config = Gemma3Config(
+        text_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+                     "num_key_value_heads": 1, "head_dim": 16, "vocab_size": 300, "sliding_window": 16},
+        vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+                       "image_size": 28, "patch_size": 14},
+        mm_tokens_per_image=4,
+    )
+    return AutoModelForCausalLM.from_config(config)
+
+
+def test_should_adapt_only_the_language_model_when_the_model_is_multimodal():
+    from trainer.config import LoRAConfig
+    from trainer.policy.lora import apply, is_adapter
+
+    model = _tiny_gemma3()
+    assert any(n.startswith("model.vision_tower.") and n.endswith("q_proj") for n, _ in model.named_modules())
+    apply(model, LoRAConfig(rank=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj"]))
+    adapted = sorted({n.split(".lora_")[0] for n, _ in model.named_parameters() if is_adapter(n)})
+    assert adapted and all(n.startswith("model.language_model.layers.") for n in adapted), adapted
+    assert len(adapted) == 2 * 5  # every target of both decoder layers
+
+
+def test_should_name_the_language_models_layers_when_a_target_exists_only_in_the_vision_tower():
+    from trainer.config import LoRAConfig
+    from trainer.policy.lora import check_targets
+
+    with pytest.raises(ConfigError, match=r"policy.lora.target_modules: .* no linear layer named 'fc1'.*q_proj"):
+        check_targets(_tiny_gemma3(), LoRAConfig(rank=4, target_modules=["q_proj", "fc1"]))

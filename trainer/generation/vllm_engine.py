@@ -143,6 +143,26 @@ def head_dim_of(model_path: str) -> int | None:
     return head_dim
 
 
+def attention_heads_of(model_path: str) -> tuple[int, int] | None:
+    """(attention heads, key/value heads) of the model at ``model_path`` (its text model's), if it says."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_path)
+    config = getattr(config, "text_config", None) or config
+    heads = getattr(config, "num_attention_heads", None)
+    if not heads:
+        return None
+    return heads, getattr(config, "num_key_value_heads", None) or heads
+
+
+def tensor_parallel_sizes(heads: int, kv_heads: int, limit: int) -> list[int]:
+    """The tensor-parallel sizes up to ``limit`` that vLLM can split these heads over: the size divides
+    the attention heads (vLLM's config check), and divides the key/value heads or is a multiple of them
+    (its QKV layer then replicates each KV head over size / kv_heads workers)."""
+    return [tp for tp in range(1, limit + 1)
+            if heads % tp == 0 and (kv_heads % tp == 0 if kv_heads >= tp else tp % kv_heads == 0)]
+
+
 def check_vllm_kwargs(kwargs: dict) -> None:
     """Refuse, in one line, an entry of ``generation.vllm_kwargs`` that ``vllm.LLM`` would not take: its own
     parameters and, passed on to the engine, the fields of ``vllm.EngineArgs``. Imports vLLM only when

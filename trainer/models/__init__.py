@@ -15,13 +15,14 @@ leave a half-written directory behind.
 """
 
 from trainer.models.errors import ModelNotFoundError
-from trainer.models.loading import DTYPES, load_model, load_tokenizer
+from trainer.models.loading import DTYPES, build_empty_model, load_model, load_tokenizer
 from trainer.models.resolve import cache_root, hub_id_or_directory, resolve_model
 from trainer.models.tiny import build_tiny_model, build_tiny_tokenizer
 
 __all__ = [
     "DTYPES",
     "ModelNotFoundError",
+    "build_empty_model",
     "build_tiny_model",
     "build_tiny_tokenizer",
     "cache_root",

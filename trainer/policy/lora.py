@@ -48,23 +48,42 @@ CONFIG_FILE = "adapter_config.json"
 LORA_FILE = "lora.json"  # in a checkpoint's policy/: the LoRA settings and the base model (the weights are adapters)
 
 
-def peft_config(lora: LoRAConfig, base_model: str | None = None):
+def peft_config(lora: LoRAConfig, base_model: str | None = None, modules: list[str] | None = None):
+    """peft's config; ``modules``: the full names of the layers to adapt (else any named as a target)."""
     from peft import LoraConfig
 
     return LoraConfig(
         r=lora.rank,
         lora_alpha=lora.scaling_alpha,
         lora_dropout=lora.dropout,
-        target_modules=list(lora.target_modules),
+        target_modules=list(modules if modules is not None else lora.target_modules),
         bias="none",
         base_model_name_or_path=base_model,
         task_type="CAUSAL_LM",
     )
 
 
+def language_linears(model: torch.nn.Module) -> list[str]:
+    """Full names of the linear layers of ``model``'s language model, the only ones adapters go on.
+
+    A multimodal model (Gemma 3) also has a vision tower whose attention names its layers ``q_proj``,
+    ``k_proj``, ``v_proj``: peft would adapt those too, and vLLM serves adapters on the language model
+    alone. ``get_decoder()`` is the text decoder (``model.language_model`` in Gemma 3, ``model`` in a
+    plain causal LM); ``lm_head`` and the multimodal projector are outside it, as in peft's defaults."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    inside = {id(m) for m in decoder.modules()} if isinstance(decoder, torch.nn.Module) else None
+    return [name for name, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear) and (inside is None or id(m) in inside)]
+
+
 def linear_names(model: torch.nn.Module) -> list[str]:
-    """The last name component of every linear layer of ``model`` (what target_modules may name)."""
-    return sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+    """The last name component of every linear layer of the language model (what target_modules may name)."""
+    return sorted({name.rsplit(".", 1)[-1] for name in language_linears(model)})
+
+
+def target_names(model: torch.nn.Module, lora: LoRAConfig) -> list[str]:
+    """Full names of the layers ``policy.lora.target_modules`` adapts: in the language model only."""
+    return [name for name in language_linears(model) if name.rsplit(".", 1)[-1] in lora.target_modules]
 
 
 def check_targets(model: torch.nn.Module, lora: LoRAConfig, what: str = "the model") -> None:
@@ -96,7 +115,8 @@ def apply(model: torch.nn.Module, lora: LoRAConfig) -> torch.nn.Module:
     from peft import inject_adapter_in_model
 
     check_targets(model, lora)
-    inject_adapter_in_model(peft_config(lora), model, adapter_name=ADAPTER)
+    # By full name: a short name would also match the vision tower's layers of a multimodal model.
+    inject_adapter_in_model(peft_config(lora, modules=target_names(model, lora)), model, adapter_name=ADAPTER)
     for name, param in model.named_parameters():
         param.requires_grad_(is_adapter(name))
         if is_adapter(name) and param.dtype in (torch.bfloat16, torch.float16):

@@ -1,6 +1,7 @@
 """FSDP2 policy workers: one Ray actor per rank, together one torch.distributed group.
 
-Each rank holds a shard of the policy (``fully_shard`` on every decoder layer, then the root), its
+Each rank holds a shard of the policy (``fully_shard`` on every decoder layer, then the root; built on
+the meta device and sharded before any weight is loaded, :mod:`trainer.policy.sharded_init`), its
 optimizer state, and optionally a frozen, sharded reference model for the KL penalty (none at all
 when the penalty is 0). With ``policy.lora`` the policy carries adapters (:mod:`trainer.policy.lora`):
 the base weights stay frozen and sharded, the optimizer holds the adapters alone, the reference is the
@@ -43,7 +44,7 @@ from trainer.algorithms import core_algos
 from trainer.algorithms.objective import LossInputs, Objective
 from trainer.config import Config
 from trainer.generation.base import Completion, SamplingParams
-from trainer.models import DTYPES, load_model, load_tokenizer
+from trainer.models import DTYPES, build_empty_model, load_model, load_tokenizer
 from trainer.policy import streams
 from trainer.policy.batch import (
     PackedBatch,
@@ -59,6 +60,7 @@ from trainer.policy.batch import (
     unpad_logprobs,
 )
 from trainer.policy.packed_attention import Row
+from trainer.policy.sharded_init import load_shards
 
 log = logging.getLogger(__name__)
 
@@ -136,12 +138,22 @@ class PolicyWorker:
         )
         torch.manual_seed(cfg.seed)
         self.tokenizer = load_tokenizer(self.model_path, cfg.model.trust_remote_code)
-        model = load_model(self.model_path, cfg.model.dtype, cfg.model.trust_remote_code)
+        # The policy is built on the meta device and sharded before it holds weights; rank 0 reads the
+        # checkpoint whole, on the host, and broadcasts it one tensor at a time (trainer.policy.sharded_init).
+        # A colocated hf engine copies a loaded model, so then every rank reads it, as the engine would.
+        hf_engine = self.colocated_engine and cfg.generation.backend == "hf"
+        host = load_model(self.model_path, cfg.model.dtype, cfg.model.trust_remote_code) if self.rank == 0 or hf_engine else None
+        model = build_empty_model(self.model_path, cfg.model.dtype, cfg.model.trust_remote_code)
         self.lora = cfg.policy.lora if cfg.policy.lora.enabled else None
         if self.lora is not None:
             from trainer.policy import lora
 
-            lora.apply(model, self.lora)  # before the engine copies it: the hf engine applies the adapters too
+            if host is not None:
+                lora.apply(host, self.lora)  # before the engine copies it: the hf engine applies the adapters too
+                with torch.random.fork_rng(devices=[]):  # the meta twin's draws are discarded: host's count
+                    lora.apply(model, self.lora)
+            else:
+                lora.apply(model, self.lora)
         if self.colocated_engine:
             from trainer.generation.factory import EngineSpec, build_engine
 
@@ -155,7 +167,7 @@ class PolicyWorker:
                 device=self.device,
                 colocated=True,
                 threads=torch.get_num_threads(),
-                base_model=model,  # before sharding and before the policy's attention is set
+                base_model=host,  # loaded, with its adapters, before the policy's attention is set
                 lora=self.lora,
             )
             self.engine = build_engine(cfg.generation, spec)
@@ -186,19 +198,24 @@ class PolicyWorker:
             if self.lora is not None:  # frozen embeddings: a checkpointed block's input must still need grad
                 model.enable_input_require_grads()
         model.config.use_cache = False
-        model.to(self.device)
         shard_model(model, cfg.policy.reshard_after_forward, DTYPES.get(cfg.policy.param_dtype))
+        if self.rank != 0:
+            host = None  # a colocated hf engine's copy is made; only rank 0's feeds the shards
+        load_shards(model, host, self.device)
         self.model = model
         self.ref_model = None  # with LoRA the reference is self.model with its adapters off
         if cfg.grpo.loss.reference_policy_kl_penalty > 0 and self.lora is None:
-            ref = load_model(
+            # The same weights as the policy's start (host has no adapters without LoRA): no second read.
+            ref = build_empty_model(
                 self.model_path, cfg.model.dtype, cfg.model.trust_remote_code, cfg.model.attn_implementation
-            ).to(self.device)
+            )
             ref.requires_grad_(False)
             if self.packed_attention:
                 packed_attention.install(ref, cfg.model.attn_implementation or "sdpa", self.sp)
             shard_model(ref, True, DTYPES.get(cfg.policy.param_dtype))
+            load_shards(ref, host, self.device)
             self.ref_model = ref.eval()
+        del host
         p = cfg.policy
         self.optimizer = adamw(
             self._trainable(), lr=p.learning_rate, betas=p.adam_betas, eps=p.adam_eps, weight_decay=p.weight_decay

@@ -278,8 +278,8 @@ TRACKERS = ("tensorboard", "wandb", "mlflow")
 
 @dataclass
 class WandbConfig:
-    project: str = "kuberl"
-    entity: str | None = None  # null: the API key's default entity
+    project: str | None = None  # null: WANDB_PROJECT, else kuberl
+    entity: str | None = None  # null: WANDB_ENTITY, else the API key's default entity
     group: str | None = None  # null: the experiment's name
     mode: str | None = None  # online | offline | disabled; null: WANDB_MODE, else online
 
@@ -287,7 +287,7 @@ class WandbConfig:
 @dataclass
 class MlflowConfig:
     tracking_uri: str | None = None  # null: MLFLOW_TRACKING_URI
-    experiment: str | None = None  # null: the experiment's name
+    experiment: str | None = None  # null: MLFLOW_EXPERIMENT_NAME, else the experiment's name
     artifact_location: str | None = None  # a new experiment's; null: the server's, or beside a local store
 
 

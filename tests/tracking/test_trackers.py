@@ -183,3 +183,28 @@ def test_should_be_one_line_when_the_mlflow_store_cannot_start_a_run(tmp_path) -
     with pytest.raises(tracking.TrackerError) as e:
         RunLogger(cfg, run_name="r3")
     assert str(e.value).startswith("logger.backends has mlflow, but the MLflow run did not start") and "\n" not in str(e.value)
+
+
+def test_should_take_the_backends_from_the_environment_when_the_chart_sets_kuberl_logger_backends(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("KUBERL_LOGGER_BACKENDS", "[tensorboard,mlflow]")
+    assert config(tmp_path).logger.backends == ["tensorboard", "mlflow"]
+    assert config(tmp_path, "logger.backends=[wandb]").logger.backends == ["wandb"]  # an override still wins
+
+
+def test_should_check_what_a_run_here_would_log_to_when_run_as_the_charts_helm_test(tmp_path) -> None:
+    """``python -m trainer.tracking``, as the chart's tracker test runs it: the environment a Ray container has."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    env = {**os.environ, "KUBERL_LOGGER_BACKENDS": "[tensorboard,mlflow]",
+           "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
+    ok = subprocess.run([sys.executable, "-m", "trainer.tracking"], cwd=REPO, env=env, capture_output=True, text=True,
+                        timeout=300)
+    assert ok.returncode == 0 and ok.stdout.strip() == f"kuberl: trackers ok: tensorboard, mlflow ({env['MLFLOW_TRACKING_URI']})"
+    env["MLFLOW_TRACKING_URI"] = f"http://127.0.0.1:{closed_port()}"
+    bad = subprocess.run([sys.executable, "-m", "trainer.tracking"], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert bad.returncode == 1 and bad.stderr.count("\n") == 1 and "is unreachable" in bad.stderr

@@ -1,5 +1,5 @@
-"""MLflow: one MLflow run per kuberl run, in the experiment ``logger.mlflow.experiment`` (default: the
-kuberl experiment's name), continued on resume.
+"""MLflow: one MLflow run per kuberl run, in the experiment ``logger.mlflow.experiment`` (default:
+``MLFLOW_EXPERIMENT_NAME``, else the kuberl experiment's name), continued on resume.
 
 The tracking URI is ``logger.mlflow.tracking_uri`` or ``MLFLOW_TRACKING_URI``: a server (``http://...``),
 a SQLite database (``sqlite:////path/mlflow.db``) or, kept for existing set-ups, a ``file:`` directory.
@@ -36,7 +36,7 @@ class MlflowTracker:
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         from mlflow import MlflowClient
 
-        experiment = cfg.logger.mlflow.experiment or cfg.experiment_name
+        experiment = cfg.logger.mlflow.experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME") or cfg.experiment_name
         try:
             self.client = MlflowClient(tracking_uri=uri)
             self.run_id = self._start(experiment, run_name, run_id, cfg, scheme)

@@ -1,6 +1,6 @@
 """Weights & Biases: one W&B run per kuberl run, continued on resume.
 
-Project, entity and group come from ``logger.wandb``, the run's name is the kuberl run's, the API key
+Project, entity and group come from ``logger.wandb`` (or W&B's own ``WANDB_PROJECT``, ``WANDB_ENTITY``), the run's name is the kuberl run's, the API key
 from the environment (``WANDB_API_KEY``, which the chart fills from its Secret), and ``WANDB_MODE=offline``
 (or ``logger.wandb.mode``) writes the run under the run directory for a later ``wandb sync``. Files go
 to ``<run dir>/wandb/``. Scalars are logged at the trainer's step; a resumed run continues the same
@@ -10,6 +10,7 @@ the checkpoint (it accepts no step below its last one). The rollout table is a `
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -29,7 +30,7 @@ class WandbTracker:
         mode = wandb_mode(cfg.logger)
         try:
             self.run = wandb.init(
-                project=w.project, entity=w.entity, group=w.group or cfg.experiment_name, name=run_name,
+                project=w.project or os.environ.get("WANDB_PROJECT") or "kuberl", entity=w.entity, group=w.group or cfg.experiment_name, name=run_name,
                 id=run_id, resume="allow" if run_id else None, dir=str(run_dir), config=dict(config), mode=mode,
                 settings=wandb.Settings(init_timeout=INIT_TIMEOUT_S, silent=True),
             )

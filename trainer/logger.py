@@ -35,6 +35,10 @@ class RunLogger:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.trackers: list[Tracker] = open_trackers(cfg, self.run_dir, self.run_name, resume_step, run_ids)
 
+    def describe(self) -> str:
+        """Where the metrics go, for the start-up line: ``tensorboard, wandb run 1a2b3c, mlflow run 9f8e...``."""
+        return ", ".join(t.name + (f" run {t.run_id}" if t.run_id else "") for t in self.trackers) or "no tracker"
+
     def run_ids(self) -> dict[str, str]:
         """Each tracker's run id, for the checkpoint: a resumed run continues these runs."""
         return {t.name: t.run_id for t in self.trackers if t.run_id is not None}

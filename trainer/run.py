@@ -344,7 +344,8 @@ class TrainState:
             f"kuberl: {cfg.experiment_name} | model {cfg.model.name} ({self.policy.num_params / 1e6:.1f}M params) | "
             f"{len(self.train_examples)} prompts | {cfg.train_world_size} policy ranks, "
             f"{cfg.generation.placement} {cfg.generation.backend} generation | ready in {time.monotonic() - t0:.0f}s\n"
-            f"kuberl: logs -> {self.logger.run_dir}  (tensorboard --logdir {cfg.logger.log_dir})",
+            f"kuberl: logs -> {self.logger.run_dir}  (tensorboard --logdir {cfg.logger.log_dir}) | "
+            f"metrics -> {self.logger.describe()}",
             flush=True,
         )
 

@@ -12,7 +12,8 @@ import yaml
 from chartlib import CHART, REPO
 
 DOC = (REPO / "docs" / "cluster.md").read_text()
-ROOTS = ("image", "storage", "rdma", "job", "head", "capacity", "gpu", "serviceAccount", "secrets", "tests", "tensorboard")
+ROOTS = ("image", "storage", "rdma", "job", "head", "capacity", "gpu", "serviceAccount", "secrets", "tests", "tensorboard",
+         "podMonitoring")  # not "logger": the runbook cites the trainer's logger.* keys too
 
 
 def _has(values: dict, dotted: str) -> bool:

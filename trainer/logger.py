@@ -77,9 +77,10 @@ class RunLogger:
             f"len {m['train/mean_generation_length']:.1f} | loss {m['train/loss']:+.4f} | "
             f"{m['timing/step_s']:.1f}s (gen {m['timing/generation_s']:.1f}, train {m['timing/train_s']:.1f})"
         )
-        if "perf/mfu" in m:  # throughput of both halves, the training's MFU, the largest rank's peak memory
-            line += (f" | tok/s gen {m['perf/generated_tokens_per_s']:.0f}, train {m['perf/trained_tokens_per_s']:.0f}"
-                     f" | MFU {m['perf/mfu']:.1%} | mem {m['perf/peak_memory_gib_max']:.1f} GiB")
+        if "perf/trained_tokens_per_s" in m:  # throughput of both halves, training's MFU, the largest rank's peak
+            line += f" | tok/s gen {m['perf/generated_tokens_per_s']:.0f}, train {m['perf/trained_tokens_per_s']:.0f}"
+            line += f" | MFU {m['perf/mfu']:.1%}" if "perf/mfu" in m else ""
+            line += f" | mem {m['perf/peak_memory_gib_max']:.1f} GiB"
         if self.cfg.grpo.async_.max_staleness >= 1:  # how stale the batch was, and the policy's idle time
             line += (f" | stale {m['train/staleness_max']:.0f}, waited "
                      f"{m['timing/generation_wait_s'] + m['timing/weight_push_wait_s']:.1f}s")

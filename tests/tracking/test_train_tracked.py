@@ -1,5 +1,6 @@
 """A tiny run through the real entry point with all three trackers: each holds the same reward curve, the
-perf/ metrics of every step, the config and the rollout tables; the checkpoint keeps the tracker run ids."""
+perf/ metrics of every step, the config and the rollout tables; the checkpoint keeps the tracker run ids,
+and a run resumed from it continues the same W&B and MLflow runs."""
 
 from __future__ import annotations
 
@@ -56,3 +57,16 @@ def test_should_send_the_same_curve_config_and_rollouts_to_every_backend_when_a_
     progress = [line for line in stdout.splitlines() if line.startswith("step ")]
     assert len(progress) == STEPS and all("| MFU " in line and " GiB" in line for line in progress)
     assert "kuberl: perf: MFU against CPU" in stdout
+    assert f"metrics -> tensorboard, wandb run {ids['wandb']}, mlflow run {ids['mlflow']}" in stdout
+
+    # One more step, resumed from the checkpoint: the same runs go on.
+    stdout, resumed_dir = _train(
+        trainer_env, tmp_path, f"grpo.max_num_steps={STEPS + 1}", "logger.backends=[tensorboard,wandb,mlflow]",
+        "logger.wandb.mode=offline", f"logger.mlflow.tracking_uri={uri}",
+    )
+    assert resumed_dir == run_dir and f"resumed from {tmp_path / 'ckpt' / 'tiny' / f'step_{STEPS}'}" in stdout
+    wb, ml = readback.wandb_run(run_dir), readback.mlflow_run(uri, ids["mlflow"])
+    assert wb["ids"] == {ids["wandb"]}
+    steps.append(STEPS + 1)
+    assert sorted(wb["history"]["train/reward_mean"]) == steps and sorted(ml["history"]["train/reward_mean"]) == steps
+    assert ml["run"].info.status == "FINISHED"

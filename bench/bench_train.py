@@ -147,7 +147,7 @@ BUCKETS = (
     ("optimizer", r"adam|_foreach|multi_tensor|clip_grad|aten::lerp"),
     ("softmax, logprobs", r"softmax|logsumexp|cross_entropy|gather|log_softmax"),
     ("norms", r"rms|norm"),
-    ("copies, casts", r"copy|memcpy|memset|cast|aten::to\b|_to_copy|cat|contiguous|clone|fill"),
+    ("copies, casts", r"copy|memcpy|memset|cast|aten::to\b|catarray|aten::cat\b|contiguous|clone|fill"),
 )
 
 

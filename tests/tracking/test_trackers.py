@@ -208,3 +208,23 @@ def test_should_check_what_a_run_here_would_log_to_when_run_as_the_charts_helm_t
     bad = subprocess.run([sys.executable, "-m", "trainer.tracking"], cwd=REPO, env=env, capture_output=True, text=True,
                          timeout=300)
     assert bad.returncode == 1 and bad.stderr.count("\n") == 1 and "is unreachable" in bad.stderr
+
+
+def test_should_import_neither_wandb_nor_mlflow_when_only_tensorboard_logs(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    code = (
+        "import sys\n"
+        "from trainer.config import load\n"
+        "from trainer.logger import RunLogger\n"
+        f"log = RunLogger(load(['experiment=tiny', 'logger.log_dir={tmp_path}']), run_name='r')\n"
+        "log.scalars(1, {'train/reward_mean': 0.5})\n"
+        "log.close()\n"
+        "print(sorted(m for m in ('wandb', 'mlflow') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"

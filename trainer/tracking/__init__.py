@@ -39,7 +39,7 @@ assert tuple(BACKENDS) == TRACKERS  # the config validates names against TRACKER
 # The rollout table's columns: enough to read what the reward paid for.
 TABLE_COLUMNS = ("step", "prompt", "response", "reward", "extracted_answer", "answer_note", "advantage")
 PROBE_TIMEOUT_S = 5.0
-EXTRA = "pip install 'kuberl-trainer[tracking]' (the job image and `make setup` have it)"
+EXTRA = "pip install 'kuberl-trainer[tracking]' (`make setup` installs it)"
 
 
 class TrackerError(RuntimeError):

@@ -49,6 +49,7 @@ class PolicyGroup:
         host, port = self.workers[0].address.options(num_returns=2).remote()
         self._setup: list[ray.ObjectRef] | None = [w.setup.remote(host, port) for w in self.workers]
         self.num_params = 0
+        self.trained_lengths: list[int] = []  # of the last train(): tokens of each sample trained on (trainer.perf)
         if wait:
             self.wait_ready()
 
@@ -92,7 +93,7 @@ class PolicyGroup:
         skip = self.cfg.policy.skip_zero_advantage and self.cfg.grpo.loss.reference_policy_kl_penalty == 0
         per_rank: list[list[list[Sample]]] = [[] for _ in self.workers]
         counts = []
-        self.trained_lengths: list[int] = []  # tokens of each sample trained on, once per sample (trainer.perf)
+        self.trained_lengths = []
         mb_size = len(samples) // n_mb
         for m in range(n_mb):
             mb = samples[m * mb_size : (m + 1) * mb_size]

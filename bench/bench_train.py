@@ -25,17 +25,38 @@ real tokens (prompt + response of every sample), whatever a layout pads them to.
 
 ``--gpu`` runs the rank on one CUDA GPU instead (NCCL world of 1, bf16 compute, sdpa; packed rows take
 torch's varlen kernel there), timing each step between ``torch.cuda.synchronize()`` calls.
+
+Beside tokens/s each layout gets its model FLOPs utilisation (``trainer.perf``: 6 x N x tokens plus causal
+attention, over the median step and the device's peak: the bf16 table for a GPU, a measured matmul on a
+CPU). One more step of the last layout then runs under torch's profiler, and the step is split into where
+its time went (matmuls, attention, optimizer, copies and casts, ..., and on a GPU the time no kernel ran).
+
+``--shape qwen2.5-1.5b`` (or ``qwen2.5-7b``, ``smollm2-135m``) trains a randomly initialised model of that
+shape (bf16 weights written once under the model cache, the repo's tiny tokenizer: the bench feeds token
+ids), so a GPU machine without hub access measures a real model size. Neither Ray nor Hydra is needed:
+without Hydra the config is the dataclass defaults with the same overrides.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import re
 import socket
 import statistics
 import sys
 import time
 
 MODEL = "embedded:smollm2-135m-instruct"
+# --shape: random models of these shapes (trainer/plan.py's table of the hub configs; SmolLM2-135M's own).
+SHAPES = {
+    "qwen2.5-1.5b": "Qwen/Qwen2.5-Coder-1.5B-Instruct",  # Qwen2.5-1.5B's shape: 1536 x 28 layers, 12/2 heads
+    "qwen2.5-7b": "Qwen/Qwen2.5-Coder-7B-Instruct",
+    "smollm2-135m": {
+        "model_type": "llama", "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+        "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 49152, "tie_word_embeddings": True,
+    },
+}  # fmt: skip
 
 
 def skewed_lengths(n: int, low: int, high: int) -> list[int]:
@@ -64,6 +85,103 @@ def make_samples(args) -> list:
     return [samples[i] for i in shard_for_ranks(samples, 1)[0]]  # the rank's order
 
 
+def random_model(shape: str) -> str:
+    """A directory holding a randomly initialised model of ``shape`` (bf16 safetensors, seed 0) and the tiny
+    tokenizer; built once under the model cache (on the GPU when there is one: seconds, not minutes)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from trainer.models.resolve import cache_root
+    from trainer.models.tiny import build_tiny_tokenizer
+    from trainer.plan import KNOWN_CONFIGS
+
+    out = cache_root() / f"random-{shape}-bf16-v1"
+    if (out / "config.json").is_file():
+        return str(out)
+    known = SHAPES[shape]
+    fields = dict(KNOWN_CONFIGS[known] if isinstance(known, str) else known)
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    print(f"# building a random {shape} model in {out} (once)", flush=True)
+    torch.manual_seed(0)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    model.save_pretrained(tmp)
+    build_tiny_tokenizer().save_pretrained(tmp)
+    del model
+    os.replace(tmp, out)  # whole or absent under its final name
+    return str(out)
+
+
+def make_config(overrides: list[str]):
+    """The composed config (Hydra, as a run composes it), or without Hydra (a GPU machine that has only
+    torch and transformers) the dataclass defaults with the overrides set on them."""
+    try:
+        import hydra  # noqa: F401
+    except ImportError:
+        import yaml
+
+        from trainer.config import Config
+
+        cfg = Config()
+        for item in overrides:
+            key, _, value = item.partition("=")
+            if key == "experiment":
+                continue  # its settings that matter here are all overridden below
+            *path, leaf = key.split(".")
+            node = cfg
+            for part in path:
+                node = getattr(node, part)
+            setattr(node, leaf, yaml.safe_load(value))
+        return cfg.validate()
+    from trainer.config import load
+
+    return load(overrides)
+
+
+# Where a profiled step's time goes: the first pattern a kernel's (GPU) or an op's (CPU) name matches.
+BUCKETS = (
+    ("attention", r"flash|fmha|attention|varlen|sdpa|_efficient_attention"),
+    ("matmul", r"gemm|cutlass|xmma|cublas|aten::(mm|addmm|bmm|matmul|linear)\b|sm\d+_|nvjet"),
+    ("collectives", r"nccl|all_gather|reduce_scatter|all_reduce|c10d"),
+    ("optimizer", r"adam|_foreach|multi_tensor|clip_grad|aten::lerp"),
+    ("softmax, logprobs", r"softmax|logsumexp|cross_entropy|gather|log_softmax"),
+    ("norms", r"rms|norm"),
+    ("copies, casts", r"copy|memcpy|memset|cast|aten::to\b|catarray|aten::cat\b|contiguous|clone|fill"),
+)
+
+
+def profile_step(run_step, gpu: bool) -> list[tuple[str, float]]:
+    """Run one step under torch's profiler: (bucket, seconds) by :data:`BUCKETS`, then the rest; on a GPU the
+    kernels' own time plus the step's time with no kernel running (host work, launches, syncs)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        run_step()
+        wall = time.perf_counter() - t0
+    spent: dict[str, float] = {}
+    for event in prof.key_averages():
+        if gpu:  # kernels and copies only: a CPU op's device time is its kernels', counted there
+            if event.device_type != DeviceType.CUDA:
+                continue
+            us = event.self_device_time_total
+        else:
+            us = event.self_cpu_time_total
+        if us <= 0:
+            continue
+        name = event.key.lower()
+        bucket = next((b for b, pattern in BUCKETS if re.search(pattern, name)), "other elementwise" if gpu else "other ops")
+        spent[bucket] = spent.get(bucket, 0.0) + us / 1e6
+    rows = sorted(spent.items(), key=lambda kv: -kv[1])
+    if gpu:
+        rows.append(("GPU idle (host, launches, syncs)", max(wall - sum(spent.values()), 0.0)))
+    rows.append(("step (wall, profiled)", wall))
+    return rows
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -88,14 +206,21 @@ def main() -> int:
                          "then take torch's varlen kernel) instead of the CPU rank")
     ap.add_argument("--param-dtype", default="bfloat16", help="with --gpu: policy.param_dtype (bfloat16 | null)")
     ap.add_argument("--model", default=MODEL, help="a model directory or hub id (default: the embedded SmolLM2-135M)")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default=None,
+                    help="a randomly initialised model of this shape instead of --model (no download)")
+    ap.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
+                    help="profile one more step of the last layout and say where its time went")
     args = ap.parse_args()
 
-    from trainer import hardware
-    from trainer.config import load
+    from trainer import hardware, perf
     from trainer.models import resolve_model
+    from trainer.plan import model_shape
     from trainer.policy.worker import PolicyWorker
 
+    if args.shape:
+        args.model = random_model(args.shape)
     path = resolve_model(args.model)
+    flops_of = perf.ModelFlops.from_shape(model_shape(path))
     samples = make_samples(args)
     longest = max(s.length for s in samples)
     if args.max_tokens is None:
@@ -105,7 +230,7 @@ def main() -> int:
     device = (["cluster.gpus_per_node=1", "cluster.cpu_workers_per_node=0", f"policy.param_dtype={args.param_dtype}",
                "model.attn_implementation=null", "policy.reshard_after_forward=true"] if args.gpu
               else ["cluster.cpu_workers_per_node=1", "policy.param_dtype=null"])
-    cfg = load([
+    cfg = make_config([
         "experiment=cpu-demo", f"model.name={args.model}", "model.dtype=float32", *device,
         "cluster.keep_freed_memory=false",  # a shared machine: give memory back
         "policy.skip_zero_advantage=false", "policy.max_grad_norm=null",
@@ -144,14 +269,17 @@ def main() -> int:
     }
     names = [n for n in args.layouts.split(",") if n]
     unknown = sorted(set(names) - set(layouts))
-    if unknown or "padded" not in names or "packed" not in names:
-        print(f"--layouts: padded and packed are needed, of {', '.join(layouts)}; got {args.layouts}")
+    if unknown or not names:
+        print(f"--layouts: one or more of {', '.join(layouts)}; got {args.layouts}")
         return 2
 
     tokens = sum(s.length for s in samples)
+    flops = flops_of.training(s.length for s in samples)  # the model's, whatever a layout pads or recomputes
     counts = [{"tokens": float(sum(len(s.response_ids) for s in samples)), "seqs": float(len(samples))}]
     where = f"{torch.cuda.get_device_name(0)}, param_dtype {args.param_dtype}" if args.gpu else hardware.describe()
     print(f"# {where}")
+    print(f"# model FLOPs of the batch: {flops:.4g} (N = {flops_of.matmul_params / 1e6:.1f}M matmul parameters, "
+          f"{flops_of.layers} layers x {flops_of.heads} heads x {flops_of.head_dim})", flush=True)
     print(f"# {args.model}, {len(samples)} samples ({args.prompts} prompts x {args.group}), "
           f"prompt {args.prompt_tokens} + response {args.min_response}..{args.max_response} tokens, "
           f"{tokens} tokens in all; padded micro_batch_size={args.micro_batch_size}, "
@@ -189,25 +317,36 @@ def main() -> int:
             for name in names:
                 s, _ = step(name)
                 seconds[name].append(s)
+        # The peak after the timed steps: on a CPU the matmul runs on the rank's own threads.
+        peak, source = perf.device_peak_flops(worker.device, cfg.policy.param_dtype or cfg.model.dtype)
+        breakdown = profile_step(lambda: step(names[-1]), args.gpu) if args.profile else []
     finally:
         worker.shutdown()
 
-    print(f"{'layout':8} {'median s':>9} {'min s':>7} {'tokens/s':>9} {'loss':>14}" + ("  peak MiB" if peaks else ""))
+    print(f"# peak: {source}")
+    print(f"{'layout':8} {'median s':>9} {'min s':>7} {'tokens/s':>9} {'MFU':>6} {'loss':>14}" + ("  peak MiB" if peaks else ""))
     rate = {}
     for name in names:
         med = statistics.median(seconds[name])
         rate[name] = tokens / med
-        print(f"{name:8} {med:9.3f} {min(seconds[name]):7.3f} {rate[name]:9.1f} {losses[name]:14.8f}"
-              + (f"  {peaks[name]:8.0f}" if name in peaks else ""))
+        print(f"{name:8} {med:9.3f} {min(seconds[name]):7.3f} {rate[name]:9.1f} {perf.mfu(flops, med, peak):6.1%} "
+              f"{losses[name]:14.8f}" + (f"  {peaks[name]:8.0f}" if name in peaks else ""))
+    if breakdown:
+        wall = breakdown[-1][1]
+        print(f"where a {names[-1]} step goes (one step under torch.profiler; profiling slows it a little):")
+        for bucket, sec in breakdown[:-1]:
+            print(f"  {bucket:34} {sec:8.3f} s {sec / wall:6.1%}")
+        print(f"  {breakdown[-1][0]:34} {wall:8.3f} s")
     ok = True
     for name in names:
-        rel = abs(losses[name] - losses["padded"]) / max(abs(losses["padded"]), 1e-12)
+        rel = abs(losses[name] - losses[names[0]]) / max(abs(losses[names[0]]), 1e-12)
         if rel > 1e-5:
-            print(f"loss of {name} differs from padded by {rel:.2e} relative (> 1e-5)")
+            print(f"loss of {name} differs from {names[0]} by {rel:.2e} relative (> 1e-5)")
             ok = False
-    if "prefix" in names:
+    if "prefix" in names and "packed" in names:
         print(f"packed / prefix tokens/s: {rate['packed'] / rate['prefix']:.2f}x")
-    print(f"packed / padded tokens/s: {rate['packed'] / rate['padded']:.2f}x")
+    if "padded" in names and "packed" in names:
+        print(f"packed / padded tokens/s: {rate['packed'] / rate['padded']:.2f}x")
     return 0 if ok else 1
 
 

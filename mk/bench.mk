@@ -47,7 +47,7 @@ bench-generation: setup ## Generation tok/s, hf vs vllm (SmolLM2-135M, n=4, 64 t
 .PHONY: bench-train
 BENCH_TRAIN_ARGS ?=
 
-bench-train: setup ## Training tokens/s, padded micro_batch_size vs packed max_tokens_per_microbatch (SmolLM2-135M, responses 16..512)
+bench-train: setup ## Training tokens/s and MFU, padded micro_batch_size vs packed max_tokens_per_microbatch (SmolLM2-135M, responses 16..512), and where a step goes
 	$(PY) bench/bench_train.py $(BENCH_TRAIN_ARGS)
 
 # LoRA against full weights: refit time (hf engine, disaggregated gloo transport, colocated vLLM) and the

@@ -9,7 +9,7 @@ Layout of ``checkpoint_dir/<experiment>/step_N/``::
     policy/hf_config/      config.json and generation_config.json of the base model
     config.yaml            the run's resolved config
     dataloader.json        the prompt loader's position after step N
-    training_info.json     step, consumed samples, run name, metrics, RNG state, save time
+    training_info.json     step, consumed samples, run name, tracker run ids, metrics, RNG state, save time
     COMMITTED              the marker, written last: every file above with its size
 
 A checkpoint is complete exactly when ``COMMITTED`` exists. The usual way to commit a directory,

@@ -290,13 +290,35 @@ class ClusterConfig:
         return self.gpus_per_node > 0
 
 
+# Where metrics go besides the console and the jsonl (trainer.tracking): any combination.
+TRACKERS = ("tensorboard", "wandb", "mlflow")
+
+
+@dataclass
+class WandbConfig:
+    project: str | None = None  # null: WANDB_PROJECT, else kuberl
+    entity: str | None = None  # null: WANDB_ENTITY, else the API key's default entity
+    group: str | None = None  # null: the experiment's name
+    mode: str | None = None  # online | offline | disabled; null: WANDB_MODE, else online
+
+
+@dataclass
+class MlflowConfig:
+    tracking_uri: str | None = None  # null: MLFLOW_TRACKING_URI
+    experiment: str | None = None  # null: MLFLOW_EXPERIMENT_NAME, else the experiment's name
+    artifact_location: str | None = None  # a new experiment's; null: the server's, or beside a local store
+
+
 @dataclass
 class LoggerConfig:
     log_dir: str = "logs"
     run_name: str | None = None
-    tensorboard: bool = True
+    backends: list[str] = field(default_factory=lambda: ["tensorboard"])
     save_rollouts: bool = True
     num_console_samples: int = 1
+    num_table_rows: int = 16  # rollouts per step in each tracker's table (0: none)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
 
 
 @dataclass
@@ -900,6 +922,13 @@ def _validate(c: Config) -> None:
     _require(c.env.reward_timeout_s > 0, "env.reward_timeout_s must be > 0")
     _require(c.env.max_concurrent_rewards >= 1, "env.max_concurrent_rewards must be >= 1")
     # --- logging and checkpoints
+    lg = c.logger
+    for name in lg.backends:
+        _one_of("logger.backends", name, TRACKERS)
+    _require(len(set(lg.backends)) == len(lg.backends), f"logger.backends={lg.backends} names a backend twice")
+    if lg.wandb.mode is not None:
+        _one_of("logger.wandb.mode", lg.wandb.mode, ("online", "offline", "disabled"))
+    _require(lg.num_table_rows >= 0, f"logger.num_table_rows={lg.num_table_rows} must be >= 0 (0: no rollout tables)")
     ck = c.checkpointing
     _require(ck.save_period >= 1, f"checkpointing.save_period={ck.save_period} must be >= 1")
     _require(ck.keep_top_k is None or ck.keep_top_k >= 1, "checkpointing.keep_top_k must be >= 1 or null")

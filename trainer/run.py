@@ -179,6 +179,17 @@ def check_writable(key: str, path: str) -> None:
         raise SetupError(f"{key}={path}: cannot create or write this directory ({reason}); pass a writable one") from None
 
 
+def check_trackers(cfg: Config) -> None:
+    """``logger.backends`` that cannot work (a library missing, no API key, a server that does not answer):
+    one line now, before Ray or a model starts, not a traceback at step 1."""
+    from trainer import tracking
+
+    try:
+        tracking.check(cfg.logger)
+    except tracking.TrackerError as e:
+        raise SetupError(str(e)) from None
+
+
 def precision_warning(cfg: Config) -> str | None:
     """A line to print when bfloat16 was asked for explicitly on a CPU that only emulates it."""
     from trainer.config import bf16_is_fast
@@ -254,6 +265,7 @@ class TrainState:
         check_cpu_pinning(cfg)
         # Before anything loads or any actor starts: paths that cannot work fail now, in one line.
         check_writable("logger.log_dir", cfg.logger.log_dir)
+        check_trackers(cfg)
         if cfg.checkpointing.enabled:
             check_writable("checkpointing.checkpoint_dir", cfg.checkpointing.checkpoint_dir)
         if cfg.model.tokenizer:
@@ -352,8 +364,15 @@ class TrainState:
                 step=int(info["step"]), loader_state=self.loader.state_dict(), metrics=info.get("metrics", {}),
                 saved=resume, saved_step=int(info["step"]), save_s=info.get("save_s"),
             )
-        # A resumed run appends to its own TensorBoard run; a fresh one never touches old ones.
-        self.logger = RunLogger(cfg, run_name=info.get("run_name"), resume_step=self.progress.step)
+        # A resumed run appends to its own TensorBoard run and continues its W&B and MLflow runs; a fresh
+        # one never touches old ones.
+        from trainer.tracking import TrackerError
+
+        try:
+            self.logger = RunLogger(cfg, run_name=info.get("run_name"), resume_step=self.progress.step,
+                                    run_ids=info.get("tracker_runs"))
+        except TrackerError as e:
+            raise SetupError(str(e)) from None
         if resume:
             print(f"kuberl: resumed from {resume} (step {self.progress.step}, checkpointing.resume={cfg.checkpointing.resume})")
         else:
@@ -364,7 +383,8 @@ class TrainState:
             f"{len(self.train_examples)} prompts | {cfg.train_world_size} policy ranks, "
             f"{cfg.generation.placement} {cfg.generation.backend} generation"
             f"{f' ({cfg.generation.quantization})' if cfg.generation.quantization else ''} | ready in {time.monotonic() - t0:.0f}s\n"
-            f"kuberl: logs -> {self.logger.run_dir}  (tensorboard --logdir {cfg.logger.log_dir})",
+            f"kuberl: logs -> {self.logger.run_dir}  (tensorboard --logdir {cfg.logger.log_dir}) | "
+            f"metrics -> {self.logger.describe()}",
             flush=True,
         )
         print(f"kuberl: placement: {self._placement()}", flush=True)
@@ -443,6 +463,7 @@ class TrainState:
             "step": p.step,
             "consumed_samples": p.step * self.cfg.grpo.batch_size,
             "run_name": self.logger.run_name,
+            "tracker_runs": self.logger.run_ids(),  # W&B and MLflow run ids: a resumed run continues them
             "metrics": p.metrics,
             "rng": rng_info(self.cfg.seed, p.step),
             "save_s": round(time.monotonic() - t0, 3),  # the next run's estimate for a save at preemption
@@ -464,7 +485,7 @@ class TrainState:
                 except Exception as e:  # teardown must not hide the run's own error
                     log.warning("shutdown: %s", e)
             if getattr(self, "logger", None) is not None:
-                self.logger.close()
+                self.logger.close(failed)
         if not failed:  # after a failure it keeps watching: the way out (ray.shutdown) may hang on a lost cluster
             self.watch.stop()
 

@@ -407,7 +407,7 @@ def test_should_use_the_existing_service_account_when_create_is_false() -> None:
 
 
 def test_should_read_hf_token_and_wandb_key_from_secret_key_refs_when_secrets_are_named() -> None:
-    docs = render("secrets.wandbApiKey.secretName=wandb")
+    docs = render("secrets.wandbApiKey.secretName=wandb", "logger.backends={tensorboard,wandb}")  # the key: W&B runs only
     for template in [head_template(docs), groups(docs)["train"]["template"]]:
         env = env_of(template)
         assert env["HF_TOKEN"] == {

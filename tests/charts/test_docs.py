@@ -13,7 +13,8 @@ from chartlib import CHART, REPO
 
 DOC = (REPO / "docs" / "cluster.md").read_text()
 ROOTS = ("image", "storage", "rdma", "job", "head", "capacity", "gpu", "serviceAccount", "secrets", "tests", "tensorboard",
-         "auth", "sandbox", "networkPolicy", "podDisruptionBudget")  # fmt: skip
+         "auth", "sandbox", "networkPolicy", "podDisruptionBudget", "podMonitoring")  # fmt: skip
+         # not "logger": the runbook cites the trainer's logger.* keys too
 
 
 def _has(values: dict, dotted: str) -> bool:

@@ -11,6 +11,9 @@ Departures from the paper, as in NeMo-RL and verl: the KL penalty is in the loss
 and when there is one optimizer step per batch the old logprobs are the current ones detached,
 which skips a forward pass and gives exactly the same gradient.
 
+Each step also says how fast it ran (``perf/``, :func:`perf_metrics`): generated and trained tokens/s, the
+training's model FLOPs utilisation (:mod:`trainer.perf`) and each policy rank's peak memory.
+
 After SIGTERM the loop stops at the next safe point (``state.preemption_point``): the end of a
 step, or inside one once its rollouts are scored but before the optimizer step, when the step is
 dropped whole and redone on resume with the same prompts and seeds.
@@ -22,6 +25,7 @@ import time
 
 import torch
 
+from trainer import perf
 from trainer.algorithms import core_algos, rollout
 from trainer.algorithms.rollout_stream import AsyncRollouts, RolloutBatch, SyncRollouts, make_rollout_stream
 from trainer.algorithms.state import LoopState
@@ -54,7 +58,7 @@ def sampling_params(cfg: Config, seed: int, greedy: bool = False) -> SamplingPar
 
 
 def grpo_step(
-    cfg: Config, step: int, stream: SyncRollouts | AsyncRollouts, state: LoopState
+    cfg: Config, step: int, stream: SyncRollouts | AsyncRollouts, state: LoopState, flops: perf.ModelFlops | None = None
 ) -> tuple[dict[str, float], list[dict], RolloutBatch]:
     policy, rewards = state.policy, state.rewards
     g, loss_cfg = cfg.grpo, cfg.grpo.loss
@@ -131,6 +135,7 @@ def grpo_step(
         "timing/weight_push_wait_s": push_wait_s,  # of weight_sync_s: waiting for a generation round to end
         "timing/step_s": t5 - t0,
         "perf/generated_tokens_per_s": lengths.sum().item() / max(batch.generation_s, 1e-9),
+        **perf_metrics(cfg, policy.trained_lengths, t4 - t3, policy.perf_stats(), flops),
         **batch.metrics(),
     }
     if g.max_rollout_turns > 1:
@@ -165,6 +170,36 @@ def grpo_step(
     return metrics, rows, batch
 
 
+def model_flops(cfg: Config, policy: PolicyGroup) -> perf.ModelFlops | None:
+    """The policy's FLOPs per token for MFU, from its shape (``trainer.plan``, the model on the meta device);
+    None, said once, for a model whose shape cannot be read that way."""
+    from trainer.plan import model_shape
+
+    try:
+        return perf.ModelFlops.from_shape(model_shape(policy.model_path, cfg.model.trust_remote_code))
+    except Exception as e:  # an architecture the plan cannot count: the run trains, without perf/mfu
+        print(f"kuberl: perf: no perf/mfu for model.name={cfg.model.name}: its shape cannot be read "
+              f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})", flush=True)
+        return None
+
+
+def perf_metrics(
+    cfg: Config, trained_lengths: list[int], train_s: float, ranks: list[dict], flops: perf.ModelFlops | None
+) -> dict[str, float]:
+    """Trained tokens/s, MFU of the policy's training pass and each rank's peak memory; ``trained_lengths``:
+    prompt + response tokens of each sample trained on, ``ranks``: :meth:`PolicyGroup.perf_stats`."""
+    tokens = sum(trained_lengths)
+    out = {"perf/trained_tokens_per_s": tokens / max(train_s, 1e-9)}
+    if flops is not None:
+        done = flops.training(trained_lengths, frozen_base=cfg.policy.lora.enabled)
+        out["perf/mfu"] = perf.mfu(done, train_s, sum(r["peak_flops"] for r in ranks))
+        out["perf/train_tflops_per_s_per_rank"] = done / max(train_s, 1e-9) / len(ranks) / 1e12
+    memory = [r["peak_memory_bytes"] / 2**30 for r in ranks]
+    out.update({f"perf/peak_memory_gib/rank_{r}": gib for r, gib in enumerate(memory)})
+    out["perf/peak_memory_gib_max"] = max(memory)
+    return out
+
+
 def sample_line(row: dict) -> str:
     """A rollout for the console: the response, its reward and the answer the reward paid for (or
     why there was none), e.g. ``'13 + 7 = \\boxed{20}' -> reward 1.00, answer '20' (\\boxed{})``."""
@@ -195,6 +230,7 @@ def run(cfg: Config, state: LoopState) -> list[dict[str, float]]:
     g = cfg.grpo
     start = state.progress.step
     stream = make_rollout_stream(cfg, state, lambda step: sampling_params(cfg, cfg.seed + step))
+    flops = model_flops(cfg, state.policy)
     try:
         if state.val_examples and g.val_at_start and start == 0:
             with stream.engines():
@@ -202,7 +238,10 @@ def run(cfg: Config, state: LoopState) -> list[dict[str, float]]:
             log.scalars(0, before)
             print(f"step    0/{g.max_num_steps} | val {before['val/accuracy']:.3f} (before training)", flush=True)
         for step in range(start + 1, g.max_num_steps + 1):
-            metrics, rows, batch = grpo_step(cfg, step, stream, state)
+            metrics, rows, batch = grpo_step(cfg, step, stream, state, flops)
+            if step == start + 1:
+                print(f"kuberl: perf: MFU against {state.policy.perf_stats()[0]['peak_source']} per policy rank",
+                      flush=True)
             if state.val_examples and g.val_period and step % g.val_period == 0:
                 with stream.engines():
                     metrics.update(validate(cfg, step, state.val_examples, state.generator, stream.val_rewards))

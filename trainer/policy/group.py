@@ -23,6 +23,7 @@ class PolicyGroup:
     def __init__(self, cfg: Config, model_path: str, colocated_engine: bool, wait: bool = True):
         core_algos.check_loss_config(cfg.grpo.loss)  # here, not as a RayActorError from every rank
         self.cfg = cfg
+        self.model_path = model_path
         self.world_size = cfg.train_world_size
         # Data-parallel groups: with sequence parallelism every rank of a group gets the same shard.
         self.sp = cfg.policy.sequence_parallel_size
@@ -48,6 +49,7 @@ class PolicyGroup:
         host, port = self.workers[0].address.options(num_returns=2).remote()
         self._setup: list[ray.ObjectRef] | None = [w.setup.remote(host, port) for w in self.workers]
         self.num_params = 0
+        self.trained_lengths: list[int] = []  # of the last train(): tokens of each sample trained on (trainer.perf)
         if wait:
             self.wait_ready()
 
@@ -91,6 +93,7 @@ class PolicyGroup:
         skip = self.cfg.policy.skip_zero_advantage and self.cfg.grpo.loss.reference_policy_kl_penalty == 0
         per_rank: list[list[list[Sample]]] = [[] for _ in self.workers]
         counts = []
+        self.trained_lengths = []
         mb_size = len(samples) // n_mb
         for m in range(n_mb):
             mb = samples[m * mb_size : (m + 1) * mb_size]
@@ -102,10 +105,15 @@ class PolicyGroup:
             )
             if skip:
                 mb = with_policy_gradient(mb, self.dp)
+            self.trained_lengths += [s.length for s in mb]
             for rank, idx in enumerate(self._per_rank(shard_for_ranks(mb, self.dp))):
                 per_rank[rank].append([mb[i] for i in idx])
         results = ray.get([w.train.remote(per_rank[r], counts) for r, w in enumerate(self.workers)])
         return results[0]
+
+    def perf_stats(self) -> list[dict[str, Any]]:
+        """Per rank: its peak memory since the last call, and its device's peak FLOP/s (trainer.perf)."""
+        return self.run("perf_stats")
 
     def shutdown(self, graceful: bool = True) -> None:
         """Release the ranks: let each close its engine and process group (``graceful``; bounded), then

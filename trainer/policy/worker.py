@@ -676,6 +676,14 @@ class PolicyWorker:
         out["lr"] = self.scheduler.get_last_lr()[0]
         return out
 
+    def perf_stats(self) -> dict[str, Any]:
+        """This rank's peak memory since the last call and its device's peak FLOP/s for the policy's compute
+        dtype (a GPU's from trainer.perf's table; on a CPU a matmul measured once on this rank's threads)."""
+        from trainer import perf
+
+        peak, source = perf.device_peak_flops(self.device, self.cfg.policy.param_dtype or self.cfg.model.dtype)
+        return {"peak_memory_bytes": perf.peak_memory_bytes(self.device), "peak_flops": peak, "peak_source": source}
+
     # ----- checkpoints (torch DCP: every rank writes its own shards in parallel) --------------------
     def _state_options(self):
         """With LoRA the checkpoint holds the adapters alone: the frozen base is the model's own files."""

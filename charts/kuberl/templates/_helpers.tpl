@@ -246,13 +246,7 @@ refuses the run in one line rather than falling back (trainer/sandbox/backends.p
       name: {{ . }}
       key: {{ $v.secrets.hfToken.key }}
 {{- end }}
-{{- with $v.secrets.wandbApiKey.secretName }}
-- name: WANDB_API_KEY
-  valueFrom:
-    secretKeyRef:
-      name: {{ . }}
-      key: {{ $v.secrets.wandbApiKey.key }}
-{{- end }}
+{{ include "kuberl.loggerEnv" .root }}
 {{- if .gpu }}
 {{- /* GKE mounts the node's driver at /usr/local/nvidia, and our command bypasses the image's
 entrypoint, which would add it: without this no GPU container loads libcuda. */}}

@@ -52,7 +52,7 @@ def _assert_same(lock: Path, resolved: Path) -> None:
 def test_should_resolve_to_exactly_the_locked_set_with_its_hashes_when_checked_against_the_index(uv, tmp_path) -> None:
     lock = DOCKER / "requirements.lock"
     pins = _pins_only(lock, tmp_path / "pins.txt")
-    out = _compile(uv, "pyproject.toml", "--extra", "vllm", str(pins), "-o", str(tmp_path / "resolved.txt"))
+    out = _compile(uv, "pyproject.toml", "--extra", "vllm", "--extra", "tracking", str(pins), "-o", str(tmp_path / "resolved.txt"))
     assert out.returncode == 0, f"the locked pins do not resolve (run `make lock`): {out.stderr.strip()[-2000:]}"
     _assert_same(lock, tmp_path / "resolved.txt")
 

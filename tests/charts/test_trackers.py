@@ -125,3 +125,14 @@ def test_should_scrape_the_metrics_port_of_the_head_and_every_worker_when_podmon
         ports = {p["name"]: p["containerPort"] for p in template["spec"]["containers"][0]["ports"]}
         assert ports["metrics"] == 8080
     assert not [e for d in docs if d["kind"] != "PodMonitoring" for e in schema_errors(d)]
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_should_admit_managed_prometheus_to_the_metrics_port_only_when_podmonitoring_is_enabled(enabled) -> None:
+    docs = render(f"podMonitoring.enabled={str(enabled).lower()}")
+    policy = one(docs, "NetworkPolicy")
+    assert not schema_errors(policy)
+    scrapes = [rule for rule in policy["spec"]["ingress"]
+               if {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "gmp-system"}}} in rule.get("from", [])]
+    assert scrapes == ([{"from": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "gmp-system"}}}],
+                         "ports": [{"protocol": "TCP", "port": 8080}]}] if enabled else [])

@@ -80,8 +80,9 @@ test-fast: setup $(TEST_DEPS) ## Run the tests not marked slow
 test-gpu: ## Run the GPU suite (tests/gpu, marker gpu) with the Python in PY; see docs/gpu-tests.md
 	$(PY) -m pytest -m gpu tests/gpu -rs $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "no GPU tests collected"; exit 0; fi; exit $$rc
 
-lint: setup ## ruff over the Python code
+lint: setup ## ruff over the Python code, and import-linter over trainer's layers (pyproject.toml)
 	$(VENV)/bin/ruff check trainer tests
+	$(VENV)/bin/lint-imports
 
 clean: ## Remove caches (keeps .venv, logs and checkpoints)
 	rm -rf .pytest_cache .ruff_cache build *.egg-info

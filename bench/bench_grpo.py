@@ -704,7 +704,7 @@ def trl_worker(spec_path: Path, out: Path) -> int:
 
     spec = json.loads(spec_path.read_text())
     peft_config = None
-    if spec.get("peft"):  # trl+lora: kuberl+lora's policy.lora, as trainer.policy.lora.peft_config builds it
+    if spec.get("peft"):  # trl+lora: kuberl+lora's policy.lora, as trainer.models.lora.peft_config builds it
         from peft import LoraConfig
 
         lo = spec["peft"]

@@ -38,7 +38,7 @@ def lora_state(model, rank: int):
     import torch
 
     from trainer.config import LoRAConfig
-    from trainer.policy import lora
+    from trainer.models import lora
 
     cfg = LoRAConfig(rank=rank)
     torch.manual_seed(0)
@@ -100,8 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from trainer.generation.hf import HFGenerationEngine
-    from trainer.models import load_tokenizer
-    from trainer.policy import lora
+    from trainer.models import load_tokenizer, lora
 
     torch.set_num_threads(args.threads)
     path, prompts, model, full = bench_inputs("float32")

@@ -92,8 +92,8 @@ def random_model(shape: str) -> str:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from trainer.models.resolve import cache_root
+    from trainer.models.shape import KNOWN_CONFIGS
     from trainer.models.tiny import build_tiny_tokenizer
-    from trainer.plan import KNOWN_CONFIGS
 
     out = cache_root() / f"random-{shape}-bf16-v1"
     if (out / "config.json").is_file():
@@ -214,7 +214,7 @@ def main() -> int:
 
     from trainer import hardware, perf
     from trainer.models import resolve_model
-    from trainer.plan import model_shape
+    from trainer.models.shape import model_shape
     from trainer.policy.worker import PolicyWorker
 
     if args.shape:

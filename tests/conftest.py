@@ -81,7 +81,7 @@ SLOWEST = [
     "tests/models/test_models.py",
     "tests/generation/test_weight_transport.py",
     "tests/generation/test_vllm_colocated.py",
-    "tests/algorithms/test_multi_turn.py",
+    "tests/loop/test_multi_turn.py",
     "tests/rewards/test_runner.py",
     "tests/test_convert.py",
     "tests/sandbox/test_hostile.py",

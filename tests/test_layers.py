@@ -1,4 +1,7 @@
-"""Layers: no module of ``trainer/`` imports, however indirectly, a module that imports it back.
+"""Layers: the order of trainer's packages is a contract that import-linter checks (``[tool.importlinter]``
+in pyproject.toml: entry points > run > loop > policy > engines > rewards and data > math, models and
+trackers > plumbing > config; the engines never import the policy), and no module of ``trainer/``
+imports, however indirectly, a module that imports it back (within a package too, which layers do not see).
 
 Every import statement counts, wherever it stands: at module level, inside a function, under
 ``if TYPE_CHECKING:``. Moving an import into a function changes when a circle bites, not whether it is
@@ -12,6 +15,9 @@ statements and are not counted.
 from __future__ import annotations
 
 import ast
+import shutil
+import subprocess
+import sys
 from collections import deque
 from pathlib import Path
 
@@ -132,7 +138,7 @@ def circles(g: dict[str, set[str]], component: set[str]) -> list[str]:
 
 def test_should_have_no_import_circle_when_counting_every_import_in_trainer():
     g = graph(REPO, PACKAGE)
-    assert len(g) > 40 and "trainer.algorithms.grpo" in g, "the module walk missed trainer/"
+    assert len(g) > 40 and "trainer.loop.grpo" in g, "the module walk missed trainer/"
     found = [c for c in strongly_connected(g) if frozenset(c) not in ALLOWED]
     paths = [p for c in found for p in circles(g, c)]
     assert not paths, (
@@ -177,3 +183,30 @@ def test_should_count_imports_in_functions_type_checking_and_relative_when_build
     assert component == {"pkg", "pkg.a", "pkg.sub.b", "pkg.sub.c"}
     assert circles(g, component) == ["pkg -> pkg.sub.b -> pkg", "pkg.a -> pkg.sub.b -> pkg.a",
                                      "pkg.sub.c -> pkg.sub.b -> pkg.sub.c"]
+
+
+def _lint_imports(root: Path) -> subprocess.CompletedProcess:
+    """import-linter over the ``trainer`` package under ``root``, with ``root``'s pyproject.toml."""
+    exe = Path(sys.executable).with_name("lint-imports")
+    assert exe.exists(), "lint-imports is missing: `make setup` installs import-linter (pyproject's dev extra)"
+    return subprocess.run([str(exe), "--config", str(root / "pyproject.toml"), "--no-cache"], cwd=root,
+                          capture_output=True, text=True, timeout=300, env={"PYTHONPATH": str(root), "PATH": ""})
+
+
+def test_should_keep_every_layer_contract_when_import_linter_checks_trainer():
+    out = _lint_imports(REPO)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    assert "Contracts: 2 kept, 0 broken." in out.stdout
+
+
+@pytest.mark.parametrize("where", ["in a function", "under TYPE_CHECKING"])
+def test_should_break_the_contract_when_an_engine_imports_the_policy_where_it_runs_late(tmp_path, where):
+    shutil.copytree(REPO / PACKAGE, tmp_path / PACKAGE, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
+    upward = ("def _late():\n    from trainer.policy import worker  # noqa\n" if where == "in a function"
+              else "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from trainer.policy.group import PolicyGroup  # noqa\n")
+    with open(tmp_path / PACKAGE / "generation" / "base.py", "a") as f:
+        f.write("\n" + upward)
+    out = _lint_imports(tmp_path)
+    assert out.returncode != 0 and "Contracts: 0 kept, 2 broken." in out.stdout, out.stdout[-3000:]
+    assert "trainer.generation.base -> trainer.policy" in out.stdout

@@ -44,7 +44,7 @@ def test_should_match_the_hand_count_when_counting_smollm2_135m_training_flops()
 def test_should_count_the_matmul_parameters_of_every_linear_when_the_shape_comes_from_the_model(tiny_model_path) -> None:
     """The formula against the model itself (trainer.plan builds it on the meta device): N is exactly
     the weights of its nn.Linear layers, the LM head included."""
-    from trainer.plan import model_shape
+    from trainer.models.shape import model_shape
 
     shape = model_shape(tiny_model_path)
     # shape.linears are the decoder's (LoRA's targets); the LM head is the one linear beside them

@@ -14,7 +14,7 @@ from trainer import heap
 
 # What a run's driver imports anyway (the loop, the tokenizer, Ray), imported before trainer.heap
 # freezes the heap so that their objects are frozen too.
-DRIVER_IMPORTS = ("torch", "ray", "transformers.models.auto.tokenization_auto", "trainer.algorithms.grpo")
+DRIVER_IMPORTS = ("torch", "ray", "transformers.models.auto.tokenization_auto", "trainer.loop.grpo")
 
 USAGE = """usage: python -m trainer [--cfg] experiment=NAME [key=value ...]
 

@@ -342,7 +342,7 @@ def _convert_lora(ckpt: Path, out: Path, info: dict, out_dtype, merge: bool, bas
     from torch.distributed.checkpoint import FileSystemReader
 
     from trainer.config import LoRAConfig
-    from trainer.policy import lora as lora_mod
+    from trainer.models import lora as lora_mod
 
     lora = LoRAConfig(**info["lora"])
     weights = ckpt / WEIGHTS
@@ -382,8 +382,8 @@ def _write_merged(tmp: Path, adapters: dict, lora, base_path: str | None, ckpt: 
     import torch
     from transformers import AutoModelForCausalLM
 
+    from trainer.models import lora as lora_mod
     from trainer.models import resolve_model
-    from trainer.policy import lora as lora_mod
 
     try:
         path = base_path if base_path and Path(base_path).is_dir() else resolve_model(base_path or "")

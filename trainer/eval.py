@@ -4,7 +4,7 @@ For each prompt of the dataset it samples ``num_tests_per_prompt`` (n) completio
 configured generation backend, scores each with the dataset's reward (``math`` for math datasets,
 ``gsm8k`` for GSM8K, ``arithmetic`` for arithmetic, the unit tests for code), and reports the mean
 over prompts of the unbiased pass@k estimator from the n samples (Chen et al. 2021;
-:mod:`trainer.algorithms.metrics`). The
+:mod:`trainer.passk`). The
 default is greedy pass@1. Prompts are built exactly as in training: the dataset's loader, its
 ``prompt_template``/``system_prompt`` from ``trainer/conf/data/<name>.yaml``, and the tokenizer's
 chat template (:func:`trainer.data.prompts.encode_prompt`).
@@ -93,8 +93,8 @@ def evaluate(
     Returns ``score`` (= numerator / denominator), ``numerator`` (sum of per-prompt pass@k),
     ``denominator`` (number of prompts) and ``rows`` (one dict per generation).
     """
-    from trainer.algorithms.metrics import pass_at_k
     from trainer.data.prompts import encode_prompt
+    from trainer.passk import pass_at_k
     from trainer.rewards.runner import question_of, score_one
 
     if scorer is None:
@@ -345,7 +345,7 @@ def resolve_model_path(name: str) -> str:
     from trainer.models import ModelNotFoundError, resolve_model
 
     local = Path(name).expanduser()
-    from trainer.policy.lora import is_adapter_dir
+    from trainer.models.lora import is_adapter_dir
 
     if local.is_dir() and is_adapter_dir(str(local)):
         return str(local)  # an adapter: build_engine serves it over its base model
@@ -384,7 +384,7 @@ def build_engine(args: EvalArgs, model_path: str):
         gpu_memory_utilization=args.gpu_memory_utilization,
         batch_size=args.batch_size,
     )
-    from trainer.policy import lora
+    from trainer.models import lora
 
     adapter, lora_cfg = None, None
     if lora.is_adapter_dir(model_path):
@@ -428,7 +428,7 @@ def run(args: EvalArgs, *, engine=None, tokenizer=None) -> dict[str, Any]:
         raise EvalError(f"data={args.data}: {text[0] if text else type(e).__name__}{hint}") from None
     if tokenizer is None:
         from trainer.models import load_tokenizer
-        from trainer.policy.lora import has_tokenizer, is_adapter_dir, read_adapter_base
+        from trainer.models.lora import has_tokenizer, is_adapter_dir, read_adapter_base
 
         tok_path = args.tokenizer or model_path
         if not args.tokenizer and is_adapter_dir(model_path) and not has_tokenizer(model_path):

@@ -51,7 +51,7 @@ GPU_PEAK_BF16: tuple[tuple[str, float], ...] = (
 
 @dataclass(frozen=True)
 class ModelFlops:
-    """What a decoder's training FLOPs depend on (from :func:`trainer.plan.model_shape` or by hand)."""
+    """What a decoder's training FLOPs depend on (from :func:`trainer.models.shape.model_shape` or by hand)."""
 
     matmul_params: int  # N: parameters every token multiplies by (linear layers + LM head)
     layers: int
@@ -68,7 +68,7 @@ class ModelFlops:
 
     @classmethod
     def from_shape(cls, shape) -> ModelFlops:
-        """From :class:`trainer.plan.Shape` (the text decoder's dimensions)."""
+        """From :class:`trainer.models.shape.Shape` (the text decoder's dimensions)."""
         return cls.of(shape.hidden, shape.intermediate, shape.layers, shape.heads, shape.kv_heads,
                       shape.head_dim, shape.vocab)
 

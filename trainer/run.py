@@ -1,6 +1,6 @@
 """Setting up a training run and tearing it down: Ray, model, data, workers, logger; saving it.
 
-The GRPO loop itself lives in :mod:`trainer.algorithms.grpo`; this module builds what it needs
+The GRPO loop itself lives in :mod:`trainer.loop.grpo`; this module builds what it needs
 (:class:`TrainState`), prints where things go, saves checkpoints, and always releases the workers,
 also on errors and interrupts.
 
@@ -280,7 +280,7 @@ class TrainState:
             raise NothingToDo(int(info["step"]))
         self.model_path = resolve_model(cfg.model.name)
         if cfg.policy.lora.enabled:  # a target the model lacks: one line now, not a traceback from every rank
-            from trainer.policy.lora import check_model
+            from trainer.models.lora import check_model
 
             check_model(self.model_path, cfg.policy.lora, cfg.model.trust_remote_code)
         print(f"kuberl: precision: {cfg.precision_summary()}", flush=True)
@@ -561,8 +561,8 @@ def lost(error: BaseException, doing: str, resumes_from: str) -> Lost | None:
 def train(cfg: Config) -> list[dict[str, float]]:
     from ray.exceptions import RayError
 
-    from trainer.algorithms import grpo
     from trainer.generation.placement import GenerationError
+    from trainer.loop import grpo
 
     try:
         state = TrainState(cfg)

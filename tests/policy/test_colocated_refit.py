@@ -107,7 +107,7 @@ def _train(w, samples: list[Sample]) -> None:
 
 
 def _a_step(w, samples: list[Sample]) -> None:
-    """What the GRPO loop asks of a colocated rank in one step (trainer/algorithms/grpo.py): a two-turn
+    """What the GRPO loop asks of a colocated rank in one step (trainer/loop/grpo.py): a two-turn
     rollout, the old and reference logprob passes, training, then the refit."""
     params = SamplingParams(max_new_tokens=2, seed=0)
     w.generate([s.prompt_ids for s in samples], 1, params)  # turn 1

@@ -39,7 +39,7 @@ def _whole_then_sharded(w, attn: str | None = None) -> torch.nn.Module:
     cfg = w.cfg
     model = load_model(w.model_path, cfg.model.dtype, False, attn)
     if attn is None and w.lora is not None:
-        from trainer.policy import lora
+        from trainer.models import lora
 
         lora.apply(model, w.lora)
     if attn is None and cfg.model.attn_implementation:

@@ -48,7 +48,7 @@ def _build_hf(gen: GenerationConfig, spec: EngineSpec) -> GenerationEngine:
     else:
         model = load_model(spec.model_path, spec.dtype, spec.trust_remote_code).to(device)
         if spec.lora is not None:
-            from trainer.policy.lora import apply
+            from trainer.models.lora import apply
 
             apply(model, spec.lora)  # B = 0: the base until the first refit brings the policy's adapters
     tokenizer = load_tokenizer(spec.tokenizer_path or spec.model_path, spec.trust_remote_code)

@@ -31,7 +31,7 @@ import torch
 
 from trainer.generation import packed
 from trainer.generation.base import Completion, SamplingParams
-from trainer.policy.batch import distinct_prompts
+from trainer.models.prompts import distinct_prompts
 
 # Attention implementations known to work with a StaticCache and a padded 2D attention mask.
 _STATIC_CACHE_ATTN = ("sdpa", "eager")

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import re
 import time
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import ray
 from ray.exceptions import RayActorError
@@ -35,8 +35,15 @@ from trainer.config import Config
 from trainer.generation.base import SamplingParams
 from trainer.generation.weight_transport import init_info
 
-if TYPE_CHECKING:
-    from trainer.policy.group import PolicyGroup
+
+class PolicyRanks(Protocol):
+    """What placement needs of the policy (:class:`trainer.policy.group.PolicyGroup`, a layer above):
+    its ranks, Ray actor handles with ``address``, ``weight_metadata``, ``init_weight_sync``,
+    ``broadcast_weights``, ``close_weight_sync``, ``generate`` and ``refresh_engine``."""
+
+    workers: list[Any]
+
+    def run(self, method: str, *args: Any, **kwargs: Any) -> list[Any]: ...
 
 
 class GenerationError(RuntimeError):
@@ -96,7 +103,7 @@ class Generator(Protocol):
 
 
 class ColocatedGenerator:
-    def __init__(self, policy: PolicyGroup):
+    def __init__(self, policy: PolicyRanks):
         self.policy = policy
 
     def submit(self, prompts, n, params):
@@ -115,7 +122,7 @@ class ColocatedGenerator:
 
 
 class DisaggregatedGenerator:
-    def __init__(self, cfg: Config, model_path: str, policy: PolicyGroup):
+    def __init__(self, cfg: Config, model_path: str, policy: PolicyRanks):
         from trainer.generation.worker import GenerationWorker
 
         self.policy = policy
@@ -190,7 +197,7 @@ class DisaggregatedGenerator:
         ray.util.remove_placement_group(self.pg)
 
 
-def make_generator(cfg: Config, model_path: str, policy: PolicyGroup) -> Generator:
+def make_generator(cfg: Config, model_path: str, policy: PolicyRanks) -> Generator:
     if cfg.disaggregated:
         return DisaggregatedGenerator(cfg, model_path, policy)
     return ColocatedGenerator(policy)

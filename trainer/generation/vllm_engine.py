@@ -524,7 +524,7 @@ class VLLMGenerationEngine:
     def update_adapter(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """LoRA: the policy's new adapters (policy names), written as a PEFT adapter directory and loaded in
         place of the last (module docstring). The base weights are not touched."""
-        from trainer.policy.lora import save_adapter
+        from trainer.models.lora import save_adapter
 
         self.wake_up(tags=["weights"])
         save_adapter(self._adapter_path(), named_tensors, self._need_lora(), self.model_path)
@@ -608,7 +608,7 @@ class _Collector(torch.nn.Module):
 def _receive_adapter(worker, update_info: dict, path: str, lora: LoRAConfig, base_model: str) -> None:
     """On every vLLM worker (``collective_rpc``): the weight-transfer engine receives the adapters as it
     receives weights, its target a :class:`_Collector`; the first tensor-parallel worker writes them."""
-    from trainer.policy.lora import save_adapter
+    from trainer.models.lora import save_adapter
 
     worker = getattr(worker, "worker", worker)  # the wrapper's worker (the uni executor passes the wrapper)
     engine = getattr(worker, "weight_transfer_engine", None)

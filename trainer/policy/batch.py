@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from trainer.models.prompts import distinct_prompts
+
 
 @dataclass
 class Sample:
@@ -121,20 +123,6 @@ class PrefixBatch:
     @property
     def labels(self) -> torch.Tensor:
         return self.response_ids
-
-
-def distinct_prompts(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-    """Each distinct prompt once, left-padded so all end at the same column: ids (U, W), mask (U, W),
-    and for every input prompt the row of its distinct copy (B,)."""
-    index: dict[tuple[int, ...], int] = {}
-    rows = [index.setdefault(tuple(p), len(index)) for p in prompts]
-    width = max(len(p) for p in index)
-    ids = torch.full((len(index), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(index), width), dtype=torch.long)
-    for row, p in enumerate(index):
-        ids[row, width - len(p) :] = torch.tensor(p, dtype=torch.long)
-        mask[row, width - len(p) :] = 1
-    return ids, mask, rows
 
 
 def prefix_batch(samples: list[Sample], pad_id: int) -> PrefixBatch:

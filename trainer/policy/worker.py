@@ -3,7 +3,7 @@
 Each rank holds a shard of the policy (``fully_shard`` on every decoder layer, then the root; built on
 the meta device and sharded before any weight is loaded, :mod:`trainer.policy.sharded_init`), its
 optimizer state, and optionally a frozen, sharded reference model for the KL penalty (none at all
-when the penalty is 0). With ``policy.lora`` the policy carries adapters (:mod:`trainer.policy.lora`):
+when the penalty is 0). With ``policy.lora`` the policy carries adapters (:mod:`trainer.models.lora`):
 the base weights stay frozen and sharded, the optimizer holds the adapters alone, the reference is the
 policy with its adapters off (no second model), and refits and checkpoints carry only the adapters.
 Every method that touches the sharded model is a collective: the driver calls it on all ranks at once
@@ -146,7 +146,7 @@ class PolicyWorker:
         model = build_empty_model(self.model_path, cfg.model.dtype, cfg.model.trust_remote_code)
         self.lora = cfg.policy.lora if cfg.policy.lora.enabled else None
         if self.lora is not None:
-            from trainer.policy import lora
+            from trainer.models import lora
 
             if host is not None:
                 lora.apply(host, self.lora)  # before the engine copies it: the hf engine applies the adapters too
@@ -586,7 +586,7 @@ class PolicyWorker:
     def _reference_view(self, reference: bool):
         """With LoRA the reference is the policy with its adapters off; otherwise nothing to switch."""
         if reference and self.lora is not None:
-            from trainer.policy.lora import adapters_disabled
+            from trainer.models.lora import adapters_disabled
 
             return adapters_disabled(self.model)
         import contextlib
@@ -698,7 +698,7 @@ class PolicyWorker:
         self._reshard()  # the state dict is of the sharded parameters
         model = get_model_state_dict(self.model, options=self._state_options())
         if self.lora is not None:  # a tied lm_head comes along under its second name despite being frozen
-            from trainer.policy.lora import is_adapter
+            from trainer.models.lora import is_adapter
 
             model = {k: v for k, v in model.items() if is_adapter(k)}
         optim = {"optimizer": get_optimizer_state_dict(self.model, self.optimizer), "scheduler": self.scheduler.state_dict()}
@@ -729,7 +729,7 @@ class PolicyWorker:
                 self.model.config.save_pretrained(hf_dir)
         if self.lora is not None:  # the weights are adapters: what they adapt, for conversion and evaluation
             from trainer.config import to_dict
-            from trainer.policy.lora import LORA_FILE
+            from trainer.models.lora import LORA_FILE
 
             with open(os.path.join(policy_dir, LORA_FILE), "w") as f:
                 json.dump({"lora": to_dict(self.lora), "model_name": self.cfg.model.name,

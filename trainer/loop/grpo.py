@@ -1,7 +1,7 @@
 """The GRPO loop (Shao et al. 2024, DeepSeekMath), run by a single controller.
 
 One step: take a batch of ``num_generations_per_prompt`` completions for each of
-``num_prompts_per_step`` prompts from the rollout stream (:mod:`trainer.algorithms.rollout_stream`:
+``num_prompts_per_step`` prompts from the rollout stream (:mod:`trainer.loop.rollout_stream`:
 generated now, or ahead by older weights with ``grpo.async.max_staleness``), wait for its rewards
 (they run while generation and the logprob passes are still going), turn rewards into group-relative
 advantages, take ``num_minibatches`` optimizer steps on the FSDP2 policy, and push the new weights to
@@ -26,13 +26,14 @@ import time
 import torch
 
 from trainer import perf
-from trainer.algorithms import core_algos, rollout
-from trainer.algorithms.rollout_stream import AsyncRollouts, RolloutBatch, SyncRollouts, make_rollout_stream
-from trainer.algorithms.state import LoopState
+from trainer.algorithms import core_algos
 from trainer.config import Config
 from trainer.generation.base import SamplingParams
 from trainer.generation.placement import Generator
 from trainer.logger import RunLogger
+from trainer.loop import rollout
+from trainer.loop.rollout_stream import AsyncRollouts, RolloutBatch, SyncRollouts, make_rollout_stream
+from trainer.loop.state import LoopState
 from trainer.policy.batch import Sample
 from trainer.policy.group import PolicyGroup
 from trainer.rewards.runner import RewardRunner
@@ -173,7 +174,7 @@ def grpo_step(
 def model_flops(cfg: Config, policy: PolicyGroup) -> perf.ModelFlops | None:
     """The policy's FLOPs per token for MFU, from its shape (``trainer.plan``, the model on the meta device);
     None, said once, for a model whose shape cannot be read that way."""
-    from trainer.plan import model_shape
+    from trainer.models.shape import model_shape
 
     try:
         return perf.ModelFlops.from_shape(model_shape(policy.model_path, cfg.model.trust_remote_code))

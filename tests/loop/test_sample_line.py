@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainer.algorithms.grpo import sample_line
+from trainer.loop.grpo import sample_line
 
 
 @pytest.mark.parametrize(

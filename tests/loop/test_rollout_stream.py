@@ -15,12 +15,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from trainer.algorithms import rollout_stream
-from trainer.algorithms.rollout import PendingRollouts, Rollout
-from trainer.algorithms.rollout_stream import AsyncRollouts, SyncRollouts, informative_groups
 from trainer.config import load
 from trainer.data.loader import PromptLoader
 from trainer.generation.base import Completion, SamplingParams
+from trainer.loop import rollout_stream
+from trainer.loop.rollout import PendingRollouts, Rollout
+from trainer.loop.rollout_stream import AsyncRollouts, SyncRollouts, informative_groups
 from trainer.rewards.runner import RewardResult
 
 PROMPTS, SAMPLES = 2, 2

@@ -36,11 +36,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from trainer.algorithms import rollout
-from trainer.algorithms.rollout import PendingRollouts, Rollout
-from trainer.algorithms.state import LoopState
 from trainer.config import Config
 from trainer.generation.base import SamplingParams
+from trainer.loop import rollout
+from trainer.loop.rollout import PendingRollouts, Rollout
+from trainer.loop.state import LoopState
 
 if TYPE_CHECKING:
     from trainer.rewards.runner import RewardRunner

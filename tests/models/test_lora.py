@@ -117,7 +117,7 @@ def test_should_refit_the_adapters_alone_when_a_colocated_hf_engine_serves_a_lor
 
 def test_should_name_the_key_when_policy_lora_is_bad(tiny_model_path):
     from trainer.models import load_model
-    from trainer.policy.lora import apply
+    from trainer.models.lora import apply
 
     with pytest.raises(ConfigError, match=r"^policy\.lora\.rank=0 must be >= 1"):
         load(["experiment=tiny", "policy.lora.rank=0"])
@@ -193,7 +193,7 @@ def _tiny_gemma3():
 
 def test_should_adapt_only_the_language_model_when_the_model_is_multimodal():
     from trainer.config import LoRAConfig
-    from trainer.policy.lora import apply, is_adapter
+    from trainer.models.lora import apply, is_adapter
 
     model = _tiny_gemma3()
     assert any(n.startswith("model.vision_tower.") and n.endswith("q_proj") for n, _ in model.named_modules())
@@ -205,7 +205,7 @@ def test_should_adapt_only_the_language_model_when_the_model_is_multimodal():
 
 def test_should_name_the_language_models_layers_when_a_target_exists_only_in_the_vision_tower():
     from trainer.config import LoRAConfig
-    from trainer.policy.lora import check_targets
+    from trainer.models.lora import check_targets
 
     with pytest.raises(ConfigError, match=r"policy.lora.target_modules: .* no linear layer named 'fc1'.*q_proj"):
         check_targets(_tiny_gemma3(), LoRAConfig(rank=4, target_modules=["q_proj", "fc1"]))

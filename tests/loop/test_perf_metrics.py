@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from trainer.algorithms.grpo import perf_metrics
 from trainer.config import load
+from trainer.loop.grpo import perf_metrics
 from trainer.perf import ModelFlops
 
 GiB = 2**30

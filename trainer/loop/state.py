@@ -2,8 +2,8 @@
 
 The run (``trainer.run``) builds the workers, data and logger, saves checkpoints and handles SIGTERM,
 and it calls the loop; so the loop cannot name the run's own class without importing the layer above
-it. It names this protocol instead, which lists only what :mod:`trainer.algorithms.grpo` and
-:mod:`trainer.algorithms.rollout_stream` read or call; ``TrainState`` satisfies it (a test checks
+it. It names this protocol instead, which lists only what :mod:`trainer.loop.grpo` and
+:mod:`trainer.loop.rollout_stream` read or call; ``TrainState`` satisfies it (a test checks
 that the two agree), and the rollout stream's tests pass a plain namespace.
 """
 

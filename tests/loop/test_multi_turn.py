@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import ray
 
-from trainer.algorithms.rollout import finish, generate_multi_turn
 from trainer.config import EnvConfig, RewardSpec
 from trainer.data.prompts import TurnEncoder, encode_prompt
 from trainer.generation.base import Completion, SamplingParams
+from trainer.loop.rollout import finish, generate_multi_turn
 from trainer.models import load_tokenizer
 from trainer.rewards.runner import RewardRunner
 

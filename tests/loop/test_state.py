@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import inspect
 
-from trainer.algorithms.state import LoopState, Position
+from trainer.loop.state import LoopState, Position
 from trainer.run import Progress, TrainState
 
 

@@ -1,0 +1,136 @@
+"""A model's shape without its weights: instantiated on the ``meta`` device from its config (exact
+parameter counts for any architecture), for the memory plan (:mod:`trainer.plan`) and the training
+FLOPs (:mod:`trainer.perf`). The experiments' hub models have their config here too, so neither needs
+a download."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class ShapeError(ValueError):
+    """A model whose config cannot be read: one line naming it and the fix."""
+
+
+# The hub models the experiments name, as their config.json on the hub says (the fields a meta
+# instantiation needs): the plan works offline, before anything is downloaded.
+KNOWN_CONFIGS: dict[str, dict] = {
+    "google/gemma-3-27b-it": {
+        "model_type": "gemma3",
+        "text_config": {
+            "model_type": "gemma3_text", "hidden_size": 5376, "intermediate_size": 21504, "num_hidden_layers": 62,
+            "num_attention_heads": 32, "num_key_value_heads": 16, "head_dim": 128, "vocab_size": 262208,
+            "sliding_window": 1024,
+        },
+        "vision_config": {
+            "model_type": "siglip_vision_model", "hidden_size": 1152, "intermediate_size": 4304,
+            "num_hidden_layers": 27, "num_attention_heads": 16, "image_size": 896, "patch_size": 14,
+        },
+        "mm_tokens_per_image": 256,
+    },
+    "google/gemma-3-1b-it": {
+        "model_type": "gemma3_text", "hidden_size": 1152, "intermediate_size": 6912, "num_hidden_layers": 26,
+        "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256, "vocab_size": 262144,
+        "sliding_window": 512,
+    },
+    "Qwen/Qwen2.5-Coder-7B-Instruct": {
+        "model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
+        "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064, "tie_word_embeddings": False,
+    },
+    "Qwen/Qwen2.5-Coder-1.5B-Instruct": {
+        "model_type": "qwen2", "hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28,
+        "num_attention_heads": 12, "num_key_value_heads": 2, "vocab_size": 151936, "tie_word_embeddings": True,
+    },
+    "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B": {
+        "model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
+        "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064, "tie_word_embeddings": False,
+    },
+}  # fmt: skip
+
+
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the memory terms need of a model: parameter counts and the text decoder's dimensions."""
+
+    params: int  # every parameter the policy loads (tied embeddings once)
+    block_params: int  # the largest FSDP unit: one decoder block
+    root_params: int  # what the root unit holds (embeddings, final norm, lm_head, any vision tower)
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    source: str  # where the config came from
+    # (in, out) features of every nn.Linear of the language model, by the module's own name (q_proj,
+    # ...): LoRA's targets (trainer.models.lora adapts the language model alone, not a vision tower)
+    linears: dict[str, tuple[tuple[int, int], ...]] = field(default_factory=dict)
+    largest: tuple[str, int] = ("", 0)  # the parameter with the most elements: (name, elements)
+
+    def adapter_params(self, rank: int, targets: list[str]) -> int:
+        """Parameters of rank-``rank`` LoRA adapters (A: in x r, B: r x out) on every linear named in ``targets``."""
+        return sum(rank * (i + o) for t in targets for i, o in self.linears.get(t, ()))
+
+
+def _hf_config(name: str, trust_remote_code: bool):
+    from transformers import AutoConfig
+
+    from trainer.models import resolve_model
+
+    if name in KNOWN_CONFIGS:
+        known = dict(KNOWN_CONFIGS[name])
+        try:  # the real file when it is here (cached or local), the table otherwise
+            return AutoConfig.from_pretrained(name, local_files_only=True), "hub cache"
+        except OSError:
+            return AutoConfig.for_model(known.pop("model_type"), **known), "config table (trainer/models/shape.py)"
+    path = resolve_model(name)
+    try:
+        return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code), path
+    except OSError as e:
+        raise ShapeError(
+            f"cannot read the config of model.name={name} ({str(e).splitlines()[0]}); "
+            "download it first (huggingface-cli download NAME config.json) or give a local directory"
+        ) from None
+
+
+def model_shape(name: str, trust_remote_code: bool = False) -> Shape:
+    """Instantiate ``name`` on the meta device, as the policy loads it, and count."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config, source = _hf_config(name, trust_remote_code)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    total = sum(p.numel() for p in model.parameters())
+    block_types = set(getattr(model, "_no_split_modules", None) or [])
+    blocks = [m for m in model.modules() if type(m).__name__ in block_types]
+    decoder = [b for b in blocks if hasattr(b, "mlp")] or blocks  # the text decoder's blocks
+    in_blocks = sum(p.numel() for b in blocks for p in b.parameters())
+    from trainer.models.lora import language_linears
+
+    linears: dict[str, list[tuple[int, int]]] = {}
+    modules = dict(model.named_modules())
+    for module_name in language_linears(model):
+        module = modules[module_name]
+        linears.setdefault(module_name.rsplit(".", 1)[-1], []).append((module.in_features, module.out_features))
+    largest = max(((n, p.numel()) for n, p in model.named_parameters()), key=lambda kv: kv[1])
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = text.num_attention_heads
+    return Shape(
+        params=total,
+        block_params=max((sum(p.numel() for p in b.parameters()) for b in decoder), default=0),
+        root_params=total - in_blocks,
+        layers=text.num_hidden_layers,
+        hidden=text.hidden_size,
+        intermediate=text.intermediate_size,
+        heads=heads,
+        kv_heads=getattr(text, "num_key_value_heads", None) or heads,
+        head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
+        vocab=text.vocab_size,
+        source=str(source),
+        linears={k: tuple(v) for k, v in linears.items()},
+        largest=largest,
+    )

@@ -4,7 +4,7 @@ path whose support depends on the instruction set.
 CPUs differ in what bfloat16 costs. With AVX512-BF16 or AMX (Intel Sapphire Rapids, AMD Zen 4 and
 later) a bf16 matmul runs natively and about twice as fast as float32; with AVX2 only (most laptops
 and AMD servers before Zen 4) torch converts every bf16 operand to float32 and back, so bf16 is
-several times *slower* than float32. oneDNN's prepacked bf16 linear ops (``trainer.generation.packed``)
+several times *slower* than float32. oneDNN's prepacked bf16 linear ops (``trainer.generation.onednn_linear``)
 are a third capability: they need AVX512BW/VL/DQ or AVX-NE-CONVERT and raise without them.
 
 The probes are plain functions so tests can replace them (``monkeypatch.setattr``) to take the path

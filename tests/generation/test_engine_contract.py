@@ -201,7 +201,7 @@ def test_should_find_vllms_model_info_in_the_shared_cache_and_keep_compile_cache
     first skips vLLM's inspection subprocess (a second vLLM import); the root itself goes at shutdown."""
     from pathlib import Path
 
-    from trainer.generation.vllm_engine import shared_modelinfo_dir
+    from trainer.generation.vllm_cpu import shared_modelinfo_dir
 
     if getattr(engine, "_cache_root", None) is None:
         pytest.skip("the hf engine has no vLLM caches")

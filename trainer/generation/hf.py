@@ -3,20 +3,21 @@
 It runs anywhere transformers runs (CPU included), which makes it the backend of the CPU demo and of
 the tests; on GPUs the vLLM backend implements the same :class:`GenerationEngine` interface.
 
-The loop replaces ``model.generate`` because most of a GRPO step on CPU is spent here. Measured on
-SmolLM2-135M, 1 thread, 2 prompts x 4 samples, 64 new tokens: 6.8 s with generate(), 5.4 s with it.
+The loop replaces ``model.generate`` because most of a GRPO step on CPU is spent here; each choice
+below was measured against the plain alternative (the figures: bench/README.md, "Why the code is as it
+is").
 
 - Prefix sharing: the n samples of a prompt share its prompt, so each distinct prompt of a batch is
-  prefilled once and its KV-cache rows are then copied to its samples (prefill 1.6 s -> 0.45 s above).
+  prefilled once and its KV-cache rows are then copied to its samples.
 - Sampling draws one uniform number per row (``_draw``) where torch.multinomial on CPU draws one per
-  vocabulary entry (8 ms of every step above).
+  vocabulary entry.
 - A static KV cache: keys/values live in preallocated (B, heads, len, dim) tensors written in place,
-  where a DynamicCache re-allocates the whole cache with torch.cat every step: equal speed for short
-  completions, 12% faster per step past 640 tokens. Models whose cache layers are of other kinds fall
-  back to a DynamicCache.
-- bf16 weights on CPU: linear layers prepacked for oneDNN (:mod:`trainer.generation.packed`), 69 -> 55 ms
-  per decode step for SmolLM2 at 8 rows, repacked after each weight update; only on CPUs whose
-  instruction set oneDNN's bf16 reorder supports (not AVX2-only ones: the plain forward stays there).
+  where a DynamicCache re-allocates the whole cache with torch.cat every step (equal for short
+  completions, faster for long ones). Models whose cache layers are of other kinds fall back to a
+  DynamicCache.
+- bf16 weights on CPU: linear layers prepacked for oneDNN (:mod:`trainer.generation.onednn_linear`),
+  repacked after each weight update; only on CPUs whose instruction set oneDNN's bf16 reorder supports
+  (not AVX2-only ones: the plain forward stays there).
 - Logprobs are gathered the step a token is sampled, from the (B, V) log-softmax of that step only,
   instead of asking for all logits, which would hold a (B, L, V) tensor (1.6 GB for 64 x 128 tokens of
   a 49k vocab).
@@ -29,16 +30,15 @@ from collections.abc import Iterable
 
 import torch
 
-from trainer.generation import packed
+from trainer.generation import onednn_linear
 from trainer.generation.base import Completion, SamplingParams
 from trainer.models.prompts import distinct_prompts
 
 # Attention implementations known to work with a StaticCache and a padded 2D attention mask.
 _STATIC_CACHE_ATTN = ("sdpa", "eager")
 # Columns a static cache grows by. Attention runs over every allocated column, so a cache sized for
-# max_new_tokens from the start makes short completions pay for long ones (SmolLM2-135M, 8 rows, 66 to
-# 321 columns: 78 ms per step growing by 16, 80 ms by 64, 84 ms allocated at once); each growth is one
-# copy of the cache.
+# max_new_tokens from the start makes short completions pay for long ones; each growth is one copy of the
+# cache (bench/README.md, "Why the code is as it is").
 _CACHE_CHUNK = 32
 _DRAW_BLOCK = 256  # tokens per block of the two-level CDF inversion in _draw
 
@@ -123,8 +123,8 @@ class HFGenerationEngine:
         self.eos_ids = eos
         for p in self.model.parameters():
             p.requires_grad_(False)
-        # bf16 on a CPU that oneDNN supports: linear weights prepacked, about 20% off every decode step.
-        self._packed = packed.available(self.model) and packed.pack(self.model, batch_size) > 0
+        # bf16 on a CPU that oneDNN supports: linear weights prepacked (faster decode steps, bench/README.md).
+        self._packed = onednn_linear.available(self.model) and onednn_linear.pack(self.model, batch_size) > 0
         forward_args = inspect.signature(self.model.forward).parameters
         # Older transformers (and some remote-code models) place cache writes by cache_position;
         # newer ones track the position inside the cache and no longer take the argument.
@@ -313,7 +313,7 @@ class HFGenerationEngine:
                 raise KeyError(f"update_weights: the generation model has no tensor {name!r}")
             target.copy_(tensor.to(device=target.device, dtype=target.dtype))
         if self._packed:
-            packed.repack(self.model)
+            onednn_linear.repack(self.model)
 
     @torch.no_grad()
     def update_adapter(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -326,7 +326,7 @@ class HFGenerationEngine:
                 raise KeyError(f"update_adapter: the generation model has no adapter tensor {name!r}")
             target.copy_(tensor.to(device=target.device, dtype=target.dtype))
         if self._packed:  # the adapters' own linears are packed too (bf16 on CPU)
-            packed.repack(self.model)
+            onednn_linear.repack(self.model)
 
     # The model lives in this process's memory and nothing can be freed while keeping it: no-ops.
     def sleep(self) -> None:

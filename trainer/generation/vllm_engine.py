@@ -21,11 +21,10 @@ Weight updates take full tensors under Hugging Face names; vLLM's ``load_weights
 (q/k/v into ``qkv_proj``, gate/up into ``gate_up_proj``), one tensor at a time as they stream in. On
 GPUs they load directly. On CPU, vLLM packs each linear weight into a oneDNN handle (or, bf16 on AMX
 CPUs, its own packed layout) and would leave an empty parameter behind, so that a plain ``load_weights``
-fails. The engine keeps the plain parameter beside the packed copy instead (``keep_plain_weights``, at
-start-up only): an update loads into the parameters as on a GPU and then rebuilds every packed kernel
-from them (:func:`repack_cpu_kernels`), the tied ``lm_head``'s included, whose packed copy of the
-embedding would otherwise silently stay. The repack runs at the thread count the engine was built with:
-oneDNN handles rebuilt at another count computed wrong q/k/v projections (``PACK_THREADS_ATTR``). An
+fails. The engine keeps the plain parameter beside the packed copy instead (a patch of vLLM's, at
+start-up only: :mod:`trainer.generation.vllm_patches`): an update loads into the parameters as on a GPU
+and then rebuilds every packed kernel from them, the tied ``lm_head``'s included, at the thread count the
+engine was built with (:mod:`trainer.generation.vllm_cpu`, which holds what the CPU build needs). An
 engine with a quantization config (FP8, AWQ, ...), on any device, or a layer that still comes without its
 parameter, updates through vLLM's layerwise reload instead, which runs the layers' weight processing again
 (:func:`needs_layerwise_reload`). Either way the prefix cache is reset after every update: it holds
@@ -63,6 +62,7 @@ import torch
 
 from trainer import heap
 from trainer.config import ConfigError, GenerationConfig, LoRAConfig, vllm_max_lora_rank
+from trainer.generation import vllm_cpu, vllm_patches
 from trainer.generation.base import Completion, SamplingParams
 from trainer.generation.weight_transport import vllm_transfer_backend
 
@@ -70,11 +70,6 @@ log = logging.getLogger(__name__)
 
 # vLLM's CPU attention kernels take head dimensions from 32 up (16 fails at start-up).
 MIN_CPU_HEAD_DIM = 32
-# Where the engine notes, on its model, the torch thread count its CPU kernels were packed at. Rebuilding
-# oneDNN handles at another count gave wrong q/k/v projections (builtin:tiny, float32, vllm-cpu 0.32.0:
-# an engine built while torch had 2 threads, run on 1 and repacked on 1: logprob gaps of 0.058 against
-# transformers, every run; exact when repacked on 2), a failure nothing reports.
-PACK_THREADS_ATTR = "kuberl_pack_threads"
 # vLLM engines started in this process so far. On CPU a compiled engine (enforce_eager=false) that is not
 # the first gave wrong logprobs (gaps of 0.3-0.5 against transformers; vllm-cpu 0.32.0, after an eager or a
 # compiled engine built with threads=1 was shut down; after one built with 2 threads it was exact, a cause
@@ -89,29 +84,6 @@ COLOCATED_GPU_MEMORY_UTILIZATION = 0.6
 DISAGGREGATED_GPU_MEMORY_UTILIZATION = 0.9
 # What sleep frees and wake_up restores (vLLM's deferrable tags): the weights, then the KV cache.
 SLEEP_TAGS = ("weights", "kv_cache")
-# KV cache on CPU, GiB, unless VLLM_CPU_KVCACHE_SPACE is set: 1 GiB holds 1M tokens of the tiny model and
-# 45k of SmolLM2-135M in float32, far more than a GRPO batch needs.
-_CPU_KV_CACHE_GIB = 1
-
-
-def shared_modelinfo_dir() -> str | None:
-    """Where a CPU engine's private ``VLLM_CACHE_ROOT`` finds vLLM's model-info cache, shared by every
-    engine on this machine: ``$KUBERL_CACHE/vllm/modelinfos`` (default ``~/.cache/kuberl``); None if it
-    cannot be created (the engine then inspects the model itself).
-
-    At start vLLM inspects the model's class in a fresh Python process that imports vLLM again (its
-    registry's ``_run_in_subprocess``, there so that inspecting never initialises CUDA), unless
-    ``VLLM_CACHE_ROOT/modelinfos`` holds the answer, a JSON file keyed by a hash of the model module's
-    source. A private, empty root paid that subprocess at every start: 15 s of a tiny model's 27 s engine
-    start on a 2-core AMD EPYC (AVX2). The compile caches stay private to the engine."""
-    from trainer.models.resolve import cache_root
-
-    path = cache_root().parent / "vllm" / "modelinfos"
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError:
-        return None
-    return str(path)
 
 
 def vllm_available() -> bool:
@@ -307,18 +279,11 @@ class VLLMGenerationEngine:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core runs in this process
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # its INFO lines would drown the trainer's
         if self.on_cpu:
-            self._cache_root = tempfile.mkdtemp(prefix="kuberl-vllm-")
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(_CPU_KV_CACHE_GIB))
-            # A core list only takes effect in vLLM's multiprocess executor (it sets OMP variables for the
-            # workers it spawns); in-process the engine uses this process's threads, which Ray or the
-            # policy worker already placed, so binding is left to them.
-            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-            os.environ["VLLM_CACHE_ROOT"] = self._cache_root  # compile caches: per engine, removed at shutdown
-            if modelinfos := shared_modelinfo_dir():  # vLLM writes each file atomically: engines may share it
-                os.symlink(modelinfos, os.path.join(self._cache_root, "modelinfos"))
+            self._cache_root = vllm_cpu.environment()  # compile caches: per engine, removed at shutdown
         with heap.paused():
             import vllm
             from vllm import LLM
+        vllm_patches.check_versions()
 
         if weight_transfer_enabled := self.weight_transfer:
             check_transfer_backend(vllm_transfer_backend(not self.on_cpu))
@@ -334,12 +299,12 @@ class VLLMGenerationEngine:
         os.environ["OMP_NUM_THREADS"] = str(max(1, want // max(1, gen.tensor_parallel_size)))
         t0 = time.monotonic()
         try:
-            with keep_plain_weights(self.on_cpu):
+            with vllm_patches.keep_plain_weights(self.on_cpu):
                 self._llm = LLM(**kwargs)
             worker = getattr(self._llm.llm_engine.model_executor, "driver_worker", None)
             if self.on_cpu and worker is not None:
                 # vLLM's no-op set_num_threads kept torch's count through the build: the kernels' count
-                setattr(worker.worker.model_runner.get_model(), PACK_THREADS_ATTR, torch.get_num_threads())
+                setattr(worker.worker.model_runner.get_model(), vllm_cpu.PACK_THREADS_ATTR, torch.get_num_threads())
         finally:
             torch.set_num_threads = set_num_threads
             if omp is None:
@@ -396,7 +361,7 @@ class VLLMGenerationEngine:
             with contextlib.suppress(Exception):
                 if self.weight_transfer:
                     llm.shutdown_weight_transfer_engine()
-            with contextlib.suppress(Exception), _keep_default_group(not self._owns_dist):
+            with contextlib.suppress(Exception), vllm_patches.keep_default_group(not self._owns_dist):
                 llm.llm_engine.engine_core.shutdown()
             del llm
         if self._owns_dist:  # vLLM initialised torch.distributed (a world of 1) for this engine: undo it
@@ -635,19 +600,10 @@ def needs_layerwise_reload(model: torch.nn.Module, model_config) -> bool:
     kernel formats (FP8 with scales, packed int4, transposed layouts), which a plain ``load_weights`` of
     new checkpoint tensors cannot reach; layerwise reload puts each layer back into checkpoint form, loads
     it, and runs the processing again, as vLLM's own NCCL weight-transfer engine does for every update.
-    Yes too when a CPU layer kept only its packed weight (:func:`weights_packed`). Otherwise the tensors
+    Yes too when a CPU layer kept only its packed weight (:func:`trainer.generation.vllm_cpu.weights_packed`). Otherwise the tensors
     load in place, which is cheaper.
     """
-    return getattr(model_config, "quantization", None) is not None or weights_packed(model)
-
-
-def weights_packed(model: torch.nn.Module) -> bool:
-    """Whether some layer keeps its weight only in a kernel's packed form (an empty parameter left behind).
-
-    Such a layer cannot take ``load_weights`` directly; layerwise reload rebuilds it from the new tensors.
-    An engine started under :func:`keep_plain_weights` has none.
-    """
-    return any(p.numel() == 0 for p in model.parameters())
+    return getattr(model_config, "quantization", None) is not None or vllm_cpu.weights_packed(model)
 
 
 def begin_weight_update(model: torch.nn.Module, layerwise: bool) -> None:
@@ -662,9 +618,9 @@ def begin_weight_update(model: torch.nn.Module, layerwise: bool) -> None:
 def finish_weight_update(model: torch.nn.Module, model_config, layerwise: bool, tied: bool) -> None:
     """After the new tensors are loaded: ``layerwise``, process every layer again (quantization, CPU
     packing); otherwise rebuild what vLLM derived from them on CPU (packed kernels; nothing on GPUs)."""
-    with _at_pack_threads(model):
+    with vllm_cpu.at_pack_threads(model):
         if not layerwise:
-            repack_cpu_kernels(model)
+            vllm_cpu.repack_cpu_kernels(model)
             return
         from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
@@ -679,88 +635,6 @@ def finish_weight_update(model: torch.nn.Module, model_config, layerwise: bool, 
             # layerwise reload skips ("ParallelLMHead: Failed to load weights"): without this the logits
             # silently use the old embedding.
             method.process_weights_after_loading(lm_head)
-
-
-@contextlib.contextmanager
-def keep_plain_weights(on_cpu: bool):
-    """While a CPU engine loads: pack linear weights for vLLM's CPU kernels but keep the parameters too.
-
-    vLLM's CPU dispatch would replace each packed layer's weight with an empty parameter; kept, it takes
-    ``load_weights`` like any other and :func:`repack_cpu_kernels` rebuilds the kernel from it. The price
-    is a second copy of the linear weights in host memory.
-    """
-    if not on_cpu:
-        yield
-        return
-    from vllm.model_executor.layers import utils
-
-    dispatch = utils.dispatch_cpu_unquantized_gemm  # looked up by each layer when it is loaded
-
-    def dispatch_keeping_weight(layer, remove_weight):
-        return dispatch(layer, remove_weight=False)
-
-    utils.dispatch_cpu_unquantized_gemm = dispatch_keeping_weight
-    try:
-        yield
-    finally:
-        utils.dispatch_cpu_unquantized_gemm = dispatch
-
-
-@contextlib.contextmanager
-def _at_pack_threads(model: torch.nn.Module):
-    """Torch at the thread count the model's CPU kernels were packed at (``PACK_THREADS_ATTR``), if noted."""
-    threads = getattr(model, PACK_THREADS_ATTR, None)
-    if threads is None:  # not noted (a spawned tensor-parallel worker, whose count vLLM fixed): as it is
-        yield
-        return
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
-def repack_cpu_kernels(model: torch.nn.Module) -> None:
-    """Rebuild each CPU GEMM kernel from its layer's (updated) weight; nothing on GPU engines, whose
-    layers have none.
-
-    Call it under :func:`_at_pack_threads` (as :func:`finish_weight_update` does). A plain embedding's
-    kernel is never used for a matmul and is skipped, unless the model uses it as lm_head.
-    """
-    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
-    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-
-    lm_head = getattr(model, "lm_head", None)
-    for layer in model.modules():
-        if not hasattr(layer, "cpu_linear") or getattr(layer, "weight", None) is None or layer.weight.ndim != 2:
-            continue
-        if isinstance(layer, VocabParallelEmbedding) and not isinstance(layer, ParallelLMHead) and layer is not lm_head:
-            continue
-        dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
-
-
-@contextlib.contextmanager
-def _keep_default_group(keep: bool):
-    """While vLLM shuts down, leave torch.distributed's default group alone if ``keep``.
-
-    The engine core's shutdown destroys the default process group whoever created it; colocated with
-    FSDP that is the policy ranks' world, which training still needs. vLLM's own groups still go.
-    """
-    if not keep or not torch.distributed.is_available():
-        yield
-        return
-    destroy = torch.distributed.destroy_process_group
-
-    def destroy_all_but_default(group=None):
-        if group is not None:
-            destroy(group)
-
-    torch.distributed.destroy_process_group = destroy_all_but_default
-    try:
-        yield
-    finally:
-        torch.distributed.destroy_process_group = destroy
 
 
 RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"

@@ -2,12 +2,10 @@
 
 A decode step multiplies a handful of rows (one token per sequence) by every weight matrix of the
 model, so it is bound by how fast the weights stream through the core, not by arithmetic. Reordered
-once into oneDNN's blocked layout, the bfloat16 weights stream about 2x faster than through
-``F.linear`` (0.14 vs 0.28 ms for a 1536x576 matrix times 8 rows, out of cache, one core); a whole
-SmolLM2-135M decode step measured 55 vs 69 ms with identical logits.
+once into oneDNN's blocked layout, the bfloat16 weights stream faster than through ``F.linear``, with
+identical logits (the figures: bench/README.md, "Why the code is as it is").
 
-The packed copy is derived from the weights, so it is rebuilt after every weight update
-(:func:`repack`, about 0.15 s for 135M parameters). Anything else keeps the plain forward: float32,
+The packed copy is derived from the weights, so it is rebuilt after every weight update (:func:`repack`). Anything else keeps the plain forward: float32,
 GPUs, a torch without the oneDNN ops, and CPUs whose instruction set oneDNN's bf16 reorder does not
 support (AVX2 only: it needs AVX512BW/VL/DQ or AVX-NE-CONVERT, :func:`trainer.hardware.onednn_bf16`).
 Should the reorder still raise, :func:`pack` undoes itself and says so once.

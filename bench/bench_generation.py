@@ -13,7 +13,7 @@ a minute or more of start-up; a compiled CPU engine must be its process's first 
 Refit, colocated: ``update_weights`` with the model's full state dict (what a policy rank streams
 after each optimizer step), against a plain ``copy_`` of the same tensors into preallocated ones
 (the floor for moving those bytes in memory). Refit, disaggregated: the bucketed gloo transport
-(:mod:`trainer.generation.weight_transport`) to a receiver in another process, against one raw gloo
+(:mod:`trainer.generation.refit.transport`) to a receiver in another process, against one raw gloo
 broadcast of the same number of bytes.
 
     make bench-generation            # or: .venv/bin/python bench/bench_generation.py --repeats 3
@@ -75,8 +75,8 @@ def refit_colocated(engine, state: dict, repeats: int) -> dict:
 
 RECEIVER = """
     import json, sys, torch
-    from trainer.generation.weight_transport import WeightMeta, receive_tensors
-    from trainer.weight_sync import WeightSyncGroup
+    from trainer.generation.refit.transport import WeightMeta, receive_tensors
+    from trainer.generation.refit.group import WeightSyncGroup
 
     port, nbytes, repeats, buffer = (int(v) for v in sys.argv[1:5])
     meta = WeightMeta.from_update_info(json.loads(sys.argv[5]))
@@ -91,8 +91,8 @@ RECEIVER = """
 def refit_disaggregated(state: dict, bucket_mb: float, repeats: int) -> dict:
     import torch
 
-    from trainer.generation.weight_transport import WeightMeta, send_packed
-    from trainer.weight_sync import WeightSyncGroup
+    from trainer.generation.refit.group import WeightSyncGroup
+    from trainer.generation.refit.transport import WeightMeta, send_packed
 
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     buffer = int(bucket_mb * 2**20)

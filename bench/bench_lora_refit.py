@@ -9,7 +9,7 @@ On the embedded SmolLM2-135M-Instruct with a rank-``--rank`` adapter on every li
   merging engine would pay per refit);
 - decode, hf engine: tokens/s with the adapter applied against the merged (plain) model: the price of not
   merging;
-- refit, disaggregated: the bucketed gloo transport (:mod:`trainer.generation.weight_transport`) to a
+- refit, disaggregated: the bucketed gloo transport (:mod:`trainer.generation.refit.transport`) to a
   receiver process, full state against the adapter;
 - refit, colocated vLLM (a process of its own, ``enable_lora``): ``update_weights`` with the full state
   against ``update_adapter`` (a PEFT directory on /dev/shm, loaded in place with ``add_lora``).

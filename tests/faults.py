@@ -75,7 +75,7 @@ def fail_refit_after_first_chunk(patch=setattr) -> None:
     error, an out-of-memory): the sender is left with chunks nobody receives. The driver sends Ray the
     class it holds, so patching the driver's class patches the actors (Ray pickles a local class by value)."""
     from trainer.generation import worker
-    from trainer.generation.weight_transport import WeightMeta, receive_packed
+    from trainer.generation.refit.transport import WeightMeta, receive_packed
 
     class FailingReceiver(worker.GenerationWorker):
         def receive_weights(self, update_info: dict) -> None:

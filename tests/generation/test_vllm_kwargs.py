@@ -54,10 +54,10 @@ def test_should_give_an_engine_vllms_nccl_backend_on_gpus_and_its_twin_on_cpu():
 def test_should_send_with_vllms_own_sender_only_to_vllm_engines_on_gpus(monkeypatch):
     import torch
 
-    from trainer.generation import senders, vllm_weight_transfer
+    from trainer.generation.refit import senders, vllm_nccl
 
     made = []
-    monkeypatch.setattr(vllm_weight_transfer, "NcclSender", lambda info: made.append("vllm nccl"))
+    monkeypatch.setattr(vllm_nccl, "NcclSender", lambda info: made.append("vllm nccl"))
     monkeypatch.setattr(senders, "GroupSender", lambda info, device: made.append(f"group {device.type}"))
     for backend, device in (("vllm", "cuda"), ("vllm", "cpu"), ("hf", "cuda"), ("hf", "cpu")):
         senders.open_sender(backend, {}, torch.device(device))
@@ -70,11 +70,11 @@ def test_should_register_the_twin_backend_through_vllms_plugin_entry_point():
 
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
+    from trainer.generation.refit.vllm_nccl import GlooWeightTransferEngine
     from trainer.generation.vllm_engine import check_transfer_backend
-    from trainer.generation.vllm_weight_transfer import GlooWeightTransferEngine
 
     (plugin,) = [e for e in entry_points(group="vllm.general_plugins") if e.name == "kuberl"]
-    assert plugin.value == "trainer.generation.vllm_weight_transfer:register"
+    assert plugin.value == "trainer.generation.refit.vllm_nccl:register"
     check_transfer_backend("kuberl_gloo")  # loads vLLM's plugins, as each of its processes does
     assert WeightTransferEngineFactory._registry["kuberl_gloo"]() is GlooWeightTransferEngine
     with pytest.raises(RuntimeError, match="no weight-transfer backend 'nope'"):

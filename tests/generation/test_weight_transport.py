@@ -20,9 +20,9 @@ import warnings
 import pytest
 import torch
 
-from trainer.generation.weight_transport import WeightMeta, chunks, init_info, send_packed
+from trainer.generation.refit.group import WeightSyncGroup
+from trainer.generation.refit.transport import WeightMeta, chunks, init_info, send_packed
 from trainer.ports import free_port
-from trainer.weight_sync import WeightSyncGroup
 
 
 def _meta(named) -> WeightMeta:
@@ -48,8 +48,8 @@ def _join(proc: subprocess.Popen, timeout: float) -> None:
 
 RAW_RECEIVER = """
     import json, sys, torch
-    from trainer.generation.weight_transport import WeightMeta, receive_packed, receive_tensors
-    from trainer.weight_sync import WeightSyncGroup
+    from trainer.generation.refit.transport import WeightMeta, receive_packed, receive_tensors
+    from trainer.generation.refit.group import WeightSyncGroup
 
     first, second = (WeightMeta.from_update_info(json.loads(a)) for a in sys.argv[3:5])
     group = WeightSyncGroup("127.0.0.1", int(sys.argv[1]), rank=1, world_size=2, device=torch.device("cpu"))
@@ -126,7 +126,7 @@ def test_should_chunk_as_vllms_packed_producer_does_when_given_the_same_tensors(
 
 
 def test_should_give_each_tensor_parallel_worker_the_rank_vllms_nccl_engine_gives_it():
-    from trainer.generation.weight_transport import worker_rank
+    from trainer.generation.refit.transport import worker_rank
 
     # Two engines of TP 2 after the sender: engine 1's workers are ranks 3 and 4 of a world of 5.
     info = init_info("10.0.0.1", 29500, rank_offset=1 + 1 * 2, world_size=5)
@@ -136,8 +136,8 @@ def test_should_give_each_tensor_parallel_worker_the_rank_vllms_nccl_engine_give
 
 EXITING_RECEIVER = """
     import sys, torch
-    from trainer.generation.weight_transport import WeightMeta, receive_tensors
-    from trainer.weight_sync import WeightSyncGroup
+    from trainer.generation.refit.transport import WeightMeta, receive_tensors
+    from trainer.generation.refit.group import WeightSyncGroup
 
     group = WeightSyncGroup("127.0.0.1", int(sys.argv[1]), rank=1, world_size=2, device=torch.device("cpu"))
     meta = WeightMeta(["a", "b", "c"], ["float32"] * 3, [[8], [3, 3], [1]])
@@ -173,7 +173,7 @@ def test_should_close_without_waiting_forever_when_the_receiver_is_gone():
     proc = _start_receiver(
         """
         import sys, os, torch
-        from trainer.weight_sync import WeightSyncGroup
+        from trainer.generation.refit.group import WeightSyncGroup
         WeightSyncGroup("127.0.0.1", int(sys.argv[1]), rank=1, world_size=2, device=torch.device("cpu"))
         os._exit(0)  # gone without a word, as a killed actor is
         """,

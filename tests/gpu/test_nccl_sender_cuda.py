@@ -3,7 +3,7 @@ receiver, each a process with its own GPU (``CUDA_VISIBLE_DEVICES``, as Ray give
 
 The policy ranks shard a plain-torch model with FSDP2 over NCCL and run the real ``broadcast_weights``:
 both gather unit by unit (``iter_full_weights``, the stream rule of trainer/policy/streams.py), rank 0
-sends with :class:`~trainer.generation.vllm_weight_transfer.NcclSender` (vLLM's ``trainer_init`` and
+sends with :class:`~trainer.generation.refit.vllm_nccl.NcclSender` (vLLM's ``trainer_init`` and
 ``packed_nccl_broadcast_producer``). The receiver joins as vLLM's ``NCCLWeightTransferEngine`` does
 (``stateless_init_process_group`` at rank ``rank_offset``, then ``packed_nccl_broadcast_consumer`` with
 the trainer's buffer geometry) and keeps what arrives. Buckets of 1 MiB over about 40 MiB of bf16 weights:
@@ -31,7 +31,7 @@ BUFFER_BYTES = 1 << 20
 POLICY_RANK = """
 import os, sys, torch, torch.distributed as dist
 from trainer.config import Config
-from trainer.generation.weight_transport import init_info
+from trainer.generation.refit.transport import init_info
 from trainer.policy.worker import PolicyWorker, shard_model
 from tests.gpu.test_policy_cuda import TorchLM
 
@@ -47,7 +47,7 @@ w.cfg, w.model, w.rank, w.lora = Config(), model, rank, None
 w.cfg.generation.backend, w.cfg.generation.dtype = "vllm", "bfloat16"
 update_info = w.weight_metadata()  # names, dtypes, shapes in the gather's order, without gathering
 if rank == 0:
-    from trainer.generation.vllm_weight_transfer import NcclSender
+    from trainer.generation.refit.vllm_nccl import NcclSender
 
     torch.save(update_info, meta_file + ".tmp")  # what the driver hands the engines, before the rendezvous
     os.replace(meta_file + ".tmp", meta_file)
@@ -64,7 +64,7 @@ RECEIVER = """
 import os, sys, time, torch
 from vllm.distributed.weight_transfer.nccl_common import stateless_init_process_group
 from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_consumer
-from trainer.generation.weight_transport import WeightMeta, dtype_of, init_info
+from trainer.generation.refit.transport import WeightMeta, dtype_of, init_info
 
 transfer_port, meta_file, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 torch.cuda.set_device(0)

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.gpu
 
 RANK = """
 import json, sys, time, torch
-from trainer.weight_sync import WeightSyncGroup
+from trainer.generation.refit.group import WeightSyncGroup
 
 rank, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 torch.cuda.set_device(0)  # CUDA_VISIBLE_DEVICES gives each process one GPU, as Ray does an actor

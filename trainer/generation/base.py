@@ -83,7 +83,7 @@ class WeightReceiver(Protocol):
 
     def init_weight_receiver(self, init_info: dict) -> None:
         """Join the group rooted at the sender (rank 0). ``init_info`` is vLLM's NCCL init info
-        (:func:`~trainer.generation.weight_transport.init_info`): this engine's workers take the ranks
+        (:func:`~trainer.generation.refit.transport.init_info`): this engine's workers take the ranks
         from ``rank_offset`` on."""
         ...
 
@@ -92,6 +92,6 @@ class WeightReceiver(Protocol):
         ...
 
     def close_weight_receiver(self) -> None:
-        """Leave the group, in step with the sender (:meth:`~trainer.weight_sync.WeightSyncGroup.close`);
+        """Leave the group, in step with the sender (:meth:`~trainer.generation.refit.group.WeightSyncGroup.close`);
         the engine goes on generating. Idempotent."""
         ...

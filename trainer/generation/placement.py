@@ -33,7 +33,7 @@ from trainer import watchdog
 from trainer.cluster import in_bundle, reserve, split
 from trainer.config import Config
 from trainer.generation.base import SamplingParams
-from trainer.generation.weight_transport import init_info
+from trainer.generation.refit.transport import init_info
 
 
 class PolicyRanks(Protocol):
@@ -146,7 +146,7 @@ class DisaggregatedGenerator:
             failed="failed to start",
             late="not ready",
         )
-        # vLLM's weight-transfer contract (trainer.generation.weight_transport): policy rank 0 is rank 0,
+        # vLLM's weight-transfer contract (trainer.generation.refit.transport): policy rank 0 is rank 0,
         # engine r's tensor-parallel workers take the ranks from 1 + r * tp on.
         host, port = ray.get(policy.workers[0].address.remote())
         per_engine = tp if cfg.generation.backend == "vllm" else 1

@@ -64,7 +64,7 @@ from trainer import heap
 from trainer.config import ConfigError, GenerationConfig, LoRAConfig, vllm_max_lora_rank
 from trainer.generation import vllm_cpu, vllm_patches
 from trainer.generation.base import Completion, SamplingParams
-from trainer.generation.weight_transport import vllm_transfer_backend
+from trainer.generation.refit.transport import vllm_transfer_backend
 
 log = logging.getLogger(__name__)
 
@@ -533,14 +533,14 @@ class VLLMGenerationEngine:
 
     def init_weight_receiver(self, init_info: dict) -> None:
         """Join policy rank 0's transfer group; ``init_info`` is vLLM's NCCL init info
-        (:func:`~trainer.generation.weight_transport.init_info`), whatever the backend."""
+        (:func:`~trainer.generation.refit.transport.init_info`), whatever the backend."""
         if not self.weight_transfer:
             raise RuntimeError("built without weight_transfer=True: this engine has no weight receiver")
         self._llm.init_weight_transfer_engine({"init_info": init_info})
 
     def close_weight_receiver(self) -> None:
         """Release the trainer connection (vLLM's ``shutdown_weight_transfer_engine``), in step with the
-        sender's :meth:`~trainer.weight_sync.WeightSyncGroup.close`; the engine keeps generating."""
+        sender's :meth:`~trainer.generation.refit.group.WeightSyncGroup.close`; the engine keeps generating."""
         if self._llm is not None and self.weight_transfer:
             self._llm.shutdown_weight_transfer_engine()
 

@@ -1,11 +1,11 @@
 """Disaggregated generation: a Ray actor that owns one engine on its own device (or cores).
 
 After every optimizer step the policy's rank 0 sends the new weights to every actor under vLLM's
-weight-transfer contract (:mod:`trainer.generation.weight_transport`: the receivers know the names,
+weight-transfer contract (:mod:`trainer.generation.refit.transport`: the receivers know the names,
 dtypes and shapes beforehand, the bytes move in packed chunks over one group rooted at rank 0). A vLLM
 engine takes them through its weight-transfer API, on every tensor-parallel worker: vLLM's ``nccl``
-backend on GPUs, its CPU twin elsewhere (:mod:`trainer.generation.vllm_weight_transfer`); the hf engine
-joins a :class:`~trainer.weight_sync.WeightSyncGroup` and takes the stream in ``update_weights``.
+backend on GPUs, its CPU twin elsewhere (:mod:`trainer.generation.refit.vllm_nccl`); the hf engine
+joins a :class:`~trainer.generation.refit.group.WeightSyncGroup` and takes the stream in ``update_weights``.
 """
 
 from __future__ import annotations
@@ -64,8 +64,8 @@ class GenerationWorker:
             self.engine.init_weight_receiver(init_info)
             self.sync = None
         else:
-            from trainer.generation.weight_transport import worker_rank
-            from trainer.weight_sync import WeightSyncGroup
+            from trainer.generation.refit.group import WeightSyncGroup
+            from trainer.generation.refit.transport import worker_rank
 
             rank = worker_rank(init_info["rank_offset"], 0, 1, 0)  # the hf engine is one process
             self.buffer_bytes = int(init_info["packed_buffer_size_bytes"])
@@ -80,7 +80,7 @@ class GenerationWorker:
         if self.sync is None:
             (self.engine.receive_adapter if self.lora else self.engine.receive_weights)(update_info)
             return
-        from trainer.generation.weight_transport import WeightMeta, receive_tensors
+        from trainer.generation.refit.transport import WeightMeta, receive_tensors
 
         meta = WeightMeta.from_update_info(update_info)
         tensors = receive_tensors(self.sync, meta, self.buffer_bytes)

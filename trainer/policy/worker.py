@@ -25,7 +25,7 @@ sets its memory order, the same calls on every device (on CPU the engines free n
    full weights gathered through FSDP2 one unit at a time, ``empty_cache()`` again, wake its KV cache.
 
 With disaggregated generation rank 0 broadcasts the gathered weights to the generation actors over a
-separate process group (:mod:`trainer.weight_sync`).
+separate process group (:mod:`trainer.generation.refit.group`).
 """
 
 from __future__ import annotations
@@ -388,7 +388,7 @@ class PolicyWorker:
     def weight_metadata(self) -> dict:
         """The update info of every weight transfer (vLLM's names, dtype_names, shapes), without gathering:
         what :meth:`iter_full_weights` yields, in its order, at the engine's dtype."""
-        from trainer.generation.weight_transport import WeightMeta
+        from trainer.generation.refit.transport import WeightMeta
 
         dtype, params = self.engine_dtype, dict(self.model.named_parameters())
         if self.lora is not None:  # the adapters alone, in iter_adapter_weights' order
@@ -399,7 +399,7 @@ class PolicyWorker:
 
     def init_weight_sync(self, init_info: dict) -> None:
         """Rank 0 opens the sending end (the rendezvous's host; the engines join at the same time)."""
-        from trainer.generation.senders import open_sender
+        from trainer.generation.refit.senders import open_sender
 
         if self.rank == 0:
             self.sender = open_sender(self.cfg.generation.backend, init_info, self.device)
@@ -411,7 +411,7 @@ class PolicyWorker:
 
     def broadcast_weights(self, update_info: dict) -> dict[str, float]:
         """All ranks gather; rank 0 sends the full tensors that ``update_info`` announced to the engines
-        (:mod:`trainer.generation.weight_transport`); with LoRA, the adapters alone."""
+        (:mod:`trainer.generation.refit.transport`); with LoRA, the adapters alone."""
         if self.lora is not None:
             weights = self.iter_adapter_weights(self.engine_dtype)
         else:
@@ -420,7 +420,7 @@ class PolicyWorker:
             for _ in weights:  # the gathers are collectives: every rank takes part
                 pass
             return {}
-        from trainer.generation.weight_transport import WeightMeta
+        from trainer.generation.refit.transport import WeightMeta
 
         stats = self.sender.send(weights, WeightMeta.from_update_info(update_info))
         return {"buckets": stats.buckets, "bytes": stats.bytes, "seconds": stats.seconds}

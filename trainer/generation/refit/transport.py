@@ -3,7 +3,7 @@ any group (gloo on CPU, NCCL on GPUs).
 
 The contract is vLLM's ``nccl`` backend's (``vllm/distributed/weight_transfer/nccl_engine.py`` and
 ``packed_tensor.py``, 0.32.0), so that on GPUs a vLLM engine receives with vLLM's own code and on CPU
-the twin (:mod:`trainer.generation.vllm_weight_transfer`, and the hf engine's receiver) runs the same
+the twin (:mod:`trainer.generation.refit.vllm_nccl`, and the hf engine's receiver) runs the same
 protocol:
 
 - **init info**: ``master_address``, ``master_port`` (rank 0 hosts the rendezvous), ``rank_offset``
@@ -31,7 +31,7 @@ from typing import Protocol
 
 import torch
 
-# The registry name of the CPU twin of vLLM's ``nccl`` backend (trainer.generation.vllm_weight_transfer).
+# The registry name of the CPU twin of vLLM's ``nccl`` backend (trainer.generation.refit.vllm_nccl).
 GLOO_TRANSFER_BACKEND = "kuberl_gloo"
 # vLLM's defaults for the packed NCCL transfer (packed_tensor.py): 1 GiB buffers, double-buffered.
 DEFAULT_BUFFER_BYTES = 1024**3
@@ -214,11 +214,11 @@ class Sender(Protocol):
 
 
 class GroupSender:
-    """Rank 0 of a :class:`~trainer.weight_sync.WeightSyncGroup` (gloo on CPU, torch's NCCL for the hf
+    """Rank 0 of a :class:`~trainer.generation.refit.group.WeightSyncGroup` (gloo on CPU, torch's NCCL for the hf
     engine on GPUs), speaking the packed protocol above."""
 
     def __init__(self, info: dict, device: torch.device):
-        from trainer.weight_sync import WeightSyncGroup
+        from trainer.generation.refit.group import WeightSyncGroup
 
         self.buffer_bytes = int(info["packed_buffer_size_bytes"])
         self.group = WeightSyncGroup(info["master_address"], info["master_port"], 0, info["world_size"], device)
@@ -227,5 +227,5 @@ class GroupSender:
         return send_packed(self.group, named_tensors, meta, self.buffer_bytes)
 
     def close(self) -> None:
-        """Leave in order with the receivers (:meth:`~trainer.weight_sync.WeightSyncGroup.close`)."""
+        """Leave in order with the receivers (:meth:`~trainer.generation.refit.group.WeightSyncGroup.close`)."""
         self.group.close()

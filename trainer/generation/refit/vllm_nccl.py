@@ -6,9 +6,9 @@ sends with vLLM's own trainer-side pieces (:class:`NcclSender`: ``nccl_common.tr
 :class:`GlooWeightTransferEngine`, registered as ``kuberl_gloo``: the same init info and update info
 (vLLM's own dataclasses, :class:`NCCLWeightTransferInitInfo` and :class:`NCCLWeightTransferUpdateInfo`),
 the same rank of each tensor-parallel worker (``rank_offset`` + its rank in the engine), the same packed
-chunks (:mod:`trainer.generation.weight_transport`), over a gloo group instead of NCCL. The CPU tests
+chunks (:mod:`trainer.generation.refit.transport`), over a gloo group instead of NCCL. The CPU tests
 therefore run the GPU's protocol, with only the backend name and the transport different; which one an
-engine gets is decided in one place, :func:`trainer.generation.weight_transport.vllm_transfer_backend`.
+engine gets is decided in one place, :func:`trainer.generation.refit.transport.vllm_transfer_backend`.
 
 The twin is registered in every vLLM process, spawned tensor-parallel workers included, through vLLM's
 plugin mechanism: the ``vllm.general_plugins`` entry point ``kuberl`` (pyproject.toml) calls
@@ -32,14 +32,7 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine
 from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo
 from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferUpdateInfo
 
-from trainer.generation.vllm_engine import (
-    RELOAD_LOGGER,
-    begin_weight_update,
-    finish_weight_update,
-    needs_layerwise_reload,
-    quiet,
-)
-from trainer.generation.weight_transport import (
+from trainer.generation.refit.transport import (
     GLOO_TRANSFER_BACKEND,
     TransferStats,
     WeightMeta,
@@ -47,6 +40,13 @@ from trainer.generation.weight_transport import (
     chunks,
     receive_packed,
     worker_rank,
+)
+from trainer.generation.vllm_engine import (
+    RELOAD_LOGGER,
+    begin_weight_update,
+    finish_weight_update,
+    needs_layerwise_reload,
+    quiet,
 )
 
 
@@ -68,7 +68,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[NCCLWeightTransferInitInfo, 
         self.tied = bool(getattr(getattr(hf, "text_config", None) or hf, "tie_word_embeddings", False))
 
     def init_transfer_engine(self, init_info: NCCLWeightTransferInitInfo) -> None:
-        from trainer.weight_sync import WeightSyncGroup
+        from trainer.generation.refit.group import WeightSyncGroup
 
         if not init_info.packed or init_info.master_address is None:
             raise ValueError(f"{GLOO_TRANSFER_BACKEND}: needs packed=True and master_address/master_port")

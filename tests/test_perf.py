@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
 from trainer import perf
+
+from .conftest import REPO
 
 # SmolLM2-135M(-Instruct)'s config.json: hidden 576, intermediate 1536, 30 layers, 9 query heads and 3
 # key/value heads of 64, vocabulary 49152, tied embeddings.
@@ -79,11 +85,21 @@ def test_should_measure_a_cpu_peak_once_when_asked_twice() -> None:
 
 
 def test_should_report_the_interval_peak_when_memory_is_freed_between_readings() -> None:
-    perf.peak_memory_bytes(torch.device("cpu"))  # start an interval
-    block = torch.ones(64 * 2**20, dtype=torch.uint8)  # 64 MiB, touched
-    del block
-    first = perf.peak_memory_bytes(torch.device("cpu"))
-    second = perf.peak_memory_bytes(torch.device("cpu"))
+    """In a fresh process with glibc's default malloc, so that the freed block leaves the resident set (a
+    test session's process may keep freed memory: trainer.cluster's keep_freed_memory settings)."""
+    code = (
+        "import torch\n"
+        "from trainer import perf\n"
+        "cpu = torch.device('cpu')\n"
+        "perf.peak_memory_bytes(cpu)\n"  # start an interval
+        "block = torch.ones(64 * 2**20, dtype=torch.uint8)\n"  # 64 MiB, touched
+        "del block\n"
+        "print(perf.peak_memory_bytes(cpu), perf.peak_memory_bytes(cpu))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    first, second = map(float, out.stdout.split())
     assert first > 0 and second > 0
     assert first - second > 32 * 2**20  # the second interval never held the block
 

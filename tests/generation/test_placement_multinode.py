@@ -14,6 +14,7 @@ on three different nodes, the rendezvous must be rank 0's node address (not the 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -63,19 +64,25 @@ def cluster(tmp_path):
 
 def _actor_nodes(address: str) -> tuple[dict[str, list[str]], set[str]]:
     """Class name -> the node addresses its actors ran on, from the cluster's actor table; and the addresses
-    of all its nodes."""
-    import ray
-    from ray._private import state
-
-    ray.init(address=address, log_to_driver=False)
-    try:
-        ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
-        found: dict[str, list[str]] = {}
-        for actor in state.actors().values():
-            found.setdefault(actor["ActorClassName"], []).append(ips[actor["Address"]["NodeID"]])
-        return found, set(ips.values())
-    finally:
-        ray.shutdown()
+    of all its nodes. Read by a process of its own: this test process may already be a driver of the
+    session's Ray instance (``ray_local``), and a process connects to one Ray cluster at a time."""
+    code = (
+        "import json, sys, ray\n"
+        "from ray._private import state\n"
+        "ray.init(address=sys.argv[1], log_to_driver=False)\n"
+        "ips = {n['NodeID']: n['NodeManagerAddress'] for n in ray.nodes()}\n"
+        "found = {}\n"
+        "for actor in state.actors().values():\n"
+        "    found.setdefault(actor['ActorClassName'], []).append(ips[actor['Address']['NodeID']])\n"
+        "print(json.dumps([found, sorted(set(ips.values()))]))\n"
+        "ray.shutdown()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    out = subprocess.run([sys.executable, "-c", code, address], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    found, ips = json.loads(out.stdout.strip().splitlines()[-1])
+    return found, set(ips)
 
 
 def test_should_place_policy_ranks_on_two_nodes_and_the_engine_on_a_third_and_learn_when_the_cluster_has_three(

@@ -5,6 +5,7 @@ and a run resumed from it continues the same W&B and MLflow runs."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -43,7 +44,10 @@ def test_should_send_the_same_curve_config_and_rollouts_to_every_backend_when_a_
             assert sorted(history[key]) == steps, (name, key)
     for key in PERF:
         assert sorted(tb[key]) == steps, key
-    assert all(0 < v < 1 for v in tb["perf/mfu"].values())
+    # 0 for a step that trained on nothing (every advantage zero); against a CPU peak measured once, at
+    # start, a loaded machine can move either figure: the check is that MFU is a number every step
+    mfus = list(tb["perf/mfu"].values())
+    assert all(math.isfinite(v) and v >= 0 for v in mfus) and any(v > 0 for v in mfus), mfus
     assert all(v > 0 for v in tb["perf/peak_memory_gib_max"].values())
 
     assert wb["config"]["experiment_name"] == "tiny" and ml["params"]["experiment_name"] == "tiny"

@@ -57,7 +57,7 @@ class Row:
 
 
 _ROW: Row | None = None  # the row of the current packed micro-batch, or None (padded layouts)
-_SP = None  # the rank's Ulysses group (trainer.policy.ulysses.Group), when sequence parallel
+_SP = None  # the rank's Ulysses group (trainer.policy.ulysses.SequenceParallelGroup), when sequence parallel
 _INNER = "sdpa"  # what runs on a row: sdpa per sample, or a flash varlen implementation
 _OUTER = "sdpa"  # what runs off a row (padded batches, the shared-prompt layout): sdpa, or the model's eager
 

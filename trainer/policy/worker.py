@@ -180,9 +180,9 @@ class PolicyWorker:
         inner = cfg.model.attn_implementation or "sdpa"
         self.sp = None
         if cfg.policy.sequence_parallel_size > 1:
-            from trainer.policy.ulysses import Group
+            from trainer.policy.ulysses import SequenceParallelGroup
 
-            self.sp = Group(cfg.policy.sequence_parallel_size, self.rank, self.world_size)
+            self.sp = SequenceParallelGroup(cfg.policy.sequence_parallel_size, self.rank, self.world_size)
         from trainer.policy import packed_attention
 
         self.packed_attention = self.sp is not None or packed_attention.takes(inner, model.config)

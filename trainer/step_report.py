@@ -20,7 +20,6 @@ IS_METRICS = {
 }
 
 
-
 def step_metrics(
     cfg: Config,
     rollouts: list,

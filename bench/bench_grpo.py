@@ -121,7 +121,7 @@ def build_spec(args, run_dir: Path, lora: list[str] | None = None) -> dict:
     from trainer.data.loader import PromptLoader
     from trainer.data.prompts import encode_examples
     from trainer.models import load_tokenizer, resolve_model
-    from trainer.run import check_names
+    from trainer.prestart import check_names
 
     cfg = load(kuberl_overrides(args.steps, run_dir / "kuberl-logs", args.kuberl_override, args.kuberl_ranks))
     check_names(cfg)  # the names the trainer's registries check at start: a bad override fails here, in one line

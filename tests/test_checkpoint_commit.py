@@ -224,7 +224,7 @@ def test_should_warn_in_one_line_when_the_prompts_differ_from_the_checkpoints():
 
 
 def test_preemption_handler_belongs_to_the_run_and_is_removed_at_close():
-    from trainer.run import Preemption
+    from trainer.preemption import Preemption
 
     before = signal.getsignal(signal.SIGTERM)
     p = Preemption(grace_s=25)
@@ -251,7 +251,8 @@ class _Saves:
 def _state(tmp_path, *, step: int, saved_step: int | None, save_s: float | None, left: float, fail=False):
     """A TrainState at a safe point after SIGTERM, without workers: only what the decision reads."""
     from trainer.config import Config
-    from trainer.run import Preemption, Progress, TrainState
+    from trainer.preemption import Preemption
+    from trainer.run import Progress, TrainState
 
     state = TrainState.__new__(TrainState)
     state.cfg = Config()
@@ -283,7 +284,7 @@ def _state(tmp_path, *, step: int, saved_step: int | None, save_s: float | None,
     ],
 )
 def test_should_save_at_preemption_only_when_the_save_fits_in_the_grace_budget(case, saves, line, tmp_path, capsys):
-    from trainer.run import Preempted
+    from trainer.preemption import Preempted
 
     saved_step = {"saved": 5, "nothing": None}.get(case, 4)
     save_s = {"fits": 3.0, "fails": 3.0, "untimed": None}.get(case, 30.0)

@@ -99,7 +99,7 @@ def test_should_refuse_more_pinned_processes_than_cores():
     import os
 
     from trainer.config import load
-    from trainer.run import SetupError, check_cpu_pinning
+    from trainer.prestart import SetupError, check_cpu_pinning
 
     cores = len(os.sched_getaffinity(0))
     cfg = load(["experiment=tiny", "generation.placement=disaggregated", f"cluster.cpu_workers_per_node={cores}",

@@ -15,7 +15,7 @@ from .conftest import REPO
 
 @pytest.mark.parametrize("name", experiments())
 def test_should_compose_and_validate_when_experiment_is_shipped(name):
-    from trainer.run import check_names
+    from trainer.prestart import check_names
 
     cfg = load([f"experiment={name}"])
     check_names(cfg)  # every loss, dataset and reward it names is registered
@@ -253,7 +253,7 @@ def test_should_print_vllm_kwargs_when_the_cli_sets_them_over_an_empty_default()
     ("override", "key"),
     [
         ("grpo.num_generations_per_prompt=1", "grpo.num_generations_per_prompt"),  # config.py's own check
-        # Names the registries check (trainer.run.check_names), still before anything is built:
+        # Names the registries check (trainer.prestart.check_names), still before anything is built:
         ("data.name=nope", "data.name='nope' is not allowed; choose one of: arithmetic,"),
         ("env.reward_functions=[{name: nope}]", "env.reward_functions[0].name: unknown reward 'nope'"),
         ("grpo.loss.policy_loss=x", "grpo.loss.policy_loss='x' is not allowed; choose one of: clipped"),
@@ -352,7 +352,7 @@ def test_should_keep_explicit_dtypes_and_say_nothing_of_auto_when_none_is_auto(c
 
 
 def test_should_warn_with_the_fix_when_bf16_is_asked_for_on_a_cpu_without_it(cpu_without_bf16):
-    from trainer.run import precision_warning
+    from trainer.prestart import precision_warning
 
     demo = load(["experiment=cpu-demo", "policy.param_dtype=bfloat16", "generation.dtype=bfloat16"])
     line = precision_warning(demo)
@@ -363,7 +363,7 @@ def test_should_warn_with_the_fix_when_bf16_is_asked_for_on_a_cpu_without_it(cpu
 
 
 def test_should_not_warn_when_the_cpu_runs_bf16_natively(cpu_with_bf16):
-    from trainer.run import precision_warning
+    from trainer.prestart import precision_warning
 
     assert precision_warning(load(["experiment=cpu-demo", "policy.param_dtype=bfloat16"])) is None
 
@@ -540,14 +540,14 @@ def test_should_say_not_a_model_directory_when_it_has_no_config(tmp_path):
 
 
 def test_should_accept_vllm_on_cpu_and_say_in_one_line_when_it_is_not_installed(monkeypatch):
-    from trainer import run
+    from trainer import prestart
     from trainer.generation import vllm_engine
 
     cfg = load(["experiment=tiny", "generation.backend=vllm"])
     assert not cfg.cluster.use_gpus
     monkeypatch.setattr(vllm_engine, "vllm_available", lambda: False)
-    with pytest.raises(run.SetupError) as err:
-        run.check_backend(cfg)
+    with pytest.raises(prestart.SetupError) as err:
+        prestart.check_backend(cfg)
     message = str(err.value)
     assert message.startswith("generation.backend=vllm") and "\n" not in message
 

@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     flags = [a for a in argv if a.startswith("-") and a != "--cfg"]
     if flags:
         return _fail(f"unknown option {flags[0]}; options are --cfg and --help, the rest are key=value overrides")
-    from trainer.run import check_names
+    from trainer.prestart import check_names
 
     try:
         cfg = load([a for a in argv if a != "--cfg"])
@@ -62,7 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     from trainer.cluster import ClusterError
     from trainer.generation.placement import GenerationError
     from trainer.models import ModelNotFoundError
-    from trainer.run import Preempted, SetupError, train
+    from trainer.preemption import Preempted
+    from trainer.prestart import SetupError
+    from trainer.run import train
     from trainer.watchdog import LOST_EXIT, Lost
 
     heap.settle(*DRIVER_IMPORTS)

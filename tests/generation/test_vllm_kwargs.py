@@ -35,11 +35,11 @@ def test_should_accept_vllm_kwargs_when_vllm_knows_them_including_those_the_engi
 
 @pytest.mark.vllm
 def test_should_refuse_an_unknown_vllm_argument_in_one_line_when_a_vllm_run_starts():
-    from trainer import run
+    from trainer import prestart
 
     cfg = load(["experiment=tiny", "generation=vllm", "generation.vllm_kwargs={gpu_memory_utilisation: 0.9}"])
     with pytest.raises(ConfigError, match=r"^generation.vllm_kwargs.gpu_memory_utilisation: .*\?\)$"):
-        run.check_backend(cfg)
+        prestart.check_backend(cfg)
 
 
 @pytest.mark.vllm

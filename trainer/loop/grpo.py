@@ -11,8 +11,9 @@ Departures from the paper, as in NeMo-RL and verl: the KL penalty is in the loss
 and when there is one optimizer step per batch the old logprobs are the current ones detached,
 which skips a forward pass and gives exactly the same gradient.
 
-Each step also says how fast it ran (``perf/``, :func:`perf_metrics`): generated and trained tokens/s, the
-training's model FLOPs utilisation (:mod:`trainer.perf`) and each policy rank's peak memory.
+Each step also says how fast it ran (``perf/``): generated and trained tokens/s, the training's model
+FLOPs utilisation (:mod:`trainer.perf`) and each policy rank's peak memory. Its scalars and jsonl rows are
+built by :mod:`trainer.step_report` from what the step holds.
 
 After SIGTERM the loop stops at the next safe point (``state.preemption_point``): the end of a
 step, or inside one once its rollouts are scored but before the optimizer step, when the step is
@@ -37,13 +38,7 @@ from trainer.loop.state import LoopState
 from trainer.policy.batch import Sample
 from trainer.policy.group import PolicyGroup
 from trainer.rewards.runner import RewardRunner
-
-# What each importance-sampling mode flags, as a share of the response tokens trained on.
-IS_METRICS = {
-    "tis": "train/tis_truncated_frac",        # ratio above tis_cap, truncated
-    "mis": "train/mis_masked_frac",           # ratio outside [mis_low, mis_high], dropped
-    "seq_mis": "train/seq_mis_masked_frac",   # tokens of sequences dropped on their geometric-mean ratio
-}
+from trainer.step_report import perf_metrics, rollout_rows, sample_line, step_metrics
 
 
 def sampling_params(cfg: Config, seed: int, greedy: bool = False) -> SamplingParams:
@@ -105,69 +100,19 @@ def grpo_step(
     push_wait_s = stream.push_weights(step)  # async: once the round in flight ends
     t5 = time.monotonic()
 
-    lengths = torch.tensor([r.model_tokens for r in rollouts], dtype=torch.float32)  # the model's own tokens
-    metrics = {
-        "train/reward_mean": reward.mean().item(),
-        "train/reward_min": reward.min().item(),
-        "train/reward_max": reward.max().item(),
-        "train/reward_std": reward.std().item() if len(reward) > 1 else 0.0,
-        "train/accuracy": sum(r.reward.correct for r in rollouts) / len(rollouts),
-        # no policy gradient (groups that all scored the same); not trained on with policy.skip_zero_advantage
-        "train/zero_advantage_frac": (advantages == 0).float().mean().item(),
-        "train/mean_generation_length": lengths.mean().item(),
-        "train/truncated_frac": sum(r.completion.finish_reason == "length" for r in rollouts) / len(rollouts),
-        "train/kl": train_metrics.get("kl", 0.0),
-        "train/ppo_kl": train_metrics["ppo_kl"],
-        "train/pg_clipfrac": train_metrics["pg_clipfrac"],
-        "train/entropy": train_metrics.get("entropy", 0.0),
-        "train/grad_norm": train_metrics["grad_norm"],
-        # The engine against the policy's own recomputation, on the sampled tokens (see core_algos).
-        "train/gen_logprob_abs_diff": train_metrics["gen_logprob_abs_diff"],
-        "train/gen_train_kl": train_metrics["gen_train_kl"],
-        "train/is_flagged_frac": train_metrics["is_flagged"],  # whatever the mode; and under its own name:
-        IS_METRICS.get(loss_cfg.importance_sampling, "train/is_flagged_frac"): train_metrics["is_flagged"],
-        "train/loss": train_metrics["loss"],
-        "train/lr": train_metrics["lr"],
-        "timing/generation_s": batch.generation_s,
-        "timing/reward_s": t2 - t1,  # only the wait left after generation and the logprob launches
-        "timing/logprobs_s": t3 - t1,
-        "timing/train_s": t4 - t3,
-        "timing/weight_sync_s": t5 - t4,
-        "timing/weight_push_wait_s": push_wait_s,  # of weight_sync_s: waiting for a generation round to end
-        "timing/step_s": t5 - t0,
-        "perf/generated_tokens_per_s": lengths.sum().item() / max(batch.generation_s, 1e-9),
-        **perf_metrics(cfg, policy.trained_lengths, t4 - t3, policy.perf_stats(), flops),
-        **batch.metrics(),
+    timing = {
+        "generation_s": batch.generation_s,
+        "reward_s": t2 - t1,  # only the wait left after generation and the logprob launches
+        "logprobs_s": t3 - t1,
+        "train_s": t4 - t3,
+        "weight_sync_s": t5 - t4,
+        "weight_push_wait_s": push_wait_s,  # of weight_sync_s: waiting for a generation round to end
+        "step_s": t5 - t0,
     }
-    if g.max_rollout_turns > 1:
-        metrics["train/mean_turns"] = sum(r.turns for r in rollouts) / len(rollouts)
-    for name in rollouts[0].reward.scores:
-        metrics[f"train/reward/{name}"] = sum(r.reward.scores.get(name, 0.0) for r in rollouts) / len(rollouts)
-    rows = [
-        {
-            "step": step,
-            "id": r.example.get("id"),
-            "prompt": r.example["messages"][-1]["content"],
-            "response": r.completion.text,  # the final attempt, which the reward judged
-            "transcript": state.turns.tokenizer.decode(r.tokens) if r.turns > 1 else None,
-            "ground_truth": r.example["ground_truth"],
-            "rewards": r.reward.scores,
-            "reward": r.reward.total,
-            "extracted_answer": r.reward.answer,  # what the (first) reward judged: None when it found none
-            "answer_note": r.reward.answer_note,  # where it came from, or why there is none or it is wrong
-            "correct": r.reward.correct,
-            "advantage": s.advantage,
-            "generation_length": r.model_tokens,
-            "finish_reason": r.completion.finish_reason,
-            "turns": r.turns,
-            "policy_version": version,  # the weights that generated it: step - 1 - version steps stale
-        }
-        for r, s, version in zip(rollouts, samples, batch.versions)
-    ]
-    if overlong is not None:  # the jsonl keeps reward as the reward functions' total; the penalty is its own field
-        metrics["train/overlong_penalty_mean"] = overlong.mean().item()
-        for row, penalty in zip(rows, overlong.tolist()):
-            row["overlong_penalty"] = penalty
+    perf_scalars = perf_metrics(cfg, policy.trained_lengths, t4 - t3, policy.perf_stats(), flops)
+    metrics = step_metrics(cfg, rollouts, reward, advantages, overlong, train_metrics, timing, perf_scalars,
+                           batch.metrics())
+    rows = rollout_rows(step, rollouts, [s.advantage for s in samples], batch.versions, overlong, state.turns.tokenizer)
     return metrics, rows, batch
 
 
@@ -182,33 +127,6 @@ def model_flops(cfg: Config, policy: PolicyGroup) -> perf.ModelFlops | None:
         print(f"kuberl: perf: no perf/mfu for model.name={cfg.model.name}: its shape cannot be read "
               f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})", flush=True)
         return None
-
-
-def perf_metrics(
-    cfg: Config, trained_lengths: list[int], train_s: float, ranks: list[dict], flops: perf.ModelFlops | None
-) -> dict[str, float]:
-    """Trained tokens/s, MFU of the policy's training pass and each rank's peak memory; ``trained_lengths``:
-    prompt + response tokens of each sample trained on, ``ranks``: :meth:`PolicyGroup.perf_stats`."""
-    tokens = sum(trained_lengths)
-    out = {"perf/trained_tokens_per_s": tokens / max(train_s, 1e-9)}
-    if flops is not None:
-        done = flops.training(trained_lengths, frozen_base=cfg.policy.lora.enabled)
-        out["perf/mfu"] = perf.mfu(done, train_s, sum(r["peak_flops"] for r in ranks))
-        out["perf/train_tflops_per_s_per_rank"] = done / max(train_s, 1e-9) / len(ranks) / 1e12
-    memory = [r["peak_memory_bytes"] / 2**30 for r in ranks]
-    out.update({f"perf/peak_memory_gib/rank_{r}": gib for r, gib in enumerate(memory)})
-    out["perf/peak_memory_gib_max"] = max(memory)
-    return out
-
-
-def sample_line(row: dict) -> str:
-    """A rollout for the console: the response, its reward and the answer the reward paid for (or
-    why there was none), e.g. ``'13 + 7 = \\boxed{20}' -> reward 1.00, answer '20' (\\boxed{})``."""
-    line = f"{row['response'][:160]!r} -> reward {row['reward']:.2f}"
-    note = f" ({row['answer_note']})" if row.get("answer_note") else ""
-    if row.get("extracted_answer") is not None:
-        return f"{line}, answer {row['extracted_answer'][:60]!r}{note}"
-    return f"{line}, no answer{': ' + row['answer_note'] if row.get('answer_note') else ''}"
 
 
 def validate(cfg: Config, step: int, examples: list[dict], generator: Generator, rewards: RewardRunner) -> dict:

@@ -15,19 +15,18 @@ adapters have gradients, so only theirs are reduced, and only they are in the op
   tensors named ``base_model.model.<module>.lora_A.weight``), which plain ``peft`` and vLLM load
   (:func:`save_adapter`); :func:`merged_state_dict` folds the adapters into Hugging Face weights.
 
-Choices, measured with ``bench/bench_lora_refit.py`` (SmolLM2-135M, rank 8 on the 7 block linears:
-9.3 MiB of adapters against 513 MiB of weights, float32, a shared 2-core CPU, ratios within one run):
+Choices, measured with ``bench/bench_lora_refit.py`` (the figures, with their machine, are in
+bench/README.md, ``make bench-lora-refit``):
 
 - The base stays FSDP-sharded like full weights (not replicated): one code path with the GPU layout,
   1/N of the base per rank, and a refit gathers the adapters tensor by tensor (``full_tensor``), never
   a whole unit, so sharding costs the refit nothing. Replication was not measured.
-- hf engine: the adapters are applied, not merged: a refit copies them (0.027 s against 2.78 s for
-  full weights, 0.01x), where merging each step (``W + s B @ A`` for every adapted weight, then
-  loading them) took 18.6 s (6.7x a full refit); merging also drifts in a bf16 engine.
-- vLLM, colocated: a PEFT directory on /dev/shm loaded in place (``add_lora`` with ``load_inplace``):
-  0.165 s against 4.73 s for ``update_weights`` of the full state (0.035x). Disaggregated: the same
-  weight-transfer group as full weights, in buckets of their own, received into a collector and loaded
-  the same way (gloo transport: 0.079 s against 1.53 s, 0.052x).
+- hf engine: the adapters are applied, not merged: a refit copies them, a small share of a full
+  refit, where merging each step (``W + s B @ A`` for every adapted weight, then loading them) cost
+  several full refits; merging also drifts in a bf16 engine.
+- vLLM, colocated: a PEFT directory on /dev/shm loaded in place (``add_lora`` with ``load_inplace``),
+  a small share of ``update_weights`` of the full state. Disaggregated: the same weight-transfer group
+  as full weights, in buckets of their own, received into a collector and loaded the same way.
 """
 
 from __future__ import annotations

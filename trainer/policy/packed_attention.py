@@ -57,7 +57,7 @@ class Row:
 
 
 _ROW: Row | None = None  # the row of the current packed micro-batch, or None (padded layouts)
-_SP = None  # the rank's Ulysses group (trainer.policy.ulysses.Group), when sequence parallel
+_SP = None  # the rank's Ulysses group (trainer.policy.ulysses.SequenceParallelGroup), when sequence parallel
 _INNER = "sdpa"  # what runs on a row: sdpa per sample, or a flash varlen implementation
 _OUTER = "sdpa"  # what runs off a row (padded batches, the shared-prompt layout): sdpa, or the model's eager
 
@@ -285,8 +285,8 @@ def install(model, inner: str = "sdpa", sp=None) -> None:
     A model whose own attention is eager keeps it off a row (padded batches and the shared-prompt
     layout: on CPU eager's backward beats sdpa's with a mask), while its rows run sdpa once per sample:
     eager over a packed row computes the dense (N, N) block-diagonal mask, every pair of the row, so its
-    cost grew with the token budget (a SmolLM2 step on a 2-core AVX2 EPYC: 41 s at 1024 tokens a row,
-    63 s at 2176; per sample 25 and 31 s)."""
+    cost grew with the token budget, where sdpa per sample costs each sample's own pairs (bench/README.md,
+    ``make bench-train``: "Eager models attended over the whole packed row")."""
     global _INNER, _OUTER, _SP
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface

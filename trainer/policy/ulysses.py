@@ -33,7 +33,7 @@ from trainer.policy.packed_attention import Row
 INNER = ("sdpa", "flash_attention_2", "flash_attention_3")  # what may run on the whole row
 
 
-class Group:
+class SequenceParallelGroup:
     """A rank's sequence-parallel group: its members, its place in it, and the current row."""
 
     def __init__(self, size: int, rank: int, world_size: int):
@@ -135,7 +135,7 @@ class _GatherSlices(torch.autograd.Function):
         return grad[start : start + ctx.counts[ctx.rank]], None, None, None
 
 
-def gather_slices(local: torch.Tensor, counts: list[int], sp: Group) -> torch.Tensor:
+def gather_slices(local: torch.Tensor, counts: list[int], sp: SequenceParallelGroup) -> torch.Tensor:
     """Per-token values of every rank's slice, in row order (differentiable)."""
     return _GatherSlices.apply(local, counts, sp.rank_in_group, sp.group)
 

@@ -26,12 +26,15 @@ sets its memory order, the same calls on every device (on CPU the engines free n
 
 With disaggregated generation rank 0 broadcasts the gathered weights to the generation actors over a
 separate process group (:mod:`trainer.generation.refit.group`).
+
+The actor's methods are thin where the work has a module of its own: the logprob forward in each layout
+(:mod:`trainer.policy.forward`), the refit's gather (:mod:`trainer.policy.gather`), the colocated engine's
+build and refit order (:mod:`trainer.policy.colocated`), the DCP checkpoint (:mod:`trainer.policy.dcp`).
 """
 
 from __future__ import annotations
 
 import datetime
-import json
 import logging
 import os
 from typing import Any
@@ -40,12 +43,11 @@ import torch
 import torch.distributed as dist
 
 from trainer import heap
-from trainer.algorithms import core_algos
 from trainer.algorithms.objective import LossInputs, Objective
 from trainer.config import Config
 from trainer.generation.base import Completion, SamplingParams
 from trainer.models import DTYPES, build_empty_model, load_model, load_tokenizer
-from trainer.policy import streams
+from trainer.policy import colocated, dcp, forward, gather, streams
 from trainer.policy.batch import (
     PackedBatch,
     PaddedBatch,
@@ -59,19 +61,12 @@ from trainer.policy.batch import (
     split_to_count,
     unpad_logprobs,
 )
-from trainer.policy.packed_attention import Row
 from trainer.policy.sharded_init import load_shards
 
 log = logging.getLogger(__name__)
 
 # What a rank's set-up imports anyway, imported before the rank freezes its heap (trainer.heap).
 RANK_IMPORTS = ("transformers.modeling_utils", "torch.distributed.fsdp", "torch.distributed.checkpoint")
-
-
-def rank_seed_offset(rank: int) -> int:
-    """Each colocated engine samples from its own stream: the same seed on every rank would give
-    the same samples to prompts that happen to share a position in their shards."""
-    return 1 + rank
 
 
 def shard_model(model: torch.nn.Module, reshard_after_forward: bool, mp_dtype: torch.dtype | None) -> None:
@@ -88,7 +83,7 @@ def shard_model(model: torch.nn.Module, reshard_after_forward: bool, mp_dtype: t
 
 def adamw(params, **kwargs) -> torch.optim.AdamW:
     """AdamW with the fused kernel: one kernel over all (sharded) parameters instead of a loop of
-    per-tensor ops (0.39 -> 0.12 s per step for SmolLM2 on one CPU rank); same state, same checkpoints.
+    per-tensor ops (bench/README.md, "fused AdamW"); same state, same checkpoints.
     Where the fused kernel does not support the device or dtype, the per-tensor loop, said once."""
     params = list(params)
     try:
@@ -154,23 +149,8 @@ class PolicyWorker:
                     lora.apply(model, self.lora)
             else:
                 lora.apply(model, self.lora)
-        if self.colocated_engine:
-            from trainer.generation.factory import EngineSpec, build_engine
-
-            spec = EngineSpec(
-                model_path=self.model_path,
-                dtype=cfg.engine_dtype,
-                seed=cfg.seed + rank_seed_offset(self.rank),
-                max_model_len=cfg.policy.max_total_sequence_length,
-                trust_remote_code=cfg.model.trust_remote_code,
-                tokenizer_path=cfg.model.tokenizer,
-                device=self.device,
-                colocated=True,
-                threads=torch.get_num_threads(),
-                base_model=host,  # loaded, with its adapters, before the policy's attention is set
-                lora=self.lora,
-            )
-            self.engine = build_engine(cfg.generation, spec)
+        if self.colocated_engine:  # an hf engine copies host, loaded with its adapters, before the attention is set
+            self.engine = colocated.build(cfg, self.model_path, self.rank, self.device, host, self.lora)
             self._engine_awake = True  # a new engine holds its memory
         if cfg.model.attn_implementation:  # the policy's; the engine keeps the default, better for decoding
             model.set_attn_implementation(cfg.model.attn_implementation)
@@ -180,9 +160,9 @@ class PolicyWorker:
         inner = cfg.model.attn_implementation or "sdpa"
         self.sp = None
         if cfg.policy.sequence_parallel_size > 1:
-            from trainer.policy.ulysses import Group
+            from trainer.policy.ulysses import SequenceParallelGroup
 
-            self.sp = Group(cfg.policy.sequence_parallel_size, self.rank, self.world_size)
+            self.sp = SequenceParallelGroup(cfg.policy.sequence_parallel_size, self.rank, self.world_size)
         from trainer.policy import packed_attention
 
         self.packed_attention = self.sp is not None or packed_attention.takes(inner, model.config)
@@ -250,14 +230,8 @@ class PolicyWorker:
         """Gather the updated full weights into the colocated engine (collective), in the order that keeps
         the device's peak low: what training cached goes back to the device first, the engine's weights
         wake, the new ones load one FSDP unit at a time, and only then does the KV cache wake."""
-        torch.cuda.empty_cache()  # a no-op without CUDA: the same call on every device
-        self.engine.wake_up(tags=["weights"])
-        if self.lora is not None:
-            self.engine.update_adapter(self.iter_adapter_weights(self.engine_dtype))
-        else:
-            self.engine.update_weights(self.iter_full_weights(self.engine_dtype))
-        torch.cuda.empty_cache()  # the gathered units, freed: the KV cache's allocator cannot use the cache
-        self.engine.wake_up(tags=["kv_cache"])
+        gather_weights = self.iter_adapter_weights if self.lora is not None else self.iter_full_weights
+        colocated.refresh(self.engine, lambda: gather_weights(self.engine_dtype), adapters=self.lora is not None)
         self._engine_awake = True
 
     @property
@@ -284,94 +258,29 @@ class PolicyWorker:
         optimizer step); that keeps the whole model gathered, as training with that setting does anyway.
         Otherwise each unit is resharded as soon as its tensors are yielded.
         """
-        return self._gather_units(streams.for_device(self._param_device()), dtype)
+        fence = streams.for_device(self._param_device())
+        return gather.gather_units(self.model, fence, dtype, self.cfg.policy.reshard_after_forward)
 
     def _param_device(self) -> torch.device:
         return next(self.model.parameters()).device
-
-    @torch.no_grad()
-    def _gather_units(self, fence: streams.NoStreams | streams.CudaStreams, dtype: torch.dtype | None):
-        reshard = self.cfg.policy.reshard_after_forward
-        groups = self._params_by_unit()
-        pending = None
-        try:
-            with fence.producing():
-                if groups and groups[0][0] is not None:
-                    pending = groups[0][0].unshard(async_op=True)
-            for i, (unit, names) in enumerate(groups):
-                with fence.producing():
-                    if pending is not None:
-                        pending.wait()  # copies the unit out on the home stream
-                    nxt = groups[i + 1][0] if i + 1 < len(groups) else None
-                    pending = nxt.unshard(async_op=True) if nxt is not None else None  # prefetch: one unit ahead
-                for name in names:
-                    with fence.producing():
-                        p = self.model.get_parameter(name).detach()  # after unshard: the unit's full tensor
-                        if hasattr(p, "full_tensor"):  # not gathered by a unit (e.g. no FSDP at all): its own
-                            p = p.full_tensor()
-                        if dtype is not None and p.dtype != dtype:
-                            p = p.to(dtype)  # a tensor of its own
-                        elif reshard and unit is not None:
-                            # The unit's gathered buffer is freed below, and a caller may hold tensors across
-                            # units (vLLM's packed NCCL sender keeps a bucket's views until it sends them).
-                            p = p.clone()
-                    yield name, fence.hand_over(p)
-                if reshard and unit is not None:
-                    with fence.producing():
-                        unit.reshard()
-        finally:
-            with fence.producing():
-                if pending is not None:
-                    pending.wait()  # a gather in flight must land before its buffers are freed
-                if reshard:
-                    self._reshard()
 
     def iter_adapter_weights(self, dtype: torch.dtype | None = None):
         """Yield (name, full tensor) for every adapter parameter (LoRA), in module order; every rank must
         iterate (collective). Each is gathered on its own (``full_tensor``), not through its FSDP unit,
         whose gather would bring the frozen base weights along: a refit moves the adapters alone. The
         stream rule is :meth:`iter_full_weights`'."""
-        return self._gather_adapters(streams.for_device(self._param_device()), dtype)
-
-    @torch.no_grad()
-    def _gather_adapters(self, fence: streams.NoStreams | streams.CudaStreams, dtype: torch.dtype | None):
-        for name, p in self.model.named_parameters():
-            if not p.requires_grad:
-                continue
-            with fence.producing():
-                p = p.detach()
-                p = p.full_tensor() if hasattr(p, "full_tensor") else p.clone()
-                if dtype is not None and p.dtype != dtype:
-                    p = p.to(dtype)
-            yield name, fence.hand_over(p)
+        return gather.gather_adapters(self.model, streams.for_device(self._param_device()), dtype)
 
     def _params_by_unit(self) -> list[tuple[Any, list[str]]]:
-        """(FSDP unit, the names of the parameters it manages), units in module order; ``None`` first for
-        parameters no unit manages. A parameter belongs to its innermost unit: a unit gathers only its
-        own parameters, not its child units'."""
-        from torch.distributed.fsdp import FSDPModule
-
-        units = [(prefix, m) for prefix, m in self.model.named_modules() if isinstance(m, FSDPModule)]
-        groups: dict[int, list[str]] = {}
-        for name, _ in self.model.named_parameters():
-            owner = max(
-                (i for i, (prefix, _) in enumerate(units) if not prefix or name.startswith(prefix + ".")),
-                key=lambda i: len(units[i][0]),
-                default=None,
-            )
-            groups.setdefault(-1 if owner is None else owner, []).append(name)
-        loose = [(None, groups.pop(-1))] if -1 in groups else []
-        return loose + [(units[i][1], groups[i]) for i in sorted(groups)]
+        """(FSDP unit, its parameters' names), in module order (:func:`trainer.policy.gather.params_by_unit`)."""
+        return gather.params_by_unit(self.model)
 
     def _fsdp_units(self) -> list:
-        from torch.distributed.fsdp import FSDPModule
-
-        return [m for m in self.model.modules() if isinstance(m, FSDPModule)]
+        return gather.fsdp_units(self.model)
 
     def _reshard(self) -> None:
         """Free gathered weights (a no-op on units already sharded): before state dicts and loads."""
-        for unit in self._fsdp_units():
-            unit.reshard()
+        gather.reshard(self.model)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full parameters on CPU (collective). For tests and small models; checkpoints use DCP."""
@@ -428,105 +337,12 @@ class PolicyWorker:
     # ----- logprobs --------------------------------------------------------------------------------
     def _set_row(self, row) -> None:
         """The packed row the policy's attention runs on until the next forward (None: a padded batch)."""
-        if self.packed_attention:
-            from trainer.policy.packed_attention import set_row
-
-            set_row(row)
-
-    def _window_logits(self, model, batch: PaddedBatch | PrefixBatch | PackedBatch) -> torch.Tensor:
-        """(B, K, V) logits at the positions that predict ``batch.labels``; (1, M, V) for a packed
-        batch, at its ``predict`` positions."""
-        dev = self.device
-        self._set_row(None)
-        if isinstance(batch, PackedBatch):
-            # No attention mask and no cache. sdpa: the policy's attention runs each sample of the row on
-            # its own (packed_attention, told the row below). Flash attention gets the boundaries
-            # themselves, so it runs its varlen kernel without inferring them in every layer. Others
-            # (eager): transformers reads the boundaries from the position ids (a block-diagonal mask).
-            varlen = {}
-            if "flash" in (getattr(model.config, "_attn_implementation", None) or ""):
-                cu = batch.cu_seqlens.to(dev)
-                varlen = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=batch.max_seqlen,
-                              max_length_k=batch.max_seqlen)
-            input_ids, position_ids, predict = batch.input_ids, batch.position_ids, batch.predict
-            if self.sp is not None:  # this rank's slice of the row; attention sees the whole row
-                row, input_ids, position_ids, predict = self.sp.split(batch)
-                self._set_row(row)
-                varlen = {}
-            elif self.packed_attention:
-                self._set_row(Row(batch.cu_seqlens, batch.max_seqlen))
-            out = model(
-                input_ids=input_ids.to(dev),
-                position_ids=position_ids.to(dev),
-                logits_to_keep=predict.to(dev),  # project only the positions that predict responses
-                use_cache=False,
-                **varlen,
-            )
-            return out.logits
-        if isinstance(batch, PaddedBatch):
-            width = batch.input_ids.shape[1]
-            out = model(
-                input_ids=batch.input_ids.to(dev),
-                attention_mask=batch.attention_mask.to(dev),
-                logits_to_keep=width - batch.start,  # project only the positions that predict responses
-                use_cache=False,
-            )
-            return out.logits[:, :-1]  # the last position predicts past the end
-        from transformers import DynamicCache
-
-        # Each distinct prompt once; its keys and values (still in the autograd graph) are then
-        # gathered to every sample of it, so its gradient sums over the group as a padded batch would.
-        prompt_mask = batch.prompt_mask.to(dev)
-        cache = DynamicCache(config=getattr(model, "config", None))
-        prompt = model(
-            input_ids=batch.prompt_ids.to(dev),
-            attention_mask=prompt_mask,
-            position_ids=(prompt_mask.cumsum(1) - 1).clamp(min=0),
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        rows = batch.rows.to(dev)
-        cache = prompt.past_key_values
-        cache.batch_select_indices(rows)
-        lengths = prompt_mask.sum(1)[rows]  # (B,)
-        width = batch.response_ids.shape[1]
-        response = model(
-            input_ids=batch.response_ids.to(dev),
-            attention_mask=torch.cat([prompt_mask[rows], batch.response_mask.to(dev)], dim=1),
-            position_ids=lengths[:, None] + torch.arange(width, device=dev),
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=width,
-        )
-        first = prompt.logits[:, -1:][rows]  # (B, 1, V): the prompt's last position predicts token 0
-        return torch.cat([first, response.logits[:, :-1]], dim=1)
+        forward.set_row(self.packed_attention, row)
 
     def _forward_logprobs(self, model, batch: PaddedBatch | PrefixBatch | PackedBatch, with_entropy: bool = False):
-        """(B, K) logprobs of the window's labels, and optionally (B, K) entropy, from one forward
-        and one chunked float32 pass over the logits (kept in the model's dtype)."""
-        logits = self._window_logits(model, batch)  # (B, K, V), or (1, M, V) packed (M of this slice with SP)
-        packed = isinstance(batch, PackedBatch)
-        labels = batch.flat_labels[None] if packed else batch.labels
-        if packed and self.sp is not None:
-            labels = labels[:, self.sp.first : self.sp.first + logits.shape[1]]
-        temperature = self.cfg.generation.temperature
-        logprobs, entropy = core_algos.logprobs_and_entropy(
-            logits,
-            labels.to(self.device),
-            chunk_size=core_algos.logit_chunk_rows(logits.shape[-1], logits.device),
-            temperature=temperature if temperature > 0 else 1.0,  # score the distribution we sampled from
-            with_entropy=with_entropy,
-        )
-        if packed and self.sp is not None:  # every slice's tokens, so each rank of the group has them all
-            from trainer.policy.ulysses import gather_slices
-
-            logprobs = gather_slices(logprobs[0], self.sp.counts, self.sp)[None]
-            entropy = gather_slices(entropy[0], self.sp.counts, self.sp)[None] if entropy is not None else None
-        if packed:  # (1, M) -> the (B, C) window the loss reads, as for the padded layouts
-            logprobs = batch.to_window(logprobs[0])
-            entropy = batch.to_window(entropy[0]) if entropy is not None else None
-        return logprobs, entropy
+        """(B, K) logprobs of the window's labels, and optionally (B, K) entropy (:mod:`trainer.policy.forward`)."""
+        return forward.forward_logprobs(model, batch, self.device, self.sp, self.packed_attention,
+                                        self.cfg.generation.temperature, with_entropy)
 
     def _prefix_layouts(self, mbs: list[list[Sample]]) -> list[bool]:
         """Per micro-batch, whether it runs the shared-prompt layout. The shared-prompt layout runs each
@@ -535,9 +351,9 @@ class PolicyWorker:
         where it runs fewer positions (:func:`prefers_prefix`) on every rank: the layouts differ in how
         many forwards they make (two against one), and each forward's FSDP gathers are collectives, so
         the ranks agree (one all-reduce per pass). Where packed rows run a fused varlen kernel (a GPU in
-        bf16/fp16) they are always taken: on an H100 the shared-prompt layout took 1.8-3.9x as long as packed
-        rows on every batch measured, among them a prompt-heavy one where it ran under half the positions
-        (bench/README.md): its second forward and masked attention cost more than the positions it saves."""
+        bf16/fp16) they are always taken: on a GPU the shared-prompt layout took longer than packed rows on
+        every batch measured, a prompt-heavy one among them (bench/README.md, ``make bench-train`` on a GPU):
+        its second forward and masked attention cost more than the positions it saves."""
         p = self.cfg.policy
         if not (p.shared_prefix and not p.activation_checkpointing and self.sp is None) or self._fused_rows:
             return [False] * len(mbs)
@@ -685,67 +501,24 @@ class PolicyWorker:
         return {"peak_memory_bytes": perf.peak_memory_bytes(self.device), "peak_flops": peak, "peak_source": source}
 
     # ----- checkpoints (torch DCP: every rank writes its own shards in parallel) --------------------
-    def _state_options(self):
-        """With LoRA the checkpoint holds the adapters alone: the frozen base is the model's own files."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-        lora = self.lora is not None
-        return StateDictOptions(ignore_frozen_params=lora, strict=not lora)
-
-    def _dcp_state(self):
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-
-        self._reshard()  # the state dict is of the sharded parameters
-        model = get_model_state_dict(self.model, options=self._state_options())
-        if self.lora is not None:  # a tied lm_head comes along under its second name despite being frozen
-            from trainer.models.lora import is_adapter
-
-            model = {k: v for k, v in model.items() if is_adapter(k)}
-        optim = {"optimizer": get_optimizer_state_dict(self.model, self.optimizer), "scheduler": self.scheduler.state_dict()}
-        return model, optim
-
     def save_checkpoint(self, path: str) -> None:
-        import torch.distributed.checkpoint as dcp
-
-        model, optim = self._dcp_state()
-        dcp.save(model, checkpoint_id=os.path.join(path, "policy", "weights"))
-        dcp.save(optim, checkpoint_id=os.path.join(path, "policy", "optimizer"))
+        dcp.save(path, self.model, self.optimizer, self.scheduler, lora=self.lora is not None)
         if self.rank == 0:
             self._save_hf_files(os.path.join(path, "policy"))
         dist.barrier()
 
     def _save_hf_files(self, policy_dir: str) -> None:
         """Tokenizer and base config beside the weights, so conversion needs nothing else."""
-        import shutil
-
-        self.tokenizer.save_pretrained(os.path.join(policy_dir, "tokenizer"))
-        hf_dir = os.path.join(policy_dir, "hf_config")
-        os.makedirs(hf_dir, exist_ok=True)
-        for name in ("config.json", "generation_config.json"):
-            src = os.path.join(self.model_path, name)
-            if os.path.isfile(src):
-                shutil.copy(src, hf_dir)
-            elif name == "config.json":
-                self.model.config.save_pretrained(hf_dir)
+        lora_info = None
         if self.lora is not None:  # the weights are adapters: what they adapt, for conversion and evaluation
             from trainer.config import to_dict
-            from trainer.models.lora import LORA_FILE
 
-            with open(os.path.join(policy_dir, LORA_FILE), "w") as f:
-                json.dump({"lora": to_dict(self.lora), "model_name": self.cfg.model.name,
-                           "model_path": self.model_path}, f, indent=2)
+            lora_info = {"lora": to_dict(self.lora), "model_name": self.cfg.model.name, "model_path": self.model_path}
+        dcp.save_hf_files(policy_dir, self.tokenizer, self.model_path, self.model.config, lora_info)
 
     def load_checkpoint(self, path: str) -> None:
         """Load weights and optimizer state; DCP reshards, so the rank count may differ from the save."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
-
-        model, optim = self._dcp_state()
-        dcp.load(model, checkpoint_id=os.path.join(path, "policy", "weights"))
-        set_model_state_dict(self.model, model, options=self._state_options())
-        dcp.load(optim, checkpoint_id=os.path.join(path, "policy", "optimizer"))
-        set_optimizer_state_dict(self.model, self.optimizer, optim["optimizer"])
-        self.scheduler.load_state_dict(optim["scheduler"])
+        dcp.load(path, self.model, self.optimizer, self.scheduler, lora=self.lora is not None)
 
     def shutdown(self) -> None:
         if getattr(self, "engine", None) is not None:

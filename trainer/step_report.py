@@ -1,0 +1,133 @@
+"""What one GRPO step reports: its scalars (``train/``, ``timing/``, ``perf/``) and its jsonl rows, one per
+rollout, built from what the step already holds; and the console's sample line. The loop
+(:mod:`trainer.loop.grpo`) times and runs the step; this module only reads what it produced.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from trainer import perf
+from trainer.config import Config
+
+# What each importance-sampling mode flags, as a share of the response tokens trained on.
+IS_METRICS = {
+    "tis": "train/tis_truncated_frac",        # ratio above tis_cap, truncated
+    "mis": "train/mis_masked_frac",           # ratio outside [mis_low, mis_high], dropped
+    "seq_mis": "train/seq_mis_masked_frac",   # tokens of sequences dropped on their geometric-mean ratio
+}
+
+
+def step_metrics(
+    cfg: Config,
+    rollouts: list,
+    reward: torch.Tensor,
+    advantages: torch.Tensor,
+    overlong: torch.Tensor | None,
+    train_metrics: dict[str, float],
+    timing: dict[str, float],
+    perf_scalars: dict[str, float],
+    stream_metrics: dict[str, float],
+) -> dict[str, float]:
+    """The step's scalars. ``rollouts``: the scored rollouts (:class:`trainer.loop.rollout.Rollout`);
+    ``reward`` (B,): their rewards' totals; ``advantages`` (B,); ``overlong`` (B,): DAPO's penalty, or None;
+    ``train_metrics``: the policy's; ``timing``: the ``timing/`` scalars and the generation's seconds under
+    ``generation_s``; ``perf_scalars``: :func:`perf_metrics`'; ``stream_metrics``: the rollout stream's."""
+    loss_cfg = cfg.grpo.loss
+    lengths = torch.tensor([r.model_tokens for r in rollouts], dtype=torch.float32)  # the model's own tokens
+    generation_s = timing["generation_s"]
+    metrics = {
+        "train/reward_mean": reward.mean().item(),
+        "train/reward_min": reward.min().item(),
+        "train/reward_max": reward.max().item(),
+        "train/reward_std": reward.std().item() if len(reward) > 1 else 0.0,
+        "train/accuracy": sum(r.reward.correct for r in rollouts) / len(rollouts),
+        # no policy gradient (groups that all scored the same); not trained on with policy.skip_zero_advantage
+        "train/zero_advantage_frac": (advantages == 0).float().mean().item(),
+        "train/mean_generation_length": lengths.mean().item(),
+        "train/truncated_frac": sum(r.completion.finish_reason == "length" for r in rollouts) / len(rollouts),
+        "train/kl": train_metrics.get("kl", 0.0),
+        "train/ppo_kl": train_metrics["ppo_kl"],
+        "train/pg_clipfrac": train_metrics["pg_clipfrac"],
+        "train/entropy": train_metrics.get("entropy", 0.0),
+        "train/grad_norm": train_metrics["grad_norm"],
+        # The engine against the policy's own recomputation, on the sampled tokens (see core_algos).
+        "train/gen_logprob_abs_diff": train_metrics["gen_logprob_abs_diff"],
+        "train/gen_train_kl": train_metrics["gen_train_kl"],
+        "train/is_flagged_frac": train_metrics["is_flagged"],  # whatever the mode; and under its own name:
+        IS_METRICS.get(loss_cfg.importance_sampling, "train/is_flagged_frac"): train_metrics["is_flagged"],
+        "train/loss": train_metrics["loss"],
+        "train/lr": train_metrics["lr"],
+        **{f"timing/{k}": v for k, v in timing.items()},
+        "perf/generated_tokens_per_s": lengths.sum().item() / max(generation_s, 1e-9),
+        **perf_scalars,
+        **stream_metrics,
+    }
+    if cfg.grpo.max_rollout_turns > 1:
+        metrics["train/mean_turns"] = sum(r.turns for r in rollouts) / len(rollouts)
+    for name in rollouts[0].reward.scores:
+        metrics[f"train/reward/{name}"] = sum(r.reward.scores.get(name, 0.0) for r in rollouts) / len(rollouts)
+    if overlong is not None:
+        metrics["train/overlong_penalty_mean"] = overlong.mean().item()
+    return metrics
+
+
+def rollout_rows(
+    step: int, rollouts: list, advantages: list[float], versions: list[int], overlong: torch.Tensor | None, tokenizer: Any
+) -> list[dict]:
+    """One jsonl row per rollout: prompt, response, what the reward judged and paid, its advantage and the
+    weights that generated it (``versions``); ``tokenizer`` decodes a multi-turn transcript."""
+    rows = [
+        {
+            "step": step,
+            "id": r.example.get("id"),
+            "prompt": r.example["messages"][-1]["content"],
+            "response": r.completion.text,  # the final attempt, which the reward judged
+            "transcript": tokenizer.decode(r.tokens) if r.turns > 1 else None,
+            "ground_truth": r.example["ground_truth"],
+            "rewards": r.reward.scores,
+            "reward": r.reward.total,
+            "extracted_answer": r.reward.answer,  # what the (first) reward judged: None when it found none
+            "answer_note": r.reward.answer_note,  # where it came from, or why there is none or it is wrong
+            "correct": r.reward.correct,
+            "advantage": advantage,
+            "generation_length": r.model_tokens,
+            "finish_reason": r.completion.finish_reason,
+            "turns": r.turns,
+            "policy_version": version,  # the weights that generated it: step - 1 - version steps stale
+        }
+        for r, advantage, version in zip(rollouts, advantages, versions)
+    ]
+    if overlong is not None:  # the jsonl keeps reward as the reward functions' total; the penalty is its own field
+        for row, penalty in zip(rows, overlong.tolist()):
+            row["overlong_penalty"] = penalty
+    return rows
+
+
+def perf_metrics(
+    cfg: Config, trained_lengths: list[int], train_s: float, ranks: list[dict], flops: perf.ModelFlops | None
+) -> dict[str, float]:
+    """Trained tokens/s, MFU of the policy's training pass and each rank's peak memory; ``trained_lengths``:
+    prompt + response tokens of each sample trained on, ``ranks``: :meth:`PolicyGroup.perf_stats`."""
+    tokens = sum(trained_lengths)
+    out = {"perf/trained_tokens_per_s": tokens / max(train_s, 1e-9)}
+    if flops is not None:
+        done = flops.training(trained_lengths, frozen_base=cfg.policy.lora.enabled)
+        out["perf/mfu"] = perf.mfu(done, train_s, sum(r["peak_flops"] for r in ranks))
+        out["perf/train_tflops_per_s_per_rank"] = done / max(train_s, 1e-9) / len(ranks) / 1e12
+    memory = [r["peak_memory_bytes"] / 2**30 for r in ranks]
+    out.update({f"perf/peak_memory_gib/rank_{r}": gib for r, gib in enumerate(memory)})
+    out["perf/peak_memory_gib_max"] = max(memory)
+    return out
+
+
+def sample_line(row: dict) -> str:
+    """A rollout for the console: the response, its reward and the answer the reward paid for (or
+    why there was none), e.g. ``'13 + 7 = \\boxed{20}' -> reward 1.00, answer '20' (\\boxed{})``."""
+    line = f"{row['response'][:160]!r} -> reward {row['reward']:.2f}"
+    note = f" ({row['answer_note']})" if row.get("answer_note") else ""
+    if row.get("extracted_answer") is not None:
+        return f"{line}, answer {row['extracted_answer'][:60]!r}{note}"
+    return f"{line}, no answer{': ' + row['answer_note'] if row.get('answer_note') else ''}"

@@ -7,6 +7,7 @@ sandbox process outlives the call). Limits are small so that the whole file stay
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -149,50 +150,49 @@ def test_should_not_write_outside_its_directory_when_code_tries(backend, tmp_pat
                 os.unlink(t)
 
 
-def test_should_have_no_network_when_code_opens_a_socket(backend, no_leftovers):
-    # No skip for the fallback: where it cannot take the network away it does not exist
-    # (test_backends.py), so a backend that resolves here must pass this.
+@contextlib.contextmanager
+def _listening_host_socket():
+    """A socket the host listens on at 127.0.0.1 (its port), closed after; ``accept`` times out in 0.5 s."""
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
     server.listen(1)
     server.settimeout(0.5)
-    port = server.getsockname()[1]
-    code = (
-        "import socket\n"
-        "try:\n"
-        f"    socket.create_connection(('127.0.0.1', {port}), timeout=0.3).sendall(b'pwned')\n"
-        "    print(42)\n"
-        "except OSError:\n"
-        "    print(0)"
-    )
     try:
+        yield server, server.getsockname()[1]
+    finally:
+        server.close()
+
+
+def test_should_have_no_network_when_code_opens_a_socket(backend, no_leftovers):
+    # No skip for the fallback: where it cannot take the network away it does not exist
+    # (test_backends.py), so a backend that resolves here must pass this.
+    with _listening_host_socket() as (server, port):
+        code = (
+            "import socket\n"
+            "try:\n"
+            f"    socket.create_connection(('127.0.0.1', {port}), timeout=0.3).sendall(b'pwned')\n"
+            "    print(42)\n"
+            "except OSError:\n"
+            "    print(0)"
+        )
         assert score("code_unit_tests", py(code), backend) == (0.0, False)
         with pytest.raises(TimeoutError):
             server.accept()
-    finally:
-        server.close()
 
 
 def test_should_not_reach_a_listening_host_socket_when_code_connects_to_127_0_0_1(backend, no_leftovers):
     """The program's own report, from the run itself: connect() to a socket the host listens on."""
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen(1)
-    server.settimeout(0.5)
-    port = server.getsockname()[1]
-    code = (
-        "import socket\n"
-        "s = socket.socket()\n"
-        "s.settimeout(1)\n"
-        f"print('connected' if s.connect_ex(('127.0.0.1', {port})) == 0 else 'refused')\n"
-    )
-    try:
+    with _listening_host_socket() as (server, port):
+        code = (
+            "import socket\n"
+            "s = socket.socket()\n"
+            "s.settimeout(1)\n"
+            f"print('connected' if s.connect_ex(('127.0.0.1', {port})) == 0 else 'refused')\n"
+        )
         result = run_tests("python", code, [""], backend=backend)
         assert result.error is None and result.runs[0].stdout.decode().strip() == "refused", result
         with pytest.raises(TimeoutError):
             server.accept()
-    finally:
-        server.close()
 
 
 def test_should_leave_the_trainer_alive_when_code_kills_its_parent(backend, canary, no_leftovers):

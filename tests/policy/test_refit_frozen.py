@@ -93,7 +93,7 @@ def _base(tiny_model_path) -> dict[str, torch.Tensor]:
     return {n: p.detach() for n, p in load_model(tiny_model_path, "float32").named_parameters()}
 
 
-@pytest.mark.parametrize("worker", [("config", True), ("model", True)], indirect=True)
+@pytest.mark.parametrize("worker", [("config", True), ("model", True)], ids=["policy.freeze", "requires_grad"], indirect=True)
 def test_should_load_only_trainable_weights_and_leave_the_frozen_ones_as_built_when_a_colocated_engine_refits(
     worker, tiny_model_path, monkeypatch
 ):
@@ -174,7 +174,7 @@ RECEIVER = """
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("worker", [("model", False)], indirect=True)
+@pytest.mark.parametrize("worker", [("model", False)], ids=["requires_grad"], indirect=True)
 def test_should_send_only_trainable_weights_and_sample_as_the_policy_scores_when_a_vllm_engine_receives_over_gloo(
     worker, tiny_model_path, tmp_path
 ):

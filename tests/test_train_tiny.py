@@ -27,7 +27,7 @@ SCALARS = [
     "train/grad_norm", "train/loss", "timing/generation_s", "timing/logprobs_s", "timing/train_s",
     "timing/weight_sync_s", "timing/reward_s", "timing/step_s", "perf/generated_tokens_per_s",
     "perf/trained_tokens_per_s", "perf/mfu", "perf/peak_memory_gib_max", "perf/peak_memory_gib/rank_1",
-    "train/gen_logprob_abs_diff", "train/gen_train_kl", "train/is_flagged_frac",
+    "train/gen_logprob_abs_diff", "train/gen_train_kl", "train/is_flagged_frac", "timing/refit_s", "perf/refit_bytes",
 ]
 
 

@@ -211,6 +211,10 @@ class PolicyConfig:
     # whose samples all scored the same). The loss is still the mean over the whole batch, so the
     # update is the same. Applies only without a KL penalty, which gives every sample a gradient.
     skip_zero_advantage: bool = True
+    # Parameters that stay frozen, as fnmatch patterns over the policy's parameter names (e.g.
+    # model.vision_tower.*): no optimizer state, and no refit sends them (the engine keeps the values it
+    # was built with). Each pattern must match a parameter.
+    freeze: list[str] = field(default_factory=list)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
 
 
@@ -823,6 +827,8 @@ def _validate(c: Config) -> None:
         f"policy.max_total_sequence_length={p.max_total_sequence_length} must exceed "
         f"generation.max_new_tokens={gen.max_new_tokens} to leave room for the prompt",
     )
+    _require(all(isinstance(f, str) and f for f in p.freeze),
+             f"policy.freeze={p.freeze} must list parameter-name patterns, e.g. [model.vision_tower.*]")
     _validate_lora(p.lora, gen)
     # --- generation
     _one_of("generation.backend", gen.backend, ("hf", "vllm"))

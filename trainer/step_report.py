@@ -107,12 +107,16 @@ def rollout_rows(
 
 
 def perf_metrics(
-    cfg: Config, trained_lengths: list[int], train_s: float, ranks: list[dict], flops: perf.ModelFlops | None
+    cfg: Config, trained_lengths: list[int], train_s: float, ranks: list[dict], flops: perf.ModelFlops | None,
+    refit_bytes: int | None = None,
 ) -> dict[str, float]:
-    """Trained tokens/s, MFU of the policy's training pass and each rank's peak memory; ``trained_lengths``:
-    prompt + response tokens of each sample trained on, ``ranks``: :meth:`PolicyGroup.perf_stats`."""
+    """Trained tokens/s, MFU of the policy's training pass, each rank's peak memory and what a refit moves;
+    ``trained_lengths``: prompt + response tokens of each sample trained on, ``ranks``:
+    :meth:`PolicyGroup.perf_stats`, ``refit_bytes``: :attr:`PolicyGroup.refit_bytes`."""
     tokens = sum(trained_lengths)
     out = {"perf/trained_tokens_per_s": tokens / max(train_s, 1e-9)}
+    if refit_bytes is not None:  # into each engine: the trainable weights (frozen ones never travel)
+        out["perf/refit_bytes"] = float(refit_bytes)
     if flops is not None:
         done = flops.training(trained_lengths, frozen_base=cfg.policy.lora.enabled)
         out["perf/mfu"] = perf.mfu(done, train_s, sum(r["peak_flops"] for r in ranks))

@@ -97,7 +97,7 @@ def grpo_step(
 
     train_metrics = policy.train(samples)
     t4 = time.monotonic()
-    push_wait_s = stream.push_weights(step)  # async: once the round in flight ends
+    push_wait_s, refit_s = stream.push_weights(step)  # async: once the round in flight ends
     t5 = time.monotonic()
 
     timing = {
@@ -107,9 +107,10 @@ def grpo_step(
         "train_s": t4 - t3,
         "weight_sync_s": t5 - t4,
         "weight_push_wait_s": push_wait_s,  # of weight_sync_s: waiting for a generation round to end
+        "refit_s": refit_s,  # of weight_sync_s: gathering the weights and loading them into the engines
         "step_s": t5 - t0,
     }
-    perf_scalars = perf_metrics(cfg, policy.trained_lengths, t4 - t3, policy.perf_stats(), flops)
+    perf_scalars = perf_metrics(cfg, policy.trained_lengths, t4 - t3, policy.perf_stats(), flops, policy.refit_bytes)
     metrics = step_metrics(cfg, rollouts, reward, advantages, overlong, train_metrics, timing, perf_scalars,
                            batch.metrics())
     rows = rollout_rows(step, rollouts, [s.advantage for s in samples], batch.versions, overlong, state.turns.tokenizer)

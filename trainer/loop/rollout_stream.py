@@ -159,10 +159,12 @@ class SyncRollouts:
         """The engines to push weights into or validate with; yields how long that waited (0 here)."""
         yield 0.0
 
-    def push_weights(self, step: int) -> float:
+    def push_weights(self, step: int) -> tuple[float, float]:
+        """Refit the engines; (seconds waited for them (none here), seconds the refit took)."""
+        t0 = time.monotonic()
         self.state.generator.update_weights()
         self.version = step
-        return 0.0
+        return 0.0, time.monotonic() - t0
 
     def close(self) -> None:
         pass
@@ -287,12 +289,15 @@ class AsyncRollouts:
                 gate.trainer_has = False
                 gate.cond.notify_all()
 
-    def push_weights(self, step: int) -> float:
+    def push_weights(self, step: int) -> tuple[float, float]:
+        """Refit the engines once the round in flight ends; (seconds waited for them, seconds the refit took)."""
         with self.engines() as waited:
+            t0 = time.monotonic()
             self.state.generator.update_weights()
+            refit_s = time.monotonic() - t0
             with self.gate.cond:
                 self.gate.version = step
-        return waited
+        return waited, refit_s
 
     def close(self) -> None:
         with self.gate.cond:

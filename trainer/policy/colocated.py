@@ -42,8 +42,9 @@ def build(cfg: Config, model_path: str, rank: int, device: torch.device, host, l
 
 
 def refresh(engine, weights: Callable[[], Iterator[tuple[str, torch.Tensor]]], adapters: bool) -> None:
-    """Load the updated weights (``weights()`` gathers them; the adapters alone with ``adapters``) into
-    ``engine`` in the order that keeps the device's peak low: what training cached goes back to the device
+    """Load the updated weights (``weights()`` gathers them: the trainable ones, or the adapters alone with
+    ``adapters``; a frozen weight keeps what the engine was built with, so its sleep must keep the weights)
+    into ``engine`` in the order that keeps the device's peak low: what training cached goes back to the device
     first, the engine's weights wake, the new ones load as they are gathered (the iterator is made
     here, on the stream the refit runs on), and only then does the KV cache wake."""
     torch.cuda.empty_cache()  # a no-op without CUDA: the same call on every device

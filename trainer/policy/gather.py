@@ -1,7 +1,12 @@
-"""Full weights out of FSDP2's shards, for a refit: the policy's every parameter one FSDP unit at a time,
-or its LoRA adapters alone, each handed to the reader behind the stream rule of
+"""Full weights out of FSDP2's shards, for a refit: the policy's trainable parameters one FSDP unit at a
+time, or its LoRA adapters alone, each handed to the reader behind the stream rule of
 :mod:`trainer.policy.streams`. :meth:`trainer.policy.worker.PolicyWorker.iter_full_weights` says what a
 caller may rely on; this module is how it is done.
+
+A refit carries what the optimizer can change: a frozen parameter (``policy.freeze``, a LoRA base) holds
+the value the engine was built with, from the same checkpoint, for the whole run, so sending it would
+move the same bytes every step (Gemma 3's vision tower: 0.42B parameters). A unit with nothing trainable
+is not even gathered.
 """
 
 from __future__ import annotations
@@ -25,15 +30,18 @@ def reshard(model: torch.nn.Module) -> None:
         unit.reshard()
 
 
-def params_by_unit(model: torch.nn.Module) -> list[tuple[Any, list[str]]]:
+def params_by_unit(model: torch.nn.Module, trainable: bool = False) -> list[tuple[Any, list[str]]]:
     """(FSDP unit, the names of the parameters it manages), units in module order; ``None`` first for
     parameters no unit manages. A parameter belongs to its innermost unit: a unit gathers only its
-    own parameters, not its child units'."""
+    own parameters, not its child units'. ``trainable``: only parameters that require a gradient, and
+    only the units that hold one."""
     from torch.distributed.fsdp import FSDPModule
 
     units = [(prefix, m) for prefix, m in model.named_modules() if isinstance(m, FSDPModule)]
     groups: dict[int, list[str]] = {}
-    for name, _ in model.named_parameters():
+    for name, p in model.named_parameters():
+        if trainable and not p.requires_grad:
+            continue
         owner = max(
             (i for i, (prefix, _) in enumerate(units) if not prefix or name.startswith(prefix + ".")),
             key=lambda i: len(units[i][0]),
@@ -46,11 +54,16 @@ def params_by_unit(model: torch.nn.Module) -> list[tuple[Any, list[str]]]:
 
 @torch.no_grad()
 def gather_units(
-    model: torch.nn.Module, fence: streams.NoStreams | streams.CudaStreams, dtype: torch.dtype | None, resharding: bool
+    model: torch.nn.Module,
+    fence: streams.NoStreams | streams.CudaStreams,
+    dtype: torch.dtype | None,
+    resharding: bool,
+    trainable: bool = True,
 ):
     """Yield (name, full tensor) unit by unit, the next unit's gather in flight while the caller reads the
-    current one; ``resharding``: free each unit once its tensors are yielded (``policy.reshard_after_forward``)."""
-    groups = params_by_unit(model)
+    current one; ``resharding``: free each unit once its tensors are yielded (``policy.reshard_after_forward``);
+    ``trainable``: the trainable parameters alone (:func:`params_by_unit`), else every one."""
+    groups = params_by_unit(model, trainable)
     pending = None
     try:
         with fence.producing():

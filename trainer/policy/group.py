@@ -14,7 +14,7 @@ import ray
 from trainer import watchdog
 from trainer.algorithms import core_algos
 from trainer.cluster import bundles_for, in_bundle, reserve
-from trainer.config import Config
+from trainer.config import Config, ConfigError
 from trainer.policy.batch import Sample, shard_for_ranks, with_policy_gradient
 from trainer.policy.worker import PolicyWorker
 
@@ -30,6 +30,8 @@ class PolicyGroup:
         self.dp = self.world_size // self.sp
         if self.sp > 1:
             _check_sequence_parallel(cfg, model_path)
+        if cfg.policy.freeze:
+            check_freeze(cfg, model_path)
         gpus = cfg.cluster.use_gpus
         self.pg = reserve(
             bundles_for(cfg.train_nodes, cfg.cluster.gpus_per_node, self.world_size, gpus), "kuberl-policy"
@@ -49,6 +51,7 @@ class PolicyGroup:
         host, port = self.workers[0].address.options(num_returns=2).remote()
         self._setup: list[ray.ObjectRef] | None = [w.setup.remote(host, port) for w in self.workers]
         self.num_params = 0
+        self.refit_bytes = 0  # what each refit moves into each engine (the trainable weights)
         self.trained_lengths: list[int] = []  # of the last train(): tokens of each sample trained on (trainer.perf)
         if wait:
             self.wait_ready()
@@ -59,6 +62,7 @@ class PolicyGroup:
             infos = ray.get(self._setup)
             self._setup = None
             self.num_params = infos[0]["num_params"]
+            self.refit_bytes = infos[0]["refit_bytes"]
 
     def run(self, method: str, *args, **kwargs) -> list[Any]:
         """Call ``method`` on every rank (a collective) and wait."""
@@ -127,6 +131,22 @@ class PolicyGroup:
             watchdog.forget(w)
             ray.kill(w)
         ray.util.remove_placement_group(self.pg)
+
+
+def check_freeze(cfg: Config, model_path: str) -> None:
+    """Each ``policy.freeze`` pattern must match a parameter of the model (on the meta device: nothing is
+    read but its config), said here in one line rather than as an error from every rank."""
+    from fnmatch import fnmatchcase
+
+    from trainer.models import build_empty_model
+
+    names = [name for name, _ in build_empty_model(model_path, cfg.model.dtype, cfg.model.trust_remote_code).named_parameters()]
+    for pattern in cfg.policy.freeze:
+        if not any(fnmatchcase(name, pattern) for name in names):
+            raise ConfigError(
+                f"policy.freeze: {pattern!r} matches no parameter of {cfg.model.name} (its names look like "
+                f"{names[0]!r}, {names[-1]!r}); fix the pattern or remove it"
+            )
 
 
 def _check_sequence_parallel(cfg: Config, model_path: str) -> None:

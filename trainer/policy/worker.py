@@ -6,6 +6,8 @@ optimizer state, and optionally a frozen, sharded reference model for the KL pen
 when the penalty is 0). With ``policy.lora`` the policy carries adapters (:mod:`trainer.models.lora`):
 the base weights stay frozen and sharded, the optimizer holds the adapters alone, the reference is the
 policy with its adapters off (no second model), and refits and checkpoints carry only the adapters.
+Parameters named by ``policy.freeze`` (e.g. a vision tower a text-only run never reaches) stay frozen:
+no optimizer state, and no refit carries them (:mod:`trainer.policy.gather`).
 Every method that touches the sharded model is a collective: the driver calls it on all ranks at once
 with equally sized shards of the batch, and each rank runs the same number of micro-batches (with a
 token budget the ranks agree on the largest count first). Micro-batches are packed rows by default
@@ -81,6 +83,20 @@ def shard_model(model: torch.nn.Module, reshard_after_forward: bool, mp_dtype: t
     fully_shard(model, reshard_after_forward=reshard_after_forward, mp_policy=mp)
 
 
+def freeze(model: torch.nn.Module, patterns: list[str]) -> int:
+    """Freeze every parameter whose name matches one of ``patterns`` (``fnmatch``, e.g.
+    ``model.vision_tower.*``); the number frozen. The driver has checked that each pattern matches
+    (:func:`trainer.policy.group.check_freeze`)."""
+    from fnmatch import fnmatchcase
+
+    frozen = 0
+    for name, p in model.named_parameters():
+        if any(fnmatchcase(name, pattern) for pattern in patterns):
+            p.requires_grad_(False)
+            frozen += 1
+    return frozen
+
+
 def adamw(params, **kwargs) -> torch.optim.AdamW:
     """AdamW with the fused kernel: one kernel over all (sharded) parameters instead of a loop of
     per-tensor ops (bench/README.md, "fused AdamW"); same state, same checkpoints.
@@ -149,6 +165,7 @@ class PolicyWorker:
                     lora.apply(model, self.lora)
             else:
                 lora.apply(model, self.lora)
+        frozen = freeze(model, cfg.policy.freeze)
         if self.colocated_engine:  # an hf engine copies host, loaded with its adapters, before the attention is set
             self.engine = colocated.build(cfg, self.model_path, self.rank, self.device, host, self.lora)
             self._engine_awake = True  # a new engine holds its memory
@@ -175,7 +192,7 @@ class PolicyWorker:
         self._fused_rows = cfg.policy.sequence_packing and packed_attention.fused_rows(self.device, compute, rows)
         if cfg.policy.activation_checkpointing:
             model.gradient_checkpointing_enable()
-            if self.lora is not None:  # frozen embeddings: a checkpointed block's input must still need grad
+            if self.lora is not None or frozen:  # frozen embeddings: a checkpointed block's input must still need grad
                 model.enable_input_require_grads()
         model.config.use_cache = False
         shard_model(model, cfg.policy.reshard_after_forward, DTYPES.get(cfg.policy.param_dtype))
@@ -206,7 +223,13 @@ class PolicyWorker:
         )
         n_params = sum(t.numel() for t in self.model.parameters())
         n_trainable = sum(t.numel() for t in self._trainable())
-        return {"num_params": n_params, "trainable_params": n_trainable, "pad_id": self.tokenizer.pad_token_id}
+        return {
+            "num_params": n_params,
+            "trainable_params": n_trainable,
+            "pad_id": self.tokenizer.pad_token_id,
+            # What each refit moves into each engine: the trainable parameters, at the engine's dtype.
+            "refit_bytes": n_trainable * self.engine_dtype.itemsize,
+        }
 
     def _trainable(self) -> list[torch.nn.Parameter]:
         """What the optimizer steps: every parameter, or with LoRA the adapters alone."""
@@ -227,7 +250,7 @@ class PolicyWorker:
             self._engine_awake = False
 
     def refresh_engine(self) -> None:
-        """Gather the updated full weights into the colocated engine (collective), in the order that keeps
+        """Gather the updated trainable weights into the colocated engine (collective), in the order that keeps
         the device's peak low: what training cached goes back to the device first, the engine's weights
         wake, the new ones load one FSDP unit at a time, and only then does the KV cache wake."""
         gather_weights = self.iter_adapter_weights if self.lora is not None else self.iter_full_weights
@@ -238,8 +261,10 @@ class PolicyWorker:
     def engine_dtype(self) -> torch.dtype:
         return DTYPES[self.cfg.engine_dtype]
 
-    def iter_full_weights(self, dtype: torch.dtype | None = None):
-        """Yield (name, full tensor) for every parameter; every rank must iterate (collective).
+    def iter_full_weights(self, dtype: torch.dtype | None = None, frozen: bool = False):
+        """Yield (name, full tensor) for every trainable parameter (``frozen``: every parameter); every rank
+        must iterate (collective). A frozen parameter keeps the value the engine was built with, from the
+        same checkpoint, so a refit leaves it out; an FSDP unit with nothing trainable is not gathered.
 
         FSDP2 gathers the parameters itself, one unit at a time (``unshard`` of a transformer block, or
         of the root for the embeddings, final norm and lm_head), in the mixed-precision ``param_dtype``
@@ -259,7 +284,7 @@ class PolicyWorker:
         Otherwise each unit is resharded as soon as its tensors are yielded.
         """
         fence = streams.for_device(self._param_device())
-        return gather.gather_units(self.model, fence, dtype, self.cfg.policy.reshard_after_forward)
+        return gather.gather_units(self.model, fence, dtype, self.cfg.policy.reshard_after_forward, not frozen)
 
     def _param_device(self) -> torch.device:
         return next(self.model.parameters()).device
@@ -271,9 +296,9 @@ class PolicyWorker:
         stream rule is :meth:`iter_full_weights`'."""
         return gather.gather_adapters(self.model, streams.for_device(self._param_device()), dtype)
 
-    def _params_by_unit(self) -> list[tuple[Any, list[str]]]:
+    def _params_by_unit(self, trainable: bool = False) -> list[tuple[Any, list[str]]]:
         """(FSDP unit, its parameters' names), in module order (:func:`trainer.policy.gather.params_by_unit`)."""
-        return gather.params_by_unit(self.model)
+        return gather.params_by_unit(self.model, trainable)
 
     def _fsdp_units(self) -> list:
         return gather.fsdp_units(self.model)
@@ -303,7 +328,8 @@ class PolicyWorker:
         if self.lora is not None:  # the adapters alone, in iter_adapter_weights' order
             names = [name for name, p in params.items() if p.requires_grad]
         else:
-            names = [name for _, unit_names in self._params_by_unit() for name in unit_names]  # the gather's order
+            # the gather's order, the trainable parameters alone
+            names = [name for _, unit_names in self._params_by_unit(trainable=True) for name in unit_names]
         return WeightMeta.of((name, params[name].shape, dtype) for name in names).update_info()
 
     def init_weight_sync(self, init_info: dict) -> None:
@@ -320,7 +346,7 @@ class PolicyWorker:
 
     def broadcast_weights(self, update_info: dict) -> dict[str, float]:
         """All ranks gather; rank 0 sends the full tensors that ``update_info`` announced to the engines
-        (:mod:`trainer.generation.refit.transport`); with LoRA, the adapters alone."""
+        (:mod:`trainer.generation.refit.transport`): the trainable parameters; with LoRA, the adapters."""
         if self.lora is not None:
             weights = self.iter_adapter_weights(self.engine_dtype)
         else:

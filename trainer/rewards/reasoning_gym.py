@@ -104,7 +104,7 @@ def safe_expression(text: str) -> str | None:
     return None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def scorer(task: str) -> Callable[[str, dict], float]:
     """The task's own scorer (built once per process: it instantiates the task's dataset)."""
     import reasoning_gym
@@ -207,9 +207,10 @@ def reasoning_gym_reward(
         if task in EVALUATES and answer != oracle and (why := safe_expression(answer)) is not None:
             return Score(0.0, False, shown, f"{final.source}: not scored ({why})")
         entry = {"answer": oracle, "metadata": ground_truth["metadata"]}
+        score_answer = scorer(task)  # outside the deadline: a fresh worker's first call imports reasoning-gym
         try:
             with _deadline(timeout_seconds):
-                value = float(scorer(task)(answer, entry))
+                value = float(score_answer(answer, entry))
         except _Timeout:
             return Score(0.0, False, shown, f"{final.source}: the {task} scorer ran over {timeout_seconds:g}s")
         if partial_credit:

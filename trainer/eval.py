@@ -39,6 +39,7 @@ DEFAULT_REWARD = {
     "gsm8k": "gsm8k",
     "nemotron_code": "code_unit_tests",
     "code_contests": "code_unit_tests",
+    "reasoning_gym": "reasoning_gym",
 }
 # Evaluation splits by dataset; anything else: test. A local file is its own split whatever is asked.
 DEFAULT_SPLIT = {"openmathinstruct2": "train", "local": "train"}

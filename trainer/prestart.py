@@ -39,7 +39,7 @@ def check_names(cfg: Config) -> None:
     from trainer.rewards import feedback
 
     core_algos.check_loss_config(cfg.grpo.loss)
-    data.check(cfg.data.name, "data.name")
+    data.check(cfg.data.name, "data.name", cfg.data.options)
     data.check(cfg.data.val_name, "data.val_name")
     rewards.check_specs(cfg.env.reward_functions)
     feedback.configure(cfg.env, cfg.grpo.max_rollout_turns)

@@ -10,7 +10,9 @@ dict with at least:
 
 Loaders register with :func:`register`; :func:`get` resolves a name, and an unknown name lists the
 valid ones. :func:`check` is the same test as a one-line ConfigError naming the key (``data.name``),
-for the driver to run before it loads anything.
+for the driver to run before it loads anything; a loader that registers an ``options`` check (a function
+of ``data.options`` that raises ValueError) has it run there too, so a bad option stops the run before Ray
+starts rather than when the data loads.
 """
 
 from __future__ import annotations
@@ -18,17 +20,20 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from trainer.config import check_name
+from trainer.config import ConfigError, check_name
 
 Example = dict[str, Any]
 Loader = Callable[..., list[Example]]
 
 _REGISTRY: dict[str, Loader] = {}
+_OPTION_CHECKS: dict[str, Callable[[Any], None]] = {}
 
 
-def register(name: str) -> Callable[[Loader], Loader]:
+def register(name: str, options: Callable[[Any], None] | None = None) -> Callable[[Loader], Loader]:
     def deco(fn: Loader) -> Loader:
         _REGISTRY[name] = fn
+        if options is not None:
+            _OPTION_CHECKS[name] = options
         return fn
 
     return deco
@@ -44,8 +49,14 @@ def get(name: str) -> Loader:
     return _REGISTRY[name]
 
 
-def check(name: str | None, key: str = "data.name") -> None:
-    """A registered dataset (or None, for an optional key such as data.val_name); else a ConfigError
-    naming ``key``."""
-    if name is not None:
-        check_name(key, name, names())
+def check(name: str | None, key: str = "data.name", options: Any = None) -> None:
+    """A registered dataset (or None, for an optional key such as data.val_name), and ``options`` its
+    option check accepts; else a ConfigError naming ``key`` (the option check's message names its own)."""
+    if name is None:
+        return
+    check_name(key, name, names())
+    if options is not None and name in _OPTION_CHECKS:
+        try:
+            _OPTION_CHECKS[name](options)
+        except ValueError as e:
+            raise ConfigError(str(e).splitlines()[0]) from None

@@ -104,6 +104,21 @@ def test_should_raise_reward_and_write_readable_logs_when_tiny_model_trains(trai
     assert max(scalars["train/gen_logprob_abs_diff"]) < 1e-3 and max(scalars["train/gen_train_kl"]) < 1e-5
 
 
+def test_should_carry_each_tasks_ground_truth_to_its_scorer_when_data_comes_from_reasoning_gym(trainer_env, tmp_path):
+    """reasoning-gym's problems through the real run: the task's answer and metadata survive the trip
+    through Ray to the reward and into the jsonl, and the task's own scorer judges the response."""
+    _, run_dir = _train(trainer_env, tmp_path, "grpo.max_num_steps=1", "data=reasoning_gym", "rewards=reasoning_gym",
+                        "data.options.tasks={chain_sum:{weight:1},basic_arithmetic:{weight:1}}",
+                        "data.system_prompt=''", "policy.max_total_sequence_length=256", "generation.max_new_tokens=4",
+                        # tiny's arithmetic options are not reasoning-gym's
+                        *(f"~data.options.{k}" for k in ("max_operand", "min_operand", "num_examples", "ops")))
+    rows = [json.loads(line) for line in (run_dir / "train_data_step1.jsonl").read_text().splitlines()]
+    assert rows and all("reasoning_gym" in r["rewards"] and r["answer_note"] for r in rows)
+    tasks = {r["ground_truth"]["task"] for r in rows}
+    assert tasks <= {"chain_sum", "basic_arithmetic"} and tasks
+    assert all(r["ground_truth"]["answer"] is not None and isinstance(r["ground_truth"]["metadata"], dict) for r in rows)
+
+
 # A LoRA policy (rank 8 on every linear layer). On builtin:tiny itself the frozen embeddings cap every
 # token's probability near 0.07 (trainer/models/tiny.py, embed_scale), so its run adapts a tiny model
 # whose embeddings are 3x wider; both variants start near chance.

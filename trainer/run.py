@@ -177,6 +177,14 @@ class TrainState:
         kwargs = cfg.generation.chat_template_kwargs
         train = load_dataset(cfg.data, cfg.data.split)
         self.train_examples = encode_examples(tokenizer, train, kwargs, max_prompt)
+        if not self.train_examples:
+            raise SetupError(
+                f"data={cfg.data.name}: none of its {len(train)} training prompts fits in {max_prompt} tokens "
+                f"(policy.max_total_sequence_length={cfg.policy.max_total_sequence_length} - "
+                f"generation.max_new_tokens={cfg.generation.max_new_tokens}); raise "
+                f"policy.max_total_sequence_length or shorten data.system_prompt / data.prompt_template"
+                if train else f"data={cfg.data.name}: the {cfg.data.split!r} split has no examples"
+            )
         self.val_examples: list[dict] = []
         if cfg.grpo.val_period or cfg.grpo.val_at_start:
             # A different validation dataset must not inherit the training file or its size limit.

@@ -22,7 +22,7 @@ XDIST := $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile
 
 .PHONY: help setup train test test-fast test-gpu lint clean
 
-# Feature areas keep their targets in mk/*.mk (chart and cluster, rewards, benchmarks). A fragment
+# Feature areas keep their targets in mk/*.mk (checks, chart and cluster, rewards, benchmarks). A fragment
 # appends to TEST_DEPS the set-up its tests need (the helm binary, bubblewrap, ...), so this include
 # stays above the rules that use it.
 TEST_DEPS :=
@@ -80,9 +80,7 @@ test-fast: setup $(TEST_DEPS) ## Run the tests not marked slow
 test-gpu: ## Run the GPU suite (tests/gpu, marker gpu) with the Python in PY; see docs/gpu-tests.md
 	$(PY) -m pytest -m gpu tests/gpu -rs $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "no GPU tests collected"; exit 0; fi; exit $$rc
 
-lint: setup ## ruff over the Python code, and import-linter over trainer's layers (pyproject.toml)
-	$(VENV)/bin/ruff check trainer tests
-	$(VENV)/bin/lint-imports
+lint: check ## Same as check (mk/check.mk), the name it had before
 
 clean: ## Remove caches (keeps .venv, logs and checkpoints)
 	rm -rf .pytest_cache .ruff_cache build *.egg-info

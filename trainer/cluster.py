@@ -45,10 +45,11 @@ def keep_freed_memory() -> bool:
 
     By default every block above a dynamic threshold (at most 32 MiB) is its own mmap, unmapped on
     free, so a tensor allocated anew on every step (an all-gather buffer, a (B, T, vocab) logits
-    block) page-faults in all of its pages every time; on a 2-core VM that is about 0.3 ms per MiB.
+    block) page-faults in all of its pages every time, a cost that grows with the block's size.
     With both thresholds at their maximum, blocks under 2 GiB come from the heap and are reused.
-    The cost is that a process keeps its peak heap (SmolLM2 on a 2-rank CPU run: 3.60 -> 3.73 GB peak
-    per rank). Returns False where there is no glibc mallopt
+    The cost is that a process keeps its peak heap, a few per cent more peak memory per rank (both
+    figures: bench/README.md, "Figures behind choices in the math, the cluster and the heap").
+    Returns False where there is no glibc mallopt
     (musl, macOS): nothing changes there.
     """
     try:
@@ -89,7 +90,7 @@ def setup_cpu_process(cfg: Config, threads: int, slot: int | None = None) -> Non
     :func:`cpu_slots`) and runs one thread per core of it, so policy ranks and generation workers
     that run at the same time (async GRPO) do not compete for cores. Async GRPO without pinning
     still gets a thread per core of its share: two processes that each spin a thread per core of the
-    whole node were measured 1.7x slower than taking turns."""
+    whole node run slower than the two taking turns (bench/README.md)."""
     import torch
 
     overlapping = cfg.grpo.async_.max_staleness >= 1

@@ -2,10 +2,10 @@
 
 Importing them makes millions of objects that live as long as the process. The collector walks all of
 them in each full collection: the imports alone trigger several (they grow the heap), and the exit
-walks them once more. On a 2-core AVX2 EPYC that is about 1.1 s of the 7.7 s the imports take, and
-2.4 s at exit, in every driver. So a process turns the collector off before its imports (:func:`pause`)
-and, once they are done, freezes what they made (``gc.freeze``: left out of every later collection)
-and turns it back on (:func:`settle`). What the run makes afterwards is collected as before; only the
+walks them once more: seconds of every driver's start and exit on a small CPU (bench/README.md, "Figures
+behind choices in the math, the cluster and the heap"). So a process turns the collector off before its
+imports (:func:`pause`) and, once they are done, freezes what they made (``gc.freeze``: left out of every
+later collection) and turns it back on (:func:`settle`). What the run makes afterwards is collected as before; only the
 objects there at :func:`settle`, the imported modules, are never collected, and they would live to
 the end anyway. The pattern ``gc.freeze`` was added for (CPython's documentation of ``gc.freeze``).
 
@@ -53,8 +53,8 @@ def settle(*modules: str) -> None:
 @contextlib.contextmanager
 def paused() -> Iterator[None]:
     """No collections inside, for a heavy import a process makes later (vLLM's, in a generation actor
-    that has settled: about 4 of its 15 CPU-seconds are collections on a 2-core AVX2 EPYC); the collector
-    is as before after it. Nothing is frozen: what the import made is walked by the next full collection,
+    that has settled: a good part of that import's CPU time is collections; bench/README.md); the
+    collector is as before after it. Nothing is frozen: what the import made is walked by the next full collection,
     and the engine that follows freezes its own heap."""
     enabled = gc.isenabled()
     gc.disable()

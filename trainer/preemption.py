@@ -8,9 +8,9 @@ last finished step only if a save, timed by the last one, fits in what is left o
 ``checkpointing.preemption_grace_s`` (:meth:`Preemption.at_safe_point`). Otherwise it saves nothing and
 says in one line which checkpoint the next run resumes from. A save cut off by the final SIGKILL leaves
 no commit marker and is ignored (:mod:`trainer.checkpoint`). What it saves is a whole checkpoint
-(weights, optimizer, loader position, RNG), never a partial one that could not be resumed exactly. On
-the tiny test model (two CPU ranks, a loaded 2-core machine) SIGTERM reached its safe point in 0.9 s (the
-step in flight dropped), the save took 0.6 s, and the checkpoint was committed 1.4 s after the signal.
+(weights, optimizer, loader position, RNG), never a partial one that could not be resumed exactly.
+How long each part takes on the tiny test model is in bench/README.md ("Figures behind choices in the
+math, the cluster and the heap").
 """
 
 from __future__ import annotations

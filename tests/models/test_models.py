@@ -190,7 +190,7 @@ def test_missing_smollm2_package_says_how_to_install(monkeypatch, tmp_path):
 def test_embedded_smollm2_converts_loads_and_generates():
     # In the session's cache (tests/conftest.py, KUBERL_CACHE): converted once a session, here or by the first
     # test of cpu-demo (tests/test_precision.py), whichever comes first; the other waits for it (the cache's
-    # lock). A conversion takes most of a minute on a 2-core AVX2 EPYC.
+    # lock): the conversion is the slow part of this test.
     path = resolve_model("embedded:smollm2-135m-instruct")
     assert Path(path).parent == cache_root()
     for f in ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json"]:

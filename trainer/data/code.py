@@ -219,7 +219,7 @@ def _from_code_contests(
         if rating < MIN_RATING or not any(lo <= rating <= hi for lo, hi in tiers):
             return None
     description = row.get("description")
-    if malformed_statement(description):
+    if not isinstance(description, str) or malformed_statement(description):
         return None
     if row.get("input_file") or row.get("output_file"):
         return None  # reads or writes named files, not stdin/stdout

@@ -68,6 +68,7 @@ def load_table(
     """
     import datasets
 
+    source: str | None  # a local directory or a hub id; None when neither the config nor the caller names one
     if cfg.path:
         path = Path(cfg.path).expanduser()
         if path.is_file():

@@ -30,7 +30,7 @@ class PromptLoader:
         return order
 
     def next_batch(self) -> list[dict]:
-        batch = []
+        batch: list[dict] = []
         while len(batch) < self.batch_size:
             if self.position >= len(self._order):
                 self.epoch, self.position = self.epoch + 1, 0

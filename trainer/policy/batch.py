@@ -63,7 +63,7 @@ class PaddedBatch:
     gen_logprobs: torch.Tensor | None  # (B, K)
 
 
-def _scatter(samples: list[Sample], attr: str, shape: tuple[int, int], firsts: list[int]) -> torch.Tensor | None:
+def _scatter(samples: list[Sample], attr: str, shape: tuple[int, ...], firsts: list[int]) -> torch.Tensor | None:
     """Per-response-token values of ``attr`` into a (B, K) window; row i starts at column ``firsts[i]``."""
     if any(getattr(s, attr) is None for s in samples):
         return None

@@ -27,7 +27,7 @@ import inspect
 import math
 import numbers
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, TypeVar
 
 from trainer.config import ConfigError, RewardSpec
 
@@ -59,8 +59,10 @@ class Score(tuple):
         return f"Score({self[0]!r}, {self[1]!r}, answer={self.answer!r}, note={self.note!r})"
 
 
-class RewardFn(Protocol):
-    def __call__(self, ground_truth: Any, response: str, **kwargs: Any) -> Score | tuple | float: ...
+# A reward takes (ground_truth, response) and its own keyword arguments, each reward its own names
+# (checked against its signature at start: check_kwargs), so the type names only what all share.
+RewardFn = Callable[..., "Score | tuple[Any, ...] | float"]
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 def as_score(out: Any) -> Score:
@@ -105,10 +107,10 @@ def call(fn: Callable, ground_truth: Any, response: str, kwargs: dict, question:
 _REGISTRY: dict[str, RewardFn] = {}
 
 
-def register(name: str) -> Callable[[RewardFn], RewardFn]:
-    """Decorator: make ``fn`` reachable as ``trainer.rewards.get(name)``."""
+def register(name: str) -> Callable[[F], F]:
+    """Decorator: make ``fn`` reachable as ``trainer.rewards.get(name)``; ``fn`` keeps its own signature."""
 
-    def deco(fn: RewardFn) -> RewardFn:
+    def deco(fn: F) -> F:
         if name in _REGISTRY and _REGISTRY[name] is not fn:
             raise ValueError(f"reward {name!r} is registered twice")
         _REGISTRY[name] = fn

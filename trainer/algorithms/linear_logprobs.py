@@ -62,13 +62,17 @@ class _LinearLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor, scale: float,
-                softcap: float | None, with_entropy: bool, budget: int):  # fmt: skip
+                softcap: float | None, with_entropy: bool, budget: int, shape: torch.Size):  # fmt: skip
         n, vocab = hidden.shape[0], weight.shape[0]
         dtype = torch.promote_types(hidden.dtype, torch.float32)  # float64 stays float64
         step, block = tiles(n, vocab, budget)
-        out = torch.empty(n, dtype=dtype, device=hidden.device)
-        lse = torch.empty_like(out)
-        entropy = torch.empty_like(out) if with_entropy else out.new_empty(0)
+        # Returned in the labels' shape, not as views of (N,) tensors (FSDP hooks a module's outputs, and
+        # an in-place op on a view would drop its hook).
+        result = torch.empty(shape, dtype=dtype, device=hidden.device)
+        out = result.view(-1)
+        lse = torch.empty(n, dtype=dtype, device=hidden.device)
+        entropy_result = torch.empty_like(result) if with_entropy else result.new_empty(0)
+        entropy = entropy_result.view(-1)
         for r0 in range(0, n, step):
             rows = slice(r0, r0 + step)
             h, y = hidden[rows], labels[rows]
@@ -98,8 +102,8 @@ class _LinearLogprobs(torch.autograd.Function):
                 entropy[rows] = lse[rows] - t / s
         ctx.save_for_backward(hidden, weight, bias, labels, lse)
         ctx.scale, ctx.softcap, ctx.budget = scale, softcap, budget
-        ctx.mark_non_differentiable(entropy)
-        return out, entropy
+        ctx.mark_non_differentiable(entropy_result)
+        return result, entropy_result
 
     @staticmethod
     def backward(ctx, grad_out: Tensor, _grad_entropy: Tensor):
@@ -107,7 +111,7 @@ class _LinearLogprobs(torch.autograd.Function):
         want_h, want_w, want_b = ctx.needs_input_grad[:3]
         n, vocab = hidden.shape[0], weight.shape[0]
         step, block = tiles(n, vocab, ctx.budget)
-        g_all = grad_out.to(lse.dtype) * ctx.scale  # (N,): d(s x[y] - lse(s x))/dx = s (onehot(y) - softmax(s x))
+        g_all = grad_out.reshape(-1).to(lse.dtype) * ctx.scale  # (N,): d(s x[y] - lse(s x))/dx = s (onehot(y) - softmax(s x))
         grad_h = torch.zeros(hidden.shape, dtype=lse.dtype, device=hidden.device) if want_h else None
         grad_w = torch.empty_like(weight) if want_w else None
         grad_b = torch.empty_like(bias) if want_b else None
@@ -152,7 +156,7 @@ class _LinearLogprobs(torch.autograd.Function):
                 if want_b:
                     grad_b[v0 : v0 + block] = acc_b
         grad_h = grad_h.to(hidden.dtype) if want_h else None
-        return grad_h, grad_w, grad_b, None, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None, None, None
 
 
 def linear_logprobs(
@@ -170,11 +174,10 @@ def linear_logprobs(
     weight (V, H), bias (V,) or None; with ``with_entropy`` also the (...,) entropies (no gradient). Both in
     float32 (float64 kept), with gradients to the hidden states, the weight and the bias. ``budget``: float32
     elements per tile (default :func:`tile_elements` for the device)."""
-    shape = labels.shape
     flat = hidden.reshape(-1, hidden.shape[-1])
     if budget is None:
         budget = tile_elements(hidden.device)
     out, entropy = _LinearLogprobs.apply(
-        flat, weight, bias, labels.long().reshape(-1), 1.0 / temperature, softcap, with_entropy, budget
+        flat, weight, bias, labels.long().reshape(-1), 1.0 / temperature, softcap, with_entropy, budget, labels.shape
     )
-    return out.view(shape), entropy.view(shape) if with_entropy else None
+    return out, entropy if with_entropy else None

@@ -20,7 +20,10 @@ rounded once, as the plain head's is. This recomputes the head's matmul once mor
 loss is the last op, while here the per-token gradient comes from the GRPO objective afterwards).
 
 The tile size bounds the float32 working set: about 2 MiB on a CPU, so a tile is still in cache when
-it is read again, and 256 MiB on an accelerator (:func:`tile_elements`). A vocabulary block is at least
+it is read again, and 64 MiB on an accelerator, where a (4096 x 4096) tile of a 4096-wide model is still
+about 140 GFLOP per matmul (:func:`tile_elements`). A tile's working set is about 12 bytes per element at
+its peak (the logits in the model's dtype, their float32 copy, reused for the softmax and its gradient,
+and the gradient in the model's dtype: :data:`TILE_BYTES`). A vocabulary block is at least
 :data:`MIN_BLOCK` wide, so a matmul never shrinks to a sliver of the weight; positions beyond what one
 tile holds are split into several row chunks.
 
@@ -35,11 +38,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 MIN_BLOCK = 256  # vocabulary entries per tile, at least: below this the matmuls stop paying for themselves
+TILE_BYTES = 12  # per tile element at the peak (trainer.plan counts it)
 
 
 def tile_elements(device: torch.device) -> int:
     """Float32 elements per (positions x vocabulary) tile: cache-sized on a CPU, few launches on an accelerator."""
-    return 2**19 if device.type == "cpu" else 2**26
+    return 2**19 if device.type == "cpu" else 2**24
 
 
 def tiles(rows: int, vocab: int, budget: int) -> tuple[int, int]:
@@ -87,7 +91,7 @@ class _LinearLogprobs(torch.autograd.Function):
                 if scale != 1.0:
                     x = x * scale
                 m_new = torch.maximum(m, x.amax(-1))
-                e = torch.exp(x - m_new[:, None])  # (n, b)
+                e = torch.sub(x, m_new[:, None]).exp_()  # (n, b)
                 alpha = torch.exp(m - m_new)  # 0 on the first block (m = -inf)
                 s = s * alpha + e.sum(-1)
                 if t is not None:  # e == 0 where x == -inf, and 0 * -inf is NaN: the limit is 0
@@ -128,7 +132,8 @@ class _LinearLogprobs(torch.autograd.Function):
                 x = logits.to(lse.dtype)
                 if ctx.scale != 1.0:
                     x = x * ctx.scale
-                grad = torch.exp(x - lse[rows, None]).mul_(-g[:, None])  # -g p: a new tensor
+                # -g p, in x's buffer: x is a new tensor, or the float32 logits that are not needed again
+                grad = x.sub_(lse[rows, None]).exp_().mul_(-g[:, None])
                 inside = (y >= v0) & (y < v0 + w.shape[0])
                 at = (y - v0).clamp(0, w.shape[0] - 1)
                 grad.scatter_add_(-1, at[:, None], torch.where(inside, g, 0.0)[:, None])

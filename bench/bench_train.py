@@ -31,7 +31,12 @@ attention, over the median step and the device's peak: the bf16 table for a GPU,
 CPU). One more step of the last layout then runs under torch's profiler, and the step is split into where
 its time went (matmuls, attention, optimizer, copies and casts, ..., and on a GPU the time no kernel ran).
 
-``--shape qwen2.5-1.5b`` (or ``qwen2.5-7b``, ``smollm2-135m``) trains a randomly initialised model of that
+``--heads tiled,logits`` runs every layout twice, taking turns: with the LM head projected a tile at a time
+(:mod:`trainer.algorithms.linear_logprobs`, what the trainer runs) and with today's whole logits
+(:func:`trainer.policy.forward.logits_logprobs`). On a CPU one more untimed step per layout runs under torch's
+``FSDPMemTracker``, whose peak of live tensors is the step's memory (``--no-memory`` skips it).
+
+``--shape qwen2.5-1.5b`` (or ``qwen2.5-7b``, ``smollm2-135m``, ``gemma3-1b``) trains a randomly initialised model of that
 shape (bf16 weights written once under the model cache, the repo's tiny tokenizer: the bench feeds token
 ids), so a GPU machine without hub access measures a real model size. Neither Ray nor Hydra is needed:
 without Hydra the config is the dataclass defaults with the same overrides.
@@ -52,6 +57,7 @@ MODEL = "embedded:smollm2-135m-instruct"
 SHAPES = {
     "qwen2.5-1.5b": "Qwen/Qwen2.5-Coder-1.5B-Instruct",  # Qwen2.5-1.5B's shape: 1536 x 28 layers, 12/2 heads
     "qwen2.5-7b": "Qwen/Qwen2.5-Coder-7B-Instruct",
+    "gemma3-1b": "google/gemma-3-1b-it",  # 1152 x 26 layers, a 262k vocabulary: the LM head's share is large
     "smollm2-135m": {
         "model_type": "llama", "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
         "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 49152, "tie_word_embeddings": True,
@@ -210,6 +216,12 @@ def main() -> int:
                     help="a randomly initialised model of this shape instead of --model (no download)")
     ap.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
                     help="profile one more step of the last layout and say where its time went")
+    ap.add_argument("--heads", default="tiled",
+                    help="tiled,logits: each layout with the LM head a tile at a time (trainer.algorithms."
+                         "linear_logprobs, the default) and with today's whole logits, taking turns")
+    ap.add_argument("--memory", action=argparse.BooleanOptionalAction, default=None,
+                    help="one more step per layout under torch's FSDPMemTracker: its peak of live tensors "
+                         "(the default on a CPU, where the allocator has no per-step peak)")
     args = ap.parse_args()
 
     from trainer import hardware, perf
@@ -272,6 +284,19 @@ def main() -> int:
     if unknown or not names:
         print(f"--layouts: one or more of {', '.join(layouts)}; got {args.layouts}")
         return 2
+    from trainer.policy import forward
+
+    heads = {"tiled": forward.forward_logprobs, "logits": forward.logits_logprobs}
+    wanted = [h for h in args.heads.split(",") if h]
+    if not wanted or set(wanted) - set(heads):
+        print(f"--heads: one or more of {', '.join(heads)}; got {args.heads}")
+        return 2
+    if len(wanted) > 1:  # every layout with each head: "packed/tiled", "packed/logits", ...
+        layouts = {f"{n}/{h}": dict(layouts[n], head=h) for n in names for h in wanted}
+        names = list(layouts)
+    else:
+        layouts = {n: dict(layouts[n], head=wanted[0]) for n in names}
+    memory = (not args.gpu) if args.memory is None else args.memory
 
     tokens = sum(s.length for s in samples)
     flops = flops_of.training(s.length for s in samples)  # the model's, whatever a layout pads or recomputes
@@ -296,7 +321,10 @@ def main() -> int:
 
         def step(name: str) -> tuple[float, float]:
             for key, value in layouts[name].items():
-                setattr(worker.cfg.policy, key, value)
+                if key == "head":
+                    forward.forward_logprobs = heads[value]
+                else:
+                    setattr(worker.cfg.policy, key, value)
             sync()
             reset_peak()
             t0 = time.perf_counter()
@@ -317,10 +345,21 @@ def main() -> int:
             for name in names:
                 s, _ = step(name)
                 seconds[name].append(s)
+        live: dict[str, float] = {}
+        if memory:  # untimed: the tracker sees every allocation
+            from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+            for name in names:
+                tracker = FSDPMemTracker(worker.model, worker.optimizer)
+                with tracker:
+                    step(name)
+                snapshot = tracker.get_tracker_snapshot("peak")
+                live[name] = max(v["Total"] for v in snapshot.values()) / 2**20
         # The peak after the timed steps: on a CPU the matmul runs on the rank's own threads.
         peak, source = perf.device_peak_flops(worker.device, cfg.policy.param_dtype or cfg.model.dtype)
         breakdown = profile_step(lambda: step(names[-1]), args.gpu) if args.profile else []
     finally:
+        forward.forward_logprobs = heads["tiled"]
         worker.shutdown()
 
     print(f"# peak: {source}")
@@ -347,6 +386,15 @@ def main() -> int:
         print(f"packed / prefix tokens/s: {rate['packed'] / rate['prefix']:.2f}x")
     if "padded" in names and "packed" in names:
         print(f"packed / padded tokens/s: {rate['packed'] / rate['padded']:.2f}x")
+    for name in live:
+        print(f"{name}: peak of live tensors in a step {live[name]:.0f} MiB (torch FSDPMemTracker)")
+    for name in names:
+        if name.endswith("/tiled") and name[:-6] + "/logits" in names:
+            other = name[:-6] + "/logits"
+            line = f"{name[:-6]}: tiled / logits tokens/s {rate[name] / rate[other]:.3f}x"
+            if name in live:
+                line += f"; peak {live[name]:.0f} against {live[other]:.0f} MiB ({live[other] - live[name]:.0f} MiB less)"
+            print(line)
     return 0 if ok else 1
 
 

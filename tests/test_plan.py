@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from trainer import config, plan, submit
 
@@ -135,3 +136,17 @@ def test_should_count_adapters_on_the_language_model_alone_when_the_model_has_a_
     shape = plan.model_shape("google/gemma-3-27b-it")
     # 62 decoder layers: the SigLIP tower's 27 layers also name q_proj/k_proj/v_proj, and get no adapter
     assert len(shape.linears["q_proj"]) == 62 and len(shape.linears["down_proj"]) == 62
+
+
+def test_should_count_one_tile_of_logits_not_the_whole_micro_batchs_when_the_logprob_pass_is_planned() -> None:
+    from trainer.algorithms import linear_logprobs
+
+    cfg = config.load(["experiment=gemma3-27b-gsm8k"])
+    shape = plan.model_shape(cfg.model.name)
+    rows = plan.micro_batch(cfg).logit_rows
+    term = plan.training_terms(cfg, shape, 16)["logits"]
+    whole = rows * shape.vocab * 2  # the micro-batch's bf16 logits, which the tiled pass never holds
+    # one GPU tile (every position, a block of the vocabulary) and the hidden states' float32 gradient
+    tile = linear_logprobs.tile_elements(torch.device("cuda")) * linear_logprobs.TILE_BYTES
+    assert term == tile + rows * shape.hidden * (4 + 2)
+    assert term < whole / 4

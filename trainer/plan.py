@@ -8,8 +8,9 @@ plan adds up what one device holds at its peak:
   moments, each sharded; the units FSDP gathers in ``policy.param_dtype`` (two blocks in flight and
   the root, which stays gathered); the reference policy when the KL penalty is on; activations of one
   micro-batch (every block's saved tensors, or only block inputs plus one block when activation
-  checkpointing recomputes them); the logits of the micro-batch's positions and their gradient; and
-  a fixed runtime reserve (CUDA context, NCCL, allocator slack);
+  checkpointing recomputes them); the logprob pass's working set (one tile of the LM head's logits at a
+  time, :mod:`trainer.algorithms.linear_logprobs`, never the micro-batch's whole (positions x vocabulary)
+  logits); and a fixed runtime reserve (CUDA context, NCCL, allocator slack);
 - **a colocated vLLM engine** on the same GPUs: its ``gpu_memory_utilization`` share while it
   generates, beside the policy's sharded state (which stays on the GPU); asleep it frees both its
   weights and its KV cache, so training does not count it;
@@ -170,10 +171,22 @@ def training_terms(cfg, shape: Shape, world: int) -> dict[str, float]:
     else:
         saved = shape.layers * block_activation_bytes(shape, mb.tokens, compute, sp)
     terms["activations"] = saved
-    # The (rows, V) logits and the flattened copy the chunked logprob pass keeps for its backward (whose
-    # gradient takes the place of the freed logits).
-    terms["logits"] = 2 * mb.logit_rows * shape.vocab * compute
+    terms["logits"] = logit_bytes(shape, mb.logit_rows, compute, cfg.cluster.use_gpus)
     return terms
+
+
+def logit_bytes(shape: Shape, rows: int, dtype_bytes: int, gpu: bool = True) -> float:
+    """The logprob pass at its peak: one (positions x vocabulary block) tile of logits, their float32
+    copy and gradient (:mod:`trainer.algorithms.linear_logprobs`), and the float32 gradient of the ``rows``
+    hidden states it sums over the blocks, beside its cast to the model's dtype."""
+    import torch
+
+    from trainer.algorithms import linear_logprobs
+
+    budget = linear_logprobs.tile_elements(torch.device("cuda" if gpu else "cpu"))
+    step, block = linear_logprobs.tiles(rows, shape.vocab, budget)
+    tile = min(rows, step) * block * linear_logprobs.TILE_BYTES
+    return tile + rows * shape.hidden * (4 + dtype_bytes)
 
 
 def training_peak(cfg, shape: Shape, world: int) -> float:

@@ -1,18 +1,30 @@
-"""The policy's forward for logprobs: the logits at the positions that predict a batch's response tokens,
-in each of the three layouts (:mod:`trainer.policy.batch`: packed rows, padded rows, the shared-prompt
-layout), then the labels' logprobs (and entropy) in one chunked float32 pass
-(:func:`trainer.algorithms.core_algos.logprobs_and_entropy`). With Ulysses sequence parallelism
-(:mod:`trainer.policy.ulysses`) a rank runs its slice of a packed row and the slices' logprobs are
-gathered, so every rank of the group returns the whole batch's.
+"""The policy's forward for logprobs: the labels' logprobs (and entropy) at the positions that predict a
+batch's response tokens, in each of the three layouts (:mod:`trainer.policy.batch`: packed rows, padded
+rows, the shared-prompt layout). With Ulysses sequence parallelism (:mod:`trainer.policy.ulysses`) a
+rank runs its slice of a packed row and the slices' logprobs are gathered, so every rank of the group
+returns the whole batch's.
+
+The LM head's (positions x vocabulary) logits are never held whole: the model runs with its ``lm_head``
+handing back the hidden states it is given (already cut to the positions that predict responses), and
+:func:`trainer.algorithms.linear_logprobs.linear_logprobs` projects them tile by tile, recomputing each
+tile in backward. That runs inside the same FSDP2 forward as the model (``register_fsdp_forward_method``
+on a method of our own): the root unit, which holds ``lm_head`` (or the tied embeddings it shares), is
+gathered around it, and the pre-backward hook FSDP puts on the returned logprobs gathers it again before
+their backward reads the weight, and reduce-scatters its gradient after. The head's post-processing is the
+model's: Gemma's final logit softcapping where the model's own config asks for it, the bias if any.
+A head that is not a plain ``nn.Linear`` takes today's path (:func:`logits_logprobs`: the logits, then
+one chunked float32 pass, :func:`trainer.algorithms.core_algos.logprobs_and_entropy`).
 """
 
 from __future__ import annotations
 
+import types
 from typing import TYPE_CHECKING
 
 import torch
 
 from trainer.algorithms import core_algos
+from trainer.algorithms.linear_logprobs import linear_logprobs
 from trainer.policy.batch import PackedBatch, PaddedBatch, PrefixBatch
 from trainer.policy.packed_attention import Row
 
@@ -101,12 +113,12 @@ def window_logits(
     return torch.cat([first, response.logits[:, :-1]], dim=1)
 
 
-def forward_logprobs(
+def logits_logprobs(
     model, batch: PaddedBatch | PrefixBatch | PackedBatch, device: torch.device, sp: SequenceParallelGroup | None,
     packed_attention: bool, temperature: float, with_entropy: bool = False,
 ):
-    """(B, K) logprobs of the window's labels, and optionally (B, K) entropy, from one forward
-    and one chunked float32 pass over the logits (kept in the model's dtype)."""
+    """(B, K) logprobs of the window's labels, and optionally (B, K) entropy, from one forward and one
+    chunked float32 pass over the whole window's logits (kept in the model's dtype)."""
     logits = window_logits(model, batch, device, sp, packed_attention)  # (B, K, V), or (1, M, V) packed
     packed = isinstance(batch, PackedBatch)
     labels = batch.flat_labels[None] if packed else batch.labels
@@ -119,12 +131,140 @@ def forward_logprobs(
         temperature=temperature if temperature > 0 else 1.0,  # score the distribution we sampled from
         with_entropy=with_entropy,
     )
-    if packed and sp is not None:  # every slice's tokens, so each rank of the group has them all
+    return _to_window(batch, sp, logprobs, entropy)
+
+
+def _to_window(batch, sp: SequenceParallelGroup | None, logprobs: torch.Tensor, entropy: torch.Tensor | None):
+    """A packed row's (1, M) results (of this rank's slice with SP) -> the (B, C) window the loss reads."""
+    if not isinstance(batch, PackedBatch):
+        return logprobs, entropy
+    if sp is not None:  # every slice's tokens, so each rank of the group has them all
         from trainer.policy.ulysses import gather_slices
 
         logprobs = gather_slices(logprobs[0], sp.counts, sp)[None]
         entropy = gather_slices(entropy[0], sp.counts, sp)[None] if entropy is not None else None
-    if packed:  # (1, M) -> the (B, C) window the loss reads, as for the padded layouts
-        logprobs = batch.to_window(logprobs[0])
-        entropy = batch.to_window(entropy[0]) if entropy is not None else None
+    logprobs = batch.to_window(logprobs[0])
+    entropy = batch.to_window(entropy[0]) if entropy is not None else None
     return logprobs, entropy
+
+
+# ----- the head, a tile at a time -------------------------------------------------------------------
+_METHOD = "_kuberl_forward_to_head"  # the method FSDP2 treats as a forward of the root unit
+
+
+def _forward_to_head(model, finish, **kwargs):
+    """``model.forward(**kwargs)`` with ``lm_head`` handing back its input, then ``finish(hidden, output)``:
+    hidden (..., H) as the head received it, output the model's (its logits empty). Called through the
+    method FSDP2 wraps, so the root's parameters are gathered for ``finish`` too."""
+    head = model.get_output_embeddings()
+    seen: list[torch.Tensor] = []
+
+    def keep(hidden: torch.Tensor) -> torch.Tensor:
+        seen.append(hidden)
+        return hidden.new_empty(*hidden.shape[:-1], 0)  # what the model does after the head runs on nothing
+
+    head.forward = keep  # the instance's own forward, removed below: nn.Module calls self.forward
+    try:
+        out = model.forward(**kwargs)  # not model(...): FSDP's hooks already ran around this method
+    finally:
+        del head.forward
+    return finish(seen[-1], out)
+
+
+def _root_forward(model):
+    """The model's :func:`_forward_to_head`, bound once per model and registered with FSDP2 (a no-op without it)."""
+    method = model.__dict__.get(_METHOD)
+    if method is None:
+        from torch.distributed.fsdp import register_fsdp_forward_method
+
+        setattr(model, _METHOD, types.MethodType(_forward_to_head, model))
+        register_fsdp_forward_method(model, _METHOD)
+        method = model.__dict__[_METHOD]
+    return method
+
+
+def tiled_head(model) -> bool:
+    """Whether the model's LM head is a plain linear layer, which :func:`forward_logprobs` projects a tile at a time."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return type(head) is torch.nn.Linear
+
+
+def forward_logprobs(
+    model, batch: PaddedBatch | PrefixBatch | PackedBatch, device: torch.device, sp: SequenceParallelGroup | None,
+    packed_attention: bool, temperature: float, with_entropy: bool = False,
+):
+    """(B, K) logprobs of the window's labels, and optionally (B, K) entropy (no gradient), in float32,
+    without the window's (B, K, V) logits ever existing whole (the module docstring)."""
+    if not tiled_head(model):
+        return logits_logprobs(model, batch, device, sp, packed_attention, temperature, with_entropy)
+    head = model.get_output_embeddings()
+    softcap = getattr(model.config, "final_logit_softcapping", None)  # only where the model's forward applies it
+    temperature = temperature if temperature > 0 else 1.0  # score the distribution we sampled from
+
+    def logprobs_of(labels: torch.Tensor):
+        """finish: (..., H) hidden at the positions that predict ``labels`` (...,) -> (logprobs, entropy)."""
+
+        def finish(hidden: torch.Tensor, out):
+            lp, ent = linear_logprobs(hidden, head.weight, head.bias, labels.to(hidden.device), temperature=temperature,
+                                      softcap=softcap, with_entropy=with_entropy)  # fmt: skip
+            return lp, ent, out.past_key_values
+
+        return finish
+
+    run = _root_forward(model)
+    dev = device
+    set_row(packed_attention, None)
+    if isinstance(batch, PackedBatch):
+        varlen = {}
+        if "flash" in (getattr(model.config, "_attn_implementation", None) or ""):  # as in window_logits
+            cu = batch.cu_seqlens.to(dev)
+            varlen = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=batch.max_seqlen,
+                          max_length_k=batch.max_seqlen)
+        input_ids, position_ids, predict = batch.input_ids, batch.position_ids, batch.predict
+        labels = batch.flat_labels[None]
+        if sp is not None:
+            row, input_ids, position_ids, predict = sp.split(batch)
+            set_row(packed_attention, row)
+            varlen = {}
+            labels = labels[:, sp.first : sp.first + predict.numel()]  # (1, M of this slice)
+        elif packed_attention:
+            set_row(packed_attention, Row(batch.cu_seqlens, batch.max_seqlen))
+        logprobs, entropy, _ = run(
+            logprobs_of(labels), input_ids=input_ids.to(dev), position_ids=position_ids.to(dev),
+            logits_to_keep=predict.to(dev), use_cache=False, **varlen,
+        )  # fmt: skip
+        return _to_window(batch, sp, logprobs, entropy)
+    if isinstance(batch, PaddedBatch):
+        width = batch.input_ids.shape[1]
+        last = batch.labels.shape[1]  # (B, K): the head's W positions but the last, which predicts past the end
+        logprobs, entropy, _ = run(
+            lambda hidden, out: logprobs_of(batch.labels)(hidden[:, :last], out),
+            input_ids=batch.input_ids.to(dev), attention_mask=batch.attention_mask.to(dev),
+            logits_to_keep=width - batch.start, use_cache=False,
+        )  # fmt: skip
+        return logprobs, entropy
+    from transformers import DynamicCache
+
+    # As in window_logits: each distinct prompt once, its cache gathered to every sample of it. The
+    # prompt's last position predicts response token 0, for each sample of the prompt (rows).
+    prompt_mask = batch.prompt_mask.to(dev)
+    rows = batch.rows.to(dev)
+    cache = DynamicCache(config=getattr(model, "config", None))
+    first, first_entropy, cache = run(
+        lambda hidden, out: logprobs_of(batch.labels[:, :1])(hidden[rows], out),  # (B, 1, H)
+        input_ids=batch.prompt_ids.to(dev), attention_mask=prompt_mask,
+        position_ids=(prompt_mask.cumsum(1) - 1).clamp(min=0), past_key_values=cache, use_cache=True,
+        logits_to_keep=1,
+    )  # fmt: skip
+    cache.batch_select_indices(rows)
+    lengths = prompt_mask.sum(1)[rows]  # (B,)
+    width = batch.response_ids.shape[1]
+    rest, rest_entropy, _ = run(
+        lambda hidden, out: logprobs_of(batch.labels[:, 1:])(hidden[:, :-1], out),  # the last predicts past the end
+        input_ids=batch.response_ids.to(dev),
+        attention_mask=torch.cat([prompt_mask[rows], batch.response_mask.to(dev)], dim=1),
+        position_ids=lengths[:, None] + torch.arange(width, device=dev), past_key_values=cache, use_cache=True,
+        logits_to_keep=width,
+    )  # fmt: skip
+    entropy = torch.cat([first_entropy, rest_entropy], dim=1) if with_entropy else None
+    return torch.cat([first, rest], dim=1), entropy

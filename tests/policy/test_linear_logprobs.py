@@ -1,0 +1,258 @@
+"""Logprobs from the hidden states a tile at a time (trainer.algorithms.linear_logprobs, through
+trainer.policy.forward) against today's path (the whole window's logits, then the chunked float32 pass).
+
+- the op alone against ``F.linear`` + ``logprobs_and_entropy``: bias, Gemma's final softcapping, a
+  temperature, one tile or many in both directions, gradients to the hidden states, the weight and the bias;
+- a Gemma 3 model with ``final_logit_softcapping`` set: the model's own logits against the tiled pass;
+- the real PolicyWorker (one float32 FSDP2 rank, parameters resharded after forward, the tiny model's
+  tied embeddings) in each layout, packed, padded and shared-prompt: policy and reference logprobs, the
+  loss, every metric (entropy among them) and every parameter's gradient, tiled against today's path;
+- two Ulysses ranks, each half of every packed row: the same, tiled against today's path on each rank;
+- no tensor of (positions x vocabulary) elements is ever made, forward or backward.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from tests.leftovers import wait_all
+from tests.policy.test_packing import _free_port, _samples
+from trainer.algorithms import core_algos
+from trainer.algorithms import linear_logprobs as ll
+from trainer.config import load
+from trainer.policy import forward
+from trainer.ports import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+RTOL, ATOL = 1e-5, 1e-6  # float32: the same terms, summed in another order (tiles, an online log-sum-exp)
+
+
+def _small_tiles(monkeypatch) -> None:
+    """Tiles of 16 vocabulary entries and a few positions: every loop of the op runs more than once."""
+    monkeypatch.setattr(ll, "MIN_BLOCK", 16)
+    monkeypatch.setattr(ll, "tile_elements", lambda device: 16 * 5)
+
+
+# ----- the op --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("budget", [2**19, 1000], ids=["one-tile", "tiles"])
+@pytest.mark.parametrize("softcap", [None, 4.0])
+@pytest.mark.parametrize("bias", [False, True])
+def test_should_equal_the_logits_pass_when_logprobs_come_from_hidden_states_a_tile_at_a_time(budget, softcap, bias):
+    g = torch.Generator().manual_seed(0)
+    n, h, v = 37, 16, 700  # 1000 elements: blocks of 256 entries (the last one short) and chunks of 3 positions
+    hidden = torch.randn(2, n, h, generator=g, requires_grad=True)
+    weight = (torch.randn(v, h, generator=g) * 0.5).requires_grad_()
+    b = torch.randn(v, generator=g, requires_grad=True) if bias else None
+    labels = torch.randint(0, v, (2, n), generator=g)
+    upstream = torch.randn(2, n, generator=g)
+    leaves = [hidden, weight] + ([b] if bias else [])
+
+    logits = F.linear(hidden, weight, b)
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    want, want_entropy = core_algos.logprobs_and_entropy(logits, labels, chunk_size=7, temperature=0.7,
+                                                         with_entropy=True)  # fmt: skip
+    want_grads = torch.autograd.grad((want * upstream).sum(), leaves)
+    got, got_entropy = ll.linear_logprobs(hidden, weight, b, labels, temperature=0.7, softcap=softcap,
+                                          with_entropy=True, budget=budget)  # fmt: skip
+    got_grads = torch.autograd.grad((got * upstream).sum(), leaves)
+
+    assert got.shape == labels.shape and got.dtype == torch.float32 and not got_entropy.requires_grad
+    torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+    # H = lse - sum p x: the two terms' rounding is relative to the logits' scale, not to H
+    torch.testing.assert_close(got_entropy, want_entropy, rtol=RTOL, atol=ATOL * float(logits.detach().abs().max()))
+    for name, a, e in zip(("hidden", "weight", "bias"), got_grads, want_grads):
+        # sums over hundreds of vocabulary entries in another order: rounding is relative to their scale
+        torch.testing.assert_close(a, e, rtol=RTOL, atol=ATOL * float(e.abs().max()))
+        assert a.abs().max() > 0, name
+
+
+def test_should_split_positions_only_when_a_vocabulary_block_of_the_minimum_width_leaves_no_room():
+    assert ll.tiles(4096, 262144, 2**26) == (4096, 16384)  # every position at once, 16 blocks
+    assert ll.tiles(100, 49152, 2**26) == (100, 49152)  # one tile
+    assert ll.tiles(4096, 49152, 2**19) == (2048, 256)  # the minimum block: positions split in two
+
+
+def test_should_apply_the_models_own_final_softcapping_when_a_gemma_model_caps_its_logits():
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    from trainer.policy.batch import pack_batch
+
+    config = Gemma3TextConfig(vocab_size=70, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                              num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                              final_logit_softcapping=1.0, sliding_window=8)  # fmt: skip
+    model = Gemma3ForCausalLM(config).to(torch.float32)
+    batch = pack_batch(_samples()[:5], pad_id=0)
+    args = (model, batch, torch.device("cpu"), None, False, 0.8, True)
+    want, want_entropy = forward.logits_logprobs(*args)  # the model's own logits: capped inside its forward
+    got, got_entropy = forward.forward_logprobs(*args)
+    torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(got_entropy, want_entropy, rtol=RTOL, atol=ATOL)
+    config.final_logit_softcapping = None  # what ignoring the cap would give: it matters here
+    assert (forward.forward_logprobs(*args)[0] - want).abs().max() > 1e-3
+
+
+# ----- the policy worker, each layout --------------------------------------------------------------
+
+LAYOUTS = {
+    "packed": dict(sequence_packing=True, shared_prefix=False),
+    "padded": dict(sequence_packing=False, shared_prefix=False),
+    "shared-prompt": dict(sequence_packing=False, shared_prefix=True),
+}
+
+
+@pytest.fixture(scope="module")
+def worker(tiny_model_path):
+    import torch.distributed as dist
+
+    from trainer.policy.worker import PolicyWorker
+
+    if dist.is_initialized():
+        pytest.skip("this process already has a torch.distributed world")
+    cfg = load(["experiment=tiny", f"model.name={tiny_model_path}", "cluster.cpu_workers_per_node=1",
+                "policy.max_grad_norm=null", "policy.micro_batch_size=5", "policy.logprob_micro_batch_size=5",
+                "policy.reshard_after_forward=true", "policy.compute_entropy=true",
+                "generation.temperature=0.8", "grpo.loss.reference_policy_kl_penalty=0.1"])  # fmt: skip
+    threads = torch.get_num_threads()
+    w = PolicyWorker(cfg, tiny_model_path, rank=0, world_size=1, colocated_engine=False)
+    try:
+        w.setup("127.0.0.1", _free_port())
+        assert w.model.get_output_embeddings().weight is w.model.get_input_embeddings().weight  # tied
+        w.scheduler.base_lrs = [0.0] * len(w.scheduler.base_lrs)  # the weights stay; param.grad keeps each step's
+        for group in w.optimizer.param_groups:
+            group["lr"] = 0.0
+        yield w
+    finally:
+        w.shutdown()
+        torch.set_num_threads(threads)
+
+
+def _run(w, samples, policy: dict) -> dict:
+    """Policy and reference logprobs, one training step's metrics and every parameter's gradient."""
+    saved = {k: getattr(w.cfg.policy, k) for k in policy}
+    for k, v in policy.items():
+        setattr(w.cfg.policy, k, v)
+    try:
+        tokens = float(sum(sum(s.response_mask) for s in samples))
+        out = {"logprobs": w.compute_logprobs(samples), "ref": w.compute_logprobs(samples, reference=True),
+               "metrics": w.train([samples], [{"tokens": tokens, "seqs": float(len(samples))}])}  # fmt: skip
+    finally:
+        for k, v in saved.items():
+            setattr(w.cfg.policy, k, v)
+    out["grads"] = {n: p.grad.full_tensor().clone() for n, p in w.model.named_parameters()}
+    return out
+
+
+def _assert_same(got: dict, want: dict) -> None:
+    for key in ("logprobs", "ref"):
+        for a, b in zip(got[key], want[key], strict=True):
+            torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=RTOL, atol=ATOL, msg=key)
+    assert got["metrics"].keys() == want["metrics"].keys() and "entropy" in want["metrics"]
+    for key, value in want["metrics"].items():
+        assert got["metrics"][key] == pytest.approx(value, rel=RTOL, abs=ATOL), key
+    assert want["metrics"]["grad_norm"] > 0
+    for name, grad in want["grads"].items():
+        torch.testing.assert_close(got["grads"][name], grad, rtol=RTOL, atol=ATOL, msg=name)
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_should_give_todays_logprobs_entropy_and_gradients_when_the_head_is_tiled_in_each_layout(
+    worker, layout, monkeypatch
+):
+    samples = _samples()
+    with monkeypatch.context() as today:
+        today.setattr(forward, "forward_logprobs", forward.logits_logprobs)
+        want = _run(worker, samples, LAYOUTS[layout])
+    _small_tiles(monkeypatch)
+    got = _run(worker, samples, LAYOUTS[layout])
+    _assert_same(got, want)
+
+
+# ----- Ulysses -------------------------------------------------------------------------------------
+
+
+def _rank_main(rank: int, world: int, port: int, model_path: str, out: str) -> None:
+    """One of two sequence-parallel ranks: today's path, then the tiled one; rank 0 saves both."""
+    from trainer.policy.worker import PolicyWorker
+
+    cfg = load(["experiment=tiny", f"model.name={model_path}", f"cluster.cpu_workers_per_node={world}",
+                f"policy.sequence_parallel_size={world}", "policy.max_grad_norm=null",
+                "policy.micro_batch_size=5", "policy.logprob_micro_batch_size=5", "policy.compute_entropy=true",
+                "grpo.loss.reference_policy_kl_penalty=0.1"])  # fmt: skip
+    w = PolicyWorker(cfg, model_path, rank=rank, world_size=world, colocated_engine=False)
+    w.setup("127.0.0.1", port)
+    w.scheduler.base_lrs = [0.0] * len(w.scheduler.base_lrs)
+    for group in w.optimizer.param_groups:
+        group["lr"] = 0.0
+    tiled = forward.forward_logprobs
+    forward.forward_logprobs = forward.logits_logprobs
+    want = _run(w, _samples(), {})
+    forward.forward_logprobs = tiled
+    ll.MIN_BLOCK, ll.tile_elements = 16, lambda device: 16 * 5
+    got = _run(w, _samples(), {})
+    if rank == 0:
+        torch.save({"want": want, "got": got}, out)
+    w.shutdown()
+
+
+def test_should_give_todays_logprobs_and_gradients_when_two_ulysses_ranks_tile_their_halves(tiny_model_path, tmp_path):
+    port, out = free_port("127.0.0.1"), tmp_path / "ulysses.pt"
+    procs = [
+        subprocess.Popen([sys.executable, "-c", f"from tests.policy.test_linear_logprobs import _rank_main; "
+                          f"_rank_main({rank}, 2, {port}, {tiny_model_path!r}, {str(out)!r})"], cwd=REPO)
+        for rank in range(2)
+    ]  # fmt: skip
+    assert wait_all(procs, timeout=400) == [0, 0], "a rank failed (its output is above)"
+    runs = torch.load(out)
+    _assert_same(runs["got"], runs["want"])
+
+
+# ----- memory --------------------------------------------------------------------------------------
+
+
+class _Largest(TorchDispatchMode):
+    """The largest tensor any op returns while active (forward and backward), by element count."""
+
+    def __init__(self):
+        super().__init__()
+        self.numel, self.op = 0, None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.numel() > self.numel:
+                self.numel, self.op = t.numel(), f"{func} -> {tuple(t.shape)}"
+        return out
+
+
+def test_should_never_make_a_positions_by_vocabulary_tensor_when_logprobs_and_their_gradient_are_computed():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from trainer.policy.batch import Sample, pack_batch
+
+    vocab = 16384
+    config = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=True)  # fmt: skip
+    model = LlamaForCausalLM(config).to(torch.float32)
+    g = torch.Generator().manual_seed(0)
+    samples = [Sample(torch.randint(0, vocab, (8,), generator=g).tolist(),
+                      torch.randint(0, vocab, (128,), generator=g).tolist(), advantage=1.0) for _ in range(4)]  # fmt: skip
+    batch = pack_batch(samples, pad_id=0)
+    positions = batch.predict.numel()
+    assert positions == 512 and positions * vocab > 2**19  # the CPU's tile (2 MiB of float32) cannot hold them all
+    with _Largest() as largest:
+        logprobs, entropy = forward.forward_logprobs(model, batch, torch.device("cpu"), None, False, 1.0, True)
+        (logprobs * batch.loss_mask).sum().backward()
+    assert entropy is not None and model.lm_head.weight.grad is not None
+    # the weight and its gradient (vocab x 32) are the largest things here: 16x fewer than the logits' elements
+    assert largest.numel < positions * vocab // 4, largest.op

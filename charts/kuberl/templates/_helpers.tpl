@@ -33,25 +33,48 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 
 {{- define "kuberl.labels" -}}
 helm.sh/chart: {{ include "kuberl.chart" . }}
-{{ include "kuberl.selectorLabels" . }}
 app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+{{ include "kuberl.podTemplateLabels" . }}
+{{- end }}
+
+{{/*
+The labels of a pod template: no chart version or appVersion. KubeRay hashes the whole pod template,
+metadata included, to decide whether an upgrade recreates the pods, so a template may carry only what
+changes the pod (the image tag that appVersion picks changes the container, not a label).
+*/}}
+{{- define "kuberl.podTemplateLabels" -}}
+{{ include "kuberl.selectorLabels" . }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- with .Values.experiment }}
 kuberl.dev/experiment: {{ . | quote }}
 {{- end }}
 {{- end }}
 
-{{/* The Secret with the Ray token (key `auth_token`): auth.existingSecret, else the chart's own. */}}
+{{/*
+The Secret with the Ray token (key `auth_token`): auth.existingSecret, else the one KubeRay (1.6 and
+later) makes for the cluster when authOptions names none. KubeRay names it `utils.CheckName(<cluster>)`:
+the cluster's name, whose first character becomes `r` when it is a digit (our names are at most 47
+characters, under CheckName's cut at 50). Nothing random is rendered, so two renders of the same values
+are identical (helm template, Argo CD, Flux), and the token lives as long as the RayCluster object.
+*/}}
 {{- define "kuberl.authSecret" -}}
-{{- default (printf "%s-ray-auth" (include "kuberl.fullname" .)) .Values.auth.existingSecret }}
+{{- if .Values.auth.existingSecret }}
+{{- .Values.auth.existingSecret }}
+{{- else }}
+{{- $name := include "kuberl.fullname" . }}
+{{- if regexMatch "^[0-9]" $name }}{{ $name = printf "r%s" (substr 1 (len $name) $name) }}{{ end }}
+{{- $name }}
+{{- end }}
 {{- end }}
 
-{{/* KubeRay's authOptions: a token from kuberl.authSecret, or none. */}}
+{{/* KubeRay's authOptions: a token from auth.existingSecret or KubeRay's own Secret, or none. */}}
 {{- define "kuberl.authOptions" -}}
 {{- if eq .Values.auth.mode "token" -}}
 authOptions:
   mode: token
-  secretName: {{ include "kuberl.authSecret" . }}
+  {{- with .Values.auth.existingSecret }}
+  secretName: {{ . }}
+  {{- end }}
 {{- else -}}
 authOptions:
   mode: disabled
@@ -95,6 +118,19 @@ annotations:
   {{- with .Values.annotations }}
   {{- toYaml . | nindent 2 }}
   {{- end }}
+{{- end }}
+
+{{/*
+The sandbox group's service account: one of its own, with no Workload Identity annotation, so the
+pods that run model-written code hold no Google identity (the metadata server maps a pod's service
+account to its Google one); `default` when the chart creates no service account.
+*/}}
+{{- define "kuberl.sandboxServiceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- printf "%s-sandbox" (include "kuberl.serviceAccountName" .) | trunc 63 | trimSuffix "-" }}
+{{- else }}
+default
+{{- end }}
 {{- end }}
 
 {{- define "kuberl.serviceAccountName" -}}
@@ -150,12 +186,14 @@ Start-up, run by bash under tini (the container's PID 1, which reaps the orphans
 Ray leave behind; see kuberl.command). The RayCluster carries `ray.io/overwrite-container-cmd: "true"`,
 so KubeRay leaves the command alone and hands over the `ray start` it generated in
 KUBERAY_GEN_RAY_START_CMD; we `exec` it, so Ray is tini's child and gets its signals.
-Args: dict root, head (bool), gpu (bool).
+Args: dict root, head (bool), gpu (bool), sandbox (bool: the sandbox group, which mounts no storage).
 */}}
 {{- define "kuberl.startScript" -}}
 {{- $v := .root.Values -}}
 ulimit -n 65536 2>/dev/null || true
+{{- if not .sandbox }}
 mkdir -p "$KUBERL_LOG_DIR" "$KUBERL_CHECKPOINT_DIR" "$HF_HOME" "$KUBERL_CACHE"
+{{- end }}
 {{- if .gpu }}
 {{- $min := index .root.Chart.Annotations "kuberl.dev/min-nvidia-driver" }}
 # The image's CUDA 13 wheels need an R{{ $min }}+ driver (Chart.yaml); GKE mounts the node's nvidia-smi here.
@@ -197,32 +235,59 @@ Without tini `ray start` would be PID 1, and the orphans of bubblewrap sandboxes
 {{- end }}
 
 {{/*
-securityContext of a Ray container: what bubblewrap needs when sandbox.enabled, then
-containerSecurityContext over it. bubblewrap makes user, mount, PID and network namespaces and mounts
-tmpfs in them: containerd's default seccomp profile (GKE Autopilot applies it, Standard when a pod or
-Pod Security asks for RuntimeDefault) refuses unshare/clone of namespaces without CAP_SYS_ADMIN, and
-the cri-containerd.apparmor.d profile GKE's Container-Optimized OS applies denies mount. No
-capability is added and nothing is privileged: the container's masked /proc stays masked, and the
-sandbox then goes without a /proc of its own (trainer/sandbox/backends.py).
+securityContext of a Ray container, then containerSecurityContext over it. Every container drops every
+capability (NET_RAW included) and cannot gain privileges; seccomp is the pod's RuntimeDefault
+(kuberl.podSecurityContext). The sandbox group alone (sandbox.enabled) is loosened as bubblewrap needs
+it: it makes user, mount, PID and network namespaces and mounts tmpfs in them, which containerd's
+default seccomp profile (unshare/clone of namespaces without CAP_SYS_ADMIN) and the
+cri-containerd.apparmor.d profile of GKE's Container-Optimized OS (mount) deny, so seccomp and AppArmor
+are `Unconfined` there. Its container keeps the runtime's default capabilities but NET_RAW: bwrap runs as
+root and takes SYS_ADMIN and NET_ADMIN inside the namespaces it makes, which the bounding set must still
+hold. Nothing is privileged. Under GKE Sandbox (sandbox.runtimeClassName: gvisor) gVisor implements those
+namespaces itself, and the profiles stay at their defaults. Args: dict root, sandbox (bool).
 */}}
 {{- define "kuberl.containerSecurityContext" -}}
-{{- $sc := dict }}
-{{- if .Values.sandbox.enabled }}
-{{- $sc = dict "seccompProfile" (dict "type" "Unconfined") "appArmorProfile" (dict "type" "Unconfined") "allowPrivilegeEscalation" false }}
+{{- $sc := dict "allowPrivilegeEscalation" false "capabilities" (dict "drop" (list "ALL")) }}
+{{- if .sandbox }}
+{{- $_ := set $sc "capabilities" (dict "drop" (list "NET_RAW")) }}
+{{- if ne .root.Values.sandbox.runtimeClassName "gvisor" }}
+{{- $_ := set $sc "seccompProfile" (dict "type" "Unconfined") }}
+{{- $_ := set $sc "appArmorProfile" (dict "type" "Unconfined") }}
 {{- end }}
-{{- $sc = mergeOverwrite $sc (deepCopy .Values.containerSecurityContext) }}
-{{- if $sc }}
+{{- end }}
+{{- $sc = mergeOverwrite $sc (deepCopy .root.Values.containerSecurityContext) }}
 {{- toYaml $sc }}
-{{- end }}
 {{- end }}
 
 {{/*
-Environment of every Ray container. Args: dict root, gpu (bool: a GPU worker).
+securityContext of a Ray pod: seccomp RuntimeDefault (containerd's default profile; GKE Standard applies
+none unless asked), then podSecurityContext over it. Args: the chart root.
+*/}}
+{{- define "kuberl.podSecurityContext" -}}
+{{- $sc := dict "seccompProfile" (dict "type" "RuntimeDefault") }}
+{{- $sc = mergeOverwrite $sc (deepCopy .Values.podSecurityContext) }}
+{{- toYaml $sc }}
+{{- end }}
+
+{{/*
+Environment of every Ray container. Args: dict root, gpu (bool: a GPU worker), sandbox (bool: the
+sandbox group, which gets no Secret, no storage path and none of `env`, where a platform may put
+secretKeyRefs).
 */}}
 {{- define "kuberl.env" -}}
 {{- $v := .root.Values -}}
 - name: KUBERL_EXPERIMENT
   value: {{ $v.experiment | quote }}
+{{- /* Code rewards run only under this isolation: with bwrap, a pod where bubblewrap cannot start
+refuses the run in one line rather than falling back (trainer/sandbox/backends.py). */}}
+- name: KUBERL_SANDBOX
+  value: {{ $v.sandbox.backend | quote }}
+{{- if $v.sandbox.enabled }}
+{{- /* The driver sends code reward tasks to the nodes that hold this Ray resource: the sandbox group. */}}
+- name: KUBERL_SANDBOX_RESOURCE
+  value: {{ $v.sandbox.resource | quote }}
+{{- end }}
+{{- if not .sandbox }}
 - name: KUBERL_LOG_DIR
   value: {{ include "kuberl.path" (dict "root" .root "key" "logs") | quote }}
 - name: KUBERL_CHECKPOINT_DIR
@@ -235,10 +300,6 @@ Environment of every Ray container. Args: dict root, gpu (bool: a GPU worker).
 3 s): the same grace as the pods get, for the trainer to finish its step and save. */}}
 - name: RAY_JOB_STOP_WAIT_TIME_S
   value: {{ $v.terminationGracePeriodSeconds | quote }}
-{{- /* Code rewards run only under this isolation: with bwrap, a pod where bubblewrap cannot start
-refuses the run in one line rather than falling back (trainer/sandbox/backends.py). */}}
-- name: KUBERL_SANDBOX
-  value: {{ $v.sandbox.backend | quote }}
 {{- with $v.secrets.hfToken.secretName }}
 - name: HF_TOKEN
   valueFrom:
@@ -259,6 +320,7 @@ entrypoint, which would add it: without this no GPU container loads libcuda. */}
 {{- end }}{{ end }}
 {{- with $v.env }}
 {{ toYaml . }}
+{{- end }}
 {{- end }}
 {{- end }}
 
@@ -292,7 +354,7 @@ read them from the pod, and a chart that drops them yields pods without storage 
 
 {{/* Pod labels. Args: dict root, extra (map). */}}
 {{- define "kuberl.podLabels" -}}
-{{ include "kuberl.labels" .root }}
+{{ include "kuberl.podTemplateLabels" .root }}
 {{- with .root.Values.podLabels }}
 {{ toYaml . }}
 {{- end }}
@@ -498,14 +560,20 @@ under a PV name's 253, so nothing is cut. storage.lustre.volumeName keeps the na
 {{- end }}
 
 {{/*
-Resources of a worker container: the group's cpu/memory plus its GPUs as request and limit.
-Args: dict group, gpus.
+Resources of a worker container: the group's cpu/memory plus its GPUs as request and limit. A memory
+request without a limit gets itself as the limit: a worker's memory-backed /dev/shm is charged to the
+container, and without a limit a full one (shmSize) would take the node's memory from everything else on
+it. Args: dict group, gpus.
 */}}
 {{- define "kuberl.workerResources" -}}
 {{- $r := deepCopy (default dict .group.resources) }}
-{{- if gt (int .gpus) 0 }}
 {{- $req := default dict $r.requests }}
 {{- $lim := default dict $r.limits }}
+{{- if and (hasKey $req "memory") (not (hasKey $lim "memory")) }}
+{{- $_ := set $lim "memory" (get $req "memory") }}
+{{- $_ := set $r "limits" $lim }}
+{{- end }}
+{{- if gt (int .gpus) 0 }}
 {{- $_ := set $req "nvidia.com/gpu" (int .gpus) }}
 {{- $_ := set $lim "nvidia.com/gpu" (int .gpus) }}
 {{- $_ := set $r "requests" $req }}
@@ -515,40 +583,49 @@ Args: dict group, gpus.
 {{- end }}
 
 {{/*
-One Ray pod template. Args: dict root, name (group), head (bool), group (values of the group).
+One Ray pod template. Args: dict root, name (group), head (bool), group (values of the group), sandbox
+(bool: the sandbox group, sandbox.enabled). No Ray pod calls the Kubernetes API, so none mounts a
+service-account token (gcsfuse's CSI driver asks for its own token; Workload Identity goes through the
+metadata server). The sandbox group runs model-written code: it gets no Secret, no shared storage, no
+Google identity (a service account of its own), none of the platform's extra volumes, envFrom, init
+containers or sidecars, and its own NetworkPolicy (networkpolicy.yaml).
 */}}
 {{- define "kuberl.podTemplate" -}}
 {{- $v := .root.Values -}}
 {{- $gpus := 0 }}
 {{- if not .head }}{{ $gpus = int (default 0 .group.gpus) }}{{ end }}
 {{- $gpu := gt $gpus 0 }}
-{{- $ctx := dict "root" .root "gpu" $gpu "head" .head -}}
+{{- $sandbox := default false .sandbox }}
+{{- $ctx := dict "root" .root "gpu" $gpu "head" .head "sandbox" $sandbox -}}
 metadata:
-  {{- $ann := include "kuberl.podAnnotations" (dict "root" .root "gpu" $gpu "extra" .group.annotations) }}
+  {{- $ann := "" }}
+  {{- if not $sandbox }}{{ $ann = include "kuberl.podAnnotations" (dict "root" .root "gpu" $gpu "extra" .group.annotations) }}{{ end }}
   {{- with $ann }}
   annotations:
     {{- . | nindent 4 }}
   {{- end }}
   labels:
     {{- include "kuberl.podLabels" (dict "root" .root "extra" .group.labels) | nindent 4 }}
+    {{- if $sandbox }}
+    kuberl.dev/role: sandbox
+    {{- end }}
 spec:
-  serviceAccountName: {{ include "kuberl.serviceAccountName" .root }}
+  serviceAccountName: {{ ternary (include "kuberl.sandboxServiceAccountName" .root) (include "kuberl.serviceAccountName" .root) $sandbox }}
+  automountServiceAccountToken: false
   terminationGracePeriodSeconds: {{ $v.terminationGracePeriodSeconds }}
   {{- with $v.priorityClassName }}
   priorityClassName: {{ . }}
   {{- end }}
-  {{- with $v.runtimeClassName }}
+  {{- with ternary $v.sandbox.runtimeClassName $v.runtimeClassName $sandbox }}
   runtimeClassName: {{ . }}
   {{- end }}
-  {{- with $v.podSecurityContext }}
   securityContext:
-    {{- toYaml . | nindent 4 }}
-  {{- end }}
+    {{- include "kuberl.podSecurityContext" .root | nindent 4 }}
   {{- with $v.imagePullSecrets }}
   imagePullSecrets:
     {{- toYaml . | nindent 4 }}
   {{- end }}
-  {{- with include "kuberl.nodeSelector" (dict "root" .root "gpu" $gpu "head" .head "extra" .group.nodeSelector) }}
+  {{- with include "kuberl.nodeSelector" (dict "root" .root "gpu" $gpu "head" (or .head $sandbox) "extra" .group.nodeSelector) }}
   nodeSelector:
     {{- . | nindent 4 }}
   {{- end }}
@@ -560,19 +637,19 @@ spec:
   affinity:
     {{- . | nindent 4 }}
   {{- end }}
+  {{- if not $sandbox }}
   {{- with $v.initContainers }}
   initContainers:
     {{- toYaml . | nindent 4 }}
+  {{- end }}
   {{- end }}
   containers:
     {{- /* KubeRay finds the Ray container at index 0: sidecars come after it. */}}
     - name: {{ ternary "ray-head" "ray-worker" .head }}
       image: {{ include "kuberl.image" .root }}
       imagePullPolicy: {{ $v.image.pullPolicy }}
-      {{- with include "kuberl.containerSecurityContext" .root }}
       securityContext:
-        {{- . | nindent 8 }}
-      {{- end }}
+        {{- include "kuberl.containerSecurityContext" (dict "root" .root "sandbox" $sandbox) | nindent 8 }}
       command: {{ include "kuberl.command" . }}
       args:
         - |
@@ -592,9 +669,11 @@ spec:
       {{- end }}
       env:
         {{- include "kuberl.env" $ctx | nindent 8 }}
+      {{- if not $sandbox }}
       {{- with $v.envFrom }}
       envFrom:
         {{- toYaml . | nindent 8 }}
+      {{- end }}
       {{- end }}
       resources:
         {{- if .head }}
@@ -603,43 +682,32 @@ spec:
         {{- include "kuberl.workerResources" (dict "group" .group "gpus" $gpus) | nindent 8 }}
         {{- end }}
       volumeMounts:
+        {{- if $sandbox }}
+        - name: dshm
+          mountPath: /dev/shm
+        {{- else }}
         {{- include "kuberl.volumeMounts" $ctx | nindent 8 }}
         {{- with $v.extraVolumeMounts }}
         {{- toYaml . | nindent 8 }}
         {{- end }}
+        {{- end }}
+    {{- if not $sandbox }}
     {{- with $v.sidecars }}
     {{- toYaml . | nindent 4 }}
     {{- end }}
+    {{- end }}
   volumes:
+    {{- if $sandbox }}
+    - name: dshm
+      emptyDir:
+        medium: Memory
+        sizeLimit: {{ .group.shmSize }}
+    {{- else }}
     {{- include "kuberl.volumes" $ctx | nindent 4 }}
     {{- with $v.extraVolumes }}
     {{- toYaml . | nindent 4 }}
     {{- end }}
-{{- end }}
-
-{{/*
-The multi-network objects, as a list of {name, deviceMode, vpc, subnet}: `gvnic-1` for socket
-traffic and `rdma-0`... for GPUDirect RDMA.
-*/}}
-{{- define "kuberl.rdmaNetworks" -}}
-{{- $r := .Values.rdma }}
-{{- $nets := list (dict "name" "gvnic-1" "deviceMode" "NetDevice" "vpc" (required "rdma.gvnic.vpc is required when rdma.enabled" $r.gvnic.vpc) "subnet" (required "rdma.gvnic.subnet is required when rdma.enabled" $r.gvnic.subnet)) }}
-{{- range $i := until (int $r.nics) }}
-{{- $nets = append $nets (dict "name" (printf "rdma-%d" $i) "deviceMode" "RDMA" "vpc" (required "rdma.roce.vpc is required when rdma.enabled" $r.roce.vpc) "subnet" (printf "%s-%d" (required "rdma.roce.subnetPrefix is required when rdma.enabled" $r.roce.subnetPrefix) $i)) }}
-{{- end }}
-{{- toYaml (dict "items" $nets) }}
-{{- end }}
-
-{{/*
-"true" when this release should render the cluster-scoped object: it does not exist yet, or this
-release owns it. Several experiments share one GKE cluster, and only one may own `rdma-0`.
-Args: dict root, apiVersion, kind, name.
-*/}}
-{{- define "kuberl.ownsClusterObject" -}}
-{{- $existing := lookup .apiVersion .kind "" .name }}
-{{- if not $existing }}true
-{{- else if and (eq (dig "metadata" "annotations" "meta.helm.sh/release-name" "" $existing) .root.Release.Name) (eq (dig "metadata" "annotations" "meta.helm.sh/release-namespace" "" $existing) .root.Release.Namespace) }}true
-{{- end }}
+    {{- end }}
 {{- end }}
 
 {{/*
@@ -711,6 +779,27 @@ workerGroupSpecs:
     template:
       {{- include "kuberl.podTemplate" (dict "root" $ "name" $name "head" false "group" $g) | nindent 6 }}
 {{- end }}
+{{- with .Values.sandbox }}{{ if .enabled }}
+{{- if hasKey $.Values.workerGroups "sandbox" }}
+{{- fail "workerGroups.sandbox: the name is the sandbox group's (sandbox.enabled): rename the group" }}
+{{- end }}
+  {{- /* Code rewards ask for one unit of the custom resource per task (trainer/rewards/runner.py), so
+  parallel compilation and test runs scale with this group's CPUs and never land on a GPU node. */}}
+  - groupName: sandbox
+    replicas: {{ .replicas }}
+    minReplicas: {{ .replicas }}
+    maxReplicas: {{ .replicas }}
+    rayStartParams:
+      block: "true"
+      metrics-export-port: "8080"
+      num-cpus: {{ .cpus | quote }}
+      num-gpus: "0"
+      {{- /* As KubeRay writes it itself: JSON in single quotes, for the shell that runs `ray start`. */}}
+      resources: {{ printf "'{\"%s\": %d}'" .resource (int .cpus) | quote }}
+    template:
+      {{- $group := dict "resources" (dict "requests" (dict "cpu" (.cpus | toString) "memory" .memory) "limits" (dict "cpu" (.cpus | toString) "memory" .memory)) "nodeSelector" .nodeSelector "tolerations" .tolerations "affinity" .affinity "shmSize" .shmSize }}
+      {{- include "kuberl.podTemplate" (dict "root" $ "name" "sandbox" "head" false "group" $group "sandbox" true) | nindent 6 }}
+{{- end }}{{ end }}
 {{- end }}
 
 {{/*

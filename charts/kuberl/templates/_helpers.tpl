@@ -352,6 +352,39 @@ read them from the pod, and a chart that drops them yields pods without storage 
 {{- end }}
 {{- end }}
 
+{{/*
+The privileges a Ray pod keeps, each with its reason, as checkov's skip annotations
+(`checkov.io/skipN: CHECK=reason`): every other check of checkov's Kubernetes policies passes on the
+pod templates (bench/lift_pods.py lifts them out of the RayCluster for it; bench/README.md). Only what
+applies to this pod is listed: a digest, `Always`, a CPU limit or a non-root user set in the values
+drops its line. Args: dict root, ctx (the pod template's ctx), group (values of the group).
+*/}}
+{{- define "kuberl.checkovSkips" -}}
+{{- $v := .root.Values }}
+{{- $skips := list "CKV_K8S_8=KubeRay adds its own liveness probe to the Ray container (Ray's health endpoints)" "CKV_K8S_9=KubeRay adds its own readiness probe to the Ray container (Ray's health endpoints)" "CKV_K8S_22=Ray writes /tmp/ray and torch, Triton and vLLM write compile caches under $HOME at run time" }}
+{{- if not (contains "@sha256:" (include "kuberl.image" .root)) }}
+{{- $skips = append $skips "CKV_K8S_43=image.tag takes a digest (@sha256:..., as make push prints it); the default is the chart's appVersion tag" }}
+{{- end }}
+{{- if ne $v.image.pullPolicy "Always" }}
+{{- $skips = append $skips "CKV_K8S_15=a multi-GB image on every node: IfNotPresent, and each build gets a new tag or a digest (image.tag)" }}
+{{- end }}
+{{- if not (or $v.podSecurityContext.runAsNonRoot $v.containerSecurityContext.runAsNonRoot) }}
+{{- $skips = concat $skips (list "CKV_K8S_23=the job image runs as root: every pod writes shared storage (gcsfuse, Lustre) as uid 0; no capability is kept" "CKV_K8S_40=the job image runs as root (CKV_K8S_23); no capability is kept") }}
+{{- end }}
+{{- $res := default dict .group.resources }}
+{{- if not (dig "limits" "cpu" "" $res) }}
+{{- $skips = append $skips "CKV_K8S_11=no CPU limit: CFS quota would throttle the trainer, NCCL's proxy threads and the engines' schedulers; the request reserves the cores" }}
+{{- end }}
+{{- if .ctx.sandbox }}
+{{- $skips = append $skips "CKV_K8S_37=bubblewrap runs as root and needs SYS_ADMIN and NET_ADMIN in the bounding set inside the namespaces it makes: the runtime's default capabilities but NET_RAW (docs/cluster.md)" }}
+{{- else if contains "secretKeyRef" (include "kuberl.env" .ctx) }}
+{{- $skips = append $skips "CKV_K8S_35=HF_TOKEN, WANDB_API_KEY and KubeRay's RAY_AUTH_TOKEN are read from the environment by their libraries; the sandbox group gets none" }}
+{{- end }}
+{{- range $i, $s := $skips }}
+checkov.io/skip{{ add1 $i }}: {{ $s | quote }}
+{{- end }}
+{{- end }}
+
 {{/* Pod labels. Args: dict root, extra (map). */}}
 {{- define "kuberl.podLabels" -}}
 {{ include "kuberl.podTemplateLabels" .root }}
@@ -598,12 +631,13 @@ containers or sidecars, and its own NetworkPolicy (networkpolicy.yaml).
 {{- $sandbox := default false .sandbox }}
 {{- $ctx := dict "root" .root "gpu" $gpu "head" .head "sandbox" $sandbox -}}
 metadata:
-  {{- $ann := "" }}
-  {{- if not $sandbox }}{{ $ann = include "kuberl.podAnnotations" (dict "root" .root "gpu" $gpu "extra" .group.annotations) }}{{ end }}
-  {{- with $ann }}
   annotations:
+    {{- if not $sandbox }}
+    {{- with include "kuberl.podAnnotations" (dict "root" .root "gpu" $gpu "extra" .group.annotations) }}
     {{- . | nindent 4 }}
-  {{- end }}
+    {{- end }}
+    {{- end }}
+    {{- include "kuberl.checkovSkips" (dict "root" .root "ctx" $ctx "group" .group) | nindent 4 }}
   labels:
     {{- include "kuberl.podLabels" (dict "root" .root "extra" .group.labels) | nindent 4 }}
     {{- if $sandbox }}

@@ -4,7 +4,6 @@ Rendered by a real `helm` binary; every object checked against the strict schema
 
 from __future__ import annotations
 
-import base64
 import ipaddress
 import re
 

@@ -120,33 +120,6 @@ a digest (`@sha256:...`) or both (`0.2.0@sha256:...`); a digest pins the image w
 {{- end }}
 
 {{/*
-The `helm test` check, configured by env: RAY_HEAD (host:port of the GCS), WANT_GPUS, TIMEOUT_S,
-POLL_S. `ray status` prints a line such as ` 0.0/16.0 GPU` once any GPU has joined.
-*/}}
-{{- define "kuberl.testScript" -}}
-deadline=$((SECONDS + TIMEOUT_S))
-while :; do
-  if out=$(ray status --address "$RAY_HEAD" 2>&1); then
-    have=$(printf '%s\n' "$out" | awk '$2 == "GPU" { split($1, a, "/"); printf "%d\n", a[2] }' | head -n 1)
-    have=${have:-0}
-    if [ "$have" -eq "$WANT_GPUS" ]; then
-      echo "ok: ray status reports $have GPUs, as the values ask"
-      exit 0
-    fi
-    msg="ray status reports $have GPUs; the values ask for $WANT_GPUS"
-  else
-    msg="ray status cannot reach the head at $RAY_HEAD"
-  fi
-  if [ "$SECONDS" -ge "$deadline" ]; then
-    echo "FAIL: $msg (waited ${TIMEOUT_S}s)"
-    printf '%s\n' "$out"
-    exit 1
-  fi
-  sleep "${POLL_S:-10}"
-done
-{{- end }}
-
-{{/*
 The RayCluster spec: a head with no GPUs and one worker group per entry of .Values.workerGroups.
 The RayCluster and the RayJob (job.enabled) both render it. KubeRay keeps only the container ports
 listed here, so every head port is listed.

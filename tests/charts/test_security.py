@@ -251,7 +251,7 @@ def test_should_loosen_only_the_sandbox_groups_pods_when_sandbox_enabled(sets) -
     sandbox = templates.pop("sandbox")
     assert sandbox["spec"]["containers"][0]["securityContext"] == {
         "allowPrivilegeEscalation": False,
-        "capabilities": {"drop": ["NET_RAW"]},
+        "capabilities": {"drop": ["ALL"], "add": ["SETFCAP", "SETGID", "SETUID"]},
         "seccompProfile": {"type": "Unconfined"},
         "appArmorProfile": {"type": "Unconfined"},
     }

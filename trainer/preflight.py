@@ -288,13 +288,13 @@ class Plan:
     head: PodNeed
     workers: list[PodNeed]
     networks: list[str] = field(default_factory=list)  # Network objects the GPU pods attach to
-    creates_networks: bool = False
     csi_drivers: set[str] = field(default_factory=set)
     claims: list[str] = field(default_factory=list)  # claims the pods use and the release does not create
     service_account: str = ""
     creates_service_account: bool = False
     secrets: dict[str, tuple[str, str]] = field(default_factory=dict)  # Secret -> (key, env var)
-    auth_secret: str | None = None  # the Ray token's Secret (authOptions.secretName); None: auth off
+    auth_on: bool = False  # authOptions.mode=token
+    auth_secret: str | None = None  # the Ray token's Secret (authOptions.secretName); None: KubeRay makes its own
     creates_auth_secret: bool = False
     # The Pod Security level the rendered pods need, and why where it is `privileged`.
     pod_security: str = "baseline"
@@ -347,7 +347,6 @@ def plan(docs: list[dict]) -> Plan:
         for iface in json.loads(raw) if raw else []:
             if iface["network"] != "default" and iface["network"] not in p.networks:
                 p.networks.append(iface["network"])
-    p.creates_networks = "Network" in by_kind
     created_claims = {d["metadata"]["name"] for d in by_kind.get("PersistentVolumeClaim", [])}
     for t in templates:
         for v in t["spec"].get("volumes", []):
@@ -368,6 +367,7 @@ def plan(docs: list[dict]) -> Plan:
                 p.secrets.setdefault(ref["name"], (ref["key"], env["name"]))
     auth = spec.get("authOptions") or {}
     if auth.get("mode") == "token":
+        p.auth_on = True
         p.auth_secret = auth.get("secretName") or None
         p.creates_auth_secret = any(d["metadata"]["name"] == p.auth_secret for d in by_kind.get("Secret", []))
     named = [("head", head_template), *((w.name, t) for w, t in zip(workers, templates[1:], strict=True))]
@@ -383,6 +383,20 @@ def plan(docs: list[dict]) -> Plan:
     return p
 
 
+# What Pod Security `baseline` lets a container add, and the sysctls it lets a pod set (the Kubernetes
+# Pod Security Standards, as of Kubernetes 1.33); anything else needs `privileged`.
+BASELINE_CAPABILITIES = frozenset({
+    "AUDIT_WRITE", "CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "KILL", "MKNOD", "NET_BIND_SERVICE", "SETFCAP",
+    "SETGID", "SETPCAP", "SETUID", "SYS_CHROOT",
+})  # fmt: skip
+SAFE_SYSCTLS = frozenset({
+    "kernel.shm_rmid_forced", "net.ipv4.ip_local_port_range", "net.ipv4.ip_unprivileged_port_start",
+    "net.ipv4.tcp_syncookies", "net.ipv4.ping_group_range", "net.ipv4.ip_local_reserved_ports",
+    "net.ipv4.tcp_keepalive_time", "net.ipv4.tcp_fin_timeout", "net.ipv4.tcp_keepalive_intvl",
+    "net.ipv4.tcp_keepalive_probes",
+})  # fmt: skip
+
+
 def _privileged_because(pod: dict) -> list[str]:
     """What in a pod spec the Pod Security `baseline` level forbids (so it needs `privileged`)."""
     why = []
@@ -392,14 +406,26 @@ def _privileged_because(pod: dict) -> list[str]:
     for key in ("hostNetwork", "hostPID", "hostIPC"):
         if pod.get(key):
             why.append(key)
-    contexts = [pod.get("securityContext") or {}]
-    contexts += [c.get("securityContext") or {} for c in [*pod.get("containers", []), *pod.get("initContainers", [])]]
+    containers = [*pod.get("containers", []), *pod.get("initContainers", [])]
+    contexts = [pod.get("securityContext") or {}] + [c.get("securityContext") or {} for c in containers]
     for sc in contexts:
         for profile in ("seccompProfile", "appArmorProfile"):
             if (sc.get(profile) or {}).get("type") == "Unconfined":
                 why.append(f"{profile} Unconfined")
         if sc.get("privileged"):
             why.append("a privileged container")
+        added = sorted(set((sc.get("capabilities") or {}).get("add") or []) - BASELINE_CAPABILITIES)
+        if added:
+            why.append(f"added capabilities {', '.join(added)}")
+        if sc.get("procMount") not in (None, "Default"):
+            why.append(f"procMount {sc['procMount']}")
+    for sysctl in (pod.get("securityContext") or {}).get("sysctls") or []:
+        if sysctl.get("name") not in SAFE_SYSCTLS:
+            why.append(f"sysctl {sysctl.get('name')}")
+    for c in containers:
+        for port in c.get("ports") or []:
+            if port.get("hostPort"):
+                why.append(f"hostPort {port['hostPort']}")
     return list(dict.fromkeys(why))
 
 
@@ -634,13 +660,13 @@ def check_release(kubectl: Kubectl, p: Plan, namespace: str) -> tuple[list[str],
                 f"RDMA: no CRD {', '.join(absent)}: the cluster needs --enable-multi-networking "
                 "(and --enable-dataplane-v2), see docs/cluster.md"
             )
-        elif not p.creates_networks:
+        else:
             have = {n["metadata"]["name"] for n in (_get(kubectl, "networks.networking.gke.io") or {}).get("items", [])}
             lacking = [n for n in p.networks if n not in have]
             if lacking:
                 problems.append(
-                    f"RDMA: Network objects {', '.join(lacking)} are missing and rdma.createNetworks=false: "
-                    "set it to true, or create them (docs/cluster.md)"
+                    f"RDMA: Network objects {', '.join(lacking)} are missing: the platform creates them once per "
+                    "cluster, make networks HELM_ARGS=\"--set gvnic.vpc=... \" (docs/cluster.md step 2)"
                 )
     for driver in sorted(p.csi_drivers):
         if _get(kubectl, "csidriver", driver) is None:
@@ -667,12 +693,12 @@ def check_release(kubectl: Kubectl, p: Plan, namespace: str) -> tuple[list[str],
                 f"kubectl create secret generic {secret} -n {namespace} --from-literal={key}=..."
             )
     auth_notes: list[str] = []
-    if p.auth_secret is None:
+    if not p.auth_on:
         auth_notes.append(
             "auth: Ray's token auth is off (auth.mode=disabled): any pod that reaches the head can run code "
             "with this release's service account and Secrets"
         )
-    elif not p.creates_auth_secret and _get(kubectl, "secret", p.auth_secret, "-n", namespace) is None:
+    elif p.auth_secret and not p.creates_auth_secret and _get(kubectl, "secret", p.auth_secret, "-n", namespace) is None:
         problems.append(
             f"auth: Secret {p.auth_secret} (the Ray token, auth.existingSecret) is missing in namespace {namespace}: "
             f'kubectl create secret generic {p.auth_secret} -n {namespace} --from-literal=auth_token="$(openssl rand -hex 32)"'

@@ -398,21 +398,32 @@ def ray_token(cluster: dict, namespace: str) -> str | None:
     """The token of a RayCluster with token auth (``spec.authOptions``), from its Secret; None without.
 
     KubeRay turns auth on for ``mode: token`` only (``utils.IsAuthEnabled``), and without a
-    ``secretName`` it makes a Secret named after the cluster; the key is always ``auth_token``."""
+    ``secretName`` it makes a Secret named after the cluster (the chart's default); the key is always
+    ``auth_token``."""
     options = cluster.get("spec", {}).get("authOptions") or {}
     if options.get("mode") != "token":
         return None
-    secret = options.get("secretName") or cluster.get("metadata", {}).get("name", "")
+    secret = options.get("secretName") or kuberay_secret_name(cluster.get("metadata", {}).get("name", ""))
     out = _kubectl("get", "secret", secret, "-n", namespace, "-o", "jsonpath={.data.auth_token}")
     if out.returncode != 0 or not out.stdout.strip():
         why = (out.stderr.strip().splitlines() or ["it has no key auth_token"])[0]
         raise SubmitError(
             f"cannot read the Ray token from Secret {secret} in namespace {namespace} ({why}): "
-            "it must exist with key auth_token (chart value auth.existingSecret), and you need `get` on Secrets there"
+            "KubeRay (1.6 or later) makes it for the RayCluster unless auth.existingSecret names one, which must "
+            "exist with key auth_token; and you need `get` on Secrets there"
         )
     import base64
 
     return base64.b64decode(out.stdout.strip()).decode().strip()
+
+
+def kuberay_secret_name(cluster: str) -> str:
+    """The Secret KubeRay makes for a cluster's token (``utils.CheckName``): its name, cut to the last 50
+    characters, with a leading digit or punctuation replaced by ``r``."""
+    name = cluster[-50:]
+    if name and not name[0].isalpha():
+        name = "r" + name[1:]
+    return name
 
 
 @contextmanager
@@ -503,8 +514,8 @@ def job_client(target: Target):
         return JobSubmissionClient(target.dashboard, headers=headers)
     except AuthenticationError as e:  # 401 without a token, 403 with a wrong one
         hint = {
-            "address": "set RAY_AUTH_TOKEN to the cluster's token (kubectl get secret <release>-ray-auth "
-            "-o jsonpath={.data.auth_token} | base64 -d), or use make submit EXP=... with a kube context",
+            "address": "set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN to the cluster's token (kubectl get secret "
+            "<release> -o jsonpath={.data.auth_token} | base64 -d), or use make submit EXP=... with a kube context",
             "local": "make down && make up makes a new token in ~/.ray/auth_token",
             "kube": "the token in the RayCluster's Secret is not the one its pods started with: "
             "restart the head pod after changing it",

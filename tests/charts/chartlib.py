@@ -34,13 +34,9 @@ SCHEMA_FILES = {
 
 # What most behaviour tests start from: a renderable chart with nothing else changed.
 BASE = ("storage.gcsfuse.bucketName=test-bucket",)
-RDMA = (
-    "rdma.enabled=true",
-    "rdma.gvnic.vpc=g-net",
-    "rdma.gvnic.subnet=g-sub",
-    "rdma.roce.vpc=r-net",
-    "rdma.roce.subnetPrefix=r-sub",
-)
+RDMA = ("rdma.enabled=true",)
+JOB_SETS = ("job.enabled=true",)
+NETWORKS_CHART = REPO / "charts" / "kuberl-networks"
 
 
 def helm_binary() -> Path:

@@ -8,6 +8,7 @@ import pytest
 import yaml
 from chartlib import (
     CHART,
+    NETWORKS_CHART,
     RDMA,
     REPO,
     env_of,
@@ -371,8 +372,20 @@ def test_should_leave_pods_without_rdma_plumbing_when_rdma_disabled() -> None:
     assert not [d for d in docs if d["kind"] in ("Network", "GKENetworkParamSet")]
 
 
-def test_should_create_gvnic_and_rdma_networks_when_rdma_enabled() -> None:
-    docs = render(*RDMA)
+def _networks(*sets: str) -> list[dict]:
+    args = ["template", "nets", str(NETWORKS_CHART)]
+    for v in sets:
+        args += ["--set", v]
+    out = run_helm(*args)
+    assert out.returncode == 0, out.stderr
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+NETS = ("gvnic.vpc=g-net", "gvnic.subnet=g-sub", "roce.vpc=r-net", "roce.subnetPrefix=r-sub")
+
+
+def test_should_create_gvnic_and_rdma_networks_when_the_platform_installs_the_networks_chart() -> None:
+    docs = _networks(*NETS)
     params = {d["metadata"]["name"]: d["spec"] for d in docs if d["kind"] == "GKENetworkParamSet"}
     networks = {d["metadata"]["name"]: d["spec"] for d in docs if d["kind"] == "Network"}
     assert params["gvnic-1"] == {"vpc": "g-net", "vpcSubnet": "g-sub", "deviceMode": "NetDevice"}
@@ -382,10 +395,17 @@ def test_should_create_gvnic_and_rdma_networks_when_rdma_enabled() -> None:
     assert not [e for d in docs for e in schema_errors(d)]
 
 
-def test_should_not_create_networks_when_create_networks_is_false() -> None:
-    docs = render(*RDMA, "rdma.createNetworks=false")
+def test_should_name_the_missing_network_value_when_the_networks_chart_lacks_one() -> None:
+    out = run_helm("template", "nets", str(NETWORKS_CHART), "--set", "gvnic.vpc=g-net")
+    assert out.returncode != 0 and "gvnic.subnet is required" in out.stderr
+
+
+def test_should_attach_to_the_platforms_networks_and_create_none_when_rdma_enabled() -> None:
+    docs = render(*RDMA)
     assert not [d for d in docs if d["kind"] in ("Network", "GKENetworkParamSet")]
-    assert "networking.gke.io/interfaces" in groups(docs)["train"]["template"]["metadata"]["annotations"]
+    interfaces = json.loads(groups(docs)["train"]["template"]["metadata"]["annotations"]["networking.gke.io/interfaces"])
+    names = {i["network"] for i in interfaces}
+    assert names == {n["metadata"]["name"] for n in _networks(*NETS) if n["kind"] == "Network"} | {"default"}
 
 
 # ----- identity and secrets -----------------------------------------------------------------------

@@ -4,7 +4,6 @@ Rendered by a real `helm` binary; every object checked against the strict schema
 
 from __future__ import annotations
 
-import base64
 import ipaddress
 import re
 
@@ -30,25 +29,31 @@ def _cluster_spec(docs: list[dict]) -> dict:
 
 
 @pytest.mark.parametrize("sets", [(), JOB], ids=["raycluster", "rayjob"])
-def test_should_turn_on_token_auth_with_a_token_of_its_own_when_rendered_by_default(sets) -> None:
+def test_should_turn_on_token_auth_with_kuberays_own_secret_when_rendered_by_default(sets) -> None:
+    # No secretName: KubeRay 1.6+ makes a Secret named after the cluster (reconcileAuthSecret) and keeps
+    # it with the RayCluster; the chart renders no token, random or looked up.
     docs = _valid(render(*sets))
-    assert _cluster_spec(docs)["authOptions"] == {"mode": "token", "secretName": "exp1-ray-auth"}
-    secret = one(docs, "Secret")
-    assert secret["metadata"]["name"] == "exp1-ray-auth"
-    token = base64.b64decode(secret["data"]["auth_token"]).decode()
-    assert len(token) >= 32 and token.isalnum()
+    assert _cluster_spec(docs)["authOptions"] == {"mode": "token"}
+    assert not [d for d in docs if d["kind"] == "Secret"]
 
 
-def test_should_give_the_helm_test_pod_the_token_when_auth_is_on() -> None:
+def test_should_give_the_helm_test_pod_the_token_of_kuberays_secret_when_auth_is_on() -> None:
     env = env_of(one(render(), "Pod"))
     assert env["RAY_AUTH_MODE"]["value"] == "token"
-    assert env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "exp1-ray-auth", "key": "auth_token"}
+    assert env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "exp1", "key": "auth_token"}
 
 
-def test_should_give_the_rayjob_submitter_the_token_when_auth_is_on() -> None:
+def test_should_name_the_secret_as_kuberays_check_name_does_when_the_release_starts_with_a_digit() -> None:
+    env = env_of(one(render(release="7b-run"), "Pod"))
+    assert env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "rb-run"
+
+
+def test_should_leave_the_submitters_token_to_kuberay_unless_an_existing_secret_is_named() -> None:
+    # KubeRay injects RAY_AUTH_MODE/RAY_AUTH_TOKEN into the submitter from the Secret of the cluster it names
     template = one(render(*JOB), "RayJob")["spec"]["submitterPodTemplate"]
-    env = env_of(template)
-    assert env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "exp1-ray-auth"
+    assert "env" not in template["spec"]["containers"][0]
+    template = one(render(*JOB, "auth.existingSecret=team-ray-token"), "RayJob")["spec"]["submitterPodTemplate"]
+    assert env_of(template)["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "team-ray-token"
 
 
 def test_should_use_the_named_secret_and_make_none_when_auth_existing_secret_is_set() -> None:
@@ -126,11 +131,11 @@ def test_should_let_pods_reach_dns_the_metadata_server_https_and_each_other_when
     assert all(r.get("to") or r.get("ports") for r in egress)
 
 
-def test_should_allow_the_lustre_instance_when_storage_is_lustre() -> None:
+def test_should_add_no_rule_for_lustre_when_storage_is_lustre() -> None:
+    # The Lustre kernel client mounts in the node's network namespace: a pod's policy never sees it.
     policy = _policy("storage.type=lustre", "storage.lustre.volumeHandle=p/z/i", "storage.lustre.ip=10.90.1.4",
                      "storage.lustre.filesystem=fs")  # fmt: skip
-    rules = [r for r in policy["spec"]["egress"] if r.get("to", [{}])[0].get("ipBlock", {}).get("cidr") == "10.90.1.4/32"]
-    assert rules and rules[0]["ports"] == [{"protocol": "TCP", "port": 988}]
+    assert policy["spec"]["egress"] == _policy()["spec"]["egress"]
 
 
 def test_should_narrow_https_to_the_cidrs_given_when_https_cidrs_is_set() -> None:
@@ -161,16 +166,46 @@ def test_should_render_no_policy_when_network_policy_is_disabled() -> None:
 
 
 @pytest.mark.parametrize("sets", [(), JOB], ids=["raycluster", "rayjob"])
-def test_should_hold_a_drain_of_any_ray_pod_when_rendered_by_default(sets) -> None:
-    docs = _valid(render(*sets))
+def test_should_hold_a_drain_of_any_healthy_ray_pod_when_rendered_by_default(sets) -> None:
+    docs = _valid(render("workerGroups.train.replicas=3", *sets))
     pdb = one(docs, "PodDisruptionBudget")
-    assert pdb["spec"]["maxUnavailable"] == 0
+    # the head and the three workers: an integer, which the disruption controller needs no /scale for
+    assert pdb["spec"]["minAvailable"] == 4 and "maxUnavailable" not in pdb["spec"]
+    assert pdb["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
     selector = pdb["spec"]["selector"]
     assert selector["matchExpressions"] == [{"key": "ray.io/node-type", "operator": "In", "values": ["head", "worker"]}]
     # KubeRay labels the head and worker pods from these templates
     spec = _cluster_spec(docs)
     for template in [spec["headGroupSpec"]["template"], *(g["template"] for g in spec["workerGroupSpecs"])]:
         assert selector["matchLabels"].items() <= template["metadata"]["labels"].items()
+
+
+def test_should_count_the_sandbox_pods_in_the_budget_when_sandbox_enabled() -> None:
+    pdb = one(render("sandbox.enabled=true", "sandbox.replicas=2"), "PodDisruptionBudget")
+    assert pdb["spec"]["minAvailable"] == 1 + 1 + 2
+
+
+def test_should_not_use_max_unavailable_because_the_raycluster_crd_has_no_scale_subresource() -> None:
+    """With maxUnavailable (or a percentage) the disruption controller counts the expected pods through
+    the owner's /scale subresource; KubeRay's pods are owned by the RayCluster. A /scale subresource
+    needs `specReplicasPath` (one integer field under .spec, no array index) and `labelSelectorPath`
+    (a string under .status) in the CRD's schema: the RayCluster has replicas only per worker group, in
+    an array, and no status selector, so it cannot have one, and the budget would stay at 0 allowed
+    disruptions (SyncFailed), unhealthy pods included. An integer minAvailable needs no controller."""
+    import json
+
+    from chartlib import SCHEMAS
+
+    if not SCHEMAS.is_dir():
+        pytest.skip(f"schemas not found at {SCHEMAS}")
+    schema = json.loads((SCHEMAS / "raycluster-v1.json").read_text())
+    spec, status = schema["properties"]["spec"]["properties"], schema["properties"]["status"]["properties"]
+    assert "replicas" not in spec  # no .spec.replicas for specReplicasPath
+    assert spec["workerGroupSpecs"]["type"] == "array"  # replicas live per group, in an array
+    assert "replicas" in spec["workerGroupSpecs"]["items"]["properties"]
+    assert not any(v.get("type") == "string" and "selector" in k.lower() for k, v in status.items())
+    pdb = one(render(), "PodDisruptionBudget")["spec"]
+    assert isinstance(pdb["minAvailable"], int) and "maxUnavailable" not in pdb
 
 
 def test_should_render_no_budget_when_disabled() -> None:
@@ -185,41 +220,104 @@ def test_should_keep_the_workers_labels_for_the_budget_when_a_group_adds_its_own
 # ----- code sandboxes -----------------------------------------------------------------------------
 
 
-def _ray_containers(docs: list[dict]) -> list[dict]:
+def _templates(docs: list[dict]) -> dict[str, dict]:
     spec = _cluster_spec(docs)
-    templates = [spec["headGroupSpec"]["template"], *(g["template"] for g in spec["workerGroupSpecs"])]
-    return [t["spec"]["containers"][0] for t in templates]
+    return {"head": spec["headGroupSpec"]["template"], **{g["groupName"]: g["template"] for g in spec["workerGroupSpecs"]}}
+
+
+def _ray_containers(docs: list[dict]) -> list[dict]:
+    return [t["spec"]["containers"][0] for t in _templates(docs).values()]
+
+
+RESTRICTED = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
 
 
 @pytest.mark.parametrize("sets", [(), JOB], ids=["raycluster", "rayjob"])
-def test_should_force_bubblewrap_on_every_ray_container_when_rendered_by_default(sets) -> None:
-    for container in _ray_containers(render(*sets)):
+def test_should_force_bubblewrap_and_restrict_every_ray_container_when_rendered_by_default(sets) -> None:
+    docs = _valid(render(*sets))
+    for template in _templates(docs).values():
+        container = template["spec"]["containers"][0]
         assert {"name": "KUBERL_SANDBOX", "value": "bwrap"} in container["env"]
-        assert "securityContext" not in container  # nothing loosened unless asked
+        assert container["securityContext"] == RESTRICTED
+        assert template["spec"]["securityContext"] == {"seccompProfile": {"type": "RuntimeDefault"}}
+        assert template["spec"]["automountServiceAccountToken"] is False
 
 
 @pytest.mark.parametrize("sets", [(), JOB], ids=["raycluster", "rayjob"])
-def test_should_loosen_only_seccomp_and_apparmor_of_the_ray_containers_when_sandbox_enabled(sets) -> None:
+def test_should_loosen_only_the_sandbox_groups_pods_when_sandbox_enabled(sets) -> None:
     docs = _valid(render("sandbox.enabled=true", *sets))
-    for container in _ray_containers(docs):
-        assert container["securityContext"] == {
-            "seccompProfile": {"type": "Unconfined"},
-            "appArmorProfile": {"type": "Unconfined"},
-            "allowPrivilegeEscalation": False,
-        }
+    templates = _templates(docs)
+    assert set(templates) == {"head", "train", "sandbox"}
+    sandbox = templates.pop("sandbox")
+    assert sandbox["spec"]["containers"][0]["securityContext"] == {
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"], "add": ["SETFCAP", "SETGID", "SETUID"]},
+        "seccompProfile": {"type": "Unconfined"},
+        "appArmorProfile": {"type": "Unconfined"},
+    }
+    for template in templates.values():  # the head and the GPU workers keep the restricted profile
+        assert template["spec"]["containers"][0]["securityContext"] == RESTRICTED
     others = [d for d in docs if d["kind"] == "Pod"] + [
         {"spec": d["spec"]["submitterPodTemplate"]["spec"]} for d in docs if d["kind"] == "RayJob"
     ]
     for pod in others:  # the test pod and the submitter run no model code
-        assert "securityContext" not in pod["spec"]["containers"][0]
+        assert pod["spec"]["containers"][0]["securityContext"] == RESTRICTED
 
 
-def test_should_let_container_security_context_win_when_both_are_set() -> None:
+def test_should_keep_the_default_profiles_of_the_sandbox_group_when_it_runs_under_gvisor() -> None:
+    sandbox = _templates(_valid(render("sandbox.enabled=true", "sandbox.runtimeClassName=gvisor")))["sandbox"]
+    assert sandbox["spec"]["runtimeClassName"] == "gvisor"
+    sc = sandbox["spec"]["containers"][0]["securityContext"]
+    assert "seccompProfile" not in sc and "appArmorProfile" not in sc  # the pod's RuntimeDefault holds
+    assert sandbox["spec"]["securityContext"] == {"seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def test_should_give_the_sandbox_group_no_secret_storage_identity_or_egress_when_sandbox_enabled() -> None:
+    docs = _valid(render("sandbox.enabled=true", "secrets.wandbApiKey.secretName=wandb", "logger.backends={wandb}",
+                         "serviceAccount.gcpServiceAccount=rl@p.iam.gserviceaccount.com", *HOOKS))  # fmt: skip
+    group = groups(docs)["sandbox"]
+    pod = group["template"]["spec"]
+    ray = pod["containers"][0]
+    assert [c["name"] for c in pod["containers"]] == ["ray-worker"] and "initContainers" not in pod
+    assert not [e for e in ray["env"] if "valueFrom" in e] and "envFrom" not in ray
+    assert [v["name"] for v in pod["volumes"]] == ["dshm"] and [m["name"] for m in ray["volumeMounts"]] == ["dshm"]
+    assert "annotations" not in group["template"]["metadata"] or not [
+        k for k in group["template"]["metadata"]["annotations"] if not k.startswith("checkov.io/")]  # fmt: skip
+    assert pod["automountServiceAccountToken"] is False
+    sas = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ServiceAccount"}
+    assert pod["serviceAccountName"] == "exp1-sandbox" and "annotations" not in sas["exp1-sandbox"]["metadata"]
+    assert all(sa["automountServiceAccountToken"] is False for sa in sas.values())
+    # a Ray resource of its own, one unit per CPU; no GPU
+    params = group["rayStartParams"]
+    assert params["resources"] == "'{\"kuberl_sandbox\": 15}'" and params["num-gpus"] == "0"
+    assert ray["resources"]["limits"] == {"cpu": "15", "memory": "56Gi"}
+    # its own policy: the release's pods and DNS; the main policy leaves it out
+    policies = {p["metadata"]["name"]: p["spec"] for p in docs if p["kind"] == "NetworkPolicy"}
+    main, own = policies["exp1"], policies["exp1-sandbox"]
+    assert main["podSelector"]["matchExpressions"] == [{"key": "kuberl.dev/role", "operator": "NotIn", "values": ["sandbox"]}]
+    assert own["podSelector"]["matchLabels"]["kuberl.dev/role"] == "sandbox"
+    assert group["template"]["metadata"]["labels"]["kuberl.dev/role"] == "sandbox"
+    for rule in own["egress"]:
+        assert all("ipBlock" not in peer for peer in rule.get("to", []))
+        assert rule.get("to") or {p["port"] for p in rule["ports"]} == {53}
+    # every other Ray container is told where the sandboxes are
+    for name, template in _templates(docs).items():
+        assert env_of(template)["KUBERL_SANDBOX_RESOURCE"]["value"] == "kuberl_sandbox", name
+
+
+def test_should_refuse_a_worker_group_named_sandbox_when_sandbox_enabled() -> None:
+    out = run_helm("template", "x", str(CHART), "--set", "storage.gcsfuse.bucketName=b", "--set", "sandbox.enabled=true",
+                   "--set", "workerGroups.sandbox.replicas=1")  # fmt: skip
+    assert out.returncode != 0 and "workerGroups.sandbox: the name is the sandbox group's" in out.stderr
+
+
+def test_should_let_container_security_context_win_when_set() -> None:
     docs = render("sandbox.enabled=true", "containerSecurityContext.seccompProfile.type=Localhost",
                   "containerSecurityContext.seccompProfile.localhostProfile=profiles/bwrap.json")  # fmt: skip
-    sc = _ray_containers(docs)[0]["securityContext"]
+    sc = _templates(docs)["sandbox"]["spec"]["containers"][0]["securityContext"]
     assert sc["seccompProfile"] == {"type": "Localhost", "localhostProfile": "profiles/bwrap.json"}
     assert sc["appArmorProfile"] == {"type": "Unconfined"}
+    assert _templates(docs)["train"]["spec"]["containers"][0]["securityContext"]["capabilities"] == {"drop": ["ALL"]}
 
 
 # ----- tenancy ------------------------------------------------------------------------------------
@@ -268,8 +366,7 @@ NAMESPACED = {"RayCluster", "RayJob", "Pod", "ServiceAccount", "Secret", "Networ
 
 @pytest.mark.parametrize("sets", [(), JOB], ids=["raycluster", "rayjob"])
 def test_should_render_only_namespaced_objects_when_installed_with_namespace_rights_only(sets) -> None:
-    docs = _valid(render("storage.type=lustre", "storage.lustre.existingClaim=team-lustre", *RDMA,
-                         "rdma.createNetworks=false", *sets))  # fmt: skip
+    docs = _valid(render("storage.type=lustre", "storage.lustre.existingClaim=team-lustre", *RDMA, *sets))
     assert {d["kind"] for d in docs} <= NAMESPACED
     spec = _cluster_spec(docs)
     claims = {v["persistentVolumeClaim"]["claimName"] for g in spec["workerGroupSpecs"]
@@ -277,22 +374,14 @@ def test_should_render_only_namespaced_objects_when_installed_with_namespace_rig
     assert claims == {"team-lustre"}
 
 
-def test_should_look_up_cluster_scoped_objects_only_where_it_creates_networks_when_rendered() -> None:
-    """helm treats a forbidden `lookup` as an error: a tenant without cluster-wide rights installs with
-    rdma.createNetworks=false, and then no cluster-scoped lookup may run."""
-    templates = CHART / "templates"
-    calls = {p.name: re.findall(r"\blookup\s+(\S+)\s+(\S+)\s+(\S+)", p.read_text()) for p in templates.rglob("*")
-             if p.is_file()}  # fmt: skip
-    calls = {name: found for name, found in calls.items() if found}
-    assert set(calls) == {"_helpers.tpl", "secret.yaml"}, calls
-    assert all(ns == ".Release.Namespace" for _, _, ns in calls["secret.yaml"])  # namespaced: the token
-    helpers = (templates / "_helpers.tpl").read_text()
-    owns = helpers.split('{{- define "kuberl.ownsClusterObject" -}}', 1)[1].split("{{- end }}\n{{- end }}", 1)[0]
-    assert "lookup" in owns and helpers.count("lookup ") == 1  # only kuberl.ownsClusterObject looks up
-    for p in templates.rglob("*"):
-        if p.is_file() and "kuberl.ownsClusterObject" in p.read_text() and p.name != "_helpers.tpl":
-            first = p.read_text().split("kuberl.ownsClusterObject", 1)[0]
-            assert "if and .Values.rdma.enabled .Values.rdma.createNetworks" in first, p.name
+def test_should_look_nothing_up_so_two_renders_agree_when_rendered() -> None:
+    """`lookup` is empty under `helm template` (CI, Argo CD, Flux) and forbidden cluster-wide to a tenant:
+    no template may depend on it, nor on anything random or timed."""
+    for p in (CHART / "templates").rglob("*"):
+        if p.is_file():
+            found = re.findall(r"\b(lookup|randAlphaNum|randAlpha|randNumeric|randAscii|uuidv4|now|genPrivateKey|genCA)\b", p.read_text())
+            assert not found, (p.name, found)
+
 
 
 # ----- what a platform adds -----------------------------------------------------------------------
@@ -339,7 +428,7 @@ def test_should_give_every_ray_pod_the_platforms_hooks_with_the_ray_container_fi
     for template in [spec["headGroupSpec"]["template"], *(g["template"] for g in spec["workerGroupSpecs"])]:
         pod = template["spec"]
         assert (pod["priorityClassName"], pod["runtimeClassName"]) == ("research-high", "gvisor")
-        assert pod["securityContext"] == {"fsGroup": 1000}
+        assert pod["securityContext"] == {"fsGroup": 1000, "seccompProfile": {"type": "RuntimeDefault"}}
         assert [c["name"] for c in pod["containers"]][0] in ("ray-head", "ray-worker")
         assert [c["name"] for c in pod["containers"]][1:] == ["log-shipper"]
         assert [c["name"] for c in pod["initContainers"]] == ["wait-for-proxy"]
@@ -417,7 +506,8 @@ def test_should_say_where_the_token_is_or_warn_that_there_is_none_when_notes_pri
     out = run_helm("install", "r", str(CHART), "--dry-run=client", "-n", "exp", "--set", "storage.gcsfuse.bucketName=b",
                    "--set", f"auth.mode={mode}")  # fmt: skip
     assert out.returncode == 0, out.stderr
-    if mode == "token":
-        assert "kubectl get secret r-ray-auth -n exp -o jsonpath='{.data.auth_token}' | base64 -d" in out.stdout
+    if mode == "token":  # a stock Ray client sends the token only with RAY_AUTH_MODE=token
+        assert "export RAY_AUTH_MODE=token\n" in out.stdout
+        assert "export RAY_AUTH_TOKEN=$(kubectl get secret r -n exp -o jsonpath='{.data.auth_token}' | base64 -d)" in out.stdout
     else:
         assert "WARNING: auth.mode=disabled" in out.stdout

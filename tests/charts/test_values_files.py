@@ -39,7 +39,8 @@ def test_should_supply_the_nodes_and_gpus_of_its_experiment_when_rendered(values
     experiment = (yaml.safe_load(values_file.read_text()) or {}).get("experiment")
     assert experiment, f"{values_file.name} names no Hydra experiment (experiment: NAME)"
     cfg = load([f"experiment={experiment}"])
-    workers = groups(render(values=(str(values_file),)))
+    # the sandbox group (sandbox.enabled) is CPU nodes for code rewards, outside the experiment's GPU layout
+    workers = {n: g for n, g in groups(render(values=(str(values_file),))).items() if n != "sandbox"}
     per_pod = {
         name: int(
             g["template"]["spec"]["containers"][0]["resources"].get("limits", {}).get("nvidia.com/gpu", 0)

@@ -25,12 +25,21 @@ cluster's other work holds, or for a worker process to start (seconds of imports
 correct answer must not score 0 for that. When tasks wait, none runs, and none has started or ended
 for :data:`START_TIMEOUT_S`, the run stops with one line: no reward can be computed on such a cluster.
 (A long queue behind busy CPUs is not that: its tasks start as others end.)
+
+Code rewards run model-written programs. On a cluster with a sandbox group (the chart's
+``sandbox.enabled`` sets ``KUBERL_SANDBOX_RESOURCE`` on every Ray container to the group's Ray resource),
+every task of a run with a code reward asks for one unit of it, so the programs run only on the
+sandbox nodes, never beside the GPUs, and compile in parallel over that group's CPUs. A run whose
+cluster has no node with the resource (after :data:`SANDBOX_WAIT_S` for one to join; at once on a
+private local instance, which can gain none) stops with one line. Without the variable (``make up``,
+tests) nothing changes.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import os
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -110,6 +119,32 @@ MAX_TASK_ITEMS = 256
 # Reward tasks that have waited this long for a CPU to run on, while no other task ran, started or ended,
 # say the cluster has none to give: every sample would score 0, so the run stops and says so instead.
 START_TIMEOUT_S = 600.0
+# The rewards that run the model's code, and the variable that names the Ray resource of the nodes where
+# they may (the chart's sandbox group). A joining sandbox pod may take this long to appear (a cold pull).
+CODE_REWARDS = frozenset({"code_unit_tests", "cpp_contest"})
+SANDBOX_RESOURCE_ENV = "KUBERL_SANDBOX_RESOURCE"
+SANDBOX_WAIT_S = 600.0
+
+
+def sandbox_resource(names: list[str]) -> str | None:
+    """The Ray resource the tasks of rewards ``names`` must ask for: the sandbox group's, when one of them
+    runs code and the cluster has such a group; else None (any CPU will do)."""
+    resource = os.environ.get(SANDBOX_RESOURCE_ENV, "").strip()
+    return resource if resource and CODE_REWARDS.intersection(names) else None
+
+
+def check_sandbox_nodes(resource: str, private: bool) -> None:
+    """Wait until a node holds ``resource`` (at most SANDBOX_WAIT_S; not at all on a ``private`` local
+    instance), or stop with one line: otherwise every code reward task would wait for ever."""
+    deadline = time.monotonic() + (0.0 if private else SANDBOX_WAIT_S)
+    while ray.cluster_resources().get(resource, 0) <= 0:
+        if time.monotonic() >= deadline:
+            raise ClusterError(
+                f"{SANDBOX_RESOURCE_ENV}={resource}: no node of this Ray cluster has the resource {resource!r}, "
+                f"so code rewards have nowhere to run; enable the chart's sandbox group (sandbox.enabled=true, "
+                f"sandbox.replicas>=1) or unset {SANDBOX_RESOURCE_ENV}"
+            )
+        time.sleep(2.0)
 
 
 @ray.remote(num_cpus=1, max_retries=0)
@@ -161,11 +196,18 @@ class RewardRunner:
             rewards.check_specs(env.reward_functions)
         self.env = env
         self.specs = list(env.reward_functions)
+        names = [env.feedback] if feedback else [spec.name for spec in self.specs]
+        self.resource = sandbox_resource(names)
+        score, feedback_task = _score_task, _feedback_task
+        if self.resource:
+            check_sandbox_nodes(self.resource, private=not os.environ.get("RAY_ADDRESS"))
+            score = _score_task.options(resources={self.resource: 1})
+            feedback_task = _feedback_task.options(resources={self.resource: 1})
         if feedback:
             name, kwargs = env.feedback, dict(env.feedback_kwargs)
-            self._task = lambda items: _feedback_task.remote(name, kwargs, items)
+            self._task = lambda items: feedback_task.remote(name, kwargs, items)
         else:
-            self._task = lambda items: _score_task.remote(self.specs, items)
+            self._task = lambda items: score.remote(self.specs, items)
         # (index, (ground truth, response, question), alone): not yet sent; ``alone`` after its shared task failed
         self._pending: collections.deque[tuple[int, tuple, bool]] = collections.deque()
         # A task in flight -> its indices, its items, when it was submitted, when it started (None: not yet)

@@ -1,5 +1,7 @@
 {{/*
-Names, labels and the pieces shared by the head and worker pod templates.
+Names, labels, the image, the RayCluster spec and the RayJob's command. The rest by concern: _pods.tpl
+(the Ray pod template), _security.tpl, _scheduling.tpl, _storage.tpl, _auth.tpl, _logger.tpl; the
+bash scripts in files/.
 */}}
 
 {{- define "kuberl.name" -}}
@@ -33,44 +35,20 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 
 {{- define "kuberl.labels" -}}
 helm.sh/chart: {{ include "kuberl.chart" . }}
-{{ include "kuberl.selectorLabels" . }}
 app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
-app.kubernetes.io/managed-by: {{ .Release.Service }}
-{{- with .Values.experiment }}
-kuberl.dev/experiment: {{ . | quote }}
-{{- end }}
-{{- end }}
-
-{{/* The Secret with the Ray token (key `auth_token`): auth.existingSecret, else the chart's own. */}}
-{{- define "kuberl.authSecret" -}}
-{{- default (printf "%s-ray-auth" (include "kuberl.fullname" .)) .Values.auth.existingSecret }}
-{{- end }}
-
-{{/* KubeRay's authOptions: a token from kuberl.authSecret, or none. */}}
-{{- define "kuberl.authOptions" -}}
-{{- if eq .Values.auth.mode "token" -}}
-authOptions:
-  mode: token
-  secretName: {{ include "kuberl.authSecret" . }}
-{{- else -}}
-authOptions:
-  mode: disabled
-{{- end }}
+{{ include "kuberl.podTemplateLabels" . }}
 {{- end }}
 
 {{/*
-RAY_AUTH_MODE and RAY_AUTH_TOKEN for a container that talks to the cluster but is not one of its Ray
-containers (the `helm test` pod, the RayJob submitter): KubeRay injects them into its own only.
+The labels of a pod template: no chart version or appVersion. KubeRay hashes the whole pod template,
+metadata included, to decide whether an upgrade recreates the pods, so a template may carry only what
+changes the pod (the image tag that appVersion picks changes the container, not a label).
 */}}
-{{- define "kuberl.authEnv" -}}
-{{- if eq .Values.auth.mode "token" -}}
-- name: RAY_AUTH_MODE
-  value: token
-- name: RAY_AUTH_TOKEN
-  valueFrom:
-    secretKeyRef:
-      name: {{ include "kuberl.authSecret" . }}
-      key: auth_token
+{{- define "kuberl.podTemplateLabels" -}}
+{{ include "kuberl.selectorLabels" . }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- with .Values.experiment }}
+kuberl.dev/experiment: {{ . | quote }}
 {{- end }}
 {{- end }}
 
@@ -97,6 +75,19 @@ annotations:
   {{- end }}
 {{- end }}
 
+{{/*
+The sandbox group's service account: one of its own, with no Workload Identity annotation, so the
+pods that run model-written code hold no Google identity (the metadata server maps a pod's service
+account to its Google one); `default` when the chart creates no service account.
+*/}}
+{{- define "kuberl.sandboxServiceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- printf "%s-sandbox" (include "kuberl.serviceAccountName" .) | trunc 63 | trimSuffix "-" }}
+{{- else }}
+default
+{{- end }}
+{{- end }}
+
 {{- define "kuberl.serviceAccountName" -}}
 {{- if .Values.serviceAccount.create }}
 {{- default (include "kuberl.fullname" .) .Values.serviceAccount.name }}
@@ -119,18 +110,6 @@ a digest (`@sha256:...`) or both (`0.2.0@sha256:...`); a digest pins the image w
 {{- end }}
 {{- end }}
 
-{{/*
-GPU presets: machine type, GKE accelerator and the gIB NCCL tuner file. One value picks them all.
-*/}}
-{{- define "kuberl.gpuPreset" -}}
-{{- $presets := dict
-  "b200" (dict "machineType" "a4-highgpu-8g" "accelerator" "nvidia-b200" "tuner" "/usr/local/gib/configs/tuner_config_a4.txtpb")
-  "h200" (dict "machineType" "a3-ultragpu-8g" "accelerator" "nvidia-h200-141gb" "tuner" "/usr/local/gib/configs/tuner_config_a3u.txtpb")
-  "none" (dict)
--}}
-{{- get $presets .Values.gpu.type | toYaml }}
-{{- end }}
-
 {{/* Total GPUs the worker groups ask for: what `helm test` expects `ray status` to report. */}}
 {{- define "kuberl.totalGpus" -}}
 {{- $total := 0 }}
@@ -138,535 +117,6 @@ GPU presets: machine type, GKE accelerator and the gIB NCCL tuner file. One valu
 {{- $total = add $total (mul (int $g.replicas) (int (default 0 $g.gpus))) }}
 {{- end }}
 {{- $total }}
-{{- end }}
-
-{{/* Directories on shared storage. */}}
-{{- define "kuberl.path" -}}
-{{- printf "%s/%s" (.root.Values.storage.mountPath | trimSuffix "/") (get .root.Values.storage.paths .key) }}
-{{- end }}
-
-{{/*
-Start-up, run by bash under tini (the container's PID 1, which reaps the orphans that sandboxes and
-Ray leave behind; see kuberl.command). The RayCluster carries `ray.io/overwrite-container-cmd: "true"`,
-so KubeRay leaves the command alone and hands over the `ray start` it generated in
-KUBERAY_GEN_RAY_START_CMD; we `exec` it, so Ray is tini's child and gets its signals.
-Args: dict root, head (bool), gpu (bool).
-*/}}
-{{- define "kuberl.startScript" -}}
-{{- $v := .root.Values -}}
-ulimit -n 65536 2>/dev/null || true
-mkdir -p "$KUBERL_LOG_DIR" "$KUBERL_CHECKPOINT_DIR" "$HF_HOME" "$KUBERL_CACHE"
-{{- if .gpu }}
-{{- $min := index .root.Chart.Annotations "kuberl.dev/min-nvidia-driver" }}
-# The image's CUDA 13 wheels need an R{{ $min }}+ driver (Chart.yaml); GKE mounts the node's nvidia-smi here.
-driver=$(/usr/local/nvidia/bin/nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -n 1)
-if [ -n "$driver" ] && [ "${driver%%.*}" -lt {{ $min }} ] 2>/dev/null; then
-  echo "kuberl: this node's NVIDIA driver $driver is older than R{{ $min }}, which the image's CUDA 13 wheels need: recreate the GPU node pool with gpu-driver-version=latest (docs/cluster.md)" >&2
-  exit 1
-fi
-{{- end }}
-{{- if and .gpu $v.rdma.enabled }}
-{{- $preset := include "kuberl.gpuPreset" .root | fromYaml }}
-# gIB's NCCL settings come from GKE's RDMA installer, which keeps them current for the machine type;
-# rdma.ncclEnv is exported after it, so an explicit value wins.
-if [ ! -f /usr/local/gib/scripts/set_nccl_env.sh ]; then
-  echo "kuberl: /usr/local/gib/scripts/set_nccl_env.sh is missing: GKE's nccl-rdma-installer has not run on this node (make preflight; docs/cluster.md step 5)" >&2
-  exit 1
-fi
-source /usr/local/gib/scripts/set_nccl_env.sh
-export NCCL_TUNER_CONFIG_PATH="${NCCL_TUNER_CONFIG_PATH:-{{ $preset.tuner }}}"
-{{- range $k, $val := $v.rdma.ncclEnv }}
-export {{ $k }}={{ $val | toString | squote }}
-{{- end }}
-{{- end }}
-{{- if and .head $v.tensorboard.enabled }}
-{{- /* On the pod's loopback only: TensorBoard has no authentication, and `make tensorboard` reaches it
-through kubectl port-forward, which Kubernetes RBAC guards (pods/portforward). */}}
-tensorboard --logdir "$KUBERL_LOG_DIR" --host 127.0.0.1 --port {{ $v.tensorboard.port }} >/tmp/tensorboard.log 2>&1 &
-{{- end }}
-exec /bin/bash -c "$KUBERAY_GEN_RAY_START_CMD"
-{{- end }}
-
-{{/*
-The Ray container's command: tini as PID 1 (the image installs it at /usr/bin/tini, and its own
-ENTRYPOINT, which this command replaces, uses it too), then bash with kuberl.startScript as its args.
-Without tini `ray start` would be PID 1, and the orphans of bubblewrap sandboxes would stay zombies.
-*/}}
-{{- define "kuberl.command" -}}
-["/usr/bin/tini", "--", "/bin/bash", "-c", "--"]
-{{- end }}
-
-{{/*
-securityContext of a Ray container: what bubblewrap needs when sandbox.enabled, then
-containerSecurityContext over it. bubblewrap makes user, mount, PID and network namespaces and mounts
-tmpfs in them: containerd's default seccomp profile (GKE Autopilot applies it, Standard when a pod or
-Pod Security asks for RuntimeDefault) refuses unshare/clone of namespaces without CAP_SYS_ADMIN, and
-the cri-containerd.apparmor.d profile GKE's Container-Optimized OS applies denies mount. No
-capability is added and nothing is privileged: the container's masked /proc stays masked, and the
-sandbox then goes without a /proc of its own (trainer/sandbox/backends.py).
-*/}}
-{{- define "kuberl.containerSecurityContext" -}}
-{{- $sc := dict }}
-{{- if .Values.sandbox.enabled }}
-{{- $sc = dict "seccompProfile" (dict "type" "Unconfined") "appArmorProfile" (dict "type" "Unconfined") "allowPrivilegeEscalation" false }}
-{{- end }}
-{{- $sc = mergeOverwrite $sc (deepCopy .Values.containerSecurityContext) }}
-{{- if $sc }}
-{{- toYaml $sc }}
-{{- end }}
-{{- end }}
-
-{{/*
-Environment of every Ray container. Args: dict root, gpu (bool: a GPU worker).
-*/}}
-{{- define "kuberl.env" -}}
-{{- $v := .root.Values -}}
-- name: KUBERL_EXPERIMENT
-  value: {{ $v.experiment | quote }}
-- name: KUBERL_LOG_DIR
-  value: {{ include "kuberl.path" (dict "root" .root "key" "logs") | quote }}
-- name: KUBERL_CHECKPOINT_DIR
-  value: {{ include "kuberl.path" (dict "root" .root "key" "checkpoints") | quote }}
-- name: HF_HOME
-  value: {{ include "kuberl.path" (dict "root" .root "key" "hfCache") | quote }}
-- name: KUBERL_CACHE
-  value: {{ include "kuberl.path" (dict "root" .root "key" "cache") | quote }}
-{{- /* Ray's job supervisor sends SIGKILL this long after the SIGTERM of a stop (its default is
-3 s): the same grace as the pods get, for the trainer to finish its step and save. */}}
-- name: RAY_JOB_STOP_WAIT_TIME_S
-  value: {{ $v.terminationGracePeriodSeconds | quote }}
-{{- /* Code rewards run only under this isolation: with bwrap, a pod where bubblewrap cannot start
-refuses the run in one line rather than falling back (trainer/sandbox/backends.py). */}}
-- name: KUBERL_SANDBOX
-  value: {{ $v.sandbox.backend | quote }}
-{{- with $v.secrets.hfToken.secretName }}
-- name: HF_TOKEN
-  valueFrom:
-    secretKeyRef:
-      name: {{ . }}
-      key: {{ $v.secrets.hfToken.key }}
-{{- end }}
-{{ include "kuberl.loggerEnv" .root }}
-{{- if .gpu }}
-{{- /* GKE mounts the node's driver at /usr/local/nvidia, and our command bypasses the image's
-entrypoint, which would add it: without this no GPU container loads libcuda. */}}
-- name: LD_LIBRARY_PATH
-  value: {{ ternary "/usr/local/gib/lib64:/usr/local/nvidia/lib64" "/usr/local/nvidia/lib64" $v.rdma.enabled }}
-{{- end }}
-{{- with $v.storage.models }}{{ if .enabled }}
-- name: KUBERL_MODELS_DIR
-  value: {{ .mountPath | quote }}
-{{- end }}{{ end }}
-{{- with $v.env }}
-{{ toYaml . }}
-{{- end }}
-{{- end }}
-
-{{/*
-Pod annotations. Args: dict root, gpu (bool), extra (map). The gcsfuse and multi-network
-annotations must sit on the pod template's metadata: the CSI webhook and GKE's network plumbing
-read them from the pod, and a chart that drops them yields pods without storage or RDMA.
-*/}}
-{{- define "kuberl.podAnnotations" -}}
-{{- $v := .root.Values -}}
-{{- $a := dict -}}
-{{- if eq $v.storage.type "gcsfuse" }}
-{{- $_ := set $a "gke-gcsfuse/volumes" "true" }}
-{{- range $k, $val := $v.storage.gcsfuse.sidecarResources }}
-{{- $_ := set $a (printf "gke-gcsfuse/%s" (kebabcase $k)) ($val | toString) }}
-{{- end }}
-{{- end }}
-{{- if and .gpu $v.rdma.enabled }}
-{{- $ifaces := list (dict "interfaceName" "eth0" "network" "default") (dict "interfaceName" "eth1" "network" "gvnic-1") }}
-{{- range $i := until (int $v.rdma.nics) }}
-{{- $ifaces = append $ifaces (dict "interfaceName" (printf "eth%d" (add $i 2)) "network" (printf "rdma-%d" $i)) }}
-{{- end }}
-{{- $_ := set $a "networking.gke.io/default-interface" "eth0" }}
-{{- $_ := set $a "networking.gke.io/interfaces" (toJson $ifaces) }}
-{{- end }}
-{{- $a = merge (deepCopy (default dict .extra)) (deepCopy (default dict $v.podAnnotations)) $a }}
-{{- if $a }}
-{{- toYaml $a }}
-{{- end }}
-{{- end }}
-
-{{/* Pod labels. Args: dict root, extra (map). */}}
-{{- define "kuberl.podLabels" -}}
-{{ include "kuberl.labels" .root }}
-{{- with .root.Values.podLabels }}
-{{ toYaml . }}
-{{- end }}
-{{- with .extra }}
-{{ toYaml . }}
-{{- end }}
-{{- end }}
-
-{{/* Node selector. Args: dict root, gpu (bool), head (bool), extra (map). */}}
-{{- define "kuberl.nodeSelector" -}}
-{{- $v := .root.Values -}}
-{{- $s := dict -}}
-{{- if and (not .head) (include "kuberl.workerFileCache" .root) }}
-{{- /* The gcsfuse sidecar's file cache lives in its cache volume, on the node's ephemeral storage:
-local SSD only on pools created with --ephemeral-storage-local-ssd, which GKE labels so. */}}
-{{- $_ := set $s "cloud.google.com/gke-ephemeral-storage-local-ssd" "true" }}
-{{- end }}
-{{- if .gpu }}
-{{- $preset := include "kuberl.gpuPreset" .root | fromYaml }}
-{{- $_ := set $s "cloud.google.com/gke-accelerator" $preset.accelerator }}
-{{- $_ := set $s "node.kubernetes.io/instance-type" $preset.machineType }}
-{{- if eq $v.capacity.type "spot" }}
-{{- $_ := set $s "cloud.google.com/gke-spot" "true" }}
-{{- else if eq $v.capacity.type "reservation" }}
-{{- $_ := set $s "cloud.google.com/reservation-name" (required "capacity.reservationName is required when capacity.type=reservation" $v.capacity.reservationName) }}
-{{- $_ := set $s "cloud.google.com/reservation-affinity" "specific" }}
-{{- with $v.capacity.reservationProject }}
-{{- $_ := set $s "cloud.google.com/reservation-project" . }}
-{{- end }}
-{{- with $v.capacity.reservationBlock }}
-{{- $_ := set $s "cloud.google.com/reservation-blocks" . }}
-{{- end }}
-{{- else if eq $v.capacity.type "flexStart" }}
-{{- $_ := set $s "cloud.google.com/gke-flex-start" "true" }}
-{{- end }}
-{{- end }}
-{{- $s = merge (deepCopy (default dict .extra)) $s }}
-{{- if $s }}
-{{- toYaml $s }}
-{{- end }}
-{{- end }}
-
-{{/*
-Affinity: the group's, and for GPU pods with capacity.type=onDemand a required node affinity that
-keeps them off spot and flex-start nodes (a node selector cannot say "not"; GKE labels those nodes
-and need not taint them), added to every node selector term the group gives.
-Args: dict root, gpu (bool), extra (map).
-*/}}
-{{- define "kuberl.affinity" -}}
-{{- $a := deepCopy (default dict .extra) }}
-{{- if and .gpu (eq .root.Values.capacity.type "onDemand") }}
-{{- $not := list (dict "key" "cloud.google.com/gke-spot" "operator" "NotIn" "values" (list "true")) (dict "key" "cloud.google.com/gke-flex-start" "operator" "NotIn" "values" (list "true")) }}
-{{- $na := default dict $a.nodeAffinity }}
-{{- $req := default dict (get $na "requiredDuringSchedulingIgnoredDuringExecution") }}
-{{- $terms := list }}
-{{- range (default (list dict) $req.nodeSelectorTerms) }}
-{{- $term := deepCopy . }}
-{{- $_ := set $term "matchExpressions" (concat (default list $term.matchExpressions) $not) }}
-{{- $terms = append $terms $term }}
-{{- end }}
-{{- $_ := set $req "nodeSelectorTerms" $terms }}
-{{- $_ := set $na "requiredDuringSchedulingIgnoredDuringExecution" $req }}
-{{- $_ := set $a "nodeAffinity" $na }}
-{{- end }}
-{{- if $a }}
-{{- toYaml $a }}
-{{- end }}
-{{- end }}
-
-{{/* Tolerations. Args: dict root, gpu (bool), extra (list). */}}
-{{- define "kuberl.tolerations" -}}
-{{- $t := list -}}
-{{- if .gpu }}
-{{- $t = append $t (dict "key" "nvidia.com/gpu" "operator" "Exists" "effect" "NoSchedule") }}
-{{- if eq .root.Values.capacity.type "spot" }}
-{{- $t = append $t (dict "key" "cloud.google.com/gke-spot" "operator" "Equal" "value" "true" "effect" "NoSchedule") }}
-{{- else if eq .root.Values.capacity.type "flexStart" }}
-{{- /* GKE may taint flex-start nodes with their label. */}}
-{{- $t = append $t (dict "key" "cloud.google.com/gke-flex-start" "operator" "Equal" "value" "true" "effect" "NoSchedule") }}
-{{- end }}
-{{- end }}
-{{- $t = concat $t (default list .extra) }}
-{{- if $t }}
-{{- toYaml $t }}
-{{- end }}
-{{- end }}
-
-{{/*
-"true" when worker pods keep a gcsfuse file cache (read-write or models mount) that must sit on local
-SSD (storage.gcsfuse.fileCache.worker, storage.models.gcsfuse.fileCache.worker, cacheOnLocalSsd).
-*/}}
-{{- define "kuberl.workerFileCache" -}}
-{{- $v := .Values -}}
-{{- if and (eq $v.storage.type "gcsfuse") $v.storage.gcsfuse.cacheOnLocalSsd }}
-{{- $rw := ne ($v.storage.gcsfuse.fileCache.worker | toString) "0" }}
-{{- $ro := and $v.storage.models.enabled (ne ($v.storage.models.gcsfuse.fileCache.worker | toString) "0") }}
-{{- if or $rw $ro }}true{{ end }}
-{{- end }}
-{{- end }}
-
-{{/*
-volumeAttributes of a gcsfuse volume: the mount's own, then fileCacheCapacity for this pod's role
-(head or worker). Args: dict attrs (map), fileCache ({head, worker}), head (bool), key (values path).
-*/}}
-{{- define "kuberl.gcsfuseAttributes" -}}
-{{- if hasKey .attrs "fileCacheCapacity" }}
-{{- fail (printf "%s.volumeAttributes.fileCacheCapacity is not read: set %s.fileCache.head and %s.fileCache.worker (the head has no local SSD)" .key .key .key) }}
-{{- end }}
-{{- range $k, $val := .attrs }}
-{{ $k }}: {{ $val | toString | quote }}
-{{- end }}
-fileCacheCapacity: {{ ternary .fileCache.head .fileCache.worker .head | toString | quote }}
-{{- end }}
-
-{{/* Volumes. Args: dict root, gpu (bool), head (bool). */}}
-{{- define "kuberl.volumes" -}}
-{{- $v := .root.Values -}}
-- name: dshm
-  emptyDir:
-    medium: Memory
-    sizeLimit: {{ $v.shmSize }}
-- name: shared
-{{- if eq $v.storage.type "gcsfuse" }}
-  csi:
-    driver: gcsfuse.csi.storage.gke.io
-    volumeAttributes:
-      bucketName: {{ required "storage.gcsfuse.bucketName is required when storage.type=gcsfuse" $v.storage.gcsfuse.bucketName | quote }}
-      mountOptions: {{ $v.storage.gcsfuse.mountOptions | quote }}
-      {{- include "kuberl.gcsfuseAttributes" (dict "attrs" $v.storage.gcsfuse.volumeAttributes "fileCache" $v.storage.gcsfuse.fileCache "head" .head "key" "storage.gcsfuse") | nindent 6 }}
-{{- else if eq $v.storage.type "lustre" }}
-  persistentVolumeClaim:
-    claimName: {{ include "kuberl.lustreClaim" .root }}
-{{- else if eq $v.storage.type "hostPath" }}
-  hostPath:
-    path: {{ $v.storage.hostPath.path }}
-    type: DirectoryOrCreate
-{{- else }}
-  emptyDir:
-    sizeLimit: {{ $v.storage.emptyDirSizeLimit }}
-{{- end }}
-{{- $m := $v.storage.models }}
-{{- if and $m.enabled (eq $v.storage.type "gcsfuse") }}
-{{- /* Its own mount: read-only, so its metadata can be cached for good (ttl -1). */}}
-- name: models
-  csi:
-    driver: gcsfuse.csi.storage.gke.io
-    readOnly: true
-    volumeAttributes:
-      bucketName: {{ $v.storage.gcsfuse.bucketName | quote }}
-      mountOptions: {{ printf "only-dir=%s,%s" $m.subPath $m.gcsfuse.mountOptions | quote }}
-      {{- include "kuberl.gcsfuseAttributes" (dict "attrs" $m.gcsfuse.volumeAttributes "fileCache" $m.gcsfuse.fileCache "head" .head "key" "storage.models.gcsfuse") | nindent 6 }}
-{{- end }}
-{{- if and .gpu $v.rdma.enabled }}
-- name: nvidia-libs
-  hostPath:
-    path: /home/kubernetes/bin/nvidia
-- name: gib
-  hostPath:
-    path: /home/kubernetes/bin/gib
-{{- end }}
-{{- end }}
-
-{{/* Volume mounts. Args: dict root, gpu (bool). */}}
-{{- define "kuberl.volumeMounts" -}}
-- name: dshm
-  mountPath: /dev/shm
-- name: shared
-  mountPath: {{ .root.Values.storage.mountPath }}
-{{- $m := .root.Values.storage.models }}
-{{- if $m.enabled }}
-{{- if eq .root.Values.storage.type "gcsfuse" }}
-- name: models
-  mountPath: {{ $m.mountPath }}
-  readOnly: true
-{{- else }}
-- name: shared
-  mountPath: {{ $m.mountPath }}
-  subPath: {{ $m.subPath }}
-  readOnly: true
-{{- end }}
-{{- end }}
-{{- if and .gpu .root.Values.rdma.enabled }}
-- name: nvidia-libs
-  mountPath: /usr/local/nvidia
-- name: gib
-  mountPath: /usr/local/gib
-{{- end }}
-{{- end }}
-
-{{- define "kuberl.lustreClaim" -}}
-{{- default (printf "%s-lustre" (include "kuberl.fullname" .)) .Values.storage.lustre.existingClaim }}
-{{- end }}
-
-{{/*
-Cluster-scoped PV name, one per namespace and release: `<namespace>-<name>-lustre-<hash>`, the hash
-(8 hex digits of sha256 over `<namespace>/<release>`) told apart where the dashes are ambiguous
-(namespace `a-b` + release `c` and namespace `a` + release `b-c`). At most 63 + 47 + 16 characters, well
-under a PV name's 253, so nothing is cut. storage.lustre.volumeName keeps the name of a PV made before.
-*/}}
-{{- define "kuberl.lustreVolume" -}}
-{{- $hash := printf "%s/%s" .Release.Namespace .Release.Name | sha256sum | trunc 8 }}
-{{- default (printf "%s-%s-lustre-%s" .Release.Namespace (include "kuberl.fullname" .) $hash) .Values.storage.lustre.volumeName }}
-{{- end }}
-
-{{/*
-Resources of a worker container: the group's cpu/memory plus its GPUs as request and limit.
-Args: dict group, gpus.
-*/}}
-{{- define "kuberl.workerResources" -}}
-{{- $r := deepCopy (default dict .group.resources) }}
-{{- if gt (int .gpus) 0 }}
-{{- $req := default dict $r.requests }}
-{{- $lim := default dict $r.limits }}
-{{- $_ := set $req "nvidia.com/gpu" (int .gpus) }}
-{{- $_ := set $lim "nvidia.com/gpu" (int .gpus) }}
-{{- $_ := set $r "requests" $req }}
-{{- $_ := set $r "limits" $lim }}
-{{- end }}
-{{- toYaml $r }}
-{{- end }}
-
-{{/*
-One Ray pod template. Args: dict root, name (group), head (bool), group (values of the group).
-*/}}
-{{- define "kuberl.podTemplate" -}}
-{{- $v := .root.Values -}}
-{{- $gpus := 0 }}
-{{- if not .head }}{{ $gpus = int (default 0 .group.gpus) }}{{ end }}
-{{- $gpu := gt $gpus 0 }}
-{{- $ctx := dict "root" .root "gpu" $gpu "head" .head -}}
-metadata:
-  {{- $ann := include "kuberl.podAnnotations" (dict "root" .root "gpu" $gpu "extra" .group.annotations) }}
-  {{- with $ann }}
-  annotations:
-    {{- . | nindent 4 }}
-  {{- end }}
-  labels:
-    {{- include "kuberl.podLabels" (dict "root" .root "extra" .group.labels) | nindent 4 }}
-spec:
-  serviceAccountName: {{ include "kuberl.serviceAccountName" .root }}
-  terminationGracePeriodSeconds: {{ $v.terminationGracePeriodSeconds }}
-  {{- with $v.priorityClassName }}
-  priorityClassName: {{ . }}
-  {{- end }}
-  {{- with $v.runtimeClassName }}
-  runtimeClassName: {{ . }}
-  {{- end }}
-  {{- with $v.podSecurityContext }}
-  securityContext:
-    {{- toYaml . | nindent 4 }}
-  {{- end }}
-  {{- with $v.imagePullSecrets }}
-  imagePullSecrets:
-    {{- toYaml . | nindent 4 }}
-  {{- end }}
-  {{- with include "kuberl.nodeSelector" (dict "root" .root "gpu" $gpu "head" .head "extra" .group.nodeSelector) }}
-  nodeSelector:
-    {{- . | nindent 4 }}
-  {{- end }}
-  {{- with include "kuberl.tolerations" (dict "root" .root "gpu" $gpu "extra" .group.tolerations) }}
-  tolerations:
-    {{- . | nindent 4 }}
-  {{- end }}
-  {{- with include "kuberl.affinity" (dict "root" .root "gpu" $gpu "extra" .group.affinity) }}
-  affinity:
-    {{- . | nindent 4 }}
-  {{- end }}
-  {{- with $v.initContainers }}
-  initContainers:
-    {{- toYaml . | nindent 4 }}
-  {{- end }}
-  containers:
-    {{- /* KubeRay finds the Ray container at index 0: sidecars come after it. */}}
-    - name: {{ ternary "ray-head" "ray-worker" .head }}
-      image: {{ include "kuberl.image" .root }}
-      imagePullPolicy: {{ $v.image.pullPolicy }}
-      {{- with include "kuberl.containerSecurityContext" .root }}
-      securityContext:
-        {{- . | nindent 8 }}
-      {{- end }}
-      command: {{ include "kuberl.command" . }}
-      args:
-        - |
-          {{- include "kuberl.startScript" $ctx | nindent 10 }}
-      {{- if .head }}
-      ports:
-        - {name: gcs, containerPort: 6379}
-        - {name: dashboard, containerPort: 8265}
-        - {name: client, containerPort: 10001}
-        - {name: metrics, containerPort: 8080}
-        {{- if $v.tensorboard.enabled }}
-        - {name: tensorboard, containerPort: {{ $v.tensorboard.port }}}
-        {{- end }}
-      {{- else }}
-      ports:
-        - {name: metrics, containerPort: 8080}
-      {{- end }}
-      env:
-        {{- include "kuberl.env" $ctx | nindent 8 }}
-      {{- with $v.envFrom }}
-      envFrom:
-        {{- toYaml . | nindent 8 }}
-      {{- end }}
-      resources:
-        {{- if .head }}
-        {{- toYaml (default dict .group.resources) | nindent 8 }}
-        {{- else }}
-        {{- include "kuberl.workerResources" (dict "group" .group "gpus" $gpus) | nindent 8 }}
-        {{- end }}
-      volumeMounts:
-        {{- include "kuberl.volumeMounts" $ctx | nindent 8 }}
-        {{- with $v.extraVolumeMounts }}
-        {{- toYaml . | nindent 8 }}
-        {{- end }}
-    {{- with $v.sidecars }}
-    {{- toYaml . | nindent 4 }}
-    {{- end }}
-  volumes:
-    {{- include "kuberl.volumes" $ctx | nindent 4 }}
-    {{- with $v.extraVolumes }}
-    {{- toYaml . | nindent 4 }}
-    {{- end }}
-{{- end }}
-
-{{/*
-The multi-network objects, as a list of {name, deviceMode, vpc, subnet}: `gvnic-1` for socket
-traffic and `rdma-0`... for GPUDirect RDMA.
-*/}}
-{{- define "kuberl.rdmaNetworks" -}}
-{{- $r := .Values.rdma }}
-{{- $nets := list (dict "name" "gvnic-1" "deviceMode" "NetDevice" "vpc" (required "rdma.gvnic.vpc is required when rdma.enabled" $r.gvnic.vpc) "subnet" (required "rdma.gvnic.subnet is required when rdma.enabled" $r.gvnic.subnet)) }}
-{{- range $i := until (int $r.nics) }}
-{{- $nets = append $nets (dict "name" (printf "rdma-%d" $i) "deviceMode" "RDMA" "vpc" (required "rdma.roce.vpc is required when rdma.enabled" $r.roce.vpc) "subnet" (printf "%s-%d" (required "rdma.roce.subnetPrefix is required when rdma.enabled" $r.roce.subnetPrefix) $i)) }}
-{{- end }}
-{{- toYaml (dict "items" $nets) }}
-{{- end }}
-
-{{/*
-"true" when this release should render the cluster-scoped object: it does not exist yet, or this
-release owns it. Several experiments share one GKE cluster, and only one may own `rdma-0`.
-Args: dict root, apiVersion, kind, name.
-*/}}
-{{- define "kuberl.ownsClusterObject" -}}
-{{- $existing := lookup .apiVersion .kind "" .name }}
-{{- if not $existing }}true
-{{- else if and (eq (dig "metadata" "annotations" "meta.helm.sh/release-name" "" $existing) .root.Release.Name) (eq (dig "metadata" "annotations" "meta.helm.sh/release-namespace" "" $existing) .root.Release.Namespace) }}true
-{{- end }}
-{{- end }}
-
-{{/*
-The `helm test` check, configured by env: RAY_HEAD (host:port of the GCS), WANT_GPUS, TIMEOUT_S,
-POLL_S. `ray status` prints a line such as ` 0.0/16.0 GPU` once any GPU has joined.
-*/}}
-{{- define "kuberl.testScript" -}}
-deadline=$((SECONDS + TIMEOUT_S))
-while :; do
-  if out=$(ray status --address "$RAY_HEAD" 2>&1); then
-    have=$(printf '%s\n' "$out" | awk '$2 == "GPU" { split($1, a, "/"); printf "%d\n", a[2] }' | head -n 1)
-    have=${have:-0}
-    if [ "$have" -eq "$WANT_GPUS" ]; then
-      echo "ok: ray status reports $have GPUs, as the values ask"
-      exit 0
-    fi
-    msg="ray status reports $have GPUs; the values ask for $WANT_GPUS"
-  else
-    msg="ray status cannot reach the head at $RAY_HEAD"
-  fi
-  if [ "$SECONDS" -ge "$deadline" ]; then
-    echo "FAIL: $msg (waited ${TIMEOUT_S}s)"
-    printf '%s\n' "$out"
-    exit 1
-  fi
-  sleep "${POLL_S:-10}"
-done
 {{- end }}
 
 {{/*
@@ -711,6 +161,27 @@ workerGroupSpecs:
     template:
       {{- include "kuberl.podTemplate" (dict "root" $ "name" $name "head" false "group" $g) | nindent 6 }}
 {{- end }}
+{{- with .Values.sandbox }}{{ if .enabled }}
+{{- if hasKey $.Values.workerGroups "sandbox" }}
+{{- fail "workerGroups.sandbox: the name is the sandbox group's (sandbox.enabled): rename the group" }}
+{{- end }}
+  {{- /* Code rewards ask for one unit of the custom resource per task (trainer/rewards/runner.py), so
+  parallel compilation and test runs scale with this group's CPUs and never land on a GPU node. */}}
+  - groupName: sandbox
+    replicas: {{ .replicas }}
+    minReplicas: {{ .replicas }}
+    maxReplicas: {{ .replicas }}
+    rayStartParams:
+      block: "true"
+      metrics-export-port: "8080"
+      num-cpus: {{ .cpus | quote }}
+      num-gpus: "0"
+      {{- /* As KubeRay writes it itself: JSON in single quotes, for the shell that runs `ray start`. */}}
+      resources: {{ printf "'{\"%s\": %d}'" .resource (int .cpus) | quote }}
+    template:
+      {{- $group := dict "resources" (dict "requests" (dict "cpu" (.cpus | toString) "memory" .memory) "limits" (dict "cpu" (.cpus | toString) "memory" .memory)) "nodeSelector" .nodeSelector "tolerations" .tolerations "affinity" .affinity "shmSize" .shmSize }}
+      {{- include "kuberl.podTemplate" (dict "root" $ "name" "sandbox" "head" false "group" $group "sandbox" true) | nindent 6 }}
+{{- end }}{{ end }}
 {{- end }}
 
 {{/*

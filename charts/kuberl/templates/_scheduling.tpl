@@ -1,0 +1,94 @@
+{{/*
+Where a Ray pod runs: the GPU preset, node selectors, the on-demand node affinity and tolerations.
+*/}}
+
+{{/*
+GPU presets: machine type, GKE accelerator and the gIB NCCL tuner file. One value picks them all.
+*/}}
+{{- define "kuberl.gpuPreset" -}}
+{{- $presets := dict
+  "b200" (dict "machineType" "a4-highgpu-8g" "accelerator" "nvidia-b200" "tuner" "/usr/local/gib/configs/tuner_config_a4.txtpb")
+  "h200" (dict "machineType" "a3-ultragpu-8g" "accelerator" "nvidia-h200-141gb" "tuner" "/usr/local/gib/configs/tuner_config_a3u.txtpb")
+  "none" (dict)
+-}}
+{{- get $presets .Values.gpu.type | toYaml }}
+{{- end }}
+
+{{/* Node selector. Args: dict root, gpu (bool), head (bool), extra (map). */}}
+{{- define "kuberl.nodeSelector" -}}
+{{- $v := .root.Values -}}
+{{- $s := dict -}}
+{{- if and (not .head) (include "kuberl.workerFileCache" .root) }}
+{{- /* The gcsfuse sidecar's file cache lives in its cache volume, on the node's ephemeral storage:
+local SSD only on pools created with --ephemeral-storage-local-ssd, which GKE labels so. */}}
+{{- $_ := set $s "cloud.google.com/gke-ephemeral-storage-local-ssd" "true" }}
+{{- end }}
+{{- if .gpu }}
+{{- $preset := include "kuberl.gpuPreset" .root | fromYaml }}
+{{- $_ := set $s "cloud.google.com/gke-accelerator" $preset.accelerator }}
+{{- $_ := set $s "node.kubernetes.io/instance-type" $preset.machineType }}
+{{- if eq $v.capacity.type "spot" }}
+{{- $_ := set $s "cloud.google.com/gke-spot" "true" }}
+{{- else if eq $v.capacity.type "reservation" }}
+{{- $_ := set $s "cloud.google.com/reservation-name" (required "capacity.reservationName is required when capacity.type=reservation" $v.capacity.reservationName) }}
+{{- $_ := set $s "cloud.google.com/reservation-affinity" "specific" }}
+{{- with $v.capacity.reservationProject }}
+{{- $_ := set $s "cloud.google.com/reservation-project" . }}
+{{- end }}
+{{- with $v.capacity.reservationBlock }}
+{{- $_ := set $s "cloud.google.com/reservation-blocks" . }}
+{{- end }}
+{{- else if eq $v.capacity.type "flexStart" }}
+{{- $_ := set $s "cloud.google.com/gke-flex-start" "true" }}
+{{- end }}
+{{- end }}
+{{- $s = merge (deepCopy (default dict .extra)) $s }}
+{{- if $s }}
+{{- toYaml $s }}
+{{- end }}
+{{- end }}
+
+{{/*
+Affinity: the group's, and for GPU pods with capacity.type=onDemand a required node affinity that
+keeps them off spot and flex-start nodes (a node selector cannot say "not"; GKE labels those nodes
+and need not taint them), added to every node selector term the group gives.
+Args: dict root, gpu (bool), extra (map).
+*/}}
+{{- define "kuberl.affinity" -}}
+{{- $a := deepCopy (default dict .extra) }}
+{{- if and .gpu (eq .root.Values.capacity.type "onDemand") }}
+{{- $not := list (dict "key" "cloud.google.com/gke-spot" "operator" "NotIn" "values" (list "true")) (dict "key" "cloud.google.com/gke-flex-start" "operator" "NotIn" "values" (list "true")) }}
+{{- $na := default dict $a.nodeAffinity }}
+{{- $req := default dict (get $na "requiredDuringSchedulingIgnoredDuringExecution") }}
+{{- $terms := list }}
+{{- range (default (list dict) $req.nodeSelectorTerms) }}
+{{- $term := deepCopy . }}
+{{- $_ := set $term "matchExpressions" (concat (default list $term.matchExpressions) $not) }}
+{{- $terms = append $terms $term }}
+{{- end }}
+{{- $_ := set $req "nodeSelectorTerms" $terms }}
+{{- $_ := set $na "requiredDuringSchedulingIgnoredDuringExecution" $req }}
+{{- $_ := set $a "nodeAffinity" $na }}
+{{- end }}
+{{- if $a }}
+{{- toYaml $a }}
+{{- end }}
+{{- end }}
+
+{{/* Tolerations. Args: dict root, gpu (bool), extra (list). */}}
+{{- define "kuberl.tolerations" -}}
+{{- $t := list -}}
+{{- if .gpu }}
+{{- $t = append $t (dict "key" "nvidia.com/gpu" "operator" "Exists" "effect" "NoSchedule") }}
+{{- if eq .root.Values.capacity.type "spot" }}
+{{- $t = append $t (dict "key" "cloud.google.com/gke-spot" "operator" "Equal" "value" "true" "effect" "NoSchedule") }}
+{{- else if eq .root.Values.capacity.type "flexStart" }}
+{{- /* GKE may taint flex-start nodes with their label. */}}
+{{- $t = append $t (dict "key" "cloud.google.com/gke-flex-start" "operator" "Equal" "value" "true" "effect" "NoSchedule") }}
+{{- end }}
+{{- end }}
+{{- $t = concat $t (default list .extra) }}
+{{- if $t }}
+{{- toYaml $t }}
+{{- end }}
+{{- end }}

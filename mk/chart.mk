@@ -61,6 +61,8 @@ lint-chart: $(HELM) ## helm lint --strict the chart with every values file
 # only on a GPU node.
 SHELLCHECK ?= shellcheck
 check-chart: $(HELM) ## shellcheck the chart's scripts (files/, and the start-up script as rendered for every values file)
+	@command -v $(SHELLCHECK) >/dev/null || ! command -v apt-get >/dev/null || [ "$$(id -u)" != 0 ] || \
+	  { echo "==> installing shellcheck"; (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq shellcheck) >/dev/null 2>&1; }
 	@command -v $(SHELLCHECK) >/dev/null || { echo "make check-chart needs shellcheck: apt-get install shellcheck"; exit 2; }
 	@$(CHART_PY); tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && \
 	  "$$py" mk/render_scripts.py "$$tmp" >/dev/null && \

@@ -1,15 +1,15 @@
 """One typed config: each key, its default and its one-line doc written once, here.
 
-The dataclasses below are Hydra structured configs. :func:`schema` registers them in Hydra's
-``ConfigStore`` as the first entry of ``trainer/conf/config.yaml``; the config groups there hold only
-real alternatives (models, data sets, generation backends, rewards, cluster shapes) and the
-experiments are diffs, so no default is written in a YAML file too (``tests/test_config.py`` fails
-when one is). Hydra composes and checks every value against its field's type; :func:`from_dictconfig`
+The dataclasses below are Hydra structured configs. :func:`register` puts them in Hydra's
+``ConfigStore`` as the first entry of ``trainer/conf/config.yaml``'s defaults; the config groups
+there hold only real alternatives (models, data sets, generation backends, rewards, cluster shapes)
+and the experiments are diffs, so no default is written in a YAML file too (``tests/test_config.py``
+fails when one is). Hydra composes and checks every value against its field's type; :func:`load`
 builds the dataclasses (``OmegaConf.to_object``), :meth:`Config.resolve` replaces ``auto`` and the
 defaults that depend on other keys, and :meth:`Config.validate` runs each section's own checks (its
-``validate``, beside its fields) and then the ones across sections; neither check changes a value.
-Every error is a :class:`ConfigError` whose message names the key, the bad value and what is
-allowed, so the entry point can print one line. Each component then receives only its own sub-config.
+``validate``, beside its fields), then the ones across sections, and changes nothing. Every error is
+a :class:`ConfigError` whose message names the key, the bad value and what is allowed, so the entry
+point can print one line. Each component then receives only its own sub-config.
 
 Adding a key is one line in its dataclass (type, default, a comment saying what it does), plus its
 check in that section's ``validate`` if it has one.

@@ -1,4 +1,4 @@
-"""Config composition for every experiment, and one-line errors for bad values."""
+"""Config composition for every experiment, each default written once, and one-line errors for bad values."""
 
 from __future__ import annotations
 

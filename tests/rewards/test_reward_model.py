@@ -18,7 +18,7 @@ import pytest
 from trainer.config import ConfigError, DataConfig, EnvConfig, RewardModelConfig, RewardSpec
 from trainer.rewards import reward_model as rm
 
-RM_VERSION = 1  # bump when the build below changes: the cache keys on it
+RM_VERSION = 2  # bump when the build below changes: the cache keys on it
 TINY_OPTIONS = {"num_examples": 512, "min_operand": 0, "max_operand": 2, "ops": "+"}
 # The policy (builtin:tiny) writes one of these characters, or nothing (its end-of-turn token).
 POLICY_CHARS = "0123456789+-*/=?.,:() \nabcdefghijklmnopqrstuvwxyz"
@@ -26,7 +26,7 @@ POLICY_CHARS = "0123456789+-*/=?.,:() \nabcdefghijklmnopqrstuvwxyz"
 
 def build_rm_tokenizer():
     """A character tokenizer that is not the policy's: other special tokens, the characters in another order
-    (so every id differs), and a chat template of its own ("<s>user: 1+1</s><s>assistant: 2</s>")."""
+    (so every id differs), and a chat template of its own ("<s>user: 1+1</s><s>assistant: 2")."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -37,12 +37,14 @@ def build_rm_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens(specials)
-    template = "{% for m in messages %}{{ '<s>' + m['role'] + ': ' + m['content'] + '</s>' }}{% endfor %}"
+    # The last turn stays open: the classifier reads the score off the response's own last token.
+    template = ("{% for m in messages %}{{ '<s>' + m['role'] + ': ' + m['content'] }}"
+                "{% if not loop.last %}{{ '</s>' }}{% endif %}{% endfor %}")
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]", bos_token="<s>",
                                    eos_token="</s>", chat_template=template)
 
 
-def arithmetic_pairs(seed: int = 0, n: int = 384) -> list[tuple[list[dict], str, str]]:
+def arithmetic_pairs(seed: int = 0, n: int = 512) -> list[tuple[list[dict], str, str]]:
     """``(messages, chosen, rejected)``: each prompt of the tiny arithmetic problems, its sum preferred to a
     wrong response the policy could write (another character, or nothing)."""
     from trainer import data
@@ -52,12 +54,14 @@ def arithmetic_pairs(seed: int = 0, n: int = 384) -> list[tuple[list[dict], str,
     pairs = []
     for i in range(n):
         ex = examples[i % len(examples)]
-        wrong = rng.choice([c for c in POLICY_CHARS if c != ex["ground_truth"]] + [""])
+        # Half the time another digit (the hard case: a sum, but the wrong one), else any other character or none.
+        pool = "0123456789" if rng.random() < 0.5 else POLICY_CHARS + " "
+        wrong = rng.choice([c for c in pool if c != ex["ground_truth"]] + ([""] if len(pool) > 10 else []))
         pairs.append((ex["messages"], ex["ground_truth"], wrong))
     return pairs
 
 
-def build_arithmetic_rm(out_dir: str, steps: int = 300, seed: int = 0) -> str:
+def build_arithmetic_rm(out_dir: str, steps: int = 400, seed: int = 0) -> str:
     """Train a tiny Llama sequence classifier with the Bradley-Terry loss -log sigmoid(r_chosen - r_rejected)
     on :func:`arithmetic_pairs` and save it with its tokenizer as a Hugging Face directory."""
     import torch
@@ -77,7 +81,7 @@ def build_arithmetic_rm(out_dir: str, steps: int = 300, seed: int = 0) -> str:
     chosen = [encode(m, c) for m, c, _ in pairs]
     rejected = [encode(m, r) for m, _, r in pairs]
 
-    def batch(seqs):  # right-padded (B, T) ids and mask; every sample ends on </s>, never on the pad
+    def batch(seqs):  # right-padded (B, T) ids and mask; no sample ends on the pad
         longest = max(map(len, seqs))
         ids = torch.full((len(seqs), longest), tokenizer.pad_token_id)
         mask = torch.zeros((len(seqs), longest), dtype=torch.long)
@@ -121,18 +125,15 @@ def test_should_prefer_the_right_sum_to_every_wrong_response_when_trained_on_pre
     examples = {ex["messages"][-1]["content"]: ex for ex in
                 data.get("arithmetic")(DataConfig(options=TINY_OPTIONS, seed=1), "train")}
     assert len(examples) == 9
-    items, right = [], []
     for ex in examples.values():
-        for c in [*POLICY_CHARS, ""]:
-            items.append((ex["messages"], c))
-            right.append(c == ex["ground_truth"])
-    gen = worker.score(items)
-    assert next(gen) is None
-    scores, notes, _ = next(gen)
-    assert not any(notes)
-    worst_right = min(s for s, ok in zip(scores, right) if ok)
-    wrong_above = sum(s >= worst_right for s, ok in zip(scores, right) if not ok)
-    assert wrong_above <= len(items) // 50, f"{wrong_above} wrong responses score at least the lowest right one"
+        responses = [*POLICY_CHARS, ""]
+        gen = worker.score([(ex["messages"], c) for c in responses])
+        assert next(gen) is None
+        scores, notes, _ = next(gen)
+        assert not any(notes)
+        right = scores[responses.index(ex["ground_truth"])]
+        wrong = max(s for s, c in zip(scores, responses) if c != ex["ground_truth"])
+        assert right > wrong, f"{ex['messages'][-1]['content']}: the sum scores {right:.2f}, a wrong response {wrong:.2f}"
 
 
 def test_should_read_the_conversation_through_its_own_tokenizer_and_template_not_the_policys(arithmetic_rm,
@@ -142,7 +143,7 @@ def test_should_read_the_conversation_through_its_own_tokenizer_and_template_not
     messages = [{"role": "user", "content": "1+1"}]
     ours, policy = load_tokenizer(arithmetic_rm), load_tokenizer(tiny_model_path)
     text, special = rm.render(ours, messages, "2")
-    assert text == "<s>user: 1+1</s><s>assistant: 2</s>" and special
+    assert text == "<s>user: 1+1</s><s>assistant: 2" and special
     assert ours(text, add_special_tokens=False)["input_ids"] != policy.apply_chat_template(
         [*messages, {"role": "assistant", "content": "2"}], tokenize=True)
     # A scoring batch pads with an id no sample ends on: one sample's score is the same alone or padded.

@@ -41,7 +41,8 @@ def test_should_learn_arithmetic_when_a_bradley_terry_reward_model_is_the_only_r
     assert re.search(r"kuberl: reward model \S+: 1 replica\(s\) of 1 CPU, reads its chat template", stdout), stdout
     scalars = _scalars(run_dir)
     rewards, rm_mean = scalars["train/reward_mean"], scalars["train/rm_score_mean"]
-    assert rewards == pytest.approx(scalars["train/reward/reward_model"]) and rewards == pytest.approx(rm_mean)
+    assert rewards == pytest.approx(scalars["train/reward/reward_model"], abs=1e-4)
+    assert rewards == pytest.approx(rm_mean, abs=1e-4)  # the mean is float32 in one, float64 in the other
     assert "train/rm_length_corr" in scalars
     first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
     print(f"reward model score: first 3 steps {first:.3f}, last 3 {last:.3f}; {[round(r, 2) for r in rewards]}")

@@ -45,7 +45,8 @@ def test_should_learn_arithmetic_when_a_bradley_terry_reward_model_is_the_only_r
     assert rewards == pytest.approx(rm_mean, abs=1e-4)  # the mean is float32 in one, float64 in the other
     assert "train/rm_length_corr" in scalars
     first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
-    print(f"reward model score: first 3 steps {first:.3f}, last 3 {last:.3f}; {[round(r, 2) for r in rewards]}")
+    with capsys.disabled():  # the figures, for a person reading the run (-s)
+        print(f"\nreward model score: first 3 steps {first:.3f}, last 3 {last:.3f}; {[round(r, 2) for r in rewards]}")
     assert last > first + 1.0, f"the reward model's score did not rise: {first:.3f} -> {last:.3f}"
     rows = [json.loads(line) for line in (run_dir / "train_data_step1.jsonl").read_text().splitlines()]
     assert all(set(r["rewards"]) == {"reward_model"} and r["rm_score"] == r["reward"] for r in rows)
@@ -54,7 +55,8 @@ def test_should_learn_arithmetic_when_a_bradley_terry_reward_model_is_the_only_r
     convert(tmp_path / "ckpt" / "tiny" / f"step_{LEARN_STEPS}", tmp_path / "trained")
     before = _accuracy("builtin:tiny", tmp_path / "eval_before", capsys)
     after = _accuracy(str(tmp_path / "trained"), tmp_path / "eval_after", capsys)
-    print(f"arithmetic accuracy (trainer.eval, greedy, arithmetic reward): {before:.3f} -> {after:.3f}")
+    with capsys.disabled():
+        print(f"\narithmetic accuracy (trainer.eval, greedy, arithmetic reward): {before:.3f} -> {after:.3f}")
     assert after > before + 0.3, f"the arithmetic accuracy did not rise: {before:.3f} -> {after:.3f}"
 
 

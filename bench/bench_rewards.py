@@ -20,7 +20,13 @@ per test on one worker for a trivial program, sandboxed minus plain, plus the sa
 start-up per sample. ``--cpp`` adds a small C++ workload (compile once, then tests) scored by
 ``cpp_contest`` against a serial g++-then-subprocess baseline.
 
+Then the reward model's scoring throughput (:func:`bench_reward_model`): a SmolLM2-135M-shaped sequence
+classifier (the embedded model's weights, a random one-label head) scores the same arithmetic-style
+conversations as a reward model replica does (its chat template, its tokenizer, forward passes under a
+token budget), in float32 and bfloat16, in one process; samples/s and tokens/s, best of the rounds.
+
     make bench-rewards         # BENCH_REWARDS_ARGS="--cpp --json out.json --repeat 5"
+                               # --rm-only: the reward model alone; --no-rm: without it
 """
 
 from __future__ import annotations
@@ -325,7 +331,14 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3, help="rounds over every path; the best round counts")
     ap.add_argument("--cpp", action="store_true", help="add the C++ workload (slower: one g++ per sample)")
     ap.add_argument("--no-ray", action="store_true", help="skip the Ray runs (threads only)")
+    ap.add_argument("--no-rm", action="store_true", help="skip the reward model's scoring throughput")
+    ap.add_argument("--rm-only", action="store_true", help="only the reward model's scoring throughput")
     args = ap.parse_args()
+    if args.rm_only:
+        results = {"reward_model": bench_reward_model(args.repeat)}
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=2))
+        return
 
     b = backends.resolve()
     print(
@@ -406,6 +419,8 @@ def main() -> None:
 
     if args.cpp:
         results["cpp"] = bench_cpp(b, meter)
+    if not args.no_rm:
+        results["reward_model"] = bench_reward_model(args.repeat)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
 
@@ -450,6 +465,54 @@ def bench_cpp(b, meter: CpuMeter) -> dict:
     )
     return {"baseline_s": t_base, "sandbox_s": t, "speedup": t_base / t, "executions": n_exec,
             "baseline_cpu_s": c1 - c0, "sandbox_cpu_s": c2 - c1, "precompiled_header": with_pch}  # fmt: skip
+
+
+def bench_reward_model(repeat: int, samples: int = 64, seed: int = 0) -> dict:
+    """Samples/s of a SmolLM2-135M-shaped reward model on this CPU, per dtype and token budget."""
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    from trainer import hardware
+    from trainer.config import RewardModelConfig
+    from trainer.models import load_tokenizer, resolve_model
+    from trainer.rewards.reward_model import RewardModelWorker
+
+    base = resolve_model("embedded:smollm2-135m-instruct")
+    out = Path(tempfile.mkdtemp(prefix="kuberl-bench-rm-"))
+    atexit.register(shutil.rmtree, out, True)
+    torch.manual_seed(seed)  # the random head: the scores are not the point, the forward passes are
+    AutoModelForSequenceClassification.from_pretrained(base, num_labels=1).save_pretrained(out)
+    load_tokenizer(base).save_pretrained(out)
+    rng = random.Random(seed)
+    items = []
+    for _ in range(samples):  # a math question and a worked answer of 40-160 words, as a policy writes them
+        a, b = rng.randint(10, 999), rng.randint(10, 999)
+        steps = " ".join(f"step {k}: {rng.randint(1, 99)} + {rng.randint(1, 99)} carries over;" for k in
+                         range(rng.randint(8, 32)))
+        items.append(([{"role": "user", "content": f"What is {a} + {b}? Show your work."}],
+                      f"{steps} so the answer is \\boxed{{{a + b}}}."))
+    print(f"\nreward model: SmolLM2-135M-shaped sequence classifier (embedded weights, random head), {samples} "
+          f"samples; {hardware.describe()}, {torch.get_num_threads()} threads; best of {repeat} rounds")
+    print(f"{'dtype':9s} {'tokens/batch':>12s} {'seconds':>8s} {'samples/s':>9s} {'tokens/s':>9s}")
+    results: dict = {"samples": samples}
+    for dtype in ("float32", "bfloat16"):
+        for budget in (2048, 8192):
+            worker = RewardModelWorker(RewardModelConfig(name=str(out), dtype=dtype, max_tokens_per_batch=budget))
+            tokens = sum(len(worker.tokenizer.apply_chat_template([*m, {"role": "assistant", "content": r}]))
+                         for m, r in items)
+            best = float("inf")
+            for _ in range(repeat):
+                t0 = time.perf_counter()
+                gen = worker.score(items)
+                next(gen)
+                scores, notes, _ = next(gen)
+                best = min(best, time.perf_counter() - t0)
+            assert len(scores) == samples and not any(notes)
+            print(f"{dtype:9s} {budget:12d} {best:8.2f} {samples / best:9.1f} {tokens / best:9.0f}")
+            results[f"{dtype}/{budget}"] = {"seconds": best, "samples_per_s": samples / best,
+                                            "tokens_per_s": tokens / best, "tokens": tokens}
+    print(f"(load average now {os.getloadavg()[0]:.1f})")
+    return results
 
 
 if __name__ == "__main__":

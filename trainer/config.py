@@ -535,6 +535,66 @@ class EnvConfig:
 
 
 @dataclass
+class RewardModelConfig:
+    """The model behind the ``reward_model`` entry of env.reward_functions (trainer.rewards.reward_model)."""
+
+    # A hub id or model directory that AutoModelForSequenceClassification loads with one label (a
+    # Bradley-Terry reward model). null: no reward model (an env.reward_functions entry naming one is refused).
+    name: str | None = None
+    tokenizer: str | None = None  # null: the model's own (its chat template renders prompt and response)
+    trust_remote_code: bool = False
+    dtype: str = "float32"  # float32 | bfloat16 | float16 | auto (bfloat16 where it is native)
+    # Tokens per forward pass (padded: batch size x its longest sample); a sample longer than this is scored alone.
+    max_tokens_per_batch: int = 8192
+    # Tokens the model reads of (prompt + response); null: its config's max_position_embeddings. A sample
+    # longer than this gets overlong_score and a note, never a truncated read.
+    max_length: int | None = None
+    overlong_score: float = 0.0
+    # none: raw scores (GRPO normalises within each group) | given: (score - mean) / std | config: the same
+    # with the mean and std the model's config.json carries (OpenRLHF writes them there).
+    normalize: str = "none"
+    mean: float = 0.0
+    std: float = 1.0
+    clip: float | None = None  # after normalising, scores outside [-clip, clip] are clipped; null: none
+    replicas: int = 1  # Ray actors, each with a whole copy of the model
+    num_cpus: float = 1.0  # per replica
+    num_gpus: float = 0.0  # per replica (on a GPU cluster: 1)
+    # A custom Ray resource each replica also asks for (one unit): the worker group that serves reward models.
+    resource: str | None = None
+    # How long the replicas may take to load their model before the run stops with one line.
+    start_timeout_s: float = 600.0
+
+    def validate(self) -> None:
+        rm = self
+        _one_of("reward_model.dtype", rm.dtype, (*DTYPES, "auto"))
+        _one_of("reward_model.normalize", rm.normalize, ("none", "given", "config"))
+        _require(
+            rm.max_tokens_per_batch >= 1,
+            f"reward_model.max_tokens_per_batch={rm.max_tokens_per_batch} must be >= 1 (tokens per forward pass "
+            "of the reward model)",
+        )
+        _require(
+            rm.max_length is None or rm.max_length >= 1,
+            f"reward_model.max_length={rm.max_length} must be >= 1, or null (the model's context)",
+        )
+        _require(
+            math.isfinite(rm.overlong_score), f"reward_model.overlong_score={rm.overlong_score} must be a finite number"
+        )
+        _require(math.isfinite(rm.mean), f"reward_model.mean={rm.mean} must be a finite number")
+        _require(math.isfinite(rm.std) and rm.std > 0, f"reward_model.std={rm.std} must be > 0 (scores are divided by it)")
+        _require(rm.clip is None or rm.clip > 0, f"reward_model.clip={rm.clip} must be > 0, or null (no clipping)")
+        _require(rm.replicas >= 1, f"reward_model.replicas={rm.replicas} must be >= 1")
+        _require(
+            rm.num_cpus >= 0 and rm.num_gpus >= 0,
+            f"reward_model.num_cpus={rm.num_cpus} and reward_model.num_gpus={rm.num_gpus} must be >= 0",
+        )
+        _require(
+            math.isfinite(rm.start_timeout_s) and rm.start_timeout_s > 0,
+            f"reward_model.start_timeout_s={rm.start_timeout_s} must be a number of seconds > 0",
+        )
+
+
+@dataclass
 class ClusterConfig:
     num_nodes: int = 1
     gpus_per_node: int = 0  # 0: CPU training over gloo
@@ -655,6 +715,7 @@ class Config:
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     checkpointing: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -707,6 +768,7 @@ class Config:
         self.generation.validate()
         self.cluster.validate()
         self.env.validate()
+        self.reward_model.validate()
         self.logger.validate()
         self.checkpointing.validate()
         _validate_across(self)

@@ -44,6 +44,7 @@ if TYPE_CHECKING:  # the heavy modules load inside TrainState, after the checks 
     from trainer.generation.placement import Generator
     from trainer.logger import RunLogger
     from trainer.policy.group import PolicyGroup
+    from trainer.rewards.reward_model import RewardModelPool
     from trainer.rewards.runner import RewardRunner
 
 log = logging.getLogger(__name__)
@@ -94,6 +95,7 @@ class TrainState:
     policy: PolicyGroup
     generator: Generator
     rewards: RewardRunner
+    reward_model: RewardModelPool | None
     feedback: RewardRunner | None
     turns: TurnEncoder
     logger: RunLogger
@@ -143,7 +145,9 @@ class TrainState:
         # dataset's download and tokenization instead of following them.
         self.policy = PolicyGroup(cfg, self.model_path, colocated_engine=not cfg.disaggregated, wait=False)
         self.generator = None
+        self.reward_model = None
         try:
+            self._start_reward_model(cfg)
             self._build(cfg, resume, info, t0)
         except BaseException as e:
             # Bad data, a rank that died, Ctrl-C after the ranks started: end what was started without
@@ -156,6 +160,13 @@ class TrainState:
                 self.watch.stop()
             raise
         self._ray = ray
+
+    def _start_reward_model(self, cfg: Config) -> None:
+        """The reward model's replicas, when a reward names it: they load while the data and the ranks set up."""
+        from trainer.rewards import reward_model
+
+        if reward_model.used(cfg.env.reward_functions):
+            self.reward_model = reward_model.RewardModelPool(cfg.reward_model)
 
     def _build(self, cfg: Config, resume: Path | None, info: dict[str, Any], t0: float) -> None:
         """The rest of the set-up, while the policy ranks start: data, then the ranks, generation,
@@ -206,7 +217,10 @@ class TrainState:
             from trainer.sandbox.backends import resolve
 
             resolve()  # says once, here in the driver's log, which sandbox the code rewards get
-        self.rewards = RewardRunner(cfg.env)
+        if self.reward_model is not None:
+            self.reward_model.wait_ready()
+            print(f"kuberl: {self.reward_model.describe()}", flush=True)
+        self.rewards = RewardRunner(cfg.env, reward_model=self.reward_model)
         self.feedback = RewardRunner(cfg.env, feedback=True) if cfg.grpo.max_rollout_turns > 1 else None
         self.turns = TurnEncoder(tokenizer, cfg.generation.chat_template_kwargs)
         if resume:
@@ -310,7 +324,7 @@ class TrainState:
         the whole teardown has a deadline, so a driver whose workers are stuck or gone still ends."""
         self.preemption.uninstall()
         with self.watch.deadline(30 if failed else 300, "the run's workers did not shut down in time"):
-            for part in (self.generator, self.policy):
+            for part in (self.generator, self.policy, self.reward_model):
                 if part is None:  # a set-up that failed before the generator was made
                     continue
                 try:

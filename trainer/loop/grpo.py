@@ -37,6 +37,7 @@ from trainer.loop.rollout_stream import AsyncRollouts, RolloutBatch, SyncRollout
 from trainer.loop.state import LoopState
 from trainer.policy.batch import Sample
 from trainer.policy.group import PolicyGroup
+from trainer.rewards import reward_model
 from trainer.rewards.runner import RewardRunner
 from trainer.step_report import perf_metrics, rollout_rows, sample_line, step_metrics
 
@@ -113,7 +114,11 @@ def grpo_step(
     perf_scalars = perf_metrics(cfg, policy.trained_lengths, t4 - t3, policy.perf_stats(), flops, policy.refit_bytes)
     metrics = step_metrics(cfg, rollouts, reward, advantages, overlong, train_metrics, timing, perf_scalars,
                            batch.metrics())
+    metrics.update(reward_model.step_metrics(rollouts))
     rows = rollout_rows(step, rollouts, [s.advantage for s in samples], batch.versions, overlong, state.turns.tokenizer)
+    for row, r in zip(rows, rollouts):
+        if r.reward.rm_score is not None:
+            row["rm_score"] = r.reward.rm_score  # raw, before reward_model.normalize and clip
     return metrics, rows, batch
 
 

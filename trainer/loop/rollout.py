@@ -73,7 +73,7 @@ def generate(
                 for row, completion in zip(range(prompt_index * n, (prompt_index + 1) * n), group):
                     slots[row] = Rollout(example, completion)
                     rows.append(row)
-                    items.append((example["ground_truth"], completion.text, question))
+                    items.append((example["ground_truth"], completion.text, question, example.get("messages")))
             for row, rid in zip(rows, rewards.submit(items)):
                 reward_ids[row] = rid
         rewards.poll()
@@ -130,7 +130,8 @@ def generate_multi_turn(
         if not active:
             break
     ids = rewards.submit(
-        [(ep.example["ground_truth"], ep.completion.text, question_of(ep.example)) for ep in episodes]
+        [(ep.example["ground_truth"], ep.completion.text, question_of(ep.example), ep.example.get("messages"))
+         for ep in episodes]
     )
     return PendingRollouts(episodes, ids, time.monotonic() - start)
 

@@ -16,7 +16,8 @@ Built-ins register themselves by name with :func:`register`; anything importable
 ``"package.module:function"`` so users can plug in their own rewards without touching kuberl.
 :func:`check` looks a name up as :func:`get` does and says what is wrong in one line naming the key;
 :func:`check_specs` also binds each reward's kwargs to its signature and wants a finite weight, so a
-bad entry stops the run at start instead of scoring every sample 0 (or ``nan``) to the end.
+bad entry stops the run at start instead of scoring every sample 0 (or ``nan``) to the end. The entry
+``reward_model`` is no function: the reward model's actors score it (:mod:`trainer.rewards.reward_model`).
 """
 
 from __future__ import annotations
@@ -105,6 +106,9 @@ def call(fn: Callable, ground_truth: Any, response: str, kwargs: dict, question:
 
 
 _REGISTRY: dict[str, RewardFn] = {}
+# The env.reward_functions entry that the reward model's actors score (trainer.rewards.reward_model), not a
+# function; check_specs accepts it without kwargs.
+REWARD_MODEL = "reward_model"
 
 
 def register(name: str) -> Callable[[F], F]:
@@ -140,7 +144,8 @@ def get(name: str) -> RewardFn:
         if not callable(fn):
             raise KeyError(f"reward {name!r}: module {module_name!r} has no callable {attr!r}")
         return fn
-    raise KeyError(f"unknown reward {name!r}; registered: {', '.join(names())}, or 'module:function'")
+    raise KeyError(f"unknown reward {name!r}; registered: {', '.join(names())}, or 'module:function' (and, in "
+                   f"env.reward_functions, {REWARD_MODEL})")
 
 
 def check(name: str, key: str) -> None:
@@ -180,7 +185,15 @@ def check_specs(specs: list[RewardSpec]) -> None:
     plug-in's too), and its weight is a finite number; a bad entry is one line naming the index and key."""
     for i, spec in enumerate(specs):
         key = f"env.reward_functions[{i}]"
-        check(spec.name, f"{key}.name")
+        if spec.name != REWARD_MODEL:
+            check(spec.name, f"{key}.name")
         if not isinstance(spec.weight, numbers.Real) or not math.isfinite(spec.weight):
             raise ConfigError(f"{key}.weight={spec.weight!r} must be a finite number (it multiplies the reward)")
+        if spec.name == REWARD_MODEL:  # scored by the reward model's actors, configured under reward_model
+            if spec.kwargs:
+                raise ConfigError(f"{key}.kwargs: the {REWARD_MODEL} entry takes none; its settings are under "
+                                  f"reward_model (e.g. reward_model.name)")
+            if sum(s.name == REWARD_MODEL for s in specs) > 1:
+                raise ConfigError(f"{key}: env.reward_functions names {REWARD_MODEL} twice; keep one entry")
+            continue
         check_kwargs(get(spec.name), dict(spec.kwargs or {}), f"{key}.kwargs")

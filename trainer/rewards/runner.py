@@ -33,6 +33,12 @@ sandbox nodes, never beside the GPUs, and compile in parallel over that group's 
 cluster has no node with the resource (after :data:`SANDBOX_WAIT_S` for one to join; at once on a
 private local instance, which can gain none) stops with one line. Without the variable (``make up``,
 tests) nothing changes.
+
+A ``reward_model`` entry (:mod:`trainer.rewards.reward_model`) is not scored in these tasks: each chunk of
+samples also goes, split over the replicas, to the run's reward-model actors (``RewardRunner(...,
+reward_model=pool)``), with the same time limit from the moment a replica starts the batch; its score
+joins the others' by weight when both are in. It pays, it never says correct: a sample is correct by the
+verifiable rewards beside it, and never with the reward model alone.
 """
 
 from __future__ import annotations
@@ -48,7 +54,8 @@ from typing import Any
 import ray
 
 from trainer.cluster import ClusterError
-from trainer.config import EnvConfig, RewardSpec, check_name
+from trainer.config import ConfigError, EnvConfig, RewardSpec, check_name
+from trainer.rewards import reward_model as rm
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +69,7 @@ class RewardResult:
     feedback: str | None = None       # multi-turn only: the environment's next user turn
     answer: str | None = None         # what the first positively weighted reward judged (None: nothing)
     answer_note: str = ""             # where that answer came from, or why there is none or it is wrong
+    rm_score: float | None = None     # the reward model's raw score (None: it did not read this sample)
 
 
 def score_one(
@@ -92,6 +100,12 @@ def question_of(example: dict) -> str | None:
     """The question a dataset example asks: its last user turn (None when it has no messages)."""
     users = [m.get("content") for m in example.get("messages") or [] if m.get("role") == "user"]
     return users[-1] if users and isinstance(users[-1], str) else None
+
+
+def _conversation(rest: list) -> list[dict]:
+    """The prompt an item carries for the reward model: its messages, else its question as the user's turn."""
+    question, messages = (rest + [None, None])[:2]
+    return list(messages) if messages else [{"role": "user", "content": question or ""}]
 
 
 def _failed(why: str) -> RewardResult:
@@ -185,7 +199,7 @@ class RewardRunner:
     """Scores (ground_truth, response) pairs; with ``feedback=True`` it asks the environment for the
     next turn instead (``RewardResult.feedback``; None when the attempt passed)."""
 
-    def __init__(self, env: EnvConfig, feedback: bool = False):
+    def __init__(self, env: EnvConfig, feedback: bool = False, reward_model: rm.RewardModelPool | None = None):
         from trainer import rewards
         from trainer.rewards.feedback import FEEDBACK
 
@@ -195,7 +209,15 @@ class RewardRunner:
         else:
             rewards.check_specs(env.reward_functions)
         self.env = env
-        self.specs = list(env.reward_functions)
+        self.specs = [spec for spec in env.reward_functions if feedback or spec.name != rm.NAME]
+        self.rm_spec = None if feedback else next((s for s in env.reward_functions if s.name == rm.NAME), None)
+        if self.rm_spec is not None and reward_model is None:
+            raise ConfigError(f"env.reward_functions names {rm.NAME}, which needs the run's reward model actors "
+                              "(reward_model.name); this runner has none")
+        self.reward_model = reward_model if self.rm_spec is not None else None
+        self._rm_running: dict[ray.ObjectRefGenerator, _Task] = {}
+        self._rm_results: dict[int, tuple[float, float | None, str]] = {}  # id -> (score, raw score, note)
+        self._rm_moved = 0.0
         names = [env.feedback] if feedback else [spec.name for spec in self.specs]
         self.resource = sandbox_resource(names)
         score, feedback_task = _score_task, _feedback_task
@@ -218,11 +240,22 @@ class RewardRunner:
         self._moved = 0.0  # when a task last started or ended: waiting tasks count their wait from here
 
     def submit(self, items: list[tuple]) -> list[int]:
-        """Queue ``(ground_truth, response)`` or ``(ground_truth, response, question)`` items; returns
-        their indices for :meth:`results`."""
+        """Queue ``(ground_truth, response)``, ``(ground_truth, response, question)`` or ``(ground_truth, response,
+        question, messages)`` items (the reward model reads the prompt's messages); returns their indices for
+        :meth:`results`."""
         ids = list(range(self._next, self._next + len(items)))
         self._next += len(items)
-        self._pending.extend((i, (gt, resp, question[0] if question else None), False) for i, (gt, resp, *question) in zip(ids, items))
+        plain = [(gt, resp, rest[0] if rest else None) for gt, resp, *rest in items]
+        if self.specs:
+            self._pending.extend((i, item, False) for i, item in zip(ids, plain))
+        else:  # the reward model alone: no task to run
+            self._results.update((i, RewardResult(0.0, True)) for i in ids)
+        if self.reward_model is not None:
+            # What the reward model reads: the prompt's messages (or its question), then the response.
+            read = [(_conversation(rest), resp) for _, resp, *rest in items]
+            now = time.monotonic()
+            for part in self.reward_model.shares(len(items)):
+                self._rm_running[self.reward_model.call(read[part])] = _Task(ids[part], read[part], now)
         self._pump()
         return ids
 
@@ -256,8 +289,51 @@ class RewardRunner:
         else:
             self._pending.extendleft((i, item, True) for i, item in reversed(list(zip(ids, items))))
 
+    def _poll_reward_model(self, timeout: float) -> None:
+        """Collect the reward model's finished batches and note started ones; a late batch's samples score 0.
+        A replica that died raises (the run ends naming it)."""
+        from ray.exceptions import RayActorError
+
+        ready, _ = ray.wait(list(self._rm_running), num_returns=len(self._rm_running), timeout=timeout)
+        now = time.monotonic()
+        for gen in ready:
+            task = self._rm_running[gen]
+            self._rm_moved = now
+            try:
+                out = ray.get(next(gen))
+            except RayActorError:
+                self._rm_running.pop(gen)
+                raise
+            except Exception as e:  # the replica raised on this batch (a template that failed on a message)
+                self._rm_running.pop(gen)
+                tail = traceback.format_exception_only(type(e), e)[-1].strip()[:300]
+                self._rm_results.update((i, (0.0, None, f"reward model raised {tail}")) for i in task.ids)
+                continue
+            if task.started is None:
+                task.started = now
+                continue
+            self._rm_running.pop(gen)
+            scores, notes, _ = out
+            for i, raw, note in zip(task.ids, scores, notes):
+                self._rm_results[i] = self.reward_model.finish(raw, note)
+        busy = any(task.started is not None for task in self._rm_running.values())
+        for gen, task in list(self._rm_running.items()):
+            if task.started is not None and now - task.started > self.env.reward_timeout_s:
+                ray.cancel(gen)
+                self._rm_running.pop(gen)
+                self._rm_moved = now
+                why = f"reward model timed out after {self.env.reward_timeout_s:g}s"
+                self._rm_results.update((i, (0.0, None, why)) for i in task.ids)
+            elif not busy and task.started is None and now - max(task.submitted, self._rm_moved) > START_TIMEOUT_S:
+                raise ClusterError(
+                    f"a reward model batch has waited {now - task.submitted:.0f}s for a replica to start it, while "
+                    f"none ran: the reward model's replicas are stuck; check their logs, or raise env.reward_timeout_s"
+                )
+
     def poll(self, timeout: float = 0.0) -> None:
         """Collect finished tasks, note started ones, cancel overdue ones, start queued ones."""
+        if self._rm_running:
+            self._poll_reward_model(0.0 if self._running else timeout)
         if self._running:
             ready, _ = ray.wait(list(self._running), num_returns=len(self._running), timeout=timeout)
             now = time.monotonic()
@@ -302,10 +378,30 @@ class RewardRunner:
         unknown = [i for i in ids if i >= self._next or i < 0]
         if unknown:
             raise KeyError(f"reward ids {unknown[:3]} were not submitted to this runner")
-        while any(i not in self._results for i in ids):
+        rm_ids = ids if self.reward_model is not None else []
+        while any(i not in self._results for i in ids) or any(i not in self._rm_results for i in rm_ids):
             self.poll(timeout=0.05)
         out = [self._results.pop(i) for i in ids]
         for r in out:
             for w in r.warnings:
                 log.warning("%s; the sample scores 0 for it", w)
+        if rm_ids:
+            notes = collections.Counter()
+            for i, r in zip(rm_ids, out):
+                score, raw, note = self._rm_results.pop(i)
+                self._join_reward_model(r, score, raw, note)
+                if note:
+                    notes[note.split(":")[0]] += 1
+            for what, n in notes.items():
+                log.warning("%s (%d of %d samples)", what, n, len(rm_ids))
         return out
+
+    def _join_reward_model(self, result: RewardResult, score: float, raw: float | None, note: str) -> None:
+        spec = self.rm_spec
+        result.scores[spec.name] = score
+        result.total += spec.weight * score
+        result.rm_score = raw
+        if spec.weight > 0 and not any(s.weight > 0 for s in self.specs):
+            # No verifiable reward beside it: nothing says correct, and the reward model's score is the note.
+            result.correct = False
+            result.answer_note = note or f"reward model: {raw:.3f}"

@@ -1,0 +1,276 @@
+"""The reward model as a reward: a tiny Bradley-Terry model trained here on arithmetic preferences (the right
+sum over a wrong one), with a tokenizer and chat template of its own, scored on its own Ray actor beside or
+instead of the verifiable rewards; and the checks that stop a bad reward model at start in one line.
+
+The model is built once per session and cached like builtin:tiny (``KUBERL_CACHE``); it is trained from a
+fixed seed in a few seconds (:func:`build_arithmetic_rm`), and the learning runs are in
+``test_reward_model_learns.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from trainer.config import ConfigError, DataConfig, EnvConfig, RewardModelConfig, RewardSpec
+from trainer.rewards import reward_model as rm
+
+RM_VERSION = 2  # bump when the build below changes: the cache keys on it
+TINY_OPTIONS = {"num_examples": 512, "min_operand": 0, "max_operand": 2, "ops": "+"}
+# The policy (builtin:tiny) writes one of these characters, or nothing (its end-of-turn token).
+POLICY_CHARS = "0123456789+-*/=?.,:() \nabcdefghijklmnopqrstuvwxyz"
+
+
+def build_rm_tokenizer():
+    """A character tokenizer that is not the policy's: other special tokens, the characters in another order
+    (so every id differs), and a chat template of its own ("<s>user: 1+1</s><s>assistant: 2")."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["[PAD]", "[UNK]", "<s>", "</s>"]
+    chars = list(dict.fromkeys(reversed(POLICY_CHARS)))
+    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(specials + chars)}, unk_token="[UNK]"))
+    tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(specials)
+    # The last turn stays open: the classifier reads the score off the response's own last token.
+    template = ("{% for m in messages %}{{ '<s>' + m['role'] + ': ' + m['content'] }}"
+                "{% if not loop.last %}{{ '</s>' }}{% endif %}{% endfor %}")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]", bos_token="<s>",
+                                   eos_token="</s>", chat_template=template)
+
+
+def arithmetic_pairs(seed: int = 0, n: int = 512) -> list[tuple[list[dict], str, str]]:
+    """``(messages, chosen, rejected)``: each prompt of the tiny arithmetic problems, its sum preferred to a
+    wrong response the policy could write (another character, or nothing)."""
+    from trainer import data
+
+    examples = data.get("arithmetic")(DataConfig(options=TINY_OPTIONS, seed=seed), "train")
+    rng = random.Random(seed)
+    pairs = []
+    for i in range(n):
+        ex = examples[i % len(examples)]
+        # Half the time another digit (the hard case: a sum, but the wrong one), else any other character or none.
+        pool = "0123456789" if rng.random() < 0.5 else POLICY_CHARS + " "
+        wrong = rng.choice([c for c in pool if c != ex["ground_truth"]] + ([""] if len(pool) > 10 else []))
+        pairs.append((ex["messages"], ex["ground_truth"], wrong))
+    return pairs
+
+
+def build_arithmetic_rm(out_dir: str, steps: int = 400, seed: int = 0) -> str:
+    """Train a tiny Llama sequence classifier with the Bradley-Terry loss -log sigmoid(r_chosen - r_rejected)
+    on :func:`arithmetic_pairs` and save it with its tokenizer as a Hugging Face directory."""
+    import torch
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    tokenizer = build_rm_tokenizer()
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=256, num_labels=1,
+                         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id)
+    pairs = arithmetic_pairs(seed)
+
+    def encode(messages, response):
+        text, _ = rm.render(tokenizer, messages, response)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    chosen = [encode(m, c) for m, c, _ in pairs]
+    rejected = [encode(m, r) for m, _, r in pairs]
+
+    def batch(seqs):  # right-padded (B, T) ids and mask; no sample ends on the pad
+        longest = max(map(len, seqs))
+        ids = torch.full((len(seqs), longest), tokenizer.pad_token_id)
+        mask = torch.zeros((len(seqs), longest), dtype=torch.long)
+        for row, s in enumerate(seqs):
+            ids[row, : len(s)], mask[row, : len(s)] = torch.tensor(s), 1
+        return ids, mask
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForSequenceClassification(config)
+        optim = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+        order = random.Random(seed)
+        for _ in range(steps):
+            idx = order.sample(range(len(pairs)), 64)
+            ids, mask = batch([chosen[i] for i in idx] + [rejected[i] for i in idx])
+            r = model(input_ids=ids, attention_mask=mask).logits[:, 0]  # (2B,)
+            loss = -torch.nn.functional.logsigmoid(r[:64] - r[64:]).mean()
+            optim.zero_grad()
+            loss.backward()
+            optim.step()
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def arithmetic_rm(_quiet_env) -> str:
+    """The trained tiny reward model's directory, built once for the session (and its xdist workers)."""
+    from trainer.models.resolve import _cached, cache_root
+
+    return str(_cached(cache_root(), f"test-arithmetic-rm-v{RM_VERSION}", build_arithmetic_rm))
+
+
+# ----- the model itself -----------------------------------------------------------------------------
+
+
+def test_should_prefer_the_right_sum_to_every_wrong_response_when_trained_on_preferences(arithmetic_rm):
+    worker = rm.RewardModelWorker(RewardModelConfig(name=arithmetic_rm))
+    from trainer import data
+
+    examples = {ex["messages"][-1]["content"]: ex for ex in
+                data.get("arithmetic")(DataConfig(options=TINY_OPTIONS, seed=1), "train")}
+    assert len(examples) == 9
+    for ex in examples.values():
+        responses = [*POLICY_CHARS, ""]
+        gen = worker.score([(ex["messages"], c) for c in responses])
+        assert next(gen) is None
+        scores, notes, _ = next(gen)
+        assert not any(notes)
+        right = scores[responses.index(ex["ground_truth"])]
+        wrong = max(s for s, c in zip(scores, responses) if c != ex["ground_truth"])
+        assert right > wrong, f"{ex['messages'][-1]['content']}: the sum scores {right:.2f}, a wrong response {wrong:.2f}"
+
+
+def test_should_read_the_conversation_through_its_own_tokenizer_and_template_not_the_policys(arithmetic_rm,
+                                                                                           tiny_model_path):
+    from trainer.models import load_tokenizer
+
+    messages = [{"role": "user", "content": "1+1"}]
+    ours, policy = load_tokenizer(arithmetic_rm), load_tokenizer(tiny_model_path)
+    text, special = rm.render(ours, messages, "2")
+    assert text == "<s>user: 1+1</s><s>assistant: 2" and special
+    assert ours(text, add_special_tokens=False)["input_ids"] != policy.apply_chat_template(
+        [*messages, {"role": "assistant", "content": "2"}], tokenize=True)
+    # A scoring batch pads with an id no sample ends on: one sample's score is the same alone or padded.
+    worker = rm.RewardModelWorker(RewardModelConfig(name=arithmetic_rm, max_tokens_per_batch=4096))
+    alone = worker._forward([ours(text, add_special_tokens=False)["input_ids"]])
+    longer = ours(rm.render(ours, [{"role": "user", "content": "1+1 and some more words"}], "2")[0],
+                  add_special_tokens=False)["input_ids"]
+    together = worker._forward([ours(text, add_special_tokens=False)["input_ids"], longer])
+    assert alone[0] == pytest.approx(together[0], abs=1e-5)
+
+
+def test_should_score_a_sample_too_long_for_the_model_with_the_configured_score_and_a_note(arithmetic_rm):
+    worker = rm.RewardModelWorker(RewardModelConfig(name=arithmetic_rm, max_length=40, overlong_score=-3.0))
+    gen = worker.score([([{"role": "user", "content": "1+1"}], "2"), ([{"role": "user", "content": "1+1"}], "2" * 60)])
+    next(gen)
+    scores, notes, _ = next(gen)
+    assert scores[0] is not None and not notes[0]
+    assert scores[1] is None and notes[1].startswith("too long for the reward model: ") and "> 40" in notes[1]
+    pool = object.__new__(rm.RewardModelPool)
+    pool.cfg, pool.mean, pool.std = worker.cfg, 0.0, 1.0
+    assert pool.finish(None, notes[1]) == (-3.0, None, notes[1])
+
+
+def test_should_split_forward_passes_by_the_token_budget_shortest_first():
+    assert rm.batches([5, 3, 9, 3], 10) == [[1, 3], [0], [2]]  # 2 x 3 fits 10; 5 and 9 alone
+    assert rm.batches([20], 10) == [[0]]  # longer than the budget: alone, never dropped
+
+
+def test_should_normalise_and_clip_when_asked_and_read_mean_and_std_from_the_models_config(arithmetic_rm, tmp_path):
+    assert rm.normalize(3.0, 1.0, 2.0, None) == 1.0
+    assert rm.normalize(9.0, 1.0, 2.0, 2.5) == 2.5 and rm.normalize(-9.0, 1.0, 2.0, 2.5) == -2.5
+    assert rm.stats(RewardModelConfig(name=arithmetic_rm)) == (0.0, 1.0)
+    assert rm.stats(RewardModelConfig(name=arithmetic_rm, normalize="given", mean=0.5, std=4.0)) == (0.5, 4.0)
+    with pytest.raises(ConfigError, match=r"^reward_model.normalize=config: the config.json of reward_model.name="):
+        rm.stats(RewardModelConfig(name=arithmetic_rm, normalize="config"))
+    import shutil
+
+    carried = tmp_path / "rm"
+    shutil.copytree(arithmetic_rm, carried)
+    config = json.loads((carried / "config.json").read_text())
+    (carried / "config.json").write_text(json.dumps({**config, "mean": 1.5, "std": 0.5}))
+    assert rm.stats(RewardModelConfig(name=str(carried), normalize="config")) == (1.5, 0.5)
+
+
+def test_should_report_the_mean_score_and_its_correlation_with_length():
+    from types import SimpleNamespace as NS
+
+    rollouts = [NS(reward=NS(rm_score=s), model_tokens=n) for s, n in [(1.0, 1), (2.0, 2), (3.0, 3), (None, 9)]]
+    metrics = rm.step_metrics(rollouts)
+    assert metrics["train/rm_score_mean"] == pytest.approx(2.0)
+    assert metrics["train/rm_length_corr"] == pytest.approx(1.0)
+    assert rm.step_metrics([NS(reward=NS(rm_score=None), model_tokens=1)]) == {}
+
+
+# ----- on Ray, through the reward runner ------------------------------------------------------------
+
+
+def test_should_combine_the_reward_model_with_a_verifiable_reward_by_weight_on_its_own_actor(arithmetic_rm,
+                                                                                            ray_local):
+    from trainer.rewards.runner import RewardRunner
+
+    pool = rm.RewardModelPool(RewardModelConfig(name=arithmetic_rm, normalize="given", mean=0.0, std=2.0, clip=1.0))
+    try:
+        pool.wait_ready()
+        env = EnvConfig([RewardSpec("arithmetic", 0.5, {"unboxed_score": 1.0}), RewardSpec("reward_model", 0.5)])
+        runner = RewardRunner(env, reward_model=pool)
+        messages = [{"role": "user", "content": "1+1"}]
+        results = runner.results(runner.submit([("2", "2", "1+1", messages), ("2", "7", "1+1", messages)]))
+        alone = RewardRunner(EnvConfig([RewardSpec("reward_model")]), reward_model=pool)
+        only = alone.results(alone.submit([("2", "2", "1+1", messages), ("2", "7", "1+1")]))
+    finally:
+        pool.shutdown()
+    right, wrong = results
+    assert list(right.scores) == ["arithmetic", "reward_model"]
+    for r in results:
+        assert -1.0 <= r.scores["reward_model"] <= 1.0  # (raw - 0) / 2, clipped to [-1, 1]
+        assert r.scores["reward_model"] == pytest.approx(max(-1.0, min(1.0, r.rm_score / 2)))
+        assert r.total == pytest.approx(0.5 * r.scores["arithmetic"] + 0.5 * r.scores["reward_model"])
+    assert right.scores["arithmetic"] == 1.0 and right.correct and right.answer == "2"
+    assert wrong.scores["arithmetic"] == 0.0 and not wrong.correct
+    assert right.rm_score > wrong.rm_score
+    # Alone, it pays but never says correct; a question without messages is read as the user's turn.
+    assert [r.rm_score for r in only] == pytest.approx([right.rm_score, wrong.rm_score], abs=1e-5)
+    assert not any(r.correct for r in only) and only[0].answer_note.startswith("reward model: ")
+
+
+def test_should_refuse_a_reward_model_entry_without_the_actors_or_with_kwargs():
+    from trainer.rewards import check_specs
+    from trainer.rewards.runner import RewardRunner
+
+    with pytest.raises(ConfigError, match="needs the run's reward model actors"):
+        RewardRunner(EnvConfig([RewardSpec("reward_model")]))
+    with pytest.raises(ConfigError, match=r"^env.reward_functions\[0\].kwargs: the reward_model entry takes none"):
+        check_specs([RewardSpec("reward_model", 1.0, {"x": 1})])
+    with pytest.raises(ConfigError, match="names reward_model twice"):
+        check_specs([RewardSpec("reward_model"), RewardSpec("reward_model")])
+
+
+# ----- bad configuration: one line at start, before anything starts ------------------------------------
+
+RM_ONLY = "env.reward_functions=[{name: reward_model, weight: 1.0}]"
+
+
+@pytest.mark.parametrize("case, says", [
+    ("causal", r"^kuberl: error: reward_model.name=\S+: it is a LlamaForCausalLM, not a sequence classifier; "),
+    ("missing", r"^kuberl: error: reward_model.name=/no/such/rm: no such local directory"),
+    ("zero_budget", r"^kuberl: error: reward_model.max_tokens_per_batch=0 must be >= 1"),
+    ("unset", r"^kuberl: error: env.reward_functions names reward_model, but reward_model.name is null"),
+    ("two_labels", r"^kuberl: error: reward_model.name=\S+: a sequence classifier with 2 labels; "),
+], ids=lambda v: v if v.isidentifier() else "")
+def test_should_stop_in_one_line_at_start_when_the_reward_model_is_wrong(case, says, arithmetic_rm, tiny_model_path,
+                                                                         tmp_path, capsys):
+    from trainer.__main__ import main
+
+    name = {"causal": tiny_model_path, "missing": "/no/such/rm"}.get(case, arithmetic_rm)
+    if case == "two_labels":
+        import shutil
+
+        name = str(tmp_path / "two")
+        shutil.copytree(arithmetic_rm, name)
+        config = json.loads((Path(name) / "config.json").read_text())
+        config["id2label"] = {"0": "LABEL_0", "1": "LABEL_1"}
+        (Path(name) / "config.json").write_text(json.dumps(config))
+    extra = {"zero_budget": ["reward_model.max_tokens_per_batch=0"], "unset": []}.get(case, [f"reward_model.name={name}"])
+    code = main(["experiment=tiny", RM_ONLY, *extra])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    import re
+
+    assert re.match(says, err), err

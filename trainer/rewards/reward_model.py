@@ -1,0 +1,314 @@
+"""A reward model as a reward: ``{name: reward_model, weight: w}`` in ``env.reward_functions``, scored by
+a sequence classifier with one label (a Bradley-Terry reward model) on Ray actors of its own.
+
+What the model reads is what it was trained on: the prompt's messages and the response, rendered as text
+by the reward model's own tokenizer and chat template (:func:`render`), never the policy's token ids (the
+two tokenizers differ in general). A sample longer than ``reward_model.max_length`` (by default the
+model's context) is not truncated, which would score a response the model never saw whole: it gets
+``reward_model.overlong_score`` and a note.
+
+Scores are raw by default: GRPO normalises rewards within each group of one prompt, so a constant offset
+or scale of the reward model changes nothing there; beside other rewards the scale matters, and
+``reward_model.normalize`` (``given``: ``reward_model.mean``/``std``; ``config``: the ``mean``/``std`` the
+model's config.json carries, as OpenRLHF writes them) and ``reward_model.clip`` bring it to theirs. Each
+step reports ``train/rm_score_mean`` (raw) and ``train/rm_length_corr``, the correlation of the raw score
+with the response's length: a reward model that pays for length is the usual first thing a policy games.
+
+Placement: ``reward_model.replicas`` actors (:class:`RewardModelWorker`), each with ``reward_model.num_cpus``
+CPUs, ``num_gpus`` GPUs and one unit of the custom Ray resource ``reward_model.resource`` when set (on a
+GPU cluster, the worker group that serves reward models); on a CPU cluster plain CPU actors. A batch
+goes to one replica, which splits it into forward passes of at most ``reward_model.max_tokens_per_batch``
+(padded) tokens. The driver's side is :class:`RewardModelPool`; the reward runner
+(:mod:`trainer.rewards.runner`) sends it each chunk of samples and combines its scores with the others'
+by weight.
+
+Failure is bounded and loud. The model is checked at start from its config alone (:func:`check`): a path
+that does not exist, or a model that is not a sequence classifier with one label, is one line before
+anything starts. A batch is bounded by ``env.reward_timeout_s`` from the moment its replica starts it; a
+late batch's samples score 0 with a warning, as any reward's. A replica that dies ends the run in one line
+naming it (the actors are registered with :mod:`trainer.watchdog`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from trainer.cluster import ClusterError
+from trainer.config import ConfigError, RewardModelConfig, RewardSpec
+from trainer.rewards.registry import REWARD_MODEL as NAME  # the env.reward_functions entry it scores
+
+# A reward model without a chat template reads each turn as "role: content" on its own line.
+PLAIN_TEMPLATE = "{role}: {content}\n"
+
+
+class RewardModelError(ClusterError):
+    """The reward model's replicas cannot score (they did not start in time); one line for people."""
+
+
+def used(specs: list[RewardSpec]) -> bool:
+    return any(spec.name == NAME for spec in specs)
+
+
+# ----- the checks at start ----------------------------------------------------------------------------
+
+
+def _model_config(cfg: RewardModelConfig) -> Any:
+    from transformers import AutoConfig
+
+    from trainer.models import ModelNotFoundError, hub_id_or_directory
+
+    try:
+        path = hub_id_or_directory(cfg.name, "reward_model.name")
+    except ModelNotFoundError as e:
+        raise ConfigError(str(e)) from None
+    try:
+        return AutoConfig.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
+    except (OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"reward_model.name={cfg.name}: cannot read its config: {first}") from None
+
+
+def check(cfg: RewardModelConfig, specs: list[RewardSpec]) -> None:
+    """A ``reward_model`` entry has a model that is a sequence classifier with one label, read from its
+    config alone; else a ConfigError naming the key. Nothing to check when no entry names it."""
+    if not used(specs):
+        return
+    if not cfg.name:
+        raise ConfigError(
+            f"env.reward_functions names {NAME}, but reward_model.name is null; set it to a reward model's hub "
+            "id or directory (an AutoModelForSequenceClassification with one label)"
+        )
+    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
+
+    config = _model_config(cfg)
+    arch = (getattr(config, "architectures", None) or [None])[0]
+    classifier = arch.endswith("ForSequenceClassification") if arch else (
+        config.model_type in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES or bool(getattr(config, "auto_map", None))
+    )
+    if not classifier:
+        raise ConfigError(
+            f"reward_model.name={cfg.name}: it is a {arch or config.model_type}, not a sequence classifier; a "
+            "reward model loads with AutoModelForSequenceClassification and one label (a Bradley-Terry model)"
+        )
+    if config.num_labels != 1:
+        raise ConfigError(
+            f"reward_model.name={cfg.name}: a sequence classifier with {config.num_labels} labels; a reward model "
+            "has one (its score), e.g. a Bradley-Terry model trained on preference pairs"
+        )
+    if cfg.normalize == "config":
+        stats(cfg, config)
+
+
+def stats(cfg: RewardModelConfig, config: Any = None) -> tuple[float, float]:
+    """``(mean, std)`` scores are normalised with: ``(0, 1)`` for none, the given ones, or the model config's."""
+    if cfg.normalize == "none":
+        return 0.0, 1.0
+    if cfg.normalize == "given":
+        return cfg.mean, cfg.std
+    config = config if config is not None else _model_config(cfg)
+    mean, std = getattr(config, "mean", None), getattr(config, "std", None)
+    ok = all(isinstance(v, (int, float)) and math.isfinite(v) for v in (mean, std)) and std > 0
+    if not ok:
+        raise ConfigError(
+            f"reward_model.normalize=config: the config.json of reward_model.name={cfg.name} carries no usable mean "
+            f"and std (mean={mean!r}, std={std!r}); use reward_model.normalize=given with reward_model.mean and "
+            "reward_model.std"
+        )
+    return float(mean), float(std)
+
+
+def normalize(raw: float, mean: float, std: float, clip: float | None) -> float:
+    score = (raw - mean) / std
+    return score if clip is None else min(max(score, -clip), clip)
+
+
+# ----- what the model reads ----------------------------------------------------------------------------
+
+
+def render(tokenizer: Any, messages: list[dict], response: str) -> tuple[str, bool]:
+    """The conversation with ``response`` as the assistant's turn, as the reward model's own chat template
+    writes it, and whether that text already holds the special tokens (a template writes them)."""
+    conversation = [*messages, {"role": "assistant", "content": response}]
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(conversation, tokenize=False), True
+    return "".join(PLAIN_TEMPLATE.format(**m) for m in conversation), False
+
+
+def batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Indices grouped into forward passes of at most ``max_tokens`` padded tokens (batch x longest), shortest
+    first so that padding stays small; a sample longer than the budget goes alone."""
+    out: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
+        if out and (len(out[-1]) + 1) * lengths[i] <= max_tokens:
+            out[-1].append(i)
+        else:
+            out.append([i])
+    return out
+
+
+class RewardModelWorker:
+    """One replica: the tokenizer and the model, scoring ``(messages, response)`` pairs. A Ray actor."""
+
+    def __init__(self, cfg: RewardModelConfig):
+        import torch
+        from transformers import AutoModelForSequenceClassification
+
+        from trainer import hardware
+        from trainer.models import DTYPES, load_tokenizer
+
+        self.cfg = cfg
+        self.device = "cuda" if cfg.num_gpus > 0 and torch.cuda.is_available() else "cpu"
+        dtype = cfg.dtype
+        if dtype == "auto":
+            dtype = "bfloat16" if self.device == "cuda" or hardware.native_bf16() else "float32"
+        self.tokenizer = load_tokenizer(cfg.tokenizer or cfg.name, cfg.trust_remote_code)
+        self.model = AutoModelForSequenceClassification.from_pretrained(
+            cfg.name, dtype=DTYPES[dtype], trust_remote_code=cfg.trust_remote_code, num_labels=1
+        ).to(self.device).eval()
+        self.text_config = self.model.config.get_text_config()
+        context = getattr(self.text_config, "max_position_embeddings", None)
+        self.max_length = cfg.max_length or context or 2**31
+
+    def ready(self) -> dict:
+        return {"max_length": self.max_length, "chat_template": bool(getattr(self.tokenizer, "chat_template", None))}
+
+    def score(self, items: list[tuple[list[dict], str]]) -> Iterator[Any]:
+        """Yields None once running (the time limit starts), then ``(raw scores, notes, seconds)``: a raw score
+        per item (None for one too long to read, with its note)."""
+        yield None
+        start = time.monotonic()
+        ids = []
+        for messages, response in items:
+            text, special = render(self.tokenizer, messages, response)
+            ids.append(self.tokenizer(text, add_special_tokens=not special)["input_ids"])
+        scores: list[float | None] = [None] * len(items)
+        notes = [""] * len(items)
+        fits = []
+        for i, seq in enumerate(ids):
+            if len(seq) > self.max_length:
+                notes[i] = (f"too long for the reward model: {len(seq)} tokens > {self.max_length} "
+                            f"(reward_model.max_length); scored reward_model.overlong_score")
+            else:
+                fits.append(i)
+        for group in batches([len(ids[i]) for i in fits], self.cfg.max_tokens_per_batch):
+            members = [fits[k] for k in group]
+            for i, value in zip(members, self._forward([ids[i] for i in members])):
+                scores[i] = value
+        yield scores, notes, time.monotonic() - start
+
+    def _forward(self, seqs: list[list[int]]) -> list[float]:
+        """One forward pass over right-padded ``seqs``: (B, T) ids -> B scores."""
+        import torch
+
+        longest = max(len(s) for s in seqs)
+        # A decoder classifier scores the last token that is not its config's pad id: pad with an id no
+        # sample ends on, so that a sample ending on the tokenizer's pad (often its eos) is read whole.
+        last = {s[-1] for s in seqs}
+        pad = next(p for p in itertools.chain([self.tokenizer.pad_token_id or 0], range(len(last) + 1))
+                   if p not in last)
+        input_ids = torch.full((len(seqs), longest), pad, dtype=torch.long)  # (B, T)
+        mask = torch.zeros((len(seqs), longest), dtype=torch.long)  # (B, T)
+        for row, s in enumerate(seqs):
+            input_ids[row, : len(s)] = torch.tensor(s)
+            mask[row, : len(s)] = 1
+        self.text_config.pad_token_id = pad
+        with torch.inference_mode():
+            logits = self.model(input_ids=input_ids.to(self.device), attention_mask=mask.to(self.device)).logits
+        return logits[:, 0].float().cpu().tolist()  # (B, 1) -> B
+
+
+# ----- the driver's side -------------------------------------------------------------------------------
+
+
+class RewardModelPool:
+    """The replicas, started once per run; :meth:`call` sends a batch to the next one (round robin).
+    Shared by the run's reward runners; each tracks its own batches in flight."""
+
+    def __init__(self, cfg: RewardModelConfig, use_gpus: bool = False):
+        import ray
+
+        from trainer import watchdog
+
+        self.cfg = cfg
+        self.mean, self.std = stats(cfg)
+        options: dict[str, Any] = {"num_cpus": cfg.num_cpus, "num_gpus": cfg.num_gpus, "max_restarts": 0,
+                                   "max_concurrency": 1}
+        if cfg.resource:
+            options["resources"] = {cfg.resource: 1}
+        actor = ray.remote(RewardModelWorker)
+        self.workers = [actor.options(**options).remote(cfg) for _ in range(cfg.replicas)]
+        for r, w in enumerate(self.workers):
+            watchdog.register(w, f"reward model replica {r}")
+        self._next = itertools.count()
+        self.info: list[dict] = []
+
+    def wait_ready(self) -> None:
+        """Every replica has loaded its model, within ``reward_model.start_timeout_s``; else one line."""
+        import ray
+
+        refs = [w.ready.remote() for w in self.workers]
+        ready, waiting = ray.wait(refs, num_returns=len(refs), timeout=self.cfg.start_timeout_s)
+        if waiting:
+            raise RewardModelError(
+                f"{len(waiting)} of {len(refs)} reward model replicas did not load reward_model.name={self.cfg.name} "
+                f"within reward_model.start_timeout_s={self.cfg.start_timeout_s:g}s: the cluster has no room for "
+                f"them ({self._asks()} each) or the model is slow to load; raise the timeout or free those resources"
+            )
+        self.info = ray.get(refs)
+
+    def _asks(self) -> str:
+        parts = [f"{self.cfg.num_cpus:g} CPU"] + ([f"{self.cfg.num_gpus:g} GPU"] if self.cfg.num_gpus else [])
+        return " + ".join(parts + ([f"1 {self.cfg.resource}"] if self.cfg.resource else []))
+
+    def describe(self) -> str:
+        info = self.info[0] if self.info else {}
+        template = "its chat template" if info.get("chat_template") else "plain 'role: content' lines (no chat template)"
+        return (f"reward model {self.cfg.name}: {self.cfg.replicas} replica(s) of {self._asks()}, reads {template}, "
+                f"up to {info.get('max_length', '?')} tokens")
+
+    def call(self, items: list[tuple[list[dict], str]]) -> Any:
+        """Score ``items`` on the next replica: a streaming generator (None once started, then the result)."""
+        return self.workers[next(self._next) % len(self.workers)].score.remote(items)
+
+    def shares(self, n: int) -> list[slice]:
+        """``n`` samples split into one batch per replica (fewer when there are fewer samples)."""
+        k = max(1, min(len(self.workers), n))
+        size = -(-n // k)
+        return [slice(i, min(n, i + size)) for i in range(0, n, size)]
+
+    def finish(self, raw: float | None, note: str) -> tuple[float, float | None, str]:
+        """A replica's raw score as the reward's: ``(score, raw, note)``; None (too long) scores overlong_score."""
+        if raw is None:
+            return self.cfg.overlong_score, None, note
+        return normalize(raw, self.mean, self.std, self.cfg.clip), raw, note
+
+    def shutdown(self, graceful: bool = True) -> None:
+        import ray
+
+        from trainer import watchdog
+
+        for w in self.workers:
+            watchdog.forget(w)
+            try:
+                ray.kill(w)
+            except Exception:  # noqa: S110  (already gone)
+                pass
+        self.workers = []
+
+
+def step_metrics(rollouts: list) -> dict[str, float]:
+    """``train/rm_score_mean`` (raw scores of the samples the model read) and ``train/rm_length_corr``
+    (Pearson's, of the raw score with the response's own tokens; 0 when either is constant)."""
+    pairs = [(r.reward.rm_score, r.model_tokens) for r in rollouts if getattr(r.reward, "rm_score", None) is not None]
+    if not pairs:
+        return {}
+    n = len(pairs)
+    ms, ml = sum(s for s, _ in pairs) / n, sum(length for _, length in pairs) / n
+    cov = sum((s - ms) * (length - ml) for s, length in pairs)
+    vs, vl = sum((s - ms) ** 2 for s, _ in pairs), sum((length - ml) ** 2 for _, length in pairs)
+    corr = cov / math.sqrt(vs * vl) if vs > 0 and vl > 0 else 0.0
+    return {"train/rm_score_mean": ms, "train/rm_length_corr": corr}

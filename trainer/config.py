@@ -256,6 +256,10 @@ class GenerationConfig:
     # Disaggregated: how long one refit may take, senders and receivers together, before the run stops
     # with one line naming the side still busy (NCCL itself never times out).
     refit_timeout_s: float = 300
+    # Disaggregated: how long policy rank 0 and every engine may take to open the weight-transfer group
+    # (NCCL's communicator init and warm-up are unbounded) before the run stops in one line naming the side
+    # that did not join. Above vLLM's own 300 s for its store step, so that its error comes first.
+    weight_group_timeout_s: float = 600
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
 
 
@@ -858,7 +862,7 @@ def _validate(c: Config) -> None:
     _require(cl.num_nodes >= 1, f"cluster.num_nodes={cl.num_nodes} must be >= 1")
     _require(cl.gpus_per_node >= 0, f"cluster.gpus_per_node={cl.gpus_per_node} must be >= 0")
     _require(gen.refit_bucket_mb > 0, f"generation.refit_bucket_mb={gen.refit_bucket_mb} must be > 0")
-    for key in ("engine_start_timeout_s", "refit_timeout_s"):
+    for key in ("engine_start_timeout_s", "refit_timeout_s", "weight_group_timeout_s"):
         value = getattr(gen, key)
         _require(math.isfinite(value) and value > 0, f"generation.{key}={value} must be a number of seconds > 0")
     if not cl.use_gpus:

@@ -89,8 +89,9 @@ def make_engine(monkeypatch):
                                       max_model_len=128, colocated=colocated,
                                       lora=LoRAConfig(rank=8) if lora else None)
         engine._tied = False
+        model = RecordingModel(llm.calls)
         worker = SimpleNamespace(vllm_config=SimpleNamespace(model_config=SimpleNamespace(quantization=None)),
-                                 model_runner=SimpleNamespace(get_model=lambda model=RecordingModel(llm.calls): model))
+                                 model_runner=SimpleNamespace(get_model=lambda: model))
         monkeypatch.setattr(engine, "_worker", lambda: worker)
         return engine, llm
 

@@ -217,3 +217,18 @@ def test_should_reload_layerwise_when_a_layer_kept_only_its_packed_weight():
     model = torch.nn.Linear(4, 4)
     model.weight = torch.nn.Parameter(torch.empty(0))  # what vLLM's CPU dispatch leaves behind a packed kernel
     assert needs_layerwise_reload(model, SimpleNamespace(quantization=None))
+
+
+# ----- what the sleep level costs the node: make plan ---------------------------------------------------
+
+
+@pytest.mark.parametrize(("exp", "level1_engines"), [("lora-gemma3-27b-gsm8k-h200", 8), ("gemma3-1b-math-b200", 0)])
+def test_should_plan_host_memory_for_the_sleeping_engines_weights_only_when_they_sleep_at_level_1(exp, level1_engines):
+    from trainer import plan
+
+    result = plan.plan_for(exp, [])
+    (host,) = [d for d in result.devices if d.role == "training node, host memory"]
+    weights = result.shape.params * plan.BYTES["bfloat16"]  # both engines serve bf16 weights
+    assert host.terms == {plan.SLEEPING_TERM: level1_engines * weights}
+    assert host.capacity == 1500 * 2**30  # the values file's (LoRA) or the chart's request
+    assert f"sleep at level {1 if level1_engines else 2}" in host.notes[0]

@@ -169,6 +169,13 @@ def sleep_mode(on_cpu: bool, colocated: bool) -> bool:
     return colocated and not on_cpu
 
 
+def sleep_level(lora: bool) -> int:
+    """The vLLM sleep level of a colocated engine: 2 (weights discarded) when refits bring every weight, 1
+    (weights copied to host memory and back) with LoRA, whose refits bring the adapter alone
+    (:meth:`VLLMGenerationEngine.sleep`)."""
+    return 1 if lora else 2
+
+
 def resolve_gpu_memory_utilization(gen: GenerationConfig, colocated: bool) -> float:
     """``generation.gpu_memory_utilization``, null resolved by placement: the share of the GPU that vLLM
     takes for weights, activations and KV cache (``COLOCATED_GPU_MEMORY_UTILIZATION``,
@@ -264,7 +271,7 @@ class VLLMGenerationEngine:
         self._asleep: set[str] = set()  # the SLEEP_TAGS now asleep
         # Full-weight refits overwrite every weight, so the weights need not survive a sleep; LoRA refits
         # change the adapter alone, so the base must (:meth:`sleep`).
-        self.sleep_level = 1 if lora is not None else 2
+        self.sleep_level = sleep_level(lora is not None)
         self._weights_discarded = False  # slept at level 2, and no refit has loaded weights since
         try:
             self._start(model_path, gen, dtype, seed, max_model_len, threads)

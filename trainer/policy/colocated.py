@@ -45,7 +45,10 @@ def refresh(engine, weights: Callable[[], Iterator[tuple[str, torch.Tensor]]], a
     """Load the updated weights (``weights()`` gathers them; the adapters alone with ``adapters``) into
     ``engine`` in the order that keeps the device's peak low: what training cached goes back to the device
     first, the engine's weights wake, the new ones load as they are gathered (the iterator is made
-    here, on the stream the refit runs on), and only then does the KV cache wake."""
+    here, on the stream the refit runs on), and only then does the KV cache wake. A vLLM engine that slept
+    at level 2 (full weights: :func:`trainer.generation.vllm_engine.sleep_level`) wakes to fresh, undefined
+    weight memory, which this load overwrites whole before anything generates; with LoRA it slept at
+    level 1 and its base comes back from host memory."""
     torch.cuda.empty_cache()  # a no-op without CUDA: the same call on every device
     engine.wake_up(tags=["weights"])
     if adapters:

@@ -461,6 +461,10 @@ class GenerationConfig:
     # Disaggregated: how long one refit may take, senders and receivers together, before the run stops
     # with one line naming the side still busy (NCCL itself never times out).
     refit_timeout_s: float = 300
+    # Disaggregated: how long policy rank 0 and every engine may take to open the weight-transfer group
+    # (NCCL's communicator init and warm-up are unbounded) before the run stops in one line naming the side
+    # that did not join. Above vLLM's own 300 s for its store step, so that its error comes first.
+    weight_group_timeout_s: float = 600
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
 
     def validate(self) -> None:
@@ -497,7 +501,7 @@ class GenerationConfig:
             "(0.6 colocated, 0.9 disaggregated)",
         )
         _require(self.refit_bucket_mb > 0, f"generation.refit_bucket_mb={self.refit_bucket_mb} must be > 0")
-        for key in ("engine_start_timeout_s", "refit_timeout_s"):
+        for key in ("engine_start_timeout_s", "refit_timeout_s", "weight_group_timeout_s"):
             value = getattr(self, key)
             _require(math.isfinite(value) and value > 0, f"generation.{key}={value} must be a number of seconds > 0")
 

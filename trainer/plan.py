@@ -13,7 +13,9 @@ plan adds up what one device holds at its peak:
   logits); and a fixed runtime reserve (CUDA context, NCCL, allocator slack);
 - **a colocated vLLM engine** on the same GPUs: its ``gpu_memory_utilization`` share while it
   generates, beside the policy's sharded state (which stays on the GPU); asleep it frees both its
-  weights and its KV cache, so training does not count it;
+  weights and its KV cache, so training does not count it. Its sleep level decides where the weights go
+  (:func:`host_device`): nowhere at level 2 (full-weight refits overwrite them), to the training node's
+  host memory at level 1 (LoRA), one copy per GPU, against the values file's memory request;
 - **generation GPUs** (disaggregated): the engine's weights split over ``tensor_parallel_size`` and
   the KV cache left in its share, as whole sequences of ``policy.max_total_sequence_length``;
 - **transients**, what a training GPU holds for a moment only: loading, each rank's shards and one full
@@ -258,6 +260,7 @@ class Plan:
         return out
 
 
+SLEEPING_TERM = "sleeping engines' weights"
 # The key a user changes when a term is too large.
 ADVICE = {
     "weights (sharded)": "more training GPUs (cluster.num_nodes and workerGroups.train.replicas)",
@@ -273,8 +276,52 @@ ADVICE = {
     "KV cache (one sequence)": "a smaller policy.max_total_sequence_length, or a larger generation.tensor_parallel_size",
     "colocated engine (awake)": "a smaller generation.gpu_memory_utilization, or generation.placement=disaggregated",
     "one full tensor, loading": "more training GPUs (the shards beside it shrink)",
+    SLEEPING_TERM: "a larger workerGroups.train.resources.requests.memory in the values file",
 }
 LOADING_TERM = "one full tensor, loading"
+CHART_VALUES = Path(__file__).resolve().parents[1] / "charts" / "kuberl" / "values.yaml"
+_QUANTITY = {"": 1, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+
+
+def host_device(cfg, shape: Shape, host_bytes: float) -> Device | None:
+    """A training node's host memory as its colocated vLLM engines use it while they sleep: at level 1
+    (LoRA: the base must survive the refit) each copies its weights there, at level 2 (full-weight refits)
+    none does (vLLM discards them). Only that term: the rest of the pod's memory (Ray, the processes'
+    own) is not counted. None without colocated vLLM engines."""
+    from trainer.generation.vllm_engine import sleep_level
+
+    if cfg.generation.backend != "vllm" or cfg.disaggregated:
+        return None
+    level = sleep_level(cfg.policy.lora.enabled)
+    engines = cfg.cluster.gpus_per_node
+    per_engine = shape.params * BYTES[cfg.engine_dtype]
+    dev = Device("training node, host memory", host_bytes, {SLEEPING_TERM: per_engine * engines if level == 1 else 0.0})
+    dev.notes.append(
+        f"{engines} colocated engines sleep at level {level}: "
+        + (f"each copies its {per_engine / GiB:.1f} GiB of weights to host memory (LoRA: the base must survive)"
+           if level == 1 else "their weights are discarded, the refit overwrites them (nothing kept on the host)")
+    )
+    return dev
+
+
+def host_memory_request(values: Path | None) -> float:
+    """Bytes of host memory a training pod requests: ``workerGroups.train.resources.requests.memory`` of
+    the values file, else the chart's default; infinite when neither says."""
+    import re
+
+    import yaml
+
+    for path in (values, CHART_VALUES):
+        if path is None or not path.is_file():
+            continue
+        doc = yaml.safe_load(path.read_text()) or {}
+        memory = (((doc.get("workerGroups") or {}).get("train") or {}).get("resources") or {}).get("requests", {}).get("memory")
+        if memory is not None:
+            m = re.fullmatch(r"([0-9.]+)([kMGT]i?)?", str(memory).strip())
+            if not m:
+                raise PlanError(f"workerGroups.train.resources.requests.memory={memory!r} in {path}: not a quantity")
+            return float(m.group(1)) * _QUANTITY[m.group(2) or ""]
+    return float("inf")
 
 
 def loading_device(cfg, shape: Shape, terms: dict[str, float], capacity: float) -> Device:
@@ -295,8 +342,9 @@ def loading_device(cfg, shape: Shape, terms: dict[str, float], capacity: float) 
     return dev
 
 
-def plan(cfg, gpu: str | None, experiment: str) -> Plan:
-    """The plan of a validated :class:`trainer.config.Config` on ``gpu`` (a GPU_MEMORY key, or None: CPU)."""
+def plan(cfg, gpu: str | None, experiment: str, host_bytes: float = float("inf")) -> Plan:
+    """The plan of a validated :class:`trainer.config.Config` on ``gpu`` (a GPU_MEMORY key, or None: CPU);
+    ``host_bytes``: a training pod's host memory (:func:`host_memory_request`)."""
     shape = model_shape(cfg.model.name, cfg.model.trust_remote_code)
     world = cfg.train_world_size
     terms = training_terms(cfg, shape, world)
@@ -320,6 +368,7 @@ def plan(cfg, gpu: str | None, experiment: str) -> Plan:
         })  # fmt: skip
         devices.append(awake)
         devices.append(engine_device(cfg, shape, capacity, "engine's share"))
+        devices.append(host_device(cfg, shape, host_bytes))
     elif vllm:
         devices.append(engine_device(cfg, shape, capacity, "generation GPU (engine's share)"))
     per_node = cfg.cluster.gpus_per_node
@@ -396,7 +445,7 @@ def plan_for(exp: str, overrides: list[str], gpu: str | None = None) -> Plan:
     if cfg.cluster.use_gpus and gpu in (None, "none"):
         raise PlanError(f"experiment {release.experiment} runs on GPUs but has no values file with gpu.type: give GPU=h200 or GPU=b200")
     name = release.values.stem if release.values else release.experiment
-    return plan(cfg, gpu, name)
+    return plan(cfg, gpu, name, host_memory_request(release.values))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,8 +27,9 @@ class _Recorder:
         return list(self.events)
 
 
-def _engine_class(recorder: str, build_s: float, receive: str = "ok"):
-    """A stand-in for GenerationWorker: building its engine takes ``build_s``; a refit does ``receive``."""
+def _engine_class(recorder: str, build_s: float, receive: str = "ok", join: dict[int, str] | None = None):
+    """A stand-in for GenerationWorker: building its engine takes ``build_s``; a refit does ``receive``;
+    joining the transfer group does ``join[rank]`` (default "ok")."""
 
     class Engine:
         def __init__(self, cfg, model_path, rank):
@@ -44,6 +45,11 @@ def _engine_class(recorder: str, build_s: float, receive: str = "ok"):
         def init_weight_sync(self, info: dict) -> None:
             import ray
 
+            how = (join or {}).get(self.rank, "ok")
+            if how == "raise":
+                raise RuntimeError("ncclInternalError: ibv_modify_qp failed with 110 Connection timed out")
+            if how == "hang":  # a rendezvous nobody completes (NCCL's init has no time limit)
+                time.sleep(90)
             ray.get(self.log.note.remote(f"engine {self.rank} joins the transfer group"))
 
         def receive_weights(self, update_info: dict) -> None:
@@ -103,8 +109,8 @@ def placed(ray_local, monkeypatch, tiny_model_path):
     ranks = [ray.remote(num_cpus=0)(_PolicyRank).remote(name, r) for r in range(2)]
     made = []
 
-    def make(build_s: float, receive: str = "ok", *overrides: str):
-        monkeypatch.setattr(worker, "GenerationWorker", _engine_class(name, build_s, receive))
+    def make(build_s: float, receive: str = "ok", *overrides: str, join: dict[int, str] | None = None):
+        monkeypatch.setattr(worker, "GenerationWorker", _engine_class(name, build_s, receive, join))
         cfg = load(["experiment=tiny", f"model.name={tiny_model_path}", "generation.placement=disaggregated",
                     "generation.resources.num_cpu_workers=2", *overrides])
         gen = placement.DisaggregatedGenerator(cfg, tiny_model_path, _Policy(ranks))
@@ -163,3 +169,43 @@ def test_should_stop_in_one_line_within_the_bound_when_a_refit_hangs(placed):
     assert str(e.value) == (
         "generation engine 0, generation engine 1: the weight refit did not finish within generation.refit_timeout_s=2s"
     )
+
+
+@pytest.mark.parametrize(("how", "says"), [
+    ("hang", "generation engine 1: did not join the weight-transfer group within generation.weight_group_timeout_s=2s"),
+    ("raise", "generation engine 1 failed to join the weight-transfer group: "
+              "ncclInternalError: ibv_modify_qp failed with 110 Connection timed out"),
+], ids=["never-joins", "fails-to-join"])
+def test_should_stop_in_one_line_naming_the_engine_when_an_engine_does_not_join_the_weight_group(placed, how, says):
+    """The rendezvous is bounded like every other wait; the engines' actors are ended with it. (Run in a
+    thread only so that a rendezvous that never returns fails this test instead of hanging it.)"""
+    import threading
+
+    import ray
+
+    from trainer.generation.placement import GenerationError
+
+    raised: list[BaseException] = []
+
+    def start():
+        try:
+            placed(0, "ok", "generation.weight_group_timeout_s=2", join={1: how})
+        except BaseException as e:  # noqa: BLE001 (handed to the test's thread)
+            raised.append(e)
+
+    t0 = time.monotonic()
+    thread = threading.Thread(target=start, daemon=True)
+    thread.start()
+    thread.join(60)
+    assert not thread.is_alive(), "the driver was still waiting for the weight-transfer group after 60 s"
+    assert time.monotonic() - t0 < 30
+    assert len(raised) == 1 and isinstance(raised[0], GenerationError), raised
+    assert str(raised[0]) == says
+    from ray._private import state
+
+    job = ray.JobID.from_hex(ray.get_runtime_context().get_job_id())
+    deadline = time.monotonic() + 30
+    while live := [a for a in state.actors(job_id=job).values()
+                   if a["ActorClassName"] == "Engine" and a["State"] != "DEAD"]:
+        assert time.monotonic() < deadline, f"generation actors left after a failed start: {live}"
+        time.sleep(0.5)

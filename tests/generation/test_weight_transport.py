@@ -240,3 +240,53 @@ def test_should_generate_with_sent_weights_when_a_vllm_engine_receives_them_over
             expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(ids)[:, None])[:, 0]
             # float32 on both sides; vLLM's fused qkv/gate_up kernels add only rounding.
             assert (expected - torch.tensor(logprobs)).abs().max().item() < 1e-3
+
+
+FAILING_VLLM_RECEIVER = """
+    import json, sys
+    from trainer.config import GenerationConfig
+    from trainer.generation.vllm_engine import VLLMGenerationEngine
+    from trainer.models import resolve_model
+
+    engine = VLLMGenerationEngine(
+        resolve_model("builtin:tiny"), GenerationConfig(), "float32", seed=0, max_model_len=256, threads=1,
+        weight_transfer=True,
+    )
+    try:
+        engine.init_weight_receiver(json.loads(sys.argv[3]))
+        try:
+            engine.receive_weights(json.loads(sys.argv[4]))
+            said = "no error"
+        except Exception as e:
+            said = f"{type(e).__name__}: {e}".splitlines()[0]
+        engine.close_weight_receiver()  # vLLM lets the trainer go only when no update is left open
+        with open(sys.argv[2], "w") as f:
+            f.write(said)
+    finally:
+        engine.shutdown()
+"""
+
+
+@pytest.mark.vllm
+def test_should_report_the_loads_own_error_when_a_vllm_engine_receives_a_weight_it_does_not_have(tiny_model_path, tmp_path):
+    """A refit whose update info names a weight the engine does not have: the engine's error is vLLM's own
+    (the name it could not place), not a complaint about the update's bookkeeping."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    named = [*model.named_parameters(), ("model.layers.0.mlp.bogus_proj.weight", torch.zeros(4, 4))]
+    port, out = _free_port(), tmp_path / "said.txt"
+    meta = _meta(named)
+    # One chunk: the whole stream is sent before the receiver meets the unknown name, so the sender is not
+    # left in a broadcast nobody receives.
+    info = init_info("127.0.0.1", port, rank_offset=1, world_size=2, buffer_bytes=2**30)
+    proc = _start_receiver(FAILING_VLLM_RECEIVER, port, str(out), json.dumps(info), json.dumps(meta.update_info()))
+    try:
+        group = WeightSyncGroup("127.0.0.1", port, rank=0, world_size=2, device=torch.device("cpu"))
+        send_packed(group, iter(named), meta, 2**30)
+        assert group.close(), "the engine's receiver did not meet the sender at close"
+    finally:
+        _join(proc, timeout=300)
+    said = out.read_text()
+    assert "finish_weight_update" not in said, said
+    assert said.startswith("ValueError: ") and "bogus_proj" in said, said

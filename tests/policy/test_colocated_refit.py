@@ -11,6 +11,8 @@ that stay valid after the gather moved on.
 
 from __future__ import annotations
 
+import fnmatch
+
 import pytest
 import torch
 
@@ -22,6 +24,8 @@ from trainer.ports import free_port
 
 class RecordingEngine:
     """Answers like an engine and writes each call the worker makes into ``calls``."""
+
+    reloads_every_weight = False
 
     def __init__(self, calls: list):
         self.calls = calls
@@ -62,7 +66,8 @@ def _samples() -> list[Sample]:
 @pytest.fixture
 def worker(request, tiny_model_path, monkeypatch):
     """A real PolicyWorker (world of 1, gloo) with a recording engine; ``worker.calls`` is the record.
-    Indirect parameter: the KL penalty (default 0: no reference model)."""
+    Indirect parameter: a dict of ``kl`` (the KL penalty; default 0: no reference model), ``freeze``
+    (policy.freeze patterns) and ``reloads`` (the engine's ``reloads_every_weight``)."""
     import torch.distributed as dist
 
     from trainer.generation import factory
@@ -71,12 +76,15 @@ def worker(request, tiny_model_path, monkeypatch):
     if dist.is_initialized():
         pytest.skip("this process already has a torch.distributed world")
     calls: list[str] = []
+    options = getattr(request, "param", {})
     engine = RecordingEngine(calls)
+    engine.reloads_every_weight = options.get("reloads", False)
     monkeypatch.setattr(factory, "build_engine", lambda gen, spec: engine)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
     cfg = load(["experiment=tiny", f"model.name={tiny_model_path}", "cluster.cpu_workers_per_node=1",
                 "cluster.keep_freed_memory=false",
-                f"grpo.loss.reference_policy_kl_penalty={getattr(request, 'param', 0.0)}"])
+                f"grpo.loss.reference_policy_kl_penalty={options.get('kl', 0.0)}",
+                f"policy.freeze=[{','.join(options.get('freeze', []))}]"])
     threads = torch.get_num_threads()
     w = PolicyWorker(cfg, tiny_model_path, rank=0, world_size=1, colocated_engine=True)
     try:
@@ -91,9 +99,11 @@ def worker(request, tiny_model_path, monkeypatch):
             return hook
 
         # The policy's own device work goes into the record beside the engine's calls.
-        w.model.register_forward_pre_hook(note("policy forward"))
+        # On the embeddings: the logprob forward runs the model through an FSDP forward method of its own
+        # (trainer/policy/forward.py), which the top module's hooks do not see.
+        w.model.get_input_embeddings().register_forward_pre_hook(note("policy forward"))
         if w.ref_model is not None:
-            w.ref_model.register_forward_pre_hook(note("reference forward"))
+            w.ref_model.get_input_embeddings().register_forward_pre_hook(note("reference forward"))
         w.optimizer.register_step_post_hook(note("optimizer step"))
         yield w
     finally:
@@ -123,7 +133,7 @@ def _a_step(w, samples: list[Sample]) -> None:
 REFIT = ["empty_cache", "wake_up(weights)", "update_weights", "empty_cache", "wake_up(kv_cache)"]
 
 
-@pytest.mark.parametrize("worker", [0.01], indirect=True)  # a reference model: two logprob passes
+@pytest.mark.parametrize("worker", [{"kl": 0.01}], indirect=True)  # a reference model: two logprob passes
 def test_should_sleep_before_the_logprob_passes_and_wake_weights_then_kv_cache_when_a_colocated_rank_refits(worker):
     samples = _samples()
     _a_step(worker, samples)
@@ -166,6 +176,24 @@ def test_should_load_the_trained_weights_when_the_refit_gathers_unit_by_unit(wor
     assert sorted(worker.engine.loaded) == sorted(expected)
     for name, tensor in expected.items():  # tensors kept past their unit's reshard are still the weights
         assert torch.equal(worker.engine.loaded[name], tensor.to(worker.engine_dtype)), name
+
+
+FROZEN = "model.layers.0.*"
+
+
+@pytest.mark.parametrize("worker", [{"freeze": [FROZEN], "reloads": True}, {"freeze": [FROZEN], "reloads": False}],
+                         indirect=True, ids=["engine-discards-weights-asleep", "engine-keeps-weights-asleep"])
+def test_should_send_frozen_weights_only_when_the_engine_discarded_its_weights_in_sleep(worker):
+    """vLLM's level-2 sleep frees the weights: its refit must bring the frozen ones back too; an engine
+    that keeps them (level 1, hf) gets the trainable ones alone."""
+    samples = _samples()
+    worker.generate([s.prompt_ids for s in samples], 1, SamplingParams(max_new_tokens=2))
+    _train(worker, samples)
+    worker.refresh_engine()
+    frozen = {n for n in worker.full_state_dict() if fnmatch.fnmatch(n, FROZEN)}
+    assert frozen
+    sent_frozen = frozen & set(worker.engine.loaded)
+    assert sent_frozen == (frozen if worker.engine.reloads_every_weight else set())
 
 
 def test_should_gather_at_most_two_fsdp_units_at_once_and_keep_yielded_tensors_valid_when_iterating(

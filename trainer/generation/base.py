@@ -8,8 +8,10 @@ the engine (a policy rank, or a generation actor), not by the engine itself.
 Lifecycle: an engine that shares its device with training (colocated) is put to ``sleep`` after it
 generated, before the policy's own forwards (logprob passes, training), and woken in two parts at the
 refit: its weights, then (after the new ones are loaded) its KV cache, so the gathered weights and a full
-KV cache never share the device. An engine asked to generate while asleep wakes itself first. Engines
-that cannot free anything (the hf engine, vLLM on CPU) free nothing, but take the same calls.
+KV cache never share the device. An engine asked to generate while asleep wakes itself first, unless its
+weights were discarded (vLLM's level-2 sleep, for full-weight refits): it then refuses until a refit has
+loaded them. Engines that cannot free anything (the hf engine, vLLM on CPU) free nothing, but take the
+same calls and give the same answers.
 ``shutdown`` releases everything the engine started (for vLLM, its engine-core process) and may be
 called more than once.
 """
@@ -61,6 +63,10 @@ class GenerationEngine(Protocol):
         """LoRA (an engine built with ``EngineSpec.lora``): load the policy's new adapters, every adapter
         tensor under the policy's name (``...q_proj.lora_A.default.weight``); the base stays as it is."""
         ...
+
+    # True when sleep discards the weights (vLLM's level 2), so the refit after it must bring every weight,
+    # frozen ones too, not only those the optimizer changed.
+    reloads_every_weight: bool
 
     def sleep(self) -> None:
         """Free what generation holds (KV cache, weights) while the policy trains; idempotent; frees

@@ -329,6 +329,8 @@ class HFGenerationEngine:
             onednn_linear.repack(self.model)
 
     # The model lives in this process's memory and nothing can be freed while keeping it: no-ops.
+    reloads_every_weight = False
+
     def sleep(self) -> None:
         pass
 

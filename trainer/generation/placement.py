@@ -14,7 +14,9 @@ The disaggregated order, on both devices (vLLM's NCCL rendezvous on GPUs, its gl
    (``generation.engine_start_timeout_s``): vLLM's trainer-side rendezvous gives the engines' workers
    300 s to join (``StatelessProcessGroup.create``'s store timeout, which we cannot set), and a 27B
    tensor-parallel engine can take longer than that to load, compile and capture its graphs;
-2. only then do policy rank 0 and every engine open the weight-transfer group together;
+2. only then do policy rank 0 and every engine open the weight-transfer group together, within
+   ``generation.weight_group_timeout_s`` (a side that fails or does not join ends the start in one line
+   naming it; the actors are then killed, not waited for);
 3. each refit waits on the receivers first: one that fails ends the run at once, in one line naming
    it, instead of leaving rank 0 blocked in a broadcast that NCCL never times out; the whole refit has
    ``generation.refit_timeout_s``. The driver then kills the actors (rank 0 included) without waiting.
@@ -138,6 +140,13 @@ class DisaggregatedGenerator:
         for r, w in enumerate(self.workers):
             watchdog.register(w, f"generation worker {r}")
         self.refit_timeout_s = cfg.generation.refit_timeout_s
+        try:
+            self._start(cfg, policy, n, tp)
+        except BaseException:
+            self.shutdown(graceful=False)  # the actors may be stuck in a rendezvous: not waited for
+            raise
+
+    def _start(self, cfg: Config, policy: PolicyRanks, n: int, tp: int) -> None:
         # Every engine built before anyone opens the transfer group (module docstring, step 1).
         wait_all(
             {w.ready.remote(): f"generation engine {r}" for r, w in enumerate(self.workers)},
@@ -153,13 +162,17 @@ class DisaggregatedGenerator:
         world = 1 + n * per_engine
         buffer = int(cfg.generation.refit_bucket_mb * 2**20)
         self.update_info = ray.get(policy.workers[0].weight_metadata.remote())
-        ray.get(
-            [w.init_weight_sync.remote(init_info(host, port, 0, world, buffer)) for w in policy.workers]
-            + [
-                w.init_weight_sync.remote(init_info(host, port, 1 + r * per_engine, world, buffer))
-                for r, w in enumerate(self.workers)
-            ]
+        # Step 2, bounded: NCCL's communicator init, its warm-up all-reduce and the synchronize after it
+        # have no time limit of their own (vLLM bounds only its TCP store step), and this is the first
+        # traffic between the node pools, where a broken RDMA path would hang here for good.
+        joins = {w.init_weight_sync.remote(init_info(host, port, 0, world, buffer)): f"policy rank {r}"
+                 for r, w in enumerate(policy.workers)}
+        joins.update(
+            (w.init_weight_sync.remote(init_info(host, port, 1 + r * per_engine, world, buffer)), f"generation engine {r}")
+            for r, w in enumerate(self.workers)
         )
+        wait_all(joins, cfg.generation.weight_group_timeout_s, "generation.weight_group_timeout_s",
+                 failed="failed to join the weight-transfer group", late="did not join the weight-transfer group")
 
     def submit(self, prompts, n, params):
         parts = split(prompts, len(self.workers))

@@ -28,7 +28,7 @@ engine was built with (:mod:`trainer.generation.vllm_cpu`, which holds what the 
 engine with a quantization config (FP8, AWQ, ...), on any device, or a layer that still comes without its
 parameter, updates through vLLM's layerwise reload instead, which runs the layers' weight processing again
 (:func:`needs_layerwise_reload`). Either way the prefix cache is reset after every update: it holds
-keys/values computed with the old weights.
+keys/values computed with the old weights (and the encoder cache, its vision embeddings).
 
 LoRA (``lora``: ``policy.lora``): the engine starts with ``enable_lora`` (``max_lora_rank`` the smallest vLLM
 rank that holds the adapter, one adapter slot) and serves the base weights with the policy's adapter, which a
@@ -42,10 +42,15 @@ generation request carries the adapter's ``LoRARequest``; the prefix cache is re
 
 Sleep mode (:func:`sleep_mode`): only a colocated engine on a GPU sleeps for real, with the memory share
 ``COLOCATED_GPU_MEMORY_UTILIZATION``; the policy rank puts it to sleep before its own forwards and at the
-refit wakes the weights, loads, then wakes the KV cache (:meth:`VLLMGenerationEngine.wake_up`). Every
-engine keeps which parts are asleep, so on CPU the same calls are made and answered, with nothing freed.
-An engine with its GPU alone (disaggregated, evaluation) starts without sleep mode and takes
-``DISAGGREGATED_GPU_MEMORY_UTILIZATION`` of it.
+refit wakes the weights, loads, then wakes the KV cache (:meth:`VLLMGenerationEngine.wake_up`). It sleeps
+at level 2 (weights discarded: the refit overwrites them all) unless it serves LoRA, whose base must
+survive: level 1 (weights copied to host memory and back) (:meth:`VLLMGenerationEngine.sleep`). Every
+engine keeps which parts are asleep and whether its weights were discarded, so on CPU the same calls are
+made and answered, with nothing freed. An engine with its GPU alone (disaggregated, evaluation) starts
+without sleep mode and takes ``DISAGGREGATED_GPU_MEMORY_UTILIZATION`` of it.
+
+Processes: an engine with tensor parallelism runs vLLM's workers in processes of their own, which die with
+the process that owns the engine, even when it is killed (:mod:`trainer.generation.vllm_lifetime`).
 """
 
 from __future__ import annotations
@@ -62,7 +67,7 @@ import torch
 
 from trainer import heap
 from trainer.config import ConfigError, GenerationConfig, LoRAConfig, vllm_max_lora_rank
-from trainer.generation import vllm_cpu, vllm_patches
+from trainer.generation import vllm_cpu, vllm_lifetime, vllm_patches
 from trainer.generation.base import Completion, SamplingParams
 from trainer.generation.refit.transport import vllm_transfer_backend
 
@@ -164,6 +169,13 @@ def sleep_mode(on_cpu: bool, colocated: bool) -> bool:
     return colocated and not on_cpu
 
 
+def sleep_level(lora: bool) -> int:
+    """The vLLM sleep level of a colocated engine: 2 (weights discarded) when refits bring every weight, 1
+    (weights copied to host memory and back) with LoRA, whose refits bring the adapter alone
+    (:meth:`VLLMGenerationEngine.sleep`)."""
+    return 1 if lora else 2
+
+
 def resolve_gpu_memory_utilization(gen: GenerationConfig, colocated: bool) -> float:
     """``generation.gpu_memory_utilization``, null resolved by placement: the share of the GPU that vLLM
     takes for weights, activations and KV cache (``COLOCATED_GPU_MEMORY_UTILIZATION``,
@@ -189,7 +201,7 @@ def llm_kwargs(model_path, gen: GenerationConfig, dtype, seed, max_model_len, on
         logprobs_mode="processed_logprobs",  # temperature-scaled, as the hf engine (module docstring)
     )
     if sleep_mode(on_cpu, colocated):
-        kwargs["enable_sleep_mode"] = True  # sleep level 1 frees KV cache and weights between steps
+        kwargs["enable_sleep_mode"] = True  # sleep frees KV cache and weights between steps
     if weight_transfer:
         from vllm.config import WeightTransferConfig
 
@@ -257,6 +269,10 @@ class VLLMGenerationEngine:
         self.colocated = colocated
         self.sleeps = sleep_mode(self.on_cpu, colocated)  # vLLM frees memory at sleep (else state only)
         self._asleep: set[str] = set()  # the SLEEP_TAGS now asleep
+        # Full-weight refits overwrite every weight, so the weights need not survive a sleep; LoRA refits
+        # change the adapter alone, so the base must (:meth:`sleep`).
+        self.sleep_level = sleep_level(lora is not None)
+        self._weights_discarded = False  # slept at level 2, and no refit has loaded weights since
         try:
             self._start(model_path, gen, dtype, seed, max_model_len, threads)
         except BaseException:
@@ -284,6 +300,7 @@ class VLLMGenerationEngine:
             import vllm
             from vllm import LLM
         vllm_patches.check_versions()
+        vllm_lifetime.mark_owner()  # the processes vLLM spawns for this engine die with this process
 
         if weight_transfer_enabled := self.weight_transfer:
             check_transfer_backend(vllm_transfer_backend(not self.on_cpu))
@@ -326,14 +343,26 @@ class VLLMGenerationEngine:
     # GPU engine, :func:`sleep_mode`) also has vLLM free and restore the memory. So the calls, their order
     # and the engine's answers are the same on CPU, where nothing is freed.
 
+    @property
+    def reloads_every_weight(self) -> bool:
+        """At sleep level 2 the weights are discarded: the refit after a sleep must load them all."""
+        return self.sleep_level == 2
+
     def sleep(self) -> None:
-        """Discard the KV cache and offload the weights to host memory (vLLM's sleep level 1) while the policy
-        trains. Idempotent."""
+        """Give the memory back while the policy trains, at :attr:`sleep_level`. Idempotent.
+
+        Level 2 (full-weight refits): vLLM discards the KV cache and the weights (it keeps the model's
+        buffers, the rotary tables, on the host); the refit wakes the weights (fresh memory at the same
+        addresses, so captured CUDA graphs stay valid, its contents undefined) and overwrites every one of
+        them (:func:`check_every_weight_loaded`) before anything generates. Level 1 (LoRA): the base
+        weights are copied to host memory and back, since the refit brings the adapter alone. Until a
+        refit has loaded weights, an engine that slept at level 2 refuses to generate, on every device."""
         if self._asleep:
             return
         if self.sleeps:
-            self._llm.sleep(level=1)
+            self._llm.sleep(level=self.sleep_level)
         self._asleep = set(SLEEP_TAGS)
+        self._weights_discarded = self.sleep_level == 2
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Restore what :meth:`sleep` freed: ``tags`` of ``SLEEP_TAGS`` (None: all). A refit wakes the weights,
@@ -396,6 +425,11 @@ class VLLMGenerationEngine:
             raise ValueError(f"top_p must be in [0, 1], got {params.top_p}")
         if params.max_new_tokens <= 0 or not prompts:
             return [[Completion([], [], "", "length") for _ in range(n)] for _ in prompts]
+        if self._weights_discarded:
+            raise RuntimeError(
+                "vLLM engine asked to generate after a level-2 sleep, before a refit: its weights were "
+                "discarded; call update_weights first (the colocated refit's order, trainer/policy/colocated.py)"
+            )
         self.wake_up()  # asked while asleep: weights and KV cache first (nothing to do when awake)
         from vllm import SamplingParams as VLLMSamplingParams
 
@@ -480,9 +514,12 @@ class VLLMGenerationEngine:
             model = worker.model_runner.get_model()
             layerwise = needs_layerwise_reload(model, model_config)
             begin_weight_update(model, layerwise)
-            model.load_weights(_cpu_contiguous(named_tensors, self.on_cpu))
+            loaded = model.load_weights(_cpu_contiguous(named_tensors, self.on_cpu))
+            if self._weights_discarded and not layerwise:
+                check_every_weight_loaded(model, loaded)
             finish_weight_update(model, model_config, layerwise, self._tied)
-        self._llm.reset_prefix_cache()  # cached keys/values were computed with the old weights
+        self._weights_discarded = False
+        self._weights_changed()
 
     # ----- LoRA adapters ----------------------------------------------------------------------------
 
@@ -522,7 +559,18 @@ class VLLMGenerationEngine:
             LoRARequest(lora_name="policy", lora_int_id=1, lora_path=self._adapter_dir, load_inplace=True)
         )
         self._lora_request = LoRARequest(lora_name="policy", lora_int_id=1, lora_path=self._adapter_dir)
-        self._llm.reset_prefix_cache()  # cached keys/values were computed with the old adapter
+        self._weights_changed()
+
+    def _weights_changed(self) -> None:
+        """After every refit (weights or adapter, colocated or received): drop what vLLM computed with the
+        old weights. The prefix cache's keys and values; and the encoder cache's embeddings (a vision
+        tower's outputs), which vLLM asks to be reset after a weight update (``LLMEngine.reset_encoder_cache``:
+        the scheduler's cache manager and every worker's cache). Its own ``reload_weights`` does both and
+        so does a sleep, but neither ``finish_weight_update`` nor a plain ``load_weights`` does, and a
+        disaggregated engine never sleeps. vLLM's multi-modal processor cache (``reset_mm_cache``) holds
+        the processor's outputs, computed without the weights: it stays."""
+        self._llm.reset_prefix_cache()
+        self._llm.llm_engine.reset_encoder_cache()
 
     def _worker(self):
         executor = self._llm.llm_engine.model_executor
@@ -546,13 +594,21 @@ class VLLMGenerationEngine:
 
     def receive_weights(self, update_info: dict) -> None:
         """Receive one full set of weights (``update_info``: vLLM's names, dtype_names, shapes), on
-        every tensor-parallel worker of the engine at once (vLLM's collective RPC)."""
+        every tensor-parallel worker of the engine at once (vLLM's collective RPC).
+
+        vLLM's worker keeps one update open from ``start_weight_update`` to ``finish_weight_update``; when
+        ``update_weights`` raises, the worker has already closed it (its flag and target cleared) and
+        re-raises. So the update is finished only after it succeeded, and a failure propagates as it was
+        raised (an unknown weight name, an out-of-memory on a receive buffer, a gloo or NCCL error): a
+        ``finish_weight_update`` after it would raise "called without a matching start_weight_update" in
+        its place. The engine then holds part of the new weights, and the run stops on the failed refit.
+        With tensor parallelism vLLM reads its workers' replies in rank order: worker 0's failure comes
+        back at once, but one on worker k > 0 leaves worker 0 (and the sender) waiting in the broadcast,
+        and the refit ends at ``generation.refit_timeout_s`` (docs/gpu-tests.md)."""
         self._llm.start_weight_update()
-        try:
-            self._llm.update_weights({"update_info": update_info})
-        finally:
-            self._llm.finish_weight_update()
-        self._llm.reset_prefix_cache()
+        self._llm.update_weights({"update_info": update_info})
+        self._llm.finish_weight_update()
+        self._weights_changed()
 
 
 class _Collector(torch.nn.Module):
@@ -604,6 +660,22 @@ def needs_layerwise_reload(model: torch.nn.Module, model_config) -> bool:
     load in place, which is cheaper.
     """
     return getattr(model_config, "quantization", None) is not None or vllm_cpu.weights_packed(model)
+
+
+def check_every_weight_loaded(model: torch.nn.Module, loaded: Iterable[str] | None) -> None:
+    """After a level-2 sleep every parameter's memory is fresh and undefined: a refit that left one out
+    would sample from garbage, so it is an error naming what was not loaded (``loaded``: what vLLM's
+    ``load_weights`` reports, vLLM's parameter names). A tied ``lm_head`` is ``embed_tokens``' parameter,
+    which ``named_parameters`` lists once."""
+    if loaded is None:  # a model whose load_weights reports nothing: nothing to check against
+        return
+    missing = sorted({name for name, _ in model.named_parameters()} - set(loaded))
+    if missing:
+        shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        raise RuntimeError(
+            f"refit after a level-2 sleep left {len(missing)} weight(s) of the engine unloaded ({shown}): their "
+            "memory was discarded; the refit must send every weight (or the engine sleep at level 1)"
+        )
 
 
 def begin_weight_update(model: torch.nn.Module, layerwise: bool) -> None:

@@ -43,10 +43,14 @@ def build(cfg: Config, model_path: str, rank: int, device: torch.device, host, l
 
 def refresh(engine, weights: Callable[[], Iterator[tuple[str, torch.Tensor]]], adapters: bool) -> None:
     """Load the updated weights (``weights()`` gathers them: the trainable ones, or the adapters alone with
-    ``adapters``; a frozen weight keeps what the engine was built with, so its sleep must keep the weights)
+    ``adapters``; a frozen weight keeps what the engine was built with, unless the engine's sleep discarded
+    it: then ``weights()`` brings the frozen ones too)
     into ``engine`` in the order that keeps the device's peak low: what training cached goes back to the device
     first, the engine's weights wake, the new ones load as they are gathered (the iterator is made
-    here, on the stream the refit runs on), and only then does the KV cache wake."""
+    here, on the stream the refit runs on), and only then does the KV cache wake. A vLLM engine that slept
+    at level 2 (full weights: :func:`trainer.generation.vllm_engine.sleep_level`) wakes to fresh, undefined
+    weight memory, which this load overwrites whole before anything generates; with LoRA it slept at
+    level 1 and its base comes back from host memory."""
     torch.cuda.empty_cache()  # a no-op without CUDA: the same call on every device
     engine.wake_up(tags=["weights"])
     if adapters:

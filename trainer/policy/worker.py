@@ -253,8 +253,12 @@ class PolicyWorker:
         """Gather the updated trainable weights into the colocated engine (collective), in the order that keeps
         the device's peak low: what training cached goes back to the device first, the engine's weights
         wake, the new ones load one FSDP unit at a time, and only then does the KV cache wake."""
-        gather_weights = self.iter_adapter_weights if self.lora is not None else self.iter_full_weights
-        colocated.refresh(self.engine, lambda: gather_weights(self.engine_dtype), adapters=self.lora is not None)
+        if self.lora is not None:
+            gather = lambda: self.iter_adapter_weights(self.engine_dtype)  # noqa: E731
+        else:  # an engine that slept its weights away (vLLM level 2) takes the frozen ones back too
+            frozen = self.engine.reloads_every_weight
+            gather = lambda: self.iter_full_weights(self.engine_dtype, frozen=frozen)  # noqa: E731
+        colocated.refresh(self.engine, gather, adapters=self.lora is not None)
         self._engine_awake = True
 
     @property

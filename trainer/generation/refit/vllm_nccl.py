@@ -12,7 +12,8 @@ engine gets is decided in one place, :func:`trainer.generation.refit.transport.v
 
 The twin is registered in every vLLM process, spawned tensor-parallel workers included, through vLLM's
 plugin mechanism: the ``vllm.general_plugins`` entry point ``kuberl`` (pyproject.toml) calls
-:func:`register`, which vLLM runs in the engine process and in each worker it starts.
+:func:`register`, which vLLM runs in the engine process and in each worker it starts; it also ties each
+worker to the process that owns the engine (:mod:`trainer.generation.vllm_lifetime`).
 
 Two things the twin does beyond vLLM's base class, both for CPU engines: ``finish_weight_update``
 rebuilds the packed CPU kernels from the new weights, a tied ``lm_head``'s included
@@ -152,9 +153,15 @@ class NcclSender:
 
 
 def register() -> None:
-    """Make ``kuberl_gloo`` known to vLLM in this process: the ``vllm.general_plugins`` entry point, which
-    vLLM calls in its engine process and in every worker it spawns (and may call more than once)."""
+    """kuberl's vLLM plugin: the ``vllm.general_plugins`` entry point, which vLLM calls in its engine process
+    and in every worker it spawns (and may call more than once). Makes ``kuberl_gloo`` known to vLLM in
+    this process, and ties a process the engine's owner spawned to its owner's life
+    (:func:`trainer.generation.vllm_lifetime.follow_owner`)."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    from trainer.generation.vllm_lifetime import follow_owner
+
+    follow_owner()
 
     try:
         WeightTransferEngineFactory.register_engine(GLOO_TRANSFER_BACKEND, GlooWeightTransferEngine)

@@ -1,0 +1,93 @@
+"""vLLM's processes die with the process that owns the engine, even a killed one.
+
+A tensor-parallel engine runs its workers in processes of its own (vLLM's multiproc executor spawns them
+from the thread that builds ``vllm.LLM``). vLLM's own parent-death handling is a pipe per worker
+(``MultiprocExecutor``'s death pipe): when the owner exits, a thread in the worker shuts the worker's
+message queues, which ends a worker waiting for its next call. A worker inside a call does not get back
+to its queues: one blocked in a weight broadcast whose sender is gone (a gloo wait, a CUDA stream
+synchronize after an NCCL collective) stays, holding its share of the GPU until the pod goes, and
+``__del__`` or ``atexit`` in the owner never run when Ray SIGKILLs the actor.
+
+So every process vLLM spawns from the owner is tied to it by the kernel: before the engine is built the
+owner notes its pid in the environment (:func:`mark_owner`), which vLLM's spawned processes inherit, and
+kuberl's vLLM plugin (the ``vllm.general_plugins`` entry point, which vLLM runs at the start of each of its
+processes, :func:`trainer.generation.refit.vllm_nccl.register`) calls :func:`follow_owner` there: in a
+process whose parent is the noted owner it asks Linux for SIGKILL when the parent goes
+(``PR_SET_PDEATHSIG``), then checks the parent is still there (it may have gone before the request). A
+process vLLM forks instead of spawning (its default outside Ray actors and without CUDA) does not load
+plugins again: the owner's fork hook (``os.register_at_fork``) makes the same call in it.
+Linux sends that signal when the *thread* that spawned the process ends, so the owner notes whether it
+builds the engine on its main thread (whose end is the process's); built on another thread, the child
+polls its parent instead, once a second, from a thread of its own. Processes further down (compile
+workers of a worker) have parents of their own and are left to them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+import threading
+import time
+
+# "PID:signal" or "PID:poll": the process that owns the engine, and how its children follow it.
+OWNER_ENV = "KUBERL_VLLM_OWNER"
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+POLL_S = 1.0
+_hooked = False  # this process has registered its fork hooks
+_forking_how = "poll"  # set in the parent just before a fork, read in the child (a copy of its memory)
+_following: str | None = None  # how this process follows its owner, once it does
+
+
+def mark_owner() -> None:
+    """In the process that builds a vLLM engine, before it does: the processes vLLM spawns from here die
+    with this process (module docstring)."""
+    global _hooked
+    how = "signal" if threading.current_thread() is threading.main_thread() else "poll"
+    os.environ[OWNER_ENV] = f"{os.getpid()}:{how}"
+    if not _hooked:
+        os.register_at_fork(before=_before_fork, after_in_child=lambda: follow_owner(_forking_how))
+        _hooked = True
+
+
+def _before_fork() -> None:
+    """In the owner, on the thread about to fork (in the child every thread but that one is gone, and
+    ``threading`` calls it the main thread): whether the child may follow by signal."""
+    global _forking_how
+    _forking_how = "signal" if threading.current_thread() is threading.main_thread() else "poll"
+
+
+def follow_owner(how: str | None = None) -> str | None:
+    """In a process vLLM starts: if its parent is the engine's owner, die with it. Returns how ("signal"
+    or "poll"), or None when this process is not one the owner spawned (the owner itself, a grandchild).
+    ``how``: forced (a forked child); else as the owner noted. Idempotent."""
+    global _following
+    pid, _, noted = os.environ.get(OWNER_ENV, "").partition(":")
+    how = how or noted
+    parent = os.getppid()
+    if _following or not pid.isdigit() or int(pid) != parent:
+        return _following
+    if how == "signal" and sys.platform.startswith("linux") and _death_signal(signal.SIGKILL):
+        _following = "signal"
+        if os.getppid() != parent:  # the owner went before the request took effect
+            os.kill(os.getpid(), signal.SIGKILL)
+        return _following
+    threading.Thread(target=_watch, args=(parent,), name="kuberl-owner-watch", daemon=True).start()
+    _following = "poll"
+    return _following
+
+
+def _death_signal(sig: int) -> bool:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _watch(parent: int) -> None:
+    """Orphaned, a process is re-parented (to init or a subreaper): its parent's pid changes."""
+    while os.getppid() == parent:
+        time.sleep(POLL_S)
+    os.kill(os.getpid(), signal.SIGKILL)

@@ -29,8 +29,10 @@ timeout is the bound instead.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
+import signal
 import threading
 from fractions import Fraction
 from typing import Any
@@ -39,6 +41,8 @@ from trainer.rewards.answer import (
     BOX,
     BOXED,
     MAX_BARE_CHARS,
+    MAX_EXPONENT,
+    MAX_NESTING,
     MAX_RESPONSE_CHARS,
     Final,
     answer_span,
@@ -121,19 +125,25 @@ def _gold_number(gt: str, raw: Any):
     return parse_number(gt, reduced=False)
 
 
+def _places(value: Fraction) -> int | None:
+    """The decimal places ``value`` is written with when it is a terminating decimal (``0.125``: 3), else
+    None (``2/7``). Each round divides the denominator, so there are at most log2 of it: a few hundred for
+    the at most ``MAX_DIGITS``-digit numbers :func:`parse_number` reads."""
+    d, twos, fives = value.denominator, 0, 0
+    while d % 2 == 0:
+        d, twos = d // 2, twos + 1
+    while d % 5 == 0:
+        d, fives = d // 5, fives + 1
+    return max(twos, fives) if d == 1 else None
+
+
 def _approximates(value, gold) -> bool:
     """``value`` is a decimal of at least 6 places within one unit of its last place of ``gold``, a fraction
     whose decimals never end (``0.083333`` for 1/12, as math-verify rounds to 6 places)."""
-    d = gold.denominator
-    for p in (2, 5):
-        while d % p == 0:
-            d //= p
-    if d == 1:  # a terminating decimal is written exactly (0.5 for 1/2, never 0.500001)
+    if _places(gold) is not None:  # a terminating decimal is written exactly (0.5 for 1/2, never 0.500001)
         return False
-    places = 0
-    while (10**places) % value.denominator:
-        places += 1
-    return places >= 6 and abs(value - gold) <= Fraction(1, 10**places)
+    places = _places(value)  # None: a fraction (2/7 for 1/3) is no approximation, it is another value
+    return places is not None and places >= 6 and abs(value - gold) <= Fraction(1, 10**places)
 
 
 def _stated(answer: str):
@@ -149,14 +159,98 @@ def _stated(answer: str):
     return value if places and abs(value - approx) < Fraction(1, 10**places) else None
 
 
-def _alarm_seconds(seconds: int) -> int | None:
-    # signal.alarm raises "signal only works in main thread" anywhere else; None turns it off
-    return seconds if threading.current_thread() is threading.main_thread() else None
+# -- what math-verify may be given: bounded by construction ------------------------------------------
+
+_POWER = re.compile(r"\^|\*\*")
+_LARGE_ARGUMENT = re.compile(  # n!, \binom{n}{k}, \Gamma(n), \sum_{k=1}^{n}: sympy computes them in full
+    r"([0-9]+)\s*\)?\s*!|\\(?:[dt]?binom|Gamma|sum|prod|choose)(?![A-Za-z])"
+)
+_INTEGER = re.compile(r"[0-9]+")
+_EXPONENT_DIGITS = re.compile(r"[0-9][eE][-+]?[0-9]{4,}")  # 1e999999: a float no answer needs
+
+
+def _operand(text: str, i: int) -> tuple[str, int]:
+    """The exponent that starts at ``text[i]`` (after ``^`` or ``**``) and the index after it: a ``{...}``
+    or ``(...)`` group (without its brackets), a signed run of letters, digits and dots (``x**-1``), or one
+    ``\\command``. One pass, no recursion."""
+    while i < len(text) and text[i] == " ":
+        i += 1
+    if i < len(text) and text[i] in "{(":
+        opener, closer, depth = text[i], "}" if text[i] == "{" else ")", 0
+        for j in range(i, len(text)):
+            depth += (text[j] == opener) - (text[j] == closer)
+            if depth == 0:
+                return text[i + 1 : j], j + 1
+        return text[i + 1 :], len(text)
+    m = _TOKEN.match(text, i)
+    return (m.group(), m.end()) if m else ("", i)
+
+
+_TOKEN = re.compile(r"[-+]?(?:\\[A-Za-z]+|[A-Za-z0-9.]+)")
+_THEN_POWER = re.compile(r"\s*(?:\^|\*\*)")
+
+
+def _numeric(text: str) -> bool:
+    return not re.search(r"[A-Za-z]", re.sub(r"\\[A-Za-z]+", "", text))
+
+
+def costly(answer: str) -> str | None:
+    """Why ``answer`` would cost a symbolic checker more than any answer needs, or None. Python's and
+    sympy's integers compute ``10^{10^{10}}``, ``(10^6)!`` or ``\\binom{10^5}{5 \\cdot 10^4}`` in full,
+    inside single C calls no alarm interrupts; the answer's length is already capped, so these are what
+    is left: brackets nested deeper than ``MAX_NESTING``, a tower of numeric powers, an exponent,
+    factorial or binomial argument above ``MAX_EXPONENT``, a float exponent of four digits or more."""
+    depth = deepest = 0
+    for c in answer:
+        depth += (c in "([{") - (c in ")]}")
+        deepest = max(deepest, depth)
+    if deepest > MAX_NESTING:
+        return f"brackets nested {deepest} deep"
+    if _EXPONENT_DIGITS.search(answer):
+        return "a power of ten of four digits or more"
+    for m in _POWER.finditer(answer):
+        exponent, end = _operand(answer, m.end())
+        # 10^{10^{10}}, or Python's right-associative 10**10**10: numbers no integer type holds
+        if _numeric(exponent) and (_POWER.search(exponent) or _THEN_POWER.match(answer, end)):
+            return f"a tower of powers ({clip(answer[m.start() :], 30)})"
+        if any(int(n) > MAX_EXPONENT for n in _INTEGER.findall(exponent)):
+            return f"an exponent over {MAX_EXPONENT:,} ({clip(exponent, 30)})"
+    if _LARGE_ARGUMENT.search(answer) and any(int(n) > MAX_EXPONENT for n in _INTEGER.findall(answer)):
+        return f"a factorial, binomial, sum or product over a number above {MAX_EXPONENT:,}"
+    return None
+
+
+class _OutOfTime(BaseException):
+    """Raised by the timer inside math-verify; a BaseException so that no ``except Exception`` in sympy
+    or math-verify swallows it and carries on."""
+
+
+@contextlib.contextmanager
+def _time_limit(seconds: float):
+    """Interrupt the block after ``seconds`` of wall time with :class:`_OutOfTime`: a timer signal, which
+    only a process's main thread can receive; elsewhere (a threaded actor, a thread pool) the block runs
+    without it and :func:`costly` and the reward runner's per-task timeout are the bound."""
+    if threading.current_thread() is not threading.main_thread() or not seconds or seconds <= 0:
+        yield
+        return
+
+    def expire(signum, frame):
+        raise _OutOfTime
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    outer = signal.setitimer(signal.ITIMER_REAL, seconds)[0]
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        if outer:  # an enclosing timer keeps running (less the time spent here)
+            signal.setitimer(signal.ITIMER_REAL, max(outer - seconds, 1e-3))
 
 
 @register("math")
 def math_reward(
-    ground_truth: Any, response: str, *, question: str | None = None, timeout_seconds: int = 5
+    ground_truth: Any, response: str, *, question: str | None = None, timeout_seconds: float = 1.0
 ) -> Score:
     """1.0 when the response's final answer is mathematically equal to ``ground_truth`` (plain or LaTeX)."""
     try:
@@ -198,27 +292,55 @@ def _same_form(answer: str, gt: str) -> bool:
     return form(answer) == form(gt)
 
 
-def _verify(final: Final, gt: str, timeout_seconds: int, ranged: bool) -> Score:
+def _verify(final: Final, gt: str, timeout_seconds: float, ranged: bool) -> Score:
+    import math_verify.grader
+    import math_verify.parser
     from math_verify import LatexExtractionConfig, parse, verify
 
-    timeout = _alarm_seconds(timeout_seconds)
+    why = costly(final.answer)
+    if why:
+        return _wrong(final, f"{why}: not checked")
+    # The time limit is ours, around parsing and comparing together (math-verify's own takes whole
+    # seconds, each); its warning that it has none would only alarm a reader.
+    math_verify.parser.TIMEOUT_WARNING_SHOWN = math_verify.grader.TIMEOUT_WARNING_SHOWN = True
     # Both strings are already the answer alone: parse each as one inline formula, no box to look for.
     config = [LatexExtractionConfig(boxed_match_priority=-1)]
 
     def formula(s: str) -> str:
-        return "$" + " ".join(s.replace("$", " ").split()) + "$"
+        return "$" + " ".join(python_powers(s).replace("$", " ").split()) + "$"
 
-    gold = parse(formula(gt), extraction_config=config, parsing_timeout=timeout)
-    if not gold:
-        log.debug("math reward: cannot parse ground truth %r", gt)
-        return _wrong(final, f"cannot parse the ground truth {gt!r}")
-    answer = parse(formula(final.answer), extraction_config=config, parsing_timeout=timeout, fallback_mode="no_fallback")
-    if not answer:
-        return _wrong(final, "cannot parse the answer")
-    # An interval answers an inequality and an inequality an interval (0 < x < 1 is x in (0, 1)).
-    if verify(gold, answer, timeout_seconds=timeout, allow_set_relation_comp=ranged):
-        return _right(final)
-    return _wrong(final, f"not equal to {clip(gt, 60)}")
+    try:
+        with _time_limit(timeout_seconds):
+            gold = parse(formula(gt), extraction_config=config, parsing_timeout=None)
+            if not gold:
+                log.debug("math reward: cannot parse ground truth %r", gt)
+                return _wrong(final, f"cannot parse the ground truth {gt!r}")
+            answer = parse(formula(final.answer), extraction_config=config, parsing_timeout=None, fallback_mode="no_fallback")
+            if not answer:
+                return _wrong(final, "cannot parse the answer")
+            # An interval answers an inequality and an inequality an interval (0 < x < 1 is x in (0, 1)).
+            equal = verify(gold, answer, timeout_seconds=None, allow_set_relation_comp=ranged)
+    except _OutOfTime:
+        return _wrong(final, f"not checked within {timeout_seconds:g} s")
+    return _right(final) if equal else _wrong(final, f"not equal to {clip(gt, 60)}")
+
+
+_PYTHON_POWER = re.compile(r"\*\*\s*")
+
+
+def python_powers(text: str) -> str:
+    """``text`` with Python's ``**`` written as LaTeX's ``^{...}`` (``x**(3/2)`` is ``x^{(3/2)}``,
+    ``x**-1`` is ``x^{-1}``), which math-verify reads; one pass over the text."""
+    out, pos = [], 0
+    for m in _PYTHON_POWER.finditer(text):
+        exponent, end = _operand(text, m.end())
+        if m.start() < pos or not exponent:
+            continue
+        if text[m.end()] == "(":  # kept: x**(3/2) is x^{(3/2)}
+            exponent = f"({exponent})"
+        out.append(text[pos : m.start()] + "^{" + exponent + "}")
+        pos = end
+    return "".join(out) + text[pos:]
 
 
 # -- gsm8k and arithmetic: one number ----------------------------------------------------------------

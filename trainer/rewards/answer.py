@@ -45,6 +45,9 @@ What an answer may be is then each reward's check on that string alone:
   measurement unit from :data:`UNITS` (``\\text{ cm}``, ``\\textbf{meters}``, ``miles per hour``, ``cm^2``)
   or one plural noun naming what is counted (``72 clips``). An expression still to evaluate (``13+7``,
   ``\\frac{40}{2}``, ``\\sqrt{400}``) is not a number: an answer must be the value, not the question restated.
+  A base-prefixed integer (``0x1f``, ``-0b101``, ``0o17``) is the integer it is, for every reward but
+  ``arithmetic``; ``math`` and ``gsm8k`` also read a float as programs print it (``3.051757812e-05``,
+  an exponent of at most 3 digits).
 - **several candidate values** (a list, ``or``/``and``, ``\\pm``, ``;``) score 0 unless the ground truth is
   itself a set, tuple, interval or inequality.
 - **restating the question** scores 0: an answer (other than a plain number or the ground truth's own
@@ -410,6 +413,7 @@ _FRACTION = re.compile(r"([-+]?)\\frac(?:\{([0-9]+)\}\{([0-9]+)\}|([0-9])([0-9])
 # Base-prefixed integers (0x1f, -0b101, 0o17) are the integers they are: math-verify reads 0x1f as 0.
 _PREFIXED = re.compile(r"([-+]?)0([xX][0-9a-fA-F]+|[bB][01]+|[oO][0-7]+)")
 _BASES = {"x": 16, "b": 2, "o": 8}
+_SCIENTIFIC = re.compile(r"([-+]?)([0-9]+(?:\.[0-9]*)?|\.[0-9]+)[eE]([-+]?[0-9]{1,3})")  # 3.05e-05, as floats print
 _MIXED = re.compile(r"([-+]?)([0-9]+)\\frac\{([0-9]+)\}\{([0-9]+)\}")  # 1\frac{1}{2}: one and a half
 _VARIABLE = re.compile(  # "x = 5", "a_1 = 5", "f(3) = 5", "\theta = 5", "x \approx 5"
     r"^(?:[A-Za-z](?:_\{?[A-Za-z0-9]+\}?)?|\\[A-Za-z]+)(?:\([^()=]*\))?\s*(?:=|\\approx(?![A-Za-z]))\s*"
@@ -484,7 +488,13 @@ def _undress(s: str, plain: bool = False) -> str:
 
 
 def parse_number(
-    text: str, *, fractions: bool = True, decorations: bool = True, reduced: bool = True, plain: bool = False
+    text: str,
+    *,
+    fractions: bool = True,
+    decorations: bool = True,
+    reduced: bool = True,
+    plain: bool = False,
+    scientific: bool = False,
 ) -> Fraction | None:
     """The value of ``text`` when it is a single number (the module docstring's grammar), else None.
 
@@ -493,6 +503,7 @@ def parse_number(
     ``decorations``: a leading ``x =`` or currency sign, a trailing ``%``, degree sign or unit are allowed
     and do not change the value (``50\\%`` is 50, as datasets write percentages).
     ``plain``: the number as it is written, no ``+`` sign and no leading zeros (``02`` is not 2).
+    ``scientific``: a float as programs print it, ``3.051757812e-05`` (an exponent of at most 3 digits).
     """
     s = _undress(fold(text), plain)
     if lookalike_digits(s) or len(re.findall(r"[0-9]", s)) > MAX_DIGITS:
@@ -515,6 +526,9 @@ def parse_number(
         s = re.sub(r"^([-+])\s+(?=[0-9.\\])", r"\1", s)
     if s.startswith("(") and s.endswith(")") and s.count("(") == 1:  # "(-3)"
         s = s[1:-1].strip()
+    if scientific and (m := _SCIENTIFIC.fullmatch(s)) is not None:
+        value = Fraction(m.group(2)) * Fraction(10) ** int(m.group(3))
+        return -value if m.group(1) == "-" else value
     m = _DECIMAL.fullmatch(s)
     if m:
         if plain and (m.group(1) == "+" or re.match(r"0[0-9]", m.group(2))):

@@ -22,9 +22,15 @@
 Each returns a :class:`~trainer.rewards.registry.Score` naming the answer it judged (or None) and a note
 (where the answer came from, or why there is none, or why it is wrong), which the run's jsonl and
 console report. A reward must never raise or hang: any error scores 0 with the error as the note.
-math-verify bounds its sympy work with ``signal.alarm``, which only works in a process's main thread;
-elsewhere (a threaded actor, a thread pool) the alarm is skipped and the reward runner's per-task
-timeout is the bound instead.
+
+Every call is bounded by construction, whatever the response holds: the answer is read from at most
+``MAX_RESPONSE_CHARS`` by loops that each consume the text or stop at a fixed count; what reaches
+math-verify is at most ``MAX_ANSWER_CHARS`` long and passes :func:`costly` (no brackets nested deeper
+than ``MAX_NESTING``, no tower of numeric powers, no exponent, factorial or binomial above
+``MAX_EXPONENT``: Python's integers would compute those in one C call no signal interrupts); and
+math-verify's parsing and comparing together get ``timeout_seconds`` of CPU (0.5 by default) by a
+timer signal. That signal only reaches a process's main thread, where the reward runner's tasks run;
+elsewhere (a threaded actor, a thread pool) the reward runner's per-task timeout is the bound instead.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ from trainer.rewards.answer import (
     Final,
     answer_span,
     boxes_at,
+    clean,
     clip,
     final_answer,
     fold,
@@ -122,7 +129,7 @@ def _gold_number(gt: str, raw: Any):
     m = re.fullmatch(r"(-?)([0-9]+),([0-9]+)", gt.strip())
     if m and "$" not in str(raw) and (m.group(2) == "0" or len(m.group(3)) != 3):
         return parse_number(f"{m.group(1)}{m.group(2)}.{m.group(3)}", reduced=False)
-    return parse_number(gt, reduced=False)
+    return parse_number(gt, reduced=False, scientific=True)
 
 
 def _places(value: Fraction) -> int | None:
@@ -151,10 +158,10 @@ def _stated(answer: str):
     agrees with it to its last place (one that does not is a second value, and no number is stated)."""
     m = re.fullmatch(r"(.+?)\\approx\s*([-+]?[0-9]*\.?[0-9]+)", answer.strip())
     if m is None:
-        return parse_number(answer)
+        return parse_number(answer, scientific=True)
     value, approx = parse_number(m.group(1)), parse_number(m.group(2))
     if value is None or approx is None:  # "x \\approx 11" states 11
-        return parse_number(answer)
+        return parse_number(answer, scientific=True)
     places = len(m.group(2).partition(".")[2])  # 20 \\approx 21 is two values; 1/3 \\approx 0.333 is one
     return value if places and abs(value - approx) < Fraction(1, 10**places) else None
 
@@ -227,9 +234,11 @@ class _OutOfTime(BaseException):
 
 @contextlib.contextmanager
 def _time_limit(seconds: float):
-    """Interrupt the block after ``seconds`` of wall time with :class:`_OutOfTime`: a timer signal, which
-    only a process's main thread can receive; elsewhere (a threaded actor, a thread pool) the block runs
-    without it and :func:`costly` and the reward runner's per-task timeout are the bound."""
+    """Interrupt the block after ``seconds`` of this process's CPU time with :class:`_OutOfTime`. CPU
+    time, not wall time: on a busy node a cheap check may wait seconds for a core, and must not score 0
+    for it (the reward runner's per-task timeout bounds the wait). A timer signal only reaches a
+    process's main thread; elsewhere (a threaded actor, a thread pool) the block runs without it, and
+    :func:`costly` and the runner's timeout are the bound."""
     if threading.current_thread() is not threading.main_thread() or not seconds or seconds <= 0:
         yield
         return
@@ -237,20 +246,20 @@ def _time_limit(seconds: float):
     def expire(signum, frame):
         raise _OutOfTime
 
-    previous = signal.signal(signal.SIGALRM, expire)
-    outer = signal.setitimer(signal.ITIMER_REAL, seconds)[0]
+    previous = signal.signal(signal.SIGPROF, expire)
+    outer = signal.setitimer(signal.ITIMER_PROF, seconds)[0]
     try:
         yield
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+        signal.setitimer(signal.ITIMER_PROF, 0)
+        signal.signal(signal.SIGPROF, previous)
         if outer:  # an enclosing timer keeps running (less the time spent here)
-            signal.setitimer(signal.ITIMER_REAL, max(outer - seconds, 1e-3))
+            signal.setitimer(signal.ITIMER_PROF, max(outer - seconds, 1e-3))
 
 
 @register("math")
 def math_reward(
-    ground_truth: Any, response: str, *, question: str | None = None, timeout_seconds: float = 1.0
+    ground_truth: Any, response: str, *, question: str | None = None, timeout_seconds: float = 0.5
 ) -> Score:
     """1.0 when the response's final answer is mathematically equal to ``ground_truth`` (plain or LaTeX)."""
     try:
@@ -321,7 +330,7 @@ def _verify(final: Final, gt: str, timeout_seconds: float, ranged: bool) -> Scor
             # An interval answers an inequality and an inequality an interval (0 < x < 1 is x in (0, 1)).
             equal = verify(gold, answer, timeout_seconds=None, allow_set_relation_comp=ranged)
     except _OutOfTime:
-        return _wrong(final, f"not checked within {timeout_seconds:g} s")
+        return _wrong(final, f"not checked within {timeout_seconds:g} s of CPU")
     return _right(final) if equal else _wrong(final, f"not equal to {clip(gt, 60)}")
 
 
@@ -350,13 +359,14 @@ def python_powers(text: str) -> str:
 def gsm8k_reward(ground_truth: Any, response: str, *, question: str | None = None) -> Score:
     """1.0 when the response's final answer is one number equal to ``ground_truth`` (``"1,234"`` is 1234)."""
     try:
-        gold = parse_number(str(ground_truth), reduced=False)
+        # a dataset may write its answer in math mode ($244/607$) or as a program prints a float (3.05e-05)
+        gold = parse_number(clean(fold(ground_truth)), reduced=False, scientific=True)
         if gold is None:
             return Score(0.0, False, None, f"the ground truth {clip(str(ground_truth), 40)!r} is not a number")
         final = final_answer(response)
         if final.answer is None:
             return Score(0.0, False, None, final.source)
-        return _compare_numbers(final, gold, parse_number(final.answer), question)
+        return _compare_numbers(final, gold, parse_number(final.answer, scientific=True), question)
     except Exception as e:  # a reward never takes a run down
         log.debug("gsm8k reward failed", exc_info=True)
         return Score(0.0, False, None, f"gsm8k reward error: {type(e).__name__}")

@@ -86,6 +86,7 @@ BOMBS = [
     ("x+1", "\\boxed{10**10**10}", "Python's right-associative tower"),
     ("x+1", "\\boxed{2^{2^{2^{2^{2^{2}}}}}}", "a taller tower"),
     ("x+1", "\\boxed{x^{10^{10}}}", "a tower in a symbolic power"),
+    ("x+1", "\\boxed{\\left(10^{9999}\\right)^{9999}}", "a power of a power: the exponents multiply"),
     ("x+1", "\\boxed{9^{999999}}", "an exponent of a million"),
     ("x+1", "\\boxed{(x+1)^{100000}}", "a symbolic power to expand"),
     ("x+1", "\\boxed{(a+b+c+d+e+f+g+h)^{12}}", "a multinomial to expand (the CPU timer stops it)"),

@@ -174,6 +174,8 @@ _LARGE_ARGUMENT = re.compile(  # n!, \binom{n}{k}, \Gamma(n), \sum_{k=1}^{n}: sy
 )
 _INTEGER = re.compile(r"[0-9]+")
 _EXPONENT_DIGITS = re.compile(r"[0-9][eE][-+]?[0-9]{4,}")  # 1e999999: a float no answer needs
+_TOKEN = re.compile(r"[-+]?(?:\\[A-Za-z]+|[A-Za-z0-9.]+)")
+_THEN_POWER = re.compile(r"\s*(?:\^|\*\*)")
 
 
 def _operand(text: str, i: int) -> tuple[str, int]:
@@ -193,12 +195,24 @@ def _operand(text: str, i: int) -> tuple[str, int]:
     return (m.group(), m.end()) if m else ("", i)
 
 
-_TOKEN = re.compile(r"[-+]?(?:\\[A-Za-z]+|[A-Za-z0-9.]+)")
-_THEN_POWER = re.compile(r"\s*(?:\^|\*\*)")
-
-
 def _numeric(text: str) -> bool:
     return not re.search(r"[A-Za-z]", re.sub(r"\\[A-Za-z]+", "", text))
+
+
+def _base(text: str, i: int) -> str:
+    """The bracketed group that ends just before ``text[i]`` (a power's ``^``), without its brackets; ""
+    when the base is no group. One pass back."""
+    j = i - 1
+    while j >= 0 and text[j] == " ":
+        j -= 1
+    if j < 0 or text[j] not in ")}]":
+        return ""
+    depth = 0
+    for k in range(j, -1, -1):
+        depth += (text[k] in ")}]") - (text[k] in "({[")
+        if depth == 0:
+            return text[k + 1 : j]
+    return text[:j]
 
 
 def costly(answer: str) -> str | None:
@@ -218,7 +232,11 @@ def costly(answer: str) -> str | None:
     for m in _POWER.finditer(answer):
         exponent, end = _operand(answer, m.end())
         # 10^{10^{10}}, or Python's right-associative 10**10**10: numbers no integer type holds
-        if _numeric(exponent) and (_POWER.search(exponent) or _THEN_POWER.match(answer, end)):
+        # (10^{9999})^{9999} too: a power of a numeric power multiplies the exponents ((x^2+1)^3 is cheap)
+        base = _base(answer, m.start())
+        if _numeric(exponent) and (
+            _POWER.search(exponent) or _THEN_POWER.match(answer, end) or (_numeric(base) and _POWER.search(base))
+        ):
             return f"a tower of powers ({clip(answer[m.start() :], 30)})"
         if any(int(n) > MAX_EXPONENT for n in _INTEGER.findall(exponent)):
             return f"an exponent over {MAX_EXPONENT:,} ({clip(exponent, 30)})"

@@ -117,6 +117,8 @@ BOMBS = [
     ("20", " " * 99_999 + "20", "spaces, then the answer"),
     ("20", "1" + " " * 99_990 + "is 21", "a number, spaces, then 'is'"),
     ("x+1", "\\boxed{" + "x+" * 190 + "1}", "a sum of the answer's full length"),
+    ("20", "<answer>" * 12_000, "12,000 answer tags that never close (exact_alnum, format)"),
+    ("20", "<think>" * 12_000 + "</think><answer>" * 3_000, "think tags that never close, answer tags"),
     ("x+1", "\\boxed{" + "x\\cdot " * 60 + "1}", "a long product"),
 ]
 

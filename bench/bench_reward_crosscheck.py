@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import time
 from pathlib import Path
@@ -51,6 +52,8 @@ def main() -> None:
     ap.add_argument("--limit-s", type=float, default=1.0, help="CPU seconds one reward call may take")
     ap.add_argument("--json", help="also write the rows to this file")
     args = ap.parse_args()
+    # killed (make's timeout, ^C): exit through timed_calls' finally, which kills the child a call may hang in
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     tasks = [t for t in args.tasks.split(",") if t]
     unknown = sorted(set(tasks) - set(NUMERIC_TASKS))
     if unknown:

@@ -1,8 +1,10 @@
-# Code rewards: the sandbox's system packages, and the reward-throughput benchmark.
-.PHONY: sandbox-deps bench-rewards
+# Code rewards: the sandbox's system packages, and the reward-throughput benchmark; the math rewards
+# against reasoning-gym's own scorers (bench/bench_reward_crosscheck.py).
+.PHONY: sandbox-deps bench-rewards bench-reward-crosscheck
 
 TEST_DEPS += sandbox-deps
 BENCH_REWARDS_ARGS ?=
+BENCH_REWARDS_CROSSCHECK_ARGS ?= --n 36 --seed 47
 
 # bubblewrap is the sandbox (the job image installs it too); where it cannot be installed the code
 # rewards and their tests use the rlimit fallback instead, so a failed install is not an error.
@@ -17,5 +19,12 @@ sandbox-deps: ## Install bubblewrap and g++ for the code sandbox when missing (a
 	  else echo "sandbox-deps: not root or no apt-get; install$$missing yourself for the bubblewrap sandbox"; fi; \
 	fi
 
-bench-rewards: setup sandbox-deps ## Code-reward throughput: sandbox on 2 Ray workers vs a serial subprocess-per-test baseline
+bench-rewards: setup sandbox-deps ## Code-reward throughput (sandbox vs a serial baseline), then the math rewards' cross-check
 	$(PY) bench/bench_rewards.py $(BENCH_REWARDS_ARGS)
+	$(PY) bench/bench_reward_crosscheck.py $(BENCH_REWARDS_CROSSCHECK_ARGS)
+
+# For every reasoning-gym task whose answers are numbers or expressions: math (gsm8k, arithmetic where they
+# apply) against the task's own scorer, honest answers in three styles, wrong answers and near misses, each
+# call under a 1 s CPU limit; prints the table by task and exits 1 unless honest >= 99 %, wrong paid 0.
+bench-reward-crosscheck: setup ## Math rewards vs reasoning-gym's own scorers: the table by task (BENCH_REWARDS_CROSSCHECK_ARGS)
+	$(PY) bench/bench_reward_crosscheck.py $(BENCH_REWARDS_CROSSCHECK_ARGS)

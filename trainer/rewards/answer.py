@@ -45,6 +45,9 @@ What an answer may be is then each reward's check on that string alone:
   measurement unit from :data:`UNITS` (``\\text{ cm}``, ``\\textbf{meters}``, ``miles per hour``, ``cm^2``)
   or one plural noun naming what is counted (``72 clips``). An expression still to evaluate (``13+7``,
   ``\\frac{40}{2}``, ``\\sqrt{400}``) is not a number: an answer must be the value, not the question restated.
+  A base-prefixed integer (``0x1f``, ``-0b101``, ``0o17``) is the integer it is, for every reward but
+  ``arithmetic``; ``math`` and ``gsm8k`` also read a float as programs print it (``3.051757812e-05``,
+  an exponent of at most 3 digits).
 - **several candidate values** (a list, ``or``/``and``, ``\\pm``, ``;``) score 0 unless the ground truth is
   itself a set, tuple, interval or inequality.
 - **restating the question** scores 0: an answer (other than a plain number or the ground truth's own
@@ -72,6 +75,9 @@ MAX_ANSWER_CHARS = 400  # a final answer longer than this is not one (and would 
 MAX_BARE_CHARS = 32  # a response with no box and no marker is an answer only when this short and one line
 MAX_DIGITS = 60  # digits in one number; more is a flood, not an answer
 MAX_RESTATEMENTS = 3  # the same answer given again after it ("Final Answer: ..."); more is a flood
+MAX_WRAPPERS = 8  # layers of $, **, \( \) ... peeled off an answer; a real one has two or three
+MAX_NESTING = 12  # brackets and braces inside an answer nested deeper than this: a bomb for a parser
+MAX_EXPONENT = 10_000  # an exponent (or factorial, binomial) this large is a number no answer needs written so
 BOXED = "\\boxed{}"  # Final.source of an answer taken from a box
 
 
@@ -171,11 +177,12 @@ def last_boxed(text: str) -> str | None:
     return found[-1][0] if found else None
 
 
-def _same(a: str | None, b: str | None) -> bool:
-    def key(s: str) -> str:
-        return re.sub(r"[\s$]", "", s)
+def _key(s: str) -> str:
+    return re.sub(r"[\s$]", "", s)
 
-    return a is not None and b is not None and key(a) == key(b)
+
+def _same(a: str | None, b: str | None) -> bool:
+    return a is not None and b is not None and _key(a) == _key(b)
 
 
 # -- markers, and what follows the answer ----------------------------------------------------------
@@ -190,7 +197,8 @@ _MARKER = re.compile(
 _WRAPPERS = ("$$", "$", "\\(", "\\)", "\\[", "\\]", "**", "`")
 _SPANS = (("$$", "$$"), ("\\[", "\\]"), ("\\(", "\\)"), ("$", "$"), ("**", "**"), ("`", "`"))
 # Where an unwrapped answer ends: a line break, a full stop, ! or ? before a space, or math mode closing.
-_ANSWER_END = re.compile(r"\n|(?<!\\)[.!?](?=\s|$)|(?<!\\)\$|\\\)|\\\]|\*\*")
+# "**" is bold closing unless a value follows at once: ``-x**9 + 7*x**7`` is Python's exponent, not bold.
+_ANSWER_END = re.compile(r"\n|(?<!\\)[.!?](?=\s|$)|(?<!\\)\$|\\\)|\\\]|\*\*(?![-+]?[A-Za-z0-9(])")
 # Words that take a value back or hedge it, after the answer or before a final "=".
 _HEDGE = re.compile(
     r"\b(?:or|nor|maybe|perhaps|possibly|probably|approximately|approx|roughly|unless|wrong|incorrect|mistake|"
@@ -206,7 +214,9 @@ def clean(answer: str) -> str:
     """``answer`` without what only wraps it: surrounding space, ``$``, ``\\( \\)``, ``\\[ \\]``, ``**``,
     backticks, and trailing full stops, commas, colons or exclamation marks."""
     s, prev = answer.strip(), None
-    while s != prev:
+    for _ in range(MAX_WRAPPERS):  # each round peels one layer; more layers than this is no answer
+        if s == prev:
+            break
         prev = s
         s = s.rstrip(".,;:! \t\r\n").lstrip(" \t\r\n")
         for w in _WRAPPERS:
@@ -302,11 +312,18 @@ def final_answer(response: Any, *, join_boxes: bool = False, equation: bool = Fa
     if markers:
         m = markers[-1]
         raw, after = answer_span(body[m.end() :])
-        while join_boxes and (more := re.match(r"\s*(?:,\s*)?(?:and\s+)?(?=\$)", after)) and more.group().strip():
+        while (
+            join_boxes
+            and len(raw) <= MAX_ANSWER_CHARS  # a longer list is refused below; joining more would only cost time
+            and (more := re.match(r"\s*(?:,\s*)?(?:and\s+)?(?=\$)", after))
+            and more.group().strip()
+        ):
             nxt, rest = answer_span(after[more.end() :])  # "$12$ and $13$": a list over several formulas
             raw, after = f"{raw}, {nxt}", rest
-        answer = clean(raw)
         where = f"after {m.group().strip()!r}"
+        if len(raw) > 4 * MAX_ANSWER_CHARS:  # what wraps an answer is a few characters, not thousands
+            return Final(None, f"{len(raw)} characters {where}")
+        answer = clean(raw)
         if not answer:
             return Final(None, f"nothing {where}")
         if len(answer) > MAX_ANSWER_CHARS:
@@ -362,8 +379,12 @@ def _boxed_answer(body: str, found: list[tuple[str | None, str, int]], join_boxe
     if any(c is not None and BOX.search(c) for c, _, _ in found):
         return Final(None, "a box inside a box")
     distinct: list[str | None] = []
+    seen: set[str] = set()  # one look-up per box: thousands of boxes cost linear time, not quadratic
     for content, _, _ in found:
-        if content is None or not any(_same(content, d) for d in distinct):
+        if content is None:
+            distinct.append(content)
+        elif (key := _key(content)) not in seen:
+            seen.add(key)
             distinct.append(content)
     source = BOXED
     if len(distinct) > 1 and join_boxes and None not in distinct:
@@ -389,6 +410,10 @@ def _boxed_answer(body: str, found: list[tuple[str | None, str, int]], join_boxe
 _INT = r"(?:[0-9]{1,3}(?:,[0-9]{3})+(?![0-9])|[0-9]+)"
 _DECIMAL = re.compile(rf"([-+]?)({_INT}(?:\.[0-9]+)?|\.[0-9]+)")
 _FRACTION = re.compile(r"([-+]?)\\frac(?:\{([0-9]+)\}\{([0-9]+)\}|([0-9])([0-9]))|([-+]?)([0-9]+)/([0-9]+)")
+# Base-prefixed integers (0x1f, -0b101, 0o17) are the integers they are: math-verify reads 0x1f as 0.
+_PREFIXED = re.compile(r"([-+]?)0([xX][0-9a-fA-F]+|[bB][01]+|[oO][0-7]+)")
+_BASES = {"x": 16, "b": 2, "o": 8}
+_SCIENTIFIC = re.compile(r"([-+]?)([0-9]+(?:\.[0-9]*)?|\.[0-9]+)[eE]([-+]?[0-9]{1,3})")  # 3.05e-05, as floats print
 _MIXED = re.compile(r"([-+]?)([0-9]+)\\frac\{([0-9]+)\}\{([0-9]+)\}")  # 1\frac{1}{2}: one and a half
 _VARIABLE = re.compile(  # "x = 5", "a_1 = 5", "f(3) = 5", "\theta = 5", "x \approx 5"
     r"^(?:[A-Za-z](?:_\{?[A-Za-z0-9]+\}?)?|\\[A-Za-z]+)(?:\([^()=]*\))?\s*(?:=|\\approx(?![A-Za-z]))\s*"
@@ -463,7 +488,13 @@ def _undress(s: str, plain: bool = False) -> str:
 
 
 def parse_number(
-    text: str, *, fractions: bool = True, decorations: bool = True, reduced: bool = True, plain: bool = False
+    text: str,
+    *,
+    fractions: bool = True,
+    decorations: bool = True,
+    reduced: bool = True,
+    plain: bool = False,
+    scientific: bool = False,
 ) -> Fraction | None:
     """The value of ``text`` when it is a single number (the module docstring's grammar), else None.
 
@@ -472,10 +503,17 @@ def parse_number(
     ``decorations``: a leading ``x =`` or currency sign, a trailing ``%``, degree sign or unit are allowed
     and do not change the value (``50\\%`` is 50, as datasets write percentages).
     ``plain``: the number as it is written, no ``+`` sign and no leading zeros (``02`` is not 2).
+    ``scientific``: a float as programs print it, ``3.051757812e-05`` (an exponent of at most 3 digits).
     """
     s = _undress(fold(text), plain)
     if lookalike_digits(s) or len(re.findall(r"[0-9]", s)) > MAX_DIGITS:
         return None
+    if not plain and (m := _PREFIXED.fullmatch(s.replace(" ", ""))) is not None:  # before units: 0x1f is no 'f'
+        digits = m.group(2)[1:]
+        if len(digits) > MAX_DIGITS:
+            return None
+        value = Fraction(int(digits, _BASES[m.group(2)[0].lower()]))
+        return -value if m.group(1) == "-" else value
     if decorations:
         s = _VARIABLE.sub("", s, count=1)
         s = _CURRENCY.sub("", s, count=1).strip()
@@ -488,6 +526,9 @@ def parse_number(
         s = re.sub(r"^([-+])\s+(?=[0-9.\\])", r"\1", s)
     if s.startswith("(") and s.endswith(")") and s.count("(") == 1:  # "(-3)"
         s = s[1:-1].strip()
+    if scientific and (m := _SCIENTIFIC.fullmatch(s)) is not None:
+        value = Fraction(m.group(2)) * Fraction(10) ** int(m.group(3))
+        return -value if m.group(1) == "-" else value
     m = _DECIMAL.fullmatch(s)
     if m:
         if plain and (m.group(1) == "+" or re.match(r"0[0-9]", m.group(2))):

@@ -22,15 +22,23 @@
 Each returns a :class:`~trainer.rewards.registry.Score` naming the answer it judged (or None) and a note
 (where the answer came from, or why there is none, or why it is wrong), which the run's jsonl and
 console report. A reward must never raise or hang: any error scores 0 with the error as the note.
-math-verify bounds its sympy work with ``signal.alarm``, which only works in a process's main thread;
-elsewhere (a threaded actor, a thread pool) the alarm is skipped and the reward runner's per-task
-timeout is the bound instead.
+
+Every call is bounded by construction, whatever the response holds: the answer is read from at most
+``MAX_RESPONSE_CHARS`` by loops that each consume the text or stop at a fixed count; what reaches
+math-verify is at most ``MAX_ANSWER_CHARS`` long and passes :func:`costly` (no brackets nested deeper
+than ``MAX_NESTING``, no tower of numeric powers, no exponent, factorial or binomial above
+``MAX_EXPONENT``: Python's integers would compute those in one C call no signal interrupts); and
+math-verify's parsing and comparing together get ``timeout_seconds`` of CPU (0.5 by default) by a
+timer signal. That signal only reaches a process's main thread, where the reward runner's tasks run;
+elsewhere (a threaded actor, a thread pool) the reward runner's per-task timeout is the bound instead.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
+import signal
 import threading
 from fractions import Fraction
 from typing import Any
@@ -39,10 +47,13 @@ from trainer.rewards.answer import (
     BOX,
     BOXED,
     MAX_BARE_CHARS,
+    MAX_EXPONENT,
+    MAX_NESTING,
     MAX_RESPONSE_CHARS,
     Final,
     answer_span,
     boxes_at,
+    clean,
     clip,
     final_answer,
     fold,
@@ -61,9 +72,24 @@ log = logging.getLogger(__name__)
 __all__ = ["MAX_RESPONSE_CHARS", "last_boxed", "tag_content"]
 
 
+def tag_blocks(text: str, tag: str) -> list[str]:
+    """The contents of the ``<tag>...</tag>`` blocks of ``text``, in order (each up to the first closing
+    tag after it). One pass: a regex finds the same blocks, but tries every opening tag against the rest
+    of the text, so that 12,000 ``<answer>`` with no ``</answer>`` took seconds."""
+    opener, closer = f"<{tag}>", f"</{tag}>"
+    out, pos = [], 0
+    while (i := text.find(opener, pos)) >= 0:
+        j = text.find(closer, i + len(opener))
+        if j < 0:  # no block closes after this opening tag, so none after a later one either
+            break
+        out.append(text[i + len(opener) : j])
+        pos = j + len(closer)
+    return out
+
+
 def tag_content(text: str, tag: str) -> str | None:
     """Content of the last ``<tag>...</tag>``; None if there is none."""
-    matches = re.findall(rf"<{re.escape(tag)}>(.*?)</{re.escape(tag)}>", text, flags=re.DOTALL)
+    matches = tag_blocks(text, tag)
     return matches[-1] if matches else None
 
 
@@ -118,22 +144,28 @@ def _gold_number(gt: str, raw: Any):
     m = re.fullmatch(r"(-?)([0-9]+),([0-9]+)", gt.strip())
     if m and "$" not in str(raw) and (m.group(2) == "0" or len(m.group(3)) != 3):
         return parse_number(f"{m.group(1)}{m.group(2)}.{m.group(3)}", reduced=False)
-    return parse_number(gt, reduced=False)
+    return parse_number(gt, reduced=False, scientific=True)
+
+
+def _places(value: Fraction) -> int | None:
+    """The decimal places ``value`` is written with when it is a terminating decimal (``0.125``: 3), else
+    None (``2/7``). Each round divides the denominator, so there are at most log2 of it: a few hundred for
+    the at most ``MAX_DIGITS``-digit numbers :func:`parse_number` reads."""
+    d, twos, fives = value.denominator, 0, 0
+    while d % 2 == 0:
+        d, twos = d // 2, twos + 1
+    while d % 5 == 0:
+        d, fives = d // 5, fives + 1
+    return max(twos, fives) if d == 1 else None
 
 
 def _approximates(value, gold) -> bool:
     """``value`` is a decimal of at least 6 places within one unit of its last place of ``gold``, a fraction
     whose decimals never end (``0.083333`` for 1/12, as math-verify rounds to 6 places)."""
-    d = gold.denominator
-    for p in (2, 5):
-        while d % p == 0:
-            d //= p
-    if d == 1:  # a terminating decimal is written exactly (0.5 for 1/2, never 0.500001)
+    if _places(gold) is not None:  # a terminating decimal is written exactly (0.5 for 1/2, never 0.500001)
         return False
-    places = 0
-    while (10**places) % value.denominator:
-        places += 1
-    return places >= 6 and abs(value - gold) <= Fraction(1, 10**places)
+    places = _places(value)  # None: a fraction (2/7 for 1/3) is no approximation, it is another value
+    return places is not None and places >= 6 and abs(value - gold) <= Fraction(1, 10**places)
 
 
 def _stated(answer: str):
@@ -141,22 +173,126 @@ def _stated(answer: str):
     agrees with it to its last place (one that does not is a second value, and no number is stated)."""
     m = re.fullmatch(r"(.+?)\\approx\s*([-+]?[0-9]*\.?[0-9]+)", answer.strip())
     if m is None:
-        return parse_number(answer)
+        return parse_number(answer, scientific=True)
     value, approx = parse_number(m.group(1)), parse_number(m.group(2))
     if value is None or approx is None:  # "x \\approx 11" states 11
-        return parse_number(answer)
+        return parse_number(answer, scientific=True)
     places = len(m.group(2).partition(".")[2])  # 20 \\approx 21 is two values; 1/3 \\approx 0.333 is one
     return value if places and abs(value - approx) < Fraction(1, 10**places) else None
 
 
-def _alarm_seconds(seconds: int) -> int | None:
-    # signal.alarm raises "signal only works in main thread" anywhere else; None turns it off
-    return seconds if threading.current_thread() is threading.main_thread() else None
+# -- what math-verify may be given: bounded by construction ------------------------------------------
+
+_POWER = re.compile(r"\^|\*\*")
+_LARGE_ARGUMENT = re.compile(  # n!, \binom{n}{k}, \Gamma(n), \sum_{k=1}^{n}: sympy computes them in full
+    r"([0-9]+)\s*\)?\s*!|\\(?:[dt]?binom|Gamma|sum|prod|choose)(?![A-Za-z])"
+)
+_INTEGER = re.compile(r"[0-9]+")
+_EXPONENT_DIGITS = re.compile(r"[0-9][eE][-+]?[0-9]{4,}")  # 1e999999: a float no answer needs
+_TOKEN = re.compile(r"[-+]?(?:\\[A-Za-z]+|[A-Za-z0-9.]+)")
+_THEN_POWER = re.compile(r"\s*(?:\^|\*\*)")
+
+
+def _operand(text: str, i: int) -> tuple[str, int]:
+    """The exponent that starts at ``text[i]`` (after ``^`` or ``**``) and the index after it: a ``{...}``
+    or ``(...)`` group (without its brackets), a signed run of letters, digits and dots (``x**-1``), or one
+    ``\\command``. One pass, no recursion."""
+    while i < len(text) and text[i] == " ":
+        i += 1
+    if i < len(text) and text[i] in "{(":
+        opener, closer, depth = text[i], "}" if text[i] == "{" else ")", 0
+        for j in range(i, len(text)):
+            depth += (text[j] == opener) - (text[j] == closer)
+            if depth == 0:
+                return text[i + 1 : j], j + 1
+        return text[i + 1 :], len(text)
+    m = _TOKEN.match(text, i)
+    return (m.group(), m.end()) if m else ("", i)
+
+
+def _numeric(text: str) -> bool:
+    return not re.search(r"[A-Za-z]", re.sub(r"\\[A-Za-z]+", "", text))
+
+
+def _base(text: str, i: int) -> str:
+    """The bracketed group that ends just before ``text[i]`` (a power's ``^``), without its brackets; ""
+    when the base is no group. One pass back."""
+    j = i - 1
+    while j >= 0 and text[j] == " ":
+        j -= 1
+    if j < 0 or text[j] not in ")}]":
+        return ""
+    depth = 0
+    for k in range(j, -1, -1):
+        depth += (text[k] in ")}]") - (text[k] in "({[")
+        if depth == 0:
+            return text[k + 1 : j]
+    return text[:j]
+
+
+def costly(answer: str) -> str | None:
+    """Why ``answer`` would cost a symbolic checker more than any answer needs, or None. Python's and
+    sympy's integers compute ``10^{10^{10}}``, ``(10^6)!`` or ``\\binom{10^5}{5 \\cdot 10^4}`` in full,
+    inside single C calls no alarm interrupts; the answer's length is already capped, so these are what
+    is left: brackets nested deeper than ``MAX_NESTING``, a tower of numeric powers, an exponent,
+    factorial or binomial argument above ``MAX_EXPONENT``, a float exponent of four digits or more."""
+    depth = deepest = 0
+    for c in answer:
+        depth += (c in "([{") - (c in ")]}")
+        deepest = max(deepest, depth)
+    if deepest > MAX_NESTING:
+        return f"brackets nested {deepest} deep"
+    if _EXPONENT_DIGITS.search(answer):
+        return "a power of ten of four digits or more"
+    for m in _POWER.finditer(answer):
+        exponent, end = _operand(answer, m.end())
+        # 10^{10^{10}}, or Python's right-associative 10**10**10: numbers no integer type holds
+        # (10^{9999})^{9999} too: a power of a numeric power multiplies the exponents ((x^2+1)^3 is cheap)
+        base = _base(answer, m.start())
+        if _numeric(exponent) and (
+            _POWER.search(exponent) or _THEN_POWER.match(answer, end) or (_numeric(base) and _POWER.search(base))
+        ):
+            return f"a tower of powers ({clip(answer[m.start() :], 30)})"
+        if any(int(n) > MAX_EXPONENT for n in _INTEGER.findall(exponent)):
+            return f"an exponent over {MAX_EXPONENT:,} ({clip(exponent, 30)})"
+    if _LARGE_ARGUMENT.search(answer) and any(int(n) > MAX_EXPONENT for n in _INTEGER.findall(answer)):
+        return f"a factorial, binomial, sum or product over a number above {MAX_EXPONENT:,}"
+    return None
+
+
+class _OutOfTime(BaseException):
+    """Raised by the timer inside math-verify; a BaseException so that no ``except Exception`` in sympy
+    or math-verify swallows it and carries on."""
+
+
+@contextlib.contextmanager
+def _time_limit(seconds: float):
+    """Interrupt the block after ``seconds`` of this process's CPU time with :class:`_OutOfTime`. CPU
+    time, not wall time: on a busy node a cheap check may wait seconds for a core, and must not score 0
+    for it (the reward runner's per-task timeout bounds the wait). A timer signal only reaches a
+    process's main thread; elsewhere (a threaded actor, a thread pool) the block runs without it, and
+    :func:`costly` and the runner's timeout are the bound."""
+    if threading.current_thread() is not threading.main_thread() or not seconds or seconds <= 0:
+        yield
+        return
+
+    def expire(signum, frame):
+        raise _OutOfTime
+
+    previous = signal.signal(signal.SIGPROF, expire)
+    outer = signal.setitimer(signal.ITIMER_PROF, seconds)[0]
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_PROF, 0)
+        signal.signal(signal.SIGPROF, previous)
+        if outer:  # an enclosing timer keeps running (less the time spent here)
+            signal.setitimer(signal.ITIMER_PROF, max(outer - seconds, 1e-3))
 
 
 @register("math")
 def math_reward(
-    ground_truth: Any, response: str, *, question: str | None = None, timeout_seconds: int = 5
+    ground_truth: Any, response: str, *, question: str | None = None, timeout_seconds: float = 0.5
 ) -> Score:
     """1.0 when the response's final answer is mathematically equal to ``ground_truth`` (plain or LaTeX)."""
     try:
@@ -198,27 +334,55 @@ def _same_form(answer: str, gt: str) -> bool:
     return form(answer) == form(gt)
 
 
-def _verify(final: Final, gt: str, timeout_seconds: int, ranged: bool) -> Score:
+def _verify(final: Final, gt: str, timeout_seconds: float, ranged: bool) -> Score:
+    import math_verify.grader
+    import math_verify.parser
     from math_verify import LatexExtractionConfig, parse, verify
 
-    timeout = _alarm_seconds(timeout_seconds)
+    why = costly(final.answer)
+    if why:
+        return _wrong(final, f"{why}: not checked")
+    # The time limit is ours, around parsing and comparing together (math-verify's own takes whole
+    # seconds, each); its warning that it has none would only alarm a reader.
+    math_verify.parser.TIMEOUT_WARNING_SHOWN = math_verify.grader.TIMEOUT_WARNING_SHOWN = True
     # Both strings are already the answer alone: parse each as one inline formula, no box to look for.
     config = [LatexExtractionConfig(boxed_match_priority=-1)]
 
     def formula(s: str) -> str:
-        return "$" + " ".join(s.replace("$", " ").split()) + "$"
+        return "$" + " ".join(python_powers(s).replace("$", " ").split()) + "$"
 
-    gold = parse(formula(gt), extraction_config=config, parsing_timeout=timeout)
-    if not gold:
-        log.debug("math reward: cannot parse ground truth %r", gt)
-        return _wrong(final, f"cannot parse the ground truth {gt!r}")
-    answer = parse(formula(final.answer), extraction_config=config, parsing_timeout=timeout, fallback_mode="no_fallback")
-    if not answer:
-        return _wrong(final, "cannot parse the answer")
-    # An interval answers an inequality and an inequality an interval (0 < x < 1 is x in (0, 1)).
-    if verify(gold, answer, timeout_seconds=timeout, allow_set_relation_comp=ranged):
-        return _right(final)
-    return _wrong(final, f"not equal to {clip(gt, 60)}")
+    try:
+        with _time_limit(timeout_seconds):
+            gold = parse(formula(gt), extraction_config=config, parsing_timeout=None)
+            if not gold:
+                log.debug("math reward: cannot parse ground truth %r", gt)
+                return _wrong(final, f"cannot parse the ground truth {gt!r}")
+            answer = parse(formula(final.answer), extraction_config=config, parsing_timeout=None, fallback_mode="no_fallback")
+            if not answer:
+                return _wrong(final, "cannot parse the answer")
+            # An interval answers an inequality and an inequality an interval (0 < x < 1 is x in (0, 1)).
+            equal = verify(gold, answer, timeout_seconds=None, allow_set_relation_comp=ranged)
+    except _OutOfTime:
+        return _wrong(final, f"not checked within {timeout_seconds:g} s of CPU")
+    return _right(final) if equal else _wrong(final, f"not equal to {clip(gt, 60)}")
+
+
+_PYTHON_POWER = re.compile(r"\*\*\s*")
+
+
+def python_powers(text: str) -> str:
+    """``text`` with Python's ``**`` written as LaTeX's ``^{...}`` (``x**(3/2)`` is ``x^{(3/2)}``,
+    ``x**-1`` is ``x^{-1}``), which math-verify reads; one pass over the text."""
+    out, pos = [], 0
+    for m in _PYTHON_POWER.finditer(text):
+        exponent, end = _operand(text, m.end())
+        if m.start() < pos or not exponent:
+            continue
+        if text[m.end()] == "(":  # kept: x**(3/2) is x^{(3/2)}
+            exponent = f"({exponent})"
+        out.append(text[pos : m.start()] + "^{" + exponent + "}")
+        pos = end
+    return "".join(out) + text[pos:]
 
 
 # -- gsm8k and arithmetic: one number ----------------------------------------------------------------
@@ -228,13 +392,14 @@ def _verify(final: Final, gt: str, timeout_seconds: int, ranged: bool) -> Score:
 def gsm8k_reward(ground_truth: Any, response: str, *, question: str | None = None) -> Score:
     """1.0 when the response's final answer is one number equal to ``ground_truth`` (``"1,234"`` is 1234)."""
     try:
-        gold = parse_number(str(ground_truth), reduced=False)
+        # a dataset may write its answer in math mode ($244/607$) or as a program prints a float (3.05e-05)
+        gold = parse_number(clean(fold(ground_truth)), reduced=False, scientific=True)
         if gold is None:
             return Score(0.0, False, None, f"the ground truth {clip(str(ground_truth), 40)!r} is not a number")
         final = final_answer(response)
         if final.answer is None:
             return Score(0.0, False, None, final.source)
-        return _compare_numbers(final, gold, parse_number(final.answer), question)
+        return _compare_numbers(final, gold, parse_number(final.answer, scientific=True), question)
     except Exception as e:  # a reward never takes a run down
         log.debug("gsm8k reward failed", exc_info=True)
         return Score(0.0, False, None, f"gsm8k reward error: {type(e).__name__}")
@@ -300,7 +465,7 @@ def exact_alnum_reward(ground_truth: Any, response: str, *, answer_tag: str = "a
     """1.0 when the answer equals ``ground_truth`` up to case, spacing and punctuation."""
     try:
         text = "" if response is None else str(response)
-        blocks = re.findall(rf"<{re.escape(answer_tag)}>(.*?)</{re.escape(answer_tag)}>", text, flags=re.DOTALL)
+        blocks = tag_blocks(text, answer_tag)
         if len({_alnum(b) for b in blocks}) > 1:
             return Score(0.0, False, clip(blocks[-1].strip()), f"several <{answer_tag}> blocks that disagree")
         answer = blocks[-1] if blocks else text

@@ -26,9 +26,7 @@ LAB_NOTE = re.compile(
 )
 
 # Files under trainer/ that still carry lab notes, as paths relative to the repository.
-NOT_YET_CLEANED: set[str] = {
-    "trainer/rewards/answer.py",
-}
+NOT_YET_CLEANED: set[str] = set()
 
 
 def lab_notes(text: str) -> list[tuple[int, str]]:

@@ -1,10 +1,10 @@
 """The final answer of a response: one rule shared by the ``math``, ``gsm8k`` and ``arithmetic`` rewards.
 
 GRPO pays for whatever a reward accepts, and a policy finds every answer a lenient extractor reads into
-its text (issue 21: math-verify, given a whole response, found the question's own ``13 + 7`` in
+its text (math-verify, given a whole response, found the question's own ``13 + 7`` in
 ``'13 + 7 equals C3.'`` and paid for it). So the answer is taken from one place only, and a response
 that does not put an answer there has none; nothing falls back to the rest of the text. The rule must
-also be fair (issue 41): an honest answer in any format real models and evaluation harnesses write
+also be fair: an honest answer in any format real models and evaluation harnesses write
 (boxed, "The final answer is", lm-eval's Minerva ending, LaTeX dressing) scores as its value deserves.
 
 Where the answer is (:func:`final_answer`):
@@ -337,7 +337,7 @@ def final_answer(response: Any, *, join_boxes: bool = False, equation: bool = Fa
             return Final(None, f"{where}: {problem} ({clip(after.strip(), 40)!r})")
         return Final(answer, where)
     bare = clean(body)
-    if re.match(r"\\(?:textbf|mathbf|bf|boldsymbol|bm)(?![A-Za-z])", bare):  # issue 21: bold looks like a box
+    if re.match(r"\\(?:textbf|mathbf|bf|boldsymbol|bm)(?![A-Za-z])", bare):  # bold looks like a box and is not one
         return Final(None, "bold is not a \\boxed{}")
     if bare and "\n" not in bare and len(bare) <= MAX_BARE_CHARS:
         return Final(bare, "the whole response")

@@ -77,6 +77,17 @@ def test_should_equal_the_logits_pass_when_logprobs_come_from_hidden_states_a_ti
         assert a.abs().max() > 0, name
 
 
+def test_should_give_no_gradient_to_the_head_when_there_is_no_position_to_score():
+    """A one-token response leaves the shared-prompt layout's second pass with no position: its backward
+    must add nothing to the head's gradient (an uninitialised one would be garbage)."""
+    torch.manual_seed(0)
+    weight = torch.randn(300, 8, requires_grad=True)
+    hidden = torch.randn(0, 8, requires_grad=True)
+    lp, _ = ll.linear_logprobs(hidden, weight, None, torch.zeros(0, dtype=torch.long))
+    (lp.sum() + (weight * 0).sum()).backward()
+    assert torch.equal(weight.grad, torch.zeros_like(weight)) and hidden.grad.shape == (0, 8)
+
+
 def test_should_split_positions_only_when_a_vocabulary_block_of_the_minimum_width_leaves_no_room():
     assert ll.tiles(4096, 262144, 2**26) == (4096, 16384)  # every position at once, 16 blocks
     assert ll.tiles(100, 49152, 2**26) == (100, 49152)  # one tile

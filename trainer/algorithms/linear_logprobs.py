@@ -114,6 +114,8 @@ class _LinearLogprobs(torch.autograd.Function):
         hidden, weight, bias, labels, lse = ctx.saved_tensors
         want_h, want_w, want_b = ctx.needs_input_grad[:3]
         n, vocab = hidden.shape[0], weight.shape[0]
+        if n == 0:  # no position (a window of one token has nothing after its first): nothing flows back
+            return torch.zeros_like(hidden) if want_h else None, None, None, None, None, None, None, None, None
         step, block = tiles(n, vocab, ctx.budget)
         g_all = grad_out.reshape(-1).to(lse.dtype) * ctx.scale  # (N,): d(s x[y] - lse(s x))/dx = s (onehot(y) - softmax(s x))
         grad_h = torch.zeros(hidden.shape, dtype=lse.dtype, device=hidden.device) if want_h else None

@@ -74,6 +74,7 @@ from trainer.generation.refit.transport import vllm_transfer_backend
 
 if TYPE_CHECKING:  # annotations only: vLLM is imported when an engine is built
     from vllm import LLM
+    from vllm.lora.request import LoRARequest
 
 log = logging.getLogger(__name__)
 
@@ -262,7 +263,8 @@ class VLLMGenerationEngine:
     ):
         self._llm: LLM | None = None  # None before the start and after shutdown(): read it as self.llm
         self.lora = lora
-        self._lora_request = None  # the policy's adapter, once a refit brought one (before: B = 0, the base)
+        # the policy's adapter, once a refit brought one (before: B = 0, the base)
+        self._lora_request: LoRARequest | None = None
         self._adapter_dir: str | None = None
         self._cache_root: str | None = None
         self._owns_dist = False
@@ -481,7 +483,8 @@ class VLLMGenerationEngine:
             yield list(range(len(prompts))), seed
             return
         budget = self.llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
-        part, used = [], 0
+        part: list[int] = []
+        used = 0
         for i, p in enumerate(prompts):
             cost = len(p) * n
             if part and used + cost > budget:
@@ -566,10 +569,11 @@ class VLLMGenerationEngine:
 
         # One id for every refit, loaded in place: requests then find it loaded (load_inplace=False on
         # theirs), where load_inplace on the requests themselves would re-read it at every engine step.
+        path = self._adapter_path()  # where the refit wrote it
         self.llm.llm_engine.add_lora(
-            LoRARequest(lora_name="policy", lora_int_id=1, lora_path=self._adapter_dir, load_inplace=True)
+            LoRARequest(lora_name="policy", lora_int_id=1, lora_path=path, load_inplace=True)
         )
-        self._lora_request = LoRARequest(lora_name="policy", lora_int_id=1, lora_path=self._adapter_dir)
+        self._lora_request = LoRARequest(lora_name="policy", lora_int_id=1, lora_path=path)
         self._weights_changed()
 
     def _weights_changed(self) -> None:
@@ -713,7 +717,7 @@ def finish_weight_update(model: torch.nn.Module, model_config, layerwise: bool, 
         method = getattr(lm_head, "quant_method", None)
         # Only the plain embedding method, whose processing is the CPU packing (idempotent; nothing on
         # GPUs): a quantized lm_head's processing must not run twice over weights already processed.
-        if tied and isinstance(method, UnquantizedEmbeddingMethod):
+        if tied and lm_head is not None and isinstance(method, UnquantizedEmbeddingMethod):
             # lm_head shares embed_tokens' parameter but keeps its own packed copy for the matmul, which
             # layerwise reload skips ("ParallelLMHead: Failed to load weights"): without this the logits
             # silently use the old embedding.

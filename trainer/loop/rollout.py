@@ -125,7 +125,7 @@ def generate_multi_turn(
                 outputs[k] = group[0]
         done = [c for c in outputs if c is not None]
         if len(done) != len(active):
-            raise RuntimeError(f"turn {turn + 1}: the generator answered {len(done)} of {len(active)} episodes")
+            raise RuntimeError(f"turn {turn + 1}: the generator answered {len(done)} of {len(active)} asked")
         for i, c in zip(active, done):
             ep = episodes[i]
             ep.completion, ep.turns = c, ep.turns + 1

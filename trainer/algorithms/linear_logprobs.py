@@ -155,7 +155,7 @@ class _LinearLogprobs(torch.autograd.Function):
                         grad_b[v0 : v0 + block] = part_b
                     else:
                         acc_b = part_b.to(lse.dtype) if acc_b is None else acc_b.add_(part_b)
-            # set only with several row chunks
+            # the sums over several row chunks (one chunk wrote its block above)
             if grad_w is not None and acc_w is not None:
                 grad_w[v0 : v0 + block] = acc_w
             if grad_b is not None and acc_b is not None:

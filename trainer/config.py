@@ -26,7 +26,7 @@ import dataclasses
 import functools
 import math
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -372,8 +372,10 @@ class PolicyConfig:
     lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def __post_init__(self) -> None:
-        # Composed, a pair arrives as a list (OmegaConf has no tuples); validate() checks its length.
-        self.adam_betas = tuple(self.adam_betas)
+        # Composed, a pair arrives as a list (OmegaConf has no tuples); validate() refuses what is not a pair.
+        betas = tuple(self.adam_betas)
+        if len(betas) == 2:
+            self.adam_betas = betas
 
     def validate(self) -> None:
         if self.param_dtype is not None:
@@ -709,8 +711,15 @@ class CheckpointConfig:
         )
 
 
+class _Resolved:
+    """What :meth:`Config.resolve` records beside the values: an attribute, not a key (no dataclass field, so
+    composing, dumping and comparing configs never see it)."""
+
+    _auto_precision: dict[str, str]  # the keys that were ``auto`` -> what this hardware chose
+
+
 @dataclass
-class Config:
+class Config(_Resolved):
     experiment_name: str = "default"
     seed: int = 42
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -819,7 +828,7 @@ def _validate_across(c: Config) -> None:
         f"policy.max_total_sequence_length={p.max_total_sequence_length} must exceed "
         f"generation.max_new_tokens={gen.max_new_tokens} to leave room for the prompt",
     )
-    if p.lora.enabled and gen.backend == "vllm":
+    if p.lora.rank is not None and gen.backend == "vllm":  # lora.enabled
         _require(
             p.lora.rank <= VLLM_LORA_RANKS[-1],
             f"policy.lora.rank={p.lora.rank}: generation.backend=vllm serves adapters up to rank "
@@ -923,6 +932,7 @@ def _resolve_auto_precision(c: Config) -> None:
             continue
         if fast is None:
             fast = bf16_is_fast(c)
+        chosen: str | None  # None: policy.param_dtype null, the compute in the master weights' dtype
         if (section, name) == ("model", "dtype"):
             chosen = "float32"
         elif (section, name) == ("policy", "param_dtype"):
@@ -988,7 +998,8 @@ def _node(cls: type) -> Any:
         plain = OmegaConf.create({})
         for f in dataclasses.fields(cls):
             hint = _type_hints(cls)[f.name]
-            plain[config_key(f)] = _node(hint) if dataclasses.is_dataclass(hint) else node._get_node(f.name)
+            section = isinstance(hint, type) and dataclasses.is_dataclass(hint)
+            plain[config_key(f)] = _node(hint) if section else node._get_node(f.name)
         node = plain
     _interpolate(node, cls)
     return node
@@ -1039,7 +1050,7 @@ def _build(cls: type, node: Any, path: str = "") -> Any:
     kwargs = {}
     for key, f in fields.items():
         hint = _type_hints(cls)[f.name]
-        if dataclasses.is_dataclass(hint):
+        if isinstance(hint, type) and dataclasses.is_dataclass(hint):
             kwargs[f.name] = _build(hint, node[key], f"{path}{key}.")
         else:
             value = node[key]
@@ -1089,7 +1100,7 @@ def load(overrides: list[str] | None = None) -> Config:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
             composed = compose(config_name="config", overrides=_open_mappings(list(overrides or [])))
     except (HydraException, OmegaConfBaseException) as e:
-        raise ConfigError(_one_line(e, overrides)) from None
+        raise ConfigError(_one_line(e, overrides or [])) from None
     return _typed(composed)  # compose() leaves out the hydra node
 
 
@@ -1121,12 +1132,13 @@ def mapping_keys(cls: type | None = None, prefix: tuple[str, ...] = ()) -> list[
         if typing.get_origin(hint) in (typing.Union, types.UnionType):  # X | None: X
             hint = next(a for a in typing.get_args(hint) if a is not type(None))
         origin, args = typing.get_origin(hint), typing.get_args(hint)
-        if dataclasses.is_dataclass(hint):
+        item = args[0] if origin is list and args else None
+        if isinstance(hint, type) and dataclasses.is_dataclass(hint):
             found += mapping_keys(hint, key)
         elif origin is dict:
             found.append(key)
-        elif origin is list and args and dataclasses.is_dataclass(args[0]):
-            found += mapping_keys(args[0], (*key, "*"))
+        elif isinstance(item, type) and dataclasses.is_dataclass(item):
+            found += mapping_keys(item, (*key, "*"))
     return found
 
 
@@ -1177,7 +1189,7 @@ def _hint_at(key: str) -> Any:
         if part.isdigit() and origin is list:
             hint = typing.get_args(hint)[0]
             continue
-        if not dataclasses.is_dataclass(hint):
+        if not (isinstance(hint, type) and dataclasses.is_dataclass(hint)):
             return None
         f = next((f for f in dataclasses.fields(hint) if config_key(f) == part), None)
         if f is None:
@@ -1204,6 +1216,7 @@ def _kind(hint: Any) -> str:
 def _locate(value: Any, key: str, bad: Any, unknown: bool) -> str | None:
     """Where in written data (lists and mappings) the mapping sits that has ``key`` (``unknown``: with
     any value; else with the value ``bad``), as a key suffix: ``[0].weight``."""
+    items: Iterable[tuple[Any, Any]]
     if isinstance(value, dict):
         if key in value and (unknown or value[key] == bad):
             return f".{key}"
@@ -1219,7 +1232,7 @@ def _locate(value: Any, key: str, bad: Any, unknown: bool) -> str | None:
     return None
 
 
-def _written(text: str, overrides: list[str], data: Any) -> tuple[str, Any] | None:
+def _written(text: str, overrides: Sequence[str], data: Any) -> tuple[str, Any] | None:
     """What the value an error is about was written in, and the key it was written under: the override
     or the config file the error names, else ``data`` (a plain dict given to :func:`from_dictconfig`)."""
     import re
@@ -1241,7 +1254,7 @@ def _written(text: str, overrides: list[str], data: Any) -> tuple[str, Any] | No
         return None
     m = re.match(r"In '([^']+)'", text)
     path = CONF_DIR / f"{m.group(1)}.yaml" if m else None
-    if path is not None and path.is_file():
+    if m and path is not None and path.is_file():
         written = path.read_text()
         package = re.search(r"^# @package (\S+)", written, re.M)
         prefix = package.group(1) if package else m.group(1).rpartition("/")[0]
@@ -1249,7 +1262,7 @@ def _written(text: str, overrides: list[str], data: Any) -> tuple[str, Any] | No
     return ("", data) if isinstance(data, dict) else None
 
 
-def _one_line(e: Exception, overrides: list[str] = (), data: Any = None) -> str:
+def _one_line(e: Exception, overrides: Sequence[str] = (), data: Any = None) -> str:
     """Hydra's and OmegaConf's multi-line errors, condensed into one line that names the key and the fix."""
     import re
 

@@ -144,8 +144,7 @@ class TrainState:
         # process reads and encodes the data: on a cluster, actor boot and weight loading overlap the
         # dataset's download and tokenization instead of following them.
         self.policy = PolicyGroup(cfg, self.model_path, colocated_engine=not cfg.disaggregated, wait=False)
-        self.generator = None
-        self.reward_model = None
+        self.reward_model = None  # self.generator: set once made (close() reads it with getattr)
         try:
             self._start_reward_model(cfg)
             self._build(cfg, resume, info, t0)
@@ -324,7 +323,7 @@ class TrainState:
         the whole teardown has a deadline, so a driver whose workers are stuck or gone still ends."""
         self.preemption.uninstall()
         with self.watch.deadline(30 if failed else 300, "the run's workers did not shut down in time"):
-            for part in (self.generator, self.policy, self.reward_model):
+            for part in (getattr(self, "generator", None), self.policy, self.reward_model):
                 if part is None:  # a set-up that failed before the generator was made
                     continue
                 try:

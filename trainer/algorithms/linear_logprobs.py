@@ -125,7 +125,8 @@ class _LinearLogprobs(torch.autograd.Function):
         for v0 in range(0, vocab, block):
             w = weight[v0 : v0 + block]
             b = None if bias is None else bias[v0 : v0 + block]
-            acc_w = acc_b = None  # float32 sums over row chunks, where there are several
+            acc_w: Tensor | None = None  # float32 sums over row chunks, where there are several
+            acc_b: Tensor | None = None
             for r0 in range(0, n, step):
                 rows = slice(r0, r0 + step)
                 h, y, g = hidden[rows], labels[rows], g_all[rows]
@@ -142,27 +143,26 @@ class _LinearLogprobs(torch.autograd.Function):
                 grad = grad.to(z.dtype)  # the logits' gradient in their dtype, as autograd's would be
                 if t is not None:  # through cap * tanh(z / cap), op by op as autograd differentiates it
                     grad = torch.ops.aten.tanh_backward(grad * ctx.softcap, t) / ctx.softcap
-                if want_h:
+                if grad_h is not None:
                     grad_h[rows] += (grad @ w).to(grad_h.dtype)
-                if want_w or want_b:
-                    part_w = grad.t() @ h if want_w else None  # (b, H)
-                    part_b = grad.sum(0) if want_b else None
+                if grad_w is not None:
+                    part_w = grad.t() @ h  # (b, H)
                     if one_chunk:
-                        if want_w:
-                            grad_w[v0 : v0 + block] = part_w
-                        if want_b:
-                            grad_b[v0 : v0 + block] = part_b
+                        grad_w[v0 : v0 + block] = part_w
                     else:
-                        if want_w:
-                            acc_w = part_w.to(lse.dtype) if acc_w is None else acc_w.add_(part_w)
-                        if want_b:
-                            acc_b = part_b.to(lse.dtype) if acc_b is None else acc_b.add_(part_b)
-            if not one_chunk:
-                if want_w:
-                    grad_w[v0 : v0 + block] = acc_w
-                if want_b:
-                    grad_b[v0 : v0 + block] = acc_b
-        grad_h = grad_h.to(hidden.dtype) if want_h else None
+                        acc_w = part_w.to(lse.dtype) if acc_w is None else acc_w.add_(part_w)
+                if grad_b is not None:
+                    part_b = grad.sum(0)  # (b,)
+                    if one_chunk:
+                        grad_b[v0 : v0 + block] = part_b
+                    else:
+                        acc_b = part_b.to(lse.dtype) if acc_b is None else acc_b.add_(part_b)
+            # the sums over several row chunks (one chunk wrote its block above)
+            if grad_w is not None and acc_w is not None:
+                grad_w[v0 : v0 + block] = acc_w
+            if grad_b is not None and acc_b is not None:
+                grad_b[v0 : v0 + block] = acc_b
+        grad_h = grad_h.to(hidden.dtype) if grad_h is not None else None
         return grad_h, grad_w, grad_b, None, None, None, None, None, None
 
 

@@ -62,6 +62,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -70,6 +71,10 @@ from trainer.config import ConfigError, GenerationConfig, LoRAConfig, vllm_max_l
 from trainer.generation import vllm_cpu, vllm_lifetime, vllm_patches
 from trainer.generation.base import Completion, SamplingParams
 from trainer.generation.refit.transport import vllm_transfer_backend
+
+if TYPE_CHECKING:  # annotations only: vLLM is imported when an engine is built
+    from vllm import LLM
+    from vllm.lora.request import LoRARequest
 
 log = logging.getLogger(__name__)
 
@@ -256,9 +261,10 @@ class VLLMGenerationEngine:
         colocated: bool = False,
         lora: LoRAConfig | None = None,
     ):
-        self._llm = None
+        self._llm: LLM | None = None  # None before the start and after shutdown(): read it as self.llm
         self.lora = lora
-        self._lora_request = None  # the policy's adapter, once a refit brought one (before: B = 0, the base)
+        # the policy's adapter, once a refit brought one (before: B = 0, the base)
+        self._lora_request: LoRARequest | None = None
         self._adapter_dir: str | None = None
         self._cache_root: str | None = None
         self._owns_dist = False
@@ -318,7 +324,7 @@ class VLLMGenerationEngine:
         try:
             with vllm_patches.keep_plain_weights(self.on_cpu):
                 self._llm = LLM(**kwargs)
-            worker = getattr(self._llm.llm_engine.model_executor, "driver_worker", None)
+            worker = getattr(self.llm.llm_engine.model_executor, "driver_worker", None)
             if self.on_cpu and worker is not None:
                 # vLLM's no-op set_num_threads kept torch's count through the build: the kernels' count
                 setattr(worker.worker.model_runner.get_model(), vllm_cpu.PACK_THREADS_ATTR, torch.get_num_threads())
@@ -329,13 +335,20 @@ class VLLMGenerationEngine:
             else:
                 os.environ["OMP_NUM_THREADS"] = omp
         torch.set_num_threads(want)
-        self.tokenizer = self._llm.get_tokenizer()
+        self.tokenizer = self.llm.get_tokenizer()
         self._tied = bool(getattr(self._hf_text_config(), "tie_word_embeddings", False))
         log.info("vLLM %s engine ready in %.1fs (%s, %s)", vllm.__version__, time.monotonic() - t0, dtype,
                  "cpu" if self.on_cpu else "gpu")
 
+    @property
+    def llm(self) -> LLM:
+        """The vLLM engine; a RuntimeError once :meth:`shutdown` has closed it."""
+        if self._llm is None:
+            raise RuntimeError("the vLLM engine is closed: shutdown() ran, or its start failed")
+        return self._llm
+
     def _hf_text_config(self):
-        config = self._llm.llm_engine.model_config.hf_config
+        config = self.llm.llm_engine.model_config.hf_config
         return getattr(config, "text_config", None) or config
 
     # ----- sleep mode -------------------------------------------------------------------------------
@@ -360,7 +373,7 @@ class VLLMGenerationEngine:
         if self._asleep:
             return
         if self.sleeps:
-            self._llm.sleep(level=self.sleep_level)
+            self.llm.sleep(level=self.sleep_level)
         self._asleep = set(SLEEP_TAGS)
         self._weights_discarded = self.sleep_level == 2
 
@@ -375,7 +388,7 @@ class VLLMGenerationEngine:
         if not waking:
             return
         if self.sleeps:
-            self._llm.wake_up(tags=waking)
+            self.llm.wake_up(tags=waking)
         self._asleep -= set(waking)
 
     @property
@@ -449,7 +462,7 @@ class VLLMGenerationEngine:
 
         result = []
         for part, seed in self._seedable_parts(prompts, n, params.seed):
-            outputs = self._llm.generate(
+            outputs = self.llm.generate(
                 [{"prompt_token_ids": list(prompts[i])} for i in part], sampling(seed), use_tqdm=False,
                 lora_request=self._lora_request,
             )
@@ -469,8 +482,9 @@ class VLLMGenerationEngine:
         if seed is None or not self.on_cpu:
             yield list(range(len(prompts))), seed
             return
-        budget = self._llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
-        part, used = [], 0
+        budget = self.llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
+        part: list[int] = []
+        used = 0
         for i, p in enumerate(prompts):
             cost = len(p) * n
             if part and used + cost > budget:
@@ -536,7 +550,7 @@ class VLLMGenerationEngine:
         """LoRA, disaggregated: receive the adapters over the weight-transfer group (every tensor-parallel
         worker takes part, as for full weights; ``update_info`` names the adapter tensors), then load them."""
         path = self._adapter_path()
-        self._llm.collective_rpc(_receive_adapter, args=(update_info, path, self._need_lora(), self.model_path))
+        self.llm.collective_rpc(_receive_adapter, args=(update_info, path, self._need_lora(), self.model_path))
         self._load_adapter()
 
     def _need_lora(self) -> LoRAConfig:
@@ -555,10 +569,11 @@ class VLLMGenerationEngine:
 
         # One id for every refit, loaded in place: requests then find it loaded (load_inplace=False on
         # theirs), where load_inplace on the requests themselves would re-read it at every engine step.
-        self._llm.llm_engine.add_lora(
-            LoRARequest(lora_name="policy", lora_int_id=1, lora_path=self._adapter_dir, load_inplace=True)
+        path = self._adapter_path()  # where the refit wrote it
+        self.llm.llm_engine.add_lora(
+            LoRARequest(lora_name="policy", lora_int_id=1, lora_path=path, load_inplace=True)
         )
-        self._lora_request = LoRARequest(lora_name="policy", lora_int_id=1, lora_path=self._adapter_dir)
+        self._lora_request = LoRARequest(lora_name="policy", lora_int_id=1, lora_path=path)
         self._weights_changed()
 
     def _weights_changed(self) -> None:
@@ -569,11 +584,11 @@ class VLLMGenerationEngine:
         so does a sleep, but neither ``finish_weight_update`` nor a plain ``load_weights`` does, and a
         disaggregated engine never sleeps. vLLM's multi-modal processor cache (``reset_mm_cache``) holds
         the processor's outputs, computed without the weights: it stays."""
-        self._llm.reset_prefix_cache()
-        self._llm.llm_engine.reset_encoder_cache()
+        self.llm.reset_prefix_cache()
+        self.llm.llm_engine.reset_encoder_cache()
 
     def _worker(self):
-        executor = self._llm.llm_engine.model_executor
+        executor = self.llm.llm_engine.model_executor
         worker = getattr(executor, "driver_worker", None)
         if worker is None:
             raise RuntimeError("update_weights needs the engine in this process (the uni executor)")
@@ -584,7 +599,7 @@ class VLLMGenerationEngine:
         (:func:`~trainer.generation.refit.transport.init_info`), whatever the backend."""
         if not self.weight_transfer:
             raise RuntimeError("built without weight_transfer=True: this engine has no weight receiver")
-        self._llm.init_weight_transfer_engine({"init_info": init_info})
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
 
     def close_weight_receiver(self) -> None:
         """Release the trainer connection (vLLM's ``shutdown_weight_transfer_engine``), in step with the
@@ -605,9 +620,9 @@ class VLLMGenerationEngine:
         With tensor parallelism vLLM reads its workers' replies in rank order: worker 0's failure comes
         back at once, but one on worker k > 0 leaves worker 0 (and the sender) waiting in the broadcast,
         and the refit ends at ``generation.refit_timeout_s`` (docs/gpu-tests.md)."""
-        self._llm.start_weight_update()
-        self._llm.update_weights({"update_info": update_info})
-        self._llm.finish_weight_update()
+        self.llm.start_weight_update()
+        self.llm.update_weights({"update_info": update_info})
+        self.llm.finish_weight_update()
         self._weights_changed()
 
 
@@ -702,7 +717,7 @@ def finish_weight_update(model: torch.nn.Module, model_config, layerwise: bool, 
         method = getattr(lm_head, "quant_method", None)
         # Only the plain embedding method, whose processing is the CPU packing (idempotent; nothing on
         # GPUs): a quantized lm_head's processing must not run twice over weights already processed.
-        if tied and isinstance(method, UnquantizedEmbeddingMethod):
+        if tied and lm_head is not None and isinstance(method, UnquantizedEmbeddingMethod):
             # lm_head shares embed_tokens' parameter but keeps its own packed copy for the matmul, which
             # layerwise reload skips ("ParallelLMHead: Failed to load weights"): without this the logits
             # silently use the old embedding.

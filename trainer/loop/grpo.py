@@ -80,7 +80,8 @@ def grpo_step(
     # The last point where this step can be dropped whole: the weights are still the previous step's.
     state.preemption_point()
 
-    reward = torch.tensor([r.reward.total for r in rollouts], dtype=torch.float32)  # (B,)
+    results = rollout.rewards_of(rollouts)
+    reward = torch.tensor([r.total for r in results], dtype=torch.float32)  # (B,)
     shaped, overlong = reward, None
     if g.reward_shaping.overlong_buffer > 0:  # DAPO: the model's own tokens (multi-turn: all its turns)
         n_tokens = torch.tensor([r.model_tokens for r in rollouts], dtype=torch.float32)  # (B,)
@@ -116,9 +117,9 @@ def grpo_step(
                            batch.metrics())
     metrics.update(reward_model.step_metrics(rollouts))
     rows = rollout_rows(step, rollouts, [s.advantage for s in samples], batch.versions, overlong, state.turns.tokenizer)
-    for row, r in zip(rows, rollouts):
-        if r.reward.rm_score is not None:
-            row["rm_score"] = r.reward.rm_score  # raw, before reward_model.normalize and clip
+    for row, result in zip(rows, results):
+        if result.rm_score is not None:
+            row["rm_score"] = result.rm_score  # raw, before reward_model.normalize and clip
     return metrics, rows, batch
 
 
@@ -140,10 +141,10 @@ def validate(cfg: Config, step: int, examples: list[dict], generator: Generator,
     holds the engines (``stream.engines()``), so no weights arrive in the middle."""
     t0 = time.monotonic()
     pending = rollout.generate(generator, rewards, examples, 1, sampling_params(cfg, cfg.seed, greedy=True))
-    results = rollout.finish(pending, rewards)
+    results = rollout.rewards_of(rollout.finish(pending, rewards))
     return {
-        "val/accuracy": sum(r.reward.correct for r in results) / len(results),
-        "val/reward_mean": sum(r.reward.total for r in results) / len(results),
+        "val/accuracy": sum(r.correct for r in results) / len(results),
+        "val/reward_mean": sum(r.total for r in results) / len(results),
         "timing/validation_s": time.monotonic() - t0,
     }
 

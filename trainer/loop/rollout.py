@@ -8,7 +8,7 @@ rewards still running, so the caller can start the policy's logprob passes befor
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import ray
 
@@ -22,13 +22,18 @@ from trainer.rewards.runner import RewardResult, RewardRunner, question_of
 class Rollout:
     example: dict            # the dataset example (messages, ground_truth, prompt_ids, ...)
     completion: Completion   # the final attempt: it is what the reward judges
-    reward: RewardResult | None = None
-    # Multi-turn: every token after the prompt (attempts and feedback turns) and which of them the
-    # model wrote (1) or the environment did (0). None for a single turn: the completion alone.
-    response_ids: list[int] | None = None
-    response_mask: list[int] | None = None
-    response_logprobs: list[float] | None = None  # the engine's, 0.0 on environment tokens
+    reward: RewardResult | None = None  # None until :func:`finish` attaches it (read: :func:`rewards_of`)
     turns: int = 1
+    # Every token after the prompt and which of them the model wrote (1) or the environment did (0):
+    # a single turn's are its completion's; a multi-turn episode appends its attempts and feedback turns.
+    response_ids: list[int] = field(init=False)
+    response_mask: list[int] = field(init=False)
+    response_logprobs: list[float] = field(init=False)  # the engine's, 0.0 on environment tokens
+
+    def __post_init__(self) -> None:
+        self.response_ids = list(self.completion.token_ids)
+        self.response_mask = [1] * len(self.completion.token_ids)
+        self.response_logprobs = list(self.completion.logprobs)
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -36,16 +41,26 @@ class Rollout:
 
     @property
     def tokens(self) -> list[int]:
-        return self.response_ids if self.response_ids is not None else self.completion.token_ids
+        return self.response_ids
 
     @property
     def logprobs(self) -> list[float]:
         """(L,) the engine's logprob of each token of :attr:`tokens` (the behaviour policy)."""
-        return self.response_logprobs if self.response_logprobs is not None else self.completion.logprobs
+        return self.response_logprobs
 
     @property
     def model_tokens(self) -> int:
-        return sum(self.response_mask) if self.response_mask is not None else len(self.completion.token_ids)
+        return sum(self.response_mask)
+
+
+def rewards_of(rollouts: list[Rollout]) -> list[RewardResult]:
+    """The rewards of scored rollouts (those :func:`finish` returned), in order."""
+    out = []
+    for i, r in enumerate(rollouts):
+        if r.reward is None:
+            raise RuntimeError(f"rollout {i} was never scored: pass its batch through rollout.finish first")
+        out.append(r.reward)
+    return out
 
 
 @dataclass
@@ -77,7 +92,11 @@ def generate(
             for row, rid in zip(rows, rewards.submit(items)):
                 reward_ids[row] = rid
         rewards.poll()
-    return PendingRollouts(slots, reward_ids, time.monotonic() - start)  # type: ignore[arg-type]
+    rollouts = [r for r in slots if r is not None]
+    ids = [i for i in reward_ids if i is not None]
+    if len(rollouts) != len(slots) or len(ids) != len(slots):
+        raise RuntimeError(f"the generator answered {len(rollouts)} of the {len(slots)} samples asked for")
+    return PendingRollouts(rollouts, ids, time.monotonic() - start)
 
 
 def generate_multi_turn(
@@ -95,7 +114,7 @@ def generate_multi_turn(
     becomes the next user turn; an episode ends on success, at the turn limit, or when the context
     would exceed ``max_context`` tokens. The final attempt is what gets rewarded."""
     start = time.monotonic()
-    episodes = [Rollout(ex, Completion([], [], "", "length"), None, [], [], [], 0) for ex in examples for _ in range(n)]
+    episodes = [Rollout(ex, Completion([], [], "", "length"), turns=0) for ex in examples for _ in range(n)]
     active = list(range(len(episodes)))
     for turn in range(max_turns):
         contexts = [episodes[i].prompt_ids + episodes[i].response_ids for i in active]
@@ -104,7 +123,10 @@ def generate_multi_turn(
         for ref, idx in generator.submit(contexts, 1, turn_params):
             for k, group in zip(idx, ray.get(ref)):
                 outputs[k] = group[0]
-        for i, c in zip(active, outputs):
+        done = [c for c in outputs if c is not None]
+        if len(done) != len(active):
+            raise RuntimeError(f"turn {turn + 1}: the generator answered {len(done)} of {len(active)} asked")
+        for i, c in zip(active, done):
             ep = episodes[i]
             ep.completion, ep.turns = c, ep.turns + 1
             ep.response_ids += c.token_ids

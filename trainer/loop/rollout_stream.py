@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from trainer.config import Config
+from trainer.config import Config, ConfigError
 from trainer.generation.base import SamplingParams
 from trainer.loop import rollout
 from trainer.loop.rollout import PendingRollouts, Rollout
@@ -99,6 +99,11 @@ class _Producer:
     def _round(self, examples: list[dict], params: SamplingParams) -> PendingRollouts:
         g, s = self.cfg.grpo, self.state
         if g.max_rollout_turns > 1:
+            if s.feedback is None:
+                raise ConfigError(
+                    f"grpo.max_rollout_turns={g.max_rollout_turns} needs a feedback runner (env.feedback) "
+                    "between turns, and this run was built without one; set grpo.max_rollout_turns=1"
+                )
             return rollout.generate_multi_turn(
                 s.generator, self.rewards, s.feedback, s.turns, examples, g.num_generations_per_prompt, params,
                 g.max_rollout_turns, self.cfg.policy.max_total_sequence_length,
@@ -126,7 +131,7 @@ class _Producer:
             with engines(step) as version:
                 pending = self._round(examples, round_params)
             done = rollout.finish(pending, self.rewards)
-            rewards = torch.tensor([r.reward.total for r in done], dtype=torch.float32)  # (P*G,)
+            rewards = torch.tensor([r.total for r in rollout.rewards_of(done)], dtype=torch.float32)  # (P*G,)
             for i, useful in enumerate(informative_groups(rewards, n).tolist()):
                 (kept if useful else spare).append((done[i * n:(i + 1) * n], version))
             rounds, drawn, generation_s = rounds + 1, drawn + len(examples), generation_s + pending.generation_s

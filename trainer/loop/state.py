@@ -3,8 +3,8 @@
 The run (``trainer.run``) builds the workers, data and logger, saves checkpoints and handles SIGTERM,
 and it calls the loop; so the loop cannot name the run's own class without importing the layer above
 it. It names this protocol instead, which lists only what :mod:`trainer.loop.grpo` and
-:mod:`trainer.loop.rollout_stream` read or call; ``TrainState`` satisfies it (a test checks
-that the two agree), and the rollout stream's tests pass a plain namespace.
+:mod:`trainer.loop.rollout_stream` read or call; ``TrainState`` satisfies it (mypy checks that where
+``trainer.run`` hands it to the loop), and the rollout stream's tests pass a plain namespace.
 """
 
 from __future__ import annotations

@@ -37,7 +37,8 @@ class PolicyGroup:
             bundles_for(cfg.train_nodes, cfg.cluster.gpus_per_node, self.world_size, gpus), "kuberl-policy"
         )
         actor = ray.remote(num_cpus=1, num_gpus=1 if gpus else 0)(PolicyWorker)
-        self.workers = [
+        # Any: Ray's stubs type an actor's methods as the plain functions, without their .remote
+        self.workers: list[Any] = [
             actor.options(scheduling_strategy=in_bundle(self.pg, r)).remote(
                 cfg, model_path, r, self.world_size, colocated_engine
             )

@@ -56,13 +56,23 @@ def used(specs: list[RewardSpec]) -> bool:
 # ----- the checks at start ----------------------------------------------------------------------------
 
 
+def _model_name(cfg: RewardModelConfig) -> str:
+    """``reward_model.name``; a ConfigError when it is null (an env.reward_functions entry needs a model)."""
+    if not cfg.name:
+        raise ConfigError(
+            f"env.reward_functions names {NAME}, but reward_model.name is null; set it to a reward model's "
+            "hub id or directory (an AutoModelForSequenceClassification with one label)"
+        )
+    return cfg.name
+
+
 def _model_config(cfg: RewardModelConfig) -> Any:
     from transformers import AutoConfig
 
     from trainer.models import ModelNotFoundError, hub_id_or_directory
 
     try:
-        path = hub_id_or_directory(cfg.name, "reward_model.name")
+        path = hub_id_or_directory(_model_name(cfg), "reward_model.name")
     except ModelNotFoundError as e:
         raise ConfigError(str(e)) from None
     try:
@@ -77,11 +87,7 @@ def check(cfg: RewardModelConfig, specs: list[RewardSpec]) -> None:
     config alone; else a ConfigError naming the key. Nothing to check when no entry names it."""
     if not used(specs):
         return
-    if not cfg.name:
-        raise ConfigError(
-            f"env.reward_functions names {NAME}, but reward_model.name is null; set it to a reward model's hub "
-            "id or directory (an AutoModelForSequenceClassification with one label)"
-        )
+    _model_name(cfg)
     from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
 
     config = _model_config(cfg)
@@ -111,14 +117,14 @@ def stats(cfg: RewardModelConfig, config: Any = None) -> tuple[float, float]:
         return cfg.mean, cfg.std
     config = config if config is not None else _model_config(cfg)
     mean, std = getattr(config, "mean", None), getattr(config, "std", None)
-    ok = all(isinstance(v, (int, float)) and math.isfinite(v) for v in (mean, std)) and std > 0
-    if not ok:
-        raise ConfigError(
-            f"reward_model.normalize=config: the config.json of reward_model.name={cfg.name} carries no usable mean "
-            f"and std (mean={mean!r}, std={std!r}); use reward_model.normalize=given with reward_model.mean and "
-            "reward_model.std"
-        )
-    return float(mean), float(std)
+    if isinstance(mean, (int, float)) and isinstance(std, (int, float)):
+        if math.isfinite(mean) and math.isfinite(std) and std > 0:
+            return float(mean), float(std)
+    raise ConfigError(
+        f"reward_model.normalize=config: the config.json of reward_model.name={cfg.name} carries no usable "
+        f"mean and std (mean={mean!r}, std={std!r}); use reward_model.normalize=given with reward_model.mean "
+        "and reward_model.std"
+    )
 
 
 def normalize(raw: float, mean: float, std: float, clip: float | None) -> float:
@@ -165,9 +171,10 @@ class RewardModelWorker:
         dtype = cfg.dtype
         if dtype == "auto":
             dtype = "bfloat16" if self.device == "cuda" or hardware.native_bf16() else "float32"
-        self.tokenizer = load_tokenizer(cfg.tokenizer or cfg.name, cfg.trust_remote_code)
+        name = _model_name(cfg)
+        self.tokenizer = load_tokenizer(cfg.tokenizer or name, cfg.trust_remote_code)
         self.model = AutoModelForSequenceClassification.from_pretrained(
-            cfg.name, dtype=DTYPES[dtype], trust_remote_code=cfg.trust_remote_code, num_labels=1
+            name, dtype=DTYPES[dtype], trust_remote_code=cfg.trust_remote_code, num_labels=1
         ).to(self.device).eval()
         self.text_config = self.model.config.get_text_config()
         context = getattr(self.text_config, "max_position_embeddings", None)
@@ -240,7 +247,8 @@ class RewardModelPool:
         if cfg.resource:
             options["resources"] = {cfg.resource: 1}
         actor = ray.remote(RewardModelWorker)
-        self.workers = [actor.options(**options).remote(cfg) for _ in range(cfg.replicas)]
+        # Any: Ray's stubs type an actor's methods as the plain functions, without their .remote
+        self.workers: list[Any] = [actor.options(**options).remote(cfg) for _ in range(cfg.replicas)]
         for r, w in enumerate(self.workers):
             watchdog.register(w, f"reward model replica {r}")
         self._next = itertools.count()

@@ -218,15 +218,17 @@ class RewardRunner:
         self._rm_running: dict[ray.ObjectRefGenerator, _Task] = {}
         self._rm_results: dict[int, tuple[float, float | None, str]] = {}  # id -> (score, raw score, note)
         self._rm_moved = 0.0
-        names = [env.feedback] if feedback else [spec.name for spec in self.specs]
+        # A feedback runner's one name (check_name above refused a null env.feedback); None for a scoring one.
+        feedback_name = env.feedback if feedback else None
+        names = [feedback_name] if feedback_name is not None else [spec.name for spec in self.specs]
         self.resource = sandbox_resource(names)
         score, feedback_task = _score_task, _feedback_task
         if self.resource:
             check_sandbox_nodes(self.resource, private=not os.environ.get("RAY_ADDRESS"))
             score = _score_task.options(resources={self.resource: 1})
             feedback_task = _feedback_task.options(resources={self.resource: 1})
-        if feedback:
-            name, kwargs = env.feedback, dict(env.feedback_kwargs)
+        if feedback_name is not None:
+            name, kwargs = feedback_name, dict(env.feedback_kwargs)
             self._task = lambda items: feedback_task.remote(name, kwargs, items)
         else:
             self._task = lambda items: score.remote(self.specs, items)
@@ -289,15 +291,16 @@ class RewardRunner:
         else:
             self._pending.extendleft((i, item, True) for i, item in reversed(list(zip(ids, items))))
 
-    def _poll_reward_model(self, timeout: float) -> None:
+    def _poll_reward_model(self, pool: rm.RewardModelPool, timeout: float) -> None:
         """Collect the reward model's finished batches and note started ones; a late batch's samples score 0.
         A replica that died raises (the run ends naming it)."""
         from ray.exceptions import RayActorError
 
-        ready, _ = ray.wait(list(self._rm_running), num_returns=len(self._rm_running), timeout=timeout)
+        ready = set(ray.wait(list(self._rm_running), num_returns=len(self._rm_running), timeout=timeout)[0])
         now = time.monotonic()
-        for gen in ready:
-            task = self._rm_running[gen]
+        for gen, task in list(self._rm_running.items()):
+            if gen not in ready:
+                continue
             self._rm_moved = now
             try:
                 out = ray.get(next(gen))
@@ -315,7 +318,7 @@ class RewardRunner:
             self._rm_running.pop(gen)
             scores, notes, _ = out
             for i, raw, note in zip(task.ids, scores, notes):
-                self._rm_results[i] = self.reward_model.finish(raw, note)
+                self._rm_results[i] = pool.finish(raw, note)
         busy = any(task.started is not None for task in self._rm_running.values())
         for gen, task in list(self._rm_running.items()):
             if task.started is not None and now - task.started > self.env.reward_timeout_s:
@@ -332,13 +335,14 @@ class RewardRunner:
 
     def poll(self, timeout: float = 0.0) -> None:
         """Collect finished tasks, note started ones, cancel overdue ones, start queued ones."""
-        if self._rm_running:
-            self._poll_reward_model(0.0 if self._running else timeout)
+        if self._rm_running and self.reward_model is not None:  # batches run only with a reward model
+            self._poll_reward_model(self.reward_model, 0.0 if self._running else timeout)
         if self._running:
-            ready, _ = ray.wait(list(self._running), num_returns=len(self._running), timeout=timeout)
+            ready = set(ray.wait(list(self._running), num_returns=len(self._running), timeout=timeout)[0])
             now = time.monotonic()
-            for gen in ready:
-                task = self._running[gen]
+            for gen, task in list(self._running.items()):
+                if gen not in ready:
+                    continue
                 self._moved = now
                 try:
                     out = ray.get(next(gen))
@@ -378,26 +382,27 @@ class RewardRunner:
         unknown = [i for i in ids if i >= self._next or i < 0]
         if unknown:
             raise KeyError(f"reward ids {unknown[:3]} were not submitted to this runner")
-        rm_ids = ids if self.reward_model is not None else []
+        spec = self.rm_spec  # set exactly when the runner has a reward model (__init__)
+        rm_ids = ids if spec is not None else []
         while any(i not in self._results for i in ids) or any(i not in self._rm_results for i in rm_ids):
             self.poll(timeout=0.05)
         out = [self._results.pop(i) for i in ids]
         for r in out:
             for w in r.warnings:
                 log.warning("%s; the sample scores 0 for it", w)
-        if rm_ids:
-            notes = collections.Counter()
+        if spec is not None and rm_ids:
+            notes: collections.Counter[str] = collections.Counter()
             for i, r in zip(rm_ids, out):
                 score, raw, note = self._rm_results.pop(i)
-                self._join_reward_model(r, score, raw, note)
+                self._join_reward_model(spec, r, score, raw, note)
                 if note:
                     notes[note.split(":")[0]] += 1
             for what, n in notes.items():
                 log.warning("%s (%d of %d samples)", what, n, len(rm_ids))
         return out
 
-    def _join_reward_model(self, result: RewardResult, score: float, raw: float | None, note: str) -> None:
-        spec = self.rm_spec
+    def _join_reward_model(self, spec: RewardSpec, result: RewardResult, score: float, raw: float | None,
+                           note: str) -> None:
         result.scores[spec.name] = score
         result.total += spec.weight * score
         result.rm_score = raw

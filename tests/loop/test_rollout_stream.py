@@ -66,7 +66,7 @@ def _state(cfg, engines: FakeEngines, step: int = 0):
     return SimpleNamespace(
         progress=SimpleNamespace(step=step),
         loader=PromptLoader(examples, cfg.grpo.num_prompts_per_step, cfg.seed, shuffle=False),
-        rewards=None, feedback=None, turns=None, generator=engines,
+        rewards=SimpleNamespace(reward_model=None), feedback=None, turns=None, generator=engines,
     )
 
 

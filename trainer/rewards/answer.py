@@ -387,8 +387,9 @@ def _boxed_answer(body: str, found: list[tuple[str | None, str, int]], join_boxe
             seen.add(key)
             distinct.append(content)
     source = BOXED
-    if len(distinct) > 1 and join_boxes and None not in distinct:
-        answer = ", ".join(clean(d) for d in distinct if clean(d))
+    boxes = [d for d in distinct if d is not None]
+    if len(distinct) > 1 and join_boxes and len(boxes) == len(distinct):
+        answer = ", ".join(c for c in map(clean, boxes) if c)
         source = f"{len(distinct)} \\boxed{{}} joined"
     elif len(distinct) > 1:
         shown = ", ".join("a broken box" if b is None else repr(clip(b, 40)) for b in distinct[:-1])
@@ -399,9 +400,9 @@ def _boxed_answer(body: str, found: list[tuple[str | None, str, int]], join_boxe
         return Final(None, "empty \\boxed{}")
     if len(answer) > MAX_ANSWER_CHARS:
         return Final(None, f"a \\boxed{{}} of {len(answer)} characters")
-    problem = takes_back(body[end:], answer)
-    if problem:
-        return Final(None, f"{source}: {problem} ({clip(body[end:].strip(), 40)!r})")
+    taken_back = takes_back(body[end:], answer)
+    if taken_back:
+        return Final(None, f"{source}: {taken_back} ({clip(body[end:].strip(), 40)!r})")
     return Final(answer, source)
 
 

@@ -125,6 +125,8 @@ def _right(final: Final) -> Score:
 
 
 def _compare_numbers(final: Final, gold, value, question: str | None) -> Score:
+    if final.answer is None:  # callers judge only a found answer
+        return _wrong(final, "no answer")
     if value is None:
         return _wrong(final, why_not_a_number(final.answer, question))
     if value != gold:
@@ -339,7 +341,10 @@ def _verify(final: Final, gt: str, timeout_seconds: float, ranged: bool) -> Scor
     import math_verify.parser
     from math_verify import LatexExtractionConfig, parse, verify
 
-    why = costly(final.answer)
+    if final.answer is None:  # callers judge only a found answer
+        return _wrong(final, "no answer")
+    given = final.answer
+    why = costly(given)
     if why:
         return _wrong(final, f"{why}: not checked")
     # The time limit is ours, around parsing and comparing together (math-verify's own takes whole
@@ -357,7 +362,7 @@ def _verify(final: Final, gt: str, timeout_seconds: float, ranged: bool) -> Scor
             if not gold:
                 log.debug("math reward: cannot parse ground truth %r", gt)
                 return _wrong(final, f"cannot parse the ground truth {gt!r}")
-            answer = parse(formula(final.answer), extraction_config=config, parsing_timeout=None, fallback_mode="no_fallback")
+            answer = parse(formula(given), extraction_config=config, parsing_timeout=None, fallback_mode="no_fallback")
             if not answer:
                 return _wrong(final, "cannot parse the answer")
             # An interval answers an inequality and an inequality an interval (0 < x < 1 is x in (0, 1)).

@@ -69,8 +69,12 @@ def refit_colocated(engine, state: dict, repeats: int) -> dict:
     copy_all()
     seconds, _ = timed(lambda: engine.update_weights(iter(state.items())), repeats)
     baseline, _ = timed(copy_all, repeats)
-    return {"mib": round(nbytes / 2**20, 1), "seconds": round(seconds, 3), "copy_seconds": round(baseline, 3),
-            "ratio": round(seconds / baseline, 1)}
+    return {
+        "mib": round(nbytes / 2**20, 1),
+        "seconds": round(seconds, 3),
+        "copy_seconds": round(baseline, 3),
+        "ratio": round(seconds / baseline, 1),
+    }
 
 
 RECEIVER = """
@@ -100,8 +104,18 @@ def refit_disaggregated(state: dict, bucket_mb: float, repeats: int) -> dict:
     from trainer.ports import free_port
 
     port = free_port("127.0.0.1")  # outside the ephemeral range (trainer.ports)
-    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(RECEIVER), str(port), str(nbytes), str(repeats),
-                             str(buffer), json.dumps(meta.update_info())])
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(RECEIVER),
+            str(port),
+            str(nbytes),
+            str(repeats),
+            str(buffer),
+            json.dumps(meta.update_info()),
+        ]
+    )
     try:
         group = WeightSyncGroup("127.0.0.1", port, rank=0, world_size=2, device=torch.device("cpu"))
         flat = torch.empty(nbytes, dtype=torch.uint8)
@@ -119,8 +133,13 @@ def refit_disaggregated(state: dict, bucket_mb: float, repeats: int) -> dict:
             proc.kill()
             proc.wait()
     seconds, baseline = statistics.median(bucketed), statistics.median(raw)
-    return {"mib": round(nbytes / 2**20, 1), "buckets": stats.buckets, "seconds": round(seconds, 3),
-            "raw_broadcast_seconds": round(baseline, 3), "ratio": round(seconds / baseline, 1)}
+    return {
+        "mib": round(nbytes / 2**20, 1),
+        "buckets": stats.buckets,
+        "seconds": round(seconds, 3),
+        "raw_broadcast_seconds": round(baseline, 3),
+        "ratio": round(seconds / baseline, 1),
+    }
 
 
 def bench_inputs(dtype: str):
@@ -134,10 +153,14 @@ def bench_inputs(dtype: str):
     path = resolve_model(MODEL)
     tokenizer = AutoTokenizer.from_pretrained(path)
     prompts = [
-        tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True
+        )
         for q in QUESTIONS
     ]
-    prompts = [list(p["input_ids"]) if isinstance(p, dict) or hasattr(p, "keys") else list(p) for p in prompts]
+    prompts = [
+        list(p["input_ids"]) if isinstance(p, dict) or hasattr(p, "keys") else list(p) for p in prompts
+    ]
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
     state = {name: p.detach().clone() for name, p in model.named_parameters()}
     return path, prompts, model, state
@@ -169,7 +192,9 @@ def vllm_child(args) -> int:
 
 def run_vllm_child(variant: str, argv: list[str]) -> dict:
     """:func:`vllm_child` in a process of its own; its json line, parsed."""
-    out = subprocess.run([sys.executable, __file__, *argv, "--vllm-child", variant], capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, __file__, *argv, "--vllm-child", variant], capture_output=True, text=True
+    )
     lines = [line for line in out.stdout.splitlines() if line.startswith("child-json: ")]
     if out.returncode != 0 or not lines:
         sys.exit(f"bench: the vLLM {variant} run failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
@@ -202,14 +227,25 @@ def main(argv: list[str] | None = None) -> int:
     path, prompts, model, state = bench_inputs(args.dtype)
     bf16 = hardware.native_bf16()
     print(f"CPU: {hardware.describe()} | threads: {args.threads} | torch {torch.__version__}")
-    print(f"model: {MODEL} ({args.dtype}) | {len(prompts)} prompts x n={args.n} x {args.max_new_tokens} new tokens")
-    results: dict = {"cpu": hardware.cpu_model(), "native_bf16": bf16, "dtype": args.dtype, "threads": args.threads}
+    print(
+        f"model: {MODEL} ({args.dtype}) | {len(prompts)} prompts x n={args.n} x {args.max_new_tokens} new tokens"
+    )
+    results: dict = {
+        "cpu": hardware.cpu_model(),
+        "native_bf16": bf16,
+        "dtype": args.dtype,
+        "threads": args.threads,
+    }
 
-    hf = build_engine(GenerationConfig(backend="hf", batch_size=64), EngineSpec(path, args.dtype, base_model=model))
+    hf = build_engine(
+        GenerationConfig(backend="hf", batch_size=64), EngineSpec(path, args.dtype, base_model=model)
+    )
     results["hf"] = throughput(hf, prompts, args.n, args.max_new_tokens, args.repeats)
     results["hf"]["refit"] = refit_colocated(hf, state, args.repeats)
-    print(f"hf    : {results['hf']['tokens_per_s']:7.1f} tok/s ({results['hf']['tokens']} tokens in "
-          f"{results['hf']['seconds']} s)")
+    print(
+        f"hf    : {results['hf']['tokens_per_s']:7.1f} tok/s ({results['hf']['tokens']} tokens in "
+        f"{results['hf']['seconds']} s)"
+    )
     del hf, model
 
     if not vllm_available():
@@ -219,15 +255,21 @@ def main(argv: list[str] | None = None) -> int:
         results[f"vllm-{variant}"] = v
         speedup = v["tokens_per_s"] / results["hf"]["tokens_per_s"]
         v["speedup"] = round(speedup, 2)
-        print(f"vllm {variant:8s}: {v['tokens_per_s']:7.1f} tok/s ({v['tokens']} tokens in {v['seconds']} s; engine "
-              f"start {v['start_s']} s) -> {speedup:.2f}x hf (target 2.5x)")
+        print(
+            f"vllm {variant:8s}: {v['tokens_per_s']:7.1f} tok/s ({v['tokens']} tokens in {v['seconds']} s; engine "
+            f"start {v['start_s']} s) -> {speedup:.2f}x hf (target 2.5x)"
+        )
         r = v["refit"]
-        print(f"refit, colocated ({variant}): vllm update_weights {r['seconds']} s for {r['mib']} MiB vs copy_ "
-              f"{r['copy_seconds']} s ({r['ratio']}x); hf engine {results['hf']['refit']['seconds']} s")
+        print(
+            f"refit, colocated ({variant}): vllm update_weights {r['seconds']} s for {r['mib']} MiB vs copy_ "
+            f"{r['copy_seconds']} s ({r['ratio']}x); hf engine {results['hf']['refit']['seconds']} s"
+        )
     results["transfer"] = refit_disaggregated(state, args.bucket_mb, args.repeats)
     t = results["transfer"]
-    print(f"refit, disaggregated: gloo buckets of {args.bucket_mb:g} MiB {t['seconds']} s ({t['buckets']} buckets, "
-          f"{t['mib']} MiB) vs one raw broadcast {t['raw_broadcast_seconds']} s ({t['ratio']}x)")
+    print(
+        f"refit, disaggregated: gloo buckets of {args.bucket_mb:g} MiB {t['seconds']} s ({t['buckets']} buckets, "
+        f"{t['mib']} MiB) vs one raw broadcast {t['raw_broadcast_seconds']} s ({t['ratio']}x)"
+    )
     print("json:", json.dumps(results))
     return 0
 

@@ -62,19 +62,23 @@ PROMPTS_PER_STEP, SAMPLES_PER_PROMPT, MAX_NEW_TOKENS = 4, 4, 64
 ASYNC_TARGET = 0.6  # async GRPO's median step time <= 0.6 x the synchronous disaggregated one
 # kuberl's rows: the same work, each with these overrides on top of cpu-demo's.
 DISAGG = ["generation.placement=disaggregated", "generation.resources.num_cpu_workers=1"]
-PINNED = ["cluster.cpu_pinning=true"]  # the policy rank on one half of the cores, the generation worker on the other
+PINNED = [
+    "cluster.cpu_pinning=true"
+]  # the policy rank on one half of the cores, the generation worker on the other
 ROWS: dict[str, list[str]] = {
-    "kuberl": [],                                                  # hf engine, colocated (the default)
-    "kuberl+vllm": ["generation.backend=vllm"],                    # vLLM engine, colocated
-    "disagg-sync": [*DISAGG, "grpo.async.max_staleness=0"],        # a generation actor, synchronous
-    "disagg-async": [*DISAGG, "grpo.async.max_staleness=1"],       # the same, one step ahead
+    "kuberl": [],  # hf engine, colocated (the default)
+    "kuberl+vllm": ["generation.backend=vllm"],  # vLLM engine, colocated
+    "disagg-sync": [*DISAGG, "grpo.async.max_staleness=0"],  # a generation actor, synchronous
+    "disagg-async": [*DISAGG, "grpo.async.max_staleness=1"],  # the same, one step ahead
     "pinned-sync": [*DISAGG, *PINNED, "grpo.async.max_staleness=0"],
     "pinned-async": [*DISAGG, *PINNED, "grpo.async.max_staleness=1"],
 }
 ASYNC_PAIRS = (("disagg-async", "disagg-sync"), ("pinned-async", "pinned-sync"))
 # --lora RANK: one more kuberl row (its overrides depend on the rank: lora_overrides) and one more TRL run.
 LORA_ROW, TRL_LORA = "kuberl+lora", "trl+lora"
-LORA_EXPERIMENT = "cpu-demo-lora"  # its learning rate, for both LoRA sides: adapters learn faster than full weights
+LORA_EXPERIMENT = (
+    "cpu-demo-lora"  # its learning rate, for both LoRA sides: adapters learn faster than full weights
+)
 # --trl-vllm: TRL generating with its own colocated vLLM, the anchor of the kuberl+vllm row.
 TRL_VLLM = "trl+vllm"
 VLLM_TARGET = 0.33  # issue 49: kuberl+vllm <= 0.33 x trl+vllm per generated token
@@ -134,7 +138,9 @@ def build_spec(args, run_dir: Path, lora: list[str] | None = None) -> dict:
     from trainer.prestart import check_names
 
     cfg = load(kuberl_overrides(args.steps, run_dir / "kuberl-logs", args.kuberl_override, args.kuberl_ranks))
-    check_names(cfg)  # the names the trainer's registries check at start: a bad override fails here, in one line
+    check_names(
+        cfg
+    )  # the names the trainer's registries check at start: a bad override fails here, in one line
     model_path = resolve_model(cfg.model.name)
     tokenizer = load_tokenizer(cfg.model.tokenizer or model_path)
     examples = encode_examples(
@@ -171,7 +177,9 @@ def build_spec(args, run_dir: Path, lora: list[str] | None = None) -> dict:
         "seed": cfg.seed,
         "threads": args.threads,
         # kuberl's rewards as configured (names, weights, kwargs): TRL's side computes the same total
-        "rewards": [{"name": r.name, "weight": r.weight, "kwargs": dict(r.kwargs)} for r in cfg.env.reward_functions],
+        "rewards": [
+            {"name": r.name, "weight": r.weight, "kwargs": dict(r.kwargs)} for r in cfg.env.reward_functions
+        ],
         "num_generations": cfg.grpo.num_generations_per_prompt,
         "prompts_per_step": cfg.grpo.num_prompts_per_step,
         "max_new_tokens": g.max_new_tokens,
@@ -222,7 +230,9 @@ def tail(path: Path, n: int = 15) -> str:
 
 def run_kuberl(args, run_dir: Path, name: str, row_overrides: list[str]) -> dict:
     log_dir = run_dir / f"{name}-logs"
-    overrides = kuberl_overrides(args.steps, log_dir, [*row_overrides, *args.kuberl_override], args.kuberl_ranks)
+    overrides = kuberl_overrides(
+        args.steps, log_dir, [*row_overrides, *args.kuberl_override], args.kuberl_ranks
+    )
     cmd = [args.kuberl_python, "-m", "trainer", *overrides]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     log_path = run_dir / f"{name}.log"
@@ -314,7 +324,13 @@ def check_bench_python(path: str, lora: bool = False, vllm: bool = False) -> str
             f"no bench environment at {path}; run `make bench` (it builds .venv-bench) or `make bench-venv`"
         )
     probe = subprocess.run(
-        [path, "-c", "import trl, accelerate, datasets, math_verify" + (", peft" if lora else "") + (", vllm" if vllm else "")],
+        [
+            path,
+            "-c",
+            "import trl, accelerate, datasets, math_verify"
+            + (", peft" if lora else "")
+            + (", vllm" if vllm else ""),
+        ],
         capture_output=True,
         text=True,
     )
@@ -439,9 +455,13 @@ def report(spec: dict, results: dict[str, dict], warmup: int) -> dict:
             "  gen s: TRL's is generate() with prompt tokenization and decoding; its train s is the step minus "
             "generation, reward and advantages"
         )
-    print("  wait s: the policy idle, waiting for its batch or for a round to end before a weight push "
-          "(async: what generation ahead did not hide; sync rows wait inside gen s)")
-    checks = {"prompt_ids_identical": results["trl"].get("prompt_ids_identical") if "trl" in results else None}
+    print(
+        "  wait s: the policy idle, waiting for its batch or for a round to end before a weight push "
+        "(async: what generation ahead did not hide; sync rows wait inside gen s)"
+    )
+    checks = {
+        "prompt_ids_identical": results["trl"].get("prompt_ids_identical") if "trl" in results else None
+    }
     if TRL_LORA in results:
         checks["lora_prompt_ids_identical"] = results[TRL_LORA].get("prompt_ids_identical")
     if TRL_VLLM in results:
@@ -547,8 +567,12 @@ def main(argv: list[str] | None = None) -> int:
         default="same",
         help="TRL's compute: the same as kuberl's (default), bf16 autocast (GRPOConfig's bf16=True), or float32",
     )
-    parser.add_argument("--trl-fp32", dest="trl_precision", action="store_const", const="fp32", help=argparse.SUPPRESS)
-    parser.add_argument("--trl-bf16", dest="trl_precision", action="store_const", const="bf16", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--trl-fp32", dest="trl_precision", action="store_const", const="fp32", help=argparse.SUPPRESS
+    )
+    parser.add_argument(
+        "--trl-bf16", dest="trl_precision", action="store_const", const="bf16", help=argparse.SUPPRESS
+    )
     parser.add_argument(
         "--kuberl-ranks",
         type=int,
@@ -586,20 +610,37 @@ def main(argv: list[str] | None = None) -> int:
     rows = [r.strip() for r in args.rows.split(",") if r.strip()]
     unknown = [r for r in rows if r not in (*ROWS, LORA_ROW)]
     if unknown:
-        return fail(f"--rows: unknown row {unknown[0]!r}; choose from: {', '.join(ROWS)}, {LORA_ROW} (with --lora)")
+        return fail(
+            f"--rows: unknown row {unknown[0]!r}; choose from: {', '.join(ROWS)}, {LORA_ROW} (with --lora)"
+        )
     if LORA_ROW in rows and args.lora is None:
         return fail(f"--rows: {LORA_ROW} needs an adapter rank: add --lora RANK (e.g. --lora 8)")
     if args.lora is not None and LORA_ROW not in rows:
         rows.append(LORA_ROW)
     # The TRL runs the chosen rows are compared to: plain TRL unless kuberl+lora is the only row.
-    trl_runs = [name for name, wanted in (("trl", any(r != LORA_ROW for r in rows) or args.lora is None),
-                                          (TRL_LORA, args.lora is not None), (TRL_VLLM, args.trl_vllm)) if wanted]
+    trl_runs = [
+        name
+        for name, wanted in (
+            ("trl", any(r != LORA_ROW for r in rows) or args.lora is None),
+            (TRL_LORA, args.lora is not None),
+            (TRL_VLLM, args.trl_vllm),
+        )
+        if wanted
+    ]
     if "kuberl+vllm" in rows and args.only != "trl":
         # as trainer.generation.vllm_engine.vllm_available asks it, without importing vLLM
-        probe = subprocess.run([args.kuberl_python, "-c", "import importlib.util, sys; "
-                                "sys.exit(importlib.util.find_spec('vllm') is None)"], capture_output=True)
+        probe = subprocess.run(
+            [
+                args.kuberl_python,
+                "-c",
+                "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)",
+            ],
+            capture_output=True,
+        )
         if probe.returncode != 0:
-            print("bench: skipping kuberl+vllm: vllm is not installed in the trainer's environment (make setup)")
+            print(
+                "bench: skipping kuberl+vllm: vllm is not installed in the trainer's environment (make setup)"
+            )
             rows.remove("kuberl+vllm")
 
     out = Path(args.out) if args.out else REPO / "results" / "bench" / "grpo_bench.json"
@@ -631,7 +672,9 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.trl_vllm:  # TRL's third run: the same work, generated by its colocated vLLM
         trl_specs[TRL_VLLM] = run_dir / "spec-vllm.json"
-        trl_specs[TRL_VLLM].write_text(json.dumps({**spec, "use_vllm": True, "output_dir": str(run_dir / "trl-vllm-out")}))
+        trl_specs[TRL_VLLM].write_text(
+            json.dumps({**spec, "use_vllm": True, "output_dir": str(run_dir / "trl-vllm-out")})
+        )
     print(
         f"bench: {spec['steps']} steps each, {args.threads} threads, model {spec['model_path']}; logs in {run_dir}",
         flush=True,
@@ -767,7 +810,8 @@ def trl_worker(spec_path: Path, out: Path) -> int:
     def reward(prompts, completions, completion_ids, ground_truth, **_):
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
         scores = [
-            total(gt, text, p[-1]["content"]) for gt, text, p in zip(ground_truth, texts, prompts, strict=True)
+            total(gt, text, p[-1]["content"])
+            for gt, text, p in zip(ground_truth, texts, prompts, strict=True)
         ]
         if probe.current:
             probe.current["lengths"] += [len(ids) for ids in completion_ids]
@@ -848,7 +892,10 @@ def trl_worker(spec_path: Path, out: Path) -> int:
     )
     trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
     total_params = sum(p.numel() for p in trainer.model.parameters())
-    print(f"trl: {trainable} of {total_params} parameters train ({'peft LoRA' if peft_config else 'full'})", flush=True)
+    print(
+        f"trl: {trainable} of {total_params} parameters train ({'peft LoRA' if peft_config else 'full'})",
+        flush=True,
+    )
     _timed(trainer, "_generate", probe, "generation_s")
     _timed(trainer, "_calculate_rewards", probe, "reward_s")
     _timed(trainer, "_generate_and_score_completions", probe, "rollout_s")

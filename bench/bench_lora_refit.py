@@ -79,8 +79,17 @@ def vllm_child(args) -> int:
         tput = throughput(engine, prompts, 4, args.max_new_tokens, args.repeats)
     finally:
         engine.shutdown()
-    print("child-json:", json.dumps({"full_s": round(full_s, 4), "adapter_s": round(adapter_s, 4),
-                                     "tokens_per_s_with_adapter": tput["tokens_per_s"]}), flush=True)
+    print(
+        "child-json:",
+        json.dumps(
+            {
+                "full_s": round(full_s, 4),
+                "adapter_s": round(adapter_s, 4),
+                "tokens_per_s_with_adapter": tput["tokens_per_s"],
+            }
+        ),
+        flush=True,
+    )
     return 0
 
 
@@ -122,23 +131,42 @@ def main(argv: list[str] | None = None) -> int:
         plain.update_weights(iter(targets.items()))
 
     merge_s, _ = timed(merge_refit, args.repeats)
-    out["hf_refit"] = {"full_s": round(full_s, 4), "adapter_s": round(adapter_s, 4), "merge_s": round(merge_s, 4),
-                       "adapter_over_full": round(adapter_s / full_s, 3), "merge_over_full": round(merge_s / full_s, 3)}
+    out["hf_refit"] = {
+        "full_s": round(full_s, 4),
+        "adapter_s": round(adapter_s, 4),
+        "merge_s": round(merge_s, 4),
+        "adapter_over_full": round(adapter_s / full_s, 3),
+        "merge_over_full": round(merge_s / full_s, 3),
+    }
     note("hf decode")
     merged_tput = throughput(plain, prompts, 4, args.max_new_tokens, args.repeats)
     adapted_tput = throughput(adapted, prompts, 4, args.max_new_tokens, args.repeats)
-    out["hf_decode"] = {"merged_tokens_per_s": merged_tput["tokens_per_s"],
-                        "adapter_tokens_per_s": adapted_tput["tokens_per_s"],
-                        "adapter_over_merged": round(adapted_tput["tokens_per_s"] / merged_tput["tokens_per_s"], 3)}
+    out["hf_decode"] = {
+        "merged_tokens_per_s": merged_tput["tokens_per_s"],
+        "adapter_tokens_per_s": adapted_tput["tokens_per_s"],
+        "adapter_over_merged": round(adapted_tput["tokens_per_s"] / merged_tput["tokens_per_s"], 3),
+    }
     note("disaggregated transfer")
     t_full = refit_disaggregated(full, 256, args.repeats)
     t_adapter = refit_disaggregated(adapter, 256, args.repeats)
-    out["disaggregated"] = {"full_s": t_full["seconds"], "adapter_s": t_adapter["seconds"],
-                            "adapter_over_full": round(t_adapter["seconds"] / t_full["seconds"], 3)}
+    out["disaggregated"] = {
+        "full_s": t_full["seconds"],
+        "adapter_s": t_adapter["seconds"],
+        "adapter_over_full": round(t_adapter["seconds"] / t_full["seconds"], 3),
+    }
     if not args.skip_vllm:
         note("vllm (a process of its own)")
-        argv2 = ["--rank", str(args.rank), "--repeats", str(args.repeats), "--threads", str(args.threads),
-                 "--max-new-tokens", str(args.max_new_tokens), "--vllm-child"]
+        argv2 = [
+            "--rank",
+            str(args.rank),
+            "--repeats",
+            str(args.repeats),
+            "--threads",
+            str(args.threads),
+            "--max-new-tokens",
+            str(args.max_new_tokens),
+            "--vllm-child",
+        ]
         proc = subprocess.run([sys.executable, __file__, *argv2], capture_output=True, text=True)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("child-json: ")]
         if proc.returncode != 0 or not lines:

@@ -99,7 +99,9 @@ def run_case(model: str, checkpointing: bool, mbs: int, seq: int, dtype: str) ->
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=900)
     if out.returncode != 0:
-        raise SystemExit(f"bench_plan: the case failed ({out.returncode}): {out.stderr.strip().splitlines()[-1:]}")
+        raise SystemExit(
+            f"bench_plan: the case failed ({out.returncode}): {out.stderr.strip().splitlines()[-1:]}"
+        )
     result = json.loads(out.stdout.strip().splitlines()[-1])
     result.update(model=model, checkpointing=checkpointing, micro_batch_size=mbs, seq=seq, dtype=dtype)
     result["ratio"] = result["planned"] / result["measured"]
@@ -122,7 +124,9 @@ def main() -> int:
     from trainer import hardware
 
     if not args.json:
-        print(f"memory plan vs measured peak tensor memory (torch FSDPMemTracker), one policy rank on {hardware.describe()}, {args.model} {args.dtype}")
+        print(
+            f"memory plan vs measured peak tensor memory (torch FSDPMemTracker), one policy rank on {hardware.describe()}, {args.model} {args.dtype}"
+        )
     worst = 0.0
     for checkpointing, mbs, seq in CASES:
         r = run_case(args.model, checkpointing, mbs, seq, args.dtype)

@@ -30,7 +30,15 @@ from tests.rewards.rg_corpus import EXCLUDED, NUMERIC_TASKS, STYLES, crosscheck_
 
 def show(rows: list[dict]) -> None:
     cols = ["task", "reward", "n", *(f"honest {s}" for s in STYLES), "wrong", "near miss", "max_call_ms"]
-    heads = ["task", "reward", "n", *(f"honest: {s}" for s in STYLES), "wrong paid", "near miss paid", "max call ms"]
+    heads = [
+        "task",
+        "reward",
+        "n",
+        *(f"honest: {s}" for s in STYLES),
+        "wrong paid",
+        "near miss paid",
+        "max call ms",
+    ]
 
     def cell(row, c):
         v = row.get(c)
@@ -48,7 +56,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--n", type=int, default=36, help="problems per task")
     ap.add_argument("--seed", type=int, default=47)
-    ap.add_argument("--tasks", default=",".join(NUMERIC_TASKS), help="comma-separated reasoning-gym task names")
+    ap.add_argument(
+        "--tasks", default=",".join(NUMERIC_TASKS), help="comma-separated reasoning-gym task names"
+    )
     ap.add_argument("--limit-s", type=float, default=1.0, help="CPU seconds one reward call may take")
     ap.add_argument("--json", help="also write the rows to this file")
     args = ap.parse_args()
@@ -66,15 +76,22 @@ def main() -> None:
         sys.exit(f"{len(cases) - len(results)} calls never ran: the child process failed to start")
     rows, failures = table(cases, results, args.limit_s)
     show(rows)
-    print(f"\n{len(cases)} calls over {len(tasks)} tasks x {args.n} problems (seed {args.seed}) in {time.monotonic() - t0:.0f} s")
+    print(
+        f"\n{len(cases)} calls over {len(tasks)} tasks x {args.n} problems (seed {args.seed}) in {time.monotonic() - t0:.0f} s"
+    )
     for task, d in dropped.items():
         if any(d.values()):
-            print(f"  {task}: left out where its own scorer disagrees: " + ", ".join(f"{k} {v}" for k, v in d.items() if v))
+            print(
+                f"  {task}: left out where its own scorer disagrees: "
+                + ", ".join(f"{k} {v}" for k, v in d.items() if v)
+            )
     print("\nLeft out (not judged by value):")
     for task, why in EXCLUDED.items():
         print(f"  {task}: {why}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"rows": rows, "dropped": dropped, "failures": failures}, indent=1))
+        Path(args.json).write_text(
+            json.dumps({"rows": rows, "dropped": dropped, "failures": failures}, indent=1)
+        )
     if failures:
         print(f"\nFAILED ({len(failures)}):")
         for f in failures[:50]:

@@ -365,7 +365,13 @@ def main() -> None:
     if not args.no_ray:
         import ray
 
-        ray.init(address="local", num_cpus=WORKERS, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+        ray.init(
+            address="local",
+            num_cpus=WORKERS,
+            include_dashboard=False,
+            log_to_driver=False,
+            logging_level="ERROR",
+        )
         map_bounded(
             _score_python, [(gt, r, "fork") for gt, r in samples[: 4 * WORKERS]], max_concurrency=WORKERS
         )
@@ -487,19 +493,31 @@ def bench_reward_model(repeat: int, samples: int = 64, seed: int = 0) -> dict:
     items = []
     for _ in range(samples):  # a math question and a worked answer of 40-160 words, as a policy writes them
         a, b = rng.randint(10, 999), rng.randint(10, 999)
-        steps = " ".join(f"step {k}: {rng.randint(1, 99)} + {rng.randint(1, 99)} carries over;" for k in
-                         range(rng.randint(8, 32)))
-        items.append(([{"role": "user", "content": f"What is {a} + {b}? Show your work."}],
-                      f"{steps} so the answer is \\boxed{{{a + b}}}."))
-    print(f"\nreward model: SmolLM2-135M-shaped sequence classifier (embedded weights, random head), {samples} "
-          f"samples; {hardware.describe()}, {torch.get_num_threads()} threads; best of {repeat} rounds")
+        steps = " ".join(
+            f"step {k}: {rng.randint(1, 99)} + {rng.randint(1, 99)} carries over;"
+            for k in range(rng.randint(8, 32))
+        )
+        items.append(
+            (
+                [{"role": "user", "content": f"What is {a} + {b}? Show your work."}],
+                f"{steps} so the answer is \\boxed{{{a + b}}}.",
+            )
+        )
+    print(
+        f"\nreward model: SmolLM2-135M-shaped sequence classifier (embedded weights, random head), {samples} "
+        f"samples; {hardware.describe()}, {torch.get_num_threads()} threads; best of {repeat} rounds"
+    )
     print(f"{'dtype':9s} {'tokens/batch':>12s} {'seconds':>8s} {'samples/s':>9s} {'tokens/s':>9s}")
     results: dict = {"samples": samples}
     for dtype in ("float32", "bfloat16"):
         for budget in (2048, 8192):
-            worker = RewardModelWorker(RewardModelConfig(name=str(out), dtype=dtype, max_tokens_per_batch=budget))
-            tokens = sum(len(worker.tokenizer.apply_chat_template([*m, {"role": "assistant", "content": r}]))
-                         for m, r in items)
+            worker = RewardModelWorker(
+                RewardModelConfig(name=str(out), dtype=dtype, max_tokens_per_batch=budget)
+            )
+            tokens = sum(
+                len(worker.tokenizer.apply_chat_template([*m, {"role": "assistant", "content": r}]))
+                for m, r in items
+            )
             best = float("inf")
             for _ in range(repeat):
                 t0 = time.perf_counter()
@@ -509,8 +527,12 @@ def bench_reward_model(repeat: int, samples: int = 64, seed: int = 0) -> dict:
                 best = min(best, time.perf_counter() - t0)
             assert len(scores) == samples and not any(notes)
             print(f"{dtype:9s} {budget:12d} {best:8.2f} {samples / best:9.1f} {tokens / best:9.0f}")
-            results[f"{dtype}/{budget}"] = {"seconds": best, "samples_per_s": samples / best,
-                                            "tokens_per_s": tokens / best, "tokens": tokens}
+            results[f"{dtype}/{budget}"] = {
+                "seconds": best,
+                "samples_per_s": samples / best,
+                "tokens_per_s": tokens / best,
+                "tokens": tokens,
+            }
     print(f"(load average now {os.getloadavg()[0]:.1f})")
     return results
 

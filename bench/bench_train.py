@@ -86,8 +86,9 @@ def make_samples(args) -> list:
         prompt = [rng.randrange(100, 40000) for _ in range(args.prompt_tokens)]
         for k in range(args.group):
             n = lengths[p * args.group + k]
-            samples.append(Sample(prompt, [rng.randrange(100, 40000) for _ in range(n)],
-                                  advantage=float(k % 4) - 1.5))
+            samples.append(
+                Sample(prompt, [rng.randrange(100, 40000) for _ in range(n)], advantage=float(k % 4) - 1.5)
+            )
     return [samples[i] for i in shard_for_ranks(samples, 1)[0]]  # the rank's order
 
 
@@ -179,7 +180,10 @@ def profile_step(run_step, gpu: bool) -> list[tuple[str, float]]:
         if us <= 0:
             continue
         name = event.key.lower()
-        bucket = next((b for b, pattern in BUCKETS if re.search(pattern, name)), "other elementwise" if gpu else "other ops")
+        bucket = next(
+            (b for b, pattern in BUCKETS if re.search(pattern, name)),
+            "other elementwise" if gpu else "other ops",
+        )
         spent[bucket] = spent.get(bucket, 0.0) + us / 1e6
     rows = sorted(spent.items(), key=lambda kv: -kv[1])
     if gpu:
@@ -202,26 +206,52 @@ def main() -> int:
     ap.add_argument("--min-response", type=int, default=16)
     ap.add_argument("--max-response", type=int, default=512)
     ap.add_argument("--micro-batch-size", type=int, default=4, help="padded: sequences per micro-batch")
-    ap.add_argument("--max-tokens", type=int, default=None,
-                    help="packed: tokens per micro-batch (default: --micro-batch-size x the longest sample, the "
-                         "padded layout's largest micro-batch)")
+    ap.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="packed: tokens per micro-batch (default: --micro-batch-size x the longest sample, the "
+        "padded layout's largest micro-batch)",
+    )
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--layouts", default="padded,prefix,packed")
-    ap.add_argument("--gpu", action="store_true",
-                    help="one CUDA GPU (NCCL world of 1, policy.param_dtype=--param-dtype, sdpa attention: packed rows "
-                         "then take torch's varlen kernel) instead of the CPU rank")
-    ap.add_argument("--param-dtype", default="bfloat16", help="with --gpu: policy.param_dtype (bfloat16 | null)")
-    ap.add_argument("--model", default=MODEL, help="a model directory or hub id (default: the embedded SmolLM2-135M)")
-    ap.add_argument("--shape", choices=sorted(SHAPES), default=None,
-                    help="a randomly initialised model of this shape instead of --model (no download)")
-    ap.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
-                    help="profile one more step of the last layout and say where its time went")
-    ap.add_argument("--heads", default="tiled",
-                    help="tiled,logits: each layout with the LM head a tile at a time (trainer.algorithms."
-                         "linear_logprobs, the default) and with today's whole logits, taking turns")
-    ap.add_argument("--memory", action=argparse.BooleanOptionalAction, default=None,
-                    help="one more step per layout under torch's FSDPMemTracker: its peak of live tensors "
-                         "(the default on a CPU, where the allocator has no per-step peak)")
+    ap.add_argument(
+        "--gpu",
+        action="store_true",
+        help="one CUDA GPU (NCCL world of 1, policy.param_dtype=--param-dtype, sdpa attention: packed rows "
+        "then take torch's varlen kernel) instead of the CPU rank",
+    )
+    ap.add_argument(
+        "--param-dtype", default="bfloat16", help="with --gpu: policy.param_dtype (bfloat16 | null)"
+    )
+    ap.add_argument(
+        "--model", default=MODEL, help="a model directory or hub id (default: the embedded SmolLM2-135M)"
+    )
+    ap.add_argument(
+        "--shape",
+        choices=sorted(SHAPES),
+        default=None,
+        help="a randomly initialised model of this shape instead of --model (no download)",
+    )
+    ap.add_argument(
+        "--profile",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="profile one more step of the last layout and say where its time went",
+    )
+    ap.add_argument(
+        "--heads",
+        default="tiled",
+        help="tiled,logits: each layout with the LM head a tile at a time (trainer.algorithms."
+        "linear_logprobs, the default) and with today's whole logits, taking turns",
+    )
+    ap.add_argument(
+        "--memory",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="one more step per layout under torch's FSDPMemTracker: its peak of live tensors "
+        "(the default on a CPU, where the allocator has no per-step peak)",
+    )
     args = ap.parse_args()
 
     from trainer import hardware, perf
@@ -239,21 +269,37 @@ def main() -> int:
         args.max_tokens = args.micro_batch_size * longest
     # On a GPU: one GPU, bf16 compute over float32 master weights (as the GPU experiments run), transformers'
     # default attention (sdpa; cpu-demo's eager is a CPU choice) and FSDP's default resharding.
-    device = (["cluster.gpus_per_node=1", "cluster.cpu_workers_per_node=0", f"policy.param_dtype={args.param_dtype}",
-               "model.attn_implementation=null", "policy.reshard_after_forward=true"] if args.gpu
-              else ["cluster.cpu_workers_per_node=1", "policy.param_dtype=null"])
-    cfg = make_config([
-        "experiment=cpu-demo", f"model.name={args.model}", "model.dtype=float32", *device,
-        "cluster.keep_freed_memory=false",  # a shared machine: give memory back
-        "policy.skip_zero_advantage=false", "policy.max_grad_norm=null",
-        f"policy.max_total_sequence_length={max(longest, args.max_tokens)}",
-        f"generation.max_new_tokens={args.max_response}",
-    ])
+    device = (
+        [
+            "cluster.gpus_per_node=1",
+            "cluster.cpu_workers_per_node=0",
+            f"policy.param_dtype={args.param_dtype}",
+            "model.attn_implementation=null",
+            "policy.reshard_after_forward=true",
+        ]
+        if args.gpu
+        else ["cluster.cpu_workers_per_node=1", "policy.param_dtype=null"]
+    )
+    cfg = make_config(
+        [
+            "experiment=cpu-demo",
+            f"model.name={args.model}",
+            "model.dtype=float32",
+            *device,
+            "cluster.keep_freed_memory=false",  # a shared machine: give memory back
+            "policy.skip_zero_advantage=false",
+            "policy.max_grad_norm=null",
+            f"policy.max_total_sequence_length={max(longest, args.max_tokens)}",
+            f"generation.max_new_tokens={args.max_response}",
+        ]
+    )
     if args.gpu:
         import torch
 
         if not torch.cuda.is_available():
-            print("--gpu: no CUDA GPU here (torch.cuda.is_available() is False); drop --gpu to measure the CPU")
+            print(
+                "--gpu: no CUDA GPU here (torch.cuda.is_available() is False); drop --gpu to measure the CPU"
+            )
             return 2
         sync = torch.cuda.synchronize
 
@@ -262,6 +308,7 @@ def main() -> int:
 
         reset_peak = torch.cuda.reset_peak_memory_stats
     else:
+
         def sync() -> None:
             pass
 
@@ -270,11 +317,20 @@ def main() -> int:
 
         def reset_peak() -> None:
             pass
+
     layouts = {
-        "padded": dict(sequence_packing=False, shared_prefix=False, micro_batch_size=args.micro_batch_size,
-                       max_tokens_per_microbatch=None),
-        "prefix": dict(sequence_packing=False, shared_prefix=True, micro_batch_size=args.micro_batch_size,
-                       max_tokens_per_microbatch=None),
+        "padded": dict(
+            sequence_packing=False,
+            shared_prefix=False,
+            micro_batch_size=args.micro_batch_size,
+            max_tokens_per_microbatch=None,
+        ),
+        "prefix": dict(
+            sequence_packing=False,
+            shared_prefix=True,
+            micro_batch_size=args.micro_batch_size,
+            max_tokens_per_microbatch=None,
+        ),
         "packed": dict(sequence_packing=True, shared_prefix=False, max_tokens_per_microbatch=args.max_tokens),
         # the default: per micro-batch whichever of packed and shared-prompt runs fewer positions
         "auto": dict(sequence_packing=True, shared_prefix=True, max_tokens_per_microbatch=args.max_tokens),
@@ -301,14 +357,24 @@ def main() -> int:
     tokens = sum(s.length for s in samples)
     flops = flops_of.training(s.length for s in samples)  # the model's, whatever a layout pads or recomputes
     counts = [{"tokens": float(sum(len(s.response_ids) for s in samples)), "seqs": float(len(samples))}]
-    where = f"{torch.cuda.get_device_name(0)}, param_dtype {args.param_dtype}" if args.gpu else hardware.describe()
+    where = (
+        f"{torch.cuda.get_device_name(0)}, param_dtype {args.param_dtype}"
+        if args.gpu
+        else hardware.describe()
+    )
     print(f"# {where}")
-    print(f"# model FLOPs of the batch: {flops:.4g} (N = {flops_of.matmul_params / 1e6:.1f}M matmul parameters, "
-          f"{flops_of.layers} layers x {flops_of.heads} heads x {flops_of.head_dim})", flush=True)
-    print(f"# {args.model}, {len(samples)} samples ({args.prompts} prompts x {args.group}), "
-          f"prompt {args.prompt_tokens} + response {args.min_response}..{args.max_response} tokens, "
-          f"{tokens} tokens in all; padded micro_batch_size={args.micro_batch_size}, "
-          f"packed max_tokens_per_microbatch={args.max_tokens}", flush=True)
+    print(
+        f"# model FLOPs of the batch: {flops:.4g} (N = {flops_of.matmul_params / 1e6:.1f}M matmul parameters, "
+        f"{flops_of.layers} layers x {flops_of.heads} heads x {flops_of.head_dim})",
+        flush=True,
+    )
+    print(
+        f"# {args.model}, {len(samples)} samples ({args.prompts} prompts x {args.group}), "
+        f"prompt {args.prompt_tokens} + response {args.min_response}..{args.max_response} tokens, "
+        f"{tokens} tokens in all; padded micro_batch_size={args.micro_batch_size}, "
+        f"packed max_tokens_per_microbatch={args.max_tokens}",
+        flush=True,
+    )
 
     worker = PolicyWorker(cfg, path, rank=0, world_size=1, colocated_engine=False)
     try:
@@ -334,7 +400,10 @@ def main() -> int:
             peak = peak_mib()
             if peak is not None:
                 peaks[name] = max(peaks.get(name, 0.0), peak)
-            print(f"  {name}: {seconds:.2f} s, loss {loss:.8f}" + (f", peak {peak:.0f} MiB" if peak else ""), flush=True)
+            print(
+                f"  {name}: {seconds:.2f} s, loss {loss:.8f}" + (f", peak {peak:.0f} MiB" if peak else ""),
+                flush=True,
+            )
             return seconds, loss
 
         seconds: dict[str, list[float]] = {n: [] for n in names}
@@ -363,13 +432,18 @@ def main() -> int:
         worker.shutdown()
 
     print(f"# peak: {source}")
-    print(f"{'layout':8} {'median s':>9} {'min s':>7} {'tokens/s':>9} {'MFU':>6} {'loss':>14}" + ("  peak MiB" if peaks else ""))
+    print(
+        f"{'layout':8} {'median s':>9} {'min s':>7} {'tokens/s':>9} {'MFU':>6} {'loss':>14}"
+        + ("  peak MiB" if peaks else "")
+    )
     rate = {}
     for name in names:
         med = statistics.median(seconds[name])
         rate[name] = tokens / med
-        print(f"{name:8} {med:9.3f} {min(seconds[name]):7.3f} {rate[name]:9.1f} {perf.mfu(flops, med, peak):6.1%} "
-              f"{losses[name]:14.8f}" + (f"  {peaks[name]:8.0f}" if name in peaks else ""))
+        print(
+            f"{name:8} {med:9.3f} {min(seconds[name]):7.3f} {rate[name]:9.1f} {perf.mfu(flops, med, peak):6.1%} "
+            f"{losses[name]:14.8f}" + (f"  {peaks[name]:8.0f}" if name in peaks else "")
+        )
     if breakdown:
         wall = breakdown[-1][1]
         print(f"where a {names[-1]} step goes (one step under torch.profiler; profiling slows it a little):")

@@ -100,7 +100,9 @@ def pytest_sessionfinish(session, exitstatus):
     lines = "\n".join(f"  pid {pid}: {cmd[:200]}" for pid, cmd in sorted(left.items()))
     session.config.pluginmanager.get_plugin("terminalreporter").write_line(
         f"\nFAILED leftovers: {len(left)} process(es) started by this test session outlived it "
-        f"(killed now); the test that started each must end it:\n{lines}", red=True, bold=True
+        f"(killed now); the test that started each must end it:\n{lines}",
+        red=True,
+        bold=True,
     )
     session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
@@ -170,8 +172,14 @@ def _ray_instance(env: dict[str, str], num_cpus: int) -> Iterator[str]:
         "sys.stdin.read()\n"  # until we close its stdin
         "ray.shutdown()\n"
     )
-    proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=env, stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         address = proc.stdout.readline().strip()
         if not address:

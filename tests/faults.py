@@ -25,7 +25,9 @@ def refuse_dir_renames(patch=setattr) -> None:
     def guard(real, code):
         def patched(src, dst, *args, **kwargs):
             if os.path.isdir(src):
-                raise OSError(code, f"{os.strerror(code)} (directory rename refused by the test filesystem)", str(src))
+                raise OSError(
+                    code, f"{os.strerror(code)} (directory rename refused by the test filesystem)", str(src)
+                )
             return real(src, dst, *args, **kwargs)
 
         return patched

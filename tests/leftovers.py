@@ -40,7 +40,9 @@ def _marked(session: str) -> dict[int, str]:
         if pid == os.getpid():
             continue
         try:
-            marks = [v[len(prefix):] for v in (proc / "environ").read_bytes().split(b"\0") if v.startswith(prefix)]
+            marks = [
+                v[len(prefix) :] for v in (proc / "environ").read_bytes().split(b"\0") if v.startswith(prefix)
+            ]
             if not marks or session.encode() not in marks[0].split(b":"):
                 continue
             if (proc / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":

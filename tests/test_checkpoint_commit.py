@@ -41,7 +41,9 @@ def _ckpt(tmp_path: Path, **kw) -> Checkpointer:
     return Checkpointer(CheckpointConfig(checkpoint_dir=str(tmp_path), **kw), "exp")
 
 
-def _save(ck: Checkpointer, step: int, metrics: dict | None = None, crash_before_marker: bool = False) -> Path:
+def _save(
+    ck: Checkpointer, step: int, metrics: dict | None = None, crash_before_marker: bool = False
+) -> Path:
     """What TrainState.save does: the ranks' DCP shards into step_N, then the driver's commit."""
     import torch.distributed.checkpoint as dcp
 
@@ -55,6 +57,7 @@ def _save(ck: Checkpointer, step: int, metrics: dict | None = None, crash_before
     (path / "policy" / "tokenizer" / "tokenizer.json").write_text("{}")
     info = {"step": step, "metrics": metrics or {}, "run_name": "r"}
     if crash_before_marker:
+
         def crash(*a):
             raise Crash
 
@@ -94,10 +97,19 @@ def test_should_commit_with_a_marker_written_last_when_directories_cannot_be_ren
     marker = json.loads((path / MARKER).read_text())
     assert marker["step"] == 2
     # Everything the step holds is listed with its size, and nothing else was left beside it.
-    on_disk = {str(f.relative_to(path)): f.stat().st_size for f in path.rglob("*") if f.is_file() and f.name != MARKER}
+    on_disk = {
+        str(f.relative_to(path)): f.stat().st_size
+        for f in path.rglob("*")
+        if f.is_file() and f.name != MARKER
+    }
     assert marker["files"] == on_disk
-    assert {"policy/weights/.metadata", "policy/optimizer/.metadata", "training_info.json",
-            "dataloader.json", "config.yaml"} <= set(on_disk)
+    assert {
+        "policy/weights/.metadata",
+        "policy/optimizer/.metadata",
+        "training_info.json",
+        "dataloader.json",
+        "config.yaml",
+    } <= set(on_disk)
     assert not [f for f in path.rglob("*") if f.name.endswith(".tmp")]
     assert json.loads((path / "training_info.json").read_text())["checkpoint_format"] == checkpoint.FORMAT
     assert ck.resume_path() == (path, [])
@@ -109,7 +121,9 @@ def test_should_resume_the_previous_step_when_killed_between_the_shards_and_the_
     step_2 = _save(ck, 2)
     step_4 = _save(ck, 4, crash_before_marker=True)
     # Every shard and driver file of step 4 is there; only the marker is not.
-    assert (step_4 / "policy" / "weights" / ".metadata").is_file() and (step_4 / "training_info.json").is_file()
+    assert (step_4 / "policy" / "weights" / ".metadata").is_file() and (
+        step_4 / "training_info.json"
+    ).is_file()
     assert not checkpoint.is_complete(step_4)
     assert [n for n, _ in ck.complete_steps()] == [2]
     assert ck.resume_path() == (step_2, [])
@@ -169,9 +183,11 @@ def test_should_pass_over_a_damaged_checkpoint_with_a_line_and_resume_the_one_be
     path, lines = ck.resume_path()
     assert path == step_2
     rel = shard.relative_to(step_4)
-    assert lines == [f"kuberl: warning: not resuming from {step_4} is damaged: {rel} is missing "
-                     f"({len(json.loads((step_4 / MARKER).read_text())['files'])} files listed in COMMITTED); "
-                     "trying the step before it"]
+    assert lines == [
+        f"kuberl: warning: not resuming from {step_4} is damaged: {rel} is missing "
+        f"({len(json.loads((step_4 / MARKER).read_text())['files'])} files listed in COMMITTED); "
+        "trying the step before it"
+    ]
     assert ck.clean_stale() == []  # damaged but committed: kept for a person to look at, never deleted
 
 
@@ -217,7 +233,9 @@ def test_should_warn_in_one_line_when_the_prompts_differ_from_the_checkpoints():
     assert warning.startswith("kuberl: warning: the prompts differ from the checkpoint's (12 now, 10 then")
     assert "\n" not in warning
     assert PromptLoader(_examples(10), 4, seed=8).load_state_dict(state) is not None  # another order
-    assert PromptLoader(_examples(10), 4, seed=7).load_state_dict({"epoch": 0, "position": 3}) is None  # older file
+    assert (
+        PromptLoader(_examples(10), 4, seed=7).load_state_dict({"epoch": 0, "position": 3}) is None
+    )  # older file
 
 
 # ----- preemption -----------------------------------------------------------------------------------
@@ -268,22 +286,44 @@ def _state(tmp_path, *, step: int, saved_step: int | None, save_s: float | None,
 @pytest.mark.parametrize(
     "case, saves, line",
     [
-        ("fits", 1, "kuberl: SIGTERM: saving step 5 (20.0s of checkpointing.preemption_grace_s=25 left; "
-                    "the last save took 3.0s)"),
-        ("too_slow", 0, "kuberl: SIGTERM: not saving step 5: a save takes about 30.0s and 20.0s of "
-                        "checkpointing.preemption_grace_s=25 are left; the next run resumes from {ck}/step_4, "
-                        "redoing steps 5-5"),
-        ("untimed", 1, "kuberl: SIGTERM: saving step 5 (20.0s of checkpointing.preemption_grace_s=25 left; "
-                       "no save timed yet in this run, it may not fit)"),
+        (
+            "fits",
+            1,
+            "kuberl: SIGTERM: saving step 5 (20.0s of checkpointing.preemption_grace_s=25 left; "
+            "the last save took 3.0s)",
+        ),
+        (
+            "too_slow",
+            0,
+            "kuberl: SIGTERM: not saving step 5: a save takes about 30.0s and 20.0s of "
+            "checkpointing.preemption_grace_s=25 are left; the next run resumes from {ck}/step_4, "
+            "redoing steps 5-5",
+        ),
+        (
+            "untimed",
+            1,
+            "kuberl: SIGTERM: saving step 5 (20.0s of checkpointing.preemption_grace_s=25 left; "
+            "no save timed yet in this run, it may not fit)",
+        ),
         ("saved", 0, "kuberl: SIGTERM: step 5 is saved; exiting, the next run resumes from {ck}/step_5"),
-        ("fails", 1, "kuberl: SIGTERM: saving step 5 failed (RuntimeError: actor died); the next run resumes "
-                     "from {ck}/step_4, redoing steps 5-5"),
-        ("nothing", 0, "kuberl: SIGTERM: not saving step 5: a save takes about 30.0s and 20.0s of "
-                       "checkpointing.preemption_grace_s=25 are left; the next run starts from scratch "
-                       "(no complete checkpoint)"),
+        (
+            "fails",
+            1,
+            "kuberl: SIGTERM: saving step 5 failed (RuntimeError: actor died); the next run resumes "
+            "from {ck}/step_4, redoing steps 5-5",
+        ),
+        (
+            "nothing",
+            0,
+            "kuberl: SIGTERM: not saving step 5: a save takes about 30.0s and 20.0s of "
+            "checkpointing.preemption_grace_s=25 are left; the next run starts from scratch "
+            "(no complete checkpoint)",
+        ),
     ],
 )
-def test_should_save_at_preemption_only_when_the_save_fits_in_the_grace_budget(case, saves, line, tmp_path, capsys):
+def test_should_save_at_preemption_only_when_the_save_fits_in_the_grace_budget(
+    case, saves, line, tmp_path, capsys
+):
     from trainer.preemption import Preempted
 
     saved_step = {"saved": 5, "nothing": None}.get(case, 4)

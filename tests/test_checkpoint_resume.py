@@ -40,24 +40,43 @@ TWO_RANKS = "cluster.cpu_workers_per_node=2"
 
 
 def _cmd(tmp: Path, *extra: str, faults: str = "") -> list[str]:
-    ranks = [] if any(e.startswith("cluster.cpu_workers_per_node=") for e in extra) else ["cluster.cpu_workers_per_node=1"]
-    overrides = ["experiment=tiny", f"grpo.max_num_steps={STEPS}", "checkpointing.save_period=2", *ranks,
-                 f"logger.log_dir={tmp / 'logs'}", f"checkpointing.checkpoint_dir={tmp / 'ckpt'}", *extra]
+    ranks = (
+        []
+        if any(e.startswith("cluster.cpu_workers_per_node=") for e in extra)
+        else ["cluster.cpu_workers_per_node=1"]
+    )
+    overrides = [
+        "experiment=tiny",
+        f"grpo.max_num_steps={STEPS}",
+        "checkpointing.save_period=2",
+        *ranks,
+        f"logger.log_dir={tmp / 'logs'}",
+        f"checkpointing.checkpoint_dir={tmp / 'ckpt'}",
+        *extra,
+    ]
     return launch(faults, overrides) if faults else [sys.executable, "-m", "trainer", *overrides]
 
 
 # Every run attaches to the session's Ray instance (``trainer_env``): a SIGKILLed driver's actors are then
 # ended by Ray, which notices the driver gone, as on a cluster.
 def _run(env: dict[str, str], tmp: Path, *extra: str, faults: str = "") -> subprocess.CompletedProcess:
-    proc = subprocess.run(_cmd(tmp, *extra, faults=faults), cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=900)
+    proc = subprocess.run(
+        _cmd(tmp, *extra, faults=faults), cwd=REPO, env=env, capture_output=True, text=True, timeout=900
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     return proc
 
 
 def _start(env: dict[str, str], tmp: Path, *extra: str, faults: str = "") -> subprocess.Popen:
-    return subprocess.Popen(_cmd(tmp, *extra, faults=faults), cwd=REPO, env=env, start_new_session=True, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        _cmd(tmp, *extra, faults=faults),
+        cwd=REPO,
+        env=env,
+        start_new_session=True,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
 
 
 def _read_until(proc: subprocess.Popen, prefix: str) -> list[str]:
@@ -128,7 +147,9 @@ def reference(trainer_env, tmp_path_factory):
     return _weights(tmp / "ckpt" / "tiny" / f"step_{STEPS}"), _rewards(tmp), prompts, tmp
 
 
-def test_should_see_the_same_prompts_and_drop_batches_made_ahead_when_an_async_run_resumes(trainer_env, tmp_path, reference):
+def test_should_see_the_same_prompts_and_drop_batches_made_ahead_when_an_async_run_resumes(
+    trainer_env, tmp_path, reference
+):
     # Async rollouts are timing-dependent (which weights made a batch), so weights and rewards may
     # differ from the synchronous reference; the prompt stream may not.
     ahead = ("generation.placement=disaggregated", "grpo.async.max_staleness=1")
@@ -145,8 +166,10 @@ def test_should_see_the_same_prompts_and_drop_batches_made_ahead_when_an_async_r
     assert sorted(prompts) == list(range(1, STEPS + 1))
     for s in prompts:
         assert prompts[s] == reference[2][s], f"step {s}: other prompts than the uninterrupted run"
-    versions = {s: {json.loads(line)["policy_version"] for line in f.read_text().splitlines()}
-                for s, f in ((int(f.stem[15:]), f) for f in _run_dir(tmp_path).glob("train_data_step*.jsonl"))}
+    versions = {
+        s: {json.loads(line)["policy_version"] for line in f.read_text().splitlines()}
+        for s, f in ((int(f.stem[15:]), f) for f in _run_dir(tmp_path).glob("train_data_step*.jsonl"))
+    }
     assert versions[step + 1] == {step}  # the resumed run's first batch: new, from the resumed weights
 
 
@@ -163,14 +186,22 @@ def _sigterm_after(env: dict[str, str], tmp: Path, step: int, *extra: str) -> st
     return out
 
 
-def test_should_save_only_when_sigterm_leaves_time_and_name_the_checkpoint_it_resumes_from(trainer_env, tmp_path, reference):
+def test_should_save_only_when_sigterm_leaves_time_and_name_the_checkpoint_it_resumes_from(
+    trainer_env, tmp_path, reference
+):
     """One run stopped twice: first with no time to save (preemption_grace_s=0) after step 3, then, resumed,
     with time; resumed again it must end as the uninterrupted run."""
     ckpt = tmp_path / "ckpt" / "tiny"
-    out = _sigterm_after(trainer_env, tmp_path, 3, "checkpointing.preemption_grace_s=0")  # step 2 is saved, 3 not
-    assert re.search(r"kuberl: SIGTERM: not saving step 3: a save takes about [\d.]+s and 0.0s of "
-                     r"checkpointing.preemption_grace_s=0 are left; the next run resumes from "
-                     + re.escape(str(ckpt / "step_2")) + ", redoing steps 3-3", out), out[-2000:]
+    out = _sigterm_after(
+        trainer_env, tmp_path, 3, "checkpointing.preemption_grace_s=0"
+    )  # step 2 is saved, 3 not
+    assert re.search(
+        r"kuberl: SIGTERM: not saving step 3: a save takes about [\d.]+s and 0.0s of "
+        r"checkpointing.preemption_grace_s=0 are left; the next run resumes from "
+        + re.escape(str(ckpt / "step_2"))
+        + ", redoing steps 3-3",
+        out,
+    ), out[-2000:]
     assert "preempted after step 3 (last complete checkpoint: step_2)" in out
     assert _steps(ckpt) == ["step_2"]
     out = _sigterm_after(trainer_env, tmp_path, 3)  # resumed from step 2; step 3 (or 4) is now saved
@@ -196,7 +227,9 @@ def test_should_reshard_when_resumed_on_fewer_ranks(trainer_env, tmp_path, tiny_
     resumed = _run(trainer_env, one, "cluster.cpu_workers_per_node=1")
     assert f"kuberl: resumed from {one / 'ckpt' / 'tiny' / 'step_2'} (step 2," in resumed.stdout
     assert "| 1 policy ranks," in resumed.stdout
-    again = _run(trainer_env, one, "cluster.cpu_workers_per_node=1")  # already at max_num_steps: says so, exits 0
+    again = _run(
+        trainer_env, one, "cluster.cpu_workers_per_node=1"
+    )  # already at max_num_steps: says so, exits 0
     assert f"nothing to do: the checkpoint is at step {STEPS}" in again.stdout
     ref_weights = _weights(two / "ckpt" / "tiny" / f"step_{STEPS}")
     final = _weights(one / "ckpt" / "tiny" / f"step_{STEPS}")
@@ -223,8 +256,12 @@ def test_should_start_fresh_in_a_new_run_dir_without_deleting_when_resume_is_nev
 
 # ----- LoRA: the checkpoint holds the adapters and their optimizer state, the base is the model's files
 
-LORA = ("policy.lora.rank=8", "model.name='builtin:tiny?embed_scale=3'", "grpo.loss.reference_policy_kl_penalty=0.01",
-        TWO_RANKS)
+LORA = (
+    "policy.lora.rank=8",
+    "model.name='builtin:tiny?embed_scale=3'",
+    "grpo.loss.reference_policy_kl_penalty=0.01",
+    TWO_RANKS,
+)
 
 
 def test_should_match_an_uninterrupted_run_when_a_lora_run_is_killed_before_a_commit_on_a_flat_bucket(
@@ -234,13 +271,17 @@ def test_should_match_an_uninterrupted_run_when_a_lora_run_is_killed_before_a_co
     marker; keep_top_k=1 so pruning runs too. Resumed from step 2, the adapters (and the reference computed
     with them off) must train on as in a run never stopped."""
     whole = tmp_path_factory.mktemp("lora-uninterrupted")
-    _run(trainer_env, whole, *LORA)  # two ranks, each saving its shard of the adapters and their optimizer state
+    _run(
+        trainer_env, whole, *LORA
+    )  # two ranks, each saving its shard of the adapters and their optimizer state
     reference = _weights(whole / "ckpt" / "tiny" / f"step_{STEPS}"), _rewards(whole), _prompts(whole)
     assert reference[0] and all(".lora_A." in k or ".lora_B." in k for k in reference[0])  # adapters only
     tmp = tmp_path_factory.mktemp("lora-killed")
     ckpt = tmp / "ckpt" / "tiny"
     flat = "refuse_dir_renames"
-    proc = _start(trainer_env, tmp, *LORA, "checkpointing.keep_top_k=1", faults=f"{flat};hold_before_marker=4")
+    proc = _start(
+        trainer_env, tmp, *LORA, "checkpointing.keep_top_k=1", faults=f"{flat};hold_before_marker=4"
+    )
     try:
         _read_until(proc, "fault: holding step 4 before its commit marker")
     finally:

@@ -72,8 +72,15 @@ def test_should_pin_the_policy_rank_and_the_generation_worker_to_their_own_cores
     from trainer.cluster import setup_cpu_process
     from trainer.config import load
 
-    cfg = load(["experiment=tiny", "generation.placement=disaggregated", "cluster.cpu_workers_per_node=1",
-                "cluster.cpu_pinning=true", "cluster.keep_freed_memory=false"])
+    cfg = load(
+        [
+            "experiment=tiny",
+            "generation.placement=disaggregated",
+            "cluster.cpu_workers_per_node=1",
+            "cluster.cpu_pinning=true",
+            "cluster.keep_freed_memory=false",
+        ]
+    )
     pinned = {}
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
     monkeypatch.setattr(os, "sched_setaffinity", lambda pid, cores: pinned.setdefault("cores", list(cores)))
@@ -87,8 +94,15 @@ def test_should_pin_the_policy_rank_and_the_generation_worker_to_their_own_cores
         pinned.clear()
         setup_cpu_process(load(["experiment=tiny", "cluster.keep_freed_memory=false"]), 4, slot=0)
         assert not pinned and torch.get_num_threads() == 4  # off by default: every process sees every core
-        overlap = load(["experiment=tiny", "generation.placement=disaggregated", "cluster.cpu_workers_per_node=1",
-                        "grpo.async.max_staleness=1", "cluster.keep_freed_memory=false"])
+        overlap = load(
+            [
+                "experiment=tiny",
+                "generation.placement=disaggregated",
+                "cluster.cpu_workers_per_node=1",
+                "grpo.async.max_staleness=1",
+                "cluster.keep_freed_memory=false",
+            ]
+        )
         setup_cpu_process(overlap, 4, slot=1)
         assert not pinned and torch.get_num_threads() == 2  # async, unpinned: its share of threads, any core
     finally:
@@ -102,7 +116,13 @@ def test_should_refuse_more_pinned_processes_than_cores():
     from trainer.prestart import SetupError, check_cpu_pinning
 
     cores = len(os.sched_getaffinity(0))
-    cfg = load(["experiment=tiny", "generation.placement=disaggregated", f"cluster.cpu_workers_per_node={cores}",
-                "cluster.cpu_pinning=true"])
+    cfg = load(
+        [
+            "experiment=tiny",
+            "generation.placement=disaggregated",
+            f"cluster.cpu_workers_per_node={cores}",
+            "cluster.cpu_pinning=true",
+        ]
+    )
     with pytest.raises(SetupError, match="cluster.cpu_pinning"):
         check_cpu_pinning(cfg)

@@ -34,7 +34,11 @@ def test_should_match_runbook_shapes_when_gpu_experiments_compose():
     assert g1.generation.vllm_kwargs == {"block_size": 32} and not g1.disaggregated
     assert g1.train_world_size == 8 and g1.model.name == "google/gemma-3-1b-it"
     q = load(["experiment=qwen2.5-coder-7b-code"])
-    assert (q.grpo.num_prompts_per_step, q.grpo.num_generations_per_prompt, q.grpo.max_num_steps) == (32, 16, 1000)
+    assert (q.grpo.num_prompts_per_step, q.grpo.num_generations_per_prompt, q.grpo.max_num_steps) == (
+        32,
+        16,
+        1000,
+    )
     qt = load(["experiment=qwen2.5-coder-1.5b-code-test"])
     assert qt.train_world_size == 2 and qt.grpo.max_num_steps == 100
 
@@ -43,8 +47,14 @@ def test_should_match_runbook_shapes_when_gpu_experiments_compose():
     ("overrides", "key"),
     [
         (["grpo.num_generations_per_prompt=1"], "grpo.num_generations_per_prompt"),
-        (["experiment=gemma3-27b-gsm8k", "generation.tensor_parallel_size=3"], "generation.tensor_parallel_size"),
-        (["experiment=gemma3-27b-gsm8k", "generation.resources.num_nodes=3"], "generation.resources.num_nodes"),
+        (
+            ["experiment=gemma3-27b-gsm8k", "generation.tensor_parallel_size=3"],
+            "generation.tensor_parallel_size",
+        ),
+        (
+            ["experiment=gemma3-27b-gsm8k", "generation.resources.num_nodes=3"],
+            "generation.resources.num_nodes",
+        ),
         (["generation.placement=sideways"], "generation.placement"),
         (["grpo.loss.ratio_clip_c=0.5"], "grpo.loss.ratio_clip_c"),
         (["grpo.max_num_steps=abc"], "grpo.max_num_steps"),
@@ -57,7 +67,10 @@ def test_should_match_runbook_shapes_when_gpu_experiments_compose():
         (["grpo.num_prompts_per_step=1", "grpo.num_generations_per_prompt=3"], "grpo.num_prompts_per_step"),
         (["generation.placement=disaggregated", "grpo.async.max_staleness=-1"], "grpo.async.max_staleness"),
         (["grpo.async.max_staleness=1"], "grpo.async.max_staleness"),  # colocated: nothing to overlap
-        (["grpo.dynamic_sampling.enabled=true", "grpo.dynamic_sampling.max_rounds=0"], "grpo.dynamic_sampling.max_rounds"),
+        (
+            ["grpo.dynamic_sampling.enabled=true", "grpo.dynamic_sampling.max_rounds=0"],
+            "grpo.dynamic_sampling.max_rounds",
+        ),
         (["grpo.loss.kl_clamp=0"], "grpo.loss.kl_clamp"),
         (["grpo.loss.kl_clamp=-1.5"], "grpo.loss.kl_clamp"),
         (["grpo.loss.ratio_level=seq"], "grpo.loss.ratio_level"),
@@ -66,7 +79,10 @@ def test_should_match_runbook_shapes_when_gpu_experiments_compose():
         (["grpo.advantage.std=leave_one_out", "grpo.num_generations_per_prompt=2"], "grpo.advantage.std"),
         (["grpo.advantage.bogus=1"], "grpo.advantage.bogus"),
         (["grpo.reward_shaping.overlong_buffer=-1"], "grpo.reward_shaping.overlong_buffer"),
-        (["generation.max_new_tokens=64", "grpo.reward_shaping.overlong_buffer=64"], "grpo.reward_shaping.overlong_buffer"),
+        (
+            ["generation.max_new_tokens=64", "grpo.reward_shaping.overlong_buffer=64"],
+            "grpo.reward_shaping.overlong_buffer",
+        ),
         (["grpo.reward_shaping.overlong_penalty=-0.5"], "grpo.reward_shaping.overlong_penalty"),
         (["policy.max_tokens_per_microbatch=0"], "policy.max_tokens_per_microbatch"),
         (["policy.logprob_max_tokens_per_microbatch=-1"], "policy.logprob_max_tokens_per_microbatch"),
@@ -94,12 +110,22 @@ def test_should_name_both_keys_in_one_line_when_a_sequence_could_exceed_the_toke
 
 
 def test_should_count_the_token_budget_per_rank_when_rows_are_split_over_sequence_parallel_ranks():
-    cfg = load(["policy.sequence_parallel_size=2", "policy.max_total_sequence_length=1024",
-                "policy.max_tokens_per_microbatch=512"])  # a 1024-token row spans both ranks
+    cfg = load(
+        [
+            "policy.sequence_parallel_size=2",
+            "policy.max_total_sequence_length=1024",
+            "policy.max_tokens_per_microbatch=512",
+        ]
+    )  # a 1024-token row spans both ranks
     assert cfg.policy.sequence_parallel_size == 2
     with pytest.raises(ConfigError) as err:
-        load(["policy.sequence_parallel_size=2", "policy.max_total_sequence_length=1025",
-              "policy.max_tokens_per_microbatch=512"])
+        load(
+            [
+                "policy.sequence_parallel_size=2",
+                "policy.max_total_sequence_length=1025",
+                "policy.max_tokens_per_microbatch=512",
+            ]
+        )
     assert "exceeds policy.max_tokens_per_microbatch=512 x policy.sequence_parallel_size=2" in str(err.value)
 
 
@@ -109,7 +135,9 @@ def test_should_refuse_in_one_line_a_model_or_attention_that_sequence_parallelis
     from trainer.policy.ulysses import check_model
 
     assert check_model(SimpleNamespace(num_attention_heads=8), 4, None) is None
-    assert check_model(SimpleNamespace(text_config=SimpleNamespace(num_attention_heads=32)), 8, "sdpa") is None
+    assert (
+        check_model(SimpleNamespace(text_config=SimpleNamespace(num_attention_heads=32)), 8, "sdpa") is None
+    )
     heads = check_model(SimpleNamespace(num_attention_heads=6), 4, None)
     assert "policy.sequence_parallel_size=4 must divide the model's 6 attention heads" in heads
     eager = check_model(SimpleNamespace(num_attention_heads=8), 2, "eager")
@@ -120,7 +148,10 @@ def test_should_refuse_in_one_line_a_model_or_attention_that_sequence_parallelis
     "overrides",
     [
         ["cluster.gpus_per_node=8", "generation.backend=vllm", "generation.tensor_parallel_size=2"],  # 8 GPUs
-        ["generation.backend=vllm", "generation.tensor_parallel_size=2"],  # CPU: the same line, before the CPU rule
+        [
+            "generation.backend=vllm",
+            "generation.tensor_parallel_size=2",
+        ],  # CPU: the same line, before the CPU rule
         ["experiment=gemma3-1b-math", "generation.tensor_parallel_size=2"],
     ],
 )
@@ -137,7 +168,11 @@ def test_should_default_to_truncated_importance_sampling_when_batches_may_be_sta
     assert load(["experiment=tiny"]).grpo.loss.importance_sampling == "none"
     cfg = load(["experiment=tiny", "generation.placement=disaggregated", "grpo.async.max_staleness=1"])
     assert cfg.grpo.loss.importance_sampling == "tis"
-    explicit = ["generation.placement=disaggregated", "grpo.async.max_staleness=2", "grpo.loss.importance_sampling=none"]
+    explicit = [
+        "generation.placement=disaggregated",
+        "grpo.async.max_staleness=2",
+        "grpo.loss.importance_sampling=none",
+    ]
     assert load(["experiment=tiny", *explicit]).grpo.loss.importance_sampling == "none"
 
 
@@ -153,16 +188,28 @@ def test_should_default_the_algorithm_options_to_plain_grpo_and_accept_their_oth
     loss, g = cfg.grpo.loss, cfg.grpo
     assert (loss.kl_clamp, loss.ratio_level, g.advantage.std) == (10.0, "token", "group")
     assert (g.reward_shaping.overlong_buffer, g.reward_shaping.overlong_penalty) == (0, 1.0)
-    cfg = load([
-        "grpo.loss.kl_clamp=null", "grpo.loss.ratio_level=sequence", "grpo.advantage.std=leave_one_out",
-        "generation.max_new_tokens=64", "grpo.reward_shaping.overlong_buffer=16", "grpo.reward_shaping.overlong_penalty=0",
-    ])
-    assert (cfg.grpo.loss.kl_clamp, cfg.grpo.loss.ratio_level, cfg.grpo.advantage.std) == (None, "sequence", "leave_one_out")
+    cfg = load(
+        [
+            "grpo.loss.kl_clamp=null",
+            "grpo.loss.ratio_level=sequence",
+            "grpo.advantage.std=leave_one_out",
+            "generation.max_new_tokens=64",
+            "grpo.reward_shaping.overlong_buffer=16",
+            "grpo.reward_shaping.overlong_penalty=0",
+        ]
+    )
+    assert (cfg.grpo.loss.kl_clamp, cfg.grpo.loss.ratio_level, cfg.grpo.advantage.std) == (
+        None,
+        "sequence",
+        "leave_one_out",
+    )
     assert (cfg.grpo.reward_shaping.overlong_buffer, cfg.grpo.reward_shaping.overlong_penalty) == (16, 0.0)
 
 
 def test_should_accept_user_reward_when_given_as_module_function():
-    cfg = load(["env.reward_functions=[{name: 'trainer.rewards.math_rewards:exact_alnum_reward', weight: 0.5}]"])
+    cfg = load(
+        ["env.reward_functions=[{name: 'trainer.rewards.math_rewards:exact_alnum_reward', weight: 0.5}]"]
+    )
     assert cfg.env.reward_functions[0].weight == 0.5
 
 
@@ -251,11 +298,15 @@ def test_should_find_a_restated_default_when_a_group_option_repeats_one(tmp_path
 
     (tmp_path / "data").mkdir()
     restating = tmp_path / "data" / "mine.yaml"
-    restating.write_text((CONF_DIR / "data" / "math500.yaml").read_text() + "shuffle: true\nmax_val_examples: 32\n")
+    restating.write_text(
+        (CONF_DIR / "data" / "math500.yaml").read_text() + "shuffle: true\nmax_val_examples: 32\n"
+    )
     assert _restated_in(restating) == ["data.shuffle"]
     (tmp_path / "rewards").mkdir()
     rewards = tmp_path / "rewards" / "mine.yaml"
-    rewards.write_text("# @package env\nreward_functions: [{name: math, weight: 1.0}]\nreward_timeout_s: 30\n")
+    rewards.write_text(
+        "# @package env\nreward_functions: [{name: math, weight: 1.0}]\nreward_timeout_s: 30\n"
+    )
     assert _restated_in(rewards) == ["env.reward_functions", "env.reward_timeout_s"]
     rewards.write_text("# @package env\nreward_functions: [{name: gsm8k, weight: 1.0, kwargs: {a: 1}}]\n")
     assert _restated_in(rewards) == ["env.reward_functions[0].weight"]
@@ -278,23 +329,34 @@ def test_should_compose_the_same_config_again_when_an_experiment_is_printed_and_
 def test_should_take_the_async_section_under_its_key_when_a_config_file_writes_it():
     from trainer.config import from_dictconfig
 
-    cfg = from_dictconfig({"grpo": {"async": {"max_staleness": 2}}, "generation": {"placement": "disaggregated"}})
+    cfg = from_dictconfig(
+        {"grpo": {"async": {"max_staleness": 2}}, "generation": {"placement": "disaggregated"}}
+    )
     assert cfg.grpo.async_.max_staleness == 2 and cfg.grpo.loss.importance_sampling == "tis"
 
 
 @pytest.mark.parametrize(
     ("written", "message"),
     [
-        ({"grpo": {"loss": {"bogus": 1}}}, "unknown key grpo.loss.bogus; valid keys under grpo.loss: aggregation,"),
+        (
+            {"grpo": {"loss": {"bogus": 1}}},
+            "unknown key grpo.loss.bogus; valid keys under grpo.loss: aggregation,",
+        ),
         ({"grpo": {"bogus": 1}}, "unknown key grpo.bogus; valid keys under grpo: advantage, async,"),
         ({"grpo": {"async": {"max_staleness": "x"}}}, "grpo.async.max_staleness='x' must be an integer"),
-        ({"env": {"reward_functions": [{"name": "math"}, {"name": "m", "weight": "x"}]}},
-         "env.reward_functions[1].weight='x' must be a number"),
-        ({"env": {"reward_functions": [{"name": "math", "bogus": 1}]}},
-         "unknown key env.reward_functions[0].bogus; valid keys under env.reward_functions[0]: kwargs, name, weight"),
+        (
+            {"env": {"reward_functions": [{"name": "math"}, {"name": "m", "weight": "x"}]}},
+            "env.reward_functions[1].weight='x' must be a number",
+        ),
+        (
+            {"env": {"reward_functions": [{"name": "math", "bogus": 1}]}},
+            "unknown key env.reward_functions[0].bogus; valid keys under env.reward_functions[0]: kwargs, name, weight",
+        ),
         ({"env": {"reward_functions": [{"weight": 2.0}]}}, "env.reward_functions[0].name is required"),
-        ({"env": {"reward_functions": [{"name": "math", "weight": float("nan")}]}},
-         "env.reward_functions[0].weight=nan must be a finite number"),
+        (
+            {"env": {"reward_functions": [{"name": "math", "weight": float("nan")}]}},
+            "env.reward_functions[0].weight=nan must be a finite number",
+        ),
         ({"policy": {"adam_betas": [0.9]}}, "policy.adam_betas=[0.9] must be a pair of numbers"),
     ],
 )
@@ -309,7 +371,10 @@ def test_should_name_the_whole_key_in_one_line_when_a_written_config_is_bad(writ
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        ("env.reward_functions=[{name: math}, {name: gsm8k, weight: abc}]", "env.reward_functions[1].weight='abc' must be a number"),
+        (
+            "env.reward_functions=[{name: math}, {name: gsm8k, weight: abc}]",
+            "env.reward_functions[1].weight='abc' must be a number",
+        ),
         ("env.reward_functions=[{name: math, bogus: 1}]", "unknown key env.reward_functions[0].bogus"),
         ("grpo.async.bogus=1", "unknown key grpo.async.bogus; check the spelling"),
         ("policy.adam_betas=notalist", "policy.adam_betas='notalist' must be a pair of numbers"),
@@ -326,7 +391,9 @@ def test_should_read_a_group_option_over_its_section_defaults_when_a_tool_asks_f
 
     assert preset("rewards", "math") == EnvConfig()
     code = preset("rewards", "code_unit_tests")
-    assert code.reward_functions == [RewardSpec("code_unit_tests", 1.0, {"max_tests": 16, "time_limit_s": 2.0})]
+    assert code.reward_functions == [
+        RewardSpec("code_unit_tests", 1.0, {"max_tests": 16, "time_limit_s": 2.0})
+    ]
     assert (code.reward_timeout_s, code.max_concurrent_rewards) == (120.0, 16)
     assert preset("data", "math500").split == "test"
 
@@ -344,8 +411,13 @@ def _value_at(cfg, key: str):
     return value
 
 
-MAPPING_KEYS = ["data.options", "generation.chat_template_kwargs", "generation.vllm_kwargs",
-                "env.reward_functions.0.kwargs", "env.feedback_kwargs"]
+MAPPING_KEYS = [
+    "data.options",
+    "generation.chat_template_kwargs",
+    "generation.vllm_kwargs",
+    "env.reward_functions.0.kwargs",
+    "env.feedback_kwargs",
+]
 
 
 def test_should_find_every_mapping_key_when_reading_the_dataclass_types():
@@ -371,8 +443,16 @@ def test_should_merge_a_mapping_into_a_non_empty_value_when_the_key_is_dict_valu
     ("overrides", "key", "expected"),
     [
         (["experiment=gemma3-1b-math"], "generation.vllm_kwargs", {"block_size": 32, "a": 1}),
-        (["experiment=tiny"], "data.options", {"num_examples": 512, "min_operand": 0, "max_operand": 2, "ops": "+", "a": 1}),
-        (["rewards=code_unit_tests"], "env.reward_functions.0.kwargs", {"max_tests": 16, "time_limit_s": 2.0, "a": 1}),
+        (
+            ["experiment=tiny"],
+            "data.options",
+            {"num_examples": 512, "min_operand": 0, "max_operand": 2, "ops": "+", "a": 1},
+        ),
+        (
+            ["rewards=code_unit_tests"],
+            "env.reward_functions.0.kwargs",
+            {"max_tests": 16, "time_limit_s": 2.0, "a": 1},
+        ),
     ],
 )
 def test_should_merge_a_mapping_into_the_default_when_a_config_file_sets_one(overrides, key, expected):
@@ -394,11 +474,19 @@ def test_should_set_one_entry_when_the_override_names_a_key_inside_a_mapping(ove
 
 @pytest.mark.parametrize(
     "override",
-    ["generation.vllm_kwarg={a: 1}", "data.option.a=1", "generation.bogus={a: 1}", "env.reward_functions.0.kwarg={a: 1}"],
+    [
+        "generation.vllm_kwarg={a: 1}",
+        "data.option.a=1",
+        "generation.bogus={a: 1}",
+        "env.reward_functions.0.kwarg={a: 1}",
+    ],
 )
 def test_should_say_unknown_key_in_one_line_when_a_key_beside_a_mapping_is_misspelt(override):
     key = override.split("=")[0]
-    with pytest.raises(ConfigError, match=rf"^unknown key {key}; check the spelling \(python -m trainer --cfg lists every key\)$"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"^unknown key {key}; check the spelling \(python -m trainer --cfg lists every key\)$",
+    ):
         load([override])
 
 
@@ -407,7 +495,9 @@ def test_should_print_vllm_kwargs_when_the_cli_sets_them_over_an_empty_default(c
 
     from trainer.__main__ import main
 
-    rc = main(["experiment=tiny", "generation=vllm", "generation.vllm_kwargs={gpu_memory_utilization:0.9}", "--cfg"])
+    rc = main(
+        ["experiment=tiny", "generation=vllm", "generation.vllm_kwargs={gpu_memory_utilization:0.9}", "--cfg"]
+    )
     out = capsys.readouterr()
     assert rc == 0, out.err
     assert yaml.safe_load(out.out)["generation"]["vllm_kwargs"] == {"gpu_memory_utilization": 0.9}
@@ -425,7 +515,9 @@ def test_should_print_vllm_kwargs_when_the_cli_sets_them_over_an_empty_default(c
         ("grpo.max_rollout_turns=2", "grpo.max_rollout_turns=2 needs execution feedback: env.feedback=None"),
     ],
 )
-def test_should_fail_with_one_line_before_anything_starts_when_cli_value_is_bad(override, key, capsys, monkeypatch):
+def test_should_fail_with_one_line_before_anything_starts_when_cli_value_is_bad(
+    override, key, capsys, monkeypatch
+):
     from trainer import run
     from trainer.__main__ import main
 
@@ -458,7 +550,9 @@ def _trainer_imports(path) -> set[str]:
         if isinstance(node, ast.Import):
             found |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module:
-            found |= {f"{node.module}.{a.name}" if node.module == "trainer" else node.module for a in node.names}
+            found |= {
+                f"{node.module}.{a.name}" if node.module == "trainer" else node.module for a in node.names
+            }
     return {m for m in found if m == "trainer" or m.startswith("trainer.")}
 
 
@@ -500,12 +594,18 @@ def test_should_pick_float32_when_auto_runs_on_a_cpu_without_native_bf16(cpu_wit
 
 def test_should_pick_bf16_compute_over_fp32_masters_when_auto_runs_on_a_bf16_cpu(cpu_with_bf16):
     demo = load(["experiment=cpu-demo"])
-    assert (demo.model.dtype, demo.policy.param_dtype, demo.engine_dtype) == ("float32", "bfloat16", "bfloat16")
+    assert (demo.model.dtype, demo.policy.param_dtype, demo.engine_dtype) == (
+        "float32",
+        "bfloat16",
+        "bfloat16",
+    )
     assert "natively" in demo.precision_summary()
 
 
 def test_should_pick_bf16_when_auto_runs_on_gpus(cpu_without_bf16):
-    cfg = load(["experiment=gemma3-1b-math", "policy.param_dtype=auto", "generation.dtype=auto", "model.dtype=auto"])
+    cfg = load(
+        ["experiment=gemma3-1b-math", "policy.param_dtype=auto", "generation.dtype=auto", "model.dtype=auto"]
+    )
     assert (cfg.model.dtype, cfg.policy.param_dtype, cfg.engine_dtype) == ("float32", "bfloat16", "bfloat16")
 
 
@@ -520,7 +620,9 @@ def test_should_warn_with_the_fix_when_bf16_is_asked_for_on_a_cpu_without_it(cpu
     demo = load(["experiment=cpu-demo", "policy.param_dtype=bfloat16", "generation.dtype=bfloat16"])
     line = precision_warning(demo)
     assert line and "policy.param_dtype=auto generation.dtype=auto" in line and "\n" not in line
-    assert precision_warning(load(["experiment=cpu-demo"])) is None  # auto chose float32: nothing to warn about
+    assert (
+        precision_warning(load(["experiment=cpu-demo"])) is None
+    )  # auto chose float32: nothing to warn about
     assert precision_warning(load(["experiment=tiny"])) is None  # float32 throughout
     assert precision_warning(load(["experiment=gemma3-1b-math"])) is None  # GPUs
 
@@ -603,14 +705,18 @@ def test_should_exit_with_one_line_naming_the_key_when_input_is_bad(override, ke
     from trainer.__main__ import main
 
     logs = [] if override.startswith("logger.") else [f"logger.log_dir={tmp_path / 'logs'}"]
-    ckpts = [] if override.startswith("checkpointing.") else [f"checkpointing.checkpoint_dir={tmp_path / 'ck'}"]
+    ckpts = (
+        [] if override.startswith("checkpointing.") else [f"checkpointing.checkpoint_dir={tmp_path / 'ck'}"]
+    )
     rc = main(["experiment=tiny", *logs, *ckpts, override])
     err = capsys.readouterr().err
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert rc != 0 and len(lines) == 1 and key in lines[0] and "Traceback" not in err, err
 
 
-def test_should_end_the_ranks_it_started_when_the_data_fails_while_they_set_up(ray_local, tmp_path, monkeypatch):
+def test_should_end_the_ranks_it_started_when_the_data_fails_while_they_set_up(
+    ray_local, tmp_path, monkeypatch
+):
     """The policy ranks start before the driver reads its data (their set-up overlaps it): a dataset
     that cannot be read is still one line, and the ranks, their placement group and the run's SIGTERM
     handler are gone with it. (The session's instance serves other runs meanwhile: only this job's
@@ -639,8 +745,15 @@ def test_should_end_the_ranks_it_started_when_the_data_fails_while_they_set_up(r
 
     earlier = set(policy_actors())  # this process's earlier tests' ranks
     before = signal.getsignal(signal.SIGTERM)
-    cfg = load(["experiment=tiny", "data.name=local", f"data.path={tmp_path / 'missing.jsonl'}",
-                f"logger.log_dir={tmp_path / 'logs'}", f"checkpointing.checkpoint_dir={tmp_path / 'ck'}"])
+    cfg = load(
+        [
+            "experiment=tiny",
+            "data.name=local",
+            f"data.path={tmp_path / 'missing.jsonl'}",
+            f"logger.log_dir={tmp_path / 'logs'}",
+            f"checkpointing.checkpoint_dir={tmp_path / 'ck'}",
+        ]
+    )
     with pytest.raises(run.SetupError) as err:
         run.train(cfg)
     assert str(err.value).startswith("data.name=local split=train: data.path") and "\n" not in str(err.value)
@@ -671,7 +784,9 @@ def test_should_end_the_ranks_it_started_when_the_data_fails_while_they_set_up(r
         ("grpo.loss.kl_estimator=k9", "grpo.loss.kl_estimator"),
     ],
 )
-def test_should_check_the_registries_names_before_ray_or_any_model_when_a_run_starts(override, key, monkeypatch):
+def test_should_check_the_registries_names_before_ray_or_any_model_when_a_run_starts(
+    override, key, monkeypatch
+):
     from trainer import cluster, models, run
 
     def started(*args, **kwargs):
@@ -690,8 +805,12 @@ def test_should_refuse_a_bad_loss_name_before_policy_ranks_start(monkeypatch):
     from trainer.policy import group
 
     monkeypatch.setattr(group, "reserve", lambda *a, **k: pytest.fail("a placement group was reserved"))
-    with pytest.raises(ConfigError, match=r"^grpo.loss.policy_loss='x' is not allowed; choose one of: clipped$"):
-        group.PolicyGroup(load(["experiment=tiny", "grpo.loss.policy_loss=x"]), "unused", colocated_engine=True)
+    with pytest.raises(
+        ConfigError, match=r"^grpo.loss.policy_loss='x' is not allowed; choose one of: clipped$"
+    ):
+        group.PolicyGroup(
+            load(["experiment=tiny", "grpo.loss.policy_loss=x"]), "unused", colocated_engine=True
+        )
 
 
 def test_should_say_not_a_model_directory_when_it_has_no_config(tmp_path):
@@ -717,8 +836,18 @@ def test_should_accept_vllm_on_cpu_and_say_in_one_line_when_it_is_not_installed(
 
 def test_should_name_the_model_in_one_line_when_its_head_dim_is_too_small_for_vllm_on_cpu():
     proc = subprocess.run(
-        [sys.executable, "-m", "trainer", "experiment=tiny", "generation.backend=vllm", "model.name='builtin:tiny?num_heads=4'"],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "trainer",
+            "experiment=tiny",
+            "generation.backend=vllm",
+            "model.name='builtin:tiny?num_heads=4'",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip() and not ln.startswith("kuberl: warning")]
     assert proc.returncode == 3 and len(lines) == 1, proc.stderr
@@ -726,8 +855,10 @@ def test_should_name_the_model_in_one_line_when_its_head_dim_is_too_small_for_vl
     from trainer.generation.vllm_engine import vllm_available
 
     # head_dim 64/4 = 16; without vLLM installed the line names the backend instead.
-    assert ("model.name=builtin:tiny?num_heads=4" in lines[0] and "16" in lines[0]) if vllm_available() else (
-        "generation.backend" in lines[0]
+    assert (
+        ("model.name=builtin:tiny?num_heads=4" in lines[0] and "16" in lines[0])
+        if vllm_available()
+        else ("generation.backend" in lines[0])
     )
 
 
@@ -739,13 +870,25 @@ def test_should_name_the_key_in_one_line_when_the_models_heads_cannot_take_the_t
     if not vllm_available():
         pytest.skip("vLLM is not installed: the run stops earlier, naming generation.backend")
     proc = subprocess.run(
-        [sys.executable, "-m", "trainer", "experiment=tiny", "generation.backend=vllm",
-         "generation.placement=disaggregated", "generation.tensor_parallel_size=3"],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "trainer",
+            "experiment=tiny",
+            "generation.backend=vllm",
+            "generation.placement=disaggregated",
+            "generation.tensor_parallel_size=3",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip() and not ln.startswith("kuberl: warning")]
     assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
-    assert lines[0].startswith("kuberl: error: generation.tensor_parallel_size=3: model.name=builtin:tiny has 2 attention heads")
+    assert lines[0].startswith(
+        "kuberl: error: generation.tensor_parallel_size=3: model.name=builtin:tiny has 2 attention heads"
+    )
     assert lines[0].endswith("use one of 1, 2")
 
 
@@ -758,7 +901,9 @@ def test_should_name_the_key_in_one_line_when_the_models_heads_cannot_take_the_t
         (2, 2, 3, [1, 2]),  # builtin:tiny
     ],
 )
-def test_should_list_the_sizes_vllm_can_split_the_heads_over_when_tensor_parallel(heads, kv_heads, limit, sizes):
+def test_should_list_the_sizes_vllm_can_split_the_heads_over_when_tensor_parallel(
+    heads, kv_heads, limit, sizes
+):
     from trainer.generation.vllm_engine import tensor_parallel_sizes
 
     assert tensor_parallel_sizes(heads, kv_heads, limit) == sizes

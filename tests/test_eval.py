@@ -100,7 +100,8 @@ def test_pass_at_k_over_four_samples_matches_hand_computed(k, numerator, tokeniz
     assert rows[0]["id"] == "qa-0" and rows[0]["ground_truth"] == "42" and rows[0]["prompt"] == "what is 7*6?"
     # each row says what the reward judged: the boxed number, right or wrong
     assert {(r["extracted_answer"], r["answer_note"]) for r in rows if r["id"] == "qa-0"} == {
-        ("42", "\\boxed{}"), ("-42", "\\boxed{}: -42, not 42")
+        ("42", "\\boxed{}"),
+        ("-42", "\\boxed{}: -42, not 42"),
     }
 
 
@@ -249,7 +250,10 @@ def test_should_score_arithmetic_with_its_own_reward_when_no_reward_is_given():
     "argv, expected",
     [
         (["model=m", "data=mmlu"], "data='mmlu' is not allowed; choose one of: arithmetic, "),
-        (["model=/no/such/model", "data=arithmetic"], "model=/no/such/model: no such local directory, and not a hub id either"),
+        (
+            ["model=/no/such/model", "data=arithmetic"],
+            "model=/no/such/model: no such local directory, and not a hub id either",
+        ),
         (
             ["model=m", "data=arithmetic", "temperature=hot"],
             "temperature='hot' must be a number, e.g. temperature=0.6",

@@ -165,13 +165,15 @@ def toy(tmp_path):
 
 
 def test_should_count_imports_in_functions_type_checking_and_relative_when_building_the_graph(toy):
-    g = toy({
-        "pkg/__init__.py": "from pkg.sub.b import thing\n",
-        "pkg/a.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.sub.b import B\n",
-        "pkg/sub/__init__.py": "",
-        "pkg/sub/b.py": "def f():\n    from .. import a\n    from . import c\n",
-        "pkg/sub/c.py": "import pkg.sub.b as b\nimport os\nfrom .b import x\n",
-    })
+    g = toy(
+        {
+            "pkg/__init__.py": "from pkg.sub.b import thing\n",
+            "pkg/a.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.sub.b import B\n",
+            "pkg/sub/__init__.py": "",
+            "pkg/sub/b.py": "def f():\n    from .. import a\n    from . import c\n",
+            "pkg/sub/c.py": "import pkg.sub.b as b\nimport os\nfrom .b import x\n",
+        }
+    )
     assert g == {
         "pkg": {"pkg.sub.b"},
         "pkg.a": {"pkg.sub.b"},
@@ -181,16 +183,27 @@ def test_should_count_imports_in_functions_type_checking_and_relative_when_build
     }
     (component,) = strongly_connected(g)
     assert component == {"pkg", "pkg.a", "pkg.sub.b", "pkg.sub.c"}
-    assert circles(g, component) == ["pkg -> pkg.sub.b -> pkg", "pkg.a -> pkg.sub.b -> pkg.a",
-                                     "pkg.sub.c -> pkg.sub.b -> pkg.sub.c"]
+    assert circles(g, component) == [
+        "pkg -> pkg.sub.b -> pkg",
+        "pkg.a -> pkg.sub.b -> pkg.a",
+        "pkg.sub.c -> pkg.sub.b -> pkg.sub.c",
+    ]
 
 
 def _lint_imports(root: Path) -> subprocess.CompletedProcess:
     """import-linter over the ``trainer`` package under ``root``, with ``root``'s pyproject.toml."""
     exe = Path(sys.executable).with_name("lint-imports")
-    assert exe.exists(), "lint-imports is missing: `make setup` installs import-linter (pyproject's dev extra)"
-    return subprocess.run([str(exe), "--config", str(root / "pyproject.toml"), "--no-cache"], cwd=root,
-                          capture_output=True, text=True, timeout=300, env={"PYTHONPATH": str(root), "PATH": ""})
+    assert exe.exists(), (
+        "lint-imports is missing: `make setup` installs import-linter (pyproject's dev extra)"
+    )
+    return subprocess.run(
+        [str(exe), "--config", str(root / "pyproject.toml"), "--no-cache"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"PYTHONPATH": str(root), "PATH": ""},
+    )
 
 
 def test_should_keep_every_layer_contract_when_import_linter_checks_trainer():
@@ -203,8 +216,11 @@ def test_should_keep_every_layer_contract_when_import_linter_checks_trainer():
 def test_should_break_the_contract_when_an_engine_imports_the_policy_where_it_runs_late(tmp_path, where):
     shutil.copytree(REPO / PACKAGE, tmp_path / PACKAGE, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
-    upward = ("def _late():\n    from trainer.policy import worker  # noqa\n" if where == "in a function"
-              else "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from trainer.policy.group import PolicyGroup  # noqa\n")
+    upward = (
+        "def _late():\n    from trainer.policy import worker  # noqa\n"
+        if where == "in a function"
+        else "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from trainer.policy.group import PolicyGroup  # noqa\n"
+    )
     with open(tmp_path / PACKAGE / "generation" / "base.py", "a") as f:
         f.write("\n" + upward)
     out = _lint_imports(tmp_path)

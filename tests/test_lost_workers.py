@@ -28,15 +28,24 @@ ONE_RANK = "cluster.cpu_workers_per_node=1"
 
 
 def _overrides(tmp: Path, *extra: str) -> list[str]:
-    return ["experiment=tiny", "checkpointing.save_period=2", f"logger.log_dir={tmp / 'logs'}",
-            f"checkpointing.checkpoint_dir={tmp / 'ckpt'}", *extra]
+    return [
+        "experiment=tiny",
+        "checkpointing.save_period=2",
+        f"logger.log_dir={tmp / 'logs'}",
+        f"checkpointing.checkpoint_dir={tmp / 'ckpt'}",
+        *extra,
+    ]
 
 
 def _start(tmp: Path, *extra: str, env: dict | None = None) -> tuple[subprocess.Popen, Path, Path]:
     out, err = tmp / "stdout.txt", tmp / "stderr.txt"
     proc = subprocess.Popen(
         [sys.executable, "-m", "trainer", *_overrides(tmp, "grpo.max_num_steps=500", *extra)],
-        cwd=REPO, env=env, stdout=out.open("w"), stderr=err.open("w"), start_new_session=True,
+        cwd=REPO,
+        env=env,
+        stdout=out.open("w"),
+        stderr=err.open("w"),
+        start_new_session=True,
     )
     return proc, out, err
 
@@ -78,10 +87,14 @@ def _actors_end(job: str, timeout: float = 60) -> None:
     a rank left waiting in a collective with the killed one outlives nothing."""
     deadline = time.monotonic() + timeout
     while True:
-        alive = [a for a in _job_actors(job) if a["State"] != "DEAD" or (a["Pid"] and psutil.pid_exists(a["Pid"]))]
+        alive = [
+            a for a in _job_actors(job) if a["State"] != "DEAD" or (a["Pid"] and psutil.pid_exists(a["Pid"]))
+        ]
         if not alive:
             return
-        assert time.monotonic() < deadline, f"actors of the lost run still alive: {[a['ActorClassName'] for a in alive]}"
+        assert time.monotonic() < deadline, (
+            f"actors of the lost run still alive: {[a['ActorClassName'] for a in alive]}"
+        )
         time.sleep(0.5)
 
 
@@ -94,7 +107,9 @@ def _ends_with_one_line(proc: subprocess.Popen, err: Path, since: float, what: s
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-        raise AssertionError(f"the driver was still running {LOST_WITHIN_S + 30}s after losing {what}") from None
+        raise AssertionError(
+            f"the driver was still running {LOST_WITHIN_S + 30}s after losing {what}"
+        ) from None
     took = time.monotonic() - since
     text = err.read_text()
     errors = [line for line in text.splitlines() if line.startswith("kuberl: error:")]
@@ -113,7 +128,11 @@ def _resumes(tmp: Path, line: str, *extra: str, env: dict | None = None) -> None
     assert (Path(path) / "COMMITTED").is_file()
     run = subprocess.run(
         [sys.executable, "-m", "trainer", *_overrides(tmp, f"grpo.max_num_steps={step + 1}", *extra)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     assert f"kuberl: resumed from {path} (step {step}," in run.stdout
@@ -133,28 +152,49 @@ def _kill_actor_and_resume(env: dict, tmp: Path, cls: str, what: str, *extra: st
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     # Resubmitted on one rank whatever the run had (a checkpoint reshards): a second rank proves nothing here.
-    _resumes(tmp, line, *[e for e in extra if not e.startswith("cluster.cpu_workers_per_node=")], ONE_RANK,
-             env=env)
+    _resumes(
+        tmp, line, *[e for e in extra if not e.startswith("cluster.cpu_workers_per_node=")], ONE_RANK, env=env
+    )
 
 
 # The killed run and its resubmission attach to the session's Ray instance (``trainer_env``), as runs on a
 # cluster do; the test finds the victim through the instance's actor table (``ray_local``).
 # Two policy ranks where one is killed (the other is left in a collective with it); one elsewhere.
-def test_should_exit_in_one_line_and_resume_when_a_policy_rank_is_killed_mid_step(tmp_path, trainer_env, ray_local):
-    _kill_actor_and_resume(trainer_env, tmp_path, "PolicyWorker", r"policy rank \d", "cluster.cpu_workers_per_node=2")
+def test_should_exit_in_one_line_and_resume_when_a_policy_rank_is_killed_mid_step(
+    tmp_path, trainer_env, ray_local
+):
+    _kill_actor_and_resume(
+        trainer_env, tmp_path, "PolicyWorker", r"policy rank \d", "cluster.cpu_workers_per_node=2"
+    )
 
 
-def test_should_exit_in_one_line_and_resume_when_a_generation_actor_is_killed_mid_step(tmp_path, trainer_env, ray_local):
-    _kill_actor_and_resume(trainer_env, tmp_path, "GenerationWorker", "generation worker 0",
-                           "generation.placement=disaggregated", ONE_RANK)
+def test_should_exit_in_one_line_and_resume_when_a_generation_actor_is_killed_mid_step(
+    tmp_path, trainer_env, ray_local
+):
+    _kill_actor_and_resume(
+        trainer_env,
+        tmp_path,
+        "GenerationWorker",
+        "generation worker 0",
+        "generation.placement=disaggregated",
+        ONE_RANK,
+    )
 
 
 def _make(env: dict, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run(["make", "--no-print-directory", *args], capture_output=True, text=True, env=env,
-                          cwd=REPO, timeout=timeout)
+    return subprocess.run(
+        ["make", "--no-print-directory", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=timeout,
+    )
 
 
-def test_should_exit_in_one_line_and_resume_when_the_ray_cluster_is_stopped_under_the_driver(tmp_path, trainer_env):
+def test_should_exit_in_one_line_and_resume_when_the_ray_cluster_is_stopped_under_the_driver(
+    tmp_path, trainer_env
+):
     from .test_submit import _env, _free_port
 
     env = _env(tmp_path)
@@ -185,31 +225,54 @@ def test_should_exit_in_one_line_and_resume_when_the_ray_cluster_is_stopped_unde
 # class): the run ends in one line naming the engine, within the refit's bound, and leaves nothing behind,
 # though policy rank 0 may be blocked in a broadcast that nobody receives (NCCL never times out; gloo after
 # 10 minutes). Small buckets, so that the refit has several chunks and the receiver fails after the first.
-@pytest.mark.parametrize("fault, says", [
-    ("fail_refit_after_first_chunk",
-     "generation engine 0 failed in the weight refit: RuntimeError: fault: the receiver failed after its first chunk"),
-    ("hang_refit", ": the weight refit did not finish within generation.refit_timeout_s=10s"),
-], ids=["raises", "hangs"])
-def test_should_exit_in_one_line_with_nothing_left_when_a_receiver_fails_mid_refit(tmp_path, trainer_env, ray_local,
-                                                                                    fault, says):
+@pytest.mark.parametrize(
+    "fault, says",
+    [
+        (
+            "fail_refit_after_first_chunk",
+            "generation engine 0 failed in the weight refit: RuntimeError: fault: the receiver failed after its first chunk",
+        ),
+        ("hang_refit", ": the weight refit did not finish within generation.refit_timeout_s=10s"),
+    ],
+    ids=["raises", "hangs"],
+)
+def test_should_exit_in_one_line_with_nothing_left_when_a_receiver_fails_mid_refit(
+    tmp_path, trainer_env, ray_local, fault, says
+):
     from .faults import launch
 
     out, err = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
-    overrides = _overrides(tmp_path, "grpo.max_num_steps=3", "generation.placement=disaggregated", ONE_RANK,
-                           "generation.refit_bucket_mb=0.01", "generation.refit_timeout_s=10")
-    proc = subprocess.Popen(launch(fault, overrides), cwd=REPO, env=trainer_env, stdout=out.open("w"),
-                            stderr=err.open("w"), start_new_session=True)
+    overrides = _overrides(
+        tmp_path,
+        "grpo.max_num_steps=3",
+        "generation.placement=disaggregated",
+        ONE_RANK,
+        "generation.refit_bucket_mb=0.01",
+        "generation.refit_timeout_s=10",
+    )
+    proc = subprocess.Popen(
+        launch(fault, overrides),
+        cwd=REPO,
+        env=trainer_env,
+        stdout=out.open("w"),
+        stderr=err.open("w"),
+        start_new_session=True,
+    )
     try:
         _, job = _actor(proc.pid, "PolicyWorker", timeout=240)
         try:
             code = proc.wait(timeout=240)
         except subprocess.TimeoutExpired:
-            raise AssertionError(f"the run was still running 240 s after it started:\n{out.read_text()[-2000:]}") from None
+            raise AssertionError(
+                f"the run was still running 240 s after it started:\n{out.read_text()[-2000:]}"
+            ) from None
         text = err.read_text()
         errors = [line for line in text.splitlines() if line.startswith("kuberl: error:")]
         assert code == 3 and "Traceback" not in text and len(errors) == 1, f"exit {code}:\n{text[-3000:]}"
         assert says in errors[0] and "generation engine 0" in errors[0], errors[0]
-        assert errors[0].endswith("(step 1); the next run starts from scratch (no complete checkpoint)"), errors[0]
+        assert errors[0].endswith("(step 1); the next run starts from scratch (no complete checkpoint)"), (
+            errors[0]
+        )
         _actors_end(job)
     finally:
         if proc.poll() is None:

@@ -33,7 +33,9 @@ SMOLLM2_64_TOKENS = 52_071_579_648
 
 
 def smollm2() -> perf.ModelFlops:
-    return perf.ModelFlops.of(hidden=576, intermediate=1536, layers=30, heads=9, kv_heads=3, head_dim=64, vocab=49152)
+    return perf.ModelFlops.of(
+        hidden=576, intermediate=1536, layers=30, heads=9, kv_heads=3, head_dim=64, vocab=49152
+    )
 
 
 def test_should_match_the_hand_count_when_counting_smollm2_135m_training_flops() -> None:
@@ -47,7 +49,9 @@ def test_should_match_the_hand_count_when_counting_smollm2_135m_training_flops()
     assert m.training([64], frozen_base=True) == 4 * SMOLLM2_N * 64 + 431_308_800
 
 
-def test_should_count_the_matmul_parameters_of_every_linear_when_the_shape_comes_from_the_model(tiny_model_path) -> None:
+def test_should_count_the_matmul_parameters_of_every_linear_when_the_shape_comes_from_the_model(
+    tiny_model_path,
+) -> None:
     """The formula against the model itself (trainer.plan builds it on the meta device): N is exactly
     the weights of its nn.Linear layers, the LM head included."""
     from trainer.models.shape import model_shape
@@ -97,7 +101,9 @@ def test_should_report_the_interval_peak_when_memory_is_freed_between_readings()
         "print(perf.peak_memory_bytes(cpu), perf.peak_memory_bytes(cpu))\n"
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     first, second = map(float, out.stdout.split())
     assert first > 0 and second > 0

@@ -46,7 +46,9 @@ def test_should_print_a_table_and_fit_when_every_values_file_is_planned() -> Non
     for stem in stems:
         assert f"{stem} on " in out.stdout
     # the published set-up of gemma3-27b: 2 nodes x 8 H200 train, 8 more GPUs for vLLM at TP 8
-    assert "gemma3-27b-gsm8k-h200 on 8 x H200" in out.stdout and "generation GPU (engine's share)" in out.stdout
+    assert (
+        "gemma3-27b-gsm8k-h200 on 8 x H200" in out.stdout and "generation GPU (engine's share)" in out.stdout
+    )
 
 
 def test_should_fit_a_7b_policy_at_10k_tokens_on_one_node_when_the_gpu_is_given() -> None:
@@ -57,7 +59,9 @@ def test_should_fit_a_7b_policy_at_10k_tokens_on_one_node_when_the_gpu_is_given(
 
 
 def test_should_name_the_key_to_change_when_a_plan_does_not_fit() -> None:
-    out = _cli("gemma3-27b-gsm8k", "policy.activation_checkpointing=false", "policy.max_tokens_per_microbatch=16384")
+    out = _cli(
+        "gemma3-27b-gsm8k", "policy.activation_checkpointing=false", "policy.max_tokens_per_microbatch=16384"
+    )
     assert out.returncode == 1, out.stdout + out.stderr
     assert "does not fit" in out.stdout
     assert "largest term: activations; change: policy.activation_checkpointing=true" in out.stdout
@@ -95,7 +99,9 @@ def test_should_plan_within_a_quarter_of_the_peak_torch_measures_when_one_rank_t
 
 def test_should_count_state_for_the_adapters_only_when_the_policy_is_lora() -> None:
     full = config.load(["experiment=gemma3-27b-gsm8k"])
-    lora = config.load(["experiment=gemma3-27b-gsm8k", "policy.lora.rank=32", "grpo.loss.reference_policy_kl_penalty=0.01"])
+    lora = config.load(
+        ["experiment=gemma3-27b-gsm8k", "policy.lora.rank=32", "grpo.loss.reference_policy_kl_penalty=0.01"]
+    )
     shape = plan.model_shape(full.model.name)
     adapters = shape.adapter_params(32, list(lora.policy.lora.target_modules))
     # rank 32 on q/k/v/o and the MLP of 62 blocks: ~0.5% of the model (and the vision tower's projections)
@@ -106,8 +112,14 @@ def test_should_count_state_for_the_adapters_only_when_the_policy_is_lora() -> N
     assert "reference policy (sharded)" not in lora_terms  # the base with the adapters off
 
 
-def test_should_plan_a_ranks_share_of_each_row_when_sequences_are_split_over_sequence_parallel_ranks() -> None:
-    by_count = ["experiment=codefu-7b-cpp", "policy.max_tokens_per_microbatch=null", "policy.micro_batch_size=4"]
+def test_should_plan_a_ranks_share_of_each_row_when_sequences_are_split_over_sequence_parallel_ranks() -> (
+    None
+):
+    by_count = [
+        "experiment=codefu-7b-cpp",
+        "policy.max_tokens_per_microbatch=null",
+        "policy.micro_batch_size=4",
+    ]
     plain = plan.micro_batch(config.load([*by_count, "policy.sequence_parallel_size=1"]))
     split = plan.micro_batch(config.load([*by_count, "policy.sequence_parallel_size=4"]))
     assert split.tokens * 4 == plain.tokens == 4 * 10240 and split.logit_rows * 4 == plain.logit_rows
@@ -119,7 +131,9 @@ def test_should_plan_a_ranks_share_of_each_row_when_sequences_are_split_over_seq
     assert extra == 10240 * 2 * (2 * shape.heads + 2 * shape.kv_heads) * shape.head_dim  # the other layout
 
 
-def test_should_count_one_full_tensor_beside_the_shards_and_name_the_largest_transient_when_a_rank_loads() -> None:
+def test_should_count_one_full_tensor_beside_the_shards_and_name_the_largest_transient_when_a_rank_loads() -> (
+    None
+):
     cfg = config.load(["experiment=lora-gemma3-27b-gsm8k"])
     result = plan.plan(cfg, "h200", "lora-gemma3-27b-gsm8k-h200")
     loading = next(d for d in result.devices if d.role == "training GPU, loading")
@@ -129,7 +143,10 @@ def test_should_count_one_full_tensor_beside_the_shards_and_name_the_largest_tra
     assert "colocated engine (awake)" in loading.terms and result.fits
     out = plan.render(result)
     assert "transients (a training GPU, for a moment): gathered units" in out
-    assert out.splitlines()[-1].startswith("plan: fits (training GPU, loading at") and "margin" in out.splitlines()[-1]
+    assert (
+        out.splitlines()[-1].startswith("plan: fits (training GPU, loading at")
+        and "margin" in out.splitlines()[-1]
+    )
 
 
 def test_should_count_adapters_on_the_language_model_alone_when_the_model_has_a_vision_tower() -> None:
@@ -138,7 +155,9 @@ def test_should_count_adapters_on_the_language_model_alone_when_the_model_has_a_
     assert len(shape.linears["q_proj"]) == 62 and len(shape.linears["down_proj"]) == 62
 
 
-def test_should_count_one_tile_of_logits_not_the_whole_micro_batchs_when_the_logprob_pass_is_planned() -> None:
+def test_should_count_one_tile_of_logits_not_the_whole_micro_batchs_when_the_logprob_pass_is_planned() -> (
+    None
+):
     from trainer.algorithms import linear_logprobs
 
     cfg = config.load(["experiment=gemma3-27b-gsm8k"])

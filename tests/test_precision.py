@@ -26,7 +26,9 @@ def test_should_describe_the_cpu_in_one_phrase():
 
 
 @pytest.mark.parametrize("precision", ["auto", "bfloat16"])
-def test_should_generate_and_train_when_cpu_demo_runs_on_a_cpu_without_native_bf16(ray_local, monkeypatch, precision):
+def test_should_generate_and_train_when_cpu_demo_runs_on_a_cpu_without_native_bf16(
+    ray_local, monkeypatch, precision
+):
     from trainer.generation.placement import ColocatedGenerator
     from trainer.models import load_tokenizer, resolve_model
     from trainer.policy.group import PolicyGroup

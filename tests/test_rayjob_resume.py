@@ -36,8 +36,14 @@ def _entrypoint(tmp: Path) -> str:
         "workerGroups": {"train": {"replicas": 1, "gpus": 0}},
         "storage": {"type": "emptyDir", "mountPath": str(tmp / "data")},
         "secrets": {"hfToken": {"secretName": ""}},
-        "job": {"enabled": True, "overrides": [f"grpo.max_num_steps={STEPS}", "checkpointing.save_period=1",
-                                        "cluster.cpu_workers_per_node=1"]},  # one policy rank: two prove nothing more here
+        "job": {
+            "enabled": True,
+            "overrides": [
+                f"grpo.max_num_steps={STEPS}",
+                "checkpointing.save_period=1",
+                "cluster.cpu_workers_per_node=1",
+            ],
+        },  # one policy rank: two prove nothing more here
     }
     (tmp / "values.yaml").write_text(yaml.safe_dump(values))
     out = subprocess.run([str(HELM), "template", "tiny", str(REPO / "charts" / "kuberl"), "-f", str(tmp / "values.yaml")],
@@ -53,7 +59,9 @@ def _shell(entrypoint: str) -> subprocess.Popen:
                             start_new_session=True, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
 
 
-def test_should_resume_from_the_last_complete_checkpoint_when_the_rayjob_retries_after_a_lost_pod(tmp_path) -> None:
+def test_should_resume_from_the_last_complete_checkpoint_when_the_rayjob_retries_after_a_lost_pod(
+    tmp_path,
+) -> None:
     entrypoint = _entrypoint(tmp_path)
     assert "checkpointing.resume=auto" in entrypoint and str(tmp_path / "data" / "checkpoints") in entrypoint
 

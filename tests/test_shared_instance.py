@@ -33,8 +33,13 @@ with shared(folder, start, poll_s=0.05) as address:
 
 
 def _user(folder: Path, log: Path) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-c", USER, str(folder), str(log)], cwd=REPO, stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", USER, str(folder), str(log)],
+        cwd=REPO,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     return proc, proc.stdout.readline().strip()
 
 
@@ -72,7 +77,9 @@ def test_should_share_one_instance_and_stop_it_after_its_last_user_when_workers_
 
 
 def test_should_start_anew_when_the_registered_owner_is_gone(tmp_path):
-    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
     (tmp_path / "users").mkdir()
     (tmp_path / ADDRESS).write_text(f"addr-dead {gone.stdout.strip()}\n")
     started = []

@@ -39,27 +39,47 @@ def test_should_count_four_n_per_token_when_the_base_is_frozen_under_lora() -> N
 
 def test_should_report_throughput_and_memory_without_mfu_when_the_models_shape_is_unknown() -> None:
     out = perf_metrics(load(["experiment=tiny"]), [], 1.0, ranks(1.0), None)
-    assert out == {"perf/trained_tokens_per_s": 0.0, "perf/peak_memory_gib/rank_0": 1.0, "perf/peak_memory_gib_max": 1.0}
+    assert out == {
+        "perf/trained_tokens_per_s": 0.0,
+        "perf/peak_memory_gib/rank_0": 1.0,
+        "perf/peak_memory_gib_max": 1.0,
+    }
 
 
 @pytest.mark.parametrize(
     ("row", "line"),
     [
         (
-            {"response": "13 + 7 = \\boxed{20}", "reward": 1.0, "extracted_answer": "20", "answer_note": "\\boxed{}"},
+            {
+                "response": "13 + 7 = \\boxed{20}",
+                "reward": 1.0,
+                "extracted_answer": "20",
+                "answer_note": "\\boxed{}",
+            },
             "'13 + 7 = \\\\boxed{20}' -> reward 1.00, answer '20' (\\boxed{})",
         ),
         (
-            {"response": "\\boxed{13+7}", "reward": 0.0, "extracted_answer": "13+7",
-             "answer_note": "\\boxed{}: restates the question instead of answering it"},
+            {
+                "response": "\\boxed{13+7}",
+                "reward": 0.0,
+                "extracted_answer": "13+7",
+                "answer_note": "\\boxed{}: restates the question instead of answering it",
+            },
             "'\\\\boxed{13+7}' -> reward 0.00, answer '13+7' (\\boxed{}: restates the question instead of answering it)",
         ),
         (
-            {"response": "13 + 7 equals **\\boxed{}.", "reward": 0.0, "extracted_answer": None,
-             "answer_note": "empty \\boxed{}"},
+            {
+                "response": "13 + 7 equals **\\boxed{}.",
+                "reward": 0.0,
+                "extracted_answer": None,
+                "answer_note": "empty \\boxed{}",
+            },
             "'13 + 7 equals **\\\\boxed{}.' -> reward 0.00, no answer: empty \\boxed{}",
         ),
-        ({"response": "x", "reward": 0.5, "extracted_answer": None, "answer_note": ""}, "'x' -> reward 0.50, no answer"),
+        (
+            {"response": "x", "reward": 0.5, "extracted_answer": None, "answer_note": ""},
+            "'x' -> reward 0.50, no answer",
+        ),
     ],
 )
 def test_should_show_the_extracted_answer_when_printing_a_sample(row, line):

@@ -123,7 +123,9 @@ def test_should_resolve_the_release_name_notes_print_when_its_values_file_has_do
     )
 
 
-def test_should_pick_one_values_file_by_release_name_when_two_run_the_same_experiment(tmp_path, monkeypatch) -> None:
+def test_should_pick_one_values_file_by_release_name_when_two_run_the_same_experiment(
+    tmp_path, monkeypatch
+) -> None:
     for stem in ("gemma3-1b-math-b200", "gemma3-1b-math-h200"):
         (tmp_path / f"{stem}.yaml").write_text("experiment: gemma3-1b-math\n")
     monkeypatch.setattr(submit, "VALUES", tmp_path)
@@ -255,8 +257,16 @@ def test_should_read_the_secret_kuberay_makes_when_authoptions_names_none(fake_k
     monkeypatch.setenv("PATH", fake_kube["PATH"])
     monkeypatch.setenv("KUBECONFIG", fake_kube["KUBECONFIG"])
     # KubeRay's default: mode token, a Secret named after the cluster
-    assert submit.ray_token({"metadata": {"name": "kuberay-made"}, "spec": {"authOptions": {"mode": "token"}}}, "team") == "s3cret"
-    assert submit.ray_token({"metadata": {"name": "x"}, "spec": {"authOptions": {"mode": "disabled"}}}, "team") is None
+    assert (
+        submit.ray_token(
+            {"metadata": {"name": "kuberay-made"}, "spec": {"authOptions": {"mode": "token"}}}, "team"
+        )
+        == "s3cret"
+    )
+    assert (
+        submit.ray_token({"metadata": {"name": "x"}, "spec": {"authOptions": {"mode": "disabled"}}}, "team")
+        is None
+    )
     assert submit.ray_token({"metadata": {"name": "x"}, "spec": {"authOptions": {}}}, "team") is None
 
 
@@ -359,7 +369,10 @@ def test_should_pass_the_helm_test_check_only_when_ray_reports_the_gpus_asked_fo
     ).stdout.strip()
     # As the pod has it: RAY_AUTH_MODE and RAY_AUTH_TOKEN from the release's Secret, no ~/.ray
     pod_env = {e["name"]: e for e in pod["spec"]["containers"][0]["env"]}
-    assert pod_env["RAY_AUTH_MODE"]["value"] == "token" and "secretKeyRef" in pod_env["RAY_AUTH_TOKEN"]["valueFrom"]
+    assert (
+        pod_env["RAY_AUTH_MODE"]["value"] == "token"
+        and "secretKeyRef" in pod_env["RAY_AUTH_TOKEN"]["valueFrom"]
+    )
     home = tmp / "test-pod-home"
     home.mkdir(exist_ok=True)
     env = dict(
@@ -441,7 +454,9 @@ def test_should_refuse_a_client_without_the_token_and_run_its_job_with_it_when_t
     assert out.returncode == 0, out.stderr
     job_id = out.stdout.split("job ", 1)[1].split()[0]
     stop = _cli(dict(client, RAY_AUTH_TOKEN=token), "stop", job_id, timeout=200)
-    assert stop.returncode == 0 and stop.stdout.strip().endswith(("STOPPED", "SUCCEEDED")), stop.stdout + stop.stderr
+    assert stop.returncode == 0 and stop.stdout.strip().endswith(("STOPPED", "SUCCEEDED")), (
+        stop.stdout + stop.stderr
+    )
 
 
 def _processes_naming(text: str) -> list[str]:

@@ -22,12 +22,33 @@ from .conftest import REPO
 pytestmark = pytest.mark.slow
 
 SCALARS = [
-    "train/reward_mean", "train/reward_min", "train/reward_max", "train/reward_std",
-    "train/mean_generation_length", "train/kl", "train/ppo_kl", "train/pg_clipfrac", "train/entropy",
-    "train/grad_norm", "train/loss", "timing/generation_s", "timing/logprobs_s", "timing/train_s",
-    "timing/weight_sync_s", "timing/reward_s", "timing/step_s", "perf/generated_tokens_per_s",
-    "perf/trained_tokens_per_s", "perf/mfu", "perf/peak_memory_gib_max", "perf/peak_memory_gib/rank_1",
-    "train/gen_logprob_abs_diff", "train/gen_train_kl", "train/is_flagged_frac", "timing/refit_s", "perf/refit_bytes",
+    "train/reward_mean",
+    "train/reward_min",
+    "train/reward_max",
+    "train/reward_std",
+    "train/mean_generation_length",
+    "train/kl",
+    "train/ppo_kl",
+    "train/pg_clipfrac",
+    "train/entropy",
+    "train/grad_norm",
+    "train/loss",
+    "timing/generation_s",
+    "timing/logprobs_s",
+    "timing/train_s",
+    "timing/weight_sync_s",
+    "timing/reward_s",
+    "timing/step_s",
+    "perf/generated_tokens_per_s",
+    "perf/trained_tokens_per_s",
+    "perf/mfu",
+    "perf/peak_memory_gib_max",
+    "perf/peak_memory_gib/rank_1",
+    "train/gen_logprob_abs_diff",
+    "train/gen_train_kl",
+    "train/is_flagged_frac",
+    "timing/refit_s",
+    "perf/refit_bytes",
 ]
 
 
@@ -50,9 +71,21 @@ def _train(env: dict[str, str], tmp_path: Path, *overrides: str) -> tuple[str, P
     defaults = {"grpo.max_num_steps": LEARN_STEPS, "cluster.cpu_workers_per_node": 1}
     defaults = [f"{k}={v}" for k, v in defaults.items() if not any(o.startswith(f"{k}=") for o in overrides)]
     proc = subprocess.run(
-        [sys.executable, "-m", "trainer", "experiment=tiny", f"logger.log_dir={logs}",
-         f"checkpointing.checkpoint_dir={ckpt}", *defaults, *overrides],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=900,
+        [
+            sys.executable,
+            "-m",
+            "trainer",
+            "experiment=tiny",
+            f"logger.log_dir={logs}",
+            f"checkpointing.checkpoint_dir={ckpt}",
+            *defaults,
+            *overrides,
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (run_dir,) = list((logs / "tiny").iterdir())
@@ -69,11 +102,15 @@ def _scalars(run_dir: Path) -> dict[str, list[float]]:
 
 def _assert_learned(rewards: list[float]) -> None:
     first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
-    assert last > first + 0.08 and last > 2 * first, f"reward did not rise: {first:.3f} -> {last:.3f} ({rewards})"
+    assert last > first + 0.08 and last > 2 * first, (
+        f"reward did not rise: {first:.3f} -> {last:.3f} ({rewards})"
+    )
 
 
 def test_should_raise_reward_and_write_readable_logs_when_tiny_model_trains(trainer_env, tmp_path):
-    stdout, run_dir = _train(trainer_env, tmp_path, f"grpo.max_num_steps={LEARN_STEPS}", "checkpointing.save_period=5", TWO_RANKS)
+    stdout, run_dir = _train(
+        trainer_env, tmp_path, f"grpo.max_num_steps={LEARN_STEPS}", "checkpointing.save_period=5", TWO_RANKS
+    )
     assert "| 2 policy ranks, colocated hf generation |" in stdout
     scalars = _scalars(run_dir)
     missing = [tag for tag in SCALARS if tag not in scalars]
@@ -90,13 +127,25 @@ def test_should_raise_reward_and_write_readable_logs_when_tiny_model_trains(trai
     assert all((p / "COMMITTED").is_file() for p in ckpt.iterdir())
     rows = [json.loads(line) for line in (run_dir / "train_data_step1.jsonl").read_text().splitlines()]
     assert len(rows) == 16 * 16
-    for key in ("prompt", "response", "rewards", "reward", "extracted_answer", "answer_note", "advantage",
-                "generation_length"):
+    for key in (
+        "prompt",
+        "response",
+        "rewards",
+        "reward",
+        "extracted_answer",
+        "answer_note",
+        "advantage",
+        "generation_length",
+    ):
         assert key in rows[0]
     assert "arithmetic" in rows[0]["rewards"]
     assert len(list(run_dir.glob("train_data_step*.jsonl"))) == steps
     # Every rewarded response was paid for the right sum, and says so (issue 21).
-    rows = [json.loads(line) for f in run_dir.glob("train_data_step*.jsonl") for line in f.read_text().splitlines()]
+    rows = [
+        json.loads(line)
+        for f in run_dir.glob("train_data_step*.jsonl")
+        for line in f.read_text().splitlines()
+    ]
     rewarded = [r for r in rows if r["reward"] > 0]
     assert rewarded and all(r["extracted_answer"] == r["ground_truth"] for r in rewarded)
     assert all(r["answer_note"] for r in rows)
@@ -104,19 +153,32 @@ def test_should_raise_reward_and_write_readable_logs_when_tiny_model_trains(trai
     assert max(scalars["train/gen_logprob_abs_diff"]) < 1e-3 and max(scalars["train/gen_train_kl"]) < 1e-5
 
 
-def test_should_carry_each_tasks_ground_truth_to_its_scorer_when_data_comes_from_reasoning_gym(trainer_env, tmp_path):
+def test_should_carry_each_tasks_ground_truth_to_its_scorer_when_data_comes_from_reasoning_gym(
+    trainer_env, tmp_path
+):
     """reasoning-gym's problems through the real run: the task's answer and metadata survive the trip
     through Ray to the reward and into the jsonl, and the task's own scorer judges the response."""
-    _, run_dir = _train(trainer_env, tmp_path, "grpo.max_num_steps=1", "data=reasoning_gym", "rewards=reasoning_gym",
-                        "data.options.tasks={chain_sum:{weight:1},basic_arithmetic:{weight:1}}",
-                        "data.system_prompt=''", "policy.max_total_sequence_length=256", "generation.max_new_tokens=4",
-                        # tiny's arithmetic options are not reasoning-gym's
-                        *(f"~data.options.{k}" for k in ("max_operand", "min_operand", "num_examples", "ops")))
+    _, run_dir = _train(
+        trainer_env,
+        tmp_path,
+        "grpo.max_num_steps=1",
+        "data=reasoning_gym",
+        "rewards=reasoning_gym",
+        "data.options.tasks={chain_sum:{weight:1},basic_arithmetic:{weight:1}}",
+        "data.system_prompt=''",
+        "policy.max_total_sequence_length=256",
+        "generation.max_new_tokens=4",
+        # tiny's arithmetic options are not reasoning-gym's
+        *(f"~data.options.{k}" for k in ("max_operand", "min_operand", "num_examples", "ops")),
+    )
     rows = [json.loads(line) for line in (run_dir / "train_data_step1.jsonl").read_text().splitlines()]
     assert rows and all("reasoning_gym" in r["rewards"] and r["answer_note"] for r in rows)
     tasks = {r["ground_truth"]["task"] for r in rows}
     assert tasks <= {"chain_sum", "basic_arithmetic"} and tasks
-    assert all(r["ground_truth"]["answer"] is not None and isinstance(r["ground_truth"]["metadata"], dict) for r in rows)
+    assert all(
+        r["ground_truth"]["answer"] is not None and isinstance(r["ground_truth"]["metadata"], dict)
+        for r in rows
+    )
 
 
 # A LoRA policy (rank 8 on every linear layer). On builtin:tiny itself the frozen embeddings cap every
@@ -125,7 +187,9 @@ def test_should_carry_each_tasks_ground_truth_to_its_scorer_when_data_comes_from
 LORA = ("policy.lora.rank=8", "model.name='builtin:tiny?embed_scale=3'")
 
 
-def test_should_learn_when_a_lora_policy_serves_its_adapters_to_the_colocated_hf_engine(trainer_env, tmp_path):
+def test_should_learn_when_a_lora_policy_serves_its_adapters_to_the_colocated_hf_engine(
+    trainer_env, tmp_path
+):
     _, run_dir = _train(trainer_env, tmp_path, *LORA)
     scalars = _scalars(run_dir)
     _assert_learned(scalars["train/reward_mean"])
@@ -138,12 +202,21 @@ SP = ("policy.sequence_parallel_size=2", TWO_RANKS)
 
 
 @pytest.mark.parametrize("lora", [(), LORA, SP], ids=["full", "lora", "sequence-parallel"])
-def test_should_learn_when_generation_is_disaggregated_with_truncated_importance_sampling(trainer_env, tmp_path, lora):
+def test_should_learn_when_generation_is_disaggregated_with_truncated_importance_sampling(
+    trainer_env, tmp_path, lora
+):
     # Micro-batches filled to a token budget rather than 64 samples each, packed: tiny's groups of one short
     # prompt and one-token answers would otherwise take the shared-prompt layout (fewer positions).
-    _, run_dir = _train(trainer_env, tmp_path, "generation.placement=disaggregated", "grpo.loss.importance_sampling=tis",
-                        "policy.max_tokens_per_microbatch=512", "policy.logprob_max_tokens_per_microbatch=1024",
-                        "policy.shared_prefix=false", *lora)
+    _, run_dir = _train(
+        trainer_env,
+        tmp_path,
+        "generation.placement=disaggregated",
+        "grpo.loss.importance_sampling=tis",
+        "policy.max_tokens_per_microbatch=512",
+        "policy.logprob_max_tokens_per_microbatch=1024",
+        "policy.shared_prefix=false",
+        *lora,
+    )
     scalars = _scalars(run_dir)
     _assert_learned(scalars["train/reward_mean"])
     assert max(scalars["timing/weight_sync_s"]) > 0
@@ -154,7 +227,9 @@ def test_should_learn_when_generation_is_disaggregated_with_truncated_importance
 def _versions(run_dir: Path) -> dict[int, list[int]]:
     """Step -> the policy_version of each of its rollouts (from train_data_step{N}.jsonl)."""
     return {
-        int(f.stem.removeprefix("train_data_step")): [json.loads(line)["policy_version"] for line in f.read_text().splitlines()]
+        int(f.stem.removeprefix("train_data_step")): [
+            json.loads(line)["policy_version"] for line in f.read_text().splitlines()
+        ]
         for f in run_dir.glob("train_data_step*.jsonl")
     }
 
@@ -170,7 +245,12 @@ def test_should_learn_when_rollouts_run_one_step_ahead_of_the_policy(trainer_env
     scalars = _scalars(run_dir)
     _assert_learned(scalars["train/reward_mean"])
     assert max(scalars["train/staleness_max"]) == 1  # generation really ran ahead, and never further
-    for tag in ("timing/generation_wait_s", "timing/train_wait_s", "train/staleness_mean", "train/is_flagged_frac"):
+    for tag in (
+        "timing/generation_wait_s",
+        "timing/train_wait_s",
+        "train/staleness_mean",
+        "train/is_flagged_frac",
+    ):
         assert tag in scalars
     versions = _versions(run_dir)
     for step, vs in versions.items():
@@ -179,7 +259,9 @@ def test_should_learn_when_rollouts_run_one_step_ahead_of_the_policy(trainer_env
     assert firsts == sorted(firsts)  # the generating weights never go back
 
 
-def test_should_shape_rewards_log_the_penalty_and_validate_when_the_algorithm_options_are_on(trainer_env, tmp_path):
+def test_should_shape_rewards_log_the_penalty_and_validate_when_the_algorithm_options_are_on(
+    trainer_env, tmp_path
+):
     """GSPO, the leave-one-out std, DAPO's overlong penalty and a clamped KL, wired end to end in
     two steps. max_new_tokens is 2, so with a 1-token buffer a 2-token answer costs the full penalty.
     The same two steps validate (before training and at step 2) and print a sample a step."""
@@ -197,7 +279,9 @@ def test_should_shape_rewards_log_the_penalty_and_validate_when_the_algorithm_op
     # one sample a step, with what the reward judged: the answer and where it came from, or why none
     samples = [line for line in stdout.splitlines() if line.lstrip().startswith("sample: ")]
     assert len(samples) == 2, stdout[-2000:]
-    assert all(re.search(r"-> reward \d\.\d\d, (answer '.*' \(.+\)|no answer: .+)$", s) for s in samples), samples
+    assert all(re.search(r"-> reward \d\.\d\d, (answer '.*' \(.+\)|no answer: .+)$", s) for s in samples), (
+        samples
+    )
     assert len(scalars["train/overlong_penalty_mean"]) == 2
     assert all(-0.5 <= v <= 0 for v in scalars["train/overlong_penalty_mean"])
     assert all(0 <= v <= 10 for v in scalars["train/kl"])
@@ -227,7 +311,11 @@ def _needs_vllm() -> None:
 def test_should_learn_when_a_vllm_engine_serves_the_lora_policys_adapters(trainer_env, tmp_path, placement):
     _needs_vllm()
     _, run_dir = _train(
-        trainer_env, tmp_path, "generation.backend=vllm", f"generation.placement={placement}", "grpo.loss.importance_sampling=tis",
+        trainer_env,
+        tmp_path,
+        "generation.backend=vllm",
+        f"generation.placement={placement}",
+        "grpo.loss.importance_sampling=tis",
         *LORA,
     )
     scalars = _scalars(run_dir)
@@ -245,7 +333,9 @@ def _session_processes(sid: int) -> list[str]:
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
             if int(fields[3]) == sid and fields[0] != "Z":  # session id; zombies hold nothing
-                out.append((stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))
+                out.append(
+                    (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                )
         except (OSError, IndexError, ValueError):
             continue
     return out
@@ -299,7 +389,9 @@ def test_should_learn_then_leave_no_process_behind_when_a_colocated_vllm_run_get
 
 
 @pytest.mark.vllm
-def test_should_track_the_policy_after_every_refit_when_a_disaggregated_vllm_engine_is_tensor_parallel(trainer_env, tmp_path):
+def test_should_track_the_policy_after_every_refit_when_a_disaggregated_vllm_engine_is_tensor_parallel(
+    trainer_env, tmp_path
+):
     """vLLM's CPU tensor-parallel workers (spawned by its mp executor), each registered with the twin of
     vLLM's nccl backend through the plugin entry point, joining policy rank 0's group at ranks 1 and 2."""
     _needs_vllm()

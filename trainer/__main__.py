@@ -42,7 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     show = "--cfg" in argv
     flags = [a for a in argv if a.startswith("-") and a != "--cfg"]
     if flags:
-        return _fail(f"unknown option {flags[0]}; options are --cfg and --help, the rest are key=value overrides")
+        return _fail(
+            f"unknown option {flags[0]}; options are --cfg and --help, the rest are key=value overrides"
+        )
     from trainer.prestart import check_names
 
     try:

@@ -128,7 +128,9 @@ def write_marker(path: Path, step: int) -> None:
         for f in sorted(path.rglob("*"))
         if f.is_file() and f.name != MARKER and not f.name.endswith(".tmp")
     }
-    write_atomic(path / MARKER, json.dumps({"step": step, "committed_at": time.time(), "files": files}, indent=1))
+    write_atomic(
+        path / MARKER, json.dumps({"step": step, "committed_at": time.time(), "files": files}, indent=1)
+    )
 
 
 def remove(path: Path) -> None:
@@ -168,7 +170,9 @@ class Checkpointer:
         for _, path in self.step_dirs():
             if not is_complete(path):
                 remove(path)
-                lines.append(f"kuberl: removed {path}: incomplete (no {MARKER} marker), a save that was cut off")
+                lines.append(
+                    f"kuberl: removed {path}: incomplete (no {MARKER} marker), a save that was cut off"
+                )
         if self.root.is_dir():
             for path in self.root.glob(".tmp-step_*"):
                 shutil.rmtree(path, ignore_errors=True)
@@ -184,7 +188,9 @@ class Checkpointer:
         if mode != "auto":
             why = problem(Path(mode))
             if why:
-                raise CheckpointError(f"checkpointing.resume={mode}: {why}; use auto, never, or another step_N")
+                raise CheckpointError(
+                    f"checkpointing.resume={mode}: {why}; use auto, never, or another step_N"
+                )
             return Path(mode), []
         skipped = []
         for _, path in reversed(self.complete_steps()):
@@ -242,4 +248,3 @@ def rng_info(seed: int, step: int) -> dict[str, Any]:
     """Every random draw of a step is seeded from (seed, step): sampling uses seed + step, and the
     prompt order per epoch uses seed + epoch. Restoring the step restores the streams exactly."""
     return {"seed": seed, "next_sampling_seed": seed + step + 1, "saved_at": time.time()}
-

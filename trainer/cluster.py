@@ -37,7 +37,10 @@ QUIET_ENV = {
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 _MALLOC_LIMIT = 2**31 - 1
 # The same settings for a process not yet started (glibc reads them at start-up), e.g. a comparison run.
-KEEP_FREED_MEMORY_ENV = {"MALLOC_MMAP_THRESHOLD_": str(_MALLOC_LIMIT), "MALLOC_TRIM_THRESHOLD_": str(_MALLOC_LIMIT)}
+KEEP_FREED_MEMORY_ENV = {
+    "MALLOC_MMAP_THRESHOLD_": str(_MALLOC_LIMIT),
+    "MALLOC_TRIM_THRESHOLD_": str(_MALLOC_LIMIT),
+}
 
 
 def keep_freed_memory() -> bool:

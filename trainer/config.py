@@ -65,7 +65,9 @@ def _require(ok: bool, message: str) -> None:
 
 def _one_of(key: str, value: Any, allowed: Any) -> None:
     allowed = list(allowed)
-    _require(value in allowed, f"{key}={value!r} is not allowed; choose one of: {', '.join(map(str, allowed))}")
+    _require(
+        value in allowed, f"{key}={value!r} is not allowed; choose one of: {', '.join(map(str, allowed))}"
+    )
 
 
 def check_name(key: str, name: Any, registry: Iterable[Any]) -> None:
@@ -154,13 +156,18 @@ class LossConfig:
     ratio_level: str = "token"
 
     def validate(self) -> None:
-        _require(self.tis_cap >= 1, f"grpo.loss.tis_cap={self.tis_cap} must be >= 1 (ratios above it are truncated)")
+        _require(
+            self.tis_cap >= 1,
+            f"grpo.loss.tis_cap={self.tis_cap} must be >= 1 (ratios above it are truncated)",
+        )
         _require(
             0 <= self.mis_low < 1 < self.mis_high,
             f"grpo.loss.mis_low={self.mis_low} and grpo.loss.mis_high={self.mis_high} must satisfy "
             "0 <= mis_low < 1 < mis_high",
         )
-        _require(0 <= self.ratio_clip_min < 1, f"grpo.loss.ratio_clip_min={self.ratio_clip_min} must be in [0, 1)")
+        _require(
+            0 <= self.ratio_clip_min < 1, f"grpo.loss.ratio_clip_min={self.ratio_clip_min} must be in [0, 1)"
+        )
         _require(self.ratio_clip_max >= 0, f"grpo.loss.ratio_clip_max={self.ratio_clip_max} must be >= 0")
         _require(
             self.ratio_clip_c is None or self.ratio_clip_c > 1,
@@ -241,7 +248,9 @@ class GRPOConfig:
     num_generations_per_prompt: int = 8  # the group size G
     max_num_steps: int = 100
     normalize_rewards: bool = True  # divide advantages by a reward std (advantage.std says which)
-    use_leave_one_out_baseline: bool = False  # baseline: mean of the other G-1 rewards (RLOO), not the group's
+    use_leave_one_out_baseline: bool = (
+        False  # baseline: mean of the other G-1 rewards (RLOO), not the group's
+    )
     num_minibatches: int = 1  # optimizer steps per batch; > 1 reuses the old logprobs (PPO-style)
     max_rollout_turns: int = 1  # > 1: multi-turn, the environment's feedback between turns (env.feedback)
     val_period: int = 0  # steps between validations (data.val_name); 0: no periodic validation
@@ -263,11 +272,16 @@ class GRPOConfig:
             f"grpo.num_generations_per_prompt={self.num_generations_per_prompt}: GRPO compares samples within a "
             "group, so it must be >= 2",
         )
-        _require(self.num_prompts_per_step >= 1, f"grpo.num_prompts_per_step={self.num_prompts_per_step} must be >= 1")
+        _require(
+            self.num_prompts_per_step >= 1,
+            f"grpo.num_prompts_per_step={self.num_prompts_per_step} must be >= 1",
+        )
         _require(self.max_num_steps >= 1, f"grpo.max_num_steps={self.max_num_steps} must be >= 1")
         _require(self.num_minibatches >= 1, f"grpo.num_minibatches={self.num_minibatches} must be >= 1")
         _require(self.max_rollout_turns >= 1, f"grpo.max_rollout_turns={self.max_rollout_turns} must be >= 1")
-        _require(self.val_period >= 0, f"grpo.val_period={self.val_period} must be >= 0 (0 disables validation)")
+        _require(
+            self.val_period >= 0, f"grpo.val_period={self.val_period} must be >= 0 (0 disables validation)"
+        )
         self.async_.validate()
         self.dynamic_sampling.validate()
         self.loss.validate()
@@ -315,7 +329,8 @@ class LoRAConfig:
             f"policy.lora.rank={self.rank} must be >= 1, or null for full fine-tuning",
         )
         _require(
-            self.alpha is None or self.alpha > 0, f"policy.lora.alpha={self.alpha} must be > 0, or null (2 x rank)"
+            self.alpha is None or self.alpha > 0,
+            f"policy.lora.alpha={self.alpha} must be > 0, or null (2 x rank)",
         )
         _require(0 <= self.dropout < 1, f"policy.lora.dropout={self.dropout} must be in [0, 1)")
         _require(
@@ -346,7 +361,9 @@ class PolicyConfig:
     # sequence_packing. The token budgets above are then per rank: a micro-batch's row holds up to
     # budget x sequence_parallel_size tokens, so one sequence may be that long.
     sequence_parallel_size: int = 1
-    max_total_sequence_length: int = 1024  # prompt + response tokens; longer prompts are dropped with a warning
+    max_total_sequence_length: int = (
+        1024  # prompt + response tokens; longer prompts are dropped with a warning
+    )
     activation_checkpointing: bool = False
     # FSDP2: free gathered parameters after forward (ZeRO-3 style); false keeps them for backward and
     # from the engine weight sync to the next forward.
@@ -398,7 +415,9 @@ class PolicyConfig:
             budget = getattr(self, key)
             if budget is None:
                 continue
-            _require(budget >= 1, f"policy.{key}={budget} must be >= 1 (or null for a fixed micro_batch_size)")
+            _require(
+                budget >= 1, f"policy.{key}={budget} must be >= 1 (or null for a fixed micro_batch_size)"
+            )
             per_group = f" x policy.sequence_parallel_size={sp}" if sp > 1 else ""
             _require(
                 self.max_total_sequence_length <= budget * sp,
@@ -436,7 +455,9 @@ class GenerationConfig:
     stop_strings: list[str] = field(default_factory=list)
     # Passed to tokenizer.apply_chat_template, e.g. {enable_thinking: true}.
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
-    vllm_kwargs: dict[str, Any] = field(default_factory=dict)  # passed verbatim to vllm.LLM(...), e.g. {block_size: 32}
+    vllm_kwargs: dict[str, Any] = field(
+        default_factory=dict
+    )  # passed verbatim to vllm.LLM(...), e.g. {block_size: 32}
     # > 1 needs placement: disaggregated (a colocated engine shares its rank's one GPU).
     tensor_parallel_size: int = 1
     # vLLM on GPUs: the share of the GPU the engine takes. null: 0.6 colocated (the rest is the policy's at
@@ -489,7 +510,9 @@ class GenerationConfig:
         _require(self.max_new_tokens >= 1, f"generation.max_new_tokens={self.max_new_tokens} must be >= 1")
         _require(self.temperature >= 0, f"generation.temperature={self.temperature} must be >= 0")
         _require(0 < self.top_p <= 1, f"generation.top_p={self.top_p} must be in (0, 1]")
-        _require(self.top_k == -1 or self.top_k >= 1, f"generation.top_k={self.top_k} must be -1 (off) or >= 1")
+        _require(
+            self.top_k == -1 or self.top_k >= 1, f"generation.top_k={self.top_k} must be -1 (off) or >= 1"
+        )
         _require(self.batch_size >= 1, f"generation.batch_size={self.batch_size} must be >= 1")
         _require(self.tensor_parallel_size >= 1, "generation.tensor_parallel_size must be >= 1")
         _require(
@@ -505,7 +528,10 @@ class GenerationConfig:
         _require(self.refit_bucket_mb > 0, f"generation.refit_bucket_mb={self.refit_bucket_mb} must be > 0")
         for key in ("engine_start_timeout_s", "refit_timeout_s", "weight_group_timeout_s"):
             value = getattr(self, key)
-            _require(math.isfinite(value) and value > 0, f"generation.{key}={value} must be a number of seconds > 0")
+            _require(
+                math.isfinite(value) and value > 0,
+                f"generation.{key}={value} must be a number of seconds > 0",
+            )
 
 
 @dataclass
@@ -528,7 +554,8 @@ class EnvConfig:
 
     def validate(self) -> None:
         _require(
-            bool(self.reward_functions), "env.reward_functions must be a non-empty list of {name, weight, kwargs}"
+            bool(self.reward_functions),
+            "env.reward_functions must be a non-empty list of {name, weight, kwargs}",
         )
         for i, spec in enumerate(self.reward_functions):
             # a nan weight makes every reward nan
@@ -584,11 +611,17 @@ class RewardModelConfig:
             f"reward_model.max_length={rm.max_length} must be >= 1, or null (the model's context)",
         )
         _require(
-            math.isfinite(rm.overlong_score), f"reward_model.overlong_score={rm.overlong_score} must be a finite number"
+            math.isfinite(rm.overlong_score),
+            f"reward_model.overlong_score={rm.overlong_score} must be a finite number",
         )
         _require(math.isfinite(rm.mean), f"reward_model.mean={rm.mean} must be a finite number")
-        _require(math.isfinite(rm.std) and rm.std > 0, f"reward_model.std={rm.std} must be > 0 (scores are divided by it)")
-        _require(rm.clip is None or rm.clip > 0, f"reward_model.clip={rm.clip} must be > 0, or null (no clipping)")
+        _require(
+            math.isfinite(rm.std) and rm.std > 0,
+            f"reward_model.std={rm.std} must be > 0 (scores are divided by it)",
+        )
+        _require(
+            rm.clip is None or rm.clip > 0, f"reward_model.clip={rm.clip} must be > 0, or null (no clipping)"
+        )
         _require(rm.replicas >= 1, f"reward_model.replicas={rm.replicas} must be >= 1")
         _require(
             rm.num_cpus >= 0 and rm.num_gpus >= 0,
@@ -634,7 +667,9 @@ class WandbConfig:
     project: str | None = None  # null: WANDB_PROJECT, else kuberl
     entity: str | None = None  # null: WANDB_ENTITY, else the API key's default entity
     group: str | None = None  # null: the experiment's name
-    mode: str | None = None  # online | offline | disabled; null: WANDB_MODE, else online (the key: WANDB_API_KEY)
+    mode: str | None = (
+        None  # online | offline | disabled; null: WANDB_MODE, else online (the key: WANDB_API_KEY)
+    )
 
     def validate(self) -> None:
         if self.mode is not None:
@@ -660,7 +695,9 @@ class LoggerConfig:
     run_name: str | None = None  # null: a timestamp
     # Any of tensorboard, wandb, mlflow: each gets the scalars, the config and rollout tables. Composed:
     # the environment's KUBERL_LOGGER_BACKENDS, else [tensorboard].
-    backends: list[str] = field(default_factory=lambda: ["tensorboard"], metadata={COMPOSED: _BACKENDS_FROM_ENV})
+    backends: list[str] = field(
+        default_factory=lambda: ["tensorboard"], metadata={COMPOSED: _BACKENDS_FROM_ENV}
+    )
     save_rollouts: bool = True  # train_data_step{N}.jsonl beside the event files
     num_console_samples: int = 1  # samples printed per step (0: none)
     # Rollouts per step in each tracker's table (W&B Table, MLflow artifact, TensorBoard text); 0: none.
@@ -670,12 +707,14 @@ class LoggerConfig:
 
     def validate(self) -> None:
         _require(
-            isinstance(self.backends, list), f"logger.backends={self.backends!r} must be a list, e.g. [tensorboard]"
+            isinstance(self.backends, list),
+            f"logger.backends={self.backends!r} must be a list, e.g. [tensorboard]",
         )
         for name in self.backends:
             _one_of("logger.backends", name, TRACKERS)
         _require(
-            len(set(self.backends)) == len(self.backends), f"logger.backends={self.backends} names a backend twice"
+            len(set(self.backends)) == len(self.backends),
+            f"logger.backends={self.backends} names a backend twice",
         )
         self.wandb.validate()
         _require(
@@ -699,7 +738,9 @@ class CheckpointConfig:
 
     def validate(self) -> None:
         _require(self.save_period >= 1, f"checkpointing.save_period={self.save_period} must be >= 1")
-        _require(self.keep_top_k is None or self.keep_top_k >= 1, "checkpointing.keep_top_k must be >= 1 or null")
+        _require(
+            self.keep_top_k is None or self.keep_top_k >= 1, "checkpointing.keep_top_k must be >= 1 or null"
+        )
         _require(
             self.preemption_grace_s >= 0,
             f"checkpointing.preemption_grace_s={self.preemption_grace_s} must be >= 0 "
@@ -767,9 +808,13 @@ class Config(_Resolved):
         ``grpo.loss.importance_sampling``. Idempotent; :func:`finish` runs it before :meth:`validate`."""
         _resolve_auto_precision(self)
         loss = self.grpo.loss
-        if loss.importance_sampling is None:  # stale batches need the correction; fresh ones only the engine gap,
+        if (
+            loss.importance_sampling is None
+        ):  # stale batches need the correction; fresh ones only the engine gap,
             # quantized rollouts too: the engine samples from weights a little off the policy's
-            stale_or_quantized = self.grpo.async_.max_staleness >= 1 or self.generation.quantization is not None
+            stale_or_quantized = (
+                self.grpo.async_.max_staleness >= 1 or self.generation.quantization is not None
+            )
             loss.importance_sampling = "tis" if stale_or_quantized else "none"
         return self
 
@@ -813,7 +858,8 @@ def _validate_across(c: Config) -> None:
     )
     shaping = g.reward_shaping
     _require(
-        0 <= shaping.overlong_buffer and (shaping.overlong_buffer == 0 or shaping.overlong_buffer < gen.max_new_tokens),
+        0 <= shaping.overlong_buffer
+        and (shaping.overlong_buffer == 0 or shaping.overlong_buffer < gen.max_new_tokens),
         f"grpo.reward_shaping.overlong_buffer={shaping.overlong_buffer} must be >= 0 (0: off) and < "
         f"generation.max_new_tokens={gen.max_new_tokens}",
     )
@@ -947,7 +993,13 @@ def _resolve_auto_precision(c: Config) -> None:
 # ----- composing: the schema Hydra composes into, and back to the dataclasses ------------------------
 
 # The config groups that choose a section's values (conf/<group>/<name>.yaml): their section.
-GROUP_SECTIONS = {"model": "model", "data": "data", "generation": "generation", "rewards": "env", "cluster": "cluster"}
+GROUP_SECTIONS = {
+    "model": "model",
+    "data": "data",
+    "generation": "generation",
+    "rewards": "env",
+    "cluster": "cluster",
+}
 
 
 def config_key(f: dataclasses.Field) -> str:
@@ -972,7 +1024,9 @@ def _sections(cls: type) -> dict[str, type]:
 @functools.cache
 def _renamed(cls: type) -> bool:
     """Whether ``cls`` or a section under it writes a field under another key (``grpo.async``)."""
-    return any(config_key(f) != f.name for f in dataclasses.fields(cls)) or any(map(_renamed, _sections(cls).values()))
+    return any(config_key(f) != f.name for f in dataclasses.fields(cls)) or any(
+        map(_renamed, _sections(cls).values())
+    )
 
 
 def to_dict(obj: Any) -> Any:
@@ -1206,8 +1260,15 @@ def _kind(hint: Any) -> str:
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         hint = next(a for a in typing.get_args(hint) if a is not type(None))
     origin = typing.get_origin(hint) or hint
-    words = {int: "an integer", float: "a number", bool: "true or false", str: "a string", list: "a list",
-             dict: "a mapping", tuple: "a pair of numbers, e.g. [0.9, 0.999]"}
+    words = {
+        int: "an integer",
+        float: "a number",
+        bool: "true or false",
+        str: "a string",
+        list: "a list",
+        dict: "a mapping",
+        tuple: "a pair of numbers, e.g. [0.9, 0.999]",
+    }
     if origin in words:
         return words[origin]
     return "a mapping" if dataclasses.is_dataclass(hint) else "of its declared type"
@@ -1281,7 +1342,9 @@ def _one_line(e: Exception, overrides: Sequence[str] = (), data: Any = None) -> 
         options = sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
         return f"unknown {group} {m.group(2)!r}; available: {', '.join(options)}"
     cause: BaseException | None = e
-    while cause is not None and not (isinstance(cause, OmegaConfBaseException) and getattr(cause, "full_key", None)):
+    while cause is not None and not (
+        isinstance(cause, OmegaConfBaseException) and getattr(cause, "full_key", None)
+    ):
         cause = cause.__cause__ or cause.__context__
     if cause is None:
         lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
@@ -1299,7 +1362,9 @@ def _one_line(e: Exception, overrides: Sequence[str] = (), data: Any = None) -> 
     if unknown:
         parent = re.sub(r"\.?[^.\[\]]+$", "", key)
         hint = _hint_at(parent) if parent else Config
-        valid = sorted(config_key(f) for f in dataclasses.fields(hint)) if dataclasses.is_dataclass(hint) else []
+        valid = (
+            sorted(config_key(f) for f in dataclasses.fields(hint)) if dataclasses.is_dataclass(hint) else []
+        )
         where = f"; valid keys under {parent or 'the root'}: {', '.join(valid)}" if valid else ""
         return f"unknown key {key}{where}"
     if isinstance(cause, MissingMandatoryValue):

@@ -108,7 +108,11 @@ def check_checkpoint(ckpt: Path) -> None:
         )
     if not is_complete(ckpt):
         others = [p for p in _complete_steps(ckpt.parent) if p != ckpt]
-        hint = f"e.g. {others[-1]} (the latest complete)" if others else "no other step in its directory is complete"
+        hint = (
+            f"e.g. {others[-1]} (the latest complete)"
+            if others
+            else "no other step in its directory is complete"
+        )
         raise ConvertError(
             f"checkpoint {str(ckpt)!r} is incomplete: no {MARKER} marker (its save was cut off); "
             f"use another step_N, {hint}"
@@ -335,7 +339,9 @@ def convert(
     return {"output": str(out), "shards": names, "tensors": len(entries), "bytes": total, "seconds": seconds}
 
 
-def _convert_lora(ckpt: Path, out: Path, info: dict, out_dtype, merge: bool, base: str | None, t0: float) -> dict:
+def _convert_lora(
+    ckpt: Path, out: Path, info: dict, out_dtype, merge: bool, base: str | None, t0: float
+) -> dict:
     """A LoRA checkpoint -> a PEFT adapter directory, or (``merge``) a merged Hugging Face model."""
     import torch
     import torch.distributed.checkpoint as dcp
@@ -348,7 +354,9 @@ def _convert_lora(ckpt: Path, out: Path, info: dict, out_dtype, merge: bool, bas
     weights = ckpt / WEIGHTS
     entries = read_entries(weights)
     if not entries or not all(lora_mod.is_adapter(e.name) for e in entries):
-        raise ConvertError(f"checkpoint {str(ckpt)!r}: policy/lora.json says LoRA, but {WEIGHTS} is not adapters alone")
+        raise ConvertError(
+            f"checkpoint {str(ckpt)!r}: policy/lora.json says LoRA, but {WEIGHTS} is not adapters alone"
+        )
     adapters = {e.name: torch.empty(e.shape, dtype=e.dtype) for e in entries}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
@@ -400,10 +408,16 @@ def _write_merged(tmp: Path, adapters: dict, lora, base_path: str | None, ckpt: 
         if f"{module}.lora_A.{lora_mod.ADAPTER}.weight" in adapters:
             name = f"{module}.base_layer.{name.rsplit('.', 1)[1]}"
         policy_state[name] = t
-    missing = [n for n in adapters if n.replace(f".lora_A.{lora_mod.ADAPTER}.", ".").replace(f".lora_B.{lora_mod.ADAPTER}.", ".")
-               not in state]
+    missing = [
+        n
+        for n in adapters
+        if n.replace(f".lora_A.{lora_mod.ADAPTER}.", ".").replace(f".lora_B.{lora_mod.ADAPTER}.", ".")
+        not in state
+    ]
     if missing:
-        raise ConvertError(f"--merge: the base model at {path} has no module for adapter {missing[0]}; pass --base DIR")
+        raise ConvertError(
+            f"--merge: the base model at {path} has no module for adapter {missing[0]}; pass --base DIR"
+        )
     merged = lora_mod.merged_state_dict({**policy_state, **adapters}, lora)
     model.load_state_dict(merged, strict=True)
     if out_dtype is not None:
@@ -490,10 +504,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --output")
     parser.add_argument(
-        "--merge", action="store_true",
+        "--merge",
+        action="store_true",
         help="LoRA checkpoints: write a Hugging Face model with the adapters merged (default: a PEFT adapter directory)",
     )
-    parser.add_argument("--base", default=None, help="LoRA checkpoints: the base model (default: the run's model)")
+    parser.add_argument(
+        "--base", default=None, help="LoRA checkpoints: the base model (default: the run's model)"
+    )
     args = parser.parse_args(argv)
     try:
         convert(

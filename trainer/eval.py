@@ -121,11 +121,13 @@ def evaluate(
         group = params if params.seed is None else dataclasses.replace(params, seed=params.seed + start)
         outputs = engine.generate(prompts[start : start + step], n, group)
         results = iter(
-            scorer([
-                (examples[i]["ground_truth"], c.text, question_of(examples[i]))
-                for i, cs in enumerate(outputs, start)
-                for c in cs
-            ])
+            scorer(
+                [
+                    (examples[i]["ground_truth"], c.text, question_of(examples[i]))
+                    for i, cs in enumerate(outputs, start)
+                    for c in cs
+                ]
+            )
         )
         for i, completions in enumerate(outputs, start):
             ex, correct = examples[i], 0
@@ -329,7 +331,9 @@ def reward_specs(args: EvalArgs) -> list[RewardSpec]:
     from trainer import rewards
 
     name = args.reward or DEFAULT_REWARD.get(args.data, "math")
-    if (CONF_DIR / "rewards" / f"{name}.yaml").is_file():  # the preset's kwargs too (e.g. the code tests' time limits)
+    if (
+        CONF_DIR / "rewards" / f"{name}.yaml"
+    ).is_file():  # the preset's kwargs too (e.g. the code tests' time limits)
         return preset("rewards", name).reward_functions
     rewards.check(name, "reward")
     return [RewardSpec(name)]
@@ -366,13 +370,17 @@ def build_engine(args: EvalArgs, model_path: str):
 
     cuda = torch.cuda.is_available()
     # auto: bfloat16 where it is computed natively (GPUs, AVX512-BF16/AMX CPUs), else float32.
-    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if cuda or hardware.native_bf16() else "float32")
+    dtype = (
+        args.dtype if args.dtype != "auto" else ("bfloat16" if cuda or hardware.native_bf16() else "float32")
+    )
     if args.backend == "vllm":
         import importlib.util
 
         if importlib.util.find_spec("vllm") is None:
-            raise EvalError("backend=vllm needs vllm: make setup installs its CPU build (or pip install '.[vllm]' "
-                            "on a GPU machine); or use backend=hf")
+            raise EvalError(
+                "backend=vllm needs vllm: make setup installs its CPU build (or pip install '.[vllm]' "
+                "on a GPU machine); or use backend=hf"
+            )
     gen = GenerationConfig(
         backend=args.backend,
         tensor_parallel_size=args.tensor_parallel_size,
@@ -443,7 +451,9 @@ def run(args: EvalArgs, *, engine=None, tokenizer=None) -> dict[str, Any]:
             engine.shutdown()
 
 
-def _evaluate_and_write(args: EvalArgs, engine, tokenizer, examples, specs, split: str, t0: float) -> dict[str, Any]:
+def _evaluate_and_write(
+    args: EvalArgs, engine, tokenizer, examples, specs, split: str, t0: float
+) -> dict[str, Any]:
     params = SamplingParams(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,

@@ -34,7 +34,11 @@ def pause_for_actor(cls: str) -> None:
     """:func:`pause` in a Ray actor of class ``cls`` (``module.Class``) being created, whose module is being
     imported for it; nothing in any other process (a driver, a test, another actor or task)."""
     ray = sys.modules.get("ray")  # a Ray worker has imported it; a process without it is none
-    if ray is not None and ray.is_initialized() and ray.get_runtime_context().get_task_function_name() == f"{cls}.__init__":
+    if (
+        ray is not None
+        and ray.is_initialized()
+        and ray.get_runtime_context().get_task_function_name() == f"{cls}.__init__"
+    ):
         pause()
 
 

@@ -27,8 +27,13 @@ def new_run_name() -> str:
 
 
 class RunLogger:
-    def __init__(self, cfg: Config, run_name: str | None = None, resume_step: int = 0,
-                 run_ids: Mapping[str, str] | None = None):
+    def __init__(
+        self,
+        cfg: Config,
+        run_name: str | None = None,
+        resume_step: int = 0,
+        run_ids: Mapping[str, str] | None = None,
+    ):
         self.cfg = cfg
         self.run_name = run_name or cfg.logger.run_name or new_run_name()
         self.run_dir = Path(cfg.logger.log_dir) / cfg.experiment_name / self.run_name
@@ -37,7 +42,10 @@ class RunLogger:
 
     def describe(self) -> str:
         """Where the metrics go, for the start-up line: ``tensorboard, wandb run 1a2b3c, mlflow run 9f8e...``."""
-        return ", ".join(t.name + (f" run {t.run_id}" if t.run_id else "") for t in self.trackers) or "no tracker"
+        return (
+            ", ".join(t.name + (f" run {t.run_id}" if t.run_id else "") for t in self.trackers)
+            or "no tracker"
+        )
 
     def run_ids(self) -> dict[str, str]:
         """Each tracker's run id, for the checkpoint: a resumed run continues these runs."""
@@ -49,8 +57,11 @@ class RunLogger:
                 call(tracker)
             except Exception as e:  # never stop a training run over its metrics; the other trackers go on
                 first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-                print(f"kuberl: warning: {tracker.name}: logging the {what} of step {step} failed "
-                      f"({type(e).__name__}: {first[:200]}); the other backends keep logging", flush=True)
+                print(
+                    f"kuberl: warning: {tracker.name}: logging the {what} of step {step} failed "
+                    f"({type(e).__name__}: {first[:200]}); the other backends keep logging",
+                    flush=True,
+                )
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
         self._each("scalars", step, lambda t: t.scalars(step, values))
@@ -77,13 +88,17 @@ class RunLogger:
             f"len {m['train/mean_generation_length']:.1f} | loss {m['train/loss']:+.4f} | "
             f"{m['timing/step_s']:.1f}s (gen {m['timing/generation_s']:.1f}, train {m['timing/train_s']:.1f})"
         )
-        if "perf/trained_tokens_per_s" in m:  # throughput of both halves, training's MFU, the largest rank's peak
+        if (
+            "perf/trained_tokens_per_s" in m
+        ):  # throughput of both halves, training's MFU, the largest rank's peak
             line += f" | tok/s gen {m['perf/generated_tokens_per_s']:.0f}, train {m['perf/trained_tokens_per_s']:.0f}"
             line += f" | MFU {m['perf/mfu']:.1%}" if "perf/mfu" in m else ""
             line += f" | mem {m['perf/peak_memory_gib_max']:.1f} GiB"
         if self.cfg.grpo.async_.max_staleness >= 1:  # how stale the batch was, and the policy's idle time
-            line += (f" | stale {m['train/staleness_max']:.0f}, waited "
-                     f"{m['timing/generation_wait_s'] + m['timing/weight_push_wait_s']:.1f}s")
+            line += (
+                f" | stale {m['train/staleness_max']:.0f}, waited "
+                f"{m['timing/generation_wait_s'] + m['timing/weight_push_wait_s']:.1f}s"
+            )
         if "train/dynamic_sampling_rounds" in m:
             line += f" | {m['train/dynamic_sampling_rounds']:.0f} rounds, {m['train/dynamic_sampling_prompts']:.0f} prompts"
         if "val/accuracy" in m:
@@ -95,4 +110,6 @@ class RunLogger:
             try:
                 tracker.close(failed)
             except Exception as e:  # the run's own outcome matters more than a tracker's goodbye
-                print(f"kuberl: warning: {tracker.name}: closing failed ({type(e).__name__}: {e})", flush=True)
+                print(
+                    f"kuberl: warning: {tracker.name}: closing failed ({type(e).__name__}: {e})", flush=True
+                )

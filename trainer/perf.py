@@ -59,8 +59,9 @@ class ModelFlops:
     head_dim: int
 
     @classmethod
-    def of(cls, hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, head_dim: int,
-           vocab: int) -> ModelFlops:
+    def of(
+        cls, hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, head_dim: int, vocab: int
+    ) -> ModelFlops:
         """A Llama-style decoder (q, k, v, o projections; gated MLP of three matrices; LM head)."""
         attention = hidden * head_dim * (2 * heads + 2 * kv_heads)  # q and o: heads; k and v: kv_heads
         mlp = 3 * hidden * intermediate  # gate, up, down
@@ -69,8 +70,15 @@ class ModelFlops:
     @classmethod
     def from_shape(cls, shape) -> ModelFlops:
         """From :class:`trainer.models.shape.Shape` (the text decoder's dimensions)."""
-        return cls.of(shape.hidden, shape.intermediate, shape.layers, shape.heads, shape.kv_heads,
-                      shape.head_dim, shape.vocab)
+        return cls.of(
+            shape.hidden,
+            shape.intermediate,
+            shape.layers,
+            shape.heads,
+            shape.kv_heads,
+            shape.head_dim,
+            shape.vocab,
+        )
 
     def training(self, lengths: Iterable[int], frozen_base: bool = False) -> float:
         """FLOPs of one forward and backward over samples of these lengths (prompt + response tokens)."""
@@ -126,7 +134,10 @@ def device_peak_flops(device, compute_dtype: str | None) -> tuple[float, str]:
     dtype = compute_dtype if compute_dtype in ("bfloat16", "float16") else "float32"
     threads = torch.get_num_threads()
     peak = measured_matmul_peak(dtype)
-    return peak, f"CPU, {threads} thread{'s' * (threads > 1)}: {peak / 1e9:.1f} GFLOP/s {dtype} (measured matmul)"
+    return (
+        peak,
+        f"CPU, {threads} thread{'s' * (threads > 1)}: {peak / 1e9:.1f} GFLOP/s {dtype} (measured matmul)",
+    )
 
 
 def peak_memory_bytes(device) -> float:

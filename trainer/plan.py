@@ -115,7 +115,9 @@ def micro_batch(cfg, training: bool = True) -> Micro:
     return Micro(tokens=tokens, logit_rows=rows, sequence=longest)
 
 
-def block_activation_bytes(shape: Shape, tokens: int, dtype_bytes: int, sequence_parallel: bool = False) -> float:
+def block_activation_bytes(
+    shape: Shape, tokens: int, dtype_bytes: int, sequence_parallel: bool = False
+) -> float:
     """What one decoder block keeps for its backward, per micro-batch: its input and both norms'
     outputs (h each, and the residual after attention), q/k/v before and q/k after the rotary
     embedding, attention's output, and the gated MLP's four intermediates (gate, up, act(gate),
@@ -269,7 +271,7 @@ ADVICE = {
     "reference policy (sharded)": "grpo.loss.reference_policy_kl_penalty=0, or more training GPUs",
     "gathered units": "policy.reshard_after_forward=true, or policy.param_dtype=bfloat16",
     "activations": "policy.activation_checkpointing=true, or a smaller policy.max_tokens_per_microbatch "
-                   "(a larger policy.sequence_parallel_size spreads a long sequence over more ranks)",
+    "(a larger policy.sequence_parallel_size spreads a long sequence over more ranks)",
     "logits": "a smaller policy.max_tokens_per_microbatch (or policy.micro_batch_size without a budget)",
     "runtime reserve": "nothing: a fixed reserve",
     "engine weights": "a larger generation.tensor_parallel_size",
@@ -280,7 +282,17 @@ ADVICE = {
 }
 LOADING_TERM = "one full tensor, loading"
 CHART_VALUES = Path(__file__).resolve().parents[1] / "charts" / "kuberl" / "values.yaml"
-_QUANTITY = {"": 1, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+_QUANTITY = {
+    "": 1,
+    "k": 1e3,
+    "M": 1e6,
+    "G": 1e9,
+    "T": 1e12,
+    "Ki": 2**10,
+    "Mi": 2**20,
+    "Gi": 2**30,
+    "Ti": 2**40,
+}
 
 
 def host_device(cfg, shape: Shape, host_bytes: float) -> Device | None:
@@ -295,11 +307,16 @@ def host_device(cfg, shape: Shape, host_bytes: float) -> Device | None:
     level = sleep_level(cfg.policy.lora.enabled)
     engines = cfg.cluster.gpus_per_node
     per_engine = shape.params * BYTES[cfg.engine_dtype]
-    dev = Device("training node, host memory", host_bytes, {SLEEPING_TERM: per_engine * engines if level == 1 else 0.0})
+    dev = Device(
+        "training node, host memory", host_bytes, {SLEEPING_TERM: per_engine * engines if level == 1 else 0.0}
+    )
     dev.notes.append(
         f"{engines} colocated engines sleep at level {level}: "
-        + (f"each copies its {per_engine / GiB:.1f} GiB of weights to host memory (LoRA: the base must survive)"
-           if level == 1 else "their weights are discarded, the refit overwrites them (nothing kept on the host)")
+        + (
+            f"each copies its {per_engine / GiB:.1f} GiB of weights to host memory (LoRA: the base must survive)"
+            if level == 1
+            else "their weights are discarded, the refit overwrites them (nothing kept on the host)"
+        )
     )
     return dev
 
@@ -315,11 +332,17 @@ def host_memory_request(values: Path | None) -> float:
         if path is None or not path.is_file():
             continue
         doc = yaml.safe_load(path.read_text()) or {}
-        memory = (((doc.get("workerGroups") or {}).get("train") or {}).get("resources") or {}).get("requests", {}).get("memory")
+        memory = (
+            (((doc.get("workerGroups") or {}).get("train") or {}).get("resources") or {})
+            .get("requests", {})
+            .get("memory")
+        )
         if memory is not None:
             m = re.fullmatch(r"([0-9.]+)([kMGT]i?)?", str(memory).strip())
             if not m:
-                raise PlanError(f"workerGroups.train.resources.requests.memory={memory!r} in {path}: not a quantity")
+                raise PlanError(
+                    f"workerGroups.train.resources.requests.memory={memory!r} in {path}: not a quantity"
+                )
             return float(m.group(1)) * _QUANTITY[m.group(2) or ""]
     return float("inf")
 
@@ -351,7 +374,9 @@ def plan(cfg, gpu: str | None, experiment: str, host_bytes: float = float("inf")
     if not cfg.cluster.use_gpus:
         return _cpu_plan(cfg, shape, terms, experiment)
     if gpu not in GPU_MEMORY:
-        raise PlanError(f"GPU type {gpu!r} has no memory figure; one of: {', '.join(GPU_MEMORY)} (gpu.type in the values file)")
+        raise PlanError(
+            f"GPU type {gpu!r} has no memory figure; one of: {', '.join(GPU_MEMORY)} (gpu.type in the values file)"
+        )
     capacity = GPU_MEMORY[gpu]
     terms["runtime reserve"] = RUNTIME_RESERVE
     train = Device("training GPU", capacity, terms, either=TRAINING_EITHER)
@@ -378,8 +403,15 @@ def plan(cfg, gpu: str | None, experiment: str, host_bytes: float = float("inf")
 def _cpu_plan(cfg, shape: Shape, terms: dict[str, float], experiment: str) -> Plan:
     """CPU ranks share one machine's memory: every rank's terms, and each engine's weights."""
     ranks = cfg.cluster.cpu_workers_per_node
-    either = tuple(tuple(tuple(f"{k} x {ranks} ranks" for k in side) for side in pair) for pair in TRAINING_EITHER)
-    node = Device("CPU node", _host_memory(), {f"{k} x {ranks} ranks": v * ranks for k, v in terms.items()}, either=either)
+    either = tuple(
+        tuple(tuple(f"{k} x {ranks} ranks" for k in side) for side in pair) for pair in TRAINING_EITHER
+    )
+    node = Device(
+        "CPU node",
+        _host_memory(),
+        {f"{k} x {ranks} ranks": v * ranks for k, v in terms.items()},
+        either=either,
+    )
     engines = ranks if not cfg.disaggregated else cfg.num_generation_workers
     node.terms[f"engine weights x {engines}"] = shape.params * BYTES[cfg.engine_dtype] * engines
     return Plan(experiment, "CPU", shape, [node])
@@ -412,14 +444,20 @@ def render(p: Plan) -> str:
             lines.append(f"    largest term: {d.dominant}; change: {key}")
     transients = sorted(p.transients().items(), key=lambda kv: -kv[1])
     if transients:
-        lines.append("transients (a training GPU, for a moment): " + ", ".join(
-            f"{name} {value / GiB:.2f} GiB{' (the largest)' if i == 0 else ''}" for i, (name, value) in enumerate(transients)
-        ))
+        lines.append(
+            "transients (a training GPU, for a moment): "
+            + ", ".join(
+                f"{name} {value / GiB:.2f} GiB{' (the largest)' if i == 0 else ''}"
+                for i, (name, value) in enumerate(transients)
+            )
+        )
     worst = p.tightest
     word = "fits" if p.fits else "does not fit"
     margin = worst.capacity - worst.total
-    lines.append(f"plan: {word} ({worst.role} at {100 * worst.total / worst.capacity:.0f}%, "
-                 f"{'margin' if margin >= 0 else 'short by'} {abs(margin) / GiB:.1f} GiB, largest term {worst.dominant})")
+    lines.append(
+        f"plan: {word} ({worst.role} at {100 * worst.total / worst.capacity:.0f}%, "
+        f"{'margin' if margin >= 0 else 'short by'} {abs(margin) / GiB:.1f} GiB, largest term {worst.dominant})"
+    )
     return "\n".join(lines)
 
 
@@ -443,7 +481,9 @@ def plan_for(exp: str, overrides: list[str], gpu: str | None = None) -> Plan:
     cfg = config.load([f"experiment={release.experiment}", *overrides])
     gpu = gpu or _gpu_of(release.values)
     if cfg.cluster.use_gpus and gpu in (None, "none"):
-        raise PlanError(f"experiment {release.experiment} runs on GPUs but has no values file with gpu.type: give GPU=h200 or GPU=b200")
+        raise PlanError(
+            f"experiment {release.experiment} runs on GPUs but has no values file with gpu.type: give GPU=h200 or GPU=b200"
+        )
     name = release.values.stem if release.values else release.experiment
     return plan(cfg, gpu, name, host_memory_request(release.values))
 
@@ -452,7 +492,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m trainer.plan", description=__doc__.split("\n\n")[0])
     p.add_argument("exp", nargs="?", help="a values file's stem or an experiment (none: every values file)")
     p.add_argument("overrides", nargs="*", help="Hydra overrides, key=value")
-    p.add_argument("--gpu", choices=sorted(GPU_MEMORY), help="the GPU type, for an experiment without a values file")
+    p.add_argument(
+        "--gpu", choices=sorted(GPU_MEMORY), help="the GPU type, for an experiment without a values file"
+    )
     args = p.parse_args(argv)
     from trainer import submit
     from trainer.config import ConfigError

@@ -67,12 +67,18 @@ class Preemption:
     def _handler(self, signum, frame) -> None:
         if self.received_at is None:
             self.received_at = time.monotonic()
-            print(f"kuberl: SIGTERM received: stopping at the next safe point; saving only if it fits in "
-                  f"checkpointing.preemption_grace_s={self.grace_s:g}", flush=True)
+            print(
+                f"kuberl: SIGTERM received: stopping at the next safe point; saving only if it fits in "
+                f"checkpointing.preemption_grace_s={self.grace_s:g}",
+                flush=True,
+            )
             if self.watch is not None:
-                self.watch.arm(self.grace_s + self.HARD_STOP_AFTER_S,
-                               f"SIGTERM: no safe point within checkpointing.preemption_grace_s={self.grace_s:g} "
-                               f"+ {self.HARD_STOP_AFTER_S:g}s (a worker does not answer); stopping now", 143)
+                self.watch.arm(
+                    self.grace_s + self.HARD_STOP_AFTER_S,
+                    f"SIGTERM: no safe point within checkpointing.preemption_grace_s={self.grace_s:g} "
+                    f"+ {self.HARD_STOP_AFTER_S:g}s (a worker does not answer); stopping now",
+                    143,
+                )
 
     def at_safe_point(
         self, progress: Any, ck: CheckpointConfig, save: Callable[[], None], resumes_from: Callable[[], str]
@@ -85,21 +91,38 @@ class Preemption:
         p, grace = progress, ck.preemption_grace_s
         left = self.left_s()
         if p.saved_step == p.step or not ck.enabled or p.step == 0:
-            why = "checkpointing.enabled=false" if not ck.enabled else (
-                "no step finished" if p.step == 0 else f"step {p.step} is saved")
+            why = (
+                "checkpointing.enabled=false"
+                if not ck.enabled
+                else ("no step finished" if p.step == 0 else f"step {p.step} is saved")
+            )
             print(f"kuberl: SIGTERM: {why}; exiting, {resumes_from()}", flush=True)
         elif p.save_s is None or p.save_s <= left:
-            timing = ("no save timed yet in this run, it may not fit" if p.save_s is None
-                      else f"the last save took {p.save_s:.1f}s")
-            print(f"kuberl: SIGTERM: saving step {p.step} ({left:.1f}s of checkpointing.preemption_grace_s={grace:g} "
-                  f"left; {timing})", flush=True)
+            timing = (
+                "no save timed yet in this run, it may not fit"
+                if p.save_s is None
+                else f"the last save took {p.save_s:.1f}s"
+            )
+            print(
+                f"kuberl: SIGTERM: saving step {p.step} ({left:.1f}s of checkpointing.preemption_grace_s={grace:g} "
+                f"left; {timing})",
+                flush=True,
+            )
             try:
                 save()
-            except Exception as e:  # workers on the reclaimed node may be gone already: say so, keep the old one
-                print(f"kuberl: SIGTERM: saving step {p.step} failed ({type(e).__name__}: {str(e).splitlines()[0]}); "
-                      f"{resumes_from()}", flush=True)
+            except (
+                Exception
+            ) as e:  # workers on the reclaimed node may be gone already: say so, keep the old one
+                print(
+                    f"kuberl: SIGTERM: saving step {p.step} failed ({type(e).__name__}: {str(e).splitlines()[0]}); "
+                    f"{resumes_from()}",
+                    flush=True,
+                )
         else:
-            print(f"kuberl: SIGTERM: not saving step {p.step}: a save takes about {p.save_s:.1f}s and "
-                  f"{max(left, 0):.1f}s of checkpointing.preemption_grace_s={grace:g} are left; "
-                  f"{resumes_from()}", flush=True)
+            print(
+                f"kuberl: SIGTERM: not saving step {p.step}: a save takes about {p.save_s:.1f}s and "
+                f"{max(left, 0):.1f}s of checkpointing.preemption_grace_s={grace:g} are left; "
+                f"{resumes_from()}",
+                flush=True,
+            )
         raise Preempted(p.step, p.saved_step)

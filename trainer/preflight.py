@@ -62,7 +62,10 @@ RDMA_INSTALLER_URL = (
     "https://raw.githubusercontent.com/GoogleCloudPlatform/container-engine-accelerators/master/"
     "gpudirect-rdma/nccl-rdma-installer.yaml"
 )
-CSI_ADDONS = {"gcsfuse.csi.storage.gke.io": "GcsFuseCsiDriver", "lustre.csi.storage.gke.io": "LustreCsiDriver"}
+CSI_ADDONS = {
+    "gcsfuse.csi.storage.gke.io": "GcsFuseCsiDriver",
+    "lustre.csi.storage.gke.io": "LustreCsiDriver",
+}
 # Managed Lustre without the legacy port: GKE's LustreCsiDriverConfig.enable_legacy_lustre_port is
 # "no longer required as of GKE node version 1.33.2-gke.4655000" (GKE API reference).
 LUSTRE_MIN_GKE = (1, 33, 2, 4655000)
@@ -136,7 +139,9 @@ def _get(kubectl: Kubectl, *args: str) -> dict | None:
 def check_context(kubectl: Kubectl) -> str:
     r = kubectl("config", "current-context")
     if r.rc != 0 or not r.out.strip():
-        raise NoCluster("no kube context: gcloud container clusters get-credentials CLUSTER --location LOCATION")
+        raise NoCluster(
+            "no kube context: gcloud container clusters get-credentials CLUSTER --location LOCATION"
+        )
     return r.out.strip()
 
 
@@ -162,7 +167,9 @@ _SUFFIX = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei"
 
 def parse_quantity(text: str | int | float) -> float:
     """A Kubernetes quantity (`12`, `15890m`, `48Gi`, `61255728Ki`, `1e3`) as a number."""
-    m = re.fullmatch(r"([+-]?[0-9.]+(?:[eE][+-]?[0-9]+)?)(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E|m)?", str(text).strip())
+    m = re.fullmatch(
+        r"([+-]?[0-9.]+(?:[eE][+-]?[0-9]+)?)(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E|m)?", str(text).strip()
+    )
     if not m:
         raise ValueError(f"not a Kubernetes quantity: {text!r}")
     return float(m[1]) * _SUFFIX[m[2] or ""]
@@ -200,12 +207,20 @@ def check_kuberay(kubectl: Kubectl, minimum: str) -> tuple[list[str], list[str]]
     for name, crd in crds.items():
         fields = crd_fields(crd, CRD_FIELDS[name])
         if fields is not None:
-            stale += [f"{name} has no {f}" for f in NEEDED_FIELDS if f not in fields and not (f == "upgradeStrategy" and name == "rayjobs.ray.io")]
-    crd_problems = [
-        f"KubeRay's CRDs are older than the operator the chart needs ({'; '.join(stale)}; `helm upgrade` never "
-        f"updates a chart's CRDs, and the API server drops those fields without a word): make kuberay "
-        "(applies the CRDs server-side)"
-    ] if stale else []
+            stale += [
+                f"{name} has no {f}"
+                for f in NEEDED_FIELDS
+                if f not in fields and not (f == "upgradeStrategy" and name == "rayjobs.ray.io")
+            ]
+    crd_problems = (
+        [
+            f"KubeRay's CRDs are older than the operator the chart needs ({'; '.join(stale)}; `helm upgrade` never "
+            f"updates a chart's CRDs, and the API server drops those fields without a word): make kuberay "
+            "(applies the CRDs server-side)"
+        ]
+        if stale
+        else []
+    )
     deployments = _get(kubectl, "deployments", "-A", "-l", "app.kubernetes.io/name=kuberay-operator") or {}
     images = [
         c["image"]
@@ -251,7 +266,17 @@ def crd_fields(crd: dict, path: tuple[str, ...]) -> set[str] | None:
 
 def render(release: str, values_file: Path, namespace: str, helm_args: list[str], helm: str) -> list[dict]:
     """`helm template` of the release as `make install` would apply it (values file + HELM_ARGS)."""
-    cmd = [helm, "template", release, str(CHART), "--namespace", namespace, "-f", str(values_file), *helm_args]
+    cmd = [
+        helm,
+        "template",
+        release,
+        str(CHART),
+        "--namespace",
+        namespace,
+        "-f",
+        str(values_file),
+        *helm_args,
+    ]
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO)
     except FileNotFoundError:
@@ -294,7 +319,9 @@ class Plan:
     creates_service_account: bool = False
     secrets: dict[str, tuple[str, str]] = field(default_factory=dict)  # Secret -> (key, env var)
     auth_on: bool = False  # authOptions.mode=token
-    auth_secret: str | None = None  # the Ray token's Secret (authOptions.secretName); None: KubeRay makes its own
+    auth_secret: str | None = (
+        None  # the Ray token's Secret (authOptions.secretName); None: KubeRay makes its own
+    )
     creates_auth_secret: bool = False
     # The Pod Security level the rendered pods need, and why where it is `privileged`.
     pod_security: str = "baseline"
@@ -322,9 +349,15 @@ def _need(name: str, count: int, template: dict) -> PodNeed:
 
 
 def _excluded(spec: dict) -> dict[str, set[str]]:
-    required = ((spec.get("affinity") or {}).get("nodeAffinity") or {}).get("requiredDuringSchedulingIgnoredDuringExecution") or {}
+    required = ((spec.get("affinity") or {}).get("nodeAffinity") or {}).get(
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ) or {}
     terms = required.get("nodeSelectorTerms") or [{}]
-    return {e["key"]: set(e.get("values") or []) for e in terms[0].get("matchExpressions") or [] if e.get("operator") == "NotIn"}
+    return {
+        e["key"]: set(e.get("values") or [])
+        for e in terms[0].get("matchExpressions") or []
+        if e.get("operator") == "NotIn"
+    }
 
 
 def plan(docs: list[dict]) -> Plan:
@@ -359,7 +392,9 @@ def plan(docs: list[dict]) -> Plan:
         if "csi" in pv["spec"]:
             p.csi_drivers.add(pv["spec"]["csi"]["driver"])
     p.service_account = head_template["spec"].get("serviceAccountName", "")
-    p.creates_service_account = any(d["metadata"]["name"] == p.service_account for d in by_kind.get("ServiceAccount", []))
+    p.creates_service_account = any(
+        d["metadata"]["name"] == p.service_account for d in by_kind.get("ServiceAccount", [])
+    )
     for t in templates:
         for env in t["spec"]["containers"][0].get("env", []):
             ref = (env.get("valueFrom") or {}).get("secretKeyRef")
@@ -481,7 +516,9 @@ def _why_no_node(nodes: list[dict], need: PodNeed) -> str:
         for k, v in sorted(need.selector.items()):
             have = sorted({(n["metadata"].get("labels") or {}).get(k, "<unset>") for n in kin})
             if have != [v]:
-                return f"{len(kin)} node(s) with {key}={need.selector[key]} have {k}={'/'.join(have)}, not {v}"
+                return (
+                    f"{len(kin)} node(s) with {key}={need.selector[key]} have {k}={'/'.join(have)}, not {v}"
+                )
         for k, values in sorted(need.excluded.items()):
             ruled_out = [n for n in kin if (n["metadata"].get("labels") or {}).get(k) in values]
             if len(ruled_out) == len(kin):
@@ -577,7 +614,9 @@ def check_nodes(kubectl: Kubectl, p: Plan) -> tuple[list[str], list[str]]:
     problems += problems_
     notes += notes_
 
-    rdma_nodes = sorted({n["metadata"]["name"] for w in gpu_needs if w.rdma for n in nodes if _eligible(n, w)})
+    rdma_nodes = sorted(
+        {n["metadata"]["name"] for w in gpu_needs if w.rdma for n in nodes if _eligible(n, w)}
+    )
     if rdma_nodes:
         ns, name = RDMA_INSTALLER
         pods = (_get(kubectl, "pods", "-n", ns, "-l", RDMA_INSTALLER_LABEL) or {}).get("items", [])
@@ -596,7 +635,12 @@ def check_nodes(kubectl: Kubectl, p: Plan) -> tuple[list[str], list[str]]:
             )
 
     if "lustre.csi.storage.gke.io" in p.csi_drivers:
-        used = {n["metadata"]["name"]: n for need in [p.head, *gpu_needs, *cpu_needs] for n in nodes if _eligible(n, need)}
+        used = {
+            n["metadata"]["name"]: n
+            for need in [p.head, *gpu_needs, *cpu_needs]
+            for n in nodes
+            if _eligible(n, need)
+        }
         old = []
         for name, n in sorted(used.items()):
             version = ((n.get("status") or {}).get("nodeInfo") or {}).get("kubeletVersion", "")
@@ -661,12 +705,15 @@ def check_release(kubectl: Kubectl, p: Plan, namespace: str) -> tuple[list[str],
                 "(and --enable-dataplane-v2), see docs/cluster.md"
             )
         else:
-            have = {n["metadata"]["name"] for n in (_get(kubectl, "networks.networking.gke.io") or {}).get("items", [])}
+            have = {
+                n["metadata"]["name"]
+                for n in (_get(kubectl, "networks.networking.gke.io") or {}).get("items", [])
+            }
             lacking = [n for n in p.networks if n not in have]
             if lacking:
                 problems.append(
                     f"RDMA: Network objects {', '.join(lacking)} are missing: the platform creates them once per "
-                    "cluster, make networks HELM_ARGS=\"--set gvnic.vpc=... \" (docs/cluster.md step 2)"
+                    'cluster, make networks HELM_ARGS="--set gvnic.vpc=... " (docs/cluster.md step 2)'
                 )
     for driver in sorted(p.csi_drivers):
         if _get(kubectl, "csidriver", driver) is None:
@@ -698,7 +745,11 @@ def check_release(kubectl: Kubectl, p: Plan, namespace: str) -> tuple[list[str],
             "auth: Ray's token auth is off (auth.mode=disabled): any pod that reaches the head can run code "
             "with this release's service account and Secrets"
         )
-    elif p.auth_secret and not p.creates_auth_secret and _get(kubectl, "secret", p.auth_secret, "-n", namespace) is None:
+    elif (
+        p.auth_secret
+        and not p.creates_auth_secret
+        and _get(kubectl, "secret", p.auth_secret, "-n", namespace) is None
+    ):
         problems.append(
             f"auth: Secret {p.auth_secret} (the Ray token, auth.existingSecret) is missing in namespace {namespace}: "
             f'kubectl create secret generic {p.auth_secret} -n {namespace} --from-literal=auth_token="$(openssl rand -hex 32)"'
@@ -730,7 +781,11 @@ def check_pod_security(kubectl: Kubectl, p: Plan, namespace: str) -> tuple[list[
         else:
             notes.append(
                 f"Pod Security: namespace {namespace} has {mode}={level}: "
-                + ("every Ray pod creation will print a warning" if mode == "warn" else "the audit log records every Ray pod")
+                + (
+                    "every Ray pod creation will print a warning"
+                    if mode == "warn"
+                    else "the audit log records every Ray pod"
+                )
                 + f" (they need {p.pod_security}{because})"
             )
     return problems, notes
@@ -748,14 +803,21 @@ def _project(context: str) -> str | None:
 def _quotas(answer: Result | None) -> dict[str, tuple[float, float]] | None:
     if answer is None or answer.rc != 0:
         return None
-    return {q["metric"]: (float(q["limit"]), float(q["usage"])) for q in json.loads(answer.out or "{}").get("quotas", [])}
+    return {
+        q["metric"]: (float(q["limit"]), float(q["usage"]))
+        for q in json.loads(answer.out or "{}").get("quotas", [])
+    }
 
 
-def check_quotas(kubectl: Kubectl, p: Plan, context: str, gcloud: Gcloud = real_gcloud) -> tuple[list[str], list[str]]:
+def check_quotas(
+    kubectl: Kubectl, p: Plan, context: str, gcloud: Gcloud = real_gcloud
+) -> tuple[list[str], list[str]]:
     """(problems, notes): GPU quota for the GPUs the groups need beyond the matching nodes already up
     (those hold theirs). Nothing without gcloud; a note when gcloud cannot read the quotas."""
     nodes = (_get(kubectl, "nodes") or {}).get("items", [])
-    regions = {(n["metadata"].get("labels") or {}).get("topology.kubernetes.io/region") for n in nodes} - {None}
+    regions = {(n["metadata"].get("labels") or {}).get("topology.kubernetes.io/region") for n in nodes} - {
+        None
+    }
     wants: dict[str, int] = {}  # metric -> GPUs still to come
     for need in p.workers:
         accelerator = need.selector.get("cloud.google.com/gke-accelerator")
@@ -763,7 +825,10 @@ def check_quotas(kubectl: Kubectl, p: Plan, context: str, gcloud: Gcloud = real_
             continue
         if "cloud.google.com/reservation-name" in need.selector:
             continue  # the reservation took its quota when it was made
-        preemptible = any(need.selector.get(k) == "true" for k in ("cloud.google.com/gke-spot", "cloud.google.com/gke-flex-start"))
+        preemptible = any(
+            need.selector.get(k) == "true"
+            for k in ("cloud.google.com/gke-spot", "cloud.google.com/gke-flex-start")
+        )
         metric = ("PREEMPTIBLE_" if preemptible else "") + GPU_QUOTAS[accelerator]
         present = sum(_allocatable(n)[GPU] for n in nodes if _eligible(n, need))
         missing = max(0, need.count * need.gpus - int(present))
@@ -779,7 +844,9 @@ def check_quotas(kubectl: Kubectl, p: Plan, context: str, gcloud: Gcloud = real_
         return [], []
     regional = _quotas(answer)
     if regional is None:
-        return [], [f"quota: gcloud could not read the quotas of {region}: check {', '.join(sorted(wants))} yourself (docs/cluster.md step 0)"]
+        return [], [
+            f"quota: gcloud could not read the quotas of {region}: check {', '.join(sorted(wants))} yourself (docs/cluster.md step 0)"
+        ]
     global_ = _quotas(gcloud("compute", "project-info", "describe", *where)) or {}
     problems = []
     total = sum(wants.values())

@@ -26,7 +26,9 @@ def load_dataset(data_cfg, split: str) -> list[dict]:
         message = str(e.args[0] if isinstance(e, KeyError) and e.args else e).splitlines()[0]
         raise SetupError(f"data.name={data_cfg.name} split={split}: {message}") from None
     if not examples:
-        raise SetupError(f"data.name={data_cfg.name} split={split}: no examples (check data.path and data.options)")
+        raise SetupError(
+            f"data.name={data_cfg.name} split={split}: no examples (check data.path and data.options)"
+        )
     return examples
 
 
@@ -130,7 +132,9 @@ def check_writable(key: str, path: str) -> None:
             pass
     except OSError as e:
         reason = e.strerror or str(e)
-        raise SetupError(f"{key}={path}: cannot create or write this directory ({reason}); pass a writable one") from None
+        raise SetupError(
+            f"{key}={path}: cannot create or write this directory ({reason}); pass a writable one"
+        ) from None
 
 
 def check_trackers(cfg: Config) -> None:

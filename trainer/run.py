@@ -181,8 +181,10 @@ class TrainState:
             tokenizer = load_tokenizer(cfg.model.tokenizer or self.model_path, cfg.model.trust_remote_code)
         except (OSError, ValueError) as e:  # no such directory, hub unreachable, not a tokenizer
             key = "model.tokenizer" if cfg.model.tokenizer else "model.name"
-            raise SetupError(f"{key}={cfg.model.tokenizer or cfg.model.name}: cannot load its tokenizer: "
-                             f"{str(e).strip().splitlines()[0]}") from None
+            raise SetupError(
+                f"{key}={cfg.model.tokenizer or cfg.model.name}: cannot load its tokenizer: "
+                f"{str(e).strip().splitlines()[0]}"
+            ) from None
         max_prompt = cfg.policy.max_total_sequence_length - cfg.generation.max_new_tokens
         kwargs = cfg.generation.chat_template_kwargs
         train = load_dataset(cfg.data, cfg.data.split)
@@ -193,7 +195,8 @@ class TrainState:
                 f"(policy.max_total_sequence_length={cfg.policy.max_total_sequence_length} - "
                 f"generation.max_new_tokens={cfg.generation.max_new_tokens}); raise "
                 f"policy.max_total_sequence_length or shorten data.system_prompt / data.prompt_template"
-                if train else f"data={cfg.data.name}: the {cfg.data.split!r} split has no examples"
+                if train
+                else f"data={cfg.data.name}: the {cfg.data.split!r} split has no examples"
             )
         self.val_examples: list[dict] = []
         if cfg.grpo.val_period or cfg.grpo.val_at_start:
@@ -207,7 +210,9 @@ class TrainState:
             )
             val = load_dataset(val_cfg, cfg.data.val_split)
             self.val_examples = encode_examples(tokenizer, val, kwargs, max_prompt)
-        self.loader = PromptLoader(self.train_examples, cfg.grpo.num_prompts_per_step, cfg.seed, cfg.data.shuffle)
+        self.loader = PromptLoader(
+            self.train_examples, cfg.grpo.num_prompts_per_step, cfg.seed, cfg.data.shuffle
+        )
         self.progress = Progress(step=0, loader_state=self.loader.state_dict())
 
         self.policy.wait_ready()
@@ -229,20 +234,30 @@ class TrainState:
             if warning:
                 print(warning, flush=True)
             self.progress = Progress(
-                step=int(info["step"]), loader_state=self.loader.state_dict(), metrics=info.get("metrics", {}),
-                saved=resume, saved_step=int(info["step"]), save_s=info.get("save_s"),
+                step=int(info["step"]),
+                loader_state=self.loader.state_dict(),
+                metrics=info.get("metrics", {}),
+                saved=resume,
+                saved_step=int(info["step"]),
+                save_s=info.get("save_s"),
             )
         # A resumed run appends to its own TensorBoard run and continues its W&B and MLflow runs; a fresh
         # one never touches old ones.
         from trainer.tracking import TrackerError
 
         try:
-            self.logger = RunLogger(cfg, run_name=info.get("run_name"), resume_step=self.progress.step,
-                                    run_ids=info.get("tracker_runs"))
+            self.logger = RunLogger(
+                cfg,
+                run_name=info.get("run_name"),
+                resume_step=self.progress.step,
+                run_ids=info.get("tracker_runs"),
+            )
         except TrackerError as e:
             raise SetupError(str(e)) from None
         if resume:
-            print(f"kuberl: resumed from {resume} (step {self.progress.step}, checkpointing.resume={cfg.checkpointing.resume})")
+            print(
+                f"kuberl: resumed from {resume} (step {self.progress.step}, checkpointing.resume={cfg.checkpointing.resume})"
+            )
         else:
             reason = "resume=never" if cfg.checkpointing.resume == "never" else "no checkpoint yet"
             print(f"kuberl: starting a fresh run ({reason}; checkpoints -> {self.checkpointer.root})")
@@ -332,7 +347,9 @@ class TrainState:
                     log.warning("shutdown: %s", e)
             if getattr(self, "logger", None) is not None:
                 self.logger.close(failed)
-        if not failed:  # after a failure it keeps watching: the way out (ray.shutdown) may hang on a lost cluster
+        if (
+            not failed
+        ):  # after a failure it keeps watching: the way out (ray.shutdown) may hang on a lost cluster
             self.watch.stop()
 
 

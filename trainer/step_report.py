@@ -14,9 +14,9 @@ from trainer.config import Config
 
 # What each importance-sampling mode flags, as a share of the response tokens trained on.
 IS_METRICS = {
-    "tis": "train/tis_truncated_frac",        # ratio above tis_cap, truncated
-    "mis": "train/mis_masked_frac",           # ratio outside [mis_low, mis_high], dropped
-    "seq_mis": "train/seq_mis_masked_frac",   # tokens of sequences dropped on their geometric-mean ratio
+    "tis": "train/tis_truncated_frac",  # ratio above tis_cap, truncated
+    "mis": "train/mis_masked_frac",  # ratio outside [mis_low, mis_high], dropped
+    "seq_mis": "train/seq_mis_masked_frac",  # tokens of sequences dropped on their geometric-mean ratio
 }
 
 
@@ -68,14 +68,21 @@ def step_metrics(
     if cfg.grpo.max_rollout_turns > 1:
         metrics["train/mean_turns"] = sum(r.turns for r in rollouts) / len(rollouts)
     for name in rollouts[0].reward.scores:
-        metrics[f"train/reward/{name}"] = sum(r.reward.scores.get(name, 0.0) for r in rollouts) / len(rollouts)
+        metrics[f"train/reward/{name}"] = sum(r.reward.scores.get(name, 0.0) for r in rollouts) / len(
+            rollouts
+        )
     if overlong is not None:
         metrics["train/overlong_penalty_mean"] = overlong.mean().item()
     return metrics
 
 
 def rollout_rows(
-    step: int, rollouts: list, advantages: list[float], versions: list[int], overlong: torch.Tensor | None, tokenizer: Any
+    step: int,
+    rollouts: list,
+    advantages: list[float],
+    versions: list[int],
+    overlong: torch.Tensor | None,
+    tokenizer: Any,
 ) -> list[dict]:
     """One jsonl row per rollout: prompt, response, what the reward judged and paid, its advantage and the
     weights that generated it (``versions``); ``tokenizer`` decodes a multi-turn transcript."""
@@ -100,14 +107,20 @@ def rollout_rows(
         }
         for r, advantage, version in zip(rollouts, advantages, versions)
     ]
-    if overlong is not None:  # the jsonl keeps reward as the reward functions' total; the penalty is its own field
+    if (
+        overlong is not None
+    ):  # the jsonl keeps reward as the reward functions' total; the penalty is its own field
         for row, penalty in zip(rows, overlong.tolist()):
             row["overlong_penalty"] = penalty
     return rows
 
 
 def perf_metrics(
-    cfg: Config, trained_lengths: list[int], train_s: float, ranks: list[dict], flops: perf.ModelFlops | None,
+    cfg: Config,
+    trained_lengths: list[int],
+    train_s: float,
+    ranks: list[dict],
+    flops: perf.ModelFlops | None,
     refit_bytes: int | None = None,
 ) -> dict[str, float]:
     """Trained tokens/s, MFU of the policy's training pass, each rank's peak memory and what a refit moves;

@@ -50,7 +50,9 @@ EXPERIMENTS = PACKAGE / "conf" / "experiment"
 VALUES = REPO / "values"
 DASHBOARD_PORT = 8265
 TENSORBOARD_PORT = 6006
-STOP_WAIT_S = 60  # SIGTERM to SIGKILL at `make stop`: above checkpointing.preemption_grace_s (25) plus shutdown
+STOP_WAIT_S = (
+    60  # SIGTERM to SIGKILL at `make stop`: above checkpointing.preemption_grace_s (25) plus shutdown
+)
 # Where the cluster tells the trainer to write; the chart and `up` set these on every Ray process.
 DIR_OVERRIDES = (
     ("logger.log_dir", "KUBERL_LOG_DIR"),
@@ -150,7 +152,9 @@ def _resolve_prefix(exp: str, need_values: bool) -> Release:
         raise SubmitError(f"EXP={exp} matches several experiments ({', '.join(sorted(names))}): pick one")
     if need_values:
         all_stems = ", ".join(p.stem for p in sorted(VALUES.glob("*.yaml")))
-        raise SubmitError(f"no values file for {exp!r} in values/: use one of {all_stems}, or add values/{exp}.yaml")
+        raise SubmitError(
+            f"no values file for {exp!r} in values/: use one of {all_stems}, or add values/{exp}.yaml"
+        )
     return Release(release_name(exp), None, check_experiment(exp))
 
 

@@ -113,7 +113,11 @@ def diagnose(error: BaseException, address: str | None = None, ping_s: float = P
         dead[error.actor_id] = _first_line(error)
     # Ask the others: a dead actor answers with an error at once, a busy one not at all (it is stuck
     # in a collective with the dead one), so only dead ones are learnt within ping_s.
-    pings = {handle.__ray_ready__.remote(): actor_id for actor_id, (_, handle) in _ROLES.items() if actor_id not in dead}
+    pings = {
+        handle.__ray_ready__.remote(): actor_id
+        for actor_id, (_, handle) in _ROLES.items()
+        if actor_id not in dead
+    }
     deadline = time.monotonic() + ping_s
     while pings and time.monotonic() < deadline:
         ready, _ = ray.wait(list(pings), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
@@ -127,7 +131,10 @@ def diagnose(error: BaseException, address: str | None = None, ping_s: float = P
                 pass
     if not dead:
         return None
-    return ", ".join(f"{_ROLES[a][0]} (its process is gone: {why})" for a, why in sorted(dead.items(), key=lambda kv: _ROLES[kv[0]][0]))
+    return ", ".join(
+        f"{_ROLES[a][0]} (its process is gone: {why})"
+        for a, why in sorted(dead.items(), key=lambda kv: _ROLES[kv[0]][0])
+    )
 
 
 class Watch:
@@ -155,8 +162,10 @@ class Watch:
             else:
                 unanswered_since = unanswered_since or now
                 if now - unanswered_since >= self.lost_after_s:
-                    exit_now(f"lost the Ray cluster: its GCS at {self.address} has not answered for "
-                             f"{now - unanswered_since:.0f}s; {self.describe()}")
+                    exit_now(
+                        f"lost the Ray cluster: its GCS at {self.address} has not answered for "
+                        f"{now - unanswered_since:.0f}s; {self.describe()}"
+                    )
             with self._lock:
                 due = [v for v in self._deadlines.values() if v[0] <= now]
             if due:

@@ -69,7 +69,10 @@ def test_registry_names():
             "grpo.loss.aggregation='nope' is not allowed; choose one of: token-mean, seq-mean-token-mean, "
             "seq-mean-token-sum-norm",
         ),
-        ("importance_sampling", "grpo.loss.importance_sampling='nope' is not allowed; choose one of: none, tis, mis, seq_mis"),
+        (
+            "importance_sampling",
+            "grpo.loss.importance_sampling='nope' is not allowed; choose one of: none, tis, mis, seq_mis",
+        ),
         ("ratio_level", "grpo.loss.ratio_level='nope' is not allowed; choose one of: token, sequence"),
     ],
 )
@@ -130,7 +133,9 @@ def test_leave_one_out_two_sample_group():
 
 
 @pytest.mark.parametrize("estimator", ["mean", "leave_one_out"])
-@pytest.mark.parametrize(("normalize_std", "std"), [(True, "group"), (True, "leave_one_out"), (False, "group")])
+@pytest.mark.parametrize(
+    ("normalize_std", "std"), [(True, "group"), (True, "leave_one_out"), (False, "group")]
+)
 @pytest.mark.parametrize("value", [0.0, 1.0, 0.1, 1 / 3, -7.3, 1e6 + 0.1])
 def test_zero_variance_group_gives_exactly_zero(estimator, normalize_std, std, value):
     rewards = t([value] * 6 + [1.0, 0.0, 0.0])
@@ -149,7 +154,9 @@ LOO_REWARDS = [3.0, 1.0, 2.0, 0.0, 1.0, 0.0, 0.0, 0.0]
 
 def test_leave_one_out_std_hand_values():
     std = ca.leave_one_out_std(t(LOO_REWARDS).view(2, 4))
-    torch.testing.assert_close(std, t([[1.0, 1.52752523, 1.52752523, 1.0], [0.0, 0.57735027, 0.57735027, 0.57735027]]))
+    torch.testing.assert_close(
+        std, t([[1.0, 1.52752523, 1.52752523, 1.0], [0.0, 0.57735027, 0.57735027, 0.57735027]])
+    )
     assert std[1, 0].item() == 0.0  # exactly: the others all agree
 
 
@@ -428,8 +435,12 @@ def test_token_ratio_level_is_the_clipped_loss_bit_for_bit():
 def test_overlong_penalty_hand_values():
     # L_max 10, buffer 4: free up to 6 tokens, then (6 - length) / 4 * penalty, -penalty from 10 on.
     lengths = t([5.0, 6.0, 7.0, 8.0, 10.0, 12.0])
-    torch.testing.assert_close(ca.overlong_penalty(lengths, 10, 4, 1.0), t([0.0, 0.0, -0.25, -0.5, -1.0, -1.0]))
-    torch.testing.assert_close(ca.overlong_penalty(lengths, 10, 4, 0.5), t([0.0, 0.0, -0.125, -0.25, -0.5, -0.5]))
+    torch.testing.assert_close(
+        ca.overlong_penalty(lengths, 10, 4, 1.0), t([0.0, 0.0, -0.25, -0.5, -1.0, -1.0])
+    )
+    torch.testing.assert_close(
+        ca.overlong_penalty(lengths, 10, 4, 0.5), t([0.0, 0.0, -0.125, -0.25, -0.5, -0.5])
+    )
 
 
 def test_overlong_penalty_off_and_integer_lengths():
@@ -593,7 +604,9 @@ def test_fused_logprobs_and_entropy_equal_the_separate_functions_at_a_temperatur
     weights = torch.randn(labels.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
     a = logits.clone().requires_grad_(True)
     b = logits.clone().requires_grad_(True)
-    lp, entropy = ca.logprobs_and_entropy(a, labels, chunk_size=chunk_size, temperature=temperature, with_entropy=True)
+    lp, entropy = ca.logprobs_and_entropy(
+        a, labels, chunk_size=chunk_size, temperature=temperature, with_entropy=True
+    )
     reference = torch.log_softmax(b / temperature, -1).gather(-1, labels[..., None]).squeeze(-1)
     torch.testing.assert_close(lp, reference)
     torch.testing.assert_close(entropy, entropy_from_logits(logits / temperature))

@@ -21,8 +21,14 @@ MASK = t([[1, 1, 0], [1, 1, 1]])  # 5 tokens, the first response padded
 
 def _inputs(logprobs, **kw) -> LossInputs:
     logprobs = logprobs.clone().requires_grad_(True)
-    return LossInputs(logprobs=logprobs, advantages=kw.pop("advantages", t([1.0, -2.0])), mask=MASK,
-                      num_tokens=kw.pop("num_tokens", 5.0), num_seqs=kw.pop("num_seqs", 2.0), **kw)
+    return LossInputs(
+        logprobs=logprobs,
+        advantages=kw.pop("advantages", t([1.0, -2.0])),
+        mask=MASK,
+        num_tokens=kw.pop("num_tokens", 5.0),
+        num_seqs=kw.pop("num_seqs", 2.0),
+        **kw,
+    )
 
 
 def test_should_be_minus_the_token_mean_advantage_with_its_gradient_when_on_policy():
@@ -38,8 +44,13 @@ def test_should_be_minus_the_token_mean_advantage_with_its_gradient_when_on_poli
 
 
 def test_should_weight_only_the_policy_gradient_term_when_tis_truncates_the_engines_ratio():
-    loss_cfg = LossConfig(importance_sampling="tis", tis_cap=2.0, reference_policy_kl_penalty=0.5, kl_estimator="k1",
-                          kl_clamp=None)
+    loss_cfg = LossConfig(
+        importance_sampling="tis",
+        tis_cap=2.0,
+        reference_policy_kl_penalty=0.5,
+        kl_estimator="k1",
+        kl_clamp=None,
+    )
     objective = Objective(loss_cfg, max_len=3, kl_penalty=True)
     lp = t([[-1.0, -1.0, -1.0], [-1.0, -1.0, -1.0]])
     behaviour = lp - math.log(3.0)  # pi_old / pi_engine = 3 on every token: truncated to 2
@@ -61,8 +72,15 @@ def test_should_sum_over_ranks_to_the_whole_batchs_loss_when_each_rank_passes_th
     adv = t([1.0, -1.0, 0.5, 2.0])
 
     def on(rows, seqs, tokens):
-        return LossInputs(logprobs=lp[rows], advantages=adv[rows], mask=mask[rows], num_tokens=tokens,
-                          num_seqs=seqs, old_logprobs=old[rows], behaviour_logprobs=gen[rows])
+        return LossInputs(
+            logprobs=lp[rows],
+            advantages=adv[rows],
+            mask=mask[rows],
+            num_tokens=tokens,
+            num_seqs=seqs,
+            old_logprobs=old[rows],
+            behaviour_logprobs=gen[rows],
+        )
 
     whole, _ = objective(on(slice(0, 4), 4, mask.sum().item()))
     halves = [objective(on(rows, 4, mask.sum().item()))[0] for rows in (slice(0, 2), slice(2, 4))]
@@ -70,18 +88,28 @@ def test_should_sum_over_ranks_to_the_whole_batchs_loss_when_each_rank_passes_th
 
 
 def test_should_clip_each_response_as_one_when_the_ratio_is_gspos_sequence_ratio():
-    loss_cfg = LossConfig(importance_sampling="none", ratio_level="sequence", ratio_clip_min=0.1, ratio_clip_max=0.1,
-                          aggregation="seq-mean-token-mean")
+    loss_cfg = LossConfig(
+        importance_sampling="none",
+        ratio_level="sequence",
+        ratio_clip_min=0.1,
+        ratio_clip_max=0.1,
+        aggregation="seq-mean-token-mean",
+    )
     objective = Objective(loss_cfg, max_len=3, kl_penalty=False)
     old = t([[-1.0, -1.0, -1.0], [-1.0, -1.0, -1.0]])
-    lp = old + t([[0.5, 0.5, 9.0], [0.0, 0.0, 0.0]])  # response 0: ratio e^0.5 over its 2 tokens (padding ignored)
+    lp = old + t(
+        [[0.5, 0.5, 9.0], [0.0, 0.0, 0.0]]
+    )  # response 0: ratio e^0.5 over its 2 tokens (padding ignored)
     _, sums = objective(_inputs(lp, old_logprobs=old, advantages=t([1.0, 1.0])))
-    assert sums["pg_clipfrac"].item() == 2  # both tokens of response 0 clipped, as one, and none of response 1
+    assert (
+        sums["pg_clipfrac"].item() == 2
+    )  # both tokens of response 0 clipped, as one, and none of response 1
 
 
 def test_should_refuse_a_kl_penalty_without_reference_logprobs():
-    objective = Objective(LossConfig(importance_sampling="none", reference_policy_kl_penalty=0.1), max_len=3,
-                          kl_penalty=True)
+    objective = Objective(
+        LossConfig(importance_sampling="none", reference_policy_kl_penalty=0.1), max_len=3, kl_penalty=True
+    )
     with pytest.raises(ValueError, match="no reference logprobs"):
         objective(_inputs(t([[-1.0, -1.0, -1.0], [-1.0, -1.0, -1.0]])))
 

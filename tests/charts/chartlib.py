@@ -108,7 +108,9 @@ def start_script(template: dict) -> str:
     return template["spec"]["containers"][0]["args"][0]
 
 
-def run_start_script(template: dict, root: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def run_start_script(
+    template: dict, root: Path, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     """Run a Ray container's start-up script with bash, as the pod would, on this machine: the node's
     scripts and tools (/usr/local/gib/scripts, /usr/local/nvidia/bin) live under `root`, and KubeRay's
     `ray start` is `env`, so stdout shows the environment Ray would start with."""

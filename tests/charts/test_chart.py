@@ -169,7 +169,11 @@ def _ray_templates(docs: list[dict]) -> list[dict]:
     """Every Ray pod template, in RayClusters and RayJobs alike."""
     specs = [d["spec"] for d in docs if d["kind"] == "RayCluster"]
     specs += [d["spec"]["rayClusterSpec"] for d in docs if d["kind"] == "RayJob"]
-    return [t for s in specs for t in [s["headGroupSpec"]["template"], *(g["template"] for g in s["workerGroupSpecs"])]]
+    return [
+        t
+        for s in specs
+        for t in [s["headGroupSpec"]["template"], *(g["template"] for g in s["workerGroupSpecs"])]
+    ]
 
 
 def test_should_exec_kuberays_generated_ray_start_when_overwriting_the_container_command(tmp_path) -> None:
@@ -189,7 +193,13 @@ def test_should_run_tini_as_pid_1_of_every_ray_container_when_rendered(sets) -> 
     templates = _ray_templates(docs)
     assert len(templates) == 3
     for template in templates:
-        assert template["spec"]["containers"][0]["command"] == ["/usr/bin/tini", "--", "/bin/bash", "-c", "--"]
+        assert template["spec"]["containers"][0]["command"] == [
+            "/usr/bin/tini",
+            "--",
+            "/bin/bash",
+            "-c",
+            "--",
+        ]
     dockerfile = (REPO / "docker" / "Dockerfile").read_text()
     assert 'ENTRYPOINT ["/usr/bin/tini", "--"' in dockerfile  # the path Debian's tini package installs
     assert " tini " in dockerfile.split("apt-get install", 1)[1].split("&&", 1)[0] + " "
@@ -198,12 +208,16 @@ def test_should_run_tini_as_pid_1_of_every_ray_container_when_rendered(sets) -> 
 # ----- GPU driver ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("driver", "starts"), [("570.172.08", False), ("580.95.05", True), ("590.44.01", True)])
+@pytest.mark.parametrize(
+    ("driver", "starts"), [("570.172.08", False), ("580.95.05", True), ("590.44.01", True)]
+)
 def test_should_refuse_to_start_a_gpu_worker_in_one_line_when_the_node_driver_is_older_than_r580(
     driver, starts, tmp_path
 ) -> None:
     """The lock's CUDA 13 wheels need R580+ (Chart.yaml `kuberl.dev/min-nvidia-driver`)."""
-    min_driver = yaml.safe_load((CHART / "Chart.yaml").read_text())["annotations"]["kuberl.dev/min-nvidia-driver"]
+    min_driver = yaml.safe_load((CHART / "Chart.yaml").read_text())["annotations"][
+        "kuberl.dev/min-nvidia-driver"
+    ]
     assert min_driver == "580"
     node_file(tmp_path, "/usr/local/nvidia/bin/nvidia-smi", f"#!/bin/sh\necho {driver}\n", mode=0o755)
     out = run_start_script(groups(render())["train"]["template"], tmp_path)
@@ -336,7 +350,9 @@ export NCCL_TUNER_CONFIG_PATH=/usr/local/gib/configs/from_the_installer.txtpb
 """
 
 
-def test_should_source_the_installers_nccl_settings_with_explicit_values_over_them_when_rdma_enabled(tmp_path) -> None:
+def test_should_source_the_installers_nccl_settings_with_explicit_values_over_them_when_rdma_enabled(
+    tmp_path,
+) -> None:
     template = groups(render(*RDMA, "rdma.ncclEnv.NCCL_IB_TC=106"))["train"]["template"]
     node_file(tmp_path, "/usr/local/gib/scripts/set_nccl_env.sh", INSTALLER_SCRIPT)
     out = run_start_script(template, tmp_path)
@@ -403,7 +419,9 @@ def test_should_name_the_missing_network_value_when_the_networks_chart_lacks_one
 def test_should_attach_to_the_platforms_networks_and_create_none_when_rdma_enabled() -> None:
     docs = render(*RDMA)
     assert not [d for d in docs if d["kind"] in ("Network", "GKENetworkParamSet")]
-    interfaces = json.loads(groups(docs)["train"]["template"]["metadata"]["annotations"]["networking.gke.io/interfaces"])
+    interfaces = json.loads(
+        groups(docs)["train"]["template"]["metadata"]["annotations"]["networking.gke.io/interfaces"]
+    )
     names = {i["network"] for i in interfaces}
     assert names == {n["metadata"]["name"] for n in _networks(*NETS) if n["kind"] == "Network"} | {"default"}
 
@@ -427,7 +445,9 @@ def test_should_use_the_existing_service_account_when_create_is_false() -> None:
 
 
 def test_should_read_hf_token_and_wandb_key_from_secret_key_refs_when_secrets_are_named() -> None:
-    docs = render("secrets.wandbApiKey.secretName=wandb", "logger.backends={tensorboard,wandb}")  # the key: W&B runs only
+    docs = render(
+        "secrets.wandbApiKey.secretName=wandb", "logger.backends={tensorboard,wandb}"
+    )  # the key: W&B runs only
     for template in [head_template(docs), groups(docs)["train"]["template"]]:
         env = env_of(template)
         assert env["HF_TOKEN"] == {
@@ -508,7 +528,9 @@ def test_should_replace_dots_in_the_cluster_name_when_the_release_has_them() -> 
     assert rc["metadata"]["name"] == "qwen2-5-coder"
 
 
-def test_should_print_the_release_name_for_make_submit_when_several_values_files_could_run_the_experiment() -> None:
+def test_should_print_the_release_name_for_make_submit_when_several_values_files_could_run_the_experiment() -> (
+    None
+):
     out = run_helm("install", "qwen2-5-coder-7b-code-b200", str(CHART), "--dry-run=client", "-n", "exp",
                    "--set", "storage.gcsfuse.bucketName=b", "--set", "experiment=qwen2.5-coder-7b-code")  # fmt: skip
     notes = out.stdout.split("NOTES:", 1)[1]
@@ -530,7 +552,9 @@ def test_should_keep_the_name_limit_in_one_place_when_the_chart_reads_it() -> No
 
 @pytest.mark.parametrize("length", [46, 47, 48, 51, 53])
 @pytest.mark.parametrize("job", [False, True], ids=["raycluster", "rayjob"])
-def test_should_cut_the_cluster_name_to_kuberays_rayjob_limit_when_the_release_name_is_long(length, job) -> None:
+def test_should_cut_the_cluster_name_to_kuberays_rayjob_limit_when_the_release_name_is_long(
+    length, job
+) -> None:
     release = ("r" * 44 + "-abcdefghij")[:length]
     docs = render(*(JOB if job else ()), release=release)
     kind = "RayJob" if job else "RayCluster"
@@ -578,9 +602,13 @@ def _gpu_containers(docs: list[dict]) -> list[dict]:
     ]
 
 
-@pytest.mark.parametrize("sets", [(), RDMA, ("job.enabled=true", "experiment=tiny")], ids=["plain", "rdma", "rayjob"])
+@pytest.mark.parametrize(
+    "sets", [(), RDMA, ("job.enabled=true", "experiment=tiny")], ids=["plain", "rdma", "rayjob"]
+)
 def test_should_put_the_gke_driver_on_ld_library_path_of_every_gpu_container_when_rendered(sets) -> None:
-    containers = _gpu_containers(render("workerGroups.generation.replicas=1", "workerGroups.generation.gpus=8", *sets))
+    containers = _gpu_containers(
+        render("workerGroups.generation.replicas=1", "workerGroups.generation.gpus=8", *sets)
+    )
     assert len(containers) == 2
     for c in containers:
         path = {e["name"]: e.get("value") for e in c["env"]}["LD_LIBRARY_PATH"].split(":")
@@ -591,7 +619,9 @@ def test_should_put_the_gke_driver_on_ld_library_path_of_every_gpu_container_whe
 def test_should_leave_ld_library_path_alone_when_a_container_has_no_gpu() -> None:
     docs = render()
     assert "LD_LIBRARY_PATH" not in env_of(head_template(docs))
-    assert "LD_LIBRARY_PATH" not in env_of(groups(render("gpu.type=none", "workerGroups.train.gpus=0"))["train"]["template"])
+    assert "LD_LIBRARY_PATH" not in env_of(
+        groups(render("gpu.type=none", "workerGroups.train.gpus=0"))["train"]["template"]
+    )
 
 
 # ----- image --------------------------------------------------------------------------------------
@@ -612,7 +642,12 @@ def test_should_run_the_charts_app_version_when_image_tag_is_empty() -> None:
 
 @pytest.mark.parametrize(
     ("tag", "ref"),
-    [("0.2.0", ":0.2.0"), (f"@{DIGEST}", f"@{DIGEST}"), (DIGEST, f"@{DIGEST}"), (f"0.2.0@{DIGEST}", f":0.2.0@{DIGEST}")],
+    [
+        ("0.2.0", ":0.2.0"),
+        (f"@{DIGEST}", f"@{DIGEST}"),
+        (DIGEST, f"@{DIGEST}"),
+        (f"0.2.0@{DIGEST}", f":0.2.0@{DIGEST}"),
+    ],
     ids=["tag", "digest", "bare-digest", "tag-and-digest"],
 )
 def test_should_pin_the_image_by_tag_or_digest_when_image_tag_is_given(tag: str, ref: str) -> None:
@@ -675,7 +710,9 @@ def test_should_not_cache_metadata_and_bound_the_file_cache_when_mounting_the_re
 LOCAL_SSD = "cloud.google.com/gke-ephemeral-storage-local-ssd"
 
 
-def test_should_keep_the_worker_file_cache_on_local_ssd_and_none_on_the_head_when_storage_is_gcsfuse() -> None:
+def test_should_keep_the_worker_file_cache_on_local_ssd_and_none_on_the_head_when_storage_is_gcsfuse() -> (
+    None
+):
     docs = render("storage.models.enabled=true")
     worker, head = groups(docs)["train"]["template"], head_template(docs)
     assert worker["spec"]["nodeSelector"][LOCAL_SSD] == "true"
@@ -686,7 +723,11 @@ def test_should_keep_the_worker_file_cache_on_local_ssd_and_none_on_the_head_whe
 
 @pytest.mark.parametrize(
     "sets",
-    [("storage.gcsfuse.fileCache.worker=0",), ("storage.gcsfuse.cacheOnLocalSsd=false",), ("storage.type=emptyDir",)],
+    [
+        ("storage.gcsfuse.fileCache.worker=0",),
+        ("storage.gcsfuse.cacheOnLocalSsd=false",),
+        ("storage.type=emptyDir",),
+    ],
     ids=["no-worker-cache", "opted-out", "not-gcsfuse"],
 )
 def test_should_not_ask_for_local_ssd_when_workers_keep_no_gcsfuse_file_cache(sets) -> None:
@@ -753,7 +794,11 @@ def test_should_render_a_valid_rayjob_instead_of_the_raycluster_when_job_enabled
     job = one(docs, "RayJob")
     assert not schema_errors(job)
     spec = job["spec"]
-    assert (spec["backoffLimit"], spec["shutdownAfterJobFinishes"], spec["ttlSecondsAfterFinished"]) == (10, True, 600)
+    assert (spec["backoffLimit"], spec["shutdownAfterJobFinishes"], spec["ttlSecondsAfterFinished"]) == (
+        10,
+        True,
+        600,
+    )
     assert spec["submissionMode"] == "K8sJobMode" and "activeDeadlineSeconds" not in spec
     assert job["metadata"]["annotations"]["ray.io/overwrite-container-cmd"] == "true"
     # the same cluster as the RayCluster path renders, less the upgrade strategy KubeRay refuses there
@@ -763,7 +808,9 @@ def test_should_render_a_valid_rayjob_instead_of_the_raycluster_when_job_enabled
 
 
 def test_should_resume_the_experiment_on_shared_storage_when_the_rayjob_entrypoint_runs() -> None:
-    spec = one(render(*JOB, "job.overrides={grpo.max_num_steps=500,policy.learning_rate=1e-6}"), "RayJob")["spec"]
+    spec = one(render(*JOB, "job.overrides={grpo.max_num_steps=500,policy.learning_rate=1e-6}"), "RayJob")[
+        "spec"
+    ]
     assert spec["entrypoint"] == (
         "exec python -m trainer experiment=gemma3-1b-math checkpointing.resume=auto logger.log_dir=/data/logs "
         "checkpointing.checkpoint_dir=/data/checkpoints 'grpo.max_num_steps=500' 'policy.learning_rate=1e-6'"
@@ -777,7 +824,9 @@ def test_should_set_retry_and_cleanup_from_values_when_job_keys_are_given() -> N
     assert (spec["ttlSecondsAfterFinished"], spec["activeDeadlineSeconds"]) == (60, 86400)
 
 
-@pytest.mark.parametrize("ttl", [(), ("job.ttlSecondsAfterFinished=600",), ("job.ttlSecondsAfterFinished=0",)])
+@pytest.mark.parametrize(
+    "ttl", [(), ("job.ttlSecondsAfterFinished=600",), ("job.ttlSecondsAfterFinished=0",)]
+)
 def test_should_render_no_ttl_when_shutdown_after_job_finishes_is_false(ttl) -> None:
     """KubeRay 1.6 refuses shutdownAfterJobFinishes=false with ttlSecondsAfterFinished > 0 (validation.go):
     one --set must not yield a RayJob that never starts."""
@@ -830,22 +879,31 @@ def test_should_run_a_small_submitter_beside_the_head_with_its_pull_secrets_when
     (container,) = pod["containers"]
     assert container["name"] == "ray-job-submitter" and container["image"] == head["containers"][0]["image"]
     assert "command" not in container  # KubeRay fills in `ray job submit ... ; ray job logs --follow`
-    assert container["resources"] == {"requests": {"cpu": "200m", "memory": "512Mi"}, "limits": {"memory": "1Gi"}}
+    assert container["resources"] == {
+        "requests": {"cpu": "200m", "memory": "512Mi"},
+        "limits": {"memory": "1Gi"},
+    }
 
 
 def test_should_take_the_submitters_retries_and_resources_from_values_when_given() -> None:
-    spec = one(render(*JOB, "job.submitter.backoffLimit=7", "job.submitter.resources.requests.cpu=1"), "RayJob")["spec"]
+    spec = one(
+        render(*JOB, "job.submitter.backoffLimit=7", "job.submitter.resources.requests.cpu=1"), "RayJob"
+    )["spec"]
     assert spec["submitterConfig"]["backoffLimit"] == 7
     assert spec["submitterPodTemplate"]["spec"]["containers"][0]["resources"]["requests"]["cpu"] == 1
 
 
 def test_should_fail_naming_the_key_when_a_rayjob_has_no_experiment() -> None:
-    out = run_helm("template", "x", str(CHART), "--set", "storage.gcsfuse.bucketName=b", "--set", "job.enabled=true")
+    out = run_helm(
+        "template", "x", str(CHART), "--set", "storage.gcsfuse.bucketName=b", "--set", "job.enabled=true"
+    )
     assert out.returncode != 0 and "experiment is required when job.enabled" in out.stderr
 
 
 def test_should_reject_the_experiment_as_an_override_when_linting() -> None:
-    assert "/job/overrides/0" in _lint("job.enabled=true", "experiment=tiny", "job.overrides={experiment=tiny}")
+    assert "/job/overrides/0" in _lint(
+        "job.enabled=true", "experiment=tiny", "job.overrides={experiment=tiny}"
+    )
 
 
 def test_should_print_how_to_follow_the_rayjob_when_installed_with_job_enabled() -> None:
@@ -860,7 +918,9 @@ def test_should_print_how_to_follow_the_rayjob_when_installed_with_job_enabled()
 
 
 @pytest.mark.parametrize(("wait", "pull"), [(900, 900), (300, 1200)])
-def test_should_give_helm_test_the_heads_cold_pull_on_top_of_the_wait_when_notes_print_its_timeout(wait, pull) -> None:
+def test_should_give_helm_test_the_heads_cold_pull_on_top_of_the_wait_when_notes_print_its_timeout(
+    wait, pull
+) -> None:
     out = run_helm("install", "r", str(CHART), "--dry-run=client", "-n", "exp", "--set", "storage.gcsfuse.bucketName=b",
                    "--set", f"tests.timeoutSeconds={wait}", "--set", f"tests.imagePullSeconds={pull}")  # fmt: skip
     notes = out.stdout.split("NOTES:", 1)[1]

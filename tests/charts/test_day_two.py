@@ -53,14 +53,16 @@ def test_should_render_no_cluster_scoped_object_when_not_asked_to(values) -> Non
     cluster_scoped = {d["kind"] for d in docs} & {"Network", "GKENetworkParamSet", "ClusterRole", "ClusterRoleBinding",
                                                   "PriorityClass", "StorageClass", "Namespace"}  # fmt: skip
     assert not cluster_scoped
-    storage = (yaml.safe_load(values.read_text()).get("storage") or {})
+    storage = yaml.safe_load(values.read_text()).get("storage") or {}
     if [d for d in docs if d["kind"] == "PersistentVolume"]:
         assert storage.get("type") == "lustre" and not storage.get("lustre", {}).get("existingClaim")
 
 
 @pytest.mark.parametrize("values", VALUES)
 @pytest.mark.parametrize("sets", [(), JOB_SETS], ids=["raycluster", "rayjob"])
-def test_should_render_byte_identical_pod_templates_when_only_the_chart_version_changes(values, sets, tmp_path) -> None:
+def test_should_render_byte_identical_pod_templates_when_only_the_chart_version_changes(
+    values, sets, tmp_path
+) -> None:
     """An upgrade to a chart that changes nothing in the pods must not recreate them (KubeRay hashes the
     template, metadata included): no chart version or appVersion label in a pod template."""
     other = tmp_path / "kuberl"
@@ -85,7 +87,15 @@ def test_should_render_byte_identical_pod_templates_when_only_the_chart_version_
 # What checkov 3.3.30 asks of the lifted pod templates (bench/lift_pods.py, bench/README.md), pinned here
 # without checkov: every check passes or carries its skip annotation with a reason.
 
-ALWAYS_SKIPPED = {"CKV_K8S_8", "CKV_K8S_9", "CKV_K8S_22", "CKV_K8S_43", "CKV_K8S_15", "CKV_K8S_23", "CKV_K8S_40"}
+ALWAYS_SKIPPED = {
+    "CKV_K8S_8",
+    "CKV_K8S_9",
+    "CKV_K8S_22",
+    "CKV_K8S_43",
+    "CKV_K8S_15",
+    "CKV_K8S_23",
+    "CKV_K8S_40",
+}
 
 
 def _skips(template: dict) -> dict[str, str]:
@@ -107,13 +117,18 @@ def test_should_keep_only_the_privileges_it_names_a_reason_for_when_rendered(val
         assert sc["allowPrivilegeEscalation"] is False and not sc.get("privileged"), name
         assert sc["capabilities"]["drop"] == ["ALL"], name  # NET_RAW with the rest
         # only the sandbox adds any back, and only what Pod Security baseline allows
-        assert set(sc["capabilities"].get("add", [])) <= ({"SETFCAP", "SETGID", "SETUID"} if name == "sandbox" else set())
+        assert set(sc["capabilities"].get("add", [])) <= (
+            {"SETFCAP", "SETGID", "SETUID"} if name == "sandbox" else set()
+        )
         assert ray["resources"]["limits"]["memory"] and ray["resources"]["requests"]["memory"], name
         assert not [p for p in ray.get("ports", []) if "hostPort" in p], name
         if name == "sandbox":
             assert sc["seccompProfile"] == {"type": "Unconfined"} and "CKV_K8S_25" in skips
         else:
-            assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"} and "seccompProfile" not in sc
+            assert (
+                pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+                and "seccompProfile" not in sc
+            )
         if "cpu" not in ray["resources"]["limits"]:
             assert "CKV_K8S_11" in skips, name
 

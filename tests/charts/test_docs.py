@@ -14,7 +14,7 @@ from chartlib import CHART, REPO
 DOC = (REPO / "docs" / "cluster.md").read_text()
 ROOTS = ("image", "storage", "rdma", "job", "head", "capacity", "gpu", "serviceAccount", "secrets", "tests", "tensorboard",
          "auth", "sandbox", "networkPolicy", "podDisruptionBudget", "podMonitoring")  # fmt: skip
-         # not "logger": the runbook cites the trainer's logger.* keys too
+# not "logger": the runbook cites the trainer's logger.* keys too
 
 
 def _has(values: dict, dotted: str) -> bool:
@@ -37,16 +37,22 @@ def test_should_name_only_values_keys_that_exist_when_the_runbook_cites_them() -
 
 
 def test_should_run_only_make_targets_that_exist_when_the_runbook_calls_make() -> None:
-    help_text = subprocess.run(["make", "--no-print-directory", "help"], capture_output=True, text=True, cwd=REPO).stdout
+    help_text = subprocess.run(
+        ["make", "--no-print-directory", "help"], capture_output=True, text=True, cwd=REPO
+    ).stdout
     targets = set(re.findall(r"^\s+(?:\x1b\[36m)?([\w.-]+)", help_text, flags=re.M))
     used = set(re.findall(r"\bmake ([a-z][\w-]*)", DOC))
-    assert used and not (used - targets), f"docs/cluster.md runs make targets that do not exist: {sorted(used - targets)}"
+    assert used and not (used - targets), (
+        f"docs/cluster.md runs make targets that do not exist: {sorted(used - targets)}"
+    )
 
 
 def test_should_build_and_push_the_charts_app_version_when_make_image_and_push_run() -> None:
     app_version = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
     for target in ("image", "push"):
-        out = subprocess.run(["make", "-n", target, "IMAGE_REPO=reg/kuberl"], capture_output=True, text=True, cwd=REPO)
+        out = subprocess.run(
+            ["make", "-n", target, "IMAGE_REPO=reg/kuberl"], capture_output=True, text=True, cwd=REPO
+        )
         assert f'"reg/kuberl:{app_version}"' in out.stdout, out.stdout + out.stderr
 
 
@@ -57,28 +63,45 @@ def test_should_say_in_one_line_which_variable_to_set_when_make_image_has_no_rep
 
 
 def test_should_install_the_kuberay_version_the_chart_needs_when_make_kuberay_runs() -> None:
-    minimum = yaml.safe_load((CHART / "Chart.yaml").read_text())["annotations"]["kuberl.dev/min-kuberay-version"]
-    out = subprocess.run(["make", "--no-print-directory", "-n", "kuberay"], capture_output=True, text=True, cwd=REPO)
+    minimum = yaml.safe_load((CHART / "Chart.yaml").read_text())["annotations"][
+        "kuberl.dev/min-kuberay-version"
+    ]
+    out = subprocess.run(
+        ["make", "--no-print-directory", "-n", "kuberay"], capture_output=True, text=True, cwd=REPO
+    )
     assert "bin/helm repo add kuberay https://ray-project.github.io/kuberay-helm/" in out.stdout
-    assert f"bin/helm upgrade --install kuberay-operator kuberay/kuberay-operator --version {minimum} " in out.stdout
+    assert (
+        f"bin/helm upgrade --install kuberay-operator kuberay/kuberay-operator --version {minimum} "
+        in out.stdout
+    )
 
 
 def test_should_apply_the_crds_server_side_before_the_operator_when_make_kuberay_runs() -> None:
     """`helm upgrade` never updates a chart's crds/: old CRDs would prune authOptions and upgradeStrategy."""
-    minimum = yaml.safe_load((CHART / "Chart.yaml").read_text())["annotations"]["kuberl.dev/min-kuberay-version"]
+    minimum = yaml.safe_load((CHART / "Chart.yaml").read_text())["annotations"][
+        "kuberl.dev/min-kuberay-version"
+    ]
     lines = subprocess.run(["make", "--no-print-directory", "-n", "kuberay"], capture_output=True, text=True,
                            cwd=REPO).stdout.splitlines()  # fmt: skip
-    show = next(i for i, ln in enumerate(lines) if ln.startswith(f"bin/helm show crds kuberay/kuberay-operator --version {minimum} > "))
+    show = next(
+        i
+        for i, ln in enumerate(lines)
+        if ln.startswith(f"bin/helm show crds kuberay/kuberay-operator --version {minimum} > ")
+    )
     crds = lines[show].split("> ", 1)[1].strip()
     apply = lines.index(f"kubectl apply --server-side --force-conflicts -f {crds}")
-    upgrade = next(i for i, ln in enumerate(lines) if ln.startswith("bin/helm upgrade --install kuberay-operator"))
+    upgrade = next(
+        i for i, ln in enumerate(lines) if ln.startswith("bin/helm upgrade --install kuberay-operator")
+    )
     assert show < apply < upgrade
 
 
 def test_should_build_the_same_tag_with_cloud_build_when_there_is_no_docker() -> None:
     app_version = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
-    out = subprocess.run(["make", "-n", "cloud-image", "IMAGE_REPO=reg/kuberl"], capture_output=True, text=True, cwd=REPO)
-    assert 'gcloud builds submit . --config docker/cloudbuild.yaml' in out.stdout
+    out = subprocess.run(
+        ["make", "-n", "cloud-image", "IMAGE_REPO=reg/kuberl"], capture_output=True, text=True, cwd=REPO
+    )
+    assert "gcloud builds submit . --config docker/cloudbuild.yaml" in out.stdout
     assert f'_IMAGE="reg/kuberl:{app_version}"' in out.stdout
     build = yaml.safe_load((REPO / "docker" / "cloudbuild.yaml").read_text())
     assert build["steps"][0]["args"] == ["build", "-f", "docker/Dockerfile", "-t", "${_IMAGE}", "."]
@@ -89,13 +112,19 @@ def _shell_lines() -> list[str]:
     """Every command line of the runbook's ```sh blocks (continuations joined)."""
     lines = []
     for block in re.findall(r"```sh\n(.*?)```", DOC, flags=re.S):
-        lines += [ln.strip() for ln in block.replace("\\\n", " ").splitlines() if ln.strip() and not ln.strip().startswith("#")]
+        lines += [
+            ln.strip()
+            for ln in block.replace("\\\n", " ").splitlines()
+            if ln.strip() and not ln.strip().startswith("#")
+        ]
     return lines
 
 
 def test_should_run_only_helm_that_make_installs_when_the_runbook_calls_helm() -> None:
     bare = [ln for ln in _shell_lines() if re.match(r"^helm\b", ln) or re.search(r"[;&|]\s*helm\b", ln)]
-    assert not bare, f"docs/cluster.md runs a helm that nothing installs (use bin/helm after make helm): {bare}"
+    assert not bare, (
+        f"docs/cluster.md runs a helm that nothing installs (use bin/helm after make helm): {bare}"
+    )
     assert any(ln.startswith("bin/helm test ") for ln in _shell_lines())
 
 
@@ -106,7 +135,9 @@ def test_should_start_from_an_empty_project_with_prerequisites_when_the_runbook_
         assert tool in prereq, f"the prerequisites do not mention {tool}"
 
 
-def test_should_state_the_gke_version_and_driver_the_chart_needs_when_the_runbook_creates_the_cluster() -> None:
+def test_should_state_the_gke_version_and_driver_the_chart_needs_when_the_runbook_creates_the_cluster() -> (
+    None
+):
     assert "1.33.2-gke.4655000" in DOC and "R580" in DOC
     lustre = [ln for ln in _shell_lines() if ln.startswith("gcloud lustre instances create")]
     assert lustre and all("--gke-support-enabled" not in ln for ln in lustre)

@@ -78,15 +78,26 @@ def test_should_run_the_given_command_when_the_entrypoint_starts() -> None:
 def test_should_send_the_files_it_copies_when_the_context_is_filtered() -> None:
     ignore = (DOCKER / "Dockerfile.dockerignore").read_text().split()
     for kept in (
-        "!pyproject.toml", "!trainer/", "!docker/entrypoint.sh", "!docker/requirements.lock", "!docker/model.lock"
+        "!pyproject.toml",
+        "!trainer/",
+        "!docker/entrypoint.sh",
+        "!docker/requirements.lock",
+        "!docker/model.lock",
     ):
         assert kept in ignore
 
 
-def test_should_run_code_rewards_only_under_bubblewrap_unless_told_otherwise_when_the_entrypoint_starts() -> None:
+def test_should_run_code_rewards_only_under_bubblewrap_unless_told_otherwise_when_the_entrypoint_starts() -> (
+    None
+):
     script = DOCKER / "entrypoint.sh"
     show = ["bash", "-c", 'echo "$KUBERL_SANDBOX"']
     env = {k: v for k, v in os.environ.items() if k != "KUBERL_SANDBOX"}
-    assert subprocess.run(["bash", str(script), *show], capture_output=True, text=True, env=env).stdout.strip() == "bwrap"
-    auto = subprocess.run(["bash", str(script), *show], capture_output=True, text=True, env=dict(env, KUBERL_SANDBOX="auto"))
+    assert (
+        subprocess.run(["bash", str(script), *show], capture_output=True, text=True, env=env).stdout.strip()
+        == "bwrap"
+    )
+    auto = subprocess.run(
+        ["bash", str(script), *show], capture_output=True, text=True, env=dict(env, KUBERL_SANDBOX="auto")
+    )
     assert auto.stdout.strip() == "auto"

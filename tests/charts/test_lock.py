@@ -43,22 +43,40 @@ def _compile(uv: str, *args: str) -> subprocess.CompletedProcess:
 
 def _assert_same(lock: Path, resolved: Path) -> None:
     want, got = lock_pins(lock), lock_pins(resolved)
-    assert set(got) == set(want), f"the lock misses {sorted(set(got) - set(want))}, has extra {sorted(set(want) - set(got))}"
+    assert set(got) == set(want), (
+        f"the lock misses {sorted(set(got) - set(want))}, has extra {sorted(set(want) - set(got))}"
+    )
     for name, (version, hashes) in want.items():
         assert got[name][0] == version, f"{name}: locked {version}, resolves to {got[name][0]}"
         assert hashes <= got[name][1], f"{name}=={version}: hashes in the lock that the index does not serve"
 
 
-def test_should_resolve_to_exactly_the_locked_set_with_its_hashes_when_checked_against_the_index(uv, tmp_path) -> None:
+def test_should_resolve_to_exactly_the_locked_set_with_its_hashes_when_checked_against_the_index(
+    uv, tmp_path
+) -> None:
     lock = DOCKER / "requirements.lock"
     pins = _pins_only(lock, tmp_path / "pins.txt")
-    out = _compile(uv, "pyproject.toml", "--extra", "vllm", "--extra", "tracking", str(pins), "-o", str(tmp_path / "resolved.txt"))
-    assert out.returncode == 0, f"the locked pins do not resolve (run `make lock`): {out.stderr.strip()[-2000:]}"
+    out = _compile(
+        uv,
+        "pyproject.toml",
+        "--extra",
+        "vllm",
+        "--extra",
+        "tracking",
+        str(pins),
+        "-o",
+        str(tmp_path / "resolved.txt"),
+    )
+    assert out.returncode == 0, (
+        f"the locked pins do not resolve (run `make lock`): {out.stderr.strip()[-2000:]}"
+    )
     _assert_same(lock, tmp_path / "resolved.txt")
 
 
 def test_should_find_the_model_package_and_its_hashes_on_the_index_when_checked(uv, tmp_path) -> None:
     lock = DOCKER / "model.lock"
-    out = _compile(uv, "--no-deps", str(_pins_only(lock, tmp_path / "pins.txt")), "-o", str(tmp_path / "resolved.txt"))
+    out = _compile(
+        uv, "--no-deps", str(_pins_only(lock, tmp_path / "pins.txt")), "-o", str(tmp_path / "resolved.txt")
+    )
     assert out.returncode == 0, out.stderr.strip()[-2000:]
     _assert_same(lock, tmp_path / "resolved.txt")

@@ -43,7 +43,14 @@ def test_should_pass_shellcheck_when_the_scripts_are_rendered_for_every_values_f
 def test_should_keep_helpers_short_and_the_scripts_in_files_when_the_chart_is_split_by_concern() -> None:
     templates = CHART / "templates"
     assert len((templates / "_helpers.tpl").read_text().splitlines()) < 300
-    for concern in ("_pods.tpl", "_security.tpl", "_scheduling.tpl", "_storage.tpl", "_auth.tpl", "_logger.tpl"):
+    for concern in (
+        "_pods.tpl",
+        "_security.tpl",
+        "_scheduling.tpl",
+        "_storage.tpl",
+        "_auth.tpl",
+        "_logger.tpl",
+    ):
         assert (templates / concern).is_file(), concern
     every = "".join(p.read_text() for p in templates.rglob("*") if p.is_file())
     assert "ulimit -n" not in every and "ray status --address" not in every  # the scripts live in files/

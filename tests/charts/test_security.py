@@ -52,7 +52,9 @@ def test_should_leave_the_submitters_token_to_kuberay_unless_an_existing_secret_
     # KubeRay injects RAY_AUTH_MODE/RAY_AUTH_TOKEN into the submitter from the Secret of the cluster it names
     template = one(render(*JOB), "RayJob")["spec"]["submitterPodTemplate"]
     assert "env" not in template["spec"]["containers"][0]
-    template = one(render(*JOB, "auth.existingSecret=team-ray-token"), "RayJob")["spec"]["submitterPodTemplate"]
+    template = one(render(*JOB, "auth.existingSecret=team-ray-token"), "RayJob")["spec"][
+        "submitterPodTemplate"
+    ]
     assert env_of(template)["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "team-ray-token"
 
 
@@ -87,7 +89,9 @@ def _peers_labels(rule: dict, key: str) -> list[dict]:
     return [p.get("podSelector", {}).get("matchLabels") for p in rule.get(key, [])]
 
 
-def test_should_admit_only_the_releases_pods_and_the_operators_dashboard_calls_when_rendered_by_default() -> None:
+def test_should_admit_only_the_releases_pods_and_the_operators_dashboard_calls_when_rendered_by_default() -> (
+    None
+):
     policy = _policy()
     own = {"app.kubernetes.io/name": "kuberl", "app.kubernetes.io/instance": "exp1"}
     assert policy["spec"]["podSelector"]["matchLabels"] == own
@@ -95,7 +99,9 @@ def test_should_admit_only_the_releases_pods_and_the_operators_dashboard_calls_w
     ingress = policy["spec"]["ingress"]
     assert _peers_labels(ingress[0], "from") == [own] and "ports" not in ingress[0]
     operator = ingress[1]
-    assert operator["from"][0]["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "kuberay-system"}
+    assert operator["from"][0]["namespaceSelector"]["matchLabels"] == {
+        "kubernetes.io/metadata.name": "kuberay-system"
+    }
     assert operator["ports"] == [{"protocol": "TCP", "port": 8265}]
     assert len(ingress) == 2  # nobody else: no ipBlock, no empty peer
 
@@ -108,7 +114,9 @@ def test_should_select_every_pod_that_talks_to_ray_when_rendered() -> None:
         spec = _cluster_spec(docs)
         templates = [spec["headGroupSpec"]["template"], *(g["template"] for g in spec["workerGroupSpecs"])]
         templates += [d["spec"]["submitterPodTemplate"] for d in docs if d["kind"] == "RayJob"]
-        pods = [t["metadata"]["labels"] for t in templates] + [d["metadata"]["labels"] for d in docs if d["kind"] == "Pod"]
+        pods = [t["metadata"]["labels"] for t in templates] + [
+            d["metadata"]["labels"] for d in docs if d["kind"] == "Pod"
+        ]
         for labels in pods:
             assert selector.items() <= labels.items()
 
@@ -124,7 +132,10 @@ def test_should_let_pods_reach_dns_the_metadata_server_https_and_each_other_when
             allowed |= {(where, port) for port in ports}
     assert ("self", ("any", "any")) in allowed
     assert ("anywhere", ("UDP", 53)) in allowed and ("anywhere", ("TCP", 53)) in allowed
-    assert {("169.254.169.254/32", ("TCP", 80)), ("169.254.169.254/32", ("TCP", 8080))} <= allowed  # Dataplane V2
+    assert {
+        ("169.254.169.254/32", ("TCP", 80)),
+        ("169.254.169.254/32", ("TCP", 8080)),
+    } <= allowed  # Dataplane V2
     assert {("169.254.169.252/32", ("TCP", 987)), ("169.254.169.252/32", ("TCP", 988))} <= allowed  # Calico
     assert ("0.0.0.0/0", ("TCP", 443)) in allowed
     # nothing else leaves the pod: no rule with neither peers nor ports
@@ -173,7 +184,9 @@ def test_should_hold_a_drain_of_any_healthy_ray_pod_when_rendered_by_default(set
     assert pdb["spec"]["minAvailable"] == 4 and "maxUnavailable" not in pdb["spec"]
     assert pdb["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
     selector = pdb["spec"]["selector"]
-    assert selector["matchExpressions"] == [{"key": "ray.io/node-type", "operator": "In", "values": ["head", "worker"]}]
+    assert selector["matchExpressions"] == [
+        {"key": "ray.io/node-type", "operator": "In", "values": ["head", "worker"]}
+    ]
     # KubeRay labels the head and worker pods from these templates
     spec = _cluster_spec(docs)
     for template in [spec["headGroupSpec"]["template"], *(g["template"] for g in spec["workerGroupSpecs"])]:
@@ -222,7 +235,10 @@ def test_should_keep_the_workers_labels_for_the_budget_when_a_group_adds_its_own
 
 def _templates(docs: list[dict]) -> dict[str, dict]:
     spec = _cluster_spec(docs)
-    return {"head": spec["headGroupSpec"]["template"], **{g["groupName"]: g["template"] for g in spec["workerGroupSpecs"]}}
+    return {
+        "head": spec["headGroupSpec"]["template"],
+        **{g["groupName"]: g["template"] for g in spec["workerGroupSpecs"]},
+    }
 
 
 def _ray_containers(docs: list[dict]) -> list[dict]:
@@ -280,12 +296,16 @@ def test_should_give_the_sandbox_group_no_secret_storage_identity_or_egress_when
     ray = pod["containers"][0]
     assert [c["name"] for c in pod["containers"]] == ["ray-worker"] and "initContainers" not in pod
     assert not [e for e in ray["env"] if "valueFrom" in e] and "envFrom" not in ray
-    assert [v["name"] for v in pod["volumes"]] == ["dshm"] and [m["name"] for m in ray["volumeMounts"]] == ["dshm"]
+    assert [v["name"] for v in pod["volumes"]] == ["dshm"] and [m["name"] for m in ray["volumeMounts"]] == [
+        "dshm"
+    ]
     assert "annotations" not in group["template"]["metadata"] or not [
         k for k in group["template"]["metadata"]["annotations"] if not k.startswith("checkov.io/")]  # fmt: skip
     assert pod["automountServiceAccountToken"] is False
     sas = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ServiceAccount"}
-    assert pod["serviceAccountName"] == "exp1-sandbox" and "annotations" not in sas["exp1-sandbox"]["metadata"]
+    assert (
+        pod["serviceAccountName"] == "exp1-sandbox" and "annotations" not in sas["exp1-sandbox"]["metadata"]
+    )
     assert all(sa["automountServiceAccountToken"] is False for sa in sas.values())
     # a Ray resource of its own, one unit per CPU; no GPU
     params = group["rayStartParams"]
@@ -294,7 +314,9 @@ def test_should_give_the_sandbox_group_no_secret_storage_identity_or_egress_when
     # its own policy: the release's pods and DNS; the main policy leaves it out
     policies = {p["metadata"]["name"]: p["spec"] for p in docs if p["kind"] == "NetworkPolicy"}
     main, own = policies["exp1"], policies["exp1-sandbox"]
-    assert main["podSelector"]["matchExpressions"] == [{"key": "kuberl.dev/role", "operator": "NotIn", "values": ["sandbox"]}]
+    assert main["podSelector"]["matchExpressions"] == [
+        {"key": "kuberl.dev/role", "operator": "NotIn", "values": ["sandbox"]}
+    ]
     assert own["podSelector"]["matchLabels"]["kuberl.dev/role"] == "sandbox"
     assert group["template"]["metadata"]["labels"]["kuberl.dev/role"] == "sandbox"
     for rule in own["egress"]:
@@ -317,7 +339,9 @@ def test_should_let_container_security_context_win_when_set() -> None:
     sc = _templates(docs)["sandbox"]["spec"]["containers"][0]["securityContext"]
     assert sc["seccompProfile"] == {"type": "Localhost", "localhostProfile": "profiles/bwrap.json"}
     assert sc["appArmorProfile"] == {"type": "Unconfined"}
-    assert _templates(docs)["train"]["spec"]["containers"][0]["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert _templates(docs)["train"]["spec"]["containers"][0]["securityContext"]["capabilities"] == {
+        "drop": ["ALL"]
+    }
 
 
 # ----- tenancy ------------------------------------------------------------------------------------
@@ -327,7 +351,15 @@ LUSTRE = ("storage.type=lustre", "storage.lustre.volumeHandle=p/us-central1-b/i"
 
 
 def _render_in(namespace: str, release: str, *sets: str) -> list[dict]:
-    args = ["template", release, str(CHART), "--namespace", namespace, "--set", "storage.gcsfuse.bucketName=b"]
+    args = [
+        "template",
+        release,
+        str(CHART),
+        "--namespace",
+        namespace,
+        "--set",
+        "storage.gcsfuse.bucketName=b",
+    ]
     for s in sets:
         args += ["--set", s]
     out = run_helm(*args)
@@ -379,9 +411,11 @@ def test_should_look_nothing_up_so_two_renders_agree_when_rendered() -> None:
     no template may depend on it, nor on anything random or timed."""
     for p in (CHART / "templates").rglob("*"):
         if p.is_file():
-            found = re.findall(r"\b(lookup|randAlphaNum|randAlpha|randNumeric|randAscii|uuidv4|now|genPrivateKey|genCA)\b", p.read_text())
+            found = re.findall(
+                r"\b(lookup|randAlphaNum|randAlpha|randNumeric|randAscii|uuidv4|now|genPrivateKey|genCA)\b",
+                p.read_text(),
+            )
             assert not found, (p.name, found)
-
 
 
 # ----- what a platform adds -----------------------------------------------------------------------
@@ -434,7 +468,10 @@ def test_should_give_every_ray_pod_the_platforms_hooks_with_the_ray_container_fi
         assert [c["name"] for c in pod["initContainers"]] == ["wait-for-proxy"]
         ray = pod["containers"][0]
         assert ray["envFrom"] == [{"configMapRef": {"name": "platform-env"}}]
-        assert env_of(template)["POD_IP"] == {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+        assert env_of(template)["POD_IP"] == {
+            "name": "POD_IP",
+            "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}},
+        }
         assert {"name": "certs", "mountPath": "/etc/platform/certs"} in ray["volumeMounts"]
         assert {"name": "certs", "secret": {"secretName": "platform-certs"}} in pod["volumes"]
         assert "shared" in {v["name"] for v in pod["volumes"]}
@@ -459,8 +496,10 @@ NOT_SPOT = [
 
 def _required_terms(template: dict) -> list[dict]:
     affinity = template["spec"].get("affinity", {})
-    return affinity.get("nodeAffinity", {}).get("requiredDuringSchedulingIgnoredDuringExecution", {}).get(
-        "nodeSelectorTerms", []
+    return (
+        affinity.get("nodeAffinity", {})
+        .get("requiredDuringSchedulingIgnoredDuringExecution", {})
+        .get("nodeSelectorTerms", [])
     )
 
 
@@ -508,6 +547,9 @@ def test_should_say_where_the_token_is_or_warn_that_there_is_none_when_notes_pri
     assert out.returncode == 0, out.stderr
     if mode == "token":  # a stock Ray client sends the token only with RAY_AUTH_MODE=token
         assert "export RAY_AUTH_MODE=token\n" in out.stdout
-        assert "export RAY_AUTH_TOKEN=$(kubectl get secret r -n exp -o jsonpath='{.data.auth_token}' | base64 -d)" in out.stdout
+        assert (
+            "export RAY_AUTH_TOKEN=$(kubectl get secret r -n exp -o jsonpath='{.data.auth_token}' | base64 -d)"
+            in out.stdout
+        )
     else:
         assert "WARNING: auth.mode=disabled" in out.stdout

@@ -61,7 +61,9 @@ def tracker_test(docs: list[dict]) -> dict | None:
 def test_should_log_to_tensorboard_alone_and_read_no_wandb_key_when_logger_is_left_default() -> None:
     docs = render("secrets.wandbApiKey.secretName=wandb")  # a Secret named, but wandb not a backend
     for template in [head_template(docs), *(g["template"] for g in groups(docs).values())]:
-        assert logger_env(template) == {"KUBERL_LOGGER_BACKENDS": {"name": "KUBERL_LOGGER_BACKENDS", "value": "[tensorboard]"}}
+        assert logger_env(template) == {
+            "KUBERL_LOGGER_BACKENDS": {"name": "KUBERL_LOGGER_BACKENDS", "value": "[tensorboard]"}
+        }
     assert tracker_test(docs) is None
 
 
@@ -84,20 +86,33 @@ def test_should_pass_the_tracking_uri_when_mlflow_is_a_backend() -> None:
 
 
 def test_should_fail_in_one_line_when_mlflow_is_a_backend_without_a_tracking_uri() -> None:
-    out = run_helm("template", "exp1", str(CHART), *[a for s in (*BASE, "logger.backends={mlflow}") for a in ("--set", s)])
+    out = run_helm(
+        "template",
+        "exp1",
+        str(CHART),
+        *[a for s in (*BASE, "logger.backends={mlflow}") for a in ("--set", s)],
+    )
     assert out.returncode != 0
     assert "logger.mlflow.trackingUri is required when logger.backends has mlflow" in out.stderr
 
 
-@pytest.mark.parametrize("bad", ["logger.backends={tensorboard,neptune}", "logger.backends={wandb,wandb}",
-                                 "logger.mlflow.trackingUri=mlflow:5000"])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "logger.backends={tensorboard,neptune}",
+        "logger.backends={wandb,wandb}",
+        "logger.mlflow.trackingUri=mlflow:5000",
+    ],
+)
 def test_should_reject_the_value_when_logger_is_not_what_the_trainer_takes(bad: str) -> None:
     out = run_helm("template", "exp1", str(CHART), *[a for s in (*BASE, bad) for a in ("--set", s)])
     assert out.returncode != 0 and "logger" in out.stderr
 
 
 @pytest.mark.parametrize("sets", [WANDB, MLFLOW, (*WANDB, *MLFLOW[1:], "logger.backends={wandb,mlflow}")])
-def test_should_check_the_trackers_from_beside_the_head_with_the_runs_environment_when_helm_test_runs(sets) -> None:
+def test_should_check_the_trackers_from_beside_the_head_with_the_runs_environment_when_helm_test_runs(
+    sets,
+) -> None:
     docs = render(*sets)
     pod = tracker_test(docs)
     assert pod is not None and not schema_errors(pod)
@@ -128,11 +143,27 @@ def test_should_scrape_the_metrics_port_of_the_head_and_every_worker_when_podmon
 
 
 @pytest.mark.parametrize("enabled", [True, False])
-def test_should_admit_managed_prometheus_to_the_metrics_port_only_when_podmonitoring_is_enabled(enabled) -> None:
+def test_should_admit_managed_prometheus_to_the_metrics_port_only_when_podmonitoring_is_enabled(
+    enabled,
+) -> None:
     docs = render(f"podMonitoring.enabled={str(enabled).lower()}")
     policy = one(docs, "NetworkPolicy")
     assert not schema_errors(policy)
-    scrapes = [rule for rule in policy["spec"]["ingress"]
-               if {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "gmp-system"}}} in rule.get("from", [])]
-    assert scrapes == ([{"from": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "gmp-system"}}}],
-                         "ports": [{"protocol": "TCP", "port": 8080}]}] if enabled else [])
+    scrapes = [
+        rule
+        for rule in policy["spec"]["ingress"]
+        if {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "gmp-system"}}}
+        in rule.get("from", [])
+    ]
+    assert scrapes == (
+        [
+            {
+                "from": [
+                    {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "gmp-system"}}}
+                ],
+                "ports": [{"protocol": "TCP", "port": 8080}],
+            }
+        ]
+        if enabled
+        else []
+    )

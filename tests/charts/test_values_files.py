@@ -70,7 +70,11 @@ def test_should_supply_the_nodes_and_gpus_of_its_experiment_when_rendered(values
 def _gpu_containers(docs: list[dict]) -> list[dict]:
     specs = [d["spec"] for d in docs if d["kind"] == "RayCluster"]
     specs += [d["spec"]["rayClusterSpec"] for d in docs if d["kind"] == "RayJob"]
-    templates = [t for s in specs for t in [s["headGroupSpec"]["template"], *(g["template"] for g in s["workerGroupSpecs"])]]
+    templates = [
+        t
+        for s in specs
+        for t in [s["headGroupSpec"]["template"], *(g["template"] for g in s["workerGroupSpecs"])]
+    ]
     return [
         c for t in templates for c in t["spec"]["containers"]
         if int(c.get("resources", {}).get("limits", {}).get("nvidia.com/gpu", 0)) > 0
@@ -78,7 +82,9 @@ def _gpu_containers(docs: list[dict]) -> list[dict]:
 
 
 @pytest.mark.parametrize("job", [False, True], ids=["raycluster", "rayjob"])
-def test_should_find_cuda_on_every_gpu_container_when_rendering_each_values_file(values_file: Path, job: bool) -> None:
+def test_should_find_cuda_on_every_gpu_container_when_rendering_each_values_file(
+    values_file: Path, job: bool
+) -> None:
     docs = render(*(["job.enabled=true"] if job else []), values=(str(values_file),))
     gpu_type = (yaml.safe_load(values_file.read_text()).get("gpu") or {}).get("type", "b200")
     containers = _gpu_containers(docs)
@@ -88,14 +94,18 @@ def test_should_find_cuda_on_every_gpu_container_when_rendering_each_values_file
         assert "/usr/local/nvidia/lib64" in env.get("LD_LIBRARY_PATH", "").split(":"), c["name"]
 
 
-def test_should_validate_the_rayjob_against_its_schema_when_job_enabled_in_each_values_file(values_file: Path) -> None:
+def test_should_validate_the_rayjob_against_its_schema_when_job_enabled_in_each_values_file(
+    values_file: Path,
+) -> None:
     docs = render("job.enabled=true", values=(str(values_file),))
     errors = [e for d in docs for e in schema_errors(d)]
     assert not errors, "\n".join(errors)
     assert [d["kind"] for d in docs if d["kind"].startswith("Ray")] == ["RayJob"]
 
 
-def test_should_put_the_head_on_a_node_with_at_least_16_vcpus_when_the_values_use_gpus(values_file: Path) -> None:
+def test_should_put_the_head_on_a_node_with_at_least_16_vcpus_when_the_values_use_gpus(
+    values_file: Path,
+) -> None:
     docs = render(values=(str(values_file),))
     if (yaml.safe_load(values_file.read_text()).get("gpu") or {}).get("type") == "none":
         pytest.skip("a CPU-only cluster on one machine")
@@ -110,7 +120,9 @@ def test_should_put_the_head_on_a_node_with_at_least_16_vcpus_when_the_values_us
 CODE_REWARDS = ("code_unit_tests", "cpp_contest")  # what trainer/run.py checks the sandbox for
 
 
-def test_should_give_code_rewards_a_sandbox_that_starts_when_its_experiment_runs_model_code(values_file: Path) -> None:
+def test_should_give_code_rewards_a_sandbox_that_starts_when_its_experiment_runs_model_code(
+    values_file: Path,
+) -> None:
     from trainer.config import load
 
     values = yaml.safe_load(values_file.read_text())

@@ -17,7 +17,9 @@ SMALL = {"chain_sum": {"weight": 1.0, "config": {"min_terms": 2, "max_terms": 2,
 
 
 def _cfg(**options) -> DataConfig:
-    return DataConfig(name="reasoning_gym", options={"tasks": SMALL, **options}, system_prompt="Be brief.", seed=7)
+    return DataConfig(
+        name="reasoning_gym", options={"tasks": SMALL, **options}, system_prompt="Be brief.", seed=7
+    )
 
 
 def _questions(examples) -> set[str]:
@@ -41,8 +43,15 @@ def test_should_give_the_same_problems_for_a_seed_and_other_ones_for_another():
 
 def test_should_mix_the_named_tasks_with_their_configs_and_build_the_prompt_from_the_question():
     tasks = {**SMALL, "gcd": {"weight": 3.0, "config": {"max_value": 20}}, "spell_backward": None}
-    examples = load_rg(DataConfig(name="reasoning_gym", options={"tasks": tasks, "size": 120},
-                                  system_prompt="Be brief.", prompt_template="Q: {question}"), "train")
+    examples = load_rg(
+        DataConfig(
+            name="reasoning_gym",
+            options={"tasks": tasks, "size": 120},
+            system_prompt="Be brief.",
+            prompt_template="Q: {question}",
+        ),
+        "train",
+    )
     seen = {ex["ground_truth"]["task"] for ex in examples}
     assert seen == {"chain_sum", "gcd", "spell_backward"}
     for ex in examples:
@@ -63,8 +72,13 @@ def test_should_size_an_evaluation_split_by_max_examples_and_training_by_size():
 def test_should_keep_in_the_ground_truth_what_the_scorer_reads_as_json_gives_it_back():
     import reasoning_gym
 
-    for ex in load_rg(DataConfig(name="reasoning_gym", options={"tasks": ["chain_sum", "gcd", "word_sorting",
-                                                                           "puzzle24", "time_intervals"], "size": 40}), "train"):
+    for ex in load_rg(
+        DataConfig(
+            name="reasoning_gym",
+            options={"tasks": ["chain_sum", "gcd", "word_sorting", "puzzle24", "time_intervals"], "size": 40},
+        ),
+        "train",
+    ):
         gt = ex["ground_truth"]
         assert set(gt) == {"task", "answer", "metadata"}
         assert json.loads(json.dumps(gt)) == gt  # tuples were made lists once, at generation
@@ -75,11 +89,23 @@ def test_should_keep_in_the_ground_truth_what_the_scorer_reads_as_json_gives_it_
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"tasks": {"nope": None}}, "data.options.tasks: unknown reasoning-gym task 'nope'; valid: ab, acre,"),
+        (
+            {"tasks": {"nope": None}},
+            "data.options.tasks: unknown reasoning-gym task 'nope'; valid: ab, acre,",
+        ),
         ({"tasks": {"chain_sum": {"config": {"bogus": 1}}}}, "data.options.tasks.chain_sum.config: "),
-        ({"tasks": {"chain_sum": {"config": {"min_terms": 0}}}}, "data.options.tasks.chain_sum.config: min_terms"),
-        ({"tasks": {"chain_sum": {"config": {"seed": 1}}}}, "data.options.tasks.chain_sum.config.seed: set by kuberl"),
-        ({"tasks": {"chain_sum": {"weight": 0}}}, "data.options.tasks.chain_sum.weight=0 must be a positive number"),
+        (
+            {"tasks": {"chain_sum": {"config": {"min_terms": 0}}}},
+            "data.options.tasks.chain_sum.config: min_terms",
+        ),
+        (
+            {"tasks": {"chain_sum": {"config": {"seed": 1}}}},
+            "data.options.tasks.chain_sum.config.seed: set by kuberl",
+        ),
+        (
+            {"tasks": {"chain_sum": {"weight": 0}}},
+            "data.options.tasks.chain_sum.weight=0 must be a positive number",
+        ),
         ({"tasks": {"chain_sum": {"wieght": 2}}}, "data.options.tasks.chain_sum: unknown keys ['wieght']"),
         ({"tasks": {}}, "data.options.tasks must name at least one reasoning-gym task"),
         ({"tasks": ["chain_sum"], "sise": 3}, "reasoning_gym: unknown data.options ['sise']"),
@@ -103,7 +129,9 @@ def test_should_refuse_an_unknown_task_before_ray_or_any_model_when_a_run_starts
     monkeypatch.setattr(models, "resolve_model", started)
     monkeypatch.setattr(run, "check_backend", started)
     cfg = load(["experiment=cpu-reasoning-gym", "data.options.tasks={nope: null}"])
-    with pytest.raises(ConfigError, match=r"^data.options.tasks: unknown reasoning-gym task 'nope'; valid: ab, "):
+    with pytest.raises(
+        ConfigError, match=r"^data.options.tasks: unknown reasoning-gym task 'nope'; valid: ab, "
+    ):
         run.train(cfg)
 
 
@@ -119,8 +147,14 @@ def test_should_score_the_ground_truth_the_same_after_the_rollouts_jsonl(tmp_pat
     specs = [RewardSpec("reasoning_gym")]
     responses = [f"<answer>{ex['ground_truth']['answer']}</answer>" for ex in examples]
     rollouts = [
-        SimpleNamespace(example=ex, completion=SimpleNamespace(text=resp, finish_reason="stop"), tokens=[], turns=1,
-                        reward=RewardResult(1.0, True, {"reasoning_gym": 1.0}), model_tokens=3)
+        SimpleNamespace(
+            example=ex,
+            completion=SimpleNamespace(text=resp, finish_reason="stop"),
+            tokens=[],
+            turns=1,
+            reward=RewardResult(1.0, True, {"reasoning_gym": 1.0}),
+            model_tokens=3,
+        )
         for ex, resp in zip(examples, responses)
     ]
     cfg = load(["experiment=cpu-reasoning-gym", f"logger.log_dir={tmp_path}", "logger.backends=[]"])
@@ -142,10 +176,15 @@ def test_should_score_the_ground_truth_in_a_ray_task_as_in_the_driver(ray_local)
     from trainer.config import EnvConfig
     from trainer.rewards.runner import RewardRunner
 
-    examples = load_rg(DataConfig(name="reasoning_gym", options={"tasks": ["chain_sum", "gcd", "puzzle24"],
-                                                                 "size": 6}), "train")
+    examples = load_rg(
+        DataConfig(name="reasoning_gym", options={"tasks": ["chain_sum", "gcd", "puzzle24"], "size": 6}),
+        "train",
+    )
     runner = RewardRunner(EnvConfig(reward_functions=[RewardSpec("reasoning_gym")]))
-    right = [(ex["ground_truth"], f"The final answer is \\boxed{{{ex['ground_truth']['answer']}}}.") for ex in examples]
+    right = [
+        (ex["ground_truth"], f"The final answer is \\boxed{{{ex['ground_truth']['answer']}}}.")
+        for ex in examples
+    ]
     wrong = [(ex["ground_truth"], "<answer>100000</answer>") for ex in examples]
     results = runner.results(runner.submit(right + wrong))
     assert [r.total for r in results] == [1.0] * 6 + [0.0] * 6, [r.answer_note for r in results]

@@ -48,7 +48,11 @@ def tokenizer(tiny_model_path):
 
 @pytest.fixture(
     scope="module",
-    params=["hf", pytest.param("vllm", marks=pytest.mark.vllm), pytest.param("vllm-compiled", marks=pytest.mark.vllm)],
+    params=[
+        "hf",
+        pytest.param("vllm", marks=pytest.mark.vllm),
+        pytest.param("vllm-compiled", marks=pytest.mark.vllm),
+    ],
 )
 def engine(request, tiny_model_path, tokenizer):
     before = _children()
@@ -63,7 +67,9 @@ def engine(request, tiny_model_path, tokenizer):
         from trainer.generation.vllm_engine import VLLMGenerationEngine, engines_started
 
         if request.param == "vllm-compiled" and engines_started():
-            pytest.skip("a compiled CPU engine must be its process's first: test_vllm_compiled.py runs it alone")
+            pytest.skip(
+                "a compiled CPU engine must be its process's first: test_vllm_compiled.py runs it alone"
+            )
         # vllm-compiled: torch.compile (inductor) on CPU, where weights must still reach the compiled graph.
         gen = GenerationConfig(enforce_eager=request.param == "vllm")
         built = VLLMGenerationEngine(
@@ -118,7 +124,7 @@ def test_should_agree_with_a_transformers_forward_when_scoring_its_own_samples(
 
 def test_should_pick_the_argmax_when_greedy(engine, reference, tokenizer):
     prompt = _prompts(tokenizer)[1]
-    (c,), = engine.generate([prompt], 1, SamplingParams(max_new_tokens=10, temperature=0.0))
+    ((c,),) = engine.generate([prompt], 1, SamplingParams(max_new_tokens=10, temperature=0.0))
     with torch.no_grad():
         logits = reference(torch.tensor([prompt + c.token_ids])).logits[0, len(prompt) - 1 : -1]
     assert c.token_ids == logits.argmax(-1).tolist()
@@ -138,24 +144,28 @@ def test_should_stop_at_the_token_that_completes_a_stop_string(engine, tokenizer
     assert stopped >= 4  # 8 samples of up to 40 characters from a ~60-character vocabulary
 
 
-def test_should_generate_as_before_when_put_to_sleep_and_woken_in_the_refits_order(engine, reference, tokenizer):
+def test_should_generate_as_before_when_put_to_sleep_and_woken_in_the_refits_order(
+    engine, reference, tokenizer
+):
     """The colocated refit's calls (trainer/policy/worker.py): every engine takes them, vLLM on CPU keeping
     the state only; an engine asked to load or generate while asleep wakes what that needs itself."""
     prompt = _prompts(tokenizer)[1]
     greedy = SamplingParams(max_new_tokens=6, temperature=0.0)
-    (before,), = engine.generate([prompt], 1, greedy)
-    same = [(name, p.detach().clone()) for name, p in reference.named_parameters()]  # the engine's own weights
+    ((before,),) = engine.generate([prompt], 1, greedy)
+    same = [
+        (name, p.detach().clone()) for name, p in reference.named_parameters()
+    ]  # the engine's own weights
     engine.sleep()
     engine.sleep()  # idempotent
     engine.wake_up(tags=["weights"])
     engine.update_weights(iter(same))
     engine.wake_up(tags=["kv_cache"])
-    (after,), = engine.generate([prompt], 1, greedy)
+    ((after,),) = engine.generate([prompt], 1, greedy)
     assert after.token_ids == before.token_ids
     engine.sleep()
     engine.update_weights(iter(same))  # asleep: the weights wake, the KV cache stays asleep
     assert getattr(engine, "asleep", ("kv_cache",)) == ("kv_cache",)
-    (woken,), = engine.generate([prompt], 1, greedy)  # asleep: it wakes itself first
+    ((woken,),) = engine.generate([prompt], 1, greedy)  # asleep: it wakes itself first
     assert woken.token_ids == before.token_ids
     assert getattr(engine, "asleep", ()) == ()
 
@@ -166,7 +176,7 @@ def test_should_follow_new_weights_when_updated_including_a_tied_embedding_and_a
     torch.manual_seed(0)
     long_prompt = torch.randint(4, len(tokenizer), (LONG_PROMPT,)).tolist()
     greedy = SamplingParams(max_new_tokens=6, temperature=0.0)
-    (before,), = engine.generate([long_prompt], 1, greedy)  # fills the prefix cache with the old weights
+    ((before,),) = engine.generate([long_prompt], 1, greedy)  # fills the prefix cache with the old weights
     original = {name: p.detach().clone() for name, p in reference.named_parameters()}  # no lm_head: tied
     assert "lm_head.weight" not in original
     perturbed = {
@@ -179,7 +189,7 @@ def test_should_follow_new_weights_when_updated_including_a_tied_embedding_and_a
         with torch.no_grad():
             for name, p in reference.named_parameters():
                 p.copy_(perturbed[name])
-        (after,), = engine.generate([long_prompt], 1, greedy)
+        ((after,),) = engine.generate([long_prompt], 1, greedy)
         expected = _reference_logprobs(reference, long_prompt, after.token_ids)
         assert (expected - torch.tensor(after.logprobs)).abs().max().item() < TOL
         with torch.no_grad():
@@ -191,7 +201,7 @@ def test_should_follow_new_weights_when_updated_including_a_tied_embedding_and_a
         with torch.no_grad():
             for name, p in reference.named_parameters():
                 p.copy_(original[name])
-    (restored,), = engine.generate([long_prompt], 1, greedy)
+    ((restored,),) = engine.generate([long_prompt], 1, greedy)
     assert restored.token_ids == before.token_ids
     assert max(abs(a - b) for a, b in zip(restored.logprobs, before.logprobs)) < TOL
 
@@ -219,7 +229,9 @@ def test_should_leave_no_child_process_when_shut_down(engine):
 
 
 @pytest.mark.vllm
-def test_should_leave_no_child_process_when_a_vllm_engine_fails_after_it_started(tiny_model_path, monkeypatch):
+def test_should_leave_no_child_process_when_a_vllm_engine_fails_after_it_started(
+    tiny_model_path, monkeypatch
+):
     from trainer.generation.vllm_engine import VLLMGenerationEngine
 
     def broken(self):
@@ -228,5 +240,7 @@ def test_should_leave_no_child_process_when_a_vllm_engine_fails_after_it_started
     monkeypatch.setattr(VLLMGenerationEngine, "_hf_text_config", broken)  # runs once vllm.LLM is up
     before = _children()
     with pytest.raises(RuntimeError, match="injected"):
-        VLLMGenerationEngine(tiny_model_path, GenerationConfig(), "float32", seed=0, max_model_len=128, threads=1)
+        VLLMGenerationEngine(
+            tiny_model_path, GenerationConfig(), "float32", seed=0, max_model_len=128, threads=1
+        )
     assert _children() <= before

@@ -13,7 +13,9 @@ from trainer.models import load_model, load_tokenizer
 @pytest.fixture(scope="module")
 def engine(tiny_model_path):
     torch.manual_seed(0)
-    return HFGenerationEngine(load_model(tiny_model_path, "float32"), load_tokenizer(tiny_model_path), batch_size=3)
+    return HFGenerationEngine(
+        load_model(tiny_model_path, "float32"), load_tokenizer(tiny_model_path), batch_size=3
+    )
 
 
 def _prompts(engine) -> list[list[int]]:
@@ -40,7 +42,7 @@ def test_should_be_deterministic_and_independent_of_batching_when_greedy(engine)
 
 def test_should_report_the_models_own_logprobs_when_sampling_at_temperature_one(engine):
     prompt = _prompts(engine)[1]
-    (c,), = engine.generate([prompt], 1, SamplingParams(max_new_tokens=6, seed=3))
+    ((c,),) = engine.generate([prompt], 1, SamplingParams(max_new_tokens=6, seed=3))
     ids = torch.tensor([prompt + c.token_ids])
     with torch.no_grad():
         logits = engine.model(ids).logits[0, len(prompt) - 1 : -1]
@@ -54,7 +56,7 @@ def test_should_stop_at_eos_and_keep_it_when_the_model_ends(engine):
     boost[eos] = 100.0  # make EOS the only likely token
     hook = engine.model.lm_head.register_forward_hook(lambda module, args, out: out + boost)
     try:
-        (c,), = engine.generate([_prompts(engine)[0]], 1, SamplingParams(max_new_tokens=5, seed=0))
+        ((c,),) = engine.generate([_prompts(engine)[0]], 1, SamplingParams(max_new_tokens=5, seed=0))
     finally:
         hook.remove()
     assert c.token_ids == [eos] and c.finish_reason == "stop"

@@ -41,7 +41,9 @@ def test_should_give_the_plain_logits_whether_or_not_the_cpu_can_pack(bf16_model
     ids = torch.randint(4, 50, (3, 7), generator=torch.Generator().manual_seed(0))
     plain = _logits(bf16_model, ids)
     fast = copy.deepcopy(bf16_model)
-    count = onednn_linear.pack(fast, rows_hint=3)  # on an AVX2-only CPU the reorder raises: 0, plain forward kept
+    count = onednn_linear.pack(
+        fast, rows_hint=3
+    )  # on an AVX2-only CPU the reorder raises: 0, plain forward kept
     linears = sum(isinstance(m, torch.nn.Linear) for m in fast.modules())
     assert count in (0, linears) and _is_packed(fast) == (count > 0)
     assert torch.allclose(_logits(fast, ids), plain, atol=1e-2)
@@ -75,7 +77,10 @@ def test_should_not_pack_when_the_cpu_has_no_onednn_bf16(bf16_model, tiny_model_
 def test_should_follow_new_weights_when_engine_weights_are_updated(bf16_model, tiny_model_path):
     engine = HFGenerationEngine(copy.deepcopy(bf16_model), load_tokenizer(tiny_model_path), batch_size=4)
     assert engine._packed == hardware.onednn_bf16()  # packed exactly where this CPU can
-    new = {n: p.detach() + 0.05 * torch.randn_like(p, dtype=torch.float32).to(p.dtype) for n, p in bf16_model.named_parameters()}
+    new = {
+        n: p.detach() + 0.05 * torch.randn_like(p, dtype=torch.float32).to(p.dtype)
+        for n, p in bf16_model.named_parameters()
+    }
     engine.update_weights(new.items())
     reference = copy.deepcopy(bf16_model)
     reference.load_state_dict(new, strict=False)

@@ -111,8 +111,15 @@ def placed(ray_local, monkeypatch, tiny_model_path):
 
     def make(build_s: float, receive: str = "ok", *overrides: str, join: dict[int, str] | None = None):
         monkeypatch.setattr(worker, "GenerationWorker", _engine_class(name, build_s, receive, join))
-        cfg = load(["experiment=tiny", f"model.name={tiny_model_path}", "generation.placement=disaggregated",
-                    "generation.resources.num_cpu_workers=2", *overrides])
+        cfg = load(
+            [
+                "experiment=tiny",
+                f"model.name={tiny_model_path}",
+                "generation.placement=disaggregated",
+                "generation.resources.num_cpu_workers=2",
+                *overrides,
+            ]
+        )
         gen = placement.DisaggregatedGenerator(cfg, tiny_model_path, _Policy(ranks))
         made.append(gen)
         return gen
@@ -127,7 +134,9 @@ def placed(ray_local, monkeypatch, tiny_model_path):
             ray.kill(actor)
 
 
-def test_should_open_the_weight_group_only_after_every_engine_is_built_when_generation_is_disaggregated(placed):
+def test_should_open_the_weight_group_only_after_every_engine_is_built_when_generation_is_disaggregated(
+    placed,
+):
     placed(1.5)
     events = placed.events()
     built = [i for i, e in enumerate(events) if e.endswith("built")]
@@ -171,12 +180,24 @@ def test_should_stop_in_one_line_within_the_bound_when_a_refit_hangs(placed):
     )
 
 
-@pytest.mark.parametrize(("how", "says"), [
-    ("hang", "generation engine 1: did not join the weight-transfer group within generation.weight_group_timeout_s=2s"),
-    ("raise", "generation engine 1 failed to join the weight-transfer group: "
-              "ncclInternalError: ibv_modify_qp failed with 110 Connection timed out"),
-], ids=["never-joins", "fails-to-join"])
-def test_should_stop_in_one_line_naming_the_engine_when_an_engine_does_not_join_the_weight_group(placed, how, says):
+@pytest.mark.parametrize(
+    ("how", "says"),
+    [
+        (
+            "hang",
+            "generation engine 1: did not join the weight-transfer group within generation.weight_group_timeout_s=2s",
+        ),
+        (
+            "raise",
+            "generation engine 1 failed to join the weight-transfer group: "
+            "ncclInternalError: ibv_modify_qp failed with 110 Connection timed out",
+        ),
+    ],
+    ids=["never-joins", "fails-to-join"],
+)
+def test_should_stop_in_one_line_naming_the_engine_when_an_engine_does_not_join_the_weight_group(
+    placed, how, says
+):
     """The rendezvous is bounded like every other wait; the engines' actors are ended with it. (Run in a
     thread only so that a rendezvous that never returns fails this test instead of hanging it.)"""
     import threading
@@ -205,7 +226,10 @@ def test_should_stop_in_one_line_naming_the_engine_when_an_engine_does_not_join_
 
     job = ray.JobID.from_hex(ray.get_runtime_context().get_job_id())
     deadline = time.monotonic() + 30
-    while live := [a for a in state.actors(job_id=job).values()
-                   if a["ActorClassName"] == "Engine" and a["State"] != "DEAD"]:
+    while live := [
+        a
+        for a in state.actors(job_id=job).values()
+        if a["ActorClassName"] == "Engine" and a["State"] != "DEAD"
+    ]:
         assert time.monotonic() < deadline, f"generation actors left after a failed start: {live}"
         time.sleep(0.5)

@@ -46,8 +46,14 @@ def cluster(tmp_path):
         "c.shutdown()\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=env, stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         address = proc.stdout.readline().strip()
         if not address:
@@ -78,8 +84,9 @@ def _actor_nodes(address: str) -> tuple[dict[str, list[str]], set[str]]:
         "ray.shutdown()\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    out = subprocess.run([sys.executable, "-c", code, address], cwd=REPO, env=env, capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", code, address], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     found, ips = json.loads(out.stdout.strip().splitlines()[-1])
     return found, set(ips)

@@ -23,8 +23,21 @@ CONTRACT = Path(__file__).with_name("test_engine_contract.py")
 
 def test_should_pass_the_engine_contract_when_vllm_is_compiled(tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(CONTRACT), "-k", "vllm-compiled"],
-        cwd=Path(__file__).parents[2], capture_output=True, text=True, timeout=900,
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            str(CONTRACT),
+            "-k",
+            "vllm-compiled",
+        ],
+        cwd=Path(__file__).parents[2],
+        capture_output=True,
+        text=True,
+        timeout=900,
         env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
     )
     tail = out.stdout[-3000:] + out.stderr[-2000:]
@@ -32,7 +45,9 @@ def test_should_pass_the_engine_contract_when_vllm_is_compiled(tmp_path):
     assert " passed" in out.stdout and "skipped" not in out.stdout.splitlines()[-1], tail
 
 
-def test_should_refuse_a_compiled_cpu_engine_when_another_engine_ran_in_the_process(tiny_model_path, monkeypatch):
+def test_should_refuse_a_compiled_cpu_engine_when_another_engine_ran_in_the_process(
+    tiny_model_path, monkeypatch
+):
     from trainer.generation import vllm_engine
 
     monkeypatch.setattr(vllm_engine, "_engines_started", 1)

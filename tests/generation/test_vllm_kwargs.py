@@ -9,8 +9,11 @@ from trainer.generation.vllm_engine import check_vllm_kwargs, llm_kwargs
 
 
 def test_should_pass_vllm_kwargs_to_the_engine_last_when_they_are_set():
-    gen = GenerationConfig(backend="vllm", gpu_memory_utilization=0.6,
-                           vllm_kwargs={"block_size": 32, "gpu_memory_utilization": 0.9})
+    gen = GenerationConfig(
+        backend="vllm",
+        gpu_memory_utilization=0.6,
+        vllm_kwargs={"block_size": 32, "gpu_memory_utilization": 0.9},
+    )
     kwargs = llm_kwargs("some/model", gen, "float32", 0, 256, on_cpu=True, weight_transfer=False)
     assert kwargs["block_size"] == 32 and kwargs["gpu_memory_utilization"] == 0.9  # the user's word wins
     assert kwargs["model"] == "some/model" and kwargs["max_model_len"] == 256
@@ -45,8 +48,12 @@ def test_should_refuse_an_unknown_vllm_argument_in_one_line_when_a_vllm_run_star
 @pytest.mark.vllm
 def test_should_give_an_engine_vllms_nccl_backend_on_gpus_and_its_twin_on_cpu():
     gen = GenerationConfig(backend="vllm")
-    on = {cpu: llm_kwargs("m", gen, "float32", 0, 256, on_cpu=cpu, weight_transfer=True)["weight_transfer_config"]
-          for cpu in (True, False)}
+    on = {
+        cpu: llm_kwargs("m", gen, "float32", 0, 256, on_cpu=cpu, weight_transfer=True)[
+            "weight_transfer_config"
+        ]
+        for cpu in (True, False)
+    }
     assert on[False].backend == "nccl" and on[True].backend == "kuberl_gloo"
 
 
@@ -85,7 +92,9 @@ def test_should_register_the_twin_backend_through_vllms_plugin_entry_point():
 
 
 def _kwargs(gen: GenerationConfig, *, on_cpu: bool, colocated: bool) -> dict:
-    return llm_kwargs("some/model", gen, "bfloat16", 0, 256, on_cpu=on_cpu, weight_transfer=False, colocated=colocated)
+    return llm_kwargs(
+        "some/model", gen, "bfloat16", 0, 256, on_cpu=on_cpu, weight_transfer=False, colocated=colocated
+    )
 
 
 def test_should_run_in_sleep_mode_with_the_colocated_share_when_the_engine_shares_a_gpu_with_a_policy_rank():
@@ -96,28 +105,42 @@ def test_should_run_in_sleep_mode_with_the_colocated_share_when_the_engine_share
 
 def test_should_start_without_sleep_mode_and_take_most_of_the_gpu_when_the_engine_has_it_alone():
     kwargs = _kwargs(GenerationConfig(backend="vllm"), on_cpu=False, colocated=False)
-    assert "enable_sleep_mode" not in kwargs  # vLLM's default (off): no cumem allocator for an engine that never sleeps
+    assert (
+        "enable_sleep_mode" not in kwargs
+    )  # vLLM's default (off): no cumem allocator for an engine that never sleeps
     assert kwargs["gpu_memory_utilization"] == 0.9
 
 
 @pytest.mark.parametrize("colocated", [True, False])
 def test_should_start_without_sleep_mode_when_the_engine_runs_on_cpu(colocated):
-    assert "enable_sleep_mode" not in _kwargs(GenerationConfig(backend="vllm"), on_cpu=True, colocated=colocated)
+    assert "enable_sleep_mode" not in _kwargs(
+        GenerationConfig(backend="vllm"), on_cpu=True, colocated=colocated
+    )
 
 
 @pytest.mark.parametrize("colocated", [True, False])
 def test_should_take_the_users_memory_share_when_one_is_set_whatever_the_placement(colocated):
-    assert _kwargs(GenerationConfig(gpu_memory_utilization=0.75), on_cpu=False, colocated=colocated)[
-        "gpu_memory_utilization"] == 0.75
+    assert (
+        _kwargs(GenerationConfig(gpu_memory_utilization=0.75), on_cpu=False, colocated=colocated)[
+            "gpu_memory_utilization"
+        ]
+        == 0.75
+    )
     gen = GenerationConfig(gpu_memory_utilization=0.75, vllm_kwargs={"gpu_memory_utilization": 0.5})
-    assert _kwargs(gen, on_cpu=False, colocated=colocated)["gpu_memory_utilization"] == 0.5  # vllm_kwargs last
+    assert (
+        _kwargs(gen, on_cpu=False, colocated=colocated)["gpu_memory_utilization"] == 0.5
+    )  # vllm_kwargs last
 
 
 def test_should_sleep_only_when_colocated_on_a_gpu_when_asked_which_engines_sleep():
     from trainer.generation.vllm_engine import sleep_mode
 
     assert [sleep_mode(on_cpu, colocated) for on_cpu in (False, True) for colocated in (True, False)] == [
-        True, False, False, False]
+        True,
+        False,
+        False,
+        False,
+    ]
 
 
 def test_should_leave_the_memory_share_null_in_the_config_when_composed_for_either_backend():
@@ -128,5 +151,7 @@ def test_should_leave_the_memory_share_null_in_the_config_when_composed_for_eith
 
 @pytest.mark.parametrize("value", ["0", "1.5", "-0.1"])
 def test_should_refuse_a_memory_share_outside_zero_to_one_in_one_line_when_configured(value):
-    with pytest.raises(ConfigError, match=r"^generation.gpu_memory_utilization=.* must be in \(0, 1\] or null"):
+    with pytest.raises(
+        ConfigError, match=r"^generation.gpu_memory_utilization=.* must be in \(0, 1\] or null"
+    ):
         load([f"generation.gpu_memory_utilization={value}"])

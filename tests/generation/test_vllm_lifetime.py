@@ -84,8 +84,14 @@ def test_should_leave_no_engine_process_when_a_tensor_parallel_generation_actors
     pytest.importorskip("vllm")
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     with _ray_instance({**env, **RAY_CLEANUPS_OFF}, num_cpus=4) as address:
-        proc = subprocess.run([sys.executable, "-c", DRIVER, address, tiny_model_path, str(GONE_WITHIN_S)],
-                              cwd=REPO, env=env, capture_output=True, text=True, timeout=840)
+        proc = subprocess.run(
+            [sys.executable, "-c", DRIVER, address, tiny_model_path, str(GONE_WITHIN_S)],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=840,
+        )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["children"] >= 2, out  # the two tensor-parallel workers, at least

@@ -25,7 +25,10 @@ def test_should_say_nothing_when_the_pinned_versions_are_installed(patches, capl
 
     with caplog.at_level(logging.WARNING, logger=patches.__name__):
         patches.check_versions()
-    pinned = vllm.__version__ == patches.PINNED["vllm"] and torch.__version__.split("+")[0] == patches.PINNED["torch"]
+    pinned = (
+        vllm.__version__ == patches.PINNED["vllm"]
+        and torch.__version__.split("+")[0] == patches.PINNED["torch"]
+    )
     assert (not caplog.records) == pinned
 
 
@@ -44,7 +47,10 @@ def test_should_refuse_in_one_line_when_vllms_cpu_dispatch_changed(patches, monk
     from vllm.model_executor.layers import utils
 
     monkeypatch.setattr(utils, "dispatch_cpu_unquantized_gemm", lambda layer: None, raising=False)
-    with pytest.raises(RuntimeError, match="vllm_patches.py needs updating"), patches.keep_plain_weights(on_cpu=True):
+    with (
+        pytest.raises(RuntimeError, match="vllm_patches.py needs updating"),
+        patches.keep_plain_weights(on_cpu=True),
+    ):
         pass
 
 

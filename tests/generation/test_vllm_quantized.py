@@ -18,13 +18,15 @@ from trainer.generation.base import SamplingParams
 
 pytestmark = pytest.mark.vllm
 
-FP8_TOL = 0.1  # max |engine logprob - float32 transformers logprob|: FP8 weights, bf16 compute (0.008-0.025 seen)
+FP8_TOL = (
+    0.1  # max |engine logprob - float32 transformers logprob|: FP8 weights, bf16 compute (0.008-0.025 seen)
+)
 PROMPT = [2, 5, 6, 7, 8, 9, 10]
 
 
 def _gap(engine, reference) -> float:
     """The largest gap between the engine's logprobs of its own samples and the reference's."""
-    (c,), = engine.generate([PROMPT], 1, SamplingParams(max_new_tokens=8, temperature=1.0, seed=3))
+    ((c,),) = engine.generate([PROMPT], 1, SamplingParams(max_new_tokens=8, temperature=1.0, seed=3))
     with torch.no_grad():
         logits = reference(torch.tensor([PROMPT + c.token_ids])).logits[0, len(PROMPT) - 1 : -1]
     expected = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(c.token_ids)[:, None])[:, 0]
@@ -44,7 +46,9 @@ def test_should_quantize_new_weights_again_when_an_fp8_engine_is_updated(tiny_mo
 
     reference = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
     gen = GenerationConfig(vllm_kwargs={"quantization": "fp8_per_channel"})
-    with VLLMGenerationEngine(tiny_model_path, gen, "bfloat16", seed=0, max_model_len=256, threads=1) as engine:
+    with VLLMGenerationEngine(
+        tiny_model_path, gen, "bfloat16", seed=0, max_model_len=256, threads=1
+    ) as engine:
         model = engine._worker().model_runner.get_model()
 
         def fp8_layers() -> int:
@@ -56,7 +60,9 @@ def test_should_quantize_new_weights_again_when_an_fp8_engine_is_updated(tiny_mo
 
         original = {name: p.detach().clone() for name, p in reference.named_parameters()}
         torch.manual_seed(0)
-        perturbed = {n: t + (0.1 if "embed" in n else 0.02) * torch.randn_like(t) for n, t in original.items()}
+        perturbed = {
+            n: t + (0.1 if "embed" in n else 0.02) * torch.randn_like(t) for n, t in original.items()
+        }
         _set(reference, perturbed)
         assert _gap(engine, reference) > 1  # the old weights are far from the new reference
         for weights in (perturbed, original, perturbed):  # several refits, as training does

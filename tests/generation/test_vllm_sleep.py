@@ -27,7 +27,9 @@ class RecordingLLM:
     def __init__(self, fail: str | None = None):
         self.calls: list[str] = []
         self.fail = fail
-        self.llm_engine = SimpleNamespace(reset_encoder_cache=lambda: self._call("llm_engine.reset_encoder_cache"))
+        self.llm_engine = SimpleNamespace(
+            reset_encoder_cache=lambda: self._call("llm_engine.reset_encoder_cache")
+        )
 
     def _call(self, name: str) -> None:
         self.calls.append(name)
@@ -80,18 +82,30 @@ def make_engine(monkeypatch):
     """``make_engine(gpu, colocated, lora, fail)``: an engine over a RecordingLLM (and a RecordingModel in its
     worker), as if on a GPU or not."""
 
-    def make(gpu: bool, colocated: bool, lora: bool = False, fail: str | None = None,
-             ) -> tuple[VLLMGenerationEngine, RecordingLLM]:
+    def make(
+        gpu: bool,
+        colocated: bool,
+        lora: bool = False,
+        fail: str | None = None,
+    ) -> tuple[VLLMGenerationEngine, RecordingLLM]:
         llm = RecordingLLM(fail)
         monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
         monkeypatch.setattr(VLLMGenerationEngine, "_start", lambda self, *args: setattr(self, "_llm", llm))
-        engine = VLLMGenerationEngine("some/model", GenerationConfig(backend="vllm"), "bfloat16", seed=0,
-                                      max_model_len=128, colocated=colocated,
-                                      lora=LoRAConfig(rank=8) if lora else None)
+        engine = VLLMGenerationEngine(
+            "some/model",
+            GenerationConfig(backend="vllm"),
+            "bfloat16",
+            seed=0,
+            max_model_len=128,
+            colocated=colocated,
+            lora=LoRAConfig(rank=8) if lora else None,
+        )
         engine._tied = False
         model = RecordingModel(llm.calls)
-        worker = SimpleNamespace(vllm_config=SimpleNamespace(model_config=SimpleNamespace(quantization=None)),
-                                 model_runner=SimpleNamespace(get_model=lambda: model))
+        worker = SimpleNamespace(
+            vllm_config=SimpleNamespace(model_config=SimpleNamespace(quantization=None)),
+            model_runner=SimpleNamespace(get_model=lambda: model),
+        )
         monkeypatch.setattr(engine, "_worker", lambda: worker)
         return engine, llm
 
@@ -107,8 +121,10 @@ def _refit_and_generate(engine: VLLMGenerationEngine) -> list[tuple[str, ...]]:
     calls; the engine's ``asleep`` after each call."""
     states = []
     for call in (
-        engine.sleep, engine.sleep,
-        lambda: engine.wake_up(tags=["weights"]), lambda: engine.wake_up(tags=["weights"]),
+        engine.sleep,
+        engine.sleep,
+        lambda: engine.wake_up(tags=["weights"]),
+        lambda: engine.wake_up(tags=["weights"]),
         lambda: _refit(engine),
         lambda: engine.wake_up(tags=["kv_cache"]),
         engine.sleep,
@@ -121,25 +137,41 @@ def _refit_and_generate(engine: VLLMGenerationEngine) -> list[tuple[str, ...]]:
 
 
 STATES = [
-    ("weights", "kv_cache"), ("weights", "kv_cache"), ("kv_cache",), ("kv_cache",), ("kv_cache",), (),
-    ("weights", "kv_cache"), ("kv_cache",), (),
+    ("weights", "kv_cache"),
+    ("weights", "kv_cache"),
+    ("kv_cache",),
+    ("kv_cache",),
+    ("kv_cache",),
+    (),
+    ("weights", "kv_cache"),
+    ("kv_cache",),
+    (),
 ]
-REFIT = ["load_weights", "reset_prefix_cache", "llm_engine.reset_encoder_cache"]  # the caches: after every refit
+REFIT = [
+    "load_weights",
+    "reset_prefix_cache",
+    "llm_engine.reset_encoder_cache",
+]  # the caches: after every refit
 
 
 @pytest.mark.vllm
 @pytest.mark.parametrize(("lora", "level"), [(False, 2), (True, 1)], ids=["full-weights", "lora"])
-def test_should_free_and_restore_through_vllm_in_the_refits_order_when_colocated_on_a_gpu(make_engine, lora, level):
+def test_should_free_and_restore_through_vllm_in_the_refits_order_when_colocated_on_a_gpu(
+    make_engine, lora, level
+):
     engine, llm = make_engine(gpu=True, colocated=True, lora=lora)
     assert engine.sleep_level == level  # full-weight refits overwrite the weights; LoRA's base must survive
     assert _refit_and_generate(engine) == STATES
     assert llm.calls == [
         f"sleep(level={level})",  # once: sleeping twice is a no-op
-        "wake_up(['weights'])", *REFIT,
+        "wake_up(['weights'])",
+        *REFIT,
         "wake_up(['kv_cache'])",
         f"sleep(level={level})",
-        "wake_up(['weights'])", *REFIT,
-        "wake_up(['kv_cache'])", "generate",  # asked to generate with the KV cache asleep: it wakes first
+        "wake_up(['weights'])",
+        *REFIT,
+        "wake_up(['kv_cache'])",
+        "generate",  # asked to generate with the KV cache asleep: it wakes first
     ]
 
 
@@ -158,10 +190,15 @@ def test_should_answer_as_a_gpu_engine_but_leave_vllm_alone_when_the_engine_has_
 def test_should_refuse_to_generate_after_a_level_2_sleep_until_a_refit_loaded_every_weight(make_engine, gpu):
     engine, llm = make_engine(gpu=gpu, colocated=True)
     engine.sleep()
-    with pytest.raises(RuntimeError, match="^vLLM engine asked to generate after a level-2 sleep, before a refit"):
+    with pytest.raises(
+        RuntimeError, match="^vLLM engine asked to generate after a level-2 sleep, before a refit"
+    ):
         engine.generate([[1, 2]], 1, SamplingParams(max_new_tokens=2))
-    with pytest.raises(RuntimeError, match=r"^refit after a level-2 sleep left 1 weight\(s\) of the engine unloaded "
-                                           r"\(b.weight\)"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"^refit after a level-2 sleep left 1 weight\(s\) of the engine unloaded "
+        r"\(b.weight\)",
+    ):
         _refit(engine, ALL_WEIGHTS[:2])
     _refit(engine)
     engine.generate([[1, 2]], 1, SamplingParams(max_new_tokens=2))
@@ -180,11 +217,18 @@ def test_should_wake_itself_and_generate_after_a_level_1_sleep_when_it_serves_lo
 
 
 @pytest.mark.vllm
-def test_should_finish_the_update_then_reset_the_prefix_and_encoder_caches_when_weights_are_received(make_engine):
+def test_should_finish_the_update_then_reset_the_prefix_and_encoder_caches_when_weights_are_received(
+    make_engine,
+):
     engine, llm = make_engine(gpu=False, colocated=False)
     engine.receive_weights({"names": [], "dtype_names": [], "shapes": []})
-    assert llm.calls == ["start_weight_update", "update_weights", "finish_weight_update",
-                         "reset_prefix_cache", "llm_engine.reset_encoder_cache"]
+    assert llm.calls == [
+        "start_weight_update",
+        "update_weights",
+        "finish_weight_update",
+        "reset_prefix_cache",
+        "llm_engine.reset_encoder_cache",
+    ]
 
 
 @pytest.mark.vllm
@@ -215,15 +259,21 @@ def test_should_reload_layerwise_when_the_engine_has_a_quantization_config_on_an
 
 def test_should_reload_layerwise_when_a_layer_kept_only_its_packed_weight():
     model = torch.nn.Linear(4, 4)
-    model.weight = torch.nn.Parameter(torch.empty(0))  # what vLLM's CPU dispatch leaves behind a packed kernel
+    model.weight = torch.nn.Parameter(
+        torch.empty(0)
+    )  # what vLLM's CPU dispatch leaves behind a packed kernel
     assert needs_layerwise_reload(model, SimpleNamespace(quantization=None))
 
 
 # ----- what the sleep level costs the node: make plan ---------------------------------------------------
 
 
-@pytest.mark.parametrize(("exp", "level1_engines"), [("lora-gemma3-27b-gsm8k-h200", 8), ("gemma3-1b-math-b200", 0)])
-def test_should_plan_host_memory_for_the_sleeping_engines_weights_only_when_they_sleep_at_level_1(exp, level1_engines):
+@pytest.mark.parametrize(
+    ("exp", "level1_engines"), [("lora-gemma3-27b-gsm8k-h200", 8), ("gemma3-1b-math-b200", 0)]
+)
+def test_should_plan_host_memory_for_the_sleeping_engines_weights_only_when_they_sleep_at_level_1(
+    exp, level1_engines
+):
     from trainer import plan
 
     result = plan.plan_for(exp, [])

@@ -114,7 +114,10 @@ def test_should_chunk_as_vllms_packed_producer_does_when_given_the_same_tensors(
 
     torch.manual_seed(0)
     sizes = [int(s) for s in torch.randint(1, 3000, (60,))] + [9000, 1, 4096, 4097]
-    named = [(f"t{i}", torch.zeros(n, dtype=torch.bfloat16 if i % 3 else torch.float32)) for i, n in enumerate(sizes)]
+    named = [
+        (f"t{i}", torch.zeros(n, dtype=torch.bfloat16 if i % 3 else torch.float32))
+        for i, n in enumerate(sizes)
+    ]
     for buffer in (1, 4096, 8192, 10**6):
         theirs, it = [], iter(named)
         with warnings.catch_warnings():  # "exceeds buffer_size_bytes": the case under test
@@ -212,7 +215,9 @@ VLLM_RECEIVER = """
 
 
 @pytest.mark.vllm
-def test_should_generate_with_sent_weights_when_a_vllm_engine_receives_them_over_gloo(tiny_model_path, tmp_path):
+def test_should_generate_with_sent_weights_when_a_vllm_engine_receives_them_over_gloo(
+    tiny_model_path, tmp_path
+):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
@@ -268,7 +273,9 @@ FAILING_VLLM_RECEIVER = """
 
 
 @pytest.mark.vllm
-def test_should_report_the_loads_own_error_when_a_vllm_engine_receives_a_weight_it_does_not_have(tiny_model_path, tmp_path):
+def test_should_report_the_loads_own_error_when_a_vllm_engine_receives_a_weight_it_does_not_have(
+    tiny_model_path, tmp_path
+):
     """A refit whose update info names a weight the engine does not have: the engine's error is vLLM's own
     (the name it could not place), not a complaint about the update's bookkeeping."""
     from transformers import AutoModelForCausalLM
@@ -280,7 +287,9 @@ def test_should_report_the_loads_own_error_when_a_vllm_engine_receives_a_weight_
     # One chunk: the whole stream is sent before the receiver meets the unknown name, so the sender is not
     # left in a broadcast nobody receives.
     info = init_info("127.0.0.1", port, rank_offset=1, world_size=2, buffer_bytes=2**30)
-    proc = _start_receiver(FAILING_VLLM_RECEIVER, port, str(out), json.dumps(info), json.dumps(meta.update_info()))
+    proc = _start_receiver(
+        FAILING_VLLM_RECEIVER, port, str(out), json.dumps(info), json.dumps(meta.update_info())
+    )
     try:
         group = WeightSyncGroup("127.0.0.1", port, rank=0, world_size=2, device=torch.device("cpu"))
         send_packed(group, iter(named), meta, 2**30)

@@ -94,18 +94,35 @@ group.destroy()
 
 
 @needs_gpus(3)
-def test_should_deliver_every_weight_bit_for_bit_when_two_fsdp_ranks_send_through_vllms_packed_nccl_producer(tmp_path):
+def test_should_deliver_every_weight_bit_for_bit_when_two_fsdp_ranks_send_through_vllms_packed_nccl_producer(
+    tmp_path,
+):
     need("vllm", "the job image's [vllm] extra (vLLM's NCCL weight transfer)")
     preamble = f"BUFFER_BYTES = {BUFFER_BYTES}\n"
     port, transfer_port = free_port(), free_port()
     sent, got, meta = tmp_path / "sent.pt", tmp_path / "received.pt", str(tmp_path / "update_info.pt")
     procs = [
-        subprocess.Popen([sys.executable, "-c", preamble + textwrap.dedent(POLICY_RANK), str(r), str(port),
-                          str(transfer_port), str(sent), meta], cwd=REPO, env={**os.environ, "CUDA_VISIBLE_DEVICES": str(r)})
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                preamble + textwrap.dedent(POLICY_RANK),
+                str(r),
+                str(port),
+                str(transfer_port),
+                str(sent),
+                meta,
+            ],
+            cwd=REPO,
+            env={**os.environ, "CUDA_VISIBLE_DEVICES": str(r)},
+        )
         for r in range(2)
     ] + [
-        subprocess.Popen([sys.executable, "-c", preamble + textwrap.dedent(RECEIVER), str(transfer_port), meta, str(got)],
-                         cwd=REPO, env={**os.environ, "CUDA_VISIBLE_DEVICES": "2"})
+        subprocess.Popen(
+            [sys.executable, "-c", preamble + textwrap.dedent(RECEIVER), str(transfer_port), meta, str(got)],
+            cwd=REPO,
+            env={**os.environ, "CUDA_VISIBLE_DEVICES": "2"},
+        )
     ]
     codes = wait_all(procs, timeout=300)
     assert codes == [0, 0, 0], "a process failed (its output is above)"

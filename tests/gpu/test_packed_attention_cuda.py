@@ -36,7 +36,9 @@ def _run(fn, q, k, v, grad):
 
 @pytest.mark.parametrize("window", [None, 100])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_should_match_sdpa_per_sample_forward_and_backward_when_torchs_varlen_kernel_runs_the_row(dtype, window):
+def test_should_match_sdpa_per_sample_forward_and_backward_when_torchs_varlen_kernel_runs_the_row(
+    dtype, window
+):
     from trainer.policy import packed_attention as pa
 
     if pa._varlen_attn() is None:

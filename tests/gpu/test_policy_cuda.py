@@ -156,7 +156,9 @@ def _logprobs_of(model, samples) -> list[torch.Tensor]:
         ids = torch.tensor([s.prompt_ids + s.response_ids], device="cuda")
         with torch.no_grad():
             logits = model(ids).logits[0, :-1].float()
-        out.append(torch.log_softmax(logits, -1).gather(1, ids[0, 1:, None])[:, 0][len(s.prompt_ids) - 1 :].cpu())
+        out.append(
+            torch.log_softmax(logits, -1).gather(1, ids[0, 1:, None])[:, 0][len(s.prompt_ids) - 1 :].cpu()
+        )
     return out
 
 
@@ -176,7 +178,9 @@ def test_should_train_score_and_refit_the_hf_engine_on_one_gpu_when_the_rank_run
         w.setup("127.0.0.1", free_port())
         assert dist.get_backend() == "nccl" and w.engine.device.type == "cuda"
         out = w.generate([[2, 5, 6], [2, 7]], 2, SamplingParams(max_new_tokens=4, seed=0))
-        assert [len(group) for group in out] == [2, 2] and all(1 <= len(c.token_ids) <= 4 for g in out for c in g)
+        assert [len(group) for group in out] == [2, 2] and all(
+            1 <= len(c.token_ids) <= 4 for g in out for c in g
+        )
 
         samples = ns["samples"]()
         reference = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).cuda().eval()
@@ -193,7 +197,9 @@ def test_should_train_score_and_refit_the_hf_engine_on_one_gpu_when_the_rank_run
         engine = w.engine_state_dict()
         for name, tensor in after.items():
             assert torch.equal(engine[name], tensor.to(w.engine_dtype)), name
-        w.generate([[2, 5, 6]], 2, SamplingParams(max_new_tokens=4, seed=0))  # the refit engine still generates
+        w.generate(
+            [[2, 5, 6]], 2, SamplingParams(max_new_tokens=4, seed=0)
+        )  # the refit engine still generates
     finally:
         w.shutdown()
 
@@ -207,7 +213,8 @@ def test_should_match_one_rank_when_two_gpus_split_the_batch_over_fsdp2(tiny, tm
         procs = [
             subprocess.Popen(
                 [sys.executable, "-c", script, str(r), str(world), str(port), tiny, str(outs[r])],
-                cwd=REPO, env={**os.environ, "CUDA_VISIBLE_DEVICES": str(r)},
+                cwd=REPO,
+                env={**os.environ, "CUDA_VISIBLE_DEVICES": str(r)},
             )
             for r in range(world)
         ]
@@ -257,7 +264,8 @@ def test_should_match_one_gpu_when_two_gpus_split_every_row_with_sequence_parall
         procs = [
             subprocess.Popen(
                 [sys.executable, "-c", script, str(r), str(world), str(port), tiny, str(outs[r]), attn],
-                cwd=REPO, env={**os.environ, "CUDA_VISIBLE_DEVICES": str(r)},
+                cwd=REPO,
+                env={**os.environ, "CUDA_VISIBLE_DEVICES": str(r)},
             )
             for r in range(world)
         ]

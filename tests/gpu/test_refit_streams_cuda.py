@@ -55,14 +55,16 @@ def _gather_through_the_producer(rank, buffer_bytes: int) -> dict[str, torch.Ten
     for _, _, host, meta in chunks:
         offset = 0
         for name, shape, dtype, n in meta:
-            received[name] = host[offset:offset + n].view(dtype).view(shape).clone()
+            received[name] = host[offset : offset + n].view(dtype).view(shape).clone()
             offset += n
     return received
 
 
 @needs_gpus(1)
 @pytest.mark.parametrize("reshard", [True, False], ids=["reshard", "keep-gathered"])
-def test_should_send_exactly_the_trained_weights_when_the_sender_reads_each_chunk_on_a_stream_of_its_own(reshard):
+def test_should_send_exactly_the_trained_weights_when_the_sender_reads_each_chunk_on_a_stream_of_its_own(
+    reshard,
+):
     import torch.distributed as dist
 
     from trainer.config import Config
@@ -78,7 +80,9 @@ def test_should_send_exactly_the_trained_weights_when_the_sender_reads_each_chun
         shard_model(model, reshard_after_forward=reshard, mp_dtype=torch.bfloat16)
         optimizer = adamw(model.parameters(), lr=1e-2)
         ids = torch.randint(0, 4096, (4, 64), device="cuda")
-        torch.nn.functional.cross_entropy(model(ids[:, :-1]).reshape(-1, 4096).float(), ids[:, 1:].reshape(-1)).backward()
+        torch.nn.functional.cross_entropy(
+            model(ids[:, :-1]).reshape(-1, 4096).float(), ids[:, 1:].reshape(-1)
+        ).backward()
         optimizer.step()
         expected = {n: p.full_tensor().detach().to(torch.bfloat16).cpu() for n, p in model.named_parameters()}
         rank = PolicyWorker.__new__(PolicyWorker)  # the real gather over this model (a rank without set-up)
@@ -88,6 +92,8 @@ def test_should_send_exactly_the_trained_weights_when_the_sender_reads_each_chun
             received = _gather_through_the_producer(rank, buffer_bytes=1 << 20)
             assert sorted(received) == sorted(expected)
             wrong = [n for n in expected if not torch.equal(received[n], expected[n])]
-            assert not wrong, f"pass {attempt}: {len(wrong)} of {len(expected)} weights arrived wrong: {wrong[:5]}"
+            assert not wrong, (
+                f"pass {attempt}: {len(wrong)} of {len(expected)} weights arrived wrong: {wrong[:5]}"
+            )
     finally:
         dist.destroy_process_group()

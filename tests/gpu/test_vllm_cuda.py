@@ -93,25 +93,35 @@ def tiny(request) -> str:
 
 def _engine(tiny: str, placement: str, tmp_path) -> dict:
     out = tmp_path / f"{placement}.json"
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(ENGINE), tiny, placement, str(out)],
-                          cwd=REPO, env={**os.environ, "CUDA_VISIBLE_DEVICES": "0"}, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(ENGINE), tiny, placement, str(out)],
+        cwd=REPO,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": "0"},
+        timeout=600,
+    )
     assert proc.returncode == 0, "the engine process failed (its output is above)"
     return json.loads(out.read_text())
 
 
 @needs_gpus(1)
-def test_should_free_the_gpu_asleep_and_refit_with_the_kv_cache_asleep_when_the_engine_is_colocated(tiny, tmp_path):
+def test_should_free_the_gpu_asleep_and_refit_with_the_kv_cache_asleep_when_the_engine_is_colocated(
+    tiny, tmp_path
+):
     got = _engine(tiny, "colocated", tmp_path)
     assert got["sleep_mode"] and got["utilization"] == 0.6
     assert got["gap"] < BF16_TOL
-    assert got["freed"] > 0.3  # the engine held 0.6 of the GPU, nearly all of it KV cache; asleep, next to none
+    assert (
+        got["freed"] > 0.3
+    )  # the engine held 0.6 of the GPU, nearly all of it KV cache; asleep, next to none
     assert got["loaded"] < 0.05  # weights woken and new ones loaded: the KV cache is still asleep
     assert abs(got["woken"]) < 0.05  # all woken: where it was before sleeping
     assert got["gap_after_refit"] < BF16_TOL  # samples from the new weights
 
 
 @needs_gpus(1)
-def test_should_start_without_sleep_mode_and_take_most_of_the_gpu_when_the_engine_has_it_alone(tiny, tmp_path):
+def test_should_start_without_sleep_mode_and_take_most_of_the_gpu_when_the_engine_has_it_alone(
+    tiny, tmp_path
+):
     got = _engine(tiny, "disaggregated", tmp_path)
     assert not got["sleep_mode"] and got["utilization"] == 0.9
     assert got["gap"] < BF16_TOL
@@ -128,12 +138,27 @@ def _train(tmp_path, gpus: int, *overrides: str) -> dict[str, list[float]]:
 
     logs = tmp_path / "logs"
     proc = subprocess.run(
-        [sys.executable, "-m", "trainer", "experiment=tiny", "generation=vllm", "generation.dtype=bfloat16",
-         "grpo.max_num_steps=4", "checkpointing.enabled=false", f"logger.log_dir={logs}", *overrides],
-        cwd=REPO, capture_output=True, text=True, timeout=1200,
+        [
+            sys.executable,
+            "-m",
+            "trainer",
+            "experiment=tiny",
+            "generation=vllm",
+            "generation.dtype=bfloat16",
+            "grpo.max_num_steps=4",
+            "checkpointing.enabled=false",
+            f"logger.log_dir={logs}",
+            *overrides,
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=1200,
         # A private Ray instance on this machine, never the cluster a KubeRay pod's RAY_ADDRESS names.
-        env={**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"},
-             "CUDA_VISIBLE_DEVICES": ",".join(map(str, range(gpus)))},
+        env={
+            **{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"},
+            "CUDA_VISIBLE_DEVICES": ",".join(map(str, range(gpus))),
+        },
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (run_dir,) = list((logs / "tiny").iterdir())
@@ -143,18 +168,27 @@ def _train(tmp_path, gpus: int, *overrides: str) -> dict[str, list[float]]:
 
 
 @needs_gpus(1)
-def test_should_train_with_a_small_engine_policy_gap_after_every_refit_when_colocated_on_one_gpu(tiny, tmp_path):
+def test_should_train_with_a_small_engine_policy_gap_after_every_refit_when_colocated_on_one_gpu(
+    tiny, tmp_path
+):
     scalars = _train(tmp_path, 1, "cluster.gpus_per_node=1", "cluster.cpu_workers_per_node=0")
     gaps = scalars["train/gen_logprob_abs_diff"]
     assert len(gaps) == 4 and max(gaps) < BF16_TOL, gaps
 
 
 @needs_gpus(2)
-def test_should_train_with_a_small_engine_policy_gap_after_every_refit_when_disaggregated_on_two_gpus(tiny, tmp_path):
+def test_should_train_with_a_small_engine_policy_gap_after_every_refit_when_disaggregated_on_two_gpus(
+    tiny, tmp_path
+):
     # Two one-GPU "nodes" on this machine: the policy's and the engine's (Ray packs both bundles here).
     scalars = _train(
-        tmp_path, 2, "cluster.num_nodes=2", "cluster.gpus_per_node=1", "cluster.cpu_workers_per_node=0",
-        "generation.placement=disaggregated", "generation.resources.num_nodes=1",
+        tmp_path,
+        2,
+        "cluster.num_nodes=2",
+        "cluster.gpus_per_node=1",
+        "cluster.cpu_workers_per_node=0",
+        "generation.placement=disaggregated",
+        "generation.resources.num_nodes=1",
         "generation.resources.gpus_per_node=1",
     )
     gaps = scalars["train/gen_logprob_abs_diff"]

@@ -61,7 +61,8 @@ def test_should_broadcast_every_dtype_exactly_and_close_in_order_when_two_gpus_f
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", textwrap.dedent(RANK), str(r), str(port), str(outs[r])],
-            cwd=REPO, env={**os.environ, "CUDA_VISIBLE_DEVICES": str(r)},
+            cwd=REPO,
+            env={**os.environ, "CUDA_VISIBLE_DEVICES": str(r)},
         )
         for r in range(2)
     ]

@@ -48,8 +48,17 @@ def test_should_feed_back_the_failing_test_and_reward_the_final_attempt_when_ret
     tok, env, example = setup
     gen = ScriptedGenerator(tok, [WRONG, RIGHT, WRONG])
     rewards = RewardRunner(env)
-    pending = generate_multi_turn(gen, rewards, RewardRunner(env, feedback=True), TurnEncoder(tok, {}),
-                                  [example], 2, SamplingParams(max_new_tokens=64), 3, 4096)
+    pending = generate_multi_turn(
+        gen,
+        rewards,
+        RewardRunner(env, feedback=True),
+        TurnEncoder(tok, {}),
+        [example],
+        2,
+        SamplingParams(max_new_tokens=64),
+        3,
+        4096,
+    )
     (a, b) = finish(pending, rewards)
     assert len(gen.calls) == 2  # both episodes passed on the second attempt: no third turn
     for r in (a, b):
@@ -69,8 +78,17 @@ def test_should_stop_at_the_turn_limit_and_score_the_last_attempt(setup):
     tok, env, example = setup
     gen = ScriptedGenerator(tok, [WRONG, WRONG])
     rewards = RewardRunner(env)
-    pending = generate_multi_turn(gen, rewards, RewardRunner(env, feedback=True), TurnEncoder(tok, {}),
-                                  [example], 2, SamplingParams(max_new_tokens=64), 2, 4096)
+    pending = generate_multi_turn(
+        gen,
+        rewards,
+        RewardRunner(env, feedback=True),
+        TurnEncoder(tok, {}),
+        [example],
+        2,
+        SamplingParams(max_new_tokens=64),
+        2,
+        4096,
+    )
     results = finish(pending, rewards)
     assert len(gen.calls) == 2 and all(r.turns == 2 and r.reward.total == 0.0 for r in results)
 
@@ -83,13 +101,29 @@ def test_should_complete_and_log_rewards_when_tiny_model_runs_multi_turn_on_code
     from tests.conftest import REPO
 
     proc = subprocess.run(
-        [sys.executable, "-m", "trainer", "experiment=tiny", "data.name=nemotron_code",
-         f"data.path={REPO / 'tests/fixtures/code/nemotron_code_sample.jsonl'}", "rewards=code_unit_tests",
-         "grpo.max_rollout_turns=2", "grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=4",
-         "grpo.max_num_steps=2", "generation.max_new_tokens=16", "policy.max_total_sequence_length=1024",
-         "cluster.cpu_workers_per_node=1",
-         f"logger.log_dir={tmp_path / 'logs'}", f"checkpointing.checkpoint_dir={tmp_path / 'ckpt'}"],
-        cwd=REPO, env=trainer_env, capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "trainer",
+            "experiment=tiny",
+            "data.name=nemotron_code",
+            f"data.path={REPO / 'tests/fixtures/code/nemotron_code_sample.jsonl'}",
+            "rewards=code_unit_tests",
+            "grpo.max_rollout_turns=2",
+            "grpo.num_prompts_per_step=2",
+            "grpo.num_generations_per_prompt=4",
+            "grpo.max_num_steps=2",
+            "generation.max_new_tokens=16",
+            "policy.max_total_sequence_length=1024",
+            "cluster.cpu_workers_per_node=1",
+            f"logger.log_dir={tmp_path / 'logs'}",
+            f"checkpointing.checkpoint_dir={tmp_path / 'ckpt'}",
+        ],
+        cwd=REPO,
+        env=trainer_env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     (run_dir,) = list((tmp_path / "logs" / "tiny").iterdir())

@@ -27,8 +27,14 @@ PROMPTS, SAMPLES = 2, 2
 
 
 def _cfg(*overrides: str):
-    return load(["experiment=tiny", f"grpo.num_prompts_per_step={PROMPTS}", f"grpo.num_generations_per_prompt={SAMPLES}",
-                 *overrides])
+    return load(
+        [
+            "experiment=tiny",
+            f"grpo.num_prompts_per_step={PROMPTS}",
+            f"grpo.num_generations_per_prompt={SAMPLES}",
+            *overrides,
+        ]
+    )
 
 
 class FakeEngines:
@@ -66,7 +72,10 @@ def _state(cfg, engines: FakeEngines, step: int = 0):
     return SimpleNamespace(
         progress=SimpleNamespace(step=step),
         loader=PromptLoader(examples, cfg.grpo.num_prompts_per_step, cfg.seed, shuffle=False),
-        rewards=SimpleNamespace(reward_model=None), feedback=None, turns=None, generator=engines,
+        rewards=SimpleNamespace(reward_model=None),
+        feedback=None,
+        turns=None,
+        generator=engines,
     )
 
 
@@ -80,11 +89,14 @@ def test_should_flag_groups_whose_rewards_differ():
 
 
 @pytest.mark.parametrize("k", [1, 2])
-@pytest.mark.parametrize(("gen_s", "train_s", "reward_s"), [
-    ((0.0, 0.005), (0.02, 0.04), 0.0),    # generation fast: the producer runs k steps ahead
-    ((0.02, 0.04), (0.0, 0.005), 0.0),    # training fast: the trainer waits for batches
-    ((0.0, 0.005), (0.0, 0.01), 0.03),    # a slow reward between generation and the trainer
-])
+@pytest.mark.parametrize(
+    ("gen_s", "train_s", "reward_s"),
+    [
+        ((0.0, 0.005), (0.02, 0.04), 0.0),  # generation fast: the producer runs k steps ahead
+        ((0.02, 0.04), (0.0, 0.005), 0.0),  # training fast: the trainer waits for batches
+        ((0.0, 0.005), (0.0, 0.01), 0.03),  # a slow reward between generation and the trainer
+    ],
+)
 def test_should_never_train_on_a_batch_staler_than_the_bound(monkeypatch, k, gen_s, train_s, reward_s):
     cfg = _cfg("generation.placement=disaggregated", f"grpo.async.max_staleness={k}", "grpo.max_num_steps=15")
     engines = FakeEngines(gen_s)
@@ -102,7 +114,9 @@ def test_should_never_train_on_a_batch_staler_than_the_bound(monkeypatch, k, gen
         for step in range(1, 16):
             batch = stream.next(step)
             assert batch.step == step and batch.loader_state["position"] == step * PROMPTS
-            assert [r.example["id"] for r in batch.pending.rollouts[::SAMPLES]] == [(step - 1) * PROMPTS + i for i in range(PROMPTS)]
+            assert [r.example["id"] for r in batch.pending.rollouts[::SAMPLES]] == [
+                (step - 1) * PROMPTS + i for i in range(PROMPTS)
+            ]
             stale += batch.staleness()
             versions.append(min(batch.versions))
             time.sleep(rng.uniform(*train_s))

@@ -22,8 +22,12 @@ def _free_port() -> int:
 def _samples() -> list[Sample]:
     g = torch.Generator().manual_seed(0)
     return [
-        Sample(torch.randint(4, 30, (4,), generator=g).tolist(), [5, 6, 7], advantage=float(i % 2) - 0.5,
-               gen_logprobs=[-1.0, -1.0, -1.0])
+        Sample(
+            torch.randint(4, 30, (4,), generator=g).tolist(),
+            [5, 6, 7],
+            advantage=float(i % 2) - 0.5,
+            gen_logprobs=[-1.0, -1.0, -1.0],
+        )
         for i in range(4)
     ]
 
@@ -42,9 +46,17 @@ def worker(tiny_model_path):
 
     if dist.is_initialized():
         pytest.skip("this process already has a torch.distributed world")
-    cfg = load(["experiment=tiny", f"model.name={tiny_model_path}", "cluster.cpu_workers_per_node=1",
-                "cluster.keep_freed_memory=false", "policy.lora.rank=8", "policy.learning_rate=0.05",
-                "grpo.loss.reference_policy_kl_penalty=0.01"])
+    cfg = load(
+        [
+            "experiment=tiny",
+            f"model.name={tiny_model_path}",
+            "cluster.cpu_workers_per_node=1",
+            "cluster.keep_freed_memory=false",
+            "policy.lora.rank=8",
+            "policy.learning_rate=0.05",
+            "grpo.loss.reference_policy_kl_penalty=0.01",
+        ]
+    )
     threads = torch.get_num_threads()
     w = PolicyWorker(cfg, tiny_model_path, rank=0, world_size=1, colocated_engine=True)
     try:
@@ -93,7 +105,9 @@ def test_should_score_with_the_base_model_when_the_reference_has_its_adapters_of
         for s, ref in zip(samples, reference):
             ids = torch.tensor([s.prompt_ids + s.response_ids])
             logits = base(input_ids=ids).logits[0, len(s.prompt_ids) - 1 : -1]
-            want = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(s.response_ids)[:, None])[:, 0]
+            want = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(s.response_ids)[:, None])[
+                :, 0
+            ]
             assert torch.allclose(torch.tensor(ref), want, atol=1e-5)
     assert max(abs(a - b) for p, r in zip(policy, reference) for a, b in zip(p, r)) > 1e-3
 
@@ -124,9 +138,20 @@ def test_should_name_the_key_when_policy_lora_is_bad(tiny_model_path):
     with pytest.raises(ConfigError, match=r"^policy\.lora\.rank=600: generation\.backend=vllm"):
         load(["experiment=tiny", "policy.lora.rank=600", "generation.backend=vllm"])
     with pytest.raises(ConfigError, match=r"^generation\.vllm_kwargs\.enable_lora: set by kuberl"):
-        load(["experiment=tiny", "policy.lora.rank=8", "generation.backend=vllm", "+generation.vllm_kwargs.enable_lora=true"])
-    lora = load(["experiment=tiny", "policy.lora.rank=8", "policy.lora.target_modules=[q_proj,c_attn]"]).policy.lora
-    with pytest.raises(ConfigError, match=r"^policy\.lora\.target_modules: .* no linear layer named 'c_attn'"):
+        load(
+            [
+                "experiment=tiny",
+                "policy.lora.rank=8",
+                "generation.backend=vllm",
+                "+generation.vllm_kwargs.enable_lora=true",
+            ]
+        )
+    lora = load(
+        ["experiment=tiny", "policy.lora.rank=8", "policy.lora.target_modules=[q_proj,c_attn]"]
+    ).policy.lora
+    with pytest.raises(
+        ConfigError, match=r"^policy\.lora\.target_modules: .* no linear layer named 'c_attn'"
+    ):
         apply(load_model(tiny_model_path, "float32"), lora)
 
 
@@ -165,7 +190,9 @@ def test_should_give_the_policys_logits_when_a_lora_checkpoint_converts_to_an_ad
     convert(step, tmp_path / "adapter")
     convert(step, tmp_path / "merged", merge=True)
     with torch.no_grad():
-        peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_path), tmp_path / "adapter")
+        peft_model = PeftModel.from_pretrained(
+            AutoModelForCausalLM.from_pretrained(tiny_model_path), tmp_path / "adapter"
+        )
         assert torch.allclose(peft_model(input_ids=IDS).logits, want, atol=1e-5)  # plain peft loads it
         merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
         assert torch.allclose(merged(input_ids=IDS).logits, want, atol=1e-5)
@@ -182,10 +209,24 @@ def _tiny_gemma3():
     from transformers import AutoModelForCausalLM, Gemma3Config
 
     config = Gemma3Config(
-        text_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
-                     "num_key_value_heads": 1, "head_dim": 16, "vocab_size": 300, "sliding_window": 16},
-        vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
-                       "image_size": 28, "patch_size": 14},
+        text_config={
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "head_dim": 16,
+            "vocab_size": 300,
+            "sliding_window": 16,
+        },
+        vision_config={
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "image_size": 28,
+            "patch_size": 14,
+        },
         mm_tokens_per_image=4,
     )
     return AutoModelForCausalLM.from_config(config)
@@ -207,5 +248,7 @@ def test_should_name_the_language_models_layers_when_a_target_exists_only_in_the
     from trainer.config import LoRAConfig
     from trainer.models.lora import check_targets
 
-    with pytest.raises(ConfigError, match=r"policy.lora.target_modules: .* no linear layer named 'fc1'.*q_proj"):
+    with pytest.raises(
+        ConfigError, match=r"policy.lora.target_modules: .* no linear layer named 'fc1'.*q_proj"
+    ):
         check_targets(_tiny_gemma3(), LoRAConfig(rank=4, target_modules=["q_proj", "fc1"]))

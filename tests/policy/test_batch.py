@@ -34,7 +34,10 @@ def test_should_align_loss_mask_and_logprobs_with_response_labels_when_padding()
     assert batch.old_logprobs[0, 2:].tolist() == pytest.approx([-0.1, -0.2])
     assert batch.old_logprobs[1, :3].tolist() == pytest.approx([-0.3, -0.4, -0.5])
     assert batch.ref_logprobs is None
-    assert unpad_logprobs([a, b], batch, batch.old_logprobs) == [pytest.approx([-0.1, -0.2]), pytest.approx([-0.3, -0.4, -0.5])]
+    assert unpad_logprobs([a, b], batch, batch.old_logprobs) == [
+        pytest.approx([-0.1, -0.2]),
+        pytest.approx([-0.3, -0.4, -0.5]),
+    ]
     assert batch.advantages.tolist() == [1.0, -1.0]
 
 
@@ -82,7 +85,9 @@ def test_should_run_each_distinct_prompt_once_when_samples_share_prompts():
     assert batch.old_logprobs[1].tolist() == pytest.approx([-0.3, -0.4, -0.5])
     assert batch.ref_logprobs is None
     assert unpad_logprobs([a, b, c], batch, batch.old_logprobs) == [
-        pytest.approx([-0.1, -0.2]), pytest.approx([-0.3, -0.4, -0.5]), pytest.approx([-0.6])
+        pytest.approx([-0.1, -0.2]),
+        pytest.approx([-0.3, -0.4, -0.5]),
+        pytest.approx([-0.6]),
     ]
 
 
@@ -100,7 +105,9 @@ def test_should_keep_each_prompt_group_on_one_rank_when_groups_divide_evenly():
 
 
 def test_should_keep_samples_with_an_advantage_and_top_up_with_the_shortest_others_when_skipping():
-    samples = [Sample([1, 2], [3] * n, advantage=a) for n, a in [(5, 0.0), (2, 1.0), (1, 0.0), (3, -1.0), (4, 0.5)]]
+    samples = [
+        Sample([1, 2], [3] * n, advantage=a) for n, a in [(5, 0.0), (2, 1.0), (1, 0.0), (3, -1.0), (4, 0.5)]
+    ]
     assert with_policy_gradient(samples, 1) == [samples[1], samples[3], samples[4]]
     # 3 with a gradient over 2 ranks: the shortest zero-advantage sample makes it 4
     assert with_policy_gradient(samples, 2) == [samples[1], samples[3], samples[4], samples[2]]
@@ -123,7 +130,10 @@ def test_should_restart_positions_and_predict_only_response_tokens_when_packing(
     window = batch.to_window(torch.tensor([-0.1, -0.2, -0.3, -0.4, -0.5]))
     torch.testing.assert_close(window, torch.tensor([[-0.1, -0.2, 0.0], [-0.3, -0.4, -0.5]]))
     torch.testing.assert_close(window, batch.old_logprobs)
-    assert unpad_logprobs([a, b], batch, window) == [pytest.approx([-0.1, -0.2]), pytest.approx([-0.3, -0.4, -0.5])]
+    assert unpad_logprobs([a, b], batch, window) == [
+        pytest.approx([-0.1, -0.2]),
+        pytest.approx([-0.3, -0.4, -0.5]),
+    ]
 
 
 @pytest.mark.parametrize("packed", [True, False])

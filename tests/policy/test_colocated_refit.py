@@ -57,8 +57,12 @@ def _free_port() -> int:
 def _samples() -> list[Sample]:
     g = torch.Generator().manual_seed(0)
     return [
-        Sample(torch.randint(4, 30, (4,), generator=g).tolist(), [5, 6, 7], advantage=float(i % 2) - 0.5,
-               gen_logprobs=[-1.0, -1.0, -1.0])
+        Sample(
+            torch.randint(4, 30, (4,), generator=g).tolist(),
+            [5, 6, 7],
+            advantage=float(i % 2) - 0.5,
+            gen_logprobs=[-1.0, -1.0, -1.0],
+        )
         for i in range(4)
     ]
 
@@ -81,10 +85,16 @@ def worker(request, tiny_model_path, monkeypatch):
     engine.reloads_every_weight = options.get("reloads", False)
     monkeypatch.setattr(factory, "build_engine", lambda gen, spec: engine)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
-    cfg = load(["experiment=tiny", f"model.name={tiny_model_path}", "cluster.cpu_workers_per_node=1",
-                "cluster.keep_freed_memory=false",
-                f"grpo.loss.reference_policy_kl_penalty={options.get('kl', 0.0)}",
-                f"policy.freeze=[{','.join(options.get('freeze', []))}]"])
+    cfg = load(
+        [
+            "experiment=tiny",
+            f"model.name={tiny_model_path}",
+            "cluster.cpu_workers_per_node=1",
+            "cluster.keep_freed_memory=false",
+            f"grpo.loss.reference_policy_kl_penalty={options.get('kl', 0.0)}",
+            f"policy.freeze=[{','.join(options.get('freeze', []))}]",
+        ]
+    )
     threads = torch.get_num_threads()
     w = PolicyWorker(cfg, tiny_model_path, rank=0, world_size=1, colocated_engine=True)
     try:
@@ -93,7 +103,9 @@ def worker(request, tiny_model_path, monkeypatch):
 
         def note(label: str):
             def hook(*_):
-                if not calls or calls[-1] != label:  # a pass of several forwards (prompt, then responses) is one
+                if (
+                    not calls or calls[-1] != label
+                ):  # a pass of several forwards (prompt, then responses) is one
                     calls.append(label)
 
             return hook
@@ -134,15 +146,20 @@ REFIT = ["empty_cache", "wake_up(weights)", "update_weights", "empty_cache", "wa
 
 
 @pytest.mark.parametrize("worker", [{"kl": 0.01}], indirect=True)  # a reference model: two logprob passes
-def test_should_sleep_before_the_logprob_passes_and_wake_weights_then_kv_cache_when_a_colocated_rank_refits(worker):
+def test_should_sleep_before_the_logprob_passes_and_wake_weights_then_kv_cache_when_a_colocated_rank_refits(
+    worker,
+):
     samples = _samples()
     _a_step(worker, samples)
     _a_step(worker, samples)
     one_step = [
-        "generate", "generate",  # nothing between the turns: the engine stays awake through a rollout
+        "generate",
+        "generate",  # nothing between the turns: the engine stays awake through a rollout
         "sleep",  # once, before the first logprob pass
-        "policy forward", "reference forward",  # the old and reference logprob passes
-        "policy forward", "optimizer step",  # training
+        "policy forward",
+        "reference forward",  # the old and reference logprob passes
+        "policy forward",
+        "optimizer step",  # training
         *REFIT,
     ]
     assert worker.calls == one_step + one_step
@@ -181,8 +198,12 @@ def test_should_load_the_trained_weights_when_the_refit_gathers_unit_by_unit(wor
 FROZEN = "model.layers.0.*"
 
 
-@pytest.mark.parametrize("worker", [{"freeze": [FROZEN], "reloads": True}, {"freeze": [FROZEN], "reloads": False}],
-                         indirect=True, ids=["engine-discards-weights-asleep", "engine-keeps-weights-asleep"])
+@pytest.mark.parametrize(
+    "worker",
+    [{"freeze": [FROZEN], "reloads": True}, {"freeze": [FROZEN], "reloads": False}],
+    indirect=True,
+    ids=["engine-discards-weights-asleep", "engine-keeps-weights-asleep"],
+)
 def test_should_send_frozen_weights_only_when_the_engine_discarded_its_weights_in_sleep(worker):
     """vLLM's level-2 sleep frees the weights: its refit must bring the frozen ones back too; an engine
     that keeps them (level 1, hf) gets the trainable ones alone."""

@@ -47,9 +47,15 @@ def _small_tiles(monkeypatch) -> None:
 @pytest.mark.parametrize("budget", [2**19, 1000], ids=["one-tile", "tiles"])
 @pytest.mark.parametrize("softcap", [None, 4.0])
 @pytest.mark.parametrize("bias", [False, True])
-def test_should_equal_the_logits_pass_when_logprobs_come_from_hidden_states_a_tile_at_a_time(budget, softcap, bias):
+def test_should_equal_the_logits_pass_when_logprobs_come_from_hidden_states_a_tile_at_a_time(
+    budget, softcap, bias
+):
     g = torch.Generator().manual_seed(0)
-    n, h, v = 37, 16, 700  # 1000 elements: blocks of 256 entries (the last one short) and chunks of 3 positions
+    n, h, v = (
+        37,
+        16,
+        700,
+    )  # 1000 elements: blocks of 256 entries (the last one short) and chunks of 3 positions
     hidden = torch.randn(2, n, h, generator=g, requires_grad=True)
     weight = (torch.randn(v, h, generator=g) * 0.5).requires_grad_()
     b = torch.randn(v, generator=g, requires_grad=True) if bias else None
@@ -70,7 +76,9 @@ def test_should_equal_the_logits_pass_when_logprobs_come_from_hidden_states_a_ti
     assert got.shape == labels.shape and got.dtype == torch.float32 and not got_entropy.requires_grad
     torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
     # H = lse - sum p x: the two terms' rounding is relative to the logits' scale, not to H
-    torch.testing.assert_close(got_entropy, want_entropy, rtol=RTOL, atol=ATOL * float(logits.detach().abs().max()))
+    torch.testing.assert_close(
+        got_entropy, want_entropy, rtol=RTOL, atol=ATOL * float(logits.detach().abs().max())
+    )
     for name, a, e in zip(("hidden", "weight", "bias"), got_grads, want_grads):
         # sums over hundreds of vocabulary entries in another order: rounding is relative to their scale
         torch.testing.assert_close(a, e, rtol=RTOL, atol=ATOL * float(e.abs().max()))
@@ -139,7 +147,9 @@ def worker(tiny_model_path):
     try:
         w.setup("127.0.0.1", _free_port())
         assert w.model.get_output_embeddings().weight is w.model.get_input_embeddings().weight  # tied
-        w.scheduler.base_lrs = [0.0] * len(w.scheduler.base_lrs)  # the weights stay; param.grad keeps each step's
+        w.scheduler.base_lrs = [0.0] * len(
+            w.scheduler.base_lrs
+        )  # the weights stay; param.grad keeps each step's
         for group in w.optimizer.param_groups:
             group["lr"] = 0.0
         yield w
@@ -216,7 +226,9 @@ def _rank_main(rank: int, world: int, port: int, model_path: str, out: str) -> N
     w.shutdown()
 
 
-def test_should_give_todays_logprobs_and_gradients_when_two_ulysses_ranks_tile_their_halves(tiny_model_path, tmp_path):
+def test_should_give_todays_logprobs_and_gradients_when_two_ulysses_ranks_tile_their_halves(
+    tiny_model_path, tmp_path
+):
     port, out = free_port("127.0.0.1"), tmp_path / "ulysses.pt"
     procs = [
         subprocess.Popen([sys.executable, "-c", f"from tests.policy.test_linear_logprobs import _rank_main; "
@@ -260,9 +272,13 @@ def test_should_never_make_a_positions_by_vocabulary_tensor_when_logprobs_and_th
                       torch.randint(0, vocab, (128,), generator=g).tolist(), advantage=1.0) for _ in range(4)]  # fmt: skip
     batch = pack_batch(samples, pad_id=0)
     positions = batch.predict.numel()
-    assert positions == 512 and positions * vocab > 2**19  # the CPU's tile (2 MiB of float32) cannot hold them all
+    assert (
+        positions == 512 and positions * vocab > 2**19
+    )  # the CPU's tile (2 MiB of float32) cannot hold them all
     with _Largest() as largest:
-        logprobs, entropy = forward.forward_logprobs(model, batch, torch.device("cpu"), None, False, 1.0, True)
+        logprobs, entropy = forward.forward_logprobs(
+            model, batch, torch.device("cpu"), None, False, 1.0, True
+        )
         (logprobs * batch.loss_mask).sum().backward()
     assert entropy is not None and model.lm_head.weight.grad is not None
     # the weight and its gradient (vocab x 32) are the largest things here: 16x fewer than the logits' elements

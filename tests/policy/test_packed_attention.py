@@ -32,8 +32,9 @@ def _dense(q, k, v, row: Row, window: int | None, scale: float) -> torch.Tensor:
     mask = (segment[:, None] == segment[None, :]) & (i[None, :] <= i[:, None])
     if window is not None:
         mask &= (i[:, None] - i[None, :]) < window
-    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
-                                                           enable_gqa=k.shape[1] != q.shape[1])
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
+    )
     return out.transpose(1, 2)
 
 
@@ -110,7 +111,9 @@ def test_should_leave_eager_attention_alone_when_the_model_caps_attention_logits
     assert packed_attention.takes("sdpa", Config()) and not packed_attention.takes("flex_attention", Config())
 
 
-def test_should_call_flash_attentions_varlen_path_with_the_rows_boundaries_when_the_inner_attention_is_flash(monkeypatch):
+def test_should_call_flash_attentions_varlen_path_with_the_rows_boundaries_when_the_inner_attention_is_flash(
+    monkeypatch,
+):
     import transformers.modeling_flash_attention_utils as fa
 
     real, seen = inspect.signature(fa._flash_attention_forward), {}
@@ -168,7 +171,9 @@ def _stand_in(signature: inspect.Signature, calls: list):
         assert q.dim() == 3 and k.shape[0] == q.shape[0] and cu.dtype == torch.int32
         assert torch.equal(cu, a["cu_seq_k"]) and a["max_q"] == a["max_k"]
         if "enable_gqa" in a and not a["enable_gqa"] and k.shape[1] != q.shape[1]:
-            raise ValueError("Expect query and key/value to have the same number of heads")  # torch 2.13's check
+            raise ValueError(
+                "Expect query and key/value to have the same number of heads"
+            )  # torch 2.13's check
         window = a.get("window_size", (-1, 0) if a.get("is_causal") else (-1, -1))
         assert isinstance(window, tuple)  # varlen_attn tests `window_size == (-1, 0)`: a list is never causal
         left, right = window
@@ -184,8 +189,12 @@ def _stand_in(signature: inspect.Signature, calls: list):
             if left >= 0:
                 seen &= i[None, :] >= i[:, None] - left
             scores = torch.einsum("qhd,khd->hqk", q[s:e].float(), kf[s:e]) * scale
-            out[s:e] = torch.einsum("hqk,khd->qhd", scores.masked_fill(~seen, float("-inf")).softmax(-1), vf[s:e])
-        calls.append({n: x for n, x in a.items() if n not in ("query", "key", "value", "cu_seq_q", "cu_seq_k")})
+            out[s:e] = torch.einsum(
+                "hqk,khd->qhd", scores.masked_fill(~seen, float("-inf")).softmax(-1), vf[s:e]
+            )
+        calls.append(
+            {n: x for n, x in a.items() if n not in ("query", "key", "value", "cu_seq_q", "cu_seq_k")}
+        )
         return out.to(q.dtype)
 
     varlen_attn.__signature__ = signature  # what packed_attention reads its keywords from
@@ -215,7 +224,8 @@ def _qkv(kv_heads: int, dtype=torch.bfloat16, n: int = 20):
 @pytest.mark.parametrize("kv_heads", [4, 2])
 @pytest.mark.parametrize("scale", [0.25, None])
 def test_should_call_torchs_varlen_kernel_once_per_row_with_the_installed_signature_when_on_a_flash_gpu(
-        varlen_on, window, kv_heads, scale):
+    varlen_on, window, kv_heads, scale
+):
     signature, calls = _real_varlen_signature(), []
     varlen_on(_stand_in(signature, calls))
     row = Row(torch.tensor([0, 5, 6, 13, 20], dtype=torch.int32), 7)  # samples of 5, 1, 7 and 7 tokens
@@ -240,7 +250,8 @@ def test_should_call_torchs_varlen_kernel_once_per_row_with_the_installed_signat
 @pytest.mark.parametrize("old", sorted(_OLD))
 @pytest.mark.parametrize("window", [None, 3])
 def test_should_use_an_older_torchs_varlen_signature_or_fall_back_to_the_loop_when_it_cannot_say_the_call(
-        varlen_on, old, window):
+    varlen_on, old, window
+):
     calls = []
     varlen_on(_stand_in(_OLD[old], calls))
     row = Row(torch.tensor([0, 5, 6, 13, 20], dtype=torch.int32), 7)
@@ -248,8 +259,9 @@ def test_should_use_an_older_torchs_varlen_signature_or_fall_back_to_the_loop_wh
     for scale in (16**-0.5, 0.25):  # the kernel's default scale, and one only a `scale` keyword can say
         calls.clear()
         got = _attend(torch.nn.Linear(2, 2).eval(), q, k, v, row, "sdpa", 0.0, scale, window, None)
-        torch.testing.assert_close(got.float(), _dense(q.float(), k.float(), v.float(), row, window, scale),
-                                   rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(
+            got.float(), _dense(q.float(), k.float(), v.float(), row, window, scale), rtol=2e-2, atol=2e-2
+        )
         expressible = old == "torch_2_11" or (window is None and scale == 16**-0.5)
         assert len(calls) == (1 if expressible else 0), (old, window, scale)
         if calls:
@@ -271,8 +283,10 @@ def test_should_run_sdpa_per_sample_when_on_a_cpu_or_in_float32_or_with_dropout(
     # a flash-capable GPU still keeps float32 and dropout on the loop (the kernel has neither)
     monkeypatch.setattr(packed_attention, "_flash_device", lambda device: True)
     q32, k32, v32 = (t.float() for t in (q, k, v))
-    torch.testing.assert_close(_attend(module, q32, k32, v32, row, "sdpa", 0.0, 0.25, None, None),
-                               _dense(q32, k32, v32, row, None, 0.25))
+    torch.testing.assert_close(
+        _attend(module, q32, k32, v32, row, "sdpa", 0.0, 0.25, None, None),
+        _dense(q32, k32, v32, row, None, 0.25),
+    )
     torch.manual_seed(0)
     dropped = _attend(module, q, k, v, row, "sdpa", 0.5, 0.25, None, None)
     assert dropped.shape == (1, 20, 4, 16)
@@ -325,9 +339,13 @@ def test_should_pack_every_micro_batch_when_rows_are_fused_and_choose_by_positio
 
     worker = PolicyWorker.__new__(PolicyWorker)  # the choice alone: no process group, no model
     worker.cfg, worker.sp, worker.device = load(["experiment=tiny"]), None, torch.device("cpu")
-    group = [Sample(list(range(1, 21)), [30 + i] * 5, advantage=1.0) for i in range(4)]  # 40 positions vs 100 packed
+    group = [
+        Sample(list(range(1, 21)), [30 + i] * 5, advantage=1.0) for i in range(4)
+    ]  # 40 positions vs 100 packed
     ragged = [Sample([1, 2], list(range(3, 3 + n)), advantage=1.0) for n in (60, 2, 3, 4)]
     worker._fused_rows = False  # CPU: sdpa per sample, the position count decides
     assert worker._prefix_layouts([group, ragged]) == [True, False]
-    worker._fused_rows = True  # a GPU's varlen kernel: packed rows beat the shared-prompt layout everywhere measured
+    worker._fused_rows = (
+        True  # a GPU's varlen kernel: packed rows beat the shared-prompt layout everywhere measured
+    )
     assert worker._prefix_layouts([group, ragged]) == [False, False]

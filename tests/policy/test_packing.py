@@ -40,8 +40,17 @@ def _samples() -> list[Sample]:
             response = torch.randint(4, 40, (n,), generator=g).tolist()
             mask = [0 if 2 <= t < 5 else 1 for t in range(n)]  # tokens 2..4: an environment turn
             old, ref, gen = ((torch.randn(n, generator=g) * 0.3 - 3.0).tolist() for _ in range(3))
-            out.append(Sample(prompt, response, advantage=float(k) - 1.5, response_mask=mask,
-                              old_logprobs=old, ref_logprobs=ref, gen_logprobs=gen))
+            out.append(
+                Sample(
+                    prompt,
+                    response,
+                    advantage=float(k) - 1.5,
+                    response_mask=mask,
+                    old_logprobs=old,
+                    ref_logprobs=ref,
+                    gen_logprobs=gen,
+                )
+            )
     return out
 
 
@@ -53,11 +62,20 @@ def worker(tiny_model_path):
 
     if dist.is_initialized():
         pytest.skip("this process already has a torch.distributed world")
-    cfg = load(["experiment=tiny", f"model.name={tiny_model_path}", "cluster.cpu_workers_per_node=1",
-                "policy.max_grad_norm=null", "policy.micro_batch_size=5", "policy.logprob_micro_batch_size=5",
-                "policy.shared_prefix=false",  # every packed case packs (the mixed choice has its own test)
-                "grpo.loss.reference_policy_kl_penalty=0.1", "grpo.loss.ratio_clip_min=0.2",
-                "grpo.loss.ratio_clip_max=0.2"])
+    cfg = load(
+        [
+            "experiment=tiny",
+            f"model.name={tiny_model_path}",
+            "cluster.cpu_workers_per_node=1",
+            "policy.max_grad_norm=null",
+            "policy.micro_batch_size=5",
+            "policy.logprob_micro_batch_size=5",
+            "policy.shared_prefix=false",  # every packed case packs (the mixed choice has its own test)
+            "grpo.loss.reference_policy_kl_penalty=0.1",
+            "grpo.loss.ratio_clip_min=0.2",
+            "grpo.loss.ratio_clip_max=0.2",
+        ]
+    )
     threads = torch.get_num_threads()
     w = PolicyWorker(cfg, tiny_model_path, rank=0, world_size=1, colocated_engine=False)
     try:
@@ -126,13 +144,19 @@ def test_should_give_the_padded_loss_and_gradients_when_micro_batches_are_packed
             setattr(worker.cfg.grpo.loss, k, v)
 
 
-def test_should_give_the_count_split_loss_and_gradients_when_micro_batches_are_filled_to_a_token_budget(worker):
+def test_should_give_the_count_split_loss_and_gradients_when_micro_batches_are_filled_to_a_token_budget(
+    worker,
+):
     samples = _samples()
     by_count = _step(worker, samples, sequence_packing=True)
     for packing in (True, False):
         # 40 tokens: the 12 samples (10..32 tokens) go into 6..12 micro-batches instead of 3 of 5.
-        _assert_same(_step(worker, samples, sequence_packing=packing, shared_prefix=False,
-                           max_tokens_per_microbatch=40), by_count)
+        _assert_same(
+            _step(
+                worker, samples, sequence_packing=packing, shared_prefix=False, max_tokens_per_microbatch=40
+            ),
+            by_count,
+        )
 
 
 def test_should_give_the_padded_logprobs_when_policy_and_reference_passes_are_packed(worker):
@@ -177,7 +201,9 @@ def test_should_give_the_padded_loss_and_gradients_when_each_micro_batch_takes_t
     for s in even:
         n = len(s.response_ids)
         s.response_mask = [1] * n
-        s.old_logprobs, s.ref_logprobs, s.gen_logprobs = ((torch.randn(n, generator=g) * 0.3 - 3.0).tolist() for _ in range(3))
+        s.old_logprobs, s.ref_logprobs, s.gen_logprobs = (
+            (torch.randn(n, generator=g) * 0.3 - 3.0).tolist() for _ in range(3)
+        )
     samples = even + _samples()[:4]  # the second group: responses of 1, 23, 6 and 14 tokens
     layouts = []
     build = worker._batch

@@ -16,8 +16,16 @@ pytestmark = pytest.mark.slow
 
 
 def _cfg(tiny_model_path: str, *extra: str):
-    return load(["experiment=tiny", f"model.name={tiny_model_path}", "grpo.num_prompts_per_step=2",
-                 "grpo.num_generations_per_prompt=4", "policy.micro_batch_size=2", *extra])
+    return load(
+        [
+            "experiment=tiny",
+            f"model.name={tiny_model_path}",
+            "grpo.num_prompts_per_step=2",
+            "grpo.num_generations_per_prompt=4",
+            "policy.micro_batch_size=2",
+            *extra,
+        ]
+    )
 
 
 def _samples(grouped: bool = False) -> list[Sample]:
@@ -42,7 +50,10 @@ def groups(ray_local, tiny_model_path):
         key = (world, shared_prefix, tag, extra)
         if key not in made:
             cfg = _cfg(
-                tiny_model_path, f"cluster.cpu_workers_per_node={world}", f"policy.shared_prefix={shared_prefix}", *extra
+                tiny_model_path,
+                f"cluster.cpu_workers_per_node={world}",
+                f"policy.shared_prefix={shared_prefix}",
+                *extra,
             )
             made[key] = PolicyGroup(cfg, tiny_model_path, colocated_engine=True)
         return made[key]
@@ -65,8 +76,11 @@ def test_should_match_single_rank_count_batches_when_two_ranks_fill_micro_batche
     """Two ranks whose token budgets make different numbers of micro-batches (the ranks agree on the
     largest, the other splits): the same loss and gradient as one rank taking two samples at a time."""
     samples = _samples(grouped=True)  # 7..12 tokens: at 16 a rank, 4 + 4 samples, makes 4 and 3 micro-batches
-    budget = ("policy.max_total_sequence_length=16", "policy.max_tokens_per_microbatch=16",
-              "policy.logprob_max_tokens_per_microbatch=16")
+    budget = (
+        "policy.max_total_sequence_length=16",
+        "policy.max_tokens_per_microbatch=16",
+        "policy.logprob_max_tokens_per_microbatch=16",
+    )
     metrics_one = groups(1, True, "fresh").train(samples)
     metrics_two = groups(2, True, "fresh", *budget).train(samples)
     assert metrics_two["loss"] == pytest.approx(metrics_one["loss"], rel=1e-4, abs=1e-6)
@@ -126,7 +140,6 @@ def test_should_give_engine_the_trained_weights_when_colocated_engine_is_refresh
     assert any(not torch.equal(before[n], policy[n]) for n in policy)
 
 
-
 def test_should_train_as_when_gathering_afresh_when_the_synced_weights_are_kept_for_the_next_forward(
     ray_local, tiny_model_path
 ):
@@ -139,7 +152,9 @@ def test_should_train_as_when_gathering_afresh_when_the_synced_weights_are_kept_
     made = []
     try:
         for keep in ("false", "true"):
-            cfg = _cfg(tiny_model_path, "cluster.cpu_workers_per_node=2", f"policy.reshard_after_forward={keep}")
+            cfg = _cfg(
+                tiny_model_path, "cluster.cpu_workers_per_node=2", f"policy.reshard_after_forward={keep}"
+            )
             made.append(PolicyGroup(cfg, tiny_model_path, colocated_engine=True))
         kept, fresh = made
         for grouped in (True, False):
@@ -168,7 +183,9 @@ def test_should_update_as_training_on_every_sample_does_when_zero_advantage_samp
     try:
         for skip in ("true", "false"):
             cfg = _cfg(
-                tiny_model_path, "cluster.cpu_workers_per_node=2", f"policy.skip_zero_advantage={skip}",
+                tiny_model_path,
+                "cluster.cpu_workers_per_node=2",
+                f"policy.skip_zero_advantage={skip}",
                 "grpo.loss.reference_policy_kl_penalty=0",
             )
             made.append(PolicyGroup(cfg, tiny_model_path, colocated_engine=False))
@@ -194,7 +211,9 @@ def test_should_update_as_training_on_every_sample_does_when_zero_advantage_samp
 
 
 @pytest.mark.parametrize("engine_dtype", ["float32", "bfloat16"])
-def test_should_broadcast_trained_weights_when_generation_is_disaggregated(ray_local, tiny_model_path, engine_dtype):
+def test_should_broadcast_trained_weights_when_generation_is_disaggregated(
+    ray_local, tiny_model_path, engine_dtype
+):
     import ray
 
     from trainer.generation.placement import DisaggregatedGenerator
@@ -218,14 +237,16 @@ def test_should_broadcast_trained_weights_when_generation_is_disaggregated(ray_l
         for name, tensor in expected.items():
             assert torch.equal(got[name], tensor.to(getattr(torch, engine_dtype))), name
         # And the engine samples from them: prompts in, completions with logprobs out.
-        (ref, idx), = generator.submit([[4, 5, 6]], 3, SamplingParams(max_new_tokens=3, seed=1))
+        ((ref, idx),) = generator.submit([[4, 5, 6]], 3, SamplingParams(max_new_tokens=3, seed=1))
         completions = ray.get(ref)
         assert idx == [0] and len(completions[0]) == 3
         assert all(len(c.logprobs) == len(c.token_ids) > 0 for c in completions[0])
         # Each actor paused its collector while it imported, then froze the imports and turned it back on
         # (trainer.heap): on, with the imported objects (hundreds of thousands) frozen.
         for actor in policy.workers + generator.workers:
-            enabled, frozen = ray.get(actor.__ray_call__.remote(lambda _: (gc.isenabled(), gc.get_freeze_count())))
+            enabled, frozen = ray.get(
+                actor.__ray_call__.remote(lambda _: (gc.isenabled(), gc.get_freeze_count()))
+            )
             assert enabled and frozen > 100_000, (enabled, frozen)
     finally:
         generator.shutdown()
@@ -242,8 +263,12 @@ def test_should_weight_the_policy_gradient_by_the_truncated_ratio_when_the_engin
 
     grads, metrics = {}, {}
     for mode in ("none", "tis"):
-        cfg = _cfg(tiny_model_path, "cluster.cpu_workers_per_node=1", f"grpo.loss.importance_sampling={mode}",
-                   "policy.max_grad_norm=null")
+        cfg = _cfg(
+            tiny_model_path,
+            "cluster.cpu_workers_per_node=1",
+            f"grpo.loss.importance_sampling={mode}",
+            "policy.max_grad_norm=null",
+        )
         group = PolicyGroup(cfg, tiny_model_path, colocated_engine=False)
         try:
             samples = _samples(grouped=True)
@@ -261,7 +286,9 @@ def test_should_weight_the_policy_gradient_by_the_truncated_ratio_when_the_engin
         assert m["gen_train_kl"] == pytest.approx(math.exp(5.0) - 5.0 - 1.0, rel=1e-3)  # k3 of a 5-nat gap
 
 
-def test_should_train_on_each_responses_mean_log_ratio_when_ratio_level_is_sequence(ray_local, tiny_model_path):
+def test_should_train_on_each_responses_mean_log_ratio_when_ratio_level_is_sequence(
+    ray_local, tiny_model_path
+):
     """GSPO through the worker: old logprobs that differ from the policy's by a ramp with zero mean
     over each response give every sequence the ratio 1, so the step is the on-policy one (token
     ratios of e^-0.3 .. e^0.3 would be clipped at 0.2). Padding and the prompt must not count in the
@@ -270,8 +297,14 @@ def test_should_train_on_each_responses_mean_log_ratio_when_ratio_level_is_seque
     from trainer.policy.group import PolicyGroup
 
     # lr 1e-30: Adam moves no float32 weight, so all three steps see the same policy.
-    cfg = _cfg(tiny_model_path, "cluster.cpu_workers_per_node=1", "grpo.loss.ratio_level=sequence",
-               "policy.max_grad_norm=null", "policy.learning_rate=1e-30", "policy.shared_prefix=false")
+    cfg = _cfg(
+        tiny_model_path,
+        "cluster.cpu_workers_per_node=1",
+        "grpo.loss.ratio_level=sequence",
+        "policy.max_grad_norm=null",
+        "policy.learning_rate=1e-30",
+        "policy.shared_prefix=false",
+    )
     group = PolicyGroup(cfg, tiny_model_path, colocated_engine=False)
     try:
         samples = _samples(grouped=True)
@@ -299,8 +332,12 @@ def test_should_clamp_the_per_token_kl_in_the_penalty_when_kl_clamp_is_set(ray_l
     kl_clamp=10; 1 nat above: e - 2 = 0.718, under the bound and left alone."""
     from trainer.policy.group import PolicyGroup
 
-    cfg = _cfg(tiny_model_path, "cluster.cpu_workers_per_node=1", "grpo.loss.reference_policy_kl_penalty=0.1",
-               "grpo.loss.kl_clamp=10")
+    cfg = _cfg(
+        tiny_model_path,
+        "cluster.cpu_workers_per_node=1",
+        "grpo.loss.reference_policy_kl_penalty=0.1",
+        "grpo.loss.kl_clamp=10",
+    )
     group = PolicyGroup(cfg, tiny_model_path, colocated_engine=False)
     try:
         kl = {}

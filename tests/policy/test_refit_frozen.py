@@ -36,8 +36,12 @@ def _frozen(name: str) -> bool:
 def _samples() -> list[Sample]:
     g = torch.Generator().manual_seed(0)
     return [
-        Sample(torch.randint(4, 30, (4,), generator=g).tolist(), [5, 6, 7], advantage=float(i % 2) - 0.5,
-               gen_logprobs=[-1.0, -1.0, -1.0])
+        Sample(
+            torch.randint(4, 30, (4,), generator=g).tolist(),
+            [5, 6, 7],
+            advantage=float(i % 2) - 0.5,
+            gen_logprobs=[-1.0, -1.0, -1.0],
+        )
         for i in range(4)
     ]
 
@@ -61,8 +65,14 @@ def worker(request, tiny_model_path, monkeypatch):
     if dist.is_initialized():
         pytest.skip("this process already has a torch.distributed world")
     how, colocated = request.param
-    overrides = ["experiment=tiny", f"model.name={tiny_model_path}", "cluster.cpu_workers_per_node=1",
-                 "cluster.keep_freed_memory=false", "generation.backend=hf", "policy.learning_rate=0.05"]
+    overrides = [
+        "experiment=tiny",
+        f"model.name={tiny_model_path}",
+        "cluster.cpu_workers_per_node=1",
+        "cluster.keep_freed_memory=false",
+        "generation.backend=hf",
+        "policy.learning_rate=0.05",
+    ]
     if how == "config":
         overrides.append(f"policy.freeze=[{','.join(FROZEN)}]")
     else:
@@ -93,7 +103,9 @@ def _base(tiny_model_path) -> dict[str, torch.Tensor]:
     return {n: p.detach() for n, p in load_model(tiny_model_path, "float32").named_parameters()}
 
 
-@pytest.mark.parametrize("worker", [("config", True), ("model", True)], ids=["policy.freeze", "requires_grad"], indirect=True)
+@pytest.mark.parametrize(
+    "worker", [("config", True), ("model", True)], ids=["policy.freeze", "requires_grad"], indirect=True
+)
 def test_should_load_only_trainable_weights_and_leave_the_frozen_ones_as_built_when_a_colocated_engine_refits(
     worker, tiny_model_path, monkeypatch
 ):
@@ -123,6 +135,7 @@ def test_should_load_only_trainable_weights_and_leave_the_frozen_ones_as_built_w
             for name, t in named_tensors:
                 loaded.append((name, t.numel() * t.element_size()))
                 yield name, t
+
         update(each())
 
     monkeypatch.setattr(worker.engine, "update_weights", counting)
@@ -133,7 +146,10 @@ def test_should_load_only_trainable_weights_and_leave_the_frozen_ones_as_built_w
     assert "model.layers.0" not in gathered and "model.layers.1" in gathered  # a frozen unit is not gathered
     assert sum(b for _, b in loaded) == worker.info["refit_bytes"]
     engine = worker.engine_state_dict()
-    for name, tensor in policy.items():  # the engine is the policy: trained weights sent, frozen ones as built
+    for (
+        name,
+        tensor,
+    ) in policy.items():  # the engine is the policy: trained weights sent, frozen ones as built
         assert torch.equal(engine[name].to(tensor.dtype), tensor), name
     # What a disaggregated refit announces: the same names, in the gather's order.
     assert worker.weight_metadata()["names"] == [n for n, _ in loaded]
@@ -185,8 +201,18 @@ def test_should_send_only_trainable_weights_and_sample_as_the_policy_scores_when
     assert update_info["names"] and not [n for n in update_info["names"] if _frozen(n)]
     port, out = free_port("127.0.0.1"), tmp_path / "received.json"
     info = init_info("127.0.0.1", port, rank_offset=1, world_size=2, buffer_bytes=16 * 1024)
-    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(RECEIVER), tiny_model_path, str(out),
-                             json.dumps(info), json.dumps(update_info), str(worker.cfg.generation.temperature)])
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(RECEIVER),
+            tiny_model_path,
+            str(out),
+            json.dumps(info),
+            json.dumps(update_info),
+            str(worker.cfg.generation.temperature),
+        ]
+    )
     try:
         worker.init_weight_sync(init_info("127.0.0.1", port, 0, 2, 16 * 1024))
         stats = worker.broadcast_weights(update_info)
@@ -204,7 +230,11 @@ def test_should_send_only_trainable_weights_and_sample_as_the_policy_scores_when
     # The engine holds the trained weights and the frozen ones it was built with: the policy scores its
     # samples as the engine did (float32 on both sides; vLLM's fused kernels add only rounding).
     samples = [Sample(p, ids) for p, ids, _ in received["samples"]]
-    gap = max(abs(a - b) for s, (_, _, lp) in zip(worker.compute_logprobs(samples), received["samples"]) for a, b in zip(s, lp))
+    gap = max(
+        abs(a - b)
+        for s, (_, _, lp) in zip(worker.compute_logprobs(samples), received["samples"])
+        for a, b in zip(s, lp)
+    )
     assert gap < 1e-3
 
 
@@ -212,7 +242,9 @@ def test_should_name_the_pattern_when_policy_freeze_matches_no_parameter(tiny_mo
     from trainer.policy.group import check_freeze
 
     cfg = load(["experiment=tiny", f"model.name={tiny_model_path}", "policy.freeze=[model.vision_tower.*]"])
-    with pytest.raises(ConfigError, match=r"^policy\.freeze: 'model\.vision_tower\.\*' matches no parameter of "):
+    with pytest.raises(
+        ConfigError, match=r"^policy\.freeze: 'model\.vision_tower\.\*' matches no parameter of "
+    ):
         check_freeze(cfg, tiny_model_path)
     check_freeze(load(["experiment=tiny", f"policy.freeze=[{','.join(FROZEN)}]"]), tiny_model_path)
 
@@ -230,7 +262,11 @@ def test_should_freeze_the_vision_tower_and_projector_alone_when_gemma3_27b_trai
     config, _ = _hf_config(cfg.model.name, False)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    frozen = {n: p.numel() for n, p in model.named_parameters() if any(fnmatchcase(n, f) for f in cfg.policy.freeze)}
+    frozen = {
+        n: p.numel() for n, p in model.named_parameters() if any(fnmatchcase(n, f) for f in cfg.policy.freeze)
+    }
     assert all(n.startswith(("model.vision_tower.", "model.multi_modal_projector.")) for n in frozen)
-    assert {n for n, _ in model.named_parameters() if not n.startswith("model.language_model.")} == set(frozen)
+    assert {n for n, _ in model.named_parameters() if not n.startswith("model.language_model.")} == set(
+        frozen
+    )
     assert 0.4e9 < sum(frozen.values()) < 0.45e9  # the 0.42B parameters no text-only step changes

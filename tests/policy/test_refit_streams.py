@@ -76,7 +76,9 @@ def recorded(worker, monkeypatch):  # noqa: F811
     cuda = _Cuda()
     for name in ("current_stream", "stream", "Event"):
         monkeypatch.setattr(torch.cuda, name, getattr(cuda, name))
-    monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, s: cuda.log.append(("keep", t, s)), raising=False)
+    monkeypatch.setattr(
+        torch.Tensor, "record_stream", lambda t, s: cuda.log.append(("keep", t, s)), raising=False
+    )
     try:  # the one place that picks the rule by device (absent before the rule existed)
         from trainer.policy import streams
 
@@ -109,7 +111,9 @@ def recorded(worker, monkeypatch):  # noqa: F811
     return worker
 
 
-def _read_as_vllm_does(cuda: _Cuda, weights, num_streams: int = 2) -> list[tuple[str, torch.Tensor, _Stream, int]]:
+def _read_as_vllm_does(
+    cuda: _Cuda, weights, num_streams: int = 2
+) -> list[tuple[str, torch.Tensor, _Stream, int]]:
     """vLLM 0.32's packed_nccl_broadcast_producer with a one-byte buffer (every tensor is a chunk): each
     chunk is pulled from the iterator under its stream, then the producer moves to the next stream.
     Returns (name, tensor, the stream it was read on, the log position of the read)."""
@@ -138,14 +142,18 @@ def _violations(rank, log: list, reads) -> list[str]:
         if reader is on:
             continue
         fenced = any(
-            e[0] == "wait_event" and e[1] is reader and e[2].stream is on
+            e[0] == "wait_event"
+            and e[1] is reader
+            and e[2].stream is on
             and any(r[0] == "record" and r[2] is e[2] and j > since for j, r in enumerate(log[:at]))
             for e in log[:at]
         )
         kept = any(e[0] == "keep" and e[1] is tensor and e[2] is reader for e in log[:at])
         if not (fenced and kept):
-            problems.append(f"{name}: gathered on {on}, read on {reader} "
-                            f"({'no event between' if not fenced else 'its memory not kept for the reader'})")
+            problems.append(
+                f"{name}: gathered on {on}, read on {reader} "
+                f"({'no event between' if not fenced else 'its memory not kept for the reader'})"
+            )
     return problems
 
 
@@ -156,7 +164,10 @@ def test_should_read_every_weight_behind_its_gather_when_vllms_producer_switches
     units = len(recorded._fsdp_units())
     assert units >= 3 and len(reads) == len(dict(recorded.model.named_parameters()))
     problems = _violations(recorded, recorded.cuda.log, reads)
-    assert not problems, f"{len(problems)} of {len(reads)} weights read unordered after their gather:\n" + "\n".join(problems[:5])
+    assert not problems, (
+        f"{len(problems)} of {len(reads)} weights read unordered after their gather:\n"
+        + "\n".join(problems[:5])
+    )
     for name, tensor in recorded.full_state_dict().items():  # and the values are the trained weights
         assert torch.equal(next(t for n, t, _, _ in reads if n == name), tensor), name
 

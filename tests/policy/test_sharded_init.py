@@ -25,8 +25,11 @@ REPO = Path(__file__).resolve().parents[2]
 
 CASES = {
     "float32-reference": ["grpo.loss.reference_policy_kl_penalty=0.1"],
-    "bfloat16-lora": ["model.dtype=bfloat16", "policy.lora.rank=4",
-                      "grpo.loss.reference_policy_kl_penalty=0.1"],
+    "bfloat16-lora": [
+        "model.dtype=bfloat16",
+        "policy.lora.rank=4",
+        "grpo.loss.reference_policy_kl_penalty=0.1",
+    ],
 }
 
 
@@ -56,24 +59,38 @@ def compare(w) -> dict:
     """``w`` (a set-up PolicyWorker) against the whole-model path, in the same process group: what
     differs, as booleans and lists (empty: nothing). Collective (every rank calls it)."""
     rng_after_setup = torch.get_rng_state()
-    torch.manual_seed(w.cfg.seed)  # as set-up seeded: then the policy's load, its adapters, the reference's load
+    torch.manual_seed(
+        w.cfg.seed
+    )  # as set-up seeded: then the policy's load, its adapters, the reference's load
     old = _whole_then_sharded(w)
-    old_ref = _whole_then_sharded(w, w.cfg.model.attn_implementation or "sdpa") if w.ref_model is not None else None
+    old_ref = (
+        _whole_then_sharded(w, w.cfg.model.attn_implementation or "sdpa") if w.ref_model is not None else None
+    )
     rng_old = torch.get_rng_state()
-    mismatched = [n for (n, p), (_, q) in zip(w.model.named_parameters(), old.named_parameters())
-                  if p.to_local().dtype != q.to_local().dtype or not torch.equal(p.to_local(), q.to_local())]
+    mismatched = [
+        n
+        for (n, p), (_, q) in zip(w.model.named_parameters(), old.named_parameters())
+        if p.to_local().dtype != q.to_local().dtype or not torch.equal(p.to_local(), q.to_local())
+    ]
     names = [n for n, _ in w.model.named_parameters()] == [n for n, _ in old.named_parameters()]
     buffers = {n: torch.equal(b, dict(old.named_buffers())[n]) for n, b in w.model.named_buffers()}
     if w.ref_model is not None:
-        mismatched += [f"ref:{n}" for (n, p), (_, q) in zip(w.ref_model.named_parameters(), old_ref.named_parameters())
-                       if not torch.equal(p.to_local(), q.to_local())]
+        mismatched += [
+            f"ref:{n}"
+            for (n, p), (_, q) in zip(w.ref_model.named_parameters(), old_ref.named_parameters())
+            if not torch.equal(p.to_local(), q.to_local())
+        ]
     samples = _samples()
     new_lp, new_ref = w.compute_logprobs(samples), w.compute_logprobs(samples, reference=True)
     w.model, w.ref_model = old, (old_ref if old_ref is not None else w.ref_model)
     old_lp, old_ref_lp = w.compute_logprobs(samples), w.compute_logprobs(samples, reference=True)
     return {
-        "names": names, "mismatched": mismatched, "buffers": buffers, "rng": torch.equal(rng_after_setup, rng_old),
-        "logprobs": new_lp == old_lp, "ref_logprobs": new_ref == old_ref_lp,
+        "names": names,
+        "mismatched": mismatched,
+        "buffers": buffers,
+        "rng": torch.equal(rng_after_setup, rng_old),
+        "logprobs": new_lp == old_lp,
+        "ref_logprobs": new_ref == old_ref_lp,
         "adapters": sum(1 for n, _ in w.model.named_parameters() if ".lora_" in n),
     }
 
@@ -81,7 +98,9 @@ def compare(w) -> dict:
 def check(result: dict, what: str, lora: bool) -> None:
     assert result["names"], f"{what}: another module tree"
     assert result["mismatched"] == [], f"{what}: shards differ"
-    assert result["buffers"] and all(result["buffers"].values()), f"{what}: buffers differ: {result['buffers']}"
+    assert result["buffers"] and all(result["buffers"].values()), (
+        f"{what}: buffers differ: {result['buffers']}"
+    )
     assert result["logprobs"] and result["ref_logprobs"], f"{what}: logprobs differ"
     assert result["rng"], f"{what}: the random state after set-up differs"
     assert (result["adapters"] > 0) == lora
@@ -91,7 +110,9 @@ def _rank_main(rank: int, port: int, model_path: str, case: str, out: str) -> No
     from trainer.config import load
     from trainer.policy.worker import PolicyWorker
 
-    cfg = load(["experiment=tiny", f"model.name={model_path}", "cluster.cpu_workers_per_node=2", *CASES[case]])
+    cfg = load(
+        ["experiment=tiny", f"model.name={model_path}", "cluster.cpu_workers_per_node=2", *CASES[case]]
+    )
     w = PolicyWorker(cfg, model_path, rank=rank, world_size=2, colocated_engine=False)
     w.setup("127.0.0.1", port)
     torch.save(compare(w), f"{out}.{rank}")
@@ -106,8 +127,15 @@ def results(tiny_model_path, tmp_path_factory) -> dict[str, list[dict]]:
     for case in CASES:
         port, out = free_port("127.0.0.1"), tmp / case
         procs = [
-            subprocess.Popen([sys.executable, "-c", f"from tests.policy.test_sharded_init import _rank_main; "
-                              f"_rank_main({rank}, {port}, {tiny_model_path!r}, {case!r}, {str(out)!r})"], cwd=REPO)
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-c",
+                    f"from tests.policy.test_sharded_init import _rank_main; "
+                    f"_rank_main({rank}, {port}, {tiny_model_path!r}, {case!r}, {str(out)!r})",
+                ],
+                cwd=REPO,
+            )
             for rank in range(2)
         ]
         assert wait_all(procs, timeout=300) == [0, 0], f"{case}: a rank failed (its output is above)"

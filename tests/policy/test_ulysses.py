@@ -43,11 +43,20 @@ def _rank_main(rank: int, world: int, port: int, model_path: str, out: str) -> N
     from trainer.config import load
     from trainer.policy.worker import PolicyWorker
 
-    cfg = load(["experiment=tiny", f"model.name={model_path}", f"cluster.cpu_workers_per_node={world}",
-                f"policy.sequence_parallel_size={world}", "policy.max_grad_norm=null",
-                "policy.micro_batch_size=5", "policy.logprob_micro_batch_size=5",
-                "grpo.loss.reference_policy_kl_penalty=0.1", "grpo.loss.ratio_clip_min=0.2",
-                "grpo.loss.ratio_clip_max=0.2"])
+    cfg = load(
+        [
+            "experiment=tiny",
+            f"model.name={model_path}",
+            f"cluster.cpu_workers_per_node={world}",
+            f"policy.sequence_parallel_size={world}",
+            "policy.max_grad_norm=null",
+            "policy.micro_batch_size=5",
+            "policy.logprob_micro_batch_size=5",
+            "grpo.loss.reference_policy_kl_penalty=0.1",
+            "grpo.loss.ratio_clip_min=0.2",
+            "grpo.loss.ratio_clip_max=0.2",
+        ]
+    )
     w = PolicyWorker(cfg, model_path, rank=rank, world_size=world, colocated_engine=False)
     w.setup("127.0.0.1", port)
     w.scheduler.base_lrs = [0.0] * len(w.scheduler.base_lrs)  # the weights stay; param.grad keeps each step's
@@ -55,9 +64,14 @@ def _rank_main(rank: int, world: int, port: int, model_path: str, out: str) -> N
         group["lr"] = 0.0
     samples = _samples()
     tokens = float(sum(sum(s.response_mask) for s in samples))
-    saved: dict = {"logprobs": w.compute_logprobs(samples), "ref": w.compute_logprobs(samples, reference=True)}
+    saved: dict = {
+        "logprobs": w.compute_logprobs(samples),
+        "ref": w.compute_logprobs(samples, reference=True),
+    }
     for name, policy, loss in CASES:
-        before = {k: getattr(w.cfg.policy, k) for k in policy} | {k: getattr(w.cfg.grpo.loss, k) for k in loss}
+        before = {k: getattr(w.cfg.policy, k) for k in policy} | {
+            k: getattr(w.cfg.grpo.loss, k) for k in loss
+        }
         for k, v in policy.items():
             setattr(w.cfg.policy, k, v)
         for k, v in loss.items():
@@ -84,8 +98,10 @@ def runs(tiny_model_path, tmp_path_factory) -> dict[int, dict]:
     for world in (1, 2):
         port, outs[world] = free_port("127.0.0.1"), tmp / f"world{world}.pt"
         for rank in range(world):
-            code = f"from tests.policy.test_ulysses import _rank_main; _rank_main({rank}, {world}, {port}, " \
-                   f"{tiny_model_path!r}, {str(outs[world])!r})"
+            code = (
+                f"from tests.policy.test_ulysses import _rank_main; _rank_main({rank}, {world}, {port}, "
+                f"{tiny_model_path!r}, {str(outs[world])!r})"
+            )
             procs.append(subprocess.Popen([sys.executable, "-c", code], cwd=REPO))
     codes = wait_all(procs, timeout=400)
     assert codes == [0] * len(procs), "a rank failed (its output is above)"

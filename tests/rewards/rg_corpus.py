@@ -174,7 +174,9 @@ class Timed:
 def _child(calls: list[tuple[str, Any, str, str | None]], start: int, conn) -> None:
     from trainer import rewards
 
-    for name in {c[0] for c in calls}:  # imports (math-verify, sympy) and first-call caches are not a call's cost
+    for name in {
+        c[0] for c in calls
+    }:  # imports (math-verify, sympy) and first-call caches are not a call's cost
         rewards.call(rewards.get(name), "x+1", "\\boxed{1+x}", {}, None)
         rewards.call(rewards.get(name), "2", "\\boxed{2}", {}, None)
     for i in range(start, len(calls)):
@@ -239,7 +241,9 @@ def table(cases: list[Case], results: list[Timed], limit_s: float) -> tuple[list
     """The cross-check by (task, reward): ``n`` problems, ``honest <style>``, ``wrong`` and ``near miss`` as
     (paid, of), the slowest call's CPU ms; and a line for each thing that breaks the acceptance (honest
     paid under 99 %, a wrong answer or near miss paid, a call over ``limit_s`` or that never returned)."""
-    by = collections.defaultdict(lambda: collections.defaultdict(lambda: [0, 0]))  # (task, reward) -> key -> [paid, n]
+    by = collections.defaultdict(
+        lambda: collections.defaultdict(lambda: [0, 0])
+    )  # (task, reward) -> key -> [paid, n]
     slowest: dict[tuple[str, str], float] = collections.defaultdict(float)
     problems: dict[tuple[str, str], int] = collections.Counter()
     failures = []
@@ -252,15 +256,26 @@ def table(cases: list[Case], results: list[Timed], limit_s: float) -> tuple[list
         if case.kind == "honest" and case.style == next(iter(STYLES)):
             problems[k] += 1
         if r.cpu_s is None or r.cpu_s > limit_s:
-            failures.append(f"{case.task} {case.reward} {case.kind}: {r.note} ({r.cpu_s}) {case.response[:80]!r}")
+            failures.append(
+                f"{case.task} {case.reward} {case.kind}: {r.note} ({r.cpu_s}) {case.response[:80]!r}"
+            )
         else:
             slowest[k] = max(slowest[k], r.cpu_s)
         if case.kind != "honest" and paid:
-            failures.append(f"{case.task} {case.reward} {case.kind} paid: gt {case.ground_truth!r}, {case.response[:80]!r}")
+            failures.append(
+                f"{case.task} {case.reward} {case.kind} paid: gt {case.ground_truth!r}, {case.response[:80]!r}"
+            )
     rows = []
     for (task, reward), counts in sorted(by.items()):
-        rows.append({"task": task, "reward": reward, "n": problems[(task, reward)],
-                     **{key: tuple(v) for key, v in counts.items()}, "max_call_ms": round(slowest[(task, reward)] * 1000, 1)})
+        rows.append(
+            {
+                "task": task,
+                "reward": reward,
+                "n": problems[(task, reward)],
+                **{key: tuple(v) for key, v in counts.items()},
+                "max_call_ms": round(slowest[(task, reward)] * 1000, 1),
+            }
+        )
     honest = [v for row in rows for key, v in row.items() if key.startswith("honest ")]
     paid, total = sum(v[0] for v in honest), sum(v[1] for v in honest)
     if total and paid / total < 0.99:

@@ -44,7 +44,12 @@ MATH_ATTACKS = [
     ("20", "\\boxed{13+7}", Q, "the question boxed, with the question known"),
     ("20", "\\boxed{7 + 13}", Q, "the question reordered: an expression, not a number"),
     ("70", "\\boxed{\\dbinom{8}{4}}", "Compute $\\dbinom{8}{4}$.", "the question boxed (sympy evaluates it)"),
-    ("x+1", "\\boxed{\\frac{x^2-1}{x-1}}", "Simplify $\\frac{x^2-1}{x-1}$.", "the expression to simplify, unsimplified"),
+    (
+        "x+1",
+        "\\boxed{\\frac{x^2-1}{x-1}}",
+        "Simplify $\\frac{x^2-1}{x-1}$.",
+        "the expression to simplify, unsimplified",
+    ),
     ("20", "\\boxed{\\frac{40}{2}}", None, "a division still to do"),
     ("20", "\\boxed{\\sqrt{400}}", None, "a root still to take"),
     ("20", "\\boxed{20, 21}", None, "a hedge: a list"),
@@ -60,7 +65,12 @@ MATH_ATTACKS = [
     ("20", "\\boxed 20", None, "a box without braces"),
     ("20", "\\boxed{ }", None, "an empty box"),
     ("20", "\\textbf{20}", None, "bold is not a box"),
-    ("20", "We know 13 + 7 = 20 from the table, so I will stop here and say no more.", None, "buried mid-text"),
+    (
+        "20",
+        "We know 13 + 7 = 20 from the table, so I will stop here and say no more.",
+        None,
+        "buried mid-text",
+    ),
     ("20", "She has 20 apples.", None, "a number mentioned, not answered"),
     ("20", "The answer is 20. Or 21.", None, "a second guess after the answer"),
     ("20", "20\n\nor maybe 21", None, "a second line, no marker"),
@@ -79,18 +89,48 @@ MATH_ATTACKS = [
     ("20", "#### 20 unless wrong", None, "issue 41: a hedge in the unit slot, after ####"),
     ("20", "$\\boxed{20}$ (or 21 if you count differently)", None, "issue 41: a box, then a hedge"),
     ("20", "\\boxed{20}. Wait, that is wrong: the answer is 21.", None, "issue 41: a box, then taken back"),
-    ("21", "\\boxed{20}. Wait, that is wrong: the answer is 21.", None, "issue 41: a box, then another answer"),
-    ("x+1", "\\boxed{\\left(\\frac{x^2-1}{x-1}\\right)}", SIMPLIFY, "issue 41: the question in \\left( \\right)"),
+    (
+        "21",
+        "\\boxed{20}. Wait, that is wrong: the answer is 21.",
+        None,
+        "issue 41: a box, then another answer",
+    ),
+    (
+        "x+1",
+        "\\boxed{\\left(\\frac{x^2-1}{x-1}\\right)}",
+        SIMPLIFY,
+        "issue 41: the question in \\left( \\right)",
+    ),
     ("x+1", "\\boxed{1 \\cdot \\frac{x^2-1}{x-1}}", SIMPLIFY, "issue 41: the question times 1"),
     ("x+1", "\\boxed{\\frac{x^2-1}{x-1} \\cdot 1}", SIMPLIFY, "issue 41: the question times 1, after it"),
     ("x+1", "\\boxed{\\frac{x^2-1}{x-1} + 0}", SIMPLIFY, "issue 41: the question plus 0"),
-    ("3\\sqrt{2}", "\\boxed{\\sqrt{8} + \\sqrt{2}}", "Simplify $\\sqrt{2} + \\sqrt{8}$.", "issue 41: terms reordered"),
+    (
+        "3\\sqrt{2}",
+        "\\boxed{\\sqrt{8} + \\sqrt{2}}",
+        "Simplify $\\sqrt{2} + \\sqrt{8}$.",
+        "issue 41: terms reordered",
+    ),
     ("20", "\\boxed{\\left(13+7\\right)}", Q, "issue 41: the question in brackets"),
-    ("20", "\\boxed{21}" + " filler" * 2_000 + " \\boxed{20}", None, "issue 41: a wrong box 8,000 characters back"),
+    (
+        "20",
+        "\\boxed{21}" + " filler" * 2_000 + " \\boxed{20}",
+        None,
+        "issue 41: a wrong box 8,000 characters back",
+    ),
     ("20", "\\boxed{20 \\approx 21}", None, "an approximation that is a second value"),
     ("20", "x = 19 or x = 20", None, "a hedge before the final ="),
-    ("20", "\\boxed{20}. Final Answer: The final answer is 21. I hope it is correct.", None, "a box, then another answer"),
-    ("12", "The final answer is $12$ and $13$. I hope it is correct.", None, "two formulas for a single value"),
+    (
+        "20",
+        "\\boxed{20}. Final Answer: The final answer is 21. I hope it is correct.",
+        None,
+        "a box, then another answer",
+    ),
+    (
+        "12",
+        "The final answer is $12$ and $13$. I hope it is correct.",
+        None,
+        "two formulas for a single value",
+    ),
     ("x-2y+z-1=0", "The answer is $x=0$ or $x-2y+z-1=0$", None, "two equations"),
     ("20", "\\boxed{20}" + " The answer is 20." * 10, None, "the answer again and again: a flood"),
 ]
@@ -114,7 +154,12 @@ MATH_HONEST = [
     ("1200", "\\boxed{1,200}", None, "thousands comma"),
     ("1,200", "\\boxed{1200}", None, "no thousands comma"),
     ("x+1", "\\boxed{1 + x}", "Simplify $\\frac{x^2-1}{x-1}$.", "a simplified expression"),
-    ("\\left( 3, \\frac{\\pi}{2} \\right)", "\\boxed{\\left(3, \\frac{\\pi}{2}\\right)}", None, "a tuple answer"),
+    (
+        "\\left( 3, \\frac{\\pi}{2} \\right)",
+        "\\boxed{\\left(3, \\frac{\\pi}{2}\\right)}",
+        None,
+        "a tuple answer",
+    ),
     ("1, 2", "\\boxed{1, 2}", None, "a set ground truth takes a list"),
     ("2^{10}", "\\boxed{2^{10}}", "Which is larger, $2^{10}$ or $10^3$?", "an answer the question names"),
     ("7", "\\boxed{7}", "What is 0+7?", "a number the question contains"),
@@ -127,7 +172,12 @@ MATH_HONEST = [
     ("\\pi", "\\boxed{\\pi}", None, "a symbol"),
     ("20", "\\boxed{20}. \\boxed{20}", None, "the same box twice"),
     # issue 41: honest answers the rule refused
-    ("28", "Final Answer: The final answer is $28$. I hope it is correct.", None, "issue 41: the Minerva ending"),
+    (
+        "28",
+        "Final Answer: The final answer is $28$. I hope it is correct.",
+        None,
+        "issue 41: the Minerva ending",
+    ),
     ("1000", "The final answer is 1000. I hope it is correct.", None, "issue 41: a courtesy sentence after"),
     ("-3", "\\boxed{- 3}", None, "issue 41: a space after the minus sign"),
     ("2", "\\boxed{\\text{2}}", None, "issue 41: \\text{}"),
@@ -137,7 +187,12 @@ MATH_HONEST = [
     ("\\frac{1}{3}", "\\boxed{\\frac{1}{3} \\textbf{meters}}", None, "issue 41: a unit in bold"),
     ("\\frac{3}{2}", "\\boxed{1\\frac{1}{2}}", None, "issue 41: a mixed number"),
     ("2", "\\boxed{f(3) = 2}", None, "issue 41: a function value and ="),
-    ("(2, 2), (6, 2)", "\\boxed{(2, 2)} \\text{ and } \\boxed{(6, 2)}", None, "issue 41: a set in several boxes"),
+    (
+        "(2, 2), (6, 2)",
+        "\\boxed{(2, 2)} \\text{ and } \\boxed{(6, 2)}",
+        None,
+        "issue 41: a set in several boxes",
+    ),
     ("0<f(x)<1", "\\boxed{(0,1)}", None, "issue 41: an interval for an inequality"),
     ("0 \\le x < 1", "\\boxed{[0,1)}", None, "issue 41: a half-open interval for an inequality"),
     ("x \\in [0, 1)", "\\boxed{0 \\le x < 1}", None, "issue 41: an inequality for an interval"),
@@ -145,9 +200,18 @@ MATH_HONEST = [
     ("15", "13 + 2 = 15\n\n15", None, "issue 41: make train's jsonl, the answer again on its own line"),
     ("26", "14 + 12 equals 26", None, "issue 41: make train's jsonl, 'equals' for ="),
     ("\\frac{1}{3}", "\\boxed{x = \\frac{1}{3} \\approx 0.333}", None, "an approximation that agrees"),
-    ("14400", "$5! \\cdot 5! = \\boxed{14400}$. Final Answer: The final answer is 14400. I hope it is correct.", None,
-     "a box, then the Minerva ending with the same answer"),
-    ("12 \\text{ and } 13", "The final answer is $12$ and $13$. I hope it is correct.", None, "a set over two formulas"),
+    (
+        "14400",
+        "$5! \\cdot 5! = \\boxed{14400}$. Final Answer: The final answer is 14400. I hope it is correct.",
+        None,
+        "a box, then the Minerva ending with the same answer",
+    ),
+    (
+        "12 \\text{ and } 13",
+        "The final answer is $12$ and $13$. I hope it is correct.",
+        None,
+        "a set over two formulas",
+    ),
     ("x-2y+z-1=0", "So the plane is $x-2y+z-1=0$.", None, "an equation the response ends on, no marker"),
 ]
 
@@ -442,7 +506,9 @@ def test_should_score_zero_when_code_unit_tests_is_gamed(response, why):
         fence("py", PY_ADD),
         fence("", PY_ADD),
         "<think>hm</think>\nHere:\n" + fence("python3", PY_ADD) + "\nIt reads two numbers.",
-        fence("python", "import sys\na, b = map(int, sys.stdin.read().split())\nsys.stdout.write(f'{a+b}\\n')"),
+        fence(
+            "python", "import sys\na, b = map(int, sys.stdin.read().split())\nsys.stdout.write(f'{a+b}\\n')"
+        ),
     ],
 )
 def test_should_score_one_and_report_the_program_when_code_is_honest(response):
@@ -453,8 +519,20 @@ def test_should_score_one_and_report_the_program_when_code_is_honest(response):
 
 @pytest.mark.parametrize(
     ("got", "expected"),
-    [("3 or 4", "3"), ("3\n3", "3"), ("３", "3"), ("3.0", "3"), ("nan", "3.0"), ("inf", "1e308"), ("", "3"),
-     ("+3", "3"), ("0x3", "3"), ("3.00001", "3.0"), ("YES", "yes"), ("3,000", "3000")],
+    [
+        ("3 or 4", "3"),
+        ("3\n3", "3"),
+        ("３", "3"),
+        ("3.0", "3"),
+        ("nan", "3.0"),
+        ("inf", "1e308"),
+        ("", "3"),
+        ("+3", "3"),
+        ("0x3", "3"),
+        ("3.00001", "3.0"),
+        ("YES", "yes"),
+        ("3,000", "3000"),
+    ],
 )
 def test_should_not_match_when_an_output_only_resembles_the_expected_one(got, expected):
     assert not outputs_match(got, expected)
@@ -471,10 +549,20 @@ def test_should_find_no_code_when_the_fence_is_only_in_the_reasoning_or_never_cl
     [
         (fence("python", PY_ADD), "the wrong language"),
         ("<think>" + fence("cpp", "int main(){}"), "cut off while thinking"),
-        (fence("cpp", "#include <cstdio>\nint main(){int a,b;scanf(\"%d %d\",&a,&b);printf(\"%d or %d\\n\",a+b,a+b+1);}"),
-         "a hedge"),
-        (fence("cpp", "#include <cstdio>\nint main(){int a,b;scanf(\"%d %d\",&a,&b);printf(\"%d\\n\",a+b);return 1;}"),
-         "the answer, then a failing exit"),
+        (
+            fence(
+                "cpp",
+                '#include <cstdio>\nint main(){int a,b;scanf("%d %d",&a,&b);printf("%d or %d\\n",a+b,a+b+1);}',
+            ),
+            "a hedge",
+        ),
+        (
+            fence(
+                "cpp",
+                '#include <cstdio>\nint main(){int a,b;scanf("%d %d",&a,&b);printf("%d\\n",a+b);return 1;}',
+            ),
+            "the answer, then a failing exit",
+        ),
     ],
 )
 def test_should_score_at_most_zero_when_cpp_contest_is_gamed(response, why):

@@ -28,8 +28,11 @@ INTEGRAL = "-x**9 + 7*x**7 + C"  # simple_integration's own answer format (sympy
 
 def test_should_score_zero_promptly_when_a_fraction_answers_another_fraction():
     # looped forever: (10**places) % 7 never reaches 0
-    calls = [("math", "1/3", "The answer is 2/7.", None), ("math", "\\frac{5}{6}", "\\boxed{\\frac{1}{7}}", None),
-             ("gsm8k", "35/99", "The final answer is 593/1368.", None)]
+    calls = [
+        ("math", "1/3", "The answer is 2/7.", None),
+        ("math", "\\frac{5}{6}", "\\boxed{\\frac{1}{7}}", None),
+        ("gsm8k", "35/99", "The final answer is 593/1368.", None),
+    ]
     for got in rg_corpus.timed_calls(calls):
         assert got.cpu_s is not None and got.cpu_s <= LIMIT_S and got.value == 0.0, (calls[got.index], got)
 
@@ -72,7 +75,11 @@ def test_should_pay_an_answer_with_python_exponents(response):
 
 @pytest.mark.parametrize(
     "response",
-    ["The final answer is -x**9 + 7*x**6 + C.", "The final answer is -x**9 + 7*x**7 + C. Or x**8.", "\\boxed{-x**9}"],
+    [
+        "The final answer is -x**9 + 7*x**6 + C.",
+        "The final answer is -x**9 + 7*x**7 + C. Or x**8.",
+        "\\boxed{-x**9}",
+    ],
 )
 def test_should_score_zero_when_python_exponents_give_another_value(response):
     assert math_reward(INTEGRAL, response) == (0.0, False)
@@ -139,8 +146,14 @@ def _table_calls(names: list[str]) -> list[tuple[str, object, str, str | None]]:
     rows: list[tuple[object, str, str | None]] = []
     for table in (test_adversarial.MATH_ATTACKS, test_adversarial.MATH_HONEST):
         rows += [(gt, response, question) for gt, response, question, _ in table]
-    for table in (test_adversarial.GSM8K_ATTACKS, test_adversarial.GSM8K_HONEST, test_adversarial.ARITHMETIC_ATTACKS,
-                  test_adversarial.ARITHMETIC_HONEST, test_adversarial.EXACT_ATTACKS, BOMBS):
+    for table in (
+        test_adversarial.GSM8K_ATTACKS,
+        test_adversarial.GSM8K_HONEST,
+        test_adversarial.ARITHMETIC_ATTACKS,
+        test_adversarial.ARITHMETIC_HONEST,
+        test_adversarial.EXACT_ATTACKS,
+        BOMBS,
+    ):
         rows += [(row[0], row[1], None) for row in table]
     rows += [("", row[0], None) for row in test_adversarial.FORMAT_ATTACKS]
     for _, gt, answer in test_fairness.HONEST + test_fairness.NEAR_MISSES:
@@ -161,6 +174,9 @@ def test_should_return_within_the_limit_for_every_builtin_reward_over_the_corpus
     calls = _table_calls(names) + _corpus_calls(names)
     got = rg_corpus.timed_calls(calls)
     assert len(got) == len(calls), f"{len(calls) - len(got)} calls never ran"
-    slow = [(calls[g.index][0], str(calls[g.index][2])[:60], g.cpu_s, g.note) for g in got
-            if g.cpu_s is None or g.cpu_s > LIMIT_S]
+    slow = [
+        (calls[g.index][0], str(calls[g.index][2])[:60], g.cpu_s, g.note)
+        for g in got
+        if g.cpu_s is None or g.cpu_s > LIMIT_S
+    ]
     assert not slow, slow

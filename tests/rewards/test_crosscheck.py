@@ -28,7 +28,11 @@ def test_should_pay_honest_answers_and_never_wrong_ones_as_reasoning_gym_scores_
     rows, failures = rg_corpus.table(cases, results, limit_s=1.0)
     assert not failures, failures[:20]
     # every honest answer, not just 99 % of them, on this small sample: a miss here is a defect to look at
-    unpaid = [(c.task, c.reward, c.response) for c, r in zip(cases, results) if c.kind == "honest" and r.value != 1.0]
+    unpaid = [
+        (c.task, c.reward, c.response)
+        for c, r in zip(cases, results)
+        if c.kind == "honest" and r.value != 1.0
+    ]
     assert not unpaid, unpaid[:20]
     assert {row["task"] for row in rows} == set(rg_corpus.NUMERIC_TASKS)
 

@@ -70,10 +70,22 @@ HONEST = [
     ("equations", "\\frac{x^2}{4} + \\frac{y^2}{3} = 1", "x^2/4+y^2/3=1"),
     ("equations", "5", "x = 5"),
     ("equations", "11", "k=11"),
-    ("matrices", "\\begin{pmatrix}1 & 0 \\\\ 0 & 1\\end{pmatrix}", "\\begin{pmatrix}1 & 0 \\\\ 0 & 1\\end{pmatrix}"),
-    ("matrices", "\\begin{pmatrix}1 & 2 \\\\ 3 & 4\\end{pmatrix}", "\\begin{bmatrix}1 & 2 \\\\ 3 & 4\\end{bmatrix}"),
+    (
+        "matrices",
+        "\\begin{pmatrix}1 & 0 \\\\ 0 & 1\\end{pmatrix}",
+        "\\begin{pmatrix}1 & 0 \\\\ 0 & 1\\end{pmatrix}",
+    ),
+    (
+        "matrices",
+        "\\begin{pmatrix}1 & 2 \\\\ 3 & 4\\end{pmatrix}",
+        "\\begin{bmatrix}1 & 2 \\\\ 3 & 4\\end{bmatrix}",
+    ),
     ("matrices", "\\begin{pmatrix} 3 \\\\ -1 \\end{pmatrix}", "\\begin{pmatrix}3\\\\-1\\end{pmatrix}"),
-    ("matrices", "\\begin{pmatrix}\\frac{1}{2} & 0 \\\\ 0 & 2\\end{pmatrix}", "\\begin{pmatrix}0.5 & 0 \\\\ 0 & 2\\end{pmatrix}"),
+    (
+        "matrices",
+        "\\begin{pmatrix}\\frac{1}{2} & 0 \\\\ 0 & 2\\end{pmatrix}",
+        "\\begin{pmatrix}0.5 & 0 \\\\ 0 & 2\\end{pmatrix}",
+    ),
     ("units and percentages", "15", "15\\mbox{ cm}^2"),
     ("units and percentages", "125", "125\\textnormal{ miles}"),
     ("units and percentages", "60", "60 \\text{ km/h}"),
@@ -117,7 +129,11 @@ NEAR_MISSES = [
     ("intervals and inequalities", "[0,1)", "[0, 1]"),
     ("intervals and inequalities", "x \\geq 5", "x \\le 5"),
     ("equations", "x-2y+z-1=0", "x-2y+z+1=0"),
-    ("matrices", "\\begin{pmatrix}1 & 2 \\\\ 3 & 4\\end{pmatrix}", "\\begin{pmatrix}1 & 2 \\\\ 3 & 5\\end{pmatrix}"),
+    (
+        "matrices",
+        "\\begin{pmatrix}1 & 2 \\\\ 3 & 4\\end{pmatrix}",
+        "\\begin{pmatrix}1 & 2 \\\\ 3 & 5\\end{pmatrix}",
+    ),
     ("units and percentages", "28\\%", "27\\%"),
     ("units and percentages", "20", "20 \\text{ or more}"),
     ("units and percentages", "20", "20 \\text{ unless it is 21}"),
@@ -148,8 +164,15 @@ def test_should_score_zero_when_a_near_miss_is_dressed_as_an_honest_answer(gt, r
 
 def test_should_cover_every_kind_of_answer_in_at_least_three_styles():
     kinds = {
-        "numbers", "fractions and decimals", "sets", "tuples", "intervals and inequalities", "equations",
-        "matrices", "units and percentages", "LaTeX styles",
+        "numbers",
+        "fractions and decimals",
+        "sets",
+        "tuples",
+        "intervals and inequalities",
+        "equations",
+        "matrices",
+        "units and percentages",
+        "LaTeX styles",
     }
     assert {kind for kind, _, _ in HONEST} == kinds and {kind for kind, _, _ in NEAR_MISSES} == kinds
     assert {"boxed", "the final answer is", "Minerva"} <= set(STYLES)

@@ -73,8 +73,11 @@ def test_last_boxed(text, expected):
         ("\\boxed{20} \\boxed{21}", None, "several boxes: '20' before '21'"),
         ("#### 20\n#### 21", None, "several '####' answers: '20', '21'"),
         ("13 + 7 =", None, "nothing after '='"),
-        ("She has 20 apples, and that is all I can say about it.", None,
-         "no \\boxed{} and no final answer ('####', 'the answer is', '=', 'is ...')"),
+        (
+            "She has 20 apples, and that is all I can say about it.",
+            None,
+            "no \\boxed{} and no final answer ('####', 'the answer is', '=', 'is ...')",
+        ),
     ],
 )
 def test_should_take_the_answer_from_one_place_only_when_reading_a_response(response, answer, source):
@@ -102,11 +105,17 @@ def test_should_keep_the_equals_sign_when_the_ground_truth_is_an_equation(respon
     [
         ("\\boxed{(2, 2)} \\text{ and } \\boxed{(6, 2)}", "(2, 2), (6, 2)", "2 \\boxed{} joined"),
         ("\\boxed{1} \\boxed{2} \\boxed{1}", "1, 2", "2 \\boxed{} joined"),
-        ("So we find that the roots are $1$ and $2$.", None, "no \\boxed{} and no final answer ('####', 'the answer is', '=', 'is ...')"),
+        (
+            "So we find that the roots are $1$ and $2$.",
+            None,
+            "no \\boxed{} and no final answer ('####', 'the answer is', '=', 'is ...')",
+        ),
         ("The answer is $1$, $2$ and $3$.", "1, 2, 3", "after 'answer is'"),
     ],
 )
-def test_should_join_several_boxes_or_formulas_into_one_list_when_the_ground_truth_is_a_set(response, answer, source):
+def test_should_join_several_boxes_or_formulas_into_one_list_when_the_ground_truth_is_a_set(
+    response, answer, source
+):
     final = final_answer(response, join_boxes=True)
     assert (final.answer, final.source) == (answer, source)
     assert final_answer(response).answer is None  # for a single-valued ground truth, a hedge
@@ -115,12 +124,41 @@ def test_should_join_several_boxes_or_formulas_into_one_list_when_the_ground_tru
 @pytest.mark.parametrize(
     ("text", "value"),
     [
-        ("20", 20), ("-3", -3), ("(-3)", -3), ("1,200", 1200), ("1{,}200", 1200), ("0.50", 0.5), (".5", 0.5),
-        ("\\frac{1}{2}", 0.5), ("\\dfrac12", 0.5), ("-\\frac{3}{4}", -0.75), ("3/4", 0.75), ("\\$18.00", 18),
-        ("50\\%", 50), ("30^\\circ", 30), ("10 \\text{ cm}", 10), ("72 clips", 72), ("x = 5", 5), ("４２", 42),
-        ("20,21", None), ("1,20", None), ("13+7", None), ("\\frac{2}{4}", None), ("\\frac{40}{2}", None),
-        ("\\sqrt{4}", None), ("20 or 21", None), ("20 or more", None), ("20 thousand", None), ("about 20", None),
-        ("4²", None), ("𝟐𝟎", None), ("٢٠", None), ("2O", None), ("2 0", None), ("1e5", None), ("twenty", None),
+        ("20", 20),
+        ("-3", -3),
+        ("(-3)", -3),
+        ("1,200", 1200),
+        ("1{,}200", 1200),
+        ("0.50", 0.5),
+        (".5", 0.5),
+        ("\\frac{1}{2}", 0.5),
+        ("\\dfrac12", 0.5),
+        ("-\\frac{3}{4}", -0.75),
+        ("3/4", 0.75),
+        ("\\$18.00", 18),
+        ("50\\%", 50),
+        ("30^\\circ", 30),
+        ("10 \\text{ cm}", 10),
+        ("72 clips", 72),
+        ("x = 5", 5),
+        ("４２", 42),
+        ("20,21", None),
+        ("1,20", None),
+        ("13+7", None),
+        ("\\frac{2}{4}", None),
+        ("\\frac{40}{2}", None),
+        ("\\sqrt{4}", None),
+        ("20 or 21", None),
+        ("20 or more", None),
+        ("20 thousand", None),
+        ("about 20", None),
+        ("4²", None),
+        ("𝟐𝟎", None),
+        ("٢٠", None),
+        ("2O", None),
+        ("2 0", None),
+        ("1e5", None),
+        ("twenty", None),
         ("9" * 61, None),
     ],
 )
@@ -147,7 +185,9 @@ def test_should_see_a_restatement_when_the_answer_is_copied_from_the_question():
     assert restates("13+7", q, "20") and restates("13 +7", q, "20")
     assert not restates("20", q, "20") and not restates("7", q, "20")  # a plain number never is
     assert restates("\\dbinom{8}{4}", "Compute $\\binom{8}{4}$.", "70")
-    assert not restates("2^{10}", "Which is larger, $2^{10}$ or $10^3$?", "2^{10}")  # the ground truth's own form
+    assert not restates(
+        "2^{10}", "Which is larger, $2^{10}$ or $10^3$?", "2^{10}"
+    )  # the ground truth's own form
 
 
 # -- the Score a reward returns ------------------------------------------------------------------------
@@ -205,11 +245,17 @@ def test_should_say_what_a_reward_returned_when_it_is_not_a_score():
         ("3", "答案是 \\boxed{3}"),
         ("42", "\\boxed{４２}"),  # full-width digits
         (42, "\\boxed{42}"),  # a non-string ground truth
-        ("\\(\\boxed{1}\\) and \\(\\boxed{-2}\\).", "\\boxed{-2, 1}"),  # a ground truth's boxes joined by "and"
+        (
+            "\\(\\boxed{1}\\) and \\(\\boxed{-2}\\).",
+            "\\boxed{-2, 1}",
+        ),  # a ground truth's boxes joined by "and"
         ("$$\\boxed{2}, \\boxed{3}, \\boxed{5}$$", "\\boxed{\\{2, 3, 5\\}}"),
         ("1,22", "\\boxed{1.22}"),  # a dataset's decimal comma, outside math mode
         ("$-2,1$", "\\boxed{1, -2}"),  # in math mode, two roots
-        ("The total is 5, so the answer is $28\\%$. I hope it is correct. Note: this is all.", "\\boxed{28\\%}"),
+        (
+            "The total is 5, so the answer is $28\\%$. I hope it is correct. Note: this is all.",
+            "\\boxed{28\\%}",
+        ),
     ],
 )
 def test_math_right(gt, response):
@@ -233,7 +279,10 @@ def test_math_right(gt, response):
         ("42", "I do not know"),
         ("42", "}}}{{{\\\\$$$"),
         ("42", HUGE),
-        ("\\boxed{1} no no no no no \\boxed{2}", "\\boxed{1, 2}"),  # words between boxes: the last one is the answer
+        (
+            "\\boxed{1} no no no no no \\boxed{2}",
+            "\\boxed{1, 2}",
+        ),  # words between boxes: the last one is the answer
         ("1,22", "\\boxed{1,22}"),  # an answer's comma is never a decimal point
     ],
 )
@@ -246,7 +295,10 @@ def test_should_score_zero_with_a_note_when_a_response_is_over_the_length_cap():
     start = time.perf_counter()
     score = math_reward("3", HUGE + " \\boxed{3}")
     assert score == (0.0, False) and score.note.startswith("a response of 1,400,010 characters"), score
-    assert math_reward("3", "<think>" + HUGE + "</think> \\boxed{3}") == (1.0, True)  # the reasoning is not read
+    assert math_reward("3", "<think>" + HUGE + "</think> \\boxed{3}") == (
+        1.0,
+        True,
+    )  # the reasoning is not read
     assert time.perf_counter() - start < 5
 
 
@@ -270,11 +322,23 @@ def test_math_times_out_in_the_main_thread():
     [
         ("20", "13 + 7 = \\boxed{20}", None, "20", "\\boxed{}"),
         ("20", "13 + 7 = 21", None, "21", "after '=': 21, not 20"),
-        ("20", "\\boxed{13+7}", "What is 13+7?", "13+7", "\\boxed{}: restates the question instead of answering it"),
+        (
+            "20",
+            "\\boxed{13+7}",
+            "What is 13+7?",
+            "13+7",
+            "\\boxed{}: restates the question instead of answering it",
+        ),
         ("20", "\\boxed{20, 21}", None, "20, 21", "\\boxed{}: several candidate values"),
         ("20", "13 + 7 equals **\\boxed{}.", None, None, "empty \\boxed{}"),
         ("x+1", "\\boxed{x-1}", None, "x-1", "\\boxed{}: not equal to x+1"),
-        ("x+1", "\\boxed{x+1 \\text{ or } x-1}", None, "x+1 \\text{ or } x-1", "\\boxed{}: several candidate values"),
+        (
+            "x+1",
+            "\\boxed{x+1 \\text{ or } x-1}",
+            None,
+            "x+1 \\text{ or } x-1",
+            "\\boxed{}: several candidate values",
+        ),
     ],
 )
 def test_should_report_the_answer_it_judged_and_why_when_math_scores(gt, response, question, answer, note):

@@ -68,16 +68,23 @@ def test_should_pay_honest_answers_in_every_style_when_the_task_scorer_gives_ful
 
 
 @pytest.mark.parametrize("task", TASKS)
-def test_should_pay_nothing_for_another_problems_answer_a_hedge_or_the_answer_with_more_around_it(task, problems):
+def test_should_pay_nothing_for_another_problems_answer_a_hedge_or_the_answer_with_more_around_it(
+    task, problems
+):
     gts = problems[task]
     for i, gt in enumerate(gts):
         a = gt["answer"]
         other = next((g["answer"] for g in gts[i + 1 :] + gts[:i] if g["answer"] != a), None)
         attacks = [f"<answer>{a} x</answer>", f"<answer>x {a}</answer>", f"<answer>{a}</answer> or maybe not"]
         if other is not None:
-            attacks += [f"<answer>{other}</answer>", f"<answer>{a} or {other}</answer>",
-                        f"<answer>{a}, {other}</answer>", f"<answer>{a} {other}</answer>",
-                        f"<answer>{other}</answer> <answer>{a}</answer>", f"\\boxed{{{a}}} \\boxed{{{other}}}"]
+            attacks += [
+                f"<answer>{other}</answer>",
+                f"<answer>{a} or {other}</answer>",
+                f"<answer>{a}, {other}</answer>",
+                f"<answer>{a} {other}</answer>",
+                f"<answer>{other}</answer> <answer>{a}</answer>",
+                f"\\boxed{{{a}}} \\boxed{{{other}}}",
+            ]
         for response in attacks:
             score = _timed(gt, response)
             assert score.value == 0.0 and not score.correct, (response, score)
@@ -95,8 +102,12 @@ SCORERS_PAY = [
 ]
 
 
-@pytest.mark.parametrize(("task", "template", "why"), SCORERS_PAY, ids=[f"{t}:{w}" for t, _, w in SCORERS_PAY])
-def test_should_refuse_by_default_what_the_scorer_pays_and_pay_it_with_partial_credit(task, template, why, problems):
+@pytest.mark.parametrize(
+    ("task", "template", "why"), SCORERS_PAY, ids=[f"{t}:{w}" for t, _, w in SCORERS_PAY]
+)
+def test_should_refuse_by_default_what_the_scorer_pays_and_pay_it_with_partial_credit(
+    task, template, why, problems
+):
     from trainer.rewards.reasoning_gym import scorer
 
     paid = 0
@@ -120,7 +131,9 @@ def _adversarial_table():
     return [row for row in module.MATH_ATTACKS if row[0].lstrip("-").isdigit()]
 
 
-@pytest.mark.parametrize("task", ["chain_sum", "basic_arithmetic", "gcd", "products", "gsm_symbolic", "leg_counting"])
+@pytest.mark.parametrize(
+    "task", ["chain_sum", "basic_arithmetic", "gcd", "products", "gsm_symbolic", "leg_counting"]
+)
 def test_should_score_nothing_on_the_math_rewards_adversarial_table_with_each_numeric_scorer(task):
     for truth, response, _question, why in _adversarial_table():
         gt = {"task": task, "answer": truth, "metadata": {}}
@@ -139,7 +152,9 @@ def test_should_score_nothing_on_the_math_rewards_adversarial_table_with_each_nu
         "exec('1')",
     ],
 )
-@pytest.mark.parametrize("task", ["simple_integration", "string_insertion", "spiral_matrix", "countdown", "n_queens"])
+@pytest.mark.parametrize(
+    "task", ["simple_integration", "string_insertion", "spiral_matrix", "countdown", "n_queens"]
+)
 def test_should_never_hand_code_to_a_scorer_that_evaluates_its_answer(task, answer, tmp_path):
     marker = tmp_path / "ran"
     text = answer.format(marker=marker)
@@ -151,7 +166,8 @@ def test_should_never_hand_code_to_a_scorer_that_evaluates_its_answer(task, answ
 
 
 @pytest.mark.parametrize(
-    "answer", ["9**9**9**9", "(9**999)**999", "2**(10**10)", "2**99999999", "x**9**9 + C", "(" * 300 + "1" + ")" * 300]
+    "answer",
+    ["9**9**9**9", "(9**999)**999", "2**(10**10)", "2**99999999", "x**9**9 + C", "(" * 300 + "1" + ")" * 300],
 )
 def test_should_end_at_once_when_an_evaluated_answer_would_explode(answer, problems):
     for task in ("simple_integration", "countdown", "puzzle24"):
@@ -169,7 +185,9 @@ def test_should_report_where_the_answer_came_from_and_why_it_scored_nothing(prob
     score = reward(gt, "<answer>1</answer><answer>2</answer>")
     assert score.answer is None and score.note == "several <answer> blocks that disagree"
     assert reward(gt, "<think>still going").note == "cut off while thinking (no </think>)"
-    assert reward("7", "<answer>7</answer>").note.startswith("the ground truth is not a reasoning_gym problem")
+    assert reward("7", "<answer>7</answer>").note.startswith(
+        "the ground truth is not a reasoning_gym problem"
+    )
 
 
 def test_should_take_partial_credit_as_a_reward_kwarg_the_config_check_accepts():

@@ -93,7 +93,10 @@ def _plugin_takes_anything(ground_truth, response, **kwargs):
             "it takes: answer_tag",
         ),
         ([RewardSpec("math", float("nan"))], "env.reward_functions[0].weight=nan must be a finite number"),
-        ([RewardSpec("math"), RewardSpec("format", float("inf"))], "env.reward_functions[1].weight=inf must be a finite"),
+        (
+            [RewardSpec("math"), RewardSpec("format", float("inf"))],
+            "env.reward_functions[1].weight=inf must be a finite",
+        ),
         ([RewardSpec("math", -float("inf"))], "env.reward_functions[0].weight=-inf must be a finite number"),
     ],
 )
@@ -115,30 +118,45 @@ def test_should_bind_a_plugins_kwargs_against_its_own_signature():
     rewards.registry.check_kwargs(_plugin_takes_scale, {"scale": 0.5}, key)
     rewards.registry.check_kwargs(_plugin_takes_anything, {"whatever": 1}, key)  # **kwargs takes every key
     rewards.registry.check_kwargs(_plugin_needs_table, {"table": {}}, key)
-    with pytest.raises(ConfigError, match=r"^env.reward_functions\[0\].kwargs.scal: _plugin_takes_scale\(\) takes no "
-                                          r"argument 'scal'; it takes: scale$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^env.reward_functions\[0\].kwargs.scal: _plugin_takes_scale\(\) takes no "
+        r"argument 'scal'; it takes: scale$",
+    ):
         rewards.registry.check_kwargs(_plugin_takes_scale, {"scal": 0.5}, key)
-    with pytest.raises(ConfigError, match=r"^env.reward_functions\[0\].kwargs: _plugin_needs_table\(ground_truth, "
-                                          r"response, \*\*kwargs\) cannot be called with these: .*'table'"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^env.reward_functions\[0\].kwargs: _plugin_needs_table\(ground_truth, "
+        r"response, \*\*kwargs\) cannot be called with these: .*'table'",
+    ):
         rewards.registry.check_kwargs(_plugin_needs_table, {}, key)
 
 
 @pytest.mark.parametrize(
     ("override", "line"),
     [
-        ("env.reward_functions=[{name:arithmetic,weight:1,kwargs:{bogus:1}}]",
-         "kuberl: error: env.reward_functions[0].kwargs.bogus: arithmetic_reward() takes no argument 'bogus'; "
-         "it takes: unboxed_score, question"),
-        ("env.reward_functions=[{name:arithmetic,weight:nan}]",
-         "kuberl: error: env.reward_functions[0].weight=nan must be a finite number"),
-        ("env.reward_functions=[{name:arithmetic,weight:inf}]",
-         "kuberl: error: env.reward_functions[0].weight=inf must be a finite number"),
+        (
+            "env.reward_functions=[{name:arithmetic,weight:1,kwargs:{bogus:1}}]",
+            "kuberl: error: env.reward_functions[0].kwargs.bogus: arithmetic_reward() takes no argument 'bogus'; "
+            "it takes: unboxed_score, question",
+        ),
+        (
+            "env.reward_functions=[{name:arithmetic,weight:nan}]",
+            "kuberl: error: env.reward_functions[0].weight=nan must be a finite number",
+        ),
+        (
+            "env.reward_functions=[{name:arithmetic,weight:inf}]",
+            "kuberl: error: env.reward_functions[0].weight=inf must be a finite number",
+        ),
     ],
 )
 def test_should_stop_the_run_at_start_in_one_line_when_the_reward_config_is_bad(override, line):
     # issue 41: these ran to the end, every sample 0 with a warning each, or every reward nan
     proc = subprocess.run(
         [sys.executable, "-m", "trainer", "experiment=cpu-demo", override],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 2 and proc.stderr.strip() == line, (proc.returncode, proc.stderr[-2000:])

@@ -38,10 +38,18 @@ def build_rm_tokenizer():
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens(specials)
     # The last turn stays open: the classifier reads the score off the response's own last token.
-    template = ("{% for m in messages %}{{ '<s>' + m['role'] + ': ' + m['content'] }}"
-                "{% if not loop.last %}{{ '</s>' }}{% endif %}{% endfor %}")
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]", bos_token="<s>",
-                                   eos_token="</s>", chat_template=template)
+    template = (
+        "{% for m in messages %}{{ '<s>' + m['role'] + ': ' + m['content'] }}"
+        "{% if not loop.last %}{{ '</s>' }}{% endif %}{% endfor %}"
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="[PAD]",
+        unk_token="[UNK]",
+        bos_token="<s>",
+        eos_token="</s>",
+        chat_template=template,
+    )
 
 
 def arithmetic_pairs(seed: int = 0, n: int = 512) -> list[tuple[list[dict], str, str]]:
@@ -68,10 +76,19 @@ def build_arithmetic_rm(out_dir: str, steps: int = 400, seed: int = 0) -> str:
     from transformers import LlamaConfig, LlamaForSequenceClassification
 
     tokenizer = build_rm_tokenizer()
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=256, num_labels=1,
-                         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=tokenizer.eos_token_id)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        num_labels=1,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     pairs = arithmetic_pairs(seed)
 
     def encode(messages, response):
@@ -122,8 +139,10 @@ def test_should_prefer_the_right_sum_to_every_wrong_response_when_trained_on_pre
     worker = rm.RewardModelWorker(RewardModelConfig(name=arithmetic_rm))
     from trainer import data
 
-    examples = {ex["messages"][-1]["content"]: ex for ex in
-                data.get("arithmetic")(DataConfig(options=TINY_OPTIONS, seed=1), "train")}
+    examples = {
+        ex["messages"][-1]["content"]: ex
+        for ex in data.get("arithmetic")(DataConfig(options=TINY_OPTIONS, seed=1), "train")
+    }
     assert len(examples) == 9
     for ex in examples.values():
         responses = [*POLICY_CHARS, ""]
@@ -133,11 +152,14 @@ def test_should_prefer_the_right_sum_to_every_wrong_response_when_trained_on_pre
         assert not any(notes)
         right = scores[responses.index(ex["ground_truth"])]
         wrong = max(s for s, c in zip(scores, responses) if c != ex["ground_truth"])
-        assert right > wrong, f"{ex['messages'][-1]['content']}: the sum scores {right:.2f}, a wrong response {wrong:.2f}"
+        assert right > wrong, (
+            f"{ex['messages'][-1]['content']}: the sum scores {right:.2f}, a wrong response {wrong:.2f}"
+        )
 
 
-def test_should_read_the_conversation_through_its_own_tokenizer_and_template_not_the_policys(arithmetic_rm,
-                                                                                           tiny_model_path):
+def test_should_read_the_conversation_through_its_own_tokenizer_and_template_not_the_policys(
+    arithmetic_rm, tiny_model_path
+):
     from trainer.models import load_tokenizer
 
     messages = [{"role": "user", "content": "1+1"}]
@@ -145,19 +167,24 @@ def test_should_read_the_conversation_through_its_own_tokenizer_and_template_not
     text, special = rm.render(ours, messages, "2")
     assert text == "<s>user: 1+1</s><s>assistant: 2" and special
     assert ours(text, add_special_tokens=False)["input_ids"] != policy.apply_chat_template(
-        [*messages, {"role": "assistant", "content": "2"}], tokenize=True)
+        [*messages, {"role": "assistant", "content": "2"}], tokenize=True
+    )
     # A scoring batch pads with an id no sample ends on: one sample's score is the same alone or padded.
     worker = rm.RewardModelWorker(RewardModelConfig(name=arithmetic_rm, max_tokens_per_batch=4096))
     alone = worker._forward([ours(text, add_special_tokens=False)["input_ids"]])
-    longer = ours(rm.render(ours, [{"role": "user", "content": "1+1 and some more words"}], "2")[0],
-                  add_special_tokens=False)["input_ids"]
+    longer = ours(
+        rm.render(ours, [{"role": "user", "content": "1+1 and some more words"}], "2")[0],
+        add_special_tokens=False,
+    )["input_ids"]
     together = worker._forward([ours(text, add_special_tokens=False)["input_ids"], longer])
     assert alone[0] == pytest.approx(together[0], abs=1e-5)
 
 
 def test_should_score_a_sample_too_long_for_the_model_with_the_configured_score_and_a_note(arithmetic_rm):
     worker = rm.RewardModelWorker(RewardModelConfig(name=arithmetic_rm, max_length=40, overlong_score=-3.0))
-    gen = worker.score([([{"role": "user", "content": "1+1"}], "2"), ([{"role": "user", "content": "1+1"}], "2" * 60)])
+    gen = worker.score(
+        [([{"role": "user", "content": "1+1"}], "2"), ([{"role": "user", "content": "1+1"}], "2" * 60)]
+    )
     next(gen)
     scores, notes, _ = next(gen)
     assert scores[0] is not None and not notes[0]
@@ -172,12 +199,16 @@ def test_should_split_forward_passes_by_the_token_budget_shortest_first():
     assert rm.batches([20], 10) == [[0]]  # longer than the budget: alone, never dropped
 
 
-def test_should_normalise_and_clip_when_asked_and_read_mean_and_std_from_the_models_config(arithmetic_rm, tmp_path):
+def test_should_normalise_and_clip_when_asked_and_read_mean_and_std_from_the_models_config(
+    arithmetic_rm, tmp_path
+):
     assert rm.normalize(3.0, 1.0, 2.0, None) == 1.0
     assert rm.normalize(9.0, 1.0, 2.0, 2.5) == 2.5 and rm.normalize(-9.0, 1.0, 2.0, 2.5) == -2.5
     assert rm.stats(RewardModelConfig(name=arithmetic_rm)) == (0.0, 1.0)
     assert rm.stats(RewardModelConfig(name=arithmetic_rm, normalize="given", mean=0.5, std=4.0)) == (0.5, 4.0)
-    with pytest.raises(ConfigError, match=r"^reward_model.normalize=config: the config.json of reward_model.name="):
+    with pytest.raises(
+        ConfigError, match=r"^reward_model.normalize=config: the config.json of reward_model.name="
+    ):
         rm.stats(RewardModelConfig(name=arithmetic_rm, normalize="config"))
     import shutil
 
@@ -191,7 +222,9 @@ def test_should_normalise_and_clip_when_asked_and_read_mean_and_std_from_the_mod
 def test_should_report_the_mean_score_and_its_correlation_with_length():
     from types import SimpleNamespace as NS
 
-    rollouts = [NS(reward=NS(rm_score=s), model_tokens=n) for s, n in [(1.0, 1), (2.0, 2), (3.0, 3), (None, 9)]]
+    rollouts = [
+        NS(reward=NS(rm_score=s), model_tokens=n) for s, n in [(1.0, 1), (2.0, 2), (3.0, 3), (None, 9)]
+    ]
     metrics = rm.step_metrics(rollouts)
     assert metrics["train/rm_score_mean"] == pytest.approx(2.0)
     assert metrics["train/rm_length_corr"] == pytest.approx(1.0)
@@ -201,14 +234,19 @@ def test_should_report_the_mean_score_and_its_correlation_with_length():
 # ----- on Ray, through the reward runner ------------------------------------------------------------
 
 
-def test_should_combine_the_reward_model_with_a_verifiable_reward_by_weight_on_its_own_actor(arithmetic_rm,
-                                                                                            ray_local):
+def test_should_combine_the_reward_model_with_a_verifiable_reward_by_weight_on_its_own_actor(
+    arithmetic_rm, ray_local
+):
     from trainer.rewards.runner import RewardRunner
 
-    pool = rm.RewardModelPool(RewardModelConfig(name=arithmetic_rm, normalize="given", mean=0.0, std=2.0, clip=1.0))
+    pool = rm.RewardModelPool(
+        RewardModelConfig(name=arithmetic_rm, normalize="given", mean=0.0, std=2.0, clip=1.0)
+    )
     try:
         pool.wait_ready()
-        env = EnvConfig([RewardSpec("arithmetic", 0.5, {"unboxed_score": 1.0}), RewardSpec("reward_model", 0.5)])
+        env = EnvConfig(
+            [RewardSpec("arithmetic", 0.5, {"unboxed_score": 1.0}), RewardSpec("reward_model", 0.5)]
+        )
         runner = RewardRunner(env, reward_model=pool)
         messages = [{"role": "user", "content": "1+1"}]
         results = runner.results(runner.submit([("2", "2", "1+1", messages), ("2", "7", "1+1", messages)]))
@@ -236,7 +274,9 @@ def test_should_refuse_a_reward_model_entry_without_the_actors_or_with_kwargs():
 
     with pytest.raises(ConfigError, match="needs the run's reward model actors"):
         RewardRunner(EnvConfig([RewardSpec("reward_model")]))
-    with pytest.raises(ConfigError, match=r"^env.reward_functions\[0\].kwargs: the reward_model entry takes none"):
+    with pytest.raises(
+        ConfigError, match=r"^env.reward_functions\[0\].kwargs: the reward_model entry takes none"
+    ):
         check_specs([RewardSpec("reward_model", 1.0, {"x": 1})])
     with pytest.raises(ConfigError, match="names reward_model twice"):
         check_specs([RewardSpec("reward_model"), RewardSpec("reward_model")])
@@ -247,15 +287,23 @@ def test_should_refuse_a_reward_model_entry_without_the_actors_or_with_kwargs():
 RM_ONLY = "env.reward_functions=[{name: reward_model, weight: 1.0}]"
 
 
-@pytest.mark.parametrize("case, says", [
-    ("causal", r"^kuberl: error: reward_model.name=\S+: it is a LlamaForCausalLM, not a sequence classifier; "),
-    ("missing", r"^kuberl: error: reward_model.name=/no/such/rm: no such local directory"),
-    ("zero_budget", r"^kuberl: error: reward_model.max_tokens_per_batch=0 must be >= 1"),
-    ("unset", r"^kuberl: error: env.reward_functions names reward_model, but reward_model.name is null"),
-    ("two_labels", r"^kuberl: error: reward_model.name=\S+: a sequence classifier with 2 labels; "),
-], ids=lambda v: v if v.isidentifier() else "")
-def test_should_stop_in_one_line_at_start_when_the_reward_model_is_wrong(case, says, arithmetic_rm, tiny_model_path,
-                                                                         tmp_path, capsys):
+@pytest.mark.parametrize(
+    "case, says",
+    [
+        (
+            "causal",
+            r"^kuberl: error: reward_model.name=\S+: it is a LlamaForCausalLM, not a sequence classifier; ",
+        ),
+        ("missing", r"^kuberl: error: reward_model.name=/no/such/rm: no such local directory"),
+        ("zero_budget", r"^kuberl: error: reward_model.max_tokens_per_batch=0 must be >= 1"),
+        ("unset", r"^kuberl: error: env.reward_functions names reward_model, but reward_model.name is null"),
+        ("two_labels", r"^kuberl: error: reward_model.name=\S+: a sequence classifier with 2 labels; "),
+    ],
+    ids=lambda v: v if v.isidentifier() else "",
+)
+def test_should_stop_in_one_line_at_start_when_the_reward_model_is_wrong(
+    case, says, arithmetic_rm, tiny_model_path, tmp_path, capsys
+):
     from trainer.__main__ import main
 
     name = {"causal": tiny_model_path, "missing": "/no/such/rm"}.get(case, arithmetic_rm)
@@ -267,7 +315,9 @@ def test_should_stop_in_one_line_at_start_when_the_reward_model_is_wrong(case, s
         config = json.loads((Path(name) / "config.json").read_text())
         config["id2label"] = {"0": "LABEL_0", "1": "LABEL_1"}
         (Path(name) / "config.json").write_text(json.dumps(config))
-    extra = {"zero_budget": ["reward_model.max_tokens_per_batch=0"], "unset": []}.get(case, [f"reward_model.name={name}"])
+    extra = {"zero_budget": ["reward_model.max_tokens_per_batch=0"], "unset": []}.get(
+        case, [f"reward_model.name={name}"]
+    )
     code = main(["experiment=tiny", RM_ONLY, *extra])
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err

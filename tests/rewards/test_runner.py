@@ -56,7 +56,10 @@ _unhashable = _Unhashable()
 
 
 def test_should_combine_rewards_by_weight_when_several_are_configured():
-    specs = [RewardSpec("exact_alnum", 0.8), RewardSpec("format", 0.2, {"think_tag": "think", "answer_tag": "answer"})]
+    specs = [
+        RewardSpec("exact_alnum", 0.8),
+        RewardSpec("format", 0.2, {"think_tag": "think", "answer_tag": "answer"}),
+    ]
     r = score_one(specs, "42", "<think>hm</think> <answer>42</answer>")
     assert r.scores == {"exact_alnum": 1.0, "format": 1.0}
     assert r.total == pytest.approx(1.0) and r.correct
@@ -71,7 +74,11 @@ def test_should_score_zero_and_warn_when_a_reward_raises():
 
 
 def test_should_report_the_first_rewards_answer_and_pass_the_question_when_a_reward_declares_it():
-    specs = [RewardSpec("arithmetic"), RewardSpec("format", 0.0), RewardSpec("tests.rewards.test_runner:_asks", 0.5)]
+    specs = [
+        RewardSpec("arithmetic"),
+        RewardSpec("format", 0.0),
+        RewardSpec("tests.rewards.test_runner:_asks", 0.5),
+    ]
     r = score_one(specs, "20", "13 + 7 = \\boxed{20}", "What is 13+7?")
     assert (r.answer, r.answer_note, r.total, r.correct) == ("20", "\\boxed{}", 1.5, True)
     r = score_one(specs, "20", "\\boxed{13+7}", "What is 13+7?")
@@ -101,14 +108,21 @@ def test_should_check_the_names_on_the_driver_when_a_runner_is_built():
 
     with pytest.raises(ConfigError, match=r"^env.reward_functions\[1\].name: unknown reward 'nope'"):
         RewardRunner(EnvConfig([RewardSpec("math"), RewardSpec("nope")]))
-    with pytest.raises(ConfigError, match=r"^env.feedback=None is not allowed; choose one of: code_unit_tests$"):
+    with pytest.raises(
+        ConfigError, match=r"^env.feedback=None is not allowed; choose one of: code_unit_tests$"
+    ):
         RewardRunner(EnvConfig([RewardSpec("math")]), feedback=True)
 
 
 @pytest.mark.slow
 def test_should_time_out_hanging_and_dying_rewards_without_blocking_others(ray_local, caplog):
-    runner = RewardRunner(EnvConfig([RewardSpec("tests.rewards.test_runner:_hang")], reward_timeout_s=TIMEOUT_S,
-                                    max_concurrent_rewards=3))
+    runner = RewardRunner(
+        EnvConfig(
+            [RewardSpec("tests.rewards.test_runner:_hang")],
+            reward_timeout_s=TIMEOUT_S,
+            max_concurrent_rewards=3,
+        )
+    )
     start = time.monotonic()
     ids = runner.submit([(None, "hang"), (None, "ok"), (None, "ok"), (None, "ok")])
     results = runner.results(ids)
@@ -125,11 +139,17 @@ def test_should_time_out_hanging_and_dying_rewards_without_blocking_others(ray_l
 def test_should_carry_the_answer_back_from_the_task_when_scoring_on_ray(ray_local):
     runner = RewardRunner(EnvConfig([RewardSpec("arithmetic")]))
     q = "What is 13+7? Put the final answer in \\boxed{}."
-    ids = runner.submit([("20", "13 + 7 = \\boxed{20}", q), ("20", "\\boxed{13+7}", q), ("20", "\\boxed{13+7}")])
+    ids = runner.submit(
+        [("20", "13 + 7 = \\boxed{20}", q), ("20", "\\boxed{13+7}", q), ("20", "\\boxed{13+7}")]
+    )
     got = [(r.total, r.answer, r.answer_note) for r in runner.results(ids)]
     assert got == [
         (1.0, "20", "\\boxed{}"),
-        (0.0, "13+7", "\\boxed{}: restates the question instead of answering it"),  # the question reached the task
+        (
+            0.0,
+            "13+7",
+            "\\boxed{}: restates the question instead of answering it",
+        ),  # the question reached the task
         (0.0, "13+7", "\\boxed{}: an expression to evaluate, not a number"),  # an item without one
     ]
 
@@ -155,17 +175,27 @@ def test_should_score_many_samples_per_task_when_they_are_cheap_and_one_per_task
 
 @pytest.mark.slow
 def test_should_cost_only_the_bad_sample_when_it_hangs_or_kills_a_task_it_shares(ray_local, caplog):
-    runner = RewardRunner(EnvConfig([RewardSpec("tests.rewards.test_runner:_hang")], reward_timeout_s=TIMEOUT_S,
-                                    max_concurrent_rewards=3))
+    runner = RewardRunner(
+        EnvConfig(
+            [RewardSpec("tests.rewards.test_runner:_hang")],
+            reward_timeout_s=TIMEOUT_S,
+            max_concurrent_rewards=3,
+        )
+    )
     runner.item_s = 1e-4  # as measured on cheap samples: the next tasks carry up to MAX_TASK_ITEMS
     items = [(None, "ok")] * 10 + [(None, "hang")] + [(None, "ok")] * 10
     start = time.monotonic()
     results = runner.results(runner.submit(items))
-    assert time.monotonic() - start < 5 * TIMEOUT_S  # the shared task's timeout, then its samples one per task
+    assert (
+        time.monotonic() - start < 5 * TIMEOUT_S
+    )  # the shared task's timeout, then its samples one per task
     assert [r.total for r in results] == [1.0] * 10 + [0.0] + [1.0] * 10
     assert results[10].answer_note == f"reward timed out after {TIMEOUT_S}s"
-    mixed = RewardRunner(EnvConfig([RewardSpec("tests.rewards.test_runner:_kill_on")], reward_timeout_s=30,
-                                   max_concurrent_rewards=3))
+    mixed = RewardRunner(
+        EnvConfig(
+            [RewardSpec("tests.rewards.test_runner:_kill_on")], reward_timeout_s=30, max_concurrent_rewards=3
+        )
+    )
     mixed.item_s = 1e-4
     results = mixed.results(mixed.submit([(None, "ok"), (None, "kill"), (None, "ok")]))
     assert [r.total for r in results] == [1.0, 0.0, 1.0]
@@ -173,7 +203,9 @@ def test_should_cost_only_the_bad_sample_when_it_hangs_or_kills_a_task_it_shares
 
 
 @pytest.mark.slow
-def test_should_wait_for_a_cpu_without_timing_out_then_stop_with_one_line_when_none_comes(ray_local, monkeypatch):
+def test_should_wait_for_a_cpu_without_timing_out_then_stop_with_one_line_when_none_comes(
+    ray_local, monkeypatch
+):
     import ray
 
     from trainer.cluster import ClusterError
@@ -182,11 +214,15 @@ def test_should_wait_for_a_cpu_without_timing_out_then_stop_with_one_line_when_n
     monkeypatch.setattr(runner_module, "START_TIMEOUT_S", 4.0)
     runner = RewardRunner(EnvConfig([RewardSpec("tests.rewards.test_runner:_cheap")], reward_timeout_s=0.5))
     # A resource no node has: the task waits to be scheduled, as it would for a CPU the cluster never frees.
-    runner._task = lambda items: runner_module._score_task.options(resources={"no_such_node": 1}).remote(runner.specs, items)
+    runner._task = lambda items: runner_module._score_task.options(resources={"no_such_node": 1}).remote(
+        runner.specs, items
+    )
     ids = runner.submit([(None, "ok")])
     (gen,) = runner._running
     start = time.monotonic()
-    with pytest.raises(ClusterError, match=r"^a reward task has waited \d+s to start: the Ray cluster has no CPU free"):
+    with pytest.raises(
+        ClusterError, match=r"^a reward task has waited \d+s to start: the Ray cluster has no CPU free"
+    ):
         runner.results(ids)
     assert time.monotonic() - start >= 3.0  # not timed out at 0.5 s: the time limit counts from the start
     assert not runner._running
@@ -210,7 +246,9 @@ def test_should_let_a_queue_behind_a_busy_cpu_wait_past_the_start_limit_when_it_
     pg = placement_group([{"CPU": 1}])  # one CPU for the runner's tasks: they run one at a time
     try:
         ray_local.get(pg.ready(), timeout=60)
-        runner = RewardRunner(EnvConfig([RewardSpec("tests.rewards.test_runner:_slow")], max_concurrent_rewards=3))
+        runner = RewardRunner(
+            EnvConfig([RewardSpec("tests.rewards.test_runner:_slow")], max_concurrent_rewards=3)
+        )
         runner.item_s = 1.5  # measured as slow: one sample a task
         on_pg = runner_module._score_task.options(scheduling_strategy=PlacementGroupSchedulingStrategy(pg, 0))
         runner._task = lambda items: on_pg.remote(runner.specs, items)

@@ -99,7 +99,9 @@ def test_should_refuse_in_one_line_when_no_node_has_the_sandbox_resource(cluster
     found = _drive(cluster, "kuberl_nosuch")
     message = found["refused"]
     assert "\n" not in message
-    assert message.startswith("KUBERL_SANDBOX_RESOURCE=kuberl_nosuch: no node of this Ray cluster has the resource")
+    assert message.startswith(
+        "KUBERL_SANDBOX_RESOURCE=kuberl_nosuch: no node of this Ray cluster has the resource"
+    )
     assert "sandbox.enabled=true" in message
 
 

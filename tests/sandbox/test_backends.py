@@ -56,7 +56,9 @@ def test_should_refuse_in_one_line_when_bwrap_is_forced_and_cannot_start(monkeyp
 @pytest.mark.parametrize("requested", ["rlimit", "auto"])
 def test_should_refuse_the_fallback_when_it_cannot_take_the_network_away(monkeypatch, requested):
     monkeypatch.setattr(backends, "_cache", {})
-    monkeypatch.setattr(backends, "_bwrap_backend", lambda need_world: (_ for _ in ()).throw(RuntimeError("no bwrap")))
+    monkeypatch.setattr(
+        backends, "_bwrap_backend", lambda need_world: (_ for _ in ()).throw(RuntimeError("no bwrap"))
+    )
     monkeypatch.setattr(backends, "_can_unshare", lambda *flags: False)
     with pytest.raises(backends.SandboxUnavailable, match="cannot unshare a network namespace") as e:
         backends.resolve(requested)
@@ -76,7 +78,9 @@ def test_should_exit_before_running_anything_when_the_runner_cannot_unshare_the_
     monkeypatch.setattr(backends, "_cache", {})
     real = backends.resolve("rlimit")
     # A flag the kernel rejects (EINVAL) stands in for a refused unshare.
-    monkeypatch.setattr(executor.backends, "resolve", lambda backend=None: dataclasses.replace(real, netns="user"))
+    monkeypatch.setattr(
+        executor.backends, "resolve", lambda backend=None: dataclasses.replace(real, netns="user")
+    )
     code = "print('ran')"
     src = executor.RUNNER_SOURCE.replace("CLONE_NEWUSER = 0x10000000", "CLONE_NEWUSER = 0x7fffffff")
     monkeypatch.setattr(executor, "RUNNER_SOURCE", src)
@@ -170,11 +174,19 @@ def test_should_work_without_root_when_the_trainer_is_unprivileged():
         pass
     # KUBERL_SANDBOX_PCH=0: as this uid the shared header folder (/tmp/kuberl-pch) would be created as
     # this uid's, and every later run as root would then refuse it as not its own.
-    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "HOME": "/tmp", "LANG": "C.UTF-8", "KUBERL_SANDBOX_PCH": "0"}
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "PYTHONPATH": str(REPO),
+        "HOME": "/tmp",
+        "LANG": "C.UTF-8",
+        "KUBERL_SANDBOX_PCH": "0",
+    }
     server = socket.socket()  # a socket of the host that no sandbox may reach
     server.bind(("127.0.0.1", 0))
     server.listen(1)
-    argv = backends.as_uid([python, "-c", NON_ROOT_SCRIPT, str(server.getsockname()[1]), *kinds], NON_ROOT_UID)[0]
+    argv = backends.as_uid(
+        [python, "-c", NON_ROOT_SCRIPT, str(server.getsockname()[1]), *kinds], NON_ROOT_UID
+    )[0]
     try:
         p = subprocess.run(argv, capture_output=True, text=True, timeout=100, env=env, cwd="/tmp")
     finally:  # whatever happened, nothing of that uid survives the test
@@ -233,7 +245,9 @@ def test_should_stop_a_code_reward_run_in_one_line_when_bwrap_is_forced_and_cann
     """What a pod of the chart does (KUBERL_SANDBOX=bwrap) where its security context keeps bubblewrap
     from starting: the run refuses before any code from the model runs, with one line and no fallback.
     An interpreter that does not exist makes bubblewrap fail here whether or not it is installed."""
-    env = dict(os.environ, KUBERL_SANDBOX="bwrap", KUBERL_SANDBOX_PYTHON="/nonexistent/python3", PYTHONPATH=str(REPO))
+    env = dict(
+        os.environ, KUBERL_SANDBOX="bwrap", KUBERL_SANDBOX_PYTHON="/nonexistent/python3", PYTHONPATH=str(REPO)
+    )
     p = subprocess.run(
         [sys.executable, "-m", "trainer", "experiment=tiny", "rewards=code_unit_tests", "grpo.max_num_steps=1",
          f"logger.log_dir={tmp_path / 'logs'}", f"checkpointing.checkpoint_dir={tmp_path / 'ckpt'}"],
@@ -242,5 +256,7 @@ def test_should_stop_a_code_reward_run_in_one_line_when_bwrap_is_forced_and_cann
     assert p.returncode == 2, p.stdout[-2000:] + p.stderr[-2000:]
     assert "Traceback" not in p.stderr
     ours = [ln for ln in p.stderr.splitlines() if ln.startswith("kuberl:")]
-    assert len(ours) == 1 and ours[0].startswith("kuberl: error: KUBERL_SANDBOX=bwrap, but bubblewrap cannot start here")
+    assert len(ours) == 1 and ours[0].startswith(
+        "kuberl: error: KUBERL_SANDBOX=bwrap, but bubblewrap cannot start here"
+    )
     assert not (tmp_path / "logs").exists() or not list((tmp_path / "logs").rglob("train_data_step*.jsonl"))

@@ -31,8 +31,13 @@ def wandb_records(run_dir: Path) -> list[tuple[Path, dict]]:
     records = []
     wandb_cli = Path(sys.executable).with_name("wandb")
     for log in sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb")):
-        out = subprocess.run([str(wandb_cli), "leet", "inspect", "--json", str(log)], capture_output=True, text=True,
-                             timeout=120, check=True).stdout
+        out = subprocess.run(
+            [str(wandb_cli), "leet", "inspect", "--json", str(log)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        ).stdout
         records += [(log.parent, json.loads(line)) for line in out.splitlines() if line.startswith("{")]
     return records
 
@@ -48,7 +53,11 @@ def wandb_run(run_dir: Path) -> dict:
             item = r["history"]["item"]
             step = int(item["_step"])
             for key, value in item.items():
-                if not key.startswith("_") and isinstance(value, (int, float)) and not key.startswith("rollouts."):
+                if (
+                    not key.startswith("_")
+                    and isinstance(value, (int, float))
+                    and not key.startswith("rollouts.")
+                ):
                     history.setdefault(key, {})[step] = float(value)
             if "rollouts.path" in item:
                 table = json.loads((where / "files" / item["rollouts.path"]).read_text())
@@ -61,7 +70,9 @@ def mlflow_run(uri: str, run_id: str) -> dict:
 
     client = MlflowClient(tracking_uri=uri)
     run = client.get_run(run_id)
-    history = {key: {m.step: m.value for m in client.get_metric_history(run_id, key)} for key in run.data.metrics}
+    history = {
+        key: {m.step: m.value for m in client.get_metric_history(run_id, key)} for key in run.data.metrics
+    }
     tables = {}
     for item in client.list_artifacts(run_id, "rollouts"):
         local = client.download_artifacts(run_id, item.path)

@@ -26,10 +26,15 @@ def _wandb_service():
 
 
 def config(tmp_path, *overrides: str):
-    return load([
-        "experiment=tiny", f"logger.log_dir={tmp_path / 'logs'}", "logger.wandb.mode=offline",
-        f"logger.mlflow.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}", *overrides,
-    ])
+    return load(
+        [
+            "experiment=tiny",
+            f"logger.log_dir={tmp_path / 'logs'}",
+            "logger.wandb.mode=offline",
+            f"logger.mlflow.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
+            *overrides,
+        ]
+    )
 
 
 def closed_port() -> int:
@@ -40,24 +45,40 @@ def closed_port() -> int:
 
 def rows(step: int, n: int = 3) -> list[dict]:
     return [
-        {"step": step, "prompt": f"What is {i}+{step}?", "response": f"{i} + {step} = \\boxed{{{i + step}}}",
-         "reward": 1.0 if i else 0.0, "extracted_answer": str(i + step) if i else None,
-         "answer_note": "\\boxed{}" if i else "no answer: nothing boxed | or after =", "advantage": 0.5 - i,
-         "ground_truth": str(i + step)}
+        {
+            "step": step,
+            "prompt": f"What is {i}+{step}?",
+            "response": f"{i} + {step} = \\boxed{{{i + step}}}",
+            "reward": 1.0 if i else 0.0,
+            "extracted_answer": str(i + step) if i else None,
+            "answer_note": "\\boxed{}" if i else "no answer: nothing boxed | or after =",
+            "advantage": 0.5 - i,
+            "ground_truth": str(i + step),
+        }
         for i in range(n)
     ]
 
 
 def test_should_flatten_the_config_to_dotted_keys_when_a_tracker_receives_it() -> None:
-    flat = tracking.flatten({"policy": {"lr": 1e-6, "lora": {"rank": None, "targets": ["q", "v"]}}, "env": {}, "seed": 1})
-    assert flat == {"policy.lr": 1e-6, "policy.lora.rank": None, "policy.lora.targets": "['q', 'v']", "env": "{}",
-                    "seed": 1}
+    flat = tracking.flatten(
+        {"policy": {"lr": 1e-6, "lora": {"rank": None, "targets": ["q", "v"]}}, "env": {}, "seed": 1}
+    )
+    assert flat == {
+        "policy.lr": 1e-6,
+        "policy.lora.rank": None,
+        "policy.lora.targets": "['q', 'v']",
+        "env": "{}",
+        "seed": 1,
+    }
 
 
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        ("logger.backends=[tensorboard,neptune]", "logger.backends='neptune' is not allowed; choose one of: tensorboard, wandb, mlflow"),
+        (
+            "logger.backends=[tensorboard,neptune]",
+            "logger.backends='neptune' is not allowed; choose one of: tensorboard, wandb, mlflow",
+        ),
         ("logger.backends=[wandb,wandb]", "names a backend twice"),
         ("logger.wandb.mode=cloud", "logger.wandb.mode='cloud' is not allowed"),
     ],
@@ -72,14 +93,20 @@ def test_should_ask_for_the_api_key_when_wandb_runs_online_without_one(tmp_path,
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc from `wandb login`
     cfg = config(tmp_path, ALL, "logger.wandb.mode=online")
-    with pytest.raises(tracking.TrackerError, match=r"WANDB_API_KEY is not set .*logger\.wandb\.mode=offline"):
+    with pytest.raises(
+        tracking.TrackerError, match=r"WANDB_API_KEY is not set .*logger\.wandb\.mode=offline"
+    ):
         tracking.check(cfg.logger)
 
 
-def test_should_say_the_server_is_unreachable_when_wandb_base_url_does_not_answer(tmp_path, monkeypatch) -> None:
+def test_should_say_the_server_is_unreachable_when_wandb_base_url_does_not_answer(
+    tmp_path, monkeypatch
+) -> None:
     monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
     monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{closed_port()}")
-    with pytest.raises(tracking.TrackerError, match=r"the W&B server \(WANDB_BASE_URL\) http://127.0.0.1:\d+ is unreachable"):
+    with pytest.raises(
+        tracking.TrackerError, match=r"the W&B server \(WANDB_BASE_URL\) http://127.0.0.1:\d+ is unreachable"
+    ):
         tracking.check(config(tmp_path, ALL, "logger.wandb.mode=online").logger)
 
 
@@ -95,13 +122,17 @@ def test_should_say_the_tracking_server_is_unreachable_when_the_mlflow_uri_does_
     cfg = config(tmp_path, "logger.backends=[mlflow]", f"logger.mlflow.tracking_uri={uri}")
     with pytest.raises(tracking.TrackerError) as e:
         tracking.check(cfg.logger)
-    assert str(e.value).startswith(f"the MLflow tracking server (logger.mlflow.tracking_uri or MLFLOW_TRACKING_URI) {uri} "
-                                   "is unreachable")
+    assert str(e.value).startswith(
+        f"the MLflow tracking server (logger.mlflow.tracking_uri or MLFLOW_TRACKING_URI) {uri} is unreachable"
+    )
 
 
 def test_should_name_the_extra_when_a_tracker_library_is_missing(tmp_path, monkeypatch) -> None:
     monkeypatch.setitem(__import__("sys").modules, "mlflow", None)  # as if not installed
-    with pytest.raises(tracking.TrackerError, match=r"the mlflow package is not installed: pip install 'kuberl-trainer\[tracking\]'"):
+    with pytest.raises(
+        tracking.TrackerError,
+        match=r"the mlflow package is not installed: pip install 'kuberl-trainer\[tracking\]'",
+    ):
         tracking.check(config(tmp_path, "logger.backends=[mlflow]").logger)
 
 
@@ -109,7 +140,9 @@ def test_should_pass_the_check_when_every_backend_is_offline_or_local(tmp_path) 
     tracking.check(config(tmp_path, ALL).logger)
 
 
-def test_should_give_every_backend_the_same_scalars_config_and_tables_and_continue_the_runs_when_resumed(tmp_path) -> None:
+def test_should_give_every_backend_the_same_scalars_config_and_tables_and_continue_the_runs_when_resumed(
+    tmp_path,
+) -> None:
     cfg = config(tmp_path, ALL)
     log = RunLogger(cfg, run_name="r1")
     ids = log.run_ids()
@@ -129,7 +162,9 @@ def test_should_give_every_backend_the_same_scalars_config_and_tables_and_contin
 
     run_dir = tmp_path / "logs" / "tiny" / "r1"
     tb = readback.tensorboard(run_dir)
-    assert tb["train/reward_mean"] == pytest.approx({1: 0.1, 2: 0.2, 3: 0.31, 4: 0.41})  # step 3 purged, redone
+    assert tb["train/reward_mean"] == pytest.approx(
+        {1: 0.1, 2: 0.2, 3: 0.31, 4: 0.41}
+    )  # step 3 purged, redone
 
     wb = readback.wandb_run(run_dir)
     assert wb["ids"] == {ids["wandb"]}  # the resumed run is the same W&B run
@@ -142,7 +177,9 @@ def test_should_give_every_backend_the_same_scalars_config_and_tables_and_contin
 
     ml = readback.mlflow_run(f"sqlite:///{tmp_path / 'mlflow.db'}", ids["mlflow"])
     assert ml["run"].info.status == "FINISHED" and ml["run"].info.run_name == "r1"
-    assert ml["history"]["train/reward_mean"] == pytest.approx({1: 0.1, 2: 0.2, 3: 0.31, 4: 0.41})  # the last value of step 3
+    assert ml["history"]["train/reward_mean"] == pytest.approx(
+        {1: 0.1, 2: 0.2, 3: 0.31, 4: 0.41}
+    )  # the last value of step 3
     assert ml["params"]["policy.learning_rate"] == str(cfg.policy.learning_rate)
     assert sorted(ml["tables"]) == [1, 2, 3, 4]
     assert ml["tables"][2][0]["answer_note"] == "no answer: nothing boxed | or after ="
@@ -168,24 +205,37 @@ def test_should_warn_and_keep_logging_to_the_others_when_a_tracker_fails_mid_run
     assert readback.tensorboard(tmp_path / "logs" / "tiny" / "r2")["train/reward_mean"] == {1: 0.5, 2: 0.75}
 
 
-@pytest.mark.parametrize(("name", "message"), [("a-dir", "is a directory; name the database file"),
-                                              ("missing/mlflow.db", "cannot create the database in")])
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("a-dir", "is a directory; name the database file"),
+        ("missing/mlflow.db", "cannot create the database in"),
+    ],
+)
 def test_should_be_one_line_when_the_sqlite_store_cannot_be_created(tmp_path, name, message) -> None:
     (tmp_path / "a-dir").mkdir()
-    cfg = config(tmp_path, "logger.backends=[mlflow]", f"logger.mlflow.tracking_uri=sqlite:///{tmp_path / name}")
+    cfg = config(
+        tmp_path, "logger.backends=[mlflow]", f"logger.mlflow.tracking_uri=sqlite:///{tmp_path / name}"
+    )
     with pytest.raises(tracking.TrackerError, match=message):
         tracking.check(cfg.logger)
 
 
 def test_should_be_one_line_when_the_mlflow_store_cannot_start_a_run(tmp_path) -> None:
     (tmp_path / "store").write_text("not a file store")  # a file where MLflow's file store wants a directory
-    cfg = config(tmp_path, "logger.backends=[mlflow]", f"logger.mlflow.tracking_uri=file://{tmp_path / 'store'}")
+    cfg = config(
+        tmp_path, "logger.backends=[mlflow]", f"logger.mlflow.tracking_uri=file://{tmp_path / 'store'}"
+    )
     with pytest.raises(tracking.TrackerError) as e:
         RunLogger(cfg, run_name="r3")
-    assert str(e.value).startswith("logger.backends has mlflow, but the MLflow run did not start") and "\n" not in str(e.value)
+    assert str(e.value).startswith(
+        "logger.backends has mlflow, but the MLflow run did not start"
+    ) and "\n" not in str(e.value)
 
 
-def test_should_take_the_backends_from_the_environment_when_the_chart_sets_kuberl_logger_backends(tmp_path, monkeypatch) -> None:
+def test_should_take_the_backends_from_the_environment_when_the_chart_sets_kuberl_logger_backends(
+    tmp_path, monkeypatch
+) -> None:
     monkeypatch.setenv("KUBERL_LOGGER_BACKENDS", "[tensorboard,mlflow]")
     assert config(tmp_path).logger.backends == ["tensorboard", "mlflow"]
     assert config(tmp_path, "logger.backends=[wandb]").logger.backends == ["wandb"]  # an override still wins
@@ -199,14 +249,32 @@ def test_should_check_what_a_run_here_would_log_to_when_run_as_the_charts_helm_t
 
     from tests.conftest import REPO
 
-    env = {**os.environ, "KUBERL_LOGGER_BACKENDS": "[tensorboard,mlflow]",
-           "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
-    ok = subprocess.run([sys.executable, "-m", "trainer.tracking"], cwd=REPO, env=env, capture_output=True, text=True,
-                        timeout=300)
-    assert ok.returncode == 0 and ok.stdout.strip() == f"kuberl: trackers ok: tensorboard, mlflow ({env['MLFLOW_TRACKING_URI']})"
+    env = {
+        **os.environ,
+        "KUBERL_LOGGER_BACKENDS": "[tensorboard,mlflow]",
+        "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}",
+    }
+    ok = subprocess.run(
+        [sys.executable, "-m", "trainer.tracking"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert (
+        ok.returncode == 0
+        and ok.stdout.strip() == f"kuberl: trackers ok: tensorboard, mlflow ({env['MLFLOW_TRACKING_URI']})"
+    )
     env["MLFLOW_TRACKING_URI"] = f"http://127.0.0.1:{closed_port()}"
-    bad = subprocess.run([sys.executable, "-m", "trainer.tracking"], cwd=REPO, env=env, capture_output=True, text=True,
-                         timeout=300)
+    bad = subprocess.run(
+        [sys.executable, "-m", "trainer.tracking"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert bad.returncode == 1 and bad.stderr.count("\n") == 1 and "is unreachable" in bad.stderr
 
 

@@ -15,15 +15,27 @@ from tests.tracking import readback
 pytestmark = pytest.mark.slow
 
 STEPS = 3
-PERF = ("perf/generated_tokens_per_s", "perf/trained_tokens_per_s", "perf/mfu", "perf/peak_memory_gib_max",
-        "perf/peak_memory_gib/rank_0")
+PERF = (
+    "perf/generated_tokens_per_s",
+    "perf/trained_tokens_per_s",
+    "perf/mfu",
+    "perf/peak_memory_gib_max",
+    "perf/peak_memory_gib/rank_0",
+)
 
 
-def test_should_send_the_same_curve_config_and_rollouts_to_every_backend_when_a_tiny_run_trains(trainer_env, tmp_path):
+def test_should_send_the_same_curve_config_and_rollouts_to_every_backend_when_a_tiny_run_trains(
+    trainer_env, tmp_path
+):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     stdout, run_dir = _train(
-        trainer_env, tmp_path, f"grpo.max_num_steps={STEPS}", f"checkpointing.save_period={STEPS}",
-        "logger.backends=[tensorboard,wandb,mlflow]", "logger.wandb.mode=offline", f"logger.mlflow.tracking_uri={uri}",
+        trainer_env,
+        tmp_path,
+        f"grpo.max_num_steps={STEPS}",
+        f"checkpointing.save_period={STEPS}",
+        "logger.backends=[tensorboard,wandb,mlflow]",
+        "logger.wandb.mode=offline",
+        f"logger.mlflow.tracking_uri={uri}",
         "logger.num_table_rows=4",
     )
     steps = list(range(1, STEPS + 1))
@@ -55,7 +67,10 @@ def test_should_send_the_same_curve_config_and_rollouts_to_every_backend_when_a_
     first = json.loads((run_dir / "train_data_step1.jsonl").read_text().splitlines()[0])
     for name, tables in (("wandb", wb["tables"]), ("mlflow", ml["tables"])):
         assert sorted(tables) == steps and len(tables[1]) == 4, name
-        assert tables[1][0]["response"] == first["response"] and tables[1][0]["answer_note"] == first["answer_note"]
+        assert (
+            tables[1][0]["response"] == first["response"]
+            and tables[1][0]["answer_note"] == first["answer_note"]
+        )
     assert sorted(readback.tensorboard_text(run_dir, "rollouts")) == steps
 
     progress = [line for line in stdout.splitlines() if line.startswith("step ")]
@@ -65,12 +80,19 @@ def test_should_send_the_same_curve_config_and_rollouts_to_every_backend_when_a_
 
     # One more step, resumed from the checkpoint: the same runs go on.
     stdout, resumed_dir = _train(
-        trainer_env, tmp_path, f"grpo.max_num_steps={STEPS + 1}", "logger.backends=[tensorboard,wandb,mlflow]",
-        "logger.wandb.mode=offline", f"logger.mlflow.tracking_uri={uri}",
+        trainer_env,
+        tmp_path,
+        f"grpo.max_num_steps={STEPS + 1}",
+        "logger.backends=[tensorboard,wandb,mlflow]",
+        "logger.wandb.mode=offline",
+        f"logger.mlflow.tracking_uri={uri}",
     )
     assert resumed_dir == run_dir and f"resumed from {tmp_path / 'ckpt' / 'tiny' / f'step_{STEPS}'}" in stdout
     wb, ml = readback.wandb_run(run_dir), readback.mlflow_run(uri, ids["mlflow"])
     assert wb["ids"] == {ids["wandb"]}
     steps.append(STEPS + 1)
-    assert sorted(wb["history"]["train/reward_mean"]) == steps and sorted(ml["history"]["train/reward_mean"]) == steps
+    assert (
+        sorted(wb["history"]["train/reward_mean"]) == steps
+        and sorted(ml["history"]["train/reward_mean"]) == steps
+    )
     assert ml["run"].info.status == "FINISHED"

@@ -167,7 +167,10 @@ def leave_one_out_std(grouped: Tensor) -> Tensor:
     return torch.where(constant, torch.zeros_like(std), std)
 
 
-ADVANTAGE_STDS: dict[str, Callable[[Tensor], Tensor]] = {"group": group_std, "leave_one_out": leave_one_out_std}
+ADVANTAGE_STDS: dict[str, Callable[[Tensor], Tensor]] = {
+    "group": group_std,
+    "leave_one_out": leave_one_out_std,
+}
 
 
 def get_advantage_std(name: str) -> Callable[[Tensor], Tensor]:
@@ -360,7 +363,9 @@ def sequence_log_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor) -> 
     ratio_clip_min=3e-4, ratio_clip_max=4e-4, not PPO's 0.2.
     """
     seq = masked_mean(logprobs.detach() - old_logprobs.detach(), mask, dim=-1)  # (B,) log sg[s_i]
-    live = torch.where(mask != 0, logprobs - logprobs.detach(), torch.zeros_like(logprobs))  # (B, T): 0, with grad
+    live = torch.where(
+        mask != 0, logprobs - logprobs.detach(), torch.zeros_like(logprobs)
+    )  # (B, T): 0, with grad
     return seq[:, None] + live
 
 
@@ -626,7 +631,11 @@ def logprobs_and_entropy(
     one chunked pass over the logits (see ``logprobs_from_logits`` for ``chunk_size``). The logits
     keep their dtype; nothing of size (B, T, V) is made in float32."""
     flat, entropy = _ChunkedLogprobs.apply(
-        logits.reshape(-1, logits.shape[-1]), labels.long().reshape(-1), chunk_size, 1.0 / temperature, with_entropy
+        logits.reshape(-1, logits.shape[-1]),
+        labels.long().reshape(-1),
+        chunk_size,
+        1.0 / temperature,
+        with_entropy,
     )
     return flat.view(labels.shape), entropy.view(labels.shape) if with_entropy else None
 

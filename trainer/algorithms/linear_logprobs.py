@@ -115,9 +115,21 @@ class _LinearLogprobs(torch.autograd.Function):
         want_h, want_w, want_b = ctx.needs_input_grad[:3]
         n, vocab = hidden.shape[0], weight.shape[0]
         if n == 0:  # no position (a window of one token has nothing after its first): nothing flows back
-            return torch.zeros_like(hidden) if want_h else None, None, None, None, None, None, None, None, None
+            return (
+                torch.zeros_like(hidden) if want_h else None,
+                None,
+                None,
+                None,
+                None,
+                None,
+                None,
+                None,
+                None,
+            )
         step, block = tiles(n, vocab, ctx.budget)
-        g_all = grad_out.reshape(-1).to(lse.dtype) * ctx.scale  # (N,): d(s x[y] - lse(s x))/dx = s (onehot(y) - softmax(s x))
+        g_all = (
+            grad_out.reshape(-1).to(lse.dtype) * ctx.scale
+        )  # (N,): d(s x[y] - lse(s x))/dx = s (onehot(y) - softmax(s x))
         grad_h = torch.zeros(hidden.shape, dtype=lse.dtype, device=hidden.device) if want_h else None
         grad_w = torch.empty_like(weight) if want_w else None
         grad_b = torch.empty_like(bias) if want_b else None
@@ -185,6 +197,14 @@ def linear_logprobs(
     if budget is None:
         budget = tile_elements(hidden.device)
     out, entropy = _LinearLogprobs.apply(
-        flat, weight, bias, labels.long().reshape(-1), 1.0 / temperature, softcap, with_entropy, budget, labels.shape
+        flat,
+        weight,
+        bias,
+        labels.long().reshape(-1),
+        1.0 / temperature,
+        softcap,
+        with_entropy,
+        budget,
+        labels.shape,
     )
     return out, entropy if with_entropy else None

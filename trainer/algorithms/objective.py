@@ -51,7 +51,15 @@ class LossInputs:
 
 
 # The metric sums every call returns, whatever the options (the same keys on every rank and step).
-METRIC_SUMS = ("pg_clipfrac", "ppo_kl", "tokens", "gen_logprob_abs_diff", "gen_train_kl", "is_flagged", "gen_tokens")
+METRIC_SUMS = (
+    "pg_clipfrac",
+    "ppo_kl",
+    "tokens",
+    "gen_logprob_abs_diff",
+    "gen_train_kl",
+    "is_flagged",
+    "gen_tokens",
+)
 
 
 @dataclass
@@ -67,7 +75,11 @@ class Objective:
         self.log_ratio = core_algos.get_ratio_level(self.loss.ratio_level)
         self.kl = core_algos.get_kl_estimator(self.loss.kl_estimator) if self.kl_penalty else None
         self.correction = core_algos.get_importance_sampling(self.loss.importance_sampling or "none")
-        self.thresholds = {"tis_cap": self.loss.tis_cap, "mis_low": self.loss.mis_low, "mis_high": self.loss.mis_high}
+        self.thresholds = {
+            "tis_cap": self.loss.tis_cap,
+            "mis_low": self.loss.mis_low,
+            "mis_high": self.loss.mis_high,
+        }
 
     def metric_keys(self) -> tuple[str, ...]:
         return METRIC_SUMS + (("kl",) if self.kl is not None else ())
@@ -84,7 +96,9 @@ class Objective:
             behaviour = x.behaviour_logprobs
             gap = old.detach() - behaviour  # log pi_policy - log pi_engine on the sampled tokens
             sums["gen_logprob_abs_diff"] = (gap.abs() * mask).sum()
-            sums["gen_train_kl"] = (core_algos.kl_k3(behaviour, old.detach()) * mask).sum()  # KL(engine || policy)
+            sums["gen_train_kl"] = (
+                core_algos.kl_k3(behaviour, old.detach()) * mask
+            ).sum()  # KL(engine || policy)
             sums["gen_tokens"] = mask.sum()
             if self.loss.importance_sampling not in (None, "none"):
                 weights, flagged = self.correction(old.detach(), behaviour, mask, **self.thresholds)
@@ -104,12 +118,19 @@ class Objective:
             loss_tok = loss_tok * weights  # the policy-gradient term only, as the peers weight it
         if self.kl is not None:
             if x.ref_logprobs is None:
-                raise ValueError("the objective has a KL penalty but the micro-batch has no reference logprobs")
+                raise ValueError(
+                    "the objective has a KL penalty but the micro-batch has no reference logprobs"
+                )
             kl = core_algos.clamp_kl(self.kl(logprobs, x.ref_logprobs), self.loss.kl_clamp)
             loss_tok = loss_tok + self.loss.reference_policy_kl_penalty * kl
             sums["kl"] = (kl.detach() * mask).sum()  # as the penalty saw it: clamped
         loss = core_algos.aggregate_loss(
-            loss_tok, mask, self.loss.aggregation, num_tokens=x.num_tokens, num_seqs=x.num_seqs, max_len=self.max_len
+            loss_tok,
+            mask,
+            self.loss.aggregation,
+            num_tokens=x.num_tokens,
+            num_seqs=x.num_seqs,
+            max_len=self.max_len,
         )
         sums["pg_clipfrac"] = (parts["clipfrac"].float() * mask).sum()
         sums["ppo_kl"] = (parts["ppo_kl"].detach() * mask).sum()

@@ -50,8 +50,12 @@ class PromptLoader:
         return self._digest
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position, "num_examples": len(self.examples),
-                "digest": self.digest()}
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "num_examples": len(self.examples),
+            "digest": self.digest(),
+        }
 
     def load_state_dict(self, state: dict) -> str | None:
         """Restore the position; returns a warning line when the prompts differ from the checkpoint's

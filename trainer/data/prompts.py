@@ -8,7 +8,9 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 
-def encode_prompt(tokenizer, messages: list[dict[str, str]], chat_template_kwargs: dict[str, Any]) -> list[int]:
+def encode_prompt(
+    tokenizer, messages: list[dict[str, str]], chat_template_kwargs: dict[str, Any]
+) -> list[int]:
     """Render ``messages`` with ``add_generation_prompt`` and tokenize (no second BOS)."""
     text = tokenizer.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=True, **chat_template_kwargs
@@ -16,7 +18,9 @@ def encode_prompt(tokenizer, messages: list[dict[str, str]], chat_template_kwarg
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def encode_examples(tokenizer, examples: list[dict], chat_template_kwargs: dict[str, Any], max_prompt_tokens: int):
+def encode_examples(
+    tokenizer, examples: list[dict], chat_template_kwargs: dict[str, Any], max_prompt_tokens: int
+):
     """Token ids for each example; prompts longer than ``max_prompt_tokens`` are dropped with one warning."""
     kept, dropped = [], 0
     for ex in examples:
@@ -28,7 +32,10 @@ def encode_examples(tokenizer, examples: list[dict], chat_template_kwargs: dict[
     if dropped:
         log.warning(
             "dropped %d of %d prompts longer than %d tokens (policy.max_total_sequence_length - "
-            "generation.max_new_tokens)", dropped, len(examples), max_prompt_tokens,
+            "generation.max_new_tokens)",
+            dropped,
+            len(examples),
+            max_prompt_tokens,
         )
     return kept
 
@@ -52,7 +59,10 @@ class TurnEncoder:
         turn = [*messages, {"role": "assistant", "content": _PLACEHOLDER}]
         closed = tok.apply_chat_template(turn, tokenize=False, **self.kwargs)
         nxt = tok.apply_chat_template(
-            [*turn, {"role": "user", "content": feedback}], tokenize=False, add_generation_prompt=True, **self.kwargs
+            [*turn, {"role": "user", "content": feedback}],
+            tokenize=False,
+            add_generation_prompt=True,
+            **self.kwargs,
         )
         if not nxt.startswith(closed):  # a template that rewrites history: fall back to the tail
             closed = closed[: closed.index(_PLACEHOLDER) + len(_PLACEHOLDER)]

@@ -57,7 +57,9 @@ def _tasks(options: Mapping[str, Any]) -> dict[str, tuple[float, dict[str, Any]]
     if isinstance(given, Sequence) and not isinstance(given, str):  # a list, or Hydra's ListConfig
         given = {name: None for name in given}
     if not isinstance(given, Mapping) or not given:
-        raise ValueError(f"{KEY}.tasks must name at least one reasoning-gym task, e.g. {{chain_sum: {{weight: 1}}}}")
+        raise ValueError(
+            f"{KEY}.tasks must name at least one reasoning-gym task, e.g. {{chain_sum: {{weight: 1}}}}"
+        )
     valid = task_names()
     tasks: dict[str, tuple[float, dict[str, Any]]] = {}
     for name, spec in given.items():
@@ -91,7 +93,9 @@ def _options(cfg: Any) -> dict[str, Any]:
     given = dict(getattr(cfg, "options", None) or {})
     unknown = set(given) - set(DEFAULTS)
     if unknown:
-        raise ValueError(f"reasoning_gym: unknown {KEY} {sorted(unknown)}; allowed: {', '.join(sorted(DEFAULTS))}")
+        raise ValueError(
+            f"reasoning_gym: unknown {KEY} {sorted(unknown)}; allowed: {', '.join(sorted(DEFAULTS))}"
+        )
     o = {**DEFAULTS, **given}
     if not isinstance(o["size"], int) or o["size"] < 1:
         raise ValueError(f"{KEY}.size={o['size']!r} must be a positive integer")
@@ -120,17 +124,25 @@ def reasoning_gym(cfg: Any, split: str) -> list[Example]:
     import reasoning_gym as rg
 
     if split not in TRAIN_SPLITS | EVAL_SPLITS:
-        raise ValueError(f"reasoning_gym: unknown split {split!r}; use one of {sorted(TRAIN_SPLITS | EVAL_SPLITS)}")
+        raise ValueError(
+            f"reasoning_gym: unknown split {split!r}; use one of {sorted(TRAIN_SPLITS | EVAL_SPLITS)}"
+        )
     o = _options(cfg)
     held_out = split in EVAL_SPLITS
     side = "eval" if held_out else "train"
-    n = o["size"] if cfg.max_examples is None else (cfg.max_examples if held_out else min(o["size"], cfg.max_examples))
+    n = (
+        o["size"]
+        if cfg.max_examples is None
+        else (cfg.max_examples if held_out else min(o["size"], cfg.max_examples))
+    )
     names = list(o["tasks"])
     weights = [o["tasks"][t][0] for t in names]
     # Each task's generator is indexed lazily: item i is a pure function of (seed, i) in reasoning-gym.
     budget = 1000 * n + 10_000
     generators = {
-        t: rg.create_dataset(t, **o["tasks"][t][1], seed=zlib.crc32(f"{cfg.seed}:{t}:{side}".encode()), size=budget)
+        t: rg.create_dataset(
+            t, **o["tasks"][t][1], seed=zlib.crc32(f"{cfg.seed}:{t}:{side}".encode()), size=budget
+        )
         for t in names
     }
     position = dict.fromkeys(names, 0)
@@ -149,8 +161,16 @@ def reasoning_gym(cfg: Any, split: str) -> list[Example]:
             if in_holdout(task, item["question"], o["holdout_fraction"]) == held_out:
                 break
         try:
-            truth = {"task": task, "answer": plain(item["answer"]), "metadata": plain(item.get("metadata") or {})}
+            truth = {
+                "task": task,
+                "answer": plain(item["answer"]),
+                "metadata": plain(item.get("metadata") or {}),
+            }
         except (TypeError, ValueError) as e:
-            raise ValueError(f"reasoning_gym: task {task!r} gives a ground truth JSON cannot hold ({e})") from None
-        examples.append(make_example(cfg, "reasoning_gym", f"{task}-{split}-{len(examples)}", item["question"], truth))
+            raise ValueError(
+                f"reasoning_gym: task {task!r} gives a ground truth JSON cannot hold ({e})"
+            ) from None
+        examples.append(
+            make_example(cfg, "reasoning_gym", f"{task}-{split}-{len(examples)}", item["question"], truth)
+        )
     return examples

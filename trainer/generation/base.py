@@ -43,10 +43,10 @@ class SamplingParams:
 class Completion:
     """One sampled continuation of one prompt."""
 
-    token_ids: list[int]            # (L,) generated tokens, EOS included when the model stopped
-    logprobs: list[float]           # (L,) logprob of each generated token under the sampling model
-    text: str                       # decoded without special tokens
-    finish_reason: str              # "stop" (EOS or a stop string) | "length"
+    token_ids: list[int]  # (L,) generated tokens, EOS included when the model stopped
+    logprobs: list[float]  # (L,) logprob of each generated token under the sampling model
+    text: str  # decoded without special tokens
+    finish_reason: str  # "stop" (EOS or a stop string) | "length"
 
 
 class GenerationEngine(Protocol):

@@ -21,15 +21,17 @@ class EngineSpec:
     """What an engine needs besides ``generation.*``: the model and how it is placed."""
 
     model_path: str
-    dtype: str                       # float32 | bfloat16 | float16 (``auto`` already resolved)
+    dtype: str  # float32 | bfloat16 | float16 (``auto`` already resolved)
     seed: int = 0
     max_model_len: int | None = None  # prompt + completion tokens; None: the model's own limit
     trust_remote_code: bool = False
     tokenizer_path: str | None = None
     device: torch.device | None = None
-    colocated: bool = False          # shares its device and cores with a policy rank
-    threads: int | None = None       # CPU threads the engine may use (None: all of this process's)
-    base_model: torch.nn.Module | None = None  # hf: copy these already loaded weights instead of reading the files
+    colocated: bool = False  # shares its device and cores with a policy rank
+    threads: int | None = None  # CPU threads the engine may use (None: all of this process's)
+    base_model: torch.nn.Module | None = (
+        None  # hf: copy these already loaded weights instead of reading the files
+    )
     weights_from_another_process: bool = False  # disaggregated: vLLM opens its weight-transfer receiver
     # policy.lora when enabled: the engine serves the base with the policy's adapters, and refits take the
     # adapters alone (update_adapter / receive_adapter). hf: base_model comes with them already injected.

@@ -59,7 +59,9 @@ def reason(error: BaseException) -> str:
     if isinstance(cause, BaseException) and cause is not error:
         return reason(cause)
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    raised = [line for line in lines if re.match(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b:?", line)]
+    raised = [
+        line for line in lines if re.match(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b:?", line)
+    ]
     if raised:
         return raised[-1]
     return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
@@ -75,7 +77,9 @@ def wait_all(calls: dict[Any, str], timeout_s: float, key: str, failed: str, lat
     while pending:
         left = deadline - time.monotonic()
         if left <= 0:
-            raise GenerationError(f"{', '.join(sorted(pending.values()))}: {late} within {key}={timeout_s:g}s")
+            raise GenerationError(
+                f"{', '.join(sorted(pending.values()))}: {late} within {key}={timeout_s:g}s"
+            )
         done, _ = ray.wait(list(pending), num_returns=1, timeout=left)
         for ref in done:
             who = pending.pop(ref)
@@ -132,10 +136,13 @@ class DisaggregatedGenerator:
         gpus = cfg.cluster.use_gpus
         tp = cfg.generation.tensor_parallel_size
         # One bundle per engine: a tensor-parallel engine needs its tp GPUs on one node.
-        self.pg = reserve([{"GPU": tp, "CPU": 1} if gpus else {"CPU": 1} for _ in range(n)], "kuberl-generation")
+        self.pg = reserve(
+            [{"GPU": tp, "CPU": 1} if gpus else {"CPU": 1} for _ in range(n)], "kuberl-generation"
+        )
         actor = ray.remote(num_cpus=1, num_gpus=tp if gpus else 0)(GenerationWorker)
         self.workers = [
-            actor.options(scheduling_strategy=in_bundle(self.pg, r)).remote(cfg, model_path, r) for r in range(n)
+            actor.options(scheduling_strategy=in_bundle(self.pg, r)).remote(cfg, model_path, r)
+            for r in range(n)
         ]
         for r, w in enumerate(self.workers):
             watchdog.register(w, f"generation worker {r}")
@@ -165,14 +172,24 @@ class DisaggregatedGenerator:
         # Step 2, bounded: NCCL's communicator init, its warm-up all-reduce and the synchronize after it
         # have no time limit of their own (vLLM bounds only its TCP store step), and this is the first
         # traffic between the node pools, where a broken RDMA path would hang here for good.
-        joins = {w.init_weight_sync.remote(init_info(host, port, 0, world, buffer)): f"policy rank {r}"
-                 for r, w in enumerate(policy.workers)}
+        joins = {
+            w.init_weight_sync.remote(init_info(host, port, 0, world, buffer)): f"policy rank {r}"
+            for r, w in enumerate(policy.workers)
+        }
         joins.update(
-            (w.init_weight_sync.remote(init_info(host, port, 1 + r * per_engine, world, buffer)), f"generation engine {r}")
+            (
+                w.init_weight_sync.remote(init_info(host, port, 1 + r * per_engine, world, buffer)),
+                f"generation engine {r}",
+            )
             for r, w in enumerate(self.workers)
         )
-        wait_all(joins, cfg.generation.weight_group_timeout_s, "generation.weight_group_timeout_s",
-                 failed="failed to join the weight-transfer group", late="did not join the weight-transfer group")
+        wait_all(
+            joins,
+            cfg.generation.weight_group_timeout_s,
+            "generation.weight_group_timeout_s",
+            failed="failed to join the weight-transfer group",
+            late="did not join the weight-transfer group",
+        )
 
     def submit(self, prompts, n, params):
         parts = split(prompts, len(self.workers))
@@ -185,12 +202,21 @@ class DisaggregatedGenerator:
     def update_weights(self) -> None:
         """One refit (module docstring, step 3): the receivers are listed first, so that when several calls
         have ended, a receiver's error is the one reported (the sender then only waits)."""
-        calls = {w.receive_weights.remote(self.update_info): f"generation engine {r}" for r, w in enumerate(self.workers)}
+        calls = {
+            w.receive_weights.remote(self.update_info): f"generation engine {r}"
+            for r, w in enumerate(self.workers)
+        }
         calls.update(
-            (w.broadcast_weights.remote(self.update_info), f"policy rank {r}") for r, w in enumerate(self.policy.workers)
+            (w.broadcast_weights.remote(self.update_info), f"policy rank {r}")
+            for r, w in enumerate(self.policy.workers)
         )
-        wait_all(calls, self.refit_timeout_s, "generation.refit_timeout_s",
-                 failed="failed in the weight refit", late="the weight refit did not finish")
+        wait_all(
+            calls,
+            self.refit_timeout_s,
+            "generation.refit_timeout_s",
+            failed="failed in the weight refit",
+            late="the weight refit did not finish",
+        )
 
     def shutdown(self, graceful: bool = True) -> None:
         if graceful:

@@ -26,7 +26,6 @@ PACK_THREADS_ATTR = "kuberl_pack_threads"
 CPU_KV_CACHE_GIB = 1
 
 
-
 def environment() -> str:
     """Set the process environment a CPU engine starts under (before ``import vllm``: the engine core's
     mode is fixed at construction; setdefault keeps what an operator set) and return the engine's private
@@ -99,8 +98,16 @@ def repack_cpu_kernels(model: torch.nn.Module) -> None:
 
     lm_head = getattr(model, "lm_head", None)
     for layer in model.modules():
-        if not hasattr(layer, "cpu_linear") or getattr(layer, "weight", None) is None or layer.weight.ndim != 2:
+        if (
+            not hasattr(layer, "cpu_linear")
+            or getattr(layer, "weight", None) is None
+            or layer.weight.ndim != 2
+        ):
             continue
-        if isinstance(layer, VocabParallelEmbedding) and not isinstance(layer, ParallelLMHead) and layer is not lm_head:
+        if (
+            isinstance(layer, VocabParallelEmbedding)
+            and not isinstance(layer, ParallelLMHead)
+            and layer is not lm_head
+        ):
             continue
         dispatch_cpu_unquantized_gemm(layer, remove_weight=False)

@@ -141,8 +141,11 @@ def tensor_parallel_sizes(heads: int, kv_heads: int, limit: int) -> list[int]:
     """The tensor-parallel sizes up to ``limit`` that vLLM can split these heads over: the size divides
     the attention heads (vLLM's config check), and divides the key/value heads or is a multiple of them
     (its QKV layer then replicates each KV head over size / kv_heads workers)."""
-    return [tp for tp in range(1, limit + 1)
-            if heads % tp == 0 and (kv_heads % tp == 0 if kv_heads >= tp else tp % kv_heads == 0)]
+    return [
+        tp
+        for tp in range(1, limit + 1)
+        if heads % tp == 0 and (kv_heads % tp == 0 if kv_heads >= tp else tp % kv_heads == 0)
+    ]
 
 
 def check_vllm_kwargs(kwargs: dict) -> None:
@@ -190,8 +193,17 @@ def resolve_gpu_memory_utilization(gen: GenerationConfig, colocated: bool) -> fl
     return COLOCATED_GPU_MEMORY_UTILIZATION if colocated else DISAGGREGATED_GPU_MEMORY_UTILIZATION
 
 
-def llm_kwargs(model_path, gen: GenerationConfig, dtype, seed, max_model_len, on_cpu, weight_transfer,
-               colocated: bool = False, lora: LoRAConfig | None = None) -> dict:
+def llm_kwargs(
+    model_path,
+    gen: GenerationConfig,
+    dtype,
+    seed,
+    max_model_len,
+    on_cpu,
+    weight_transfer,
+    colocated: bool = False,
+    lora: LoRAConfig | None = None,
+) -> dict:
     """The arguments of the engine's ``vllm.LLM``: the engine's own settings, then ``generation.vllm_kwargs``.
     ``colocated``: the engine shares its GPU with a policy rank (sleep mode, the colocated utilization)."""
     kwargs = dict(
@@ -213,7 +225,9 @@ def llm_kwargs(model_path, gen: GenerationConfig, dtype, seed, max_model_len, on
         kwargs["weight_transfer_config"] = WeightTransferConfig(backend=vllm_transfer_backend(not on_cpu))
     if lora is not None:
         # one adapter, the policy's; config validation keeps these keys out of vllm_kwargs
-        kwargs.update(enable_lora=True, max_lora_rank=vllm_max_lora_rank(lora.rank), max_loras=1, max_cpu_loras=1)
+        kwargs.update(
+            enable_lora=True, max_lora_rank=vllm_max_lora_rank(lora.rank), max_loras=1, max_cpu_loras=1
+        )
     if gen.quantization is not None:  # online: vLLM quantizes the bf16 weights at start and at each refit
         kwargs["quantization"] = gen.quantization
     kwargs.update(gen.vllm_kwargs)  # the user's word is last
@@ -310,8 +324,17 @@ class VLLMGenerationEngine:
 
         if weight_transfer_enabled := self.weight_transfer:
             check_transfer_backend(vllm_transfer_backend(not self.on_cpu))
-        kwargs = llm_kwargs(model_path, gen, dtype, seed, max_model_len, self.on_cpu, weight_transfer_enabled,
-                            colocated=self.colocated, lora=self.lora)
+        kwargs = llm_kwargs(
+            model_path,
+            gen,
+            dtype,
+            seed,
+            max_model_len,
+            self.on_cpu,
+            weight_transfer_enabled,
+            colocated=self.colocated,
+            lora=self.lora,
+        )
         self._owns_dist = not (torch.distributed.is_available() and torch.distributed.is_initialized())
         # vLLM's CPU worker drops torch to 1 thread "for serving" and replaces torch.set_num_threads with a
         # no-op for the rest of the process; colocated training still needs both, so they are restored.
@@ -327,7 +350,11 @@ class VLLMGenerationEngine:
             worker = getattr(self.llm.llm_engine.model_executor, "driver_worker", None)
             if self.on_cpu and worker is not None:
                 # vLLM's no-op set_num_threads kept torch's count through the build: the kernels' count
-                setattr(worker.worker.model_runner.get_model(), vllm_cpu.PACK_THREADS_ATTR, torch.get_num_threads())
+                setattr(
+                    worker.worker.model_runner.get_model(),
+                    vllm_cpu.PACK_THREADS_ATTR,
+                    torch.get_num_threads(),
+                )
         finally:
             torch.set_num_threads = set_num_threads
             if omp is None:
@@ -337,8 +364,13 @@ class VLLMGenerationEngine:
         torch.set_num_threads(want)
         self.tokenizer = self.llm.get_tokenizer()
         self._tied = bool(getattr(self._hf_text_config(), "tie_word_embeddings", False))
-        log.info("vLLM %s engine ready in %.1fs (%s, %s)", vllm.__version__, time.monotonic() - t0, dtype,
-                 "cpu" if self.on_cpu else "gpu")
+        log.info(
+            "vLLM %s engine ready in %.1fs (%s, %s)",
+            vllm.__version__,
+            time.monotonic() - t0,
+            dtype,
+            "cpu" if self.on_cpu else "gpu",
+        )
 
     @property
     def llm(self) -> LLM:
@@ -457,13 +489,17 @@ class VLLMGenerationEngine:
                 include_stop_str_in_output=True,  # the hf engine keeps the token that completes a stop string
                 seed=seed,
                 logprobs=0,  # the sampled token's logprob only
-                detokenize=bool(params.stop_strings),  # stop strings are matched on text; the text is ours below
+                detokenize=bool(
+                    params.stop_strings
+                ),  # stop strings are matched on text; the text is ours below
             )
 
         result = []
         for part, seed in self._seedable_parts(prompts, n, params.seed):
             outputs = self.llm.generate(
-                [{"prompt_token_ids": list(prompts[i])} for i in part], sampling(seed), use_tqdm=False,
+                [{"prompt_token_ids": list(prompts[i])} for i in part],
+                sampling(seed),
+                use_tqdm=False,
                 lora_request=self._lora_request,
             )
             for out in outputs:  # in prompt order
@@ -492,8 +528,13 @@ class VLLMGenerationEngine:
                 part, used = [], 0
             if cost > budget:
                 if not getattr(self, "_warned_unseeded", False):
-                    log.warning("a prompt of %d tokens x %d samples exceeds vLLM's %d-token step on CPU: "
-                                "sampled without a per-request seed", len(p), n, budget)
+                    log.warning(
+                        "a prompt of %d tokens x %d samples exceeds vLLM's %d-token step on CPU: "
+                        "sampled without a per-request seed",
+                        len(p),
+                        n,
+                        budget,
+                    )
                     self._warned_unseeded = True
                 yield [i], None
                 continue
@@ -550,7 +591,9 @@ class VLLMGenerationEngine:
         """LoRA, disaggregated: receive the adapters over the weight-transfer group (every tensor-parallel
         worker takes part, as for full weights; ``update_info`` names the adapter tensors), then load them."""
         path = self._adapter_path()
-        self.llm.collective_rpc(_receive_adapter, args=(update_info, path, self._need_lora(), self.model_path))
+        self.llm.collective_rpc(
+            _receive_adapter, args=(update_info, path, self._need_lora(), self.model_path)
+        )
         self._load_adapter()
 
     def _need_lora(self) -> LoRAConfig:

@@ -37,11 +37,17 @@ def check_versions() -> None:
     import vllm
 
     installed = {"vllm": vllm.__version__, "torch": torch.__version__.split("+")[0]}
-    differ = [f"{name} {installed[name]} (pinned {PINNED[name]})" for name in PINNED if installed[name] != PINNED[name]]
+    differ = [
+        f"{name} {installed[name]} (pinned {PINNED[name]})"
+        for name in PINNED
+        if installed[name] != PINNED[name]
+    ]
     if differ:
-        log.warning("kuberl's patches of vLLM and torch (trainer/generation/vllm_patches.py) were checked against "
-                    "the pinned versions; installed: %s: if engines misbehave at start or shutdown, check them",
-                    ", ".join(differ))
+        log.warning(
+            "kuberl's patches of vLLM and torch (trainer/generation/vllm_patches.py) were checked against "
+            "the pinned versions; installed: %s: if engines misbehave at start or shutdown, check them",
+            ", ".join(differ),
+        )
 
 
 @contextlib.contextmanager
@@ -57,7 +63,9 @@ def keep_plain_weights(on_cpu: bool):
         return
     from vllm.model_executor.layers import utils
 
-    dispatch = getattr(utils, "dispatch_cpu_unquantized_gemm", None)  # looked up by each layer when it is loaded
+    dispatch = getattr(
+        utils, "dispatch_cpu_unquantized_gemm", None
+    )  # looked up by each layer when it is loaded
     if dispatch is None or "remove_weight" not in inspect.signature(dispatch).parameters:
         raise RuntimeError(
             "vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm(layer, remove_weight) is not there "

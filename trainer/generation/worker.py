@@ -70,7 +70,11 @@ class GenerationWorker:
             rank = worker_rank(init_info["rank_offset"], 0, 1, 0)  # the hf engine is one process
             self.buffer_bytes = int(init_info["packed_buffer_size_bytes"])
             self.sync = WeightSyncGroup(
-                init_info["master_address"], init_info["master_port"], rank, init_info["world_size"], self.device
+                init_info["master_address"],
+                init_info["master_port"],
+                rank,
+                init_info["world_size"],
+                self.device,
             )
 
     @torch.no_grad()
@@ -102,4 +106,3 @@ class GenerationWorker:
 
     def shutdown(self) -> None:
         self.engine.shutdown()
-

@@ -55,7 +55,11 @@ def sampling_params(cfg: Config, seed: int, greedy: bool = False) -> SamplingPar
 
 
 def grpo_step(
-    cfg: Config, step: int, stream: SyncRollouts | AsyncRollouts, state: LoopState, flops: perf.ModelFlops | None = None
+    cfg: Config,
+    step: int,
+    stream: SyncRollouts | AsyncRollouts,
+    state: LoopState,
+    flops: perf.ModelFlops | None = None,
 ) -> tuple[dict[str, float], list[dict], RolloutBatch]:
     policy, rewards = state.policy, state.rewards
     g, loss_cfg = cfg.grpo, cfg.grpo.loss
@@ -63,13 +67,18 @@ def grpo_step(
     batch = stream.next(step)
     pending = batch.pending
     samples = [
-        Sample(r.prompt_ids, r.tokens, response_mask=r.response_mask, gen_logprobs=r.logprobs) for r in pending.rollouts
+        Sample(r.prompt_ids, r.tokens, response_mask=r.response_mask, gen_logprobs=r.logprobs)
+        for r in pending.rollouts
     ]
 
     # Logprob passes need only the tokens, so they run while the rewards are still being computed.
     t1 = time.monotonic()
     old = policy.compute_logprobs_async(samples) if g.num_minibatches > 1 else None
-    ref = policy.compute_logprobs_async(samples, reference=True) if loss_cfg.reference_policy_kl_penalty > 0 else None
+    ref = (
+        policy.compute_logprobs_async(samples, reference=True)
+        if loss_cfg.reference_policy_kl_penalty > 0
+        else None
+    )
     rollouts = rollout.finish(pending, rewards)
     t2 = time.monotonic()
     for name, p in (("old_logprobs", old), ("ref_logprobs", ref)):
@@ -86,12 +95,20 @@ def grpo_step(
     if g.reward_shaping.overlong_buffer > 0:  # DAPO: the model's own tokens (multi-turn: all its turns)
         n_tokens = torch.tensor([r.model_tokens for r in rollouts], dtype=torch.float32)  # (B,)
         overlong = core_algos.overlong_penalty(
-            n_tokens, cfg.generation.max_new_tokens, g.reward_shaping.overlong_buffer, g.reward_shaping.overlong_penalty
+            n_tokens,
+            cfg.generation.max_new_tokens,
+            g.reward_shaping.overlong_buffer,
+            g.reward_shaping.overlong_penalty,
         )
-        shaped = reward + overlong  # advantages only: train/reward_* and the jsonl reward stay the rewards' total
+        shaped = (
+            reward + overlong
+        )  # advantages only: train/reward_* and the jsonl reward stay the rewards' total
     estimator = "leave_one_out" if g.use_leave_one_out_baseline else "mean"
     advantages = core_algos.compute_advantages(
-        shaped, g.num_generations_per_prompt, estimator=estimator, normalize_std=g.normalize_rewards,
+        shaped,
+        g.num_generations_per_prompt,
+        estimator=estimator,
+        normalize_std=g.normalize_rewards,
         std=g.advantage.std,
     )
     for s, a in zip(samples, advantages.tolist()):
@@ -112,11 +129,16 @@ def grpo_step(
         "refit_s": refit_s,  # of weight_sync_s: gathering the weights and loading them into the engines
         "step_s": t5 - t0,
     }
-    perf_scalars = perf_metrics(cfg, policy.trained_lengths, t4 - t3, policy.perf_stats(), flops, policy.refit_bytes)
-    metrics = step_metrics(cfg, rollouts, reward, advantages, overlong, train_metrics, timing, perf_scalars,
-                           batch.metrics())
+    perf_scalars = perf_metrics(
+        cfg, policy.trained_lengths, t4 - t3, policy.perf_stats(), flops, policy.refit_bytes
+    )
+    metrics = step_metrics(
+        cfg, rollouts, reward, advantages, overlong, train_metrics, timing, perf_scalars, batch.metrics()
+    )
     metrics.update(reward_model.step_metrics(rollouts))
-    rows = rollout_rows(step, rollouts, [s.advantage for s in samples], batch.versions, overlong, state.turns.tokenizer)
+    rows = rollout_rows(
+        step, rollouts, [s.advantage for s in samples], batch.versions, overlong, state.turns.tokenizer
+    )
     for row, result in zip(rows, results):
         if result.rm_score is not None:
             row["rm_score"] = result.rm_score  # raw, before reward_model.normalize and clip
@@ -131,12 +153,17 @@ def model_flops(cfg: Config, policy: PolicyGroup) -> perf.ModelFlops | None:
     try:
         return perf.ModelFlops.from_shape(model_shape(policy.model_path, cfg.model.trust_remote_code))
     except Exception as e:  # an architecture the plan cannot count: the run trains, without perf/mfu
-        print(f"kuberl: perf: no perf/mfu for model.name={cfg.model.name}: its shape cannot be read "
-              f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})", flush=True)
+        print(
+            f"kuberl: perf: no perf/mfu for model.name={cfg.model.name}: its shape cannot be read "
+            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})",
+            flush=True,
+        )
         return None
 
 
-def validate(cfg: Config, step: int, examples: list[dict], generator: Generator, rewards: RewardRunner) -> dict:
+def validate(
+    cfg: Config, step: int, examples: list[dict], generator: Generator, rewards: RewardRunner
+) -> dict:
     """Greedy pass over the validation prompts; accuracy is the share scored fully correct. The caller
     holds the engines (``stream.engines()``), so no weights arrive in the middle."""
     t0 = time.monotonic()
@@ -162,15 +189,22 @@ def run(cfg: Config, state: LoopState) -> list[dict[str, float]]:
             with stream.engines():
                 before = validate(cfg, 0, state.val_examples, state.generator, stream.val_rewards)
             log.scalars(0, before)
-            print(f"step    0/{g.max_num_steps} | val {before['val/accuracy']:.3f} (before training)", flush=True)
+            print(
+                f"step    0/{g.max_num_steps} | val {before['val/accuracy']:.3f} (before training)",
+                flush=True,
+            )
         for step in range(start + 1, g.max_num_steps + 1):
             metrics, rows, batch = grpo_step(cfg, step, stream, state, flops)
             if step == start + 1:
-                print(f"kuberl: perf: MFU against {state.policy.perf_stats()[0]['peak_source']} per policy rank",
-                      flush=True)
+                print(
+                    f"kuberl: perf: MFU against {state.policy.perf_stats()[0]['peak_source']} per policy rank",
+                    flush=True,
+                )
             if state.val_examples and g.val_period and step % g.val_period == 0:
                 with stream.engines():
-                    metrics.update(validate(cfg, step, state.val_examples, state.generator, stream.val_rewards))
+                    metrics.update(
+                        validate(cfg, step, state.val_examples, state.generator, stream.val_rewards)
+                    )
             log.scalars(step, metrics)
             log.rollouts(step, rows)
             log.console(step, metrics)

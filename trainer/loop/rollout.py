@@ -20,8 +20,8 @@ from trainer.rewards.runner import RewardResult, RewardRunner, question_of
 
 @dataclass
 class Rollout:
-    example: dict            # the dataset example (messages, ground_truth, prompt_ids, ...)
-    completion: Completion   # the final attempt: it is what the reward judges
+    example: dict  # the dataset example (messages, ground_truth, prompt_ids, ...)
+    completion: Completion  # the final attempt: it is what the reward judges
     reward: RewardResult | None = None  # None until :func:`finish` attaches it (read: :func:`rewards_of`)
     turns: int = 1
     # Every token after the prompt and which of them the model wrote (1) or the environment did (0):
@@ -88,7 +88,9 @@ def generate(
                 for row, completion in zip(range(prompt_index * n, (prompt_index + 1) * n), group):
                     slots[row] = Rollout(example, completion)
                     rows.append(row)
-                    items.append((example["ground_truth"], completion.text, question, example.get("messages")))
+                    items.append(
+                        (example["ground_truth"], completion.text, question, example.get("messages"))
+                    )
             for row, rid in zip(rows, rewards.submit(items)):
                 reward_ids[row] = rid
         rewards.poll()
@@ -134,7 +136,11 @@ def generate_multi_turn(
             ep.response_logprobs += c.logprobs
         if turn == max_turns - 1:
             break
-        results = feedback.results(feedback.submit([(episodes[i].example["ground_truth"], episodes[i].completion.text) for i in active]))
+        results = feedback.results(
+            feedback.submit(
+                [(episodes[i].example["ground_truth"], episodes[i].completion.text) for i in active]
+            )
+        )
         still = []
         for i, result in zip(active, results):
             ep = episodes[i]
@@ -152,8 +158,15 @@ def generate_multi_turn(
         if not active:
             break
     ids = rewards.submit(
-        [(ep.example["ground_truth"], ep.completion.text, question_of(ep.example), ep.example.get("messages"))
-         for ep in episodes]
+        [
+            (
+                ep.example["ground_truth"],
+                ep.completion.text,
+                question_of(ep.example),
+                ep.example.get("messages"),
+            )
+            for ep in episodes
+        ]
     )
     return PendingRollouts(episodes, ids, time.monotonic() - start)
 

@@ -58,14 +58,14 @@ def informative_groups(rewards: Tensor, group_size: int) -> Tensor:
 @dataclass
 class RolloutBatch:
     step: int
-    pending: PendingRollouts          # group-contiguous; rewards may still be running (sync, one round)
-    versions: list[int]               # per rollout: the weight version that generated it
-    loader_state: dict[str, Any]      # the prompt loader's position right after this batch's prompts
-    rounds: int = 1                   # generation rounds (dynamic sampling draws more prompts)
+    pending: PendingRollouts  # group-contiguous; rewards may still be running (sync, one round)
+    versions: list[int]  # per rollout: the weight version that generated it
+    loader_state: dict[str, Any]  # the prompt loader's position right after this batch's prompts
+    rounds: int = 1  # generation rounds (dynamic sampling draws more prompts)
     prompts_drawn: int = 0
-    informative: int | None = None    # groups with unequal rewards among those drawn (dynamic sampling)
-    wait_s: float = 0.0               # how long the trainer waited for it
-    engine_wait_s: float = 0.0        # how long generation waited for newer weights (async)
+    informative: int | None = None  # groups with unequal rewards among those drawn (dynamic sampling)
+    wait_s: float = 0.0  # how long the trainer waited for it
+    engine_wait_s: float = 0.0  # how long generation waited for newer weights (async)
 
     @property
     def generation_s(self) -> float:
@@ -105,8 +105,15 @@ class _Producer:
                     "between turns, and this run was built without one; set grpo.max_rollout_turns=1"
                 )
             return rollout.generate_multi_turn(
-                s.generator, self.rewards, s.feedback, s.turns, examples, g.num_generations_per_prompt, params,
-                g.max_rollout_turns, self.cfg.policy.max_total_sequence_length,
+                s.generator,
+                self.rewards,
+                s.feedback,
+                s.turns,
+                examples,
+                g.num_generations_per_prompt,
+                params,
+                g.max_rollout_turns,
+                self.cfg.policy.max_total_sequence_length,
             )
         return rollout.generate(s.generator, self.rewards, examples, g.num_generations_per_prompt, params)
 
@@ -118,29 +125,47 @@ class _Producer:
             examples = loader.next_batch()
             with engines(step) as version:
                 pending = self._round(examples, params)
-            return RolloutBatch(step, pending, [version] * len(pending.rollouts), loader.state_dict(),
-                                prompts_drawn=len(examples))
+            return RolloutBatch(
+                step,
+                pending,
+                [version] * len(pending.rollouts),
+                loader.state_dict(),
+                prompts_drawn=len(examples),
+            )
         n, want = g.num_generations_per_prompt, g.num_prompts_per_step
-        kept: list[tuple[list[Rollout], int]] = []   # (group, version), informative
+        kept: list[tuple[list[Rollout], int]] = []  # (group, version), informative
         spare: list[tuple[list[Rollout], int]] = []  # all rewards equal: used only to fill a short batch
         rounds = drawn = 0
         generation_s = 0.0
         while len(kept) < want and rounds < g.dynamic_sampling.max_rounds:
             examples = loader.next_batch()
-            round_params = replace(params, seed=None if params.seed is None else params.seed + ROUND_SEED_STRIDE * rounds)
+            round_params = replace(
+                params, seed=None if params.seed is None else params.seed + ROUND_SEED_STRIDE * rounds
+            )
             with engines(step) as version:
                 pending = self._round(examples, round_params)
             done = rollout.finish(pending, self.rewards)
             rewards = torch.tensor([r.total for r in rollout.rewards_of(done)], dtype=torch.float32)  # (P*G,)
             for i, useful in enumerate(informative_groups(rewards, n).tolist()):
-                (kept if useful else spare).append((done[i * n:(i + 1) * n], version))
-            rounds, drawn, generation_s = rounds + 1, drawn + len(examples), generation_s + pending.generation_s
+                (kept if useful else spare).append((done[i * n : (i + 1) * n], version))
+            rounds, drawn, generation_s = (
+                rounds + 1,
+                drawn + len(examples),
+                generation_s + pending.generation_s,
+            )
         informative = len(kept)
         groups = (kept + spare)[:want]  # informative first; extra informative groups are dropped, as in DAPO
         rollouts = [r for group, _ in groups for r in group]
         versions = [v for group, v in groups for _ in group]
-        return RolloutBatch(step, PendingRollouts(rollouts, [], generation_s), versions, loader.state_dict(),
-                            rounds, drawn, informative)
+        return RolloutBatch(
+            step,
+            PendingRollouts(rollouts, [], generation_s),
+            versions,
+            loader.state_dict(),
+            rounds,
+            drawn,
+            informative,
+        )
 
 
 class SyncRollouts:
@@ -225,7 +250,10 @@ class AsyncRollouts:
         with gate.cond:
             t0 = time.monotonic()
             gate.cond.wait_for(
-                lambda: gate.closed or (gate.version >= floor and not gate.trainer_waiting and not gate.trainer_has)
+                lambda: (
+                    gate.closed
+                    or (gate.version >= floor and not gate.trainer_waiting and not gate.trainer_has)
+                )
             )
             gate.engine_wait_s += time.monotonic() - t0
             if gate.closed:
@@ -243,7 +271,9 @@ class AsyncRollouts:
         try:
             for step in range(first, last + 1):
                 batch = self.producer.produce(step, self._engines, self.params(step))
-                rollout.finish(batch.pending, self.producer.rewards)  # scored here: the runner is this thread's
+                rollout.finish(
+                    batch.pending, self.producer.rewards
+                )  # scored here: the runner is this thread's
                 with self.gate.cond:
                     batch.engine_wait_s, self.gate.engine_wait_s = self.gate.engine_wait_s, 0.0
                 self.batches.put(batch)
@@ -255,7 +285,9 @@ class AsyncRollouts:
     # ----- trainer side -------------------------------------------------------------------------------
     def start(self) -> None:
         first, last = self.state.progress.step + 1, self.cfg.grpo.max_num_steps
-        self.thread = threading.Thread(target=self._run, args=(first, last), name="kuberl-rollouts", daemon=True)
+        self.thread = threading.Thread(
+            target=self._run, args=(first, last), name="kuberl-rollouts", daemon=True
+        )
         self.thread.start()
 
     def next(self, step: int) -> RolloutBatch:

@@ -44,7 +44,9 @@ ADAPTER = "default"  # peft's adapter name; the policy has one
 PEFT_PREFIX = "base_model.model."  # what a PEFT adapter directory prefixes every tensor name with
 ADAPTER_FILE = "adapter_model.safetensors"
 CONFIG_FILE = "adapter_config.json"
-LORA_FILE = "lora.json"  # in a checkpoint's policy/: the LoRA settings and the base model (the weights are adapters)
+LORA_FILE = (
+    "lora.json"  # in a checkpoint's policy/: the LoRA settings and the base model (the weights are adapters)
+)
 
 
 def peft_config(lora: LoRAConfig, base_model: str | None = None, modules: list[str] | None = None):
@@ -71,8 +73,11 @@ def language_linears(model: torch.nn.Module) -> list[str]:
     plain causal LM); ``lm_head`` and the multimodal projector are outside it, as in peft's defaults."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     inside = {id(m) for m in decoder.modules()} if isinstance(decoder, torch.nn.Module) else None
-    return [name for name, m in model.named_modules()
-            if isinstance(m, torch.nn.Linear) and (inside is None or id(m) in inside)]
+    return [
+        name
+        for name, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear) and (inside is None or id(m) in inside)
+    ]
 
 
 def linear_names(model: torch.nn.Module) -> list[str]:
@@ -157,7 +162,9 @@ def adapters_disabled(model: torch.nn.Module) -> Iterator[None]:
 def peft_name(name: str) -> str:
     """Policy name -> the name in a PEFT adapter file: ``model.layers.0.self_attn.q_proj.lora_A.default.weight``
     -> ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``."""
-    return PEFT_PREFIX + name.replace(f".lora_A.{ADAPTER}.", ".lora_A.").replace(f".lora_B.{ADAPTER}.", ".lora_B.")
+    return PEFT_PREFIX + name.replace(f".lora_A.{ADAPTER}.", ".lora_A.").replace(
+        f".lora_B.{ADAPTER}.", ".lora_B."
+    )
 
 
 def base_name(name: str) -> str:
@@ -168,8 +175,12 @@ def base_name(name: str) -> str:
 # ----- files ----------------------------------------------------------------------------------------
 
 
-def save_adapter(directory: str, named_tensors: Iterable[tuple[str, torch.Tensor]], lora: LoRAConfig,
-                 base_model: str | None = None) -> str:
+def save_adapter(
+    directory: str,
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    lora: LoRAConfig,
+    base_model: str | None = None,
+) -> str:
     """Write a PEFT adapter directory from the adapter tensors (policy names); returns ``directory``.
     The tensors file is written to a temporary name and renamed, so a reader never sees half of it."""
     from safetensors.torch import save_file
@@ -216,7 +227,9 @@ def read_adapter_base(directory: str) -> str | None:
 def policy_name(peft: str) -> str:
     """The inverse of :func:`peft_name`."""
     name = peft.removeprefix(PEFT_PREFIX)
-    return name.replace(".lora_A.weight", f".lora_A.{ADAPTER}.weight").replace(".lora_B.weight", f".lora_B.{ADAPTER}.weight")
+    return name.replace(".lora_A.weight", f".lora_A.{ADAPTER}.weight").replace(
+        ".lora_B.weight", f".lora_B.{ADAPTER}.weight"
+    )
 
 
 def load_adapter(directory: str) -> list[tuple[str, torch.Tensor]]:

@@ -48,8 +48,6 @@ KNOWN_CONFIGS: dict[str, dict] = {
 }  # fmt: skip
 
 
-
-
 @dataclass(frozen=True)
 class Shape:
     """What the memory terms need of a model: parameter counts and the text decoder's dimensions."""
@@ -85,7 +83,9 @@ def _hf_config(name: str, trust_remote_code: bool):
         try:  # the real file when it is here (cached or local), the table otherwise
             return AutoConfig.from_pretrained(name, local_files_only=True), "hub cache"
         except OSError:
-            return AutoConfig.for_model(known.pop("model_type"), **known), "config table (trainer/models/shape.py)"
+            return AutoConfig.for_model(
+                known.pop("model_type"), **known
+            ), "config table (trainer/models/shape.py)"
     path = resolve_model(name)
     try:
         return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code), path
@@ -115,7 +115,9 @@ def model_shape(name: str, trust_remote_code: bool = False) -> Shape:
     modules = dict(model.named_modules())
     for module_name in language_linears(model):
         module = modules[module_name]
-        linears.setdefault(module_name.rsplit(".", 1)[-1], []).append((module.in_features, module.out_features))
+        linears.setdefault(module_name.rsplit(".", 1)[-1], []).append(
+            (module.in_features, module.out_features)
+        )
     largest = max(((n, p.numel()) for n, p in model.named_parameters()), key=lambda kv: kv[1])
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = text.num_attention_heads

@@ -34,7 +34,7 @@ class Sample:
     advantage: float = 0.0
     old_logprobs: list[float] | None = None  # (L,) policy logprobs before the update
     ref_logprobs: list[float] | None = None  # (L,) reference-policy logprobs (KL penalty)
-    response_mask: list[int] | None = None   # (L,) 0 marks tokens the model did not write (multi-turn)
+    response_mask: list[int] | None = None  # (L,) 0 marks tokens the model did not write (multi-turn)
     gen_logprobs: list[float] | None = None  # (L,) the engine's logprobs when it sampled (behaviour policy)
     extra: dict = field(default_factory=dict)
 
@@ -52,18 +52,20 @@ class PaddedBatch:
     over the prompts is the largest single cost for short answers and a 49k vocabulary.
     """
 
-    input_ids: torch.Tensor       # (B, T) right-padded prompt+response
+    input_ids: torch.Tensor  # (B, T) right-padded prompt+response
     attention_mask: torch.Tensor  # (B, T)
-    start: int                    # first position (of T-1) whose label can be a response token
-    labels: torch.Tensor          # (B, K) input_ids[:, start+1:]: the token each position predicts
-    loss_mask: torch.Tensor       # (B, K) 1 where the label is a response token the model wrote
-    advantages: torch.Tensor      # (B,)
+    start: int  # first position (of T-1) whose label can be a response token
+    labels: torch.Tensor  # (B, K) input_ids[:, start+1:]: the token each position predicts
+    loss_mask: torch.Tensor  # (B, K) 1 where the label is a response token the model wrote
+    advantages: torch.Tensor  # (B,)
     old_logprobs: torch.Tensor | None  # (B, K), aligned with labels
     ref_logprobs: torch.Tensor | None  # (B, K)
     gen_logprobs: torch.Tensor | None  # (B, K)
 
 
-def _scatter(samples: list[Sample], attr: str, shape: tuple[int, ...], firsts: list[int]) -> torch.Tensor | None:
+def _scatter(
+    samples: list[Sample], attr: str, shape: tuple[int, ...], firsts: list[int]
+) -> torch.Tensor | None:
     """Per-response-token values of ``attr`` into a (B, K) window; row i starts at column ``firsts[i]``."""
     if any(getattr(s, attr) is None for s in samples):
         return None
@@ -109,13 +111,13 @@ class PrefixBatch:
     response's own positions, so the (B, C) window below has column j = response token j.
     """
 
-    prompt_ids: torch.Tensor      # (U, P) distinct prompts, left-padded
-    prompt_mask: torch.Tensor     # (U, P)
-    rows: torch.Tensor            # (B,) the prompt row of each sample
-    response_ids: torch.Tensor    # (B, C) right-padded; also the labels of the window
-    response_mask: torch.Tensor   # (B, C) 1 on real response tokens (attention)
-    loss_mask: torch.Tensor       # (B, C) 1 where the token is one the model wrote
-    advantages: torch.Tensor      # (B,)
+    prompt_ids: torch.Tensor  # (U, P) distinct prompts, left-padded
+    prompt_mask: torch.Tensor  # (U, P)
+    rows: torch.Tensor  # (B,) the prompt row of each sample
+    response_ids: torch.Tensor  # (B, C) right-padded; also the labels of the window
+    response_mask: torch.Tensor  # (B, C) 1 on real response tokens (attention)
+    loss_mask: torch.Tensor  # (B, C) 1 where the token is one the model wrote
+    advantages: torch.Tensor  # (B,)
     old_logprobs: torch.Tensor | None  # (B, C)
     ref_logprobs: torch.Tensor | None  # (B, C)
     gen_logprobs: torch.Tensor | None  # (B, C)
@@ -164,15 +166,15 @@ class PackedBatch:
     says where each of their M logprobs goes in the flattened (B * C) window.
     """
 
-    input_ids: torch.Tensor       # (1, N) every sample's prompt + response, back to back
-    position_ids: torch.Tensor    # (1, N) 0 .. len_i - 1 for each sample
-    cu_seqlens: torch.Tensor      # (B + 1,) int32 sample boundaries in the row (flash-attention varlen)
-    max_seqlen: int               # the longest sample
-    predict: torch.Tensor         # (M,) packed positions whose next token is a response token
-    window_index: torch.Tensor    # (M,) row * C + column of each predicted token in the window
-    labels: torch.Tensor          # (B, C) response ids, right-padded
-    loss_mask: torch.Tensor       # (B, C)
-    advantages: torch.Tensor      # (B,)
+    input_ids: torch.Tensor  # (1, N) every sample's prompt + response, back to back
+    position_ids: torch.Tensor  # (1, N) 0 .. len_i - 1 for each sample
+    cu_seqlens: torch.Tensor  # (B + 1,) int32 sample boundaries in the row (flash-attention varlen)
+    max_seqlen: int  # the longest sample
+    predict: torch.Tensor  # (M,) packed positions whose next token is a response token
+    window_index: torch.Tensor  # (M,) row * C + column of each predicted token in the window
+    labels: torch.Tensor  # (B, C) response ids, right-padded
+    loss_mask: torch.Tensor  # (B, C)
+    advantages: torch.Tensor  # (B,)
     old_logprobs: torch.Tensor | None  # (B, C)
     ref_logprobs: torch.Tensor | None  # (B, C)
     gen_logprobs: torch.Tensor | None  # (B, C)
@@ -244,7 +246,9 @@ def prefix_positions(samples: list[Sample]) -> int:
     """Positions :class:`PrefixBatch` runs through the model for ``samples``: each distinct prompt once at
     the longest prompt's width, and every response at the longest response's width."""
     prompts = {tuple(s.prompt_ids) for s in samples}
-    return len(prompts) * max(map(len, prompts)) + len(samples) * max(max(len(s.response_ids) for s in samples), 1)
+    return len(prompts) * max(map(len, prompts)) + len(samples) * max(
+        max(len(s.response_ids) for s in samples), 1
+    )
 
 
 def prefers_prefix(samples: list[Sample]) -> bool:
@@ -269,7 +273,9 @@ def budget_micro_batches(lengths: list[int], max_tokens: int, packed: bool) -> l
     used: list[int] = []
     for i in order:
         if lengths[i] > max_tokens:
-            raise ValueError(f"a sample of {lengths[i]} tokens exceeds the micro-batch budget of {max_tokens}")
+            raise ValueError(
+                f"a sample of {lengths[i]} tokens exceeds the micro-batch budget of {max_tokens}"
+            )
         for b, members in enumerate(bins):
             cost = used[b] + lengths[i] if packed else (len(members) + 1) * lengths[members[0]]
             if cost <= max_tokens:

@@ -59,7 +59,9 @@ def load(path: str, model: torch.nn.Module, optimizer, scheduler, lora: bool) ->
     scheduler.load_state_dict(optim["scheduler"])
 
 
-def save_hf_files(policy_dir: str, tokenizer, model_path: str, config, lora_info: dict[str, Any] | None) -> None:
+def save_hf_files(
+    policy_dir: str, tokenizer, model_path: str, config, lora_info: dict[str, Any] | None
+) -> None:
     """Tokenizer and base config beside the weights, so conversion needs nothing else; ``config`` is the
     model's, written when ``model_path`` has no config.json; ``lora_info``: what the adapters adapt."""
     import shutil
@@ -78,4 +80,3 @@ def save_hf_files(policy_dir: str, tokenizer, model_path: str, config, lora_info
 
         with open(os.path.join(policy_dir, LORA_FILE), "w") as f:
             json.dump(lora_info, f, indent=2)
-

@@ -41,7 +41,10 @@ def set_row(packed_attention: bool, row) -> None:
 
 
 def window_logits(
-    model, batch: PaddedBatch | PrefixBatch | PackedBatch, device: torch.device, sp: SequenceParallelGroup | None,
+    model,
+    batch: PaddedBatch | PrefixBatch | PackedBatch,
+    device: torch.device,
+    sp: SequenceParallelGroup | None,
     packed_attention: bool,
 ) -> torch.Tensor:
     """(B, K, V) logits at the positions that predict ``batch.labels``; (1, M, V) for a packed
@@ -56,8 +59,12 @@ def window_logits(
         varlen = {}
         if "flash" in (getattr(model.config, "_attn_implementation", None) or ""):
             cu = batch.cu_seqlens.to(dev)
-            varlen = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=batch.max_seqlen,
-                          max_length_k=batch.max_seqlen)
+            varlen = dict(
+                cu_seq_lens_q=cu,
+                cu_seq_lens_k=cu,
+                max_length_q=batch.max_seqlen,
+                max_length_k=batch.max_seqlen,
+            )
         input_ids, position_ids, predict = batch.input_ids, batch.position_ids, batch.predict
         if sp is not None:  # this rank's slice of the row; attention sees the whole row
             row, input_ids, position_ids, predict = sp.split(batch)
@@ -114,8 +121,13 @@ def window_logits(
 
 
 def logits_logprobs(
-    model, batch: PaddedBatch | PrefixBatch | PackedBatch, device: torch.device, sp: SequenceParallelGroup | None,
-    packed_attention: bool, temperature: float, with_entropy: bool = False,
+    model,
+    batch: PaddedBatch | PrefixBatch | PackedBatch,
+    device: torch.device,
+    sp: SequenceParallelGroup | None,
+    packed_attention: bool,
+    temperature: float,
+    with_entropy: bool = False,
 ):
     """(B, K) logprobs of the window's labels, and optionally (B, K) entropy, from one forward and one
     chunked float32 pass over the whole window's logits (kept in the model's dtype)."""
@@ -190,15 +202,22 @@ def tiled_head(model) -> bool:
 
 
 def forward_logprobs(
-    model, batch: PaddedBatch | PrefixBatch | PackedBatch, device: torch.device, sp: SequenceParallelGroup | None,
-    packed_attention: bool, temperature: float, with_entropy: bool = False,
+    model,
+    batch: PaddedBatch | PrefixBatch | PackedBatch,
+    device: torch.device,
+    sp: SequenceParallelGroup | None,
+    packed_attention: bool,
+    temperature: float,
+    with_entropy: bool = False,
 ):
     """(B, K) logprobs of the window's labels, and optionally (B, K) entropy (no gradient), in float32,
     without the window's (B, K, V) logits ever existing whole (the module docstring)."""
     if not tiled_head(model):
         return logits_logprobs(model, batch, device, sp, packed_attention, temperature, with_entropy)
     head = model.get_output_embeddings()
-    softcap = getattr(model.config, "final_logit_softcapping", None)  # only where the model's forward applies it
+    softcap = getattr(
+        model.config, "final_logit_softcapping", None
+    )  # only where the model's forward applies it
     temperature = temperature if temperature > 0 else 1.0  # score the distribution we sampled from
 
     def logprobs_of(labels: torch.Tensor):
@@ -218,8 +237,12 @@ def forward_logprobs(
         varlen = {}
         if "flash" in (getattr(model.config, "_attn_implementation", None) or ""):  # as in window_logits
             cu = batch.cu_seqlens.to(dev)
-            varlen = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=batch.max_seqlen,
-                          max_length_k=batch.max_seqlen)
+            varlen = dict(
+                cu_seq_lens_q=cu,
+                cu_seq_lens_k=cu,
+                max_length_q=batch.max_seqlen,
+                max_length_k=batch.max_seqlen,
+            )
         input_ids, position_ids, predict = batch.input_ids, batch.position_ids, batch.predict
         labels = batch.flat_labels[None]
         if sp is not None:
@@ -236,7 +259,9 @@ def forward_logprobs(
         return _to_window(batch, sp, logprobs, entropy)
     if isinstance(batch, PaddedBatch):
         width = batch.input_ids.shape[1]
-        last = batch.labels.shape[1]  # (B, K): the head's W positions but the last, which predicts past the end
+        last = batch.labels.shape[
+            1
+        ]  # (B, K): the head's W positions but the last, which predicts past the end
         logprobs, entropy, _ = run(
             lambda hidden, out: logprobs_of(batch.labels)(hidden[:, :last], out),
             input_ids=batch.input_ids.to(dev), attention_mask=batch.attention_mask.to(dev),

@@ -99,7 +99,9 @@ def gather_units(
 
 
 @torch.no_grad()
-def gather_adapters(model: torch.nn.Module, fence: streams.NoStreams | streams.CudaStreams, dtype: torch.dtype | None):
+def gather_adapters(
+    model: torch.nn.Module, fence: streams.NoStreams | streams.CudaStreams, dtype: torch.dtype | None
+):
     """Yield (name, full tensor) for every trainable (adapter) parameter, each gathered on its own."""
     for name, p in model.named_parameters():
         if not p.requires_grad:

@@ -53,7 +53,9 @@ class PolicyGroup:
         self._setup: list[ray.ObjectRef] | None = [w.setup.remote(host, port) for w in self.workers]
         self.num_params = 0
         self.refit_bytes = 0  # what each refit moves into each engine (the trainable weights)
-        self.trained_lengths: list[int] = []  # of the last train(): tokens of each sample trained on (trainer.perf)
+        self.trained_lengths: list[
+            int
+        ] = []  # of the last train(): tokens of each sample trained on (trainer.perf)
         if wait:
             self.wait_ready()
 
@@ -141,7 +143,12 @@ def check_freeze(cfg: Config, model_path: str) -> None:
 
     from trainer.models import build_empty_model
 
-    names = [name for name, _ in build_empty_model(model_path, cfg.model.dtype, cfg.model.trust_remote_code).named_parameters()]
+    names = [
+        name
+        for name, _ in build_empty_model(
+            model_path, cfg.model.dtype, cfg.model.trust_remote_code
+        ).named_parameters()
+    ]
     for pattern in cfg.policy.freeze:
         if not any(fnmatchcase(name, pattern) for name in names):
             raise ConfigError(

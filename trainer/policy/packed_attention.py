@@ -68,8 +68,18 @@ def set_row(row: Row | None) -> None:
     _ROW = row
 
 
-def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
-              sliding_window: int | None = None, softcap: float | None = None, **kwargs):
+def attention(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs,
+):
     """transformers' attention-function signature: q (1, H, n, D), k/v (1, Hkv, n, D) -> ((1, n, H, D), None)."""
     if _ROW is None:  # not a packed row: the model's eager attention or transformers' sdpa, with its mask
         if _OUTER == "eager":
@@ -81,11 +91,15 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
                                       sliding_window=sliding_window, **kwargs)  # fmt: skip
     tokens = query.shape[2] * (_SP.size if _SP is not None else 1)
     if query.shape[0] != 1 or tokens != int(_ROW.cu_seqlens[-1]):
-        raise RuntimeError(f"packed attention: a ({query.shape[0]}, {tokens})-token input is not the row set for "
-                           f"this forward ({int(_ROW.cu_seqlens[-1])} tokens): set_row(None) after a packed pass")
+        raise RuntimeError(
+            f"packed attention: a ({query.shape[0]}, {tokens})-token input is not the row set for "
+            f"this forward ({int(_ROW.cu_seqlens[-1])} tokens): set_row(None) after a packed pass"
+        )
     dropout = dropout if module.training else 0.0
     if _SP is None:
-        return _attend(module, query, key, value, _ROW, _INNER, dropout, scaling, sliding_window, softcap), None
+        return _attend(
+            module, query, key, value, _ROW, _INNER, dropout, scaling, sliding_window, softcap
+        ), None
     heads, kv_heads = query.shape[1], key.shape[1]
     if kv_heads % _SP.size:  # fewer key/value heads than ranks: give every query head its own copy
         key = key.repeat_interleave(heads // kv_heads, dim=1)
@@ -109,14 +123,28 @@ def _attend(module, q, k, v, row: Row, inner: str, dropout, scaling, sliding_win
         cu = row.cu_seqlens.to(device=q.device, dtype=torch.int32)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (1, N, h, D): flash's layout
         return _flash_attention_forward(
-            q, k, v, None, query_length=q.shape[1], is_causal=True, dropout=dropout, softmax_scale=scaling,
-            sliding_window=sliding_window, softcap=softcap, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
-            max_length_q=row.max_seqlen, max_length_k=row.max_seqlen, target_dtype=get_target_dtype(q, module),
+            q,
+            k,
+            v,
+            None,
+            query_length=q.shape[1],
+            is_causal=True,
+            dropout=dropout,
+            softmax_scale=scaling,
+            sliding_window=sliding_window,
+            softcap=softcap,
+            cu_seq_lens_q=cu,
+            cu_seq_lens_k=cu,
+            max_length_q=row.max_seqlen,
+            max_length_k=row.max_seqlen,
+            target_dtype=get_target_dtype(q, module),
             attn_implementation=inner,
         )
     if softcap is not None:
-        raise ValueError("attention logit softcapping needs model.attn_implementation=flash_attention_2 with "
-                         "packed rows (policy.sequence_packing)")
+        raise ValueError(
+            "attention logit softcapping needs model.attn_implementation=flash_attention_2 with "
+            "packed rows (policy.sequence_packing)"
+        )
     out = _varlen(q, k, v, row, dropout, scaling, sliding_window)
     if out is not None:
         return out
@@ -189,12 +217,22 @@ def fused_rows(device: torch.device, dtype: torch.dtype, inner: str) -> bool:
     :func:`_varlen`), rather than sdpa once per sample."""
     if "flash" in inner:
         return True
-    return (inner == "sdpa" and dtype in (torch.float16, torch.bfloat16) and _varlen_attn() is not None
-            and _flash_device(device))
+    return (
+        inner == "sdpa"
+        and dtype in (torch.float16, torch.bfloat16)
+        and _varlen_attn() is not None
+        and _flash_device(device)
+    )
 
 
-def _varlen_kwargs(params: frozenset[str], heads: int, kv_heads: int, head_dim: int, scaling: float | None,
-                   window: int | None) -> dict | None:
+def _varlen_kwargs(
+    params: frozenset[str],
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    scaling: float | None,
+    window: int | None,
+) -> dict | None:
     """The keywords that make ``varlen_attn`` (whose parameter names are ``params``) compute the per-sample
     loop's attention: causal (within the last ``window`` tokens when it is not None), the softmax scale
     ``scaling``, ``kv_heads`` key/value heads for ``heads`` query heads; None where it can't say that."""
@@ -222,9 +260,19 @@ def _varlen(q, k, v, row: Row, dropout, scaling, sliding_window) -> torch.Tensor
     is remembered and logged once, and that shape runs per sample from then on."""
     fn = _varlen_attn()
     heads, kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[-1]
-    if (fn is None or q.dtype not in (torch.float16, torch.bfloat16) or dropout
-            or k.dtype != q.dtype or v.dtype != q.dtype or v.shape[1] != kv_heads or v.shape[-1] != head_dim
-            or head_dim % 8 or head_dim > 256 or heads % kv_heads or not _flash_device(q.device)):
+    if (
+        fn is None
+        or q.dtype not in (torch.float16, torch.bfloat16)
+        or dropout
+        or k.dtype != q.dtype
+        or v.dtype != q.dtype
+        or v.shape[1] != kv_heads
+        or v.shape[-1] != head_dim
+        or head_dim % 8
+        or head_dim > 256
+        or heads % kv_heads
+        or not _flash_device(q.device)
+    ):
         return None
     window = sliding_window if sliding_window is not None and row.max_seqlen > sliding_window else None
     if window is not None and window < 1:
@@ -242,8 +290,11 @@ def _varlen(q, k, v, row: Row, dropout, scaling, sliding_window) -> torch.Tensor
         raise
     except (RuntimeError, ValueError) as e:  # the kernel refused this shape: per sample from now on
         _REFUSED[key] = f"{type(e).__name__}: {e}".splitlines()[0][:300]
-        log.warning("packed attention: torch varlen_attn refused %s (%s); running sdpa per sample instead",
-                    key, _REFUSED[key])
+        log.warning(
+            "packed attention: torch varlen_attn refused %s (%s); running sdpa per sample instead",
+            key,
+            _REFUSED[key],
+        )
         return None
     return out.unsqueeze(0)
 
@@ -252,8 +303,10 @@ def _eager(module):
     """The eager attention function of ``module``'s model (transformers defines one per modeling file)."""
     fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
     if fn is None:
-        raise RuntimeError(f"packed attention: {type(module).__module__} has no eager_attention_forward; "
-                           "set model.attn_implementation=sdpa")
+        raise RuntimeError(
+            f"packed attention: {type(module).__module__} has no eager_attention_forward; "
+            "set model.attn_implementation=sdpa"
+        )
     return fn
 
 

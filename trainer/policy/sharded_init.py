@@ -37,7 +37,9 @@ def load_shards(model: torch.nn.Module, host: torch.nn.Module | None, device: to
     model.to_empty(device=device)
     full = host.state_dict() if host is not None else {}
     # One tensor at a time (torch's _broadcast_state_dict): a full tensor on the device, its slice kept.
-    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    set_model_state_dict(
+        model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    )
     del full
     host_buffers = dict(host.named_buffers()) if host is not None else {}
     with torch.no_grad():
@@ -45,8 +47,12 @@ def load_shards(model: torch.nn.Module, host: torch.nn.Module | None, device: to
             if host is not None:
                 buf.copy_(host_buffers[name])
             dist.broadcast(buf, src=0)
-    left = [f"{m}.{k}" for m, mod in model.named_modules() for k, v in vars(mod).items()
-            if isinstance(v, torch.Tensor) and v.is_meta]
+    left = [
+        f"{m}.{k}"
+        for m, mod in model.named_modules()
+        for k, v in vars(mod).items()
+        if isinstance(v, torch.Tensor) and v.is_meta
+    ]
     if left:  # a tensor attribute that is neither parameter nor buffer: nothing above could fill it
         raise RuntimeError(f"load_shards: {', '.join(left)} still on the meta device; load this model whole")
     state = [torch.get_rng_state() if host is not None else None]

@@ -38,7 +38,9 @@ class SequenceParallelGroup:
 
     def __init__(self, size: int, rank: int, world_size: int):
         if world_size % size:
-            raise ValueError(f"policy.sequence_parallel_size={size} must divide the {world_size} policy ranks")
+            raise ValueError(
+                f"policy.sequence_parallel_size={size} must divide the {world_size} policy ranks"
+            )
         self.size, self.rank_in_group = size, rank % size
         self.group = None
         # new_group is a collective over the whole world: every rank creates every group, in order.
@@ -72,7 +74,9 @@ class SequenceParallelGroup:
     def to_sequence(self, x: torch.Tensor) -> torch.Tensor:
         """(1, N, H / S, D) -> (1, N / S, H, D): every head again, over this rank's slice."""
         (_, big_n, hs, d), s = x.shape, self.size
-        parts = _AllToAll.apply(x[0].reshape(s, big_n // s, hs, d), self.group)  # [r] = my slice, rank r's heads
+        parts = _AllToAll.apply(
+            x[0].reshape(s, big_n // s, hs, d), self.group
+        )  # [r] = my slice, rank r's heads
         return parts.permute(1, 0, 2, 3).reshape(1, big_n // s, s * hs, d)
 
 
@@ -110,7 +114,9 @@ class _AllToAll(torch.autograd.Function):
 
 def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
     x = x.contiguous()
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # contiguous: empty_like keeps a view's strides
+    out = torch.empty(
+        x.shape, dtype=x.dtype, device=x.device
+    )  # contiguous: empty_like keeps a view's strides
     dist.all_to_all_single(out, x, group=group)
     return out
 
@@ -145,9 +151,13 @@ def check_model(config, size: int, attn_implementation: str | None) -> str | Non
     text = getattr(config, "text_config", None) or config
     heads = getattr(text, "num_attention_heads", None)
     if heads is None or heads % size:
-        return (f"policy.sequence_parallel_size={size} must divide the model's {heads} attention heads "
-                "(each rank attends with heads / size of them)")
+        return (
+            f"policy.sequence_parallel_size={size} must divide the model's {heads} attention heads "
+            "(each rank attends with heads / size of them)"
+        )
     if attn_implementation not in (None, *INNER):
-        return (f"policy.sequence_parallel_size={size} runs attention with sdpa or flash attention, not "
-                f"model.attn_implementation={attn_implementation}; set it to null, sdpa or flash_attention_2")
+        return (
+            f"policy.sequence_parallel_size={size} runs attention with sdpa or flash attention, not "
+            f"model.attn_implementation={attn_implementation}; set it to null, sdpa or flash_attention_2"
+        )
     return None

@@ -75,7 +75,11 @@ def shard_model(model: torch.nn.Module, reshard_after_forward: bool, mp_dtype: t
     """FSDP2: each transformer block is its own unit, so only one block is gathered at a time."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mp = MixedPrecisionPolicy(param_dtype=mp_dtype, reduce_dtype=torch.float32) if mp_dtype else MixedPrecisionPolicy()
+    mp = (
+        MixedPrecisionPolicy(param_dtype=mp_dtype, reduce_dtype=torch.float32)
+        if mp_dtype
+        else MixedPrecisionPolicy()
+    )
     block_types = set(getattr(model, "_no_split_modules", None) or [])
     blocks = [m for m in model.modules() if type(m).__name__ in block_types]
     for block in blocks:
@@ -105,7 +109,9 @@ def adamw(params, **kwargs) -> torch.optim.AdamW:
     try:
         return torch.optim.AdamW(params, fused=True, **kwargs)
     except (RuntimeError, ValueError) as e:
-        log.warning("fused AdamW is not available here (%s); using the unfused optimizer", str(e).splitlines()[0])
+        log.warning(
+            "fused AdamW is not available here (%s); using the unfused optimizer", str(e).splitlines()[0]
+        )
         return torch.optim.AdamW(params, **kwargs)
 
 
@@ -153,20 +159,28 @@ class PolicyWorker:
         # checkpoint whole, on the host, and broadcasts it one tensor at a time (trainer.policy.sharded_init).
         # A colocated hf engine copies a loaded model, so then every rank reads it, as the engine would.
         hf_engine = self.colocated_engine and cfg.generation.backend == "hf"
-        host = load_model(self.model_path, cfg.model.dtype, cfg.model.trust_remote_code) if self.rank == 0 or hf_engine else None
+        host = (
+            load_model(self.model_path, cfg.model.dtype, cfg.model.trust_remote_code)
+            if self.rank == 0 or hf_engine
+            else None
+        )
         model = build_empty_model(self.model_path, cfg.model.dtype, cfg.model.trust_remote_code)
         self.lora = cfg.policy.lora if cfg.policy.lora.enabled else None
         if self.lora is not None:
             from trainer.models import lora
 
             if host is not None:
-                lora.apply(host, self.lora)  # before the engine copies it: the hf engine applies the adapters too
+                lora.apply(
+                    host, self.lora
+                )  # before the engine copies it: the hf engine applies the adapters too
                 with torch.random.fork_rng(devices=[]):  # the meta twin's draws are discarded: host's count
                     lora.apply(model, self.lora)
             else:
                 lora.apply(model, self.lora)
         frozen = freeze(model, cfg.policy.freeze)
-        if self.colocated_engine:  # an hf engine copies host, loaded with its adapters, before the attention is set
+        if (
+            self.colocated_engine
+        ):  # an hf engine copies host, loaded with its adapters, before the attention is set
             self.engine = colocated.build(cfg, self.model_path, self.rank, self.device, host, self.lora)
             self._engine_awake = True  # a new engine holds its memory
         if cfg.model.attn_implementation:  # the policy's; the engine keeps the default, better for decoding
@@ -189,10 +203,14 @@ class PolicyWorker:
         # measured (_prefix_layouts); on CPU they run sdpa per sample and the position count decides.
         compute = DTYPES.get(cfg.policy.param_dtype or "") or DTYPES.get(cfg.model.dtype, torch.float32)
         rows = packed_attention.on_rows(inner) if self.packed_attention else inner
-        self._fused_rows = cfg.policy.sequence_packing and packed_attention.fused_rows(self.device, compute, rows)
+        self._fused_rows = cfg.policy.sequence_packing and packed_attention.fused_rows(
+            self.device, compute, rows
+        )
         if cfg.policy.activation_checkpointing:
             model.gradient_checkpointing_enable()
-            if self.lora is not None or frozen:  # frozen embeddings: a checkpointed block's input must still need grad
+            if (
+                self.lora is not None or frozen
+            ):  # frozen embeddings: a checkpointed block's input must still need grad
                 model.enable_input_require_grads()
         model.config.use_cache = False
         shard_model(model, cfg.policy.reshard_after_forward, DTYPES.get(cfg.policy.param_dtype))
@@ -215,7 +233,11 @@ class PolicyWorker:
         del host
         p = cfg.policy
         self.optimizer = adamw(
-            self._trainable(), lr=p.learning_rate, betas=p.adam_betas, eps=p.adam_eps, weight_decay=p.weight_decay
+            self._trainable(),
+            lr=p.learning_rate,
+            betas=p.adam_betas,
+            eps=p.adam_eps,
+            weight_decay=p.weight_decay,
         )
         warmup = max(0, p.warmup_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -288,7 +310,9 @@ class PolicyWorker:
         Otherwise each unit is resharded as soon as its tensors are yielded.
         """
         fence = streams.for_device(self._param_device())
-        return gather.gather_units(self.model, fence, dtype, self.cfg.policy.reshard_after_forward, not frozen)
+        return gather.gather_units(
+            self.model, fence, dtype, self.cfg.policy.reshard_after_forward, not frozen
+        )
 
     def _param_device(self) -> torch.device:
         return next(self.model.parameters()).device
@@ -369,10 +393,19 @@ class PolicyWorker:
         """The packed row the policy's attention runs on until the next forward (None: a padded batch)."""
         forward.set_row(self.packed_attention, row)
 
-    def _forward_logprobs(self, model, batch: PaddedBatch | PrefixBatch | PackedBatch, with_entropy: bool = False):
+    def _forward_logprobs(
+        self, model, batch: PaddedBatch | PrefixBatch | PackedBatch, with_entropy: bool = False
+    ):
         """(B, K) logprobs of the window's labels, and optionally (B, K) entropy (:mod:`trainer.policy.forward`)."""
-        return forward.forward_logprobs(model, batch, self.device, self.sp, self.packed_attention,
-                                        self.cfg.generation.temperature, with_entropy)
+        return forward.forward_logprobs(
+            model,
+            batch,
+            self.device,
+            self.sp,
+            self.packed_attention,
+            self.cfg.generation.temperature,
+            with_entropy,
+        )
 
     def _prefix_layouts(self, mbs: list[list[Sample]]) -> list[bool]:
         """Per micro-batch, whether it runs the shared-prompt layout. The shared-prompt layout runs each
@@ -419,7 +452,9 @@ class PolicyWorker:
         p = self.cfg.policy
         result: list[list[float] | None] = [None] * len(samples)
         with self._reference_view(reference):
-            indices = self._micro_batches(samples, p.logprob_micro_batch_size, p.logprob_max_tokens_per_microbatch)
+            indices = self._micro_batches(
+                samples, p.logprob_micro_batch_size, p.logprob_max_tokens_per_microbatch
+            )
             mbs = [[samples[i] for i in idx] for idx in indices]
             for idx, mb, prefix in zip(indices, mbs, self._prefix_layouts(mbs)):
                 batch = self._batch(mb, prefix)
@@ -440,14 +475,18 @@ class PolicyWorker:
         return contextlib.nullcontext()
 
     # ----- training --------------------------------------------------------------------------------
-    def train(self, minibatches: list[list[Sample]], global_counts: list[dict[str, float]]) -> dict[str, float]:
+    def train(
+        self, minibatches: list[list[Sample]], global_counts: list[dict[str, float]]
+    ) -> dict[str, float]:
         """One optimizer step per mini-batch. ``global_counts[i]`` holds the mini-batch's token and
         sequence counts summed over all ranks, so each rank's loss is its share of the global mean.
         A mini-batch may be empty on every rank (all its samples skipped for a zero advantage): the
         step then applies a zero gradient. Entropy, ppo_kl and clip fraction are means over the
         tokens trained on."""
         cfg, loss_cfg = self.cfg, self.cfg.grpo.loss
-        has_reference = self.ref_model is not None or (self.lora is not None and loss_cfg.reference_policy_kl_penalty > 0)
+        has_reference = self.ref_model is not None or (
+            self.lora is not None and loss_cfg.reference_policy_kl_penalty > 0
+        )
         objective = Objective(loss_cfg, max_len=cfg.generation.max_new_tokens, kl_penalty=has_reference)
         self._engine_to_sleep()  # when no logprob pass came first
         self.model.train()
@@ -467,7 +506,9 @@ class PolicyWorker:
             self.optimizer.zero_grad(set_to_none=True)
             mbs = [
                 [samples[j] for j in idx]
-                for idx in self._micro_batches(samples, cfg.policy.micro_batch_size, cfg.policy.max_tokens_per_microbatch)
+                for idx in self._micro_batches(
+                    samples, cfg.policy.micro_batch_size, cfg.policy.max_tokens_per_microbatch
+                )
             ]
             for i, (mb, prefix) in enumerate(zip(mbs, self._prefix_layouts(mbs))):
                 # Reduce-scatter gradients once per optimizer step, not once per micro-batch.
@@ -475,16 +516,18 @@ class PolicyWorker:
                 batch = self._batch(mb, prefix)
                 logprobs, entropy = self._forward_logprobs(self.model, batch, cfg.policy.compute_entropy)
                 mask = batch.loss_mask.to(self.device)
-                loss, metric_sums = objective(LossInputs(
-                    logprobs=logprobs,
-                    advantages=batch.advantages.to(self.device),
-                    mask=mask,
-                    num_tokens=counts["tokens"],
-                    num_seqs=counts["seqs"],
-                    old_logprobs=on_device(batch.old_logprobs),
-                    behaviour_logprobs=on_device(batch.gen_logprobs),
-                    ref_logprobs=on_device(batch.ref_logprobs) if objective.kl is not None else None,
-                ))
+                loss, metric_sums = objective(
+                    LossInputs(
+                        logprobs=logprobs,
+                        advantages=batch.advantages.to(self.device),
+                        mask=mask,
+                        num_tokens=counts["tokens"],
+                        num_seqs=counts["seqs"],
+                        old_logprobs=on_device(batch.old_logprobs),
+                        behaviour_logprobs=on_device(batch.gen_logprobs),
+                        ref_logprobs=on_device(batch.ref_logprobs) if objective.kl is not None else None,
+                    )
+                )
                 # FSDP averages gradients over ranks; the loss already divides by global counts.
                 (loss * self.world_size).backward()
                 self._set_row(None)  # after backward: a checkpointed one recomputes on the row
@@ -515,7 +558,10 @@ class PolicyWorker:
         n_steps = len(minibatches)
         tokens = max(agg.pop("tokens"), 1.0)
         gen_tokens = max(agg.pop("gen_tokens"), 1.0)
-        out = {"loss": agg.pop("loss") / n_steps, "grad_norm": agg.pop("grad_norm") / (n_steps * self.world_size)}
+        out = {
+            "loss": agg.pop("loss") / n_steps,
+            "grad_norm": agg.pop("grad_norm") / (n_steps * self.world_size),
+        }
         for key in ("gen_logprob_abs_diff", "gen_train_kl", "is_flagged"):
             out[key] = agg.pop(key) / gen_tokens
         out.update({k: v / tokens for k, v in agg.items()})
@@ -527,8 +573,14 @@ class PolicyWorker:
         dtype (a GPU's from trainer.perf's table; on a CPU a matmul measured once on this rank's threads)."""
         from trainer import perf
 
-        peak, source = perf.device_peak_flops(self.device, self.cfg.policy.param_dtype or self.cfg.model.dtype)
-        return {"peak_memory_bytes": perf.peak_memory_bytes(self.device), "peak_flops": peak, "peak_source": source}
+        peak, source = perf.device_peak_flops(
+            self.device, self.cfg.policy.param_dtype or self.cfg.model.dtype
+        )
+        return {
+            "peak_memory_bytes": perf.peak_memory_bytes(self.device),
+            "peak_flops": peak,
+            "peak_source": source,
+        }
 
     # ----- checkpoints (torch DCP: every rank writes its own shards in parallel) --------------------
     def save_checkpoint(self, path: str) -> None:
@@ -543,7 +595,11 @@ class PolicyWorker:
         if self.lora is not None:  # the weights are adapters: what they adapt, for conversion and evaluation
             from trainer.config import to_dict
 
-            lora_info = {"lora": to_dict(self.lora), "model_name": self.cfg.model.name, "model_path": self.model_path}
+            lora_info = {
+                "lora": to_dict(self.lora),
+                "model_name": self.cfg.model.name,
+                "model_path": self.model_path,
+            }
         dcp.save_hf_files(policy_dir, self.tokenizer, self.model_path, self.model.config, lora_info)
 
     def load_checkpoint(self, path: str) -> None:

@@ -70,14 +70,18 @@ from fractions import Fraction
 from math import gcd
 from typing import Any
 
-MAX_RESPONSE_CHARS = 100_000  # after the reasoning; a longer response scores 0 (it is read whole, not windowed)
+MAX_RESPONSE_CHARS = (
+    100_000  # after the reasoning; a longer response scores 0 (it is read whole, not windowed)
+)
 MAX_ANSWER_CHARS = 400  # a final answer longer than this is not one (and would only feed sympy a bomb)
 MAX_BARE_CHARS = 32  # a response with no box and no marker is an answer only when this short and one line
 MAX_DIGITS = 60  # digits in one number; more is a flood, not an answer
 MAX_RESTATEMENTS = 3  # the same answer given again after it ("Final Answer: ..."); more is a flood
 MAX_WRAPPERS = 8  # layers of $, **, \( \) ... peeled off an answer; a real one has two or three
 MAX_NESTING = 12  # brackets and braces inside an answer nested deeper than this: a bomb for a parser
-MAX_EXPONENT = 10_000  # an exponent (or factorial, binomial) this large is a number no answer needs written so
+MAX_EXPONENT = (
+    10_000  # an exponent (or factorial, binomial) this large is a number no answer needs written so
+)
 BOXED = "\\boxed{}"  # Final.source of an answer taken from a box
 
 
@@ -296,7 +300,9 @@ def final_answer(response: Any, *, join_boxes: bool = False, equation: bool = Fa
     if body is None:
         return Final(None, "cut off while thinking (no </think>)")
     if len(body) > MAX_RESPONSE_CHARS:
-        return Final(None, f"a response of {len(body):,} characters (more than the {MAX_RESPONSE_CHARS:,} read)")
+        return Final(
+            None, f"a response of {len(body):,} characters (more than the {MAX_RESPONSE_CHARS:,} read)"
+        )
     body = fold(body)
     if not body.strip():
         return Final(None, "empty response")
@@ -314,7 +320,8 @@ def final_answer(response: Any, *, join_boxes: bool = False, equation: bool = Fa
         raw, after = answer_span(body[m.end() :])
         while (
             join_boxes
-            and len(raw) <= MAX_ANSWER_CHARS  # a longer list is refused below; joining more would only cost time
+            and len(raw)
+            <= MAX_ANSWER_CHARS  # a longer list is refused below; joining more would only cost time
             and (more := re.match(r"\s*(?:,\s*)?(?:and\s+)?(?=\$)", after))
             and more.group().strip()
         ):
@@ -331,13 +338,17 @@ def final_answer(response: Any, *, join_boxes: bool = False, equation: bool = Fa
         if not m.group().strip().lower().startswith(("#", "answer")):  # "x = 5 or x = 6": two candidates
             hedge = _HEDGE.search(_sentence(body[: m.start()]))
             if hedge is not None:
-                return Final(None, f"several candidate values: {hedge.group()!r} before the last {m.group()!r}")
+                return Final(
+                    None, f"several candidate values: {hedge.group()!r} before the last {m.group()!r}"
+                )
         problem = takes_back(after, answer)
         if problem:
             return Final(None, f"{where}: {problem} ({clip(after.strip(), 40)!r})")
         return Final(answer, where)
     bare = clean(body)
-    if re.match(r"\\(?:textbf|mathbf|bf|boldsymbol|bm)(?![A-Za-z])", bare):  # bold looks like a box and is not one
+    if re.match(
+        r"\\(?:textbf|mathbf|bf|boldsymbol|bm)(?![A-Za-z])", bare
+    ):  # bold looks like a box and is not one
         return Final(None, "bold is not a \\boxed{}")
     if bare and "\n" not in bare and len(bare) <= MAX_BARE_CHARS:
         return Final(bare, "the whole response")
@@ -350,7 +361,11 @@ def _equation_answer(body: str, markers: list[re.Match]) -> Final:
     response ends on it (``So the plane is $x-2y+z-1=0$.``)."""
     others = [m for m in markers if m.group() != "="]
     last = markers[-1]
-    opened = max(body.rfind("$", 0, last.start()), body.rfind("\\(", 0, last.start()), body.rfind("\\[", 0, last.start()))
+    opened = max(
+        body.rfind("$", 0, last.start()),
+        body.rfind("\\(", 0, last.start()),
+        body.rfind("\\[", 0, last.start()),
+    )
     if others and (opened < others[-1].end() or not body[others[-1].end() : opened].strip(" \t:")):
         start, where = others[-1].end(), f"after {others[-1].group().strip()!r}"
     elif opened >= 0:
@@ -414,14 +429,18 @@ _FRACTION = re.compile(r"([-+]?)\\frac(?:\{([0-9]+)\}\{([0-9]+)\}|([0-9])([0-9])
 # Base-prefixed integers (0x1f, -0b101, 0o17) are the integers they are: math-verify reads 0x1f as 0.
 _PREFIXED = re.compile(r"([-+]?)0([xX][0-9a-fA-F]+|[bB][01]+|[oO][0-7]+)")
 _BASES = {"x": 16, "b": 2, "o": 8}
-_SCIENTIFIC = re.compile(r"([-+]?)([0-9]+(?:\.[0-9]*)?|\.[0-9]+)[eE]([-+]?[0-9]{1,3})")  # 3.05e-05, as floats print
+_SCIENTIFIC = re.compile(
+    r"([-+]?)([0-9]+(?:\.[0-9]*)?|\.[0-9]+)[eE]([-+]?[0-9]{1,3})"
+)  # 3.05e-05, as floats print
 _MIXED = re.compile(r"([-+]?)([0-9]+)\\frac\{([0-9]+)\}\{([0-9]+)\}")  # 1\frac{1}{2}: one and a half
 _VARIABLE = re.compile(  # "x = 5", "a_1 = 5", "f(3) = 5", "\theta = 5", "x \approx 5"
     r"^(?:[A-Za-z](?:_\{?[A-Za-z0-9]+\}?)?|\\[A-Za-z]+)(?:\([^()=]*\))?\s*(?:=|\\approx(?![A-Za-z]))\s*"
 )
 _CURRENCY = re.compile(r"^(?:\\\$|\$|€|£|¥|\\euro\s*|\\pounds\s*)")
 _PERCENT_DEGREE = re.compile(r"\s*(?:\\?%|\^\s*\{?\\circ\}?|°|\\degree)$")
-_STYLE = r"\\(?:text|textrm|textbf|textit|textnormal|textup|mbox|mathrm|mathbf|mathit|mathnormal|boldsymbol|bm)"
+_STYLE = (
+    r"\\(?:text|textrm|textbf|textit|textnormal|textup|mbox|mathrm|mathbf|mathit|mathnormal|boldsymbol|bm)"
+)
 _STYLED_NUMBER = re.compile(_STYLE + r"\s*\{([-+0-9.,\s]*)\}")  # \text{2}, \mathbf{2}: the number itself
 _TEX_UNIT = re.compile(r"\s*" + _STYLE + r"\s*\{\s*([A-Za-z][A-Za-z ./^{}0-9]*)\}(\s*\^\s*\{?[23]\}?)?$")
 _UNIT_TOKEN = r"[A-Za-z][A-Za-z.]*(?:\^\{?[23]\}?)?"
@@ -456,9 +475,17 @@ def _is_unit(phrase: str) -> bool:
     """``phrase`` names a unit: measurement units (``cm^2``, ``miles per hour``, ``km/h``) or one plural
     noun naming what is counted (``clips``)."""
     tokens = [re.sub(r"\^\{?[23]\}?$", "", t) for t in re.split(r"\s+|/", phrase.strip()) if t]
-    if tokens and all(t.lower().rstrip(".") in UNITS for t in tokens) and tokens[-1].lower() not in {"per", "square", "cubic", "sq"}:
+    if (
+        tokens
+        and all(t.lower().rstrip(".") in UNITS for t in tokens)
+        and tokens[-1].lower() not in {"per", "square", "cubic", "sq"}
+    ):
         return True
-    return len(tokens) == 1 and re.fullmatch(r"[a-z]{2,}s", tokens[0]) is not None and tokens[0] not in _NOT_COUNTED
+    return (
+        len(tokens) == 1
+        and re.fullmatch(r"[a-z]{2,}s", tokens[0]) is not None
+        and tokens[0] not in _NOT_COUNTED
+    )
 
 
 def _strip_unit(s: str) -> str | None:
@@ -509,7 +536,9 @@ def parse_number(
     s = _undress(fold(text), plain)
     if lookalike_digits(s) or len(re.findall(r"[0-9]", s)) > MAX_DIGITS:
         return None
-    if not plain and (m := _PREFIXED.fullmatch(s.replace(" ", ""))) is not None:  # before units: 0x1f is no 'f'
+    if (
+        not plain and (m := _PREFIXED.fullmatch(s.replace(" ", ""))) is not None
+    ):  # before units: 0x1f is no 'f'
         digits = m.group(2)[1:]
         if len(digits) > MAX_DIGITS:
             return None
@@ -553,7 +582,11 @@ def parse_number(
         sign, num, den = m.group(6), int(m.group(7)), int(m.group(8))
     else:
         sign = m.group(1)
-        num, den = (int(m.group(2)), int(m.group(3))) if m.group(2) is not None else (int(m.group(4)), int(m.group(5)))
+        num, den = (
+            (int(m.group(2)), int(m.group(3)))
+            if m.group(2) is not None
+            else (int(m.group(4)), int(m.group(5)))
+        )
     if den == 0 or (reduced and (den == 1 or gcd(num, den) != 1)):
         return None  # \frac{40}{2} is a division still to do
     return Fraction(-num if sign == "-" else num, den)
@@ -578,7 +611,9 @@ def why_not_a_number(answer: str, question: str | None = None) -> str:
         return "not written plainly (a fraction, a unit, a + sign or a leading zero)"
     if parse_number(answer, reduced=False) is not None:
         return "a fraction not in lowest terms"
-    if len(numbers) > 1 or re.search(r"[0-9]\s*[-+*/^×÷]|\\(?:sqrt|frac|dfrac|tfrac|binom|dbinom|times|cdot)", answer):
+    if len(numbers) > 1 or re.search(
+        r"[0-9]\s*[-+*/^×÷]|\\(?:sqrt|frac|dfrac|tfrac|binom|dbinom|times|cdot)", answer
+    ):
         return "an expression to evaluate, not a number"
     return "not a number"
 
@@ -611,10 +646,25 @@ def several_values(text: str) -> bool:
 
 def _canon(text: str) -> str:
     s = fold(text)
-    for a, b in (("\\dfrac", "\\frac"), ("\\tfrac", "\\frac"), ("\\cfrac", "\\frac"), ("\\dbinom", "\\binom"),
-                 ("\\tbinom", "\\binom"), ("\\left", ""), ("\\right", ""), ("\\displaystyle", ""), ("\\cdot", "*"),
-                 ("\\times", "*"), ("×", "*"), ("**", "^"), ("\\!", ""), ("\\,", ""), ("\\;", ""), ("\\:", ""),
-                 ("\\ ", "")):
+    for a, b in (
+        ("\\dfrac", "\\frac"),
+        ("\\tfrac", "\\frac"),
+        ("\\cfrac", "\\frac"),
+        ("\\dbinom", "\\binom"),
+        ("\\tbinom", "\\binom"),
+        ("\\left", ""),
+        ("\\right", ""),
+        ("\\displaystyle", ""),
+        ("\\cdot", "*"),
+        ("\\times", "*"),
+        ("×", "*"),
+        ("**", "^"),
+        ("\\!", ""),
+        ("\\,", ""),
+        ("\\;", ""),
+        ("\\:", ""),
+        ("\\ ", ""),
+    ):
         s = s.replace(a, b)
     return re.sub(r"[\s${}]", "", s)
 
@@ -644,7 +694,9 @@ def restates(answer: str, question: str, ground_truth: Any) -> bool:
     a = _form(answer)
     if not a or not question or parse_number(answer, decorations=False, reduced=False) is not None:
         return False
-    if ground_truth is not None and (a == _form(str(ground_truth)) or _terms(a) == _terms(_form(str(ground_truth)))):
+    if ground_truth is not None and (
+        a == _form(str(ground_truth)) or _terms(a) == _terms(_form(str(ground_truth)))
+    ):
         return False
     if a in _form(question):
         return True

@@ -228,7 +228,10 @@ def cpp_contest(
         backend=backend,
     )
     if batch.compile is None or batch.compile.status == ERROR:
-        log.warning("cpp_contest: the compiler could not run: %s", batch.error or (batch.compile.stderr[-300:] if batch.compile else "no compile result"))
+        log.warning(
+            "cpp_contest: the compiler could not run: %s",
+            batch.error or (batch.compile.stderr[-300:] if batch.compile else "no compile result"),
+        )
         return Score(-1.0, False, clip(code), "the compiler could not run")
     if batch.compile.status != OK:
         return Score(-0.5, False, clip(code), f"does not compile ({batch.compile.status.replace('_', ' ')})")

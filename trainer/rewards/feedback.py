@@ -51,13 +51,19 @@ def code_unit_tests_feedback(
         output_bytes=1 << 20,
         stack_mb=64,
     )
-    batch = run_tests("python", program, [inputs[i] for i in idx], limits, stop_on=("timeout",), backend=backend)
+    batch = run_tests(
+        "python", program, [inputs[i] for i in idx], limits, stop_on=("timeout",), backend=backend
+    )
     for i, run in zip(idx, batch.runs):
         actual = run.stdout.decode("utf-8", "replace")
         if run.status == OK and code.outputs_match(actual, outputs[i]):
             continue
         what = "wrong answer" if run.status == OK else run.status.replace("_", " ")
-        detail = f"\nError output:\n{_clip(run.stderr.decode('utf-8', 'replace'))}" if run.status != OK and run.stderr else ""
+        detail = (
+            f"\nError output:\n{_clip(run.stderr.decode('utf-8', 'replace'))}"
+            if run.status != OK and run.stderr
+            else ""
+        )
         return (
             f"Your program failed a test ({what}).\nInput:\n{_clip(inputs[i])}\nExpected output:\n"
             f"{_clip(outputs[i])}\nYour output:\n{_clip(actual)}{detail}\nFix the program and write it again "

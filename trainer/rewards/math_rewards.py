@@ -105,7 +105,9 @@ def _gold(ground_truth: Any) -> str:
     found = boxes_at(gt)
     contents = [b.strip().strip("$").strip() for b, _, _ in found if b is not None and b.strip()]
     if len(contents) > 1 and len(contents) == len(found):
-        between = [gt[end:start] for (_, _, end), start in zip(found, [m.start() for m in BOX.finditer(gt)][1:])]
+        between = [
+            gt[end:start] for (_, _, end), start in zip(found, [m.start() for m in BOX.finditer(gt)][1:])
+        ]
         if all(_JOINS.fullmatch(b) for b in between):
             return ", ".join(contents)
     boxed = found[-1][0] if found else None
@@ -252,7 +254,9 @@ def costly(answer: str) -> str | None:
         # (10^{9999})^{9999} too: a power of a numeric power multiplies the exponents ((x^2+1)^3 is cheap)
         base = _base(answer, m.start())
         if _numeric(exponent) and (
-            _POWER.search(exponent) or _THEN_POWER.match(answer, end) or (_numeric(base) and _POWER.search(base))
+            _POWER.search(exponent)
+            or _THEN_POWER.match(answer, end)
+            or (_numeric(base) and _POWER.search(base))
         ):
             return f"a tower of powers ({clip(answer[m.start() :], 30)})"
         if any(int(n) > MAX_EXPONENT for n in _INTEGER.findall(exponent)):
@@ -362,7 +366,9 @@ def _verify(final: Final, gt: str, timeout_seconds: float, ranged: bool) -> Scor
             if not gold:
                 log.debug("math reward: cannot parse ground truth %r", gt)
                 return _wrong(final, f"cannot parse the ground truth {gt!r}")
-            answer = parse(formula(given), extraction_config=config, parsing_timeout=None, fallback_mode="no_fallback")
+            answer = parse(
+                formula(given), extraction_config=config, parsing_timeout=None, fallback_mode="no_fallback"
+            )
             if not answer:
                 return _wrong(final, "cannot parse the answer")
             # An interval answers an inequality and an inequality an interval (0 < x < 1 is x in (0, 1)).
@@ -400,7 +406,9 @@ def gsm8k_reward(ground_truth: Any, response: str, *, question: str | None = Non
         # a dataset may write its answer in math mode ($244/607$) or as a program prints a float (3.05e-05)
         gold = parse_number(clean(fold(ground_truth)), reduced=False, scientific=True)
         if gold is None:
-            return Score(0.0, False, None, f"the ground truth {clip(str(ground_truth), 40)!r} is not a number")
+            return Score(
+                0.0, False, None, f"the ground truth {clip(str(ground_truth), 40)!r} is not a number"
+            )
         final = final_answer(response)
         if final.answer is None:
             return Score(0.0, False, None, final.source)
@@ -421,7 +429,9 @@ def arithmetic_reward(
     try:
         gold = parse_number(str(ground_truth), fractions=False, decorations=False)
         if gold is None:
-            return Score(0.0, False, None, f"the ground truth {clip(str(ground_truth), 40)!r} is not a number")
+            return Score(
+                0.0, False, None, f"the ground truth {clip(str(ground_truth), 40)!r} is not a number"
+            )
         final = final_answer(response)
         if final.answer is None:
             return Score(0.0, False, None, final.source)
@@ -429,7 +439,9 @@ def arithmetic_reward(
         score = _compare_numbers(final, gold, value, question)
         if score.correct and final.source != BOXED and unboxed_score != 1.0:
             s = float(unboxed_score)
-            return Score(s, s >= 1.0, score.answer, f"{final.source}: right, but not in \\boxed{{}} (scores {s:g})")
+            return Score(
+                s, s >= 1.0, score.answer, f"{final.source}: right, but not in \\boxed{{}} (scores {s:g})"
+            )
         return score
     except Exception as e:  # a reward never takes a run down
         log.debug("arithmetic reward failed", exc_info=True)
@@ -451,10 +463,14 @@ def format_reward(
         pattern = rf"\s*<{t}>((?:(?!</?{t}>).)*)</{t}>\s*<{a}>((?:(?!</?{a}>).)*)</{a}>\s*"
         m = re.fullmatch(pattern, "" if response is None else str(response), flags=re.DOTALL)
         if m is None:
-            return Score(0.0, False, None, f"not <{think_tag}>...</{think_tag}><{answer_tag}>...</{answer_tag}> alone")
+            return Score(
+                0.0, False, None, f"not <{think_tag}>...</{think_tag}><{answer_tag}>...</{answer_tag}> alone"
+            )
         think, answer = m.group(1).strip(), m.group(2).strip()
         if not think or not answer:
-            return Score(0.0, False, clip(answer) or None, f"empty <{think_tag if not think else answer_tag}>")
+            return Score(
+                0.0, False, clip(answer) or None, f"empty <{think_tag if not think else answer_tag}>"
+            )
         return Score(1.0, True, clip(answer), f"<{answer_tag}>")
     except Exception as e:  # a reward never takes a run down
         return Score(0.0, False, None, f"format reward error: {type(e).__name__}")
@@ -479,7 +495,9 @@ def exact_alnum_reward(ground_truth: Any, response: str, *, answer_tag: str = "a
         if not gold:  # an empty ground truth matches nothing
             return Score(0.0, False, clip(answer.strip()), "the ground truth has no letters or digits")
         if _alnum(answer) != gold:
-            return Score(0.0, False, clip(answer.strip()) or None, f"{source}: not {clip(str(ground_truth), 40)!r}")
+            return Score(
+                0.0, False, clip(answer.strip()) or None, f"{source}: not {clip(str(ground_truth), 40)!r}"
+            )
         return Score(1.0, True, clip(answer.strip()), source)
     except Exception as e:  # a reward never takes a run down
         return Score(0.0, False, None, f"exact_alnum reward error: {type(e).__name__}")

@@ -97,7 +97,9 @@ def safe_expression(text: str) -> str | None:
             for sub in ast.walk(node.right):
                 if isinstance(sub, ast.BinOp) and not isinstance(sub.op, (ast.Add, ast.Sub, ast.Div)):
                     return "an exponent that is a product or a power"
-                if isinstance(sub, ast.Constant) and (not isinstance(sub.value, (int, float)) or abs(sub.value) > MAX_EXPONENT):
+                if isinstance(sub, ast.Constant) and (
+                    not isinstance(sub.value, (int, float)) or abs(sub.value) > MAX_EXPONENT
+                ):
                     return f"an exponent above {MAX_EXPONENT}"
             if any(isinstance(sub, ast.BinOp) and isinstance(sub.op, ast.Pow) for sub in ast.walk(node.left)):
                 return "a power of a power"
@@ -182,7 +184,9 @@ def refuse(task: str, answer: str, oracle: Any, metadata: dict) -> str | None:
         return "several candidate values"
     elif _squash(oracle) in _squash(answer) and _squash(oracle) != _squash(answer):
         return "the right answer with more around it"
-    if task == "puzzle24" and sorted(int(n) for n in re.findall(r"\d+", answer)) != sorted(metadata.get("numbers", [])):
+    if task == "puzzle24" and sorted(int(n) for n in re.findall(r"\d+", answer)) != sorted(
+        metadata.get("numbers", [])
+    ):
         return "not the puzzle's numbers"
     return None
 
@@ -195,7 +199,9 @@ def reasoning_gym_reward(
     ``partial_credit``)."""
     try:
         if not isinstance(ground_truth, dict) or not {"task", "answer", "metadata"} <= set(ground_truth):
-            return Score(0.0, False, None, "the ground truth is not a reasoning_gym problem (task, answer, metadata)")
+            return Score(
+                0.0, False, None, "the ground truth is not a reasoning_gym problem (task, answer, metadata)"
+            )
         task = str(ground_truth["task"])
         final = extract(response)
         if final.answer is None:
@@ -212,11 +218,15 @@ def reasoning_gym_reward(
             with _deadline(timeout_seconds):
                 value = float(score_answer(answer, entry))
         except _Timeout:
-            return Score(0.0, False, shown, f"{final.source}: the {task} scorer ran over {timeout_seconds:g}s")
+            return Score(
+                0.0, False, shown, f"{final.source}: the {task} scorer ran over {timeout_seconds:g}s"
+            )
         if partial_credit:
             return Score(value, value >= 1.0, shown, f"{final.source}: {task} scores {value:g}")
         if value >= 1.0 and (why := refuse(task, answer, oracle, ground_truth["metadata"])) is not None:
-            return Score(0.0, False, shown, f"{final.source}: {why} (the {task} scorer pays it; partial_credit=False)")
+            return Score(
+                0.0, False, shown, f"{final.source}: {why} (the {task} scorer pays it; partial_credit=False)"
+            )
         if value >= 1.0:
             return Score(1.0, True, shown, final.source)
         return Score(0.0, False, shown, f"{final.source}: {task} scores {value:g}, not full marks")

@@ -144,8 +144,10 @@ def get(name: str) -> RewardFn:
         if not callable(fn):
             raise KeyError(f"reward {name!r}: module {module_name!r} has no callable {attr!r}")
         return fn
-    raise KeyError(f"unknown reward {name!r}; registered: {', '.join(names())}, or 'module:function' (and, in "
-                   f"env.reward_functions, {REWARD_MODEL})")
+    raise KeyError(
+        f"unknown reward {name!r}; registered: {', '.join(names())}, or 'module:function' (and, in "
+        f"env.reward_functions, {REWARD_MODEL})"
+    )
 
 
 def check(name: str, key: str) -> None:
@@ -168,7 +170,9 @@ def check_kwargs(fn: Callable, kwargs: dict, key: str) -> None:
     params = sig.parameters
     name = getattr(fn, "__name__", repr(fn))
     if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        takes = [n for n, p in list(params.items())[2:] if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        takes = [
+            n for n, p in list(params.items())[2:] if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
         for k in kwargs:
             if k not in takes:
                 raise ConfigError(
@@ -177,7 +181,9 @@ def check_kwargs(fn: Callable, kwargs: dict, key: str) -> None:
     try:
         sig.bind(None, "", **kwargs)
     except TypeError as e:  # a required argument left out, or too few positional parameters
-        raise ConfigError(f"{key}: {name}(ground_truth, response, **kwargs) cannot be called with these: {e}") from None
+        raise ConfigError(
+            f"{key}: {name}(ground_truth, response, **kwargs) cannot be called with these: {e}"
+        ) from None
 
 
 def check_specs(specs: list[RewardSpec]) -> None:
@@ -188,11 +194,15 @@ def check_specs(specs: list[RewardSpec]) -> None:
         if spec.name != REWARD_MODEL:
             check(spec.name, f"{key}.name")
         if not isinstance(spec.weight, numbers.Real) or not math.isfinite(spec.weight):
-            raise ConfigError(f"{key}.weight={spec.weight!r} must be a finite number (it multiplies the reward)")
+            raise ConfigError(
+                f"{key}.weight={spec.weight!r} must be a finite number (it multiplies the reward)"
+            )
         if spec.name == REWARD_MODEL:  # scored by the reward model's actors, configured under reward_model
             if spec.kwargs:
-                raise ConfigError(f"{key}.kwargs: the {REWARD_MODEL} entry takes none; its settings are under "
-                                  f"reward_model (e.g. reward_model.name)")
+                raise ConfigError(
+                    f"{key}.kwargs: the {REWARD_MODEL} entry takes none; its settings are under "
+                    f"reward_model (e.g. reward_model.name)"
+                )
             if sum(s.name == REWARD_MODEL for s in specs) > 1:
                 raise ConfigError(f"{key}: env.reward_functions names {REWARD_MODEL} twice; keep one entry")
             continue

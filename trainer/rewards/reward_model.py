@@ -92,8 +92,13 @@ def check(cfg: RewardModelConfig, specs: list[RewardSpec]) -> None:
 
     config = _model_config(cfg)
     arch = (getattr(config, "architectures", None) or [None])[0]
-    classifier = arch.endswith("ForSequenceClassification") if arch else (
-        config.model_type in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES or bool(getattr(config, "auto_map", None))
+    classifier = (
+        arch.endswith("ForSequenceClassification")
+        if arch
+        else (
+            config.model_type in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
+            or bool(getattr(config, "auto_map", None))
+        )
     )
     if not classifier:
         raise ConfigError(
@@ -173,15 +178,22 @@ class RewardModelWorker:
             dtype = "bfloat16" if self.device == "cuda" or hardware.native_bf16() else "float32"
         name = _model_name(cfg)
         self.tokenizer = load_tokenizer(cfg.tokenizer or name, cfg.trust_remote_code)
-        self.model = AutoModelForSequenceClassification.from_pretrained(
-            name, dtype=DTYPES[dtype], trust_remote_code=cfg.trust_remote_code, num_labels=1
-        ).to(self.device).eval()
+        self.model = (
+            AutoModelForSequenceClassification.from_pretrained(
+                name, dtype=DTYPES[dtype], trust_remote_code=cfg.trust_remote_code, num_labels=1
+            )
+            .to(self.device)
+            .eval()
+        )
         self.text_config = self.model.config.get_text_config()
         context = getattr(self.text_config, "max_position_embeddings", None)
         self.max_length = cfg.max_length or context or 2**31
 
     def ready(self) -> dict:
-        return {"max_length": self.max_length, "chat_template": bool(getattr(self.tokenizer, "chat_template", None))}
+        return {
+            "max_length": self.max_length,
+            "chat_template": bool(getattr(self.tokenizer, "chat_template", None)),
+        }
 
     def score(self, items: list[tuple[list[dict], str]]) -> Iterator[Any]:
         """Yields None once running (the time limit starts), then ``(raw scores, notes, seconds)``: a raw score
@@ -197,8 +209,10 @@ class RewardModelWorker:
         fits = []
         for i, seq in enumerate(ids):
             if len(seq) > self.max_length:
-                notes[i] = (f"too long for the reward model: {len(seq)} tokens > {self.max_length} "
-                            f"(reward_model.max_length); scored reward_model.overlong_score")
+                notes[i] = (
+                    f"too long for the reward model: {len(seq)} tokens > {self.max_length} "
+                    f"(reward_model.max_length); scored reward_model.overlong_score"
+                )
             else:
                 fits.append(i)
         for group in batches([len(ids[i]) for i in fits], self.cfg.max_tokens_per_batch):
@@ -215,8 +229,11 @@ class RewardModelWorker:
         # A decoder classifier scores the last token that is not its config's pad id: pad with an id no
         # sample ends on, so that a sample ending on the tokenizer's pad (often its eos) is read whole.
         last = {s[-1] for s in seqs}
-        pad = next(p for p in itertools.chain([self.tokenizer.pad_token_id or 0], range(len(last) + 1))
-                   if p not in last)
+        pad = next(
+            p
+            for p in itertools.chain([self.tokenizer.pad_token_id or 0], range(len(last) + 1))
+            if p not in last
+        )
         input_ids = torch.full((len(seqs), longest), pad, dtype=torch.long)  # (B, T)
         mask = torch.zeros((len(seqs), longest), dtype=torch.long)  # (B, T)
         for row, s in enumerate(seqs):
@@ -224,7 +241,9 @@ class RewardModelWorker:
             mask[row, : len(s)] = 1
         self.text_config.pad_token_id = pad
         with torch.inference_mode():
-            logits = self.model(input_ids=input_ids.to(self.device), attention_mask=mask.to(self.device)).logits
+            logits = self.model(
+                input_ids=input_ids.to(self.device), attention_mask=mask.to(self.device)
+            ).logits
         return logits[:, 0].float().cpu().tolist()  # (B, 1) -> B
 
 
@@ -242,8 +261,12 @@ class RewardModelPool:
 
         self.cfg = cfg
         self.mean, self.std = stats(cfg)
-        options: dict[str, Any] = {"num_cpus": cfg.num_cpus, "num_gpus": cfg.num_gpus, "max_restarts": 0,
-                                   "max_concurrency": 1}
+        options: dict[str, Any] = {
+            "num_cpus": cfg.num_cpus,
+            "num_gpus": cfg.num_gpus,
+            "max_restarts": 0,
+            "max_concurrency": 1,
+        }
         if cfg.resource:
             options["resources"] = {cfg.resource: 1}
         actor = ray.remote(RewardModelWorker)
@@ -274,9 +297,15 @@ class RewardModelPool:
 
     def describe(self) -> str:
         info = self.info[0] if self.info else {}
-        template = "its chat template" if info.get("chat_template") else "plain 'role: content' lines (no chat template)"
-        return (f"reward model {self.cfg.name}: {self.cfg.replicas} replica(s) of {self._asks()}, reads {template}, "
-                f"up to {info.get('max_length', '?')} tokens")
+        template = (
+            "its chat template"
+            if info.get("chat_template")
+            else "plain 'role: content' lines (no chat template)"
+        )
+        return (
+            f"reward model {self.cfg.name}: {self.cfg.replicas} replica(s) of {self._asks()}, reads {template}, "
+            f"up to {info.get('max_length', '?')} tokens"
+        )
 
     def call(self, items: list[tuple[list[dict], str]]) -> Any:
         """Score ``items`` on the next replica: a streaming generator (None once started, then the result)."""
@@ -311,7 +340,11 @@ class RewardModelPool:
 def step_metrics(rollouts: list) -> dict[str, float]:
     """``train/rm_score_mean`` (raw scores of the samples the model read) and ``train/rm_length_corr``
     (Pearson's, of the raw score with the response's own tokens; 0 when either is constant)."""
-    pairs = [(r.reward.rm_score, r.model_tokens) for r in rollouts if getattr(r.reward, "rm_score", None) is not None]
+    pairs = [
+        (r.reward.rm_score, r.model_tokens)
+        for r in rollouts
+        if getattr(r.reward, "rm_score", None) is not None
+    ]
     if not pairs:
         return {}
     n = len(pairs)

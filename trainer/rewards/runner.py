@@ -62,14 +62,14 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class RewardResult:
-    total: float                      # weighted sum over the reward functions
-    correct: bool                     # every function with a positive weight said correct
+    total: float  # weighted sum over the reward functions
+    correct: bool  # every function with a positive weight said correct
     scores: dict[str, float] = field(default_factory=dict)  # per function name
     warnings: list[str] = field(default_factory=list)
-    feedback: str | None = None       # multi-turn only: the environment's next user turn
-    answer: str | None = None         # what the first positively weighted reward judged (None: nothing)
-    answer_note: str = ""             # where that answer came from, or why there is none or it is wrong
-    rm_score: float | None = None     # the reward model's raw score (None: it did not read this sample)
+    feedback: str | None = None  # multi-turn only: the environment's next user turn
+    answer: str | None = None  # what the first positively weighted reward judged (None: nothing)
+    answer_note: str = ""  # where that answer came from, or why there is none or it is wrong
+    rm_score: float | None = None  # the reward model's raw score (None: it did not read this sample)
 
 
 def score_one(
@@ -199,7 +199,9 @@ class RewardRunner:
     """Scores (ground_truth, response) pairs; with ``feedback=True`` it asks the environment for the
     next turn instead (``RewardResult.feedback``; None when the attempt passed)."""
 
-    def __init__(self, env: EnvConfig, feedback: bool = False, reward_model: rm.RewardModelPool | None = None):
+    def __init__(
+        self, env: EnvConfig, feedback: bool = False, reward_model: rm.RewardModelPool | None = None
+    ):
         from trainer import rewards
         from trainer.rewards.feedback import FEEDBACK
 
@@ -210,10 +212,14 @@ class RewardRunner:
             rewards.check_specs(env.reward_functions)
         self.env = env
         self.specs = [spec for spec in env.reward_functions if feedback or spec.name != rm.NAME]
-        self.rm_spec = None if feedback else next((s for s in env.reward_functions if s.name == rm.NAME), None)
+        self.rm_spec = (
+            None if feedback else next((s for s in env.reward_functions if s.name == rm.NAME), None)
+        )
         if self.rm_spec is not None and reward_model is None:
-            raise ConfigError(f"env.reward_functions names {rm.NAME}, which needs the run's reward model actors "
-                              "(reward_model.name); this runner has none")
+            raise ConfigError(
+                f"env.reward_functions names {rm.NAME}, which needs the run's reward model actors "
+                "(reward_model.name); this runner has none"
+            )
         self.reward_model = reward_model if self.rm_spec is not None else None
         self._rm_running: dict[ray.ObjectRefGenerator, _Task] = {}
         self._rm_results: dict[int, tuple[float, float | None, str]] = {}  # id -> (score, raw score, note)
@@ -327,7 +333,11 @@ class RewardRunner:
                 self._rm_moved = now
                 why = f"reward model timed out after {self.env.reward_timeout_s:g}s"
                 self._rm_results.update((i, (0.0, None, why)) for i in task.ids)
-            elif not busy and task.started is None and now - max(task.submitted, self._rm_moved) > START_TIMEOUT_S:
+            elif (
+                not busy
+                and task.started is None
+                and now - max(task.submitted, self._rm_moved) > START_TIMEOUT_S
+            ):
                 raise ClusterError(
                     f"a reward model batch has waited {now - task.submitted:.0f}s for a replica to start it, while "
                     f"none ran: the reward model's replicas are stuck; check their logs, or raise env.reward_timeout_s"
@@ -364,8 +374,14 @@ class RewardRunner:
                     ray.cancel(gen, force=True)
                     self._running.pop(gen)
                     self._moved = now
-                    self._failed_task(task.ids, task.items, f"reward timed out after {self.env.reward_timeout_s:g}s")
-                elif not busy and task.started is None and now - max(task.submitted, self._moved) > START_TIMEOUT_S:
+                    self._failed_task(
+                        task.ids, task.items, f"reward timed out after {self.env.reward_timeout_s:g}s"
+                    )
+                elif (
+                    not busy
+                    and task.started is None
+                    and now - max(task.submitted, self._moved) > START_TIMEOUT_S
+                ):
                     waited = now - task.submitted
                     for stalled in self._running:
                         ray.cancel(stalled, force=True)
@@ -401,8 +417,9 @@ class RewardRunner:
                 log.warning("%s (%d of %d samples)", what, n, len(rm_ids))
         return out
 
-    def _join_reward_model(self, spec: RewardSpec, result: RewardResult, score: float, raw: float | None,
-                           note: str) -> None:
+    def _join_reward_model(
+        self, spec: RewardSpec, result: RewardResult, score: float, raw: float | None, note: str
+    ) -> None:
         result.scores[spec.name] = score
         result.total += spec.weight * score
         result.rm_score = raw

@@ -233,7 +233,10 @@ class SandboxUnavailable(ConfigError, RuntimeError):
 def _can_unshare(*flags: str) -> bool:
     unshare = shutil.which("unshare")
     try:
-        return bool(unshare) and subprocess.run([unshare, *flags, "true"], capture_output=True, timeout=10).returncode == 0
+        return (
+            bool(unshare)
+            and subprocess.run([unshare, *flags, "true"], capture_output=True, timeout=10).returncode == 0
+        )
     except (OSError, subprocess.SubprocessError):
         return False
 
@@ -299,7 +302,9 @@ def resolve(requested: str | None = None) -> Backend:
             )
         b = Backend(RLIMIT, _find_python(need_world=root), switch_uid=root, netns=netns, reason=reason)
         if root:
-            isolation = "each sandbox as its own unprivileged uid, no network; it can read world-readable files"
+            isolation = (
+                "each sandbox as its own unprivileged uid, no network; it can read world-readable files"
+            )
         else:
             isolation = (
                 "as the trainer's own uid, no network: sandboxed code can read the trainer's files "

@@ -48,7 +48,9 @@ class TrackerError(RuntimeError):
 
 class Tracker(Protocol):
     name: str
-    run_id: str | None  # what a resumed run passes back to continue this tracker's run (None: nothing to pass)
+    run_id: (
+        str | None
+    )  # what a resumed run passes back to continue this tracker's run (None: nothing to pass)
 
     def scalars(self, step: int, values: Mapping[str, float]) -> None: ...
 
@@ -83,7 +85,9 @@ def _import(module: str, backend: str):
     try:
         return importlib.import_module(module)
     except ImportError:
-        raise TrackerError(f"logger.backends has {backend}, but the {module} package is not installed: {EXTRA}") from None
+        raise TrackerError(
+            f"logger.backends has {backend}, but the {module} package is not installed: {EXTRA}"
+        ) from None
 
 
 def _probe(url: str, what: str) -> None:
@@ -95,7 +99,9 @@ def _probe(url: str, what: str) -> None:
             pass
     except OSError as e:
         reason = e.strerror or type(e).__name__
-        raise TrackerError(f"{what} {url} is unreachable ({reason}); check the URL, or drop the backend from logger.backends") from None
+        raise TrackerError(
+            f"{what} {url} is unreachable ({reason}); check the URL, or drop the backend from logger.backends"
+        ) from None
 
 
 def wandb_mode(cfg: LoggerConfig) -> str:
@@ -129,7 +135,9 @@ def check(cfg: LoggerConfig) -> None:
                     "logger.backends has wandb, but WANDB_API_KEY is not set (the chart's secrets.wandbApiKey, or "
                     "`wandb login`); set it, or run offline with logger.wandb.mode=offline"
                 )
-            _probe(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai"), "the W&B server (WANDB_BASE_URL)")
+            _probe(
+                os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai"), "the W&B server (WANDB_BASE_URL)"
+            )
     if "mlflow" in cfg.backends:
         _import("mlflow", "mlflow")
         uri = mlflow_uri(cfg)
@@ -149,13 +157,19 @@ def check(cfg: LoggerConfig) -> None:
 def _check_sqlite_path(uri: str) -> None:
     """A SQLite store is a file that MLflow creates: its directory must exist and be writable (MLflow itself
     retries a file it cannot open for minutes before it says so)."""
-    path = Path(uri.split("://", 1)[1] or ".")  # sqlite:////abs/path.db -> /abs/path.db; sqlite:///rel.db -> rel.db
+    path = Path(
+        uri.split("://", 1)[1] or "."
+    )  # sqlite:////abs/path.db -> /abs/path.db; sqlite:///rel.db -> rel.db
     where = "logger.mlflow.tracking_uri or MLFLOW_TRACKING_URI"
     if path.is_dir():
-        raise TrackerError(f"{where}={uri}: {path} is a directory; name the database file, e.g. {path / 'mlflow.db'}")
+        raise TrackerError(
+            f"{where}={uri}: {path} is a directory; name the database file, e.g. {path / 'mlflow.db'}"
+        )
     if not os.access(path.parent if str(path.parent) else ".", os.W_OK):
-        raise TrackerError(f"{where}={uri}: cannot create the database in {path.parent} (no such directory, "
-                           "or not writable); pass a writable path")
+        raise TrackerError(
+            f"{where}={uri}: cannot create the database in {path.parent} (no such directory, "
+            "or not writable); pass a writable path"
+        )
 
 
 # ----- the run's trackers ----------------------------------------------------------------------------
@@ -175,8 +189,14 @@ def open_trackers(
             module, cls = BACKENDS[name]
             tracker_cls = getattr(_import(module, name), cls)
             trackers.append(
-                tracker_cls(cfg, run_dir=run_dir, run_name=run_name, config=config, resume_step=resume_step,
-                            run_id=(run_ids or {}).get(name))
+                tracker_cls(
+                    cfg,
+                    run_dir=run_dir,
+                    run_name=run_name,
+                    config=config,
+                    resume_step=resume_step,
+                    run_id=(run_ids or {}).get(name),
+                )
             )
     except TrackerError:
         for tracker in trackers:

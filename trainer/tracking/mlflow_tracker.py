@@ -27,8 +27,15 @@ PARAMS_PER_BATCH = 100  # and on parameters per log_batch
 class MlflowTracker:
     name = "mlflow"
 
-    def __init__(self, cfg, run_dir, run_name: str, config: Mapping[str, Any], resume_step: int,
-                 run_id: str | None = None):
+    def __init__(
+        self,
+        cfg,
+        run_dir,
+        run_name: str,
+        config: Mapping[str, Any],
+        resume_step: int,
+        run_id: str | None = None,
+    ):
         uri = mlflow_uri(cfg.logger)
         scheme = urlparse(uri).scheme
         if scheme == "file" or (not scheme and uri):
@@ -36,7 +43,9 @@ class MlflowTracker:
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         from mlflow import MlflowClient
 
-        experiment = cfg.logger.mlflow.experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME") or cfg.experiment_name
+        experiment = (
+            cfg.logger.mlflow.experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME") or cfg.experiment_name
+        )
         try:
             self.client = MlflowClient(tracking_uri=uri)
             self.run_id = self._start(experiment, run_name, run_id, cfg, scheme)
@@ -44,7 +53,9 @@ class MlflowTracker:
             raise
         except Exception as e:  # MlflowException, a refused connection, a locked database: one line
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise TrackerError(f"logger.backends has mlflow, but the MLflow run did not start ({uri}): {first}") from None
+            raise TrackerError(
+                f"logger.backends has mlflow, but the MLflow run did not start ({uri}): {first}"
+            ) from None
         self._log_config(config, resumed=run_id == self.run_id)
 
     def _start(self, experiment: str, run_name: str, run_id: str | None, cfg, scheme: str) -> str:
@@ -52,8 +63,10 @@ class MlflowTracker:
             try:
                 run = self.client.get_run(run_id)
             except Exception:  # deleted, or another store: a new run says so rather than failing the resume
-                print(f"kuberl: mlflow: run {run_id} of the checkpoint is not in this store; starting a new one",
-                      flush=True)
+                print(
+                    f"kuberl: mlflow: run {run_id} of the checkpoint is not in this store; starting a new one",
+                    flush=True,
+                )
             else:
                 self.client.update_run(run.info.run_id, status="RUNNING")
                 return run.info.run_id
@@ -62,10 +75,16 @@ class MlflowTracker:
             experiment_id = found.experiment_id
         else:
             location = cfg.logger.mlflow.artifact_location
-            if location is None and scheme in ("sqlite", "file", ""):  # a local store: artifacts beside the logs
+            if location is None and scheme in (
+                "sqlite",
+                "file",
+                "",
+            ):  # a local store: artifacts beside the logs
                 location = Path(cfg.logger.log_dir).resolve().joinpath("mlflow-artifacts").as_uri()
             experiment_id = self.client.create_experiment(experiment, artifact_location=location)
-        run = self.client.create_run(experiment_id, run_name=run_name, tags={"kuberl.experiment": cfg.experiment_name})
+        run = self.client.create_run(
+            experiment_id, run_name=run_name, tags={"kuberl.experiment": cfg.experiment_name}
+        )
         return run.info.run_id
 
     def _log_config(self, config: Mapping[str, Any], resumed: bool) -> None:
@@ -76,8 +95,11 @@ class MlflowTracker:
             logged = self.client.get_run(self.run_id).data.params
             changed = sorted(k for k, v in params.items() if k in logged and logged[k] != v)
             if changed:
-                print(f"kuberl: mlflow: parameters cannot change within a run; keeping the first values of "
-                      f"{', '.join(changed)}", flush=True)
+                print(
+                    f"kuberl: mlflow: parameters cannot change within a run; keeping the first values of "
+                    f"{', '.join(changed)}",
+                    flush=True,
+                )
             params = {k: v for k, v in params.items() if k not in logged}
         items = [Param(k, v) for k, v in params.items()]
         for i in range(0, len(items), PARAMS_PER_BATCH):

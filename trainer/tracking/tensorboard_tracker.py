@@ -27,14 +27,23 @@ class TensorBoardTracker:
     name = "tensorboard"
     run_id = None  # the run directory is the run: a resumed run passes its name, not an id
 
-    def __init__(self, cfg, run_dir, run_name: str, config: Mapping[str, Any], resume_step: int,
-                 run_id: str | None = None):
+    def __init__(
+        self,
+        cfg,
+        run_dir,
+        run_name: str,
+        config: Mapping[str, Any],
+        resume_step: int,
+        run_id: str | None = None,
+    ):
         from torch.utils.tensorboard import SummaryWriter
 
         resumed = resume_step > 0
         self.writer = SummaryWriter(log_dir=str(run_dir), purge_step=resume_step + 1 if resumed else None)
         if not resumed:
-            self.writer.add_text("config", markdown_table([{"key": k, "value": v} for k, v in config.items()]), 0)
+            self.writer.add_text(
+                "config", markdown_table([{"key": k, "value": v} for k, v in config.items()]), 0
+            )
 
     def scalars(self, step: int, values: Mapping[str, float]) -> None:
         for key, value in values.items():

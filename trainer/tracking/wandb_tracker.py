@@ -22,21 +22,37 @@ INIT_TIMEOUT_S = 60  # an online start that hangs longer is a one-line error, no
 class WandbTracker:
     name = "wandb"
 
-    def __init__(self, cfg, run_dir, run_name: str, config: Mapping[str, Any], resume_step: int,
-                 run_id: str | None = None):
+    def __init__(
+        self,
+        cfg,
+        run_dir,
+        run_name: str,
+        config: Mapping[str, Any],
+        resume_step: int,
+        run_id: str | None = None,
+    ):
         import wandb
 
         w = cfg.logger.wandb
         mode = wandb_mode(cfg.logger)
         try:
             self.run = wandb.init(
-                project=w.project or os.environ.get("WANDB_PROJECT") or "kuberl", entity=w.entity, group=w.group or cfg.experiment_name, name=run_name,
-                id=run_id, resume="allow" if run_id else None, dir=str(run_dir), config=dict(config), mode=mode,
+                project=w.project or os.environ.get("WANDB_PROJECT") or "kuberl",
+                entity=w.entity,
+                group=w.group or cfg.experiment_name,
+                name=run_name,
+                id=run_id,
+                resume="allow" if run_id else None,
+                dir=str(run_dir),
+                config=dict(config),
+                mode=mode,
                 settings=wandb.Settings(init_timeout=INIT_TIMEOUT_S, silent=True),
             )
         except Exception as e:  # wandb's errors (auth, network, a bad entity) as one line
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise TrackerError(f"logger.backends has wandb, but the W&B run did not start ({mode}): {first}") from None
+            raise TrackerError(
+                f"logger.backends has wandb, but the W&B run did not start ({mode}): {first}"
+            ) from None
         self.run_id = self.run.id
         self._wandb = wandb
 

@@ -100,7 +100,9 @@ class WeightSyncGroup:
             self.pg.barrier(opts).wait()
             return True
         except Exception as e:
-            log.warning("weight sync: rank %d closing without its peers (%s)", self.rank, str(e).splitlines()[0])
+            log.warning(
+                "weight sync: rank %d closing without its peers (%s)", self.rank, str(e).splitlines()[0]
+            )
             return False
 
     def _drop_pg(self) -> None:
@@ -117,7 +119,9 @@ class WeightSyncGroup:
             except Exception:
                 return False
             if time.monotonic() > deadline:
-                log.warning("weight sync: not every receiver checked out within %.0fs; closing the store", timeout_s)
+                log.warning(
+                    "weight sync: not every receiver checked out within %.0fs; closing the store", timeout_s
+                )
                 return False
             time.sleep(0.01)
 

@@ -90,8 +90,14 @@ class WeightMeta:
         return math.prod(self.shapes[i]) * dtype_of(self.dtype_names[i]).itemsize
 
 
-def init_info(master_address: str, master_port: int, rank_offset: int, world_size: int,
-              buffer_bytes: int = DEFAULT_BUFFER_BYTES, num_buffers: int = DEFAULT_NUM_BUFFERS) -> dict:
+def init_info(
+    master_address: str,
+    master_port: int,
+    rank_offset: int,
+    world_size: int,
+    buffer_bytes: int = DEFAULT_BUFFER_BYTES,
+    num_buffers: int = DEFAULT_NUM_BUFFERS,
+) -> dict:
     """The init info an engine's ``init_weight_transfer_engine`` gets (vLLM's NCCL field names)."""
     return dict(
         master_address=master_address,
@@ -104,7 +110,9 @@ def init_info(master_address: str, master_port: int, rank_offset: int, world_siz
     )
 
 
-def worker_rank(rank_offset: int, data_parallel_index: int, world_size_per_dp: int, rank_within_dp: int) -> int:
+def worker_rank(
+    rank_offset: int, data_parallel_index: int, world_size_per_dp: int, rank_within_dp: int
+) -> int:
     """A receiving worker's rank in the transfer group: vLLM's ``worker_init_process_group`` rule."""
     return data_parallel_index * world_size_per_dp + rank_within_dp + rank_offset
 
@@ -130,7 +138,9 @@ def _device(group: Broadcaster) -> torch.device:
     return getattr(group, "device", None) or torch.device("cpu")
 
 
-def checked(named_tensors: Iterable[tuple[str, torch.Tensor]], meta: WeightMeta) -> Iterator[tuple[str, torch.Tensor]]:
+def checked(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], meta: WeightMeta
+) -> Iterator[tuple[str, torch.Tensor]]:
     """The tensors, each checked against the update info the receivers were given: a mismatch would
     split the stream differently on the two ends (a hang or garbage), so it is an error naming it."""
     i = -1
@@ -147,8 +157,9 @@ def checked(named_tensors: Iterable[tuple[str, torch.Tensor]], meta: WeightMeta)
 
 
 @torch.no_grad()
-def send_packed(group: Broadcaster, named_tensors: Iterable[tuple[str, torch.Tensor]], meta: WeightMeta,
-                buffer_bytes: int) -> TransferStats:
+def send_packed(
+    group: Broadcaster, named_tensors: Iterable[tuple[str, torch.Tensor]], meta: WeightMeta, buffer_bytes: int
+) -> TransferStats:
     """Rank 0: broadcast the tensors in :func:`chunks`; each is copied into the chunk as it arrives and
     no reference to it is kept (FSDP frees the gathered weights when its iterator ends)."""
     stats, t0 = TransferStats(), time.perf_counter()
@@ -177,7 +188,9 @@ def send_packed(group: Broadcaster, named_tensors: Iterable[tuple[str, torch.Ten
 
 
 @torch.no_grad()
-def receive_packed(group: Broadcaster, meta: WeightMeta, buffer_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+def receive_packed(
+    group: Broadcaster, meta: WeightMeta, buffer_bytes: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Every other rank: each chunk's tensors (views into a fresh buffer, so a consumer may keep them)."""
     device = _device(group)
     for part in chunks(meta, buffer_bytes):
@@ -192,7 +205,9 @@ def receive_packed(group: Broadcaster, meta: WeightMeta, buffer_bytes: int) -> I
         yield out
 
 
-def receive_tensors(group: Broadcaster, meta: WeightMeta, buffer_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
+def receive_tensors(
+    group: Broadcaster, meta: WeightMeta, buffer_bytes: int
+) -> Iterator[tuple[str, torch.Tensor]]:
     """The same stream one tensor at a time, for an engine's ``update_weights``."""
     for chunk in receive_packed(group, meta, buffer_bytes):
         yield from chunk
@@ -221,7 +236,9 @@ class GroupSender:
         from trainer.generation.refit.group import WeightSyncGroup
 
         self.buffer_bytes = int(info["packed_buffer_size_bytes"])
-        self.group = WeightSyncGroup(info["master_address"], info["master_port"], 0, info["world_size"], device)
+        self.group = WeightSyncGroup(
+            info["master_address"], info["master_port"], 0, info["world_size"], device
+        )
 
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], meta: WeightMeta) -> TransferStats:
         return send_packed(self.group, named_tensors, meta, self.buffer_bytes)

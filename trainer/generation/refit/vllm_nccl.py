@@ -51,7 +51,9 @@ from trainer.generation.vllm_engine import (
 )
 
 
-class GlooWeightTransferEngine(WeightTransferEngine[NCCLWeightTransferInitInfo, NCCLWeightTransferUpdateInfo]):
+class GlooWeightTransferEngine(
+    WeightTransferEngine[NCCLWeightTransferInitInfo, NCCLWeightTransferUpdateInfo]
+):
     """The CPU twin of vLLM's ``NCCLWeightTransferEngine`` (module docstring)."""
 
     init_info_cls = NCCLWeightTransferInitInfo
@@ -78,7 +80,11 @@ class GlooWeightTransferEngine(WeightTransferEngine[NCCLWeightTransferInitInfo, 
         self.buffer_bytes = init_info.packed_buffer_size_bytes
         # The group's tensors are host tensors whatever the engine's device: gloo is the CPU transport.
         self.group = WeightSyncGroup(
-            init_info.master_address, init_info.master_port, self.rank, init_info.world_size, torch.device("cpu")
+            init_info.master_address,
+            init_info.master_port,
+            self.rank,
+            init_info.world_size,
+            torch.device("cpu"),
         )
 
     def start_weight_update(self) -> None:
@@ -96,7 +102,9 @@ class GlooWeightTransferEngine(WeightTransferEngine[NCCLWeightTransferInitInfo, 
     def receive_weights(self, update_info: NCCLWeightTransferUpdateInfo) -> None:
         if self.group is None:
             raise RuntimeError("receive_weights before init_weight_transfer_engine")
-        meta = WeightMeta(list(update_info.names), list(update_info.dtype_names), [list(s) for s in update_info.shapes])
+        meta = WeightMeta(
+            list(update_info.names), list(update_info.dtype_names), [list(s) for s in update_info.shapes]
+        )
         with quiet(RELOAD_LOGGER):
             for chunk in receive_packed(self.group, meta, self.buffer_bytes):
                 if not self.on_cpu:

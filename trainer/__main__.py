@@ -66,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     from trainer.models import ModelNotFoundError
     from trainer.preemption import Preempted
     from trainer.prestart import SetupError
+    from trainer.rewards.reward_model import RewardModelError
     from trainer.run import train
     from trainer.watchdog import LOST_EXIT, Lost
 
@@ -75,7 +76,14 @@ def main(argv: list[str] | None = None) -> int:
         train(cfg)
     except ConfigError as e:  # a name a component checks when it is built (check_names ran them above)
         return _fail(str(e))
-    except (ClusterError, ModelNotFoundError, CheckpointError, SetupError, GenerationError) as e:
+    except (
+        ClusterError,
+        ModelNotFoundError,
+        CheckpointError,
+        SetupError,
+        GenerationError,
+        RewardModelError,
+    ) as e:
         return _fail(str(e), 3)
     except Lost as e:  # a worker or the cluster is gone: the line says which, and where to resume
         return _fail(str(e), LOST_EXIT)

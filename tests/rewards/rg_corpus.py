@@ -196,9 +196,9 @@ def timed_calls(calls: list[tuple[str, Any, str, str | None]]) -> list[Timed]:
     """Run ``(reward name, ground truth, response, question)`` calls in a child process and return each
     one's CPU seconds, value and note; a hang (no return after :data:`HANG_S`) is killed and reported
     with ``cpu_s`` None, and a fresh child goes on after it."""
-    # fork: the calls reach the child without pickling (some responses are megabytes), its imports are the
-    # parent's, and no resource-tracker process is left behind as spawn would leave one
-    ctx = multiprocessing.get_context("fork")
+    # spawn, not fork: a fork of a process with threads (a test session's Ray client, torch's pools) can
+    # copy a lock another thread held, and the child then waits forever on its first import
+    ctx = multiprocessing.get_context("spawn")
     out: list[Timed] = []
     start = 0
     while start < len(calls):
@@ -206,15 +206,17 @@ def timed_calls(calls: list[tuple[str, Any, str, str | None]]) -> list[Timed]:
         proc = ctx.Process(target=_child, args=(calls, start, child), daemon=True)
         proc.start()
         child.close()
-        current = None
+        current, started = None, False
         try:
             while True:
                 # imports take seconds before the first call; then each call gets HANG_S
                 if not parent.poll(HANG_S if current is not None else 120.0):
+                    if current is None and not started:
+                        raise RuntimeError("the timing child sent nothing within 120 s of its start")
                     break
                 msg = parent.recv()
                 if msg[0] == "start":
-                    current = msg[1]
+                    current, started = msg[1], True
                 elif msg[0] == "done":
                     out.append(Timed(msg[1], msg[2], msg[3], msg[4]))
                     current = None

@@ -33,7 +33,9 @@ def test_should_score_zero_promptly_when_a_fraction_answers_another_fraction():
         ("math", "\\frac{5}{6}", "\\boxed{\\frac{1}{7}}", None),
         ("gsm8k", "35/99", "The final answer is 593/1368.", None),
     ]
-    for got in rg_corpus.timed_calls(calls):
+    results = rg_corpus.timed_calls(calls)
+    assert len(results) == len(calls), results
+    for got in results:
         assert got.cpu_s is not None and got.cpu_s <= LIMIT_S and got.value == 0.0, (calls[got.index], got)
 
 

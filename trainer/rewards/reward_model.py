@@ -37,7 +37,6 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from trainer.cluster import ClusterError
 from trainer.config import ConfigError, RewardModelConfig, RewardSpec
 from trainer.rewards.registry import REWARD_MODEL as NAME  # the env.reward_functions entry it scores
 
@@ -45,8 +44,9 @@ from trainer.rewards.registry import REWARD_MODEL as NAME  # the env.reward_func
 PLAIN_TEMPLATE = "{role}: {content}\n"
 
 
-class RewardModelError(ClusterError):
-    """The reward model's replicas cannot score (they did not start in time); one line for people."""
+class RewardModelError(RuntimeError):
+    """The reward model's replicas cannot score (they did not start in time); one line for people
+    (python -m trainer prints it as it does a ClusterError; importing the rewards never imports Ray)."""
 
 
 def used(specs: list[RewardSpec]) -> bool:

@@ -182,10 +182,15 @@ def training_terms(cfg, shape: Shape, world: int) -> dict[str, float]:
 def logit_bytes(shape: Shape, rows: int, dtype_bytes: int, gpu: bool = True) -> float:
     """The logprob pass at its peak: one (positions x vocabulary block) tile of logits, their float32
     copy and gradient (:mod:`trainer.algorithms.linear_logprobs`), and the float32 gradient of the ``rows``
-    hidden states it sums over the blocks, beside its cast to the model's dtype."""
+    hidden states it sums over the blocks, beside its cast to the model's dtype. Logits that stay under
+    :data:`trainer.policy.forward.TILE_ABOVE_BYTES` are projected whole: then they and their gradient."""
     import torch
 
     from trainer.algorithms import linear_logprobs
+    from trainer.policy.forward import TILE_ABOVE_BYTES
+
+    if rows * shape.vocab * 4 <= TILE_ABOVE_BYTES:
+        return 2 * rows * shape.vocab * dtype_bytes
 
     budget = linear_logprobs.tile_elements(torch.device("cuda" if gpu else "cpu"))
     step, block = linear_logprobs.tiles(rows, shape.vocab, budget)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -36,7 +37,9 @@ RTOL, ATOL = 1e-5, 1e-6  # float32: the same terms, summed in another order (til
 
 
 def _small_tiles(monkeypatch) -> None:
-    """Tiles of 16 vocabulary entries and a few positions: every loop of the op runs more than once."""
+    """Tiles of 16 vocabulary entries and a few positions: every loop of the op runs more than once (and
+    the policy's forward tiles the tiny model's head, whose logits are far below the size it tiles from)."""
+    monkeypatch.setattr(forward, "TILE_ABOVE_BYTES", 0)
     monkeypatch.setattr(ll, "MIN_BLOCK", 16)
     monkeypatch.setattr(ll, "tile_elements", lambda device: 16 * 5)
 
@@ -219,7 +222,7 @@ def _rank_main(rank: int, world: int, port: int, model_path: str, out: str) -> N
     forward.forward_logprobs = forward.logits_logprobs
     want = _run(w, _samples(), {})
     forward.forward_logprobs = tiled
-    ll.MIN_BLOCK, ll.tile_elements = 16, lambda device: 16 * 5
+    ll.MIN_BLOCK, ll.tile_elements, forward.TILE_ABOVE_BYTES = 16, lambda device: 16 * 5, 0
     got = _run(w, _samples(), {})
     if rank == 0:
         torch.save({"want": want, "got": got}, out)
@@ -258,7 +261,34 @@ class _Largest(TorchDispatchMode):
         return out
 
 
-def test_should_never_make_a_positions_by_vocabulary_tensor_when_logprobs_and_their_gradient_are_computed():
+def test_should_project_the_whole_logits_only_when_they_stay_under_the_size_the_head_tiles_from(monkeypatch):
+    from trainer.policy.batch import Sample, pack_batch
+
+    calls: list[str] = []
+    monkeypatch.setattr(forward, "logits_logprobs", lambda *a, **k: calls.append("plain"))
+    monkeypatch.setattr(forward, "_root_forward", lambda model: lambda *a, **k: calls.append("tiled"))
+    model = torch.nn.Module()
+    head = torch.nn.Linear(8, 1000, bias=False)
+    model.get_output_embeddings = lambda: head
+    model.config = types.SimpleNamespace()
+    batch = pack_batch([Sample(prompt_ids=[1, 2], response_ids=[3] * 99, advantage=1.0)], pad_id=0)
+    assert forward.positions(batch) == 99
+    for limit, expected in ((99 * 1000 * 4, "plain"), (99 * 1000 * 4 - 1, "tiled")):
+        monkeypatch.setattr(forward, "TILE_ABOVE_BYTES", limit)
+        calls.clear()
+        try:
+            forward.forward_logprobs(model, batch, torch.device("cpu"), None, False, 1.0)
+        except Exception:  # the stand-in root forward returns nothing to unpack: only the choice is checked
+            pass
+        assert calls[:1] == [expected], (limit, calls)
+
+
+def test_should_never_make_a_positions_by_vocabulary_tensor_when_logprobs_and_their_gradient_are_computed(
+    monkeypatch,
+):
+    monkeypatch.setattr(
+        forward, "TILE_ABOVE_BYTES", 0
+    )  # the model here is small; the rule is what is checked
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from trainer.policy.batch import Sample, pack_batch

@@ -12,8 +12,11 @@ on a method of our own): the root unit, which holds ``lm_head`` (or the tied emb
 gathered around it, and the pre-backward hook FSDP puts on the returned logprobs gathers it again before
 their backward reads the weight, and reduce-scatters its gradient after. The head's post-processing is the
 model's: Gemma's final logit softcapping where the model's own config asks for it, the bias if any.
-A head that is not a plain ``nn.Linear`` takes today's path (:func:`logits_logprobs`: the logits, then
-one chunked float32 pass, :func:`trainer.algorithms.core_algos.logprobs_and_entropy`).
+A head that is not a plain ``nn.Linear`` takes the plain path (:func:`logits_logprobs`: the logits, then
+one chunked float32 pass, :func:`trainer.algorithms.core_algos.logprobs_and_entropy`), and so does a
+micro-batch whose float32 logits would stay under :data:`TILE_ABOVE_BYTES`: there the whole tensor costs
+less than the tiles' second matmul in backward (the head alone ran 15-20 % slower tiled on a CPU,
+bench/README.md), and a small model's run keeps its exact numbers.
 """
 
 from __future__ import annotations
@@ -195,6 +198,16 @@ def _root_forward(model):
     return method
 
 
+# Float32 logits of a micro-batch (positions x vocabulary x 4 bytes) from which the head goes tile by tile:
+# 256 MiB, e.g. 1,300 positions of SmolLM2's 49k vocabulary, or 256 of Gemma 3's 262k.
+TILE_ABOVE_BYTES = 256 << 20
+
+
+def positions(batch: PaddedBatch | PrefixBatch | PackedBatch) -> int:
+    """Positions whose logits a batch's logprob pass projects."""
+    return int(batch.flat_labels.numel() if isinstance(batch, PackedBatch) else batch.labels.numel())
+
+
 def tiled_head(model) -> bool:
     """Whether the model's LM head is a plain linear layer, which :func:`forward_logprobs` projects a tile at a time."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
@@ -212,7 +225,8 @@ def forward_logprobs(
 ):
     """(B, K) logprobs of the window's labels, and optionally (B, K) entropy (no gradient), in float32,
     without the window's (B, K, V) logits ever existing whole (the module docstring)."""
-    if not tiled_head(model):
+    vocab = model.get_output_embeddings().weight.shape[0] if tiled_head(model) else 0
+    if not vocab or positions(batch) * vocab * 4 <= TILE_ABOVE_BYTES:
         return logits_logprobs(model, batch, device, sp, packed_attention, temperature, with_entropy)
     head = model.get_output_embeddings()
     softcap = getattr(

@@ -43,6 +43,17 @@ def set_row(packed_attention: bool, row) -> None:
         set_packed_row(row)
 
 
+def flash_boundaries(model, batch: PackedBatch, device: torch.device) -> dict:
+    """The packed row's sample boundaries as flash attention's varlen arguments, for a model that runs
+    flash attention (so it need not infer them in every layer); nothing for any other implementation."""
+    if "flash" not in (getattr(model.config, "_attn_implementation", None) or ""):
+        return {}
+    cu = batch.cu_seqlens.to(device)
+    return dict(
+        cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=batch.max_seqlen, max_length_k=batch.max_seqlen
+    )
+
+
 def window_logits(
     model,
     batch: PaddedBatch | PrefixBatch | PackedBatch,
@@ -59,15 +70,7 @@ def window_logits(
         # its own (packed_attention, told the row below). Flash attention gets the boundaries
         # themselves, so it runs its varlen kernel without inferring them in every layer. Others
         # (eager): transformers reads the boundaries from the position ids (a block-diagonal mask).
-        varlen = {}
-        if "flash" in (getattr(model.config, "_attn_implementation", None) or ""):
-            cu = batch.cu_seqlens.to(dev)
-            varlen = dict(
-                cu_seq_lens_q=cu,
-                cu_seq_lens_k=cu,
-                max_length_q=batch.max_seqlen,
-                max_length_k=batch.max_seqlen,
-            )
+        varlen = flash_boundaries(model, batch, dev)
         input_ids, position_ids, predict = batch.input_ids, batch.position_ids, batch.predict
         if sp is not None:  # this rank's slice of the row; attention sees the whole row
             row, input_ids, position_ids, predict = sp.split(batch)
@@ -248,15 +251,7 @@ def forward_logprobs(
     dev = device
     set_row(packed_attention, None)
     if isinstance(batch, PackedBatch):
-        varlen = {}
-        if "flash" in (getattr(model.config, "_attn_implementation", None) or ""):  # as in window_logits
-            cu = batch.cu_seqlens.to(dev)
-            varlen = dict(
-                cu_seq_lens_q=cu,
-                cu_seq_lens_k=cu,
-                max_length_q=batch.max_seqlen,
-                max_length_k=batch.max_seqlen,
-            )
+        varlen = flash_boundaries(model, batch, dev)
         input_ids, position_ids, predict = batch.input_ids, batch.position_ids, batch.predict
         labels = batch.flat_labels[None]
         if sp is not None:

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from tests.ray_process import ray_process
 from tests.shared_instance import shared
 
 REPO = Path(__file__).resolve().parents[1]
@@ -165,33 +164,13 @@ RAY_LOCAL_CPUS, TRAINER_RAY_CPUS = 16, 6
 def _ray_instance(env: dict[str, str], num_cpus: int) -> Iterator[str]:
     """A Ray instance in a process of its own (its owner's tests connect and disconnect as they please): its
     address; ended, with all it started, on exit."""
-    code = (
-        "import sys, ray\n"
+    start = (
+        "import ray\n"
         f"ray.init(address='local', num_cpus={num_cpus}, num_gpus=0, include_dashboard=False, log_to_driver=False)\n"
-        "print(ray.get_runtime_context().gcs_address, flush=True)\n"
-        "sys.stdin.read()\n"  # until we close its stdin
-        "ray.shutdown()\n"
+        "address = ray.get_runtime_context().gcs_address"
     )
-    proc = subprocess.Popen(
-        [sys.executable, "-c", code],
-        cwd=REPO,
-        env=env,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        address = proc.stdout.readline().strip()
-        if not address:
-            pytest.fail(f"the session's Ray instance did not start (exit {proc.wait(timeout=60)})")
+    with ray_process(start, "ray.shutdown()", env, "the session's Ray instance") as address:
         yield address
-    finally:
-        proc.stdin.close()
-        try:
-            proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 @pytest.fixture(scope="session")

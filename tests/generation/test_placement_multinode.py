@@ -23,6 +23,7 @@ import sys
 import pytest
 
 from tests.conftest import REPO
+from tests.ray_process import ray_process
 from tests.test_train_tiny import LEARN_STEPS, _assert_learned, _needs_vllm, _scalars
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
@@ -34,38 +35,17 @@ NODES = {"train-a": "127.0.0.2", "train-b": "127.0.0.3", "generation": "127.0.0.
 def cluster(tmp_path):
     """A head (one CPU: the reward tasks) and three one-CPU worker raylets on their own addresses;
     everything it started ends on exit."""
-    code = (
-        "import sys\n"
+    start = (
         "from ray.cluster_utils import Cluster\n"
         "c = Cluster(initialize_head=True, head_node_args={'num_cpus': 1, 'include_dashboard': False})\n"
         f"for ip in {list(NODES.values())!r}:\n"
         "    c.add_node(num_cpus=1, node_ip_address=ip)\n"
         "c.wait_for_nodes()\n"
-        "print(c.address, flush=True)\n"
-        "sys.stdin.read()\n"  # until the test closes it
-        "c.shutdown()\n"
+        "address = c.address"
     )
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    proc = subprocess.Popen(
-        [sys.executable, "-c", code],
-        cwd=REPO,
-        env=env,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        address = proc.stdout.readline().strip()
-        if not address:
-            pytest.fail(f"the simulated cluster did not start (exit {proc.wait(timeout=60)})")
+    with ray_process(start, "c.shutdown()", env, "the simulated cluster") as address:
         yield address, {**env, "RAY_ADDRESS": address}
-    finally:
-        proc.stdin.close()
-        try:
-            proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def _actor_nodes(address: str) -> tuple[dict[str, list[str]], set[str]]:

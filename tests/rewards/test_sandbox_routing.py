@@ -15,6 +15,7 @@ import sys
 import pytest
 
 from tests.conftest import REPO
+from tests.ray_process import ray_process
 
 pytestmark = pytest.mark.slow
 
@@ -30,31 +31,16 @@ def _where(ground_truth, response, **kwargs):
 
 @pytest.fixture(scope="module")
 def cluster():
-    code = (
-        "import sys\n"
+    start = (
         "from ray.cluster_utils import Cluster\n"
         "c = Cluster(initialize_head=True, head_node_args={'num_cpus': 1, 'include_dashboard': False})\n"
         f"c.add_node(num_cpus=2, resources={{'kuberl_sandbox': 2}}, node_ip_address={SANDBOX_IP!r})\n"
         "c.wait_for_nodes()\n"
-        "print(c.address, flush=True)\n"
-        "sys.stdin.read()\n"  # until the test closes it
-        "c.shutdown()\n"
+        "address = c.address"
     )
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=env, stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)  # fmt: skip
-    try:
-        address = proc.stdout.readline().strip()
-        if not address:
-            pytest.fail(f"the two-node cluster did not start (exit {proc.wait(timeout=60)})")
+    with ray_process(start, "c.shutdown()", env, "the two-node cluster") as address:
         yield address
-    finally:
-        proc.stdin.close()
-        try:
-            proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 DRIVER = """

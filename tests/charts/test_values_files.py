@@ -79,7 +79,9 @@ def test_should_supply_the_nodes_and_gpus_of_its_experiment_when_rendered(values
 
 
 def _gpus(group: dict) -> int:
-    return int(group["template"]["spec"]["containers"][0]["resources"].get("limits", {}).get("nvidia.com/gpu", 0))
+    return int(
+        group["template"]["spec"]["containers"][0]["resources"].get("limits", {}).get("nvidia.com/gpu", 0)
+    )
 
 
 def _gpu_containers(docs: list[dict]) -> list[dict]:

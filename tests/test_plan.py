@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from trainer import config, plan, submit
+from trainer.models.shape import known_config
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = "builtin:tiny?hidden_size=256&num_layers=4&num_heads=4&intermediate_size=1024"
@@ -183,6 +184,9 @@ def test_should_count_a_score_head_in_place_of_the_lm_head_when_a_reward_model_i
     assert rm.params == causal.params + rm.hidden  # the one-label score head, no bias
     assert rm.params / 1e9 == pytest.approx(0.596, rel=0.01) and rm.layers == 28 and rm.context == 40960
     assert rm.source.startswith("config table")
+    known = known_config(SKYWORK)  # what a check at start can read before any download
+    assert known.architectures == ["Qwen3ForSequenceClassification"] and known.num_labels == 1
+    assert known_config("no/such-model") is None
 
 
 def test_should_plan_the_reward_model_on_its_group_and_say_it_fits_beside_the_policy_when_the_preset_is_planned() -> (

@@ -81,19 +81,27 @@ class Shape:
         return sum(rank * (i + o) for t in targets for i, o in self.linears.get(t, ()))
 
 
+def known_config(name: str):
+    """The ``PretrainedConfig`` of a hub model in :data:`KNOWN_CONFIGS`, built from the table; None for
+    any other name. What needs a model's config before anything is downloaded can fall back on it."""
+    from transformers import AutoConfig
+
+    if name not in KNOWN_CONFIGS:
+        return None
+    known = dict(KNOWN_CONFIGS[name])
+    return AutoConfig.for_model(known.pop("model_type"), **known)
+
+
 def _hf_config(name: str, trust_remote_code: bool):
     from transformers import AutoConfig
 
     from trainer.models import resolve_model
 
     if name in KNOWN_CONFIGS:
-        known = dict(KNOWN_CONFIGS[name])
         try:  # the real file when it is here (cached or local), the table otherwise
             return AutoConfig.from_pretrained(name, local_files_only=True), "hub cache"
         except OSError:
-            return AutoConfig.for_model(
-                known.pop("model_type"), **known
-            ), "config table (trainer/models/shape.py)"
+            return known_config(name), "config table (trainer/models/shape.py)"
     path = resolve_model(name)
     try:
         return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code), path

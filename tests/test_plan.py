@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from trainer import config, plan, submit
+from trainer.models.shape import known_config
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = "builtin:tiny?hidden_size=256&num_layers=4&num_heads=4&intermediate_size=1024"
@@ -169,3 +170,96 @@ def test_should_count_one_tile_of_logits_not_the_whole_micro_batchs_when_the_log
     tile = linear_logprobs.tile_elements(torch.device("cuda")) * linear_logprobs.TILE_BYTES
     assert term == tile + rows * shape.hidden * (4 + 2)
     assert term < whole / 4
+
+
+# ----- the reward model -----------------------------------------------------------------------------
+
+SKYWORK = "Skywork/Skywork-Reward-V2-Qwen3-0.6B"
+RM_PRESET = "qwen2.5-coder-7b-code-rm-b200"
+
+
+def test_should_count_a_score_head_in_place_of_the_lm_head_when_a_reward_model_is_shaped_offline() -> None:
+    rm = plan.model_shape(SKYWORK, classifier=True)
+    causal = plan.model_shape(SKYWORK)  # Qwen3-0.6B: its LM head is the tied embeddings
+    assert rm.params == causal.params + rm.hidden  # the one-label score head, no bias
+    assert rm.params / 1e9 == pytest.approx(0.596, rel=0.01) and rm.layers == 28 and rm.context == 40960
+    assert rm.source.startswith("config table")
+    known = known_config(SKYWORK)  # what a check at start can read before any download
+    assert known.architectures == ["Qwen3ForSequenceClassification"] and known.num_labels == 1
+    assert known_config("no/such-model") is None
+
+
+def test_should_plan_the_reward_model_on_its_group_and_say_it_fits_beside_the_policy_when_the_preset_is_planned() -> (
+    None
+):
+    result = plan.plan_for(RM_PRESET, [])
+    cfg = config.load(["experiment=qwen2.5-coder-7b-code-rm"])
+    own = next(d for d in result.devices if d.role.startswith("reward model GPU"))
+    rm_shape = plan.model_shape(cfg.reward_model.name, classifier=True)
+    assert own.terms["reward model weights"] == rm_shape.params * 2  # bfloat16
+    assert own.capacity == plan.GPU_MEMORY["b200"] and own.fits and result.fits
+    (beside,) = result.alternatives
+    policy_peak = max(d.total for d in result.devices if d.role.startswith("training GPU"))
+    assert beside.total == pytest.approx(policy_peak + own.total) and beside.fits
+    out = plan.render(result)
+    assert "reward model GPU (kuberl_reward_model):" in out and "reward model: 0.60B parameters" in out
+    assert "alternative: training GPU with the reward model beside the policy: fits (" in out
+    assert out.splitlines()[-1].startswith("plan: fits")
+
+
+def test_should_take_the_larger_of_the_token_budget_and_the_longest_sample_when_a_replica_scores() -> None:
+    shape = plan.model_shape(SKYWORK, classifier=True)
+    base = ["experiment=qwen2.5-coder-7b-code-rm"]  # policy.max_total_sequence_length=6144
+    assert plan.reward_model_pass(config.load(base), shape) == (8192, 6144)
+    assert plan.reward_model_pass(config.load([*base, "reward_model.max_tokens_per_batch=1024"]), shape) == (
+        6144,
+        6144,
+    )  # a sample longer than the budget is scored alone
+    assert plan.reward_model_pass(
+        config.load([*base, "reward_model.max_tokens_per_batch=1024", "reward_model.max_length=2048"]), shape
+    ) == (2048, 2048)  # longer ones are not read at all
+    more = plan.reward_model_terms(
+        config.load([*base, "reward_model.max_tokens_per_batch=65536"]), shape, True
+    )
+    less = plan.reward_model_terms(config.load(base), shape, True)
+    assert more["reward model activations"] == pytest.approx(8 * less["reward model activations"])
+
+
+def test_should_say_it_does_not_fit_beside_the_policy_but_keep_the_verdict_when_the_policy_fills_the_gpu() -> (
+    None
+):
+    cfg = config.load(["experiment=qwen2.5-coder-7b-code-rm"])
+    shape = plan.model_shape(cfg.reward_model.name, classifier=True)
+    capacity = 8 * plan.GiB
+    policy = [plan.Device("training GPU", capacity, {"weights (sharded)": 7.5 * plan.GiB})]
+    own, beside = plan.reward_model_devices(cfg, shape, capacity, policy)
+    assert own[0].fits and not beside.fits
+    result = plan.Plan("x", "8 x GPU per node", plan.model_shape("Qwen/Qwen2.5-Coder-1.5B-Instruct"),
+                       policy + own, alternatives=[beside], rm_shape=shape)  # fmt: skip
+    out = plan.render(result)
+    assert (
+        result.fits
+        and "alternative: training GPU with the reward model beside the policy: does not fit" in out
+    )
+    assert "largest term: policy at its peak; change: the reward model on a worker group of its own" in out
+
+
+def test_should_note_host_memory_and_no_gpu_when_the_reward_model_runs_on_cpu_replicas() -> None:
+    cfg = config.load(
+        ["experiment=qwen2.5-coder-7b-code-rm", "reward_model.num_gpus=0", "reward_model.replicas=2"]
+    )
+    result = plan.plan(cfg, "b200", "x")
+    assert not any(d.role.startswith("reward model GPU") for d in result.devices) and result.fits
+    assert any(n.startswith("reward model: 2 CPU replica(s) (reward_model.num_gpus=0)") for n in result.notes)
+    assert len(result.alternatives) == 1  # beside the policy is still said
+
+
+def test_should_count_every_cpu_replica_on_the_machine_when_a_cpu_experiment_uses_a_reward_model() -> None:
+    overrides = ["experiment=cpu-demo", "env.reward_functions=[{name: reward_model}]", f"reward_model.name='{TINY}'",
+                 "reward_model.replicas=3", "reward_model.dtype=float32"]  # fmt: skip
+    cfg = config.load(overrides)
+    result = plan.plan(cfg, None, "cpu-demo")
+    (node,) = result.devices
+    shape = plan.model_shape(TINY, classifier=True)
+    assert node.terms["reward model weights x 3 replicas"] == 3 * shape.params * 4
+    assert "reward model activations x 3 replicas" in node.terms and not result.alternatives

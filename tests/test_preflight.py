@@ -730,6 +730,36 @@ def test_should_not_ask_for_quota_when_the_nodes_are_there_or_reserved() -> None
     assert gcloud.calls == []
 
 
+RM_VALUES = "qwen2.5-coder-7b-code-rm-b200.yaml"  # train: 1 pod x 8 B200; reward-model: 1 pod x 1 B200
+
+
+def test_should_ask_for_a_whole_node_of_quota_when_a_reward_models_one_gpu_pod_needs_a_node() -> None:
+    # the one spot node goes to the training pod (most GPUs first); the reward model's pod brings a new
+    # a4-highgpu-8g, whose 8 GPUs all count against the quota, not the 1 the pod asks for
+    plan = _plan(RM_VALUES)
+    enough = FakeGcloud({"PREEMPTIBLE_NVIDIA_B200_GPUS": (16, 8)}, {"GPUS_ALL_REGIONS": (100, 8)})
+    assert preflight.check_quotas(FakeCluster(SPOT_NODES), plan, CONTEXT, enough) == ([], [])
+    short = FakeGcloud({"PREEMPTIBLE_NVIDIA_B200_GPUS": (12, 8)}, {"GPUS_ALL_REGIONS": (100, 8)})
+    problems, _ = preflight.check_quotas(FakeCluster(SPOT_NODES), plan, CONTEXT, short)
+    assert problems == [
+        "quota: PREEMPTIBLE_NVIDIA_B200_GPUS in us-central1 has 4 free (limit 12, used 8) and the release needs 8 "
+        "more GPUs than its nodes have: request more (IAM & Admin, Quotas) or free some"
+    ]
+
+
+def test_should_place_the_training_group_first_and_say_the_reward_model_needs_a_node_when_one_gpu_node_is_up() -> (
+    None
+):
+    cluster = {("csidriver", "gcsfuse.csi.storage.gke.io"): {}, ("secret", "hf-token"): {}, **SPOT_NODES}
+    problems, notes = _check(cluster, RM_VALUES)
+    assert not [p for p in problems if p.startswith("GPU nodes")]  # (the fixture has no pool for the sandbox)
+    (note,) = [n for n in notes if n.startswith("GPU nodes")]  # spot: the pool adds the node when asked
+    assert note.startswith(
+        "GPU nodes: workerGroups.reward-model needs 1 pod(s) of 24 CPU, 256Gi, 1 nvidia.com/gpu"
+    )
+    assert "1 do not fit: 1 node(s) match, and the release's other pods fill them" in note
+
+
 def test_should_note_rather_than_fail_when_gcloud_cannot_read_the_quotas() -> None:
     plan = _plan("gemma3-1b-math-b200.yaml", "--set", "workerGroups.train.replicas=2")
     problems, notes = preflight.check_quotas(FakeCluster(SPOT_NODES), plan, CONTEXT, FakeGcloud(None))

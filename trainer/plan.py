@@ -18,6 +18,13 @@ plan adds up what one device holds at its peak:
   host memory at level 1 (LoRA), one copy per GPU, against the values file's memory request;
 - **generation GPUs** (disaggregated): the engine's weights split over ``tensor_parallel_size`` and
   the KV cache left in its share, as whole sequences of ``policy.max_total_sequence_length``;
+- **a reward model** (``{name: reward_model}`` in ``env.reward_functions``): each replica's weights in
+  ``reward_model.dtype`` and one forward pass (no gradients: one block's working set, the residual
+  stream and the boolean attention mask) of the larger of ``reward_model.max_tokens_per_batch`` and the
+  longest sample it reads, on a GPU of the worker group that offers ``reward_model.resource`` (its
+  replicas' GPUs are ``gpu.type``'s too), or in host memory for CPU replicas. Either way the plan also
+  says whether it would fit **beside the policy**, resident on every training GPU at the policy's
+  peak: an alternative placement, reported but not part of the verdict;
 - **transients**, what a training GPU holds for a moment only: loading, each rank's shards and one full
   tensor broadcast from rank 0 (the largest: the embeddings), beside a colocated engine already built
   (:mod:`trainer.policy.sharded_init`: the model is sharded on the meta device before any weight is
@@ -238,6 +245,89 @@ def engine_device(cfg, shape: Shape, capacity: float, role: str) -> Device:
     return dev
 
 
+# ----- the reward model -----------------------------------------------------------------------------
+
+
+def uses_reward_model(cfg) -> bool:
+    from trainer.rewards.registry import REWARD_MODEL
+
+    return any(spec.name == REWARD_MODEL for spec in cfg.env.reward_functions)
+
+
+def reward_model_pass(cfg, shape: Shape) -> tuple[int, int]:
+    """``(tokens, longest)`` of a replica's largest forward pass: a batch of at most
+    ``reward_model.max_tokens_per_batch`` padded tokens, or one sample alone when it is longer. The
+    longest sample it reads is a whole sequence of the policy (``policy.max_total_sequence_length``, in
+    the policy's tokens; the reward model's chat template adds a few) up to ``reward_model.max_length``
+    (by default the model's context): a longer one is not read but scored ``overlong_score``."""
+    rm = cfg.reward_model
+    limit = rm.max_length or shape.context or cfg.policy.max_total_sequence_length
+    longest = min(cfg.policy.max_total_sequence_length, limit)
+    return max(rm.max_tokens_per_batch, longest), longest
+
+
+def reward_model_dtype(cfg, gpu: bool) -> str:
+    """``reward_model.dtype`` as a replica resolves ``auto``: bfloat16 on a GPU or a CPU with native bf16."""
+    dtype = cfg.reward_model.dtype
+    if dtype != "auto":
+        return dtype
+    from trainer import hardware
+
+    return "bfloat16" if gpu or hardware.native_bf16() else "float32"
+
+
+def reward_model_terms(cfg, shape: Shape, gpu: bool) -> dict[str, float]:
+    """Bytes one replica holds at its peak: its weights, and one forward pass without gradients, where
+    each block's intermediates are freed as the next block runs (:func:`block_activation_bytes` of one
+    block bounds them), beside the residual stream and the (batch, 1, T, T) boolean mask that SDPA gets
+    for a padded batch. The score head reads the last position: no logits over a vocabulary."""
+    dtype = BYTES[reward_model_dtype(cfg, gpu)]
+    tokens, longest = reward_model_pass(cfg, shape)
+    return {
+        "reward model weights": shape.params * dtype,
+        "reward model activations": block_activation_bytes(shape, tokens, dtype)
+        + tokens * shape.hidden * dtype,
+        "reward model attention mask": tokens * longest,
+    }
+
+
+def reward_model_devices(
+    cfg, shape: Shape, capacity: float, policy: list[Device]
+) -> tuple[list[Device], Device]:
+    """The reward model's replica where the config puts it (a GPU of the group that offers
+    ``reward_model.resource``; none for CPU replicas, which :func:`plan` notes), and, as the alternative,
+    the training GPU with a replica resident beside the policy at the policy's peak (``policy``: its GPU
+    phases)."""
+    rm = cfg.reward_model
+    gpu_terms = reward_model_terms(cfg, shape, gpu=True)
+    tokens, longest = reward_model_pass(cfg, shape)
+    devices = []
+    if rm.num_gpus > 0:
+        # One device per replica (the worker loads onto cuda:0 of its GPUs); a fraction of a GPU: that share.
+        own = Device(
+            f"reward model GPU ({rm.resource or 'any GPU node'})",
+            capacity * min(1.0, rm.num_gpus),
+            {**gpu_terms, "runtime reserve": RUNTIME_RESERVE},
+        )
+        where = f"the worker group that offers {rm.resource}" if rm.resource else "any GPU Ray offers"
+        own.notes.append(
+            f"reward_model.replicas={rm.replicas} x num_gpus={rm.num_gpus:g} on {where}; its largest forward "
+            f"pass: {tokens} tokens, samples up to {longest} tokens"
+        )
+        devices.append(own)
+    peak = max(policy, key=lambda d: d.total)
+    beside = Device(
+        "training GPU with the reward model beside the policy (an alternative)",
+        capacity,
+        {POLICY_PEAK: peak.total, **gpu_terms, "runtime reserve": RUNTIME_RESERVE},
+    )
+    beside.notes.append(
+        f"the policy at its peak: {peak.role}; one replica resident on each training GPU, a process of its "
+        "own (its own CUDA context); the run does not place it there"
+    )
+    return devices, beside
+
+
 # ----- the plan -------------------------------------------------------------------------------------
 
 
@@ -247,6 +337,10 @@ class Plan:
     target: str  # "8 x H200 (a3-ultragpu-8g) per node" or "CPU"
     shape: Shape
     devices: list[Device]
+    # Placements the run does not use but could (the reward model beside the policy): said, not counted.
+    alternatives: list[Device] = field(default_factory=list)
+    rm_shape: Shape | None = None
+    notes: list[str] = field(default_factory=list)
 
     @property
     def fits(self) -> bool:
@@ -268,6 +362,7 @@ class Plan:
 
 
 SLEEPING_TERM = "sleeping engines' weights"
+POLICY_PEAK = "policy at its peak"
 # The key a user changes when a term is too large.
 ADVICE = {
     "weights (sharded)": "more training GPUs (cluster.num_nodes and workerGroups.train.replicas)",
@@ -283,6 +378,10 @@ ADVICE = {
     "KV cache (one sequence)": "a smaller policy.max_total_sequence_length, or a larger generation.tensor_parallel_size",
     "colocated engine (awake)": "a smaller generation.gpu_memory_utilization, or generation.placement=disaggregated",
     "one full tensor, loading": "more training GPUs (the shards beside it shrink)",
+    POLICY_PEAK: "the reward model on a worker group of its own (reward_model.resource), or CPU replicas",
+    "reward model weights": "a smaller reward model (reward_model.name), or reward_model.dtype=bfloat16",
+    "reward model activations": "a smaller reward_model.max_tokens_per_batch (or reward_model.max_length)",
+    "reward model attention mask": "a smaller reward_model.max_tokens_per_batch (or reward_model.max_length)",
     SLEEPING_TERM: "a larger workerGroups.train.resources.requests.memory in the values file",
 }
 LOADING_TERM = "one full tensor, loading"
@@ -402,7 +501,22 @@ def plan(cfg, gpu: str | None, experiment: str, host_bytes: float = float("inf")
     elif vllm:
         devices.append(engine_device(cfg, shape, capacity, "generation GPU (engine's share)"))
     per_node = cfg.cluster.gpus_per_node
-    return Plan(experiment, f"{per_node} x {GPU_NAMES[gpu]} per node", shape, devices)
+    result = Plan(experiment, f"{per_node} x {GPU_NAMES[gpu]} per node", shape, devices)
+    if uses_reward_model(cfg):
+        rm_shape = model_shape(cfg.reward_model.name, cfg.reward_model.trust_remote_code, classifier=True)
+        policy = [d for d in devices if d.role.startswith("training GPU")]
+        own, beside = reward_model_devices(cfg, rm_shape, capacity, policy)
+        result.devices += own
+        result.alternatives.append(beside)
+        result.rm_shape = rm_shape
+        if not own:
+            rm = cfg.reward_model
+            each = sum(reward_model_terms(cfg, rm_shape, gpu=False).values())
+            result.notes.append(
+                f"reward model: {rm.replicas} CPU replica(s) (reward_model.num_gpus=0), {each / GiB:.2f} GiB of "
+                "host memory each on the nodes Ray picks"
+            )
+    return result
 
 
 def _cpu_plan(cfg, shape: Shape, terms: dict[str, float], experiment: str) -> Plan:
@@ -419,7 +533,13 @@ def _cpu_plan(cfg, shape: Shape, terms: dict[str, float], experiment: str) -> Pl
     )
     engines = ranks if not cfg.disaggregated else cfg.num_generation_workers
     node.terms[f"engine weights x {engines}"] = shape.params * BYTES[cfg.engine_dtype] * engines
-    return Plan(experiment, "CPU", shape, [node])
+    result = Plan(experiment, "CPU", shape, [node])
+    if uses_reward_model(cfg):  # CPU replicas on the same machine, all scoring at once at worst
+        rm = cfg.reward_model
+        result.rm_shape = model_shape(rm.name, rm.trust_remote_code, classifier=True)
+        for k, v in reward_model_terms(cfg, result.rm_shape, gpu=False).items():
+            node.terms[f"{k} x {rm.replicas} replicas"] = v * rm.replicas
+    return result
 
 
 def _host_memory() -> float:
@@ -435,7 +555,13 @@ def render(p: Plan) -> str:
         f"{p.experiment} on {p.target}: {s.params / 1e9:.2f}B parameters ({s.layers} layers, hidden {s.hidden}, "
         f"vocab {s.vocab}; config from {s.source})"
     ]
-    for d in p.devices:
+    if p.rm_shape is not None:
+        r = p.rm_shape
+        lines.append(
+            f"  reward model: {r.params / 1e9:.2f}B parameters ({r.layers} layers, hidden {r.hidden}, a score "
+            f"head; config from {r.source})"
+        )
+    for d in p.devices + p.alternatives:
         lines.append(f"  {d.role}:")
         for name, value in sorted(d.terms.items(), key=lambda kv: -kv[1]):
             lines.append(f"    {name:<34} {value / GiB:9.2f} GiB")
@@ -456,14 +582,21 @@ def render(p: Plan) -> str:
                 for i, (name, value) in enumerate(transients)
             )
         )
+    lines += p.notes
+    for alt in p.alternatives:
+        lines.append(
+            f"alternative: {alt.role.split(' (')[0]}: {'fits' if alt.fits else 'does not fit'} "
+            f"({_usage(alt)}; not part of the verdict)"
+        )
     worst = p.tightest
     word = "fits" if p.fits else "does not fit"
-    margin = worst.capacity - worst.total
-    lines.append(
-        f"plan: {word} ({worst.role} at {100 * worst.total / worst.capacity:.0f}%, "
-        f"{'margin' if margin >= 0 else 'short by'} {abs(margin) / GiB:.1f} GiB, largest term {worst.dominant})"
-    )
+    lines.append(f"plan: {word} ({worst.role} at {_usage(worst)}, largest term {worst.dominant})")
     return "\n".join(lines)
+
+
+def _usage(d: Device) -> str:
+    margin = d.capacity - d.total
+    return f"{100 * d.total / d.capacity:.0f}%, {'margin' if margin >= 0 else 'short by'} {abs(margin) / GiB:.1f} GiB"
 
 
 # ----- command line ---------------------------------------------------------------------------------

@@ -577,13 +577,27 @@ def _why_short(nodes: list[dict], eligible: list[dict], need: PodNeed) -> str:
     return ", ".join(parts)
 
 
+def _worker_needs(p: Plan) -> tuple[list[PodNeed], list[PodNeed]]:
+    """The GPU groups, most GPUs per pod first (a group of whole nodes is placed before a reward model's
+    one-GPU pod could take a GPU of its node), then the CPU groups."""
+    gpu_needs = sorted((w for w in p.workers if w.gpus > 0 and w.count > 0), key=lambda w: -w.gpus)
+    cpu_needs = [w for w in p.workers if w.gpus == 0 and w.count > 0]
+    return gpu_needs, cpu_needs
+
+
+def _gpus_per_node(need: PodNeed) -> int:
+    """GPUs of the machine type the group selects (`a4-highgpu-8g`: 8): a node comes whole, however few
+    of its GPUs the pod asks for; the pod's own count when the selector names no such machine."""
+    m = re.search(r"-(\d+)g$", need.selector.get("node.kubernetes.io/instance-type", ""))
+    return max(int(m.group(1)), need.gpus) if m else need.gpus
+
+
 def check_nodes(kubectl: Kubectl, p: Plan) -> tuple[list[str], list[str]]:
     """(problems, notes): GPU groups and the head fit the nodes; drivers, RDMA installer, Lustre versions."""
     nodes = (_get(kubectl, "nodes") or {}).get("items", [])
     problems: list[str] = []
     notes: list[str] = []
-    gpu_needs = [w for w in p.workers if w.gpus > 0 and w.count > 0]
-    cpu_needs = [w for w in p.workers if w.gpus == 0 and w.count > 0]
+    gpu_needs, cpu_needs = _worker_needs(p)
     short = place(nodes, [p.head, *gpu_needs, *cpu_needs])
 
     if "head" in short:
@@ -813,15 +827,19 @@ def check_quotas(
     kubectl: Kubectl, p: Plan, context: str, gcloud: Gcloud = real_gcloud
 ) -> tuple[list[str], list[str]]:
     """(problems, notes): GPU quota for the GPUs the groups need beyond the matching nodes already up
-    (those hold theirs). Nothing without gcloud; a note when gcloud cannot read the quotas."""
+    (those hold theirs, as :func:`place` shares them out between the groups): each pod that does not fit
+    there brings a whole node, all its GPUs counted. Nothing without gcloud; a note when gcloud cannot
+    read the quotas."""
     nodes = (_get(kubectl, "nodes") or {}).get("items", [])
     regions = {(n["metadata"].get("labels") or {}).get("topology.kubernetes.io/region") for n in nodes} - {
         None
     }
+    gpu_needs, cpu_needs = _worker_needs(p)
+    short = place(nodes, [p.head, *gpu_needs, *cpu_needs])
     wants: dict[str, int] = {}  # metric -> GPUs still to come
-    for need in p.workers:
+    for need in gpu_needs:
         accelerator = need.selector.get("cloud.google.com/gke-accelerator")
-        if need.gpus == 0 or need.count == 0 or accelerator not in GPU_QUOTAS:
+        if need.name not in short or accelerator not in GPU_QUOTAS:
             continue
         if "cloud.google.com/reservation-name" in need.selector:
             continue  # the reservation took its quota when it was made
@@ -830,10 +848,10 @@ def check_quotas(
             for k in ("cloud.google.com/gke-spot", "cloud.google.com/gke-flex-start")
         )
         metric = ("PREEMPTIBLE_" if preemptible else "") + GPU_QUOTAS[accelerator]
-        present = sum(_allocatable(n)[GPU] for n in nodes if _eligible(n, need))
-        missing = max(0, need.count * need.gpus - int(present))
-        if missing:
-            wants[metric] = wants.get(metric, 0) + missing
+        per_node = _gpus_per_node(need)
+        pods, _ = short[need.name]
+        new_nodes = -(-pods // (per_node // need.gpus))
+        wants[metric] = wants.get(metric, 0) + new_nodes * per_node
     if not wants or len(regions) != 1:
         return [], []
     (region,) = regions

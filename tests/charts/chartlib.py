@@ -78,6 +78,16 @@ def groups(docs: list[dict]) -> dict[str, dict]:
     return {g["groupName"]: g for g in one(docs, "RayCluster")["spec"]["workerGroupSpecs"]}
 
 
+def ray_resources(group: dict) -> dict[str, int]:
+    """The custom Ray resources a rendered worker group offers: `rayStartParams.resources`, the JSON in
+    single quotes that KubeRay hands to `ray start --resources`."""
+    text = group["rayStartParams"].get("resources")
+    if text is None:
+        return {}
+    assert text.startswith("'") and text.endswith("'"), f"not quoted for the shell: {text!r}"
+    return json.loads(text[1:-1])
+
+
 def head_template(docs: list[dict]) -> dict:
     return one(docs, "RayCluster")["spec"]["headGroupSpec"]["template"]
 

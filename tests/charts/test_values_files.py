@@ -1,6 +1,6 @@
 """Every values/*.yaml: `helm lint --strict` passes, every rendered object validates against the
 strict schemas in ../shared/schemas, and its worker groups supply exactly the nodes and GPUs that
-its Hydra experiment's cluster config asks for."""
+its Hydra experiment's cluster config asks for (the reward model's group: its replicas' GPUs)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from chartlib import CHART, groups, render, run_helm, schema_errors, values_files
+from chartlib import CHART, groups, ray_resources, render, run_helm, schema_errors, values_files
 
 FILES = values_files()
 
@@ -39,14 +39,13 @@ def test_should_supply_the_nodes_and_gpus_of_its_experiment_when_rendered(values
     experiment = (yaml.safe_load(values_file.read_text()) or {}).get("experiment")
     assert experiment, f"{values_file.name} names no Hydra experiment (experiment: NAME)"
     cfg = load([f"experiment={experiment}"])
-    # the sandbox group (sandbox.enabled) is CPU nodes for code rewards, outside the experiment's GPU layout
-    workers = {n: g for n, g in groups(render(values=(str(values_file),))).items() if n != "sandbox"}
-    per_pod = {
-        name: int(
-            g["template"]["spec"]["containers"][0]["resources"].get("limits", {}).get("nvidia.com/gpu", 0)
-        )
-        for name, g in workers.items()
-    }
+    rendered = groups(render(values=(str(values_file),)))
+    # the sandbox group (sandbox.enabled) is CPU nodes for code rewards, outside the experiment's GPU
+    # layout; so are the groups that offer the reward model's resource (checked below)
+    rm = cfg.reward_model
+    serving = {n: g for n, g in rendered.items() if rm.resource and rm.resource in ray_resources(g)}
+    workers = {n: g for n, g in rendered.items() if n != "sandbox" and n not in serving}
+    per_pod = {name: _gpus(g) for name, g in workers.items()}
     nodes = {name: g["replicas"] for name, g in workers.items()}
     assert sum(nodes.values()) == cfg.cluster.num_nodes, (
         f"worker pods {nodes} != cluster.num_nodes={cfg.cluster.num_nodes}"
@@ -62,9 +61,27 @@ def test_should_supply_the_nodes_and_gpus_of_its_experiment_when_rendered(values
         assert sum(n for g, n in nodes.items() if g != "generation") == cfg.train_nodes
     else:
         assert "generation" not in workers, "colocated placement: generation shares the training GPUs"
+    uses_rm = any(r.name == "reward_model" for r in cfg.env.reward_functions)
+    if uses_rm and rm.resource:
+        assert serving, f"reward_model.resource={rm.resource}: no worker group offers it (rayResources)"
+        gpus = sum(g["replicas"] * _gpus(g) for g in serving.values())
+        units = sum(g["replicas"] * ray_resources(g)[rm.resource] for g in serving.values())
+        assert gpus == rm.replicas * rm.num_gpus, (
+            f"groups {sorted(serving)} hold {gpus} GPUs != reward_model.replicas x num_gpus = "
+            f"{rm.replicas} x {rm.num_gpus}"
+        )
+        assert units == rm.replicas, f"{units} units of {rm.resource} != reward_model.replicas={rm.replicas}"
+    else:
+        assert not serving, f"groups {sorted(serving)} serve a reward model that {experiment} does not use"
     if not cfg.cluster.use_gpus:
         rc = next(d for d in render(values=(str(values_file),)) if d["kind"] == "RayCluster")
         assert rc["spec"]["headGroupSpec"]["rayStartParams"]["num-gpus"] == "0"
+
+
+def _gpus(group: dict) -> int:
+    return int(
+        group["template"]["spec"]["containers"][0]["resources"].get("limits", {}).get("nvidia.com/gpu", 0)
+    )
 
 
 def _gpu_containers(docs: list[dict]) -> list[dict]:

@@ -41,6 +41,13 @@ KNOWN_CONFIGS: dict[str, dict] = {
         "model_type": "qwen2", "hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28,
         "num_attention_heads": 12, "num_key_value_heads": 2, "vocab_size": 151936, "tie_word_embeddings": True,
     },
+    # A reward model: Qwen3-0.6B with a one-label score head in place of the LM head.
+    "Skywork/Skywork-Reward-V2-Qwen3-0.6B": {
+        "model_type": "qwen3", "architectures": ["Qwen3ForSequenceClassification"], "num_labels": 1,
+        "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16,
+        "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "tie_word_embeddings": True,
+        "max_position_embeddings": 40960,
+    },
     "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B": {
         "model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
         "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064, "tie_word_embeddings": False,
@@ -63,6 +70,7 @@ class Shape:
     head_dim: int
     vocab: int
     source: str  # where the config came from
+    context: int | None = None  # max_position_embeddings of the text config: the longest input it reads
     # (in, out) features of every nn.Linear of the language model, by the module's own name (q_proj,
     # ...): LoRA's targets (trainer.models.lora adapts the language model alone, not a vision tower)
     linears: dict[str, tuple[tuple[int, int], ...]] = field(default_factory=dict)
@@ -73,19 +81,27 @@ class Shape:
         return sum(rank * (i + o) for t in targets for i, o in self.linears.get(t, ()))
 
 
+def known_config(name: str):
+    """The ``PretrainedConfig`` of a hub model in :data:`KNOWN_CONFIGS`, built from the table; None for
+    any other name. What needs a model's config before anything is downloaded can fall back on it."""
+    from transformers import AutoConfig
+
+    if name not in KNOWN_CONFIGS:
+        return None
+    known = dict(KNOWN_CONFIGS[name])
+    return AutoConfig.for_model(known.pop("model_type"), **known)
+
+
 def _hf_config(name: str, trust_remote_code: bool):
     from transformers import AutoConfig
 
     from trainer.models import resolve_model
 
     if name in KNOWN_CONFIGS:
-        known = dict(KNOWN_CONFIGS[name])
         try:  # the real file when it is here (cached or local), the table otherwise
             return AutoConfig.from_pretrained(name, local_files_only=True), "hub cache"
         except OSError:
-            return AutoConfig.for_model(
-                known.pop("model_type"), **known
-            ), "config table (trainer/models/shape.py)"
+            return known_config(name), "config table (trainer/models/shape.py)"
     path = resolve_model(name)
     try:
         return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code), path
@@ -96,14 +112,21 @@ def _hf_config(name: str, trust_remote_code: bool):
         ) from None
 
 
-def model_shape(name: str, trust_remote_code: bool = False) -> Shape:
-    """Instantiate ``name`` on the meta device, as the policy loads it, and count."""
+def model_shape(name: str, trust_remote_code: bool = False, classifier: bool = False) -> Shape:
+    """Instantiate ``name`` on the meta device, as the policy loads it, and count; ``classifier``: as a
+    reward model loads (a sequence classifier with one label: a score head, no LM head)."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     config, source = _hf_config(name, trust_remote_code)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+        if classifier:
+            config.num_labels = 1
+            model = AutoModelForSequenceClassification.from_config(
+                config, trust_remote_code=trust_remote_code
+            )
+        else:
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
     total = sum(p.numel() for p in model.parameters())
     block_types = set(getattr(model, "_no_split_modules", None) or [])
     blocks = [m for m in model.modules() if type(m).__name__ in block_types]
@@ -133,6 +156,7 @@ def model_shape(name: str, trust_remote_code: bool = False) -> Shape:
         head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
         vocab=text.vocab_size,
         source=str(source),
+        context=getattr(text, "max_position_embeddings", None),
         linears={k: tuple(v) for k, v in linears.items()},
         largest=largest,
     )

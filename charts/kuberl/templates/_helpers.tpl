@@ -120,6 +120,20 @@ a digest (`@sha256:...`) or both (`0.2.0@sha256:...`); a digest pins the image w
 {{- end }}
 
 {{/*
+Custom Ray resources a worker group offers (`ray start --resources`), from a map {NAME: units}: as
+KubeRay writes it itself, JSON in single quotes for the shell that runs `ray start`, keys in order so
+that two renders agree. Tasks and actors that ask for a unit of NAME run only on that group's pods: the
+sandbox group's `sandbox.resource` (code rewards), a reward-model group's `reward_model.resource`.
+*/}}
+{{- define "kuberl.rayResources" -}}
+{{- $parts := list }}
+{{- range $k := keys . | sortAlpha }}
+{{- $parts = append $parts (printf "\"%s\": %d" $k (int (get $ $k))) }}
+{{- end }}
+{{- printf "'{%s}'" (join ", " $parts) }}
+{{- end }}
+
+{{/*
 The RayCluster spec: a head with no GPUs and one worker group per entry of .Values.workerGroups.
 The RayCluster and the RayJob (job.enabled) both render it. KubeRay keeps only the container ports
 listed here, so every head port is listed.
@@ -155,6 +169,17 @@ workerGroupSpecs:
     rayStartParams:
       {{- $worker := dict "metrics-export-port" "8080" "block" "true" }}
       {{- if not $g.gpus }}{{ $_ := set $worker "num-gpus" "0" }}{{ end }}
+      {{- with $g.rayResources }}
+      {{- if hasKey (default dict $g.rayStartParams) "resources" }}
+      {{- fail (printf "workerGroups.%s: rayStartParams.resources and rayResources both set: keep rayResources" $name) }}
+      {{- end }}
+      {{- /* Only the sandbox group may hold the code rewards' resource: model-written code never runs
+      on a node that holds GPUs, storage or Secrets. */}}
+      {{- if hasKey . $.Values.sandbox.resource }}
+      {{- fail (printf "workerGroups.%s.rayResources.%s: the sandbox group's resource (sandbox.resource), which code rewards run on; name another resource, or use sandbox.enabled" $name $.Values.sandbox.resource) }}
+      {{- end }}
+      {{- $_ := set $worker "resources" (include "kuberl.rayResources" .) }}
+      {{- end }}
       {{- range $k, $val := merge (deepCopy (default dict $g.rayStartParams)) $worker }}
       {{ $k }}: {{ $val | toString | quote }}
       {{- end }}
@@ -176,8 +201,7 @@ workerGroupSpecs:
       metrics-export-port: "8080"
       num-cpus: {{ .cpus | quote }}
       num-gpus: "0"
-      {{- /* As KubeRay writes it itself: JSON in single quotes, for the shell that runs `ray start`. */}}
-      resources: {{ printf "'{\"%s\": %d}'" .resource (int .cpus) | quote }}
+      resources: {{ include "kuberl.rayResources" (dict .resource .cpus) | quote }}
     template:
       {{- $group := dict "resources" (dict "requests" (dict "cpu" (.cpus | toString) "memory" .memory) "limits" (dict "cpu" (.cpus | toString) "memory" .memory)) "nodeSelector" .nodeSelector "tolerations" .tolerations "affinity" .affinity "shmSize" .shmSize }}
       {{- include "kuberl.podTemplate" (dict "root" $ "name" "sandbox" "head" false "group" $group "sandbox" true) | nindent 6 }}

@@ -36,6 +36,15 @@ build and refit order (:mod:`trainer.policy.colocated`), the DCP checkpoint (:mo
 
 from __future__ import annotations
 
+from trainer import heap
+
+# A rank's process imports this module (Ray, to create the actor) before PolicyWorker.__init__ runs, and the
+# imports below (torch, transformers) make millions of long-lived objects that each collection would walk:
+# so the collector pauses here, before them, when this process is a rank being created, and __init__
+# settles (trainer.heap). There is no earlier place in a rank's process to say it.
+# ruff: noqa: E402
+heap.pause_for_actor("trainer.policy.worker.PolicyWorker")
+
 import datetime
 import logging
 import os
@@ -44,7 +53,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from trainer import heap
 from trainer.algorithms.objective import LossInputs, Objective
 from trainer.config import Config
 from trainer.generation.base import Completion, SamplingParams

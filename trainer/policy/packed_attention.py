@@ -31,12 +31,9 @@ import logging
 import math
 import sys
 from functools import lru_cache
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
-
-if TYPE_CHECKING:
-    from trainer.policy.ulysses import SequenceParallelGroup
 
 log = logging.getLogger(__name__)
 
@@ -51,9 +48,9 @@ class PackedAttention:
     varlen implementation), the rank's Ulysses group (None without sequence parallelism), and the shapes
     torch's varlen kernel refused (:func:`_varlen`: each is tried and logged once per rank)."""
 
-    def __init__(self, inner: str = "sdpa", sp: SequenceParallelGroup | None = None):
+    def __init__(self, inner: str = "sdpa", sp: Any = None):
         self.inner = on_rows(inner)
-        self.sp = sp
+        self.sp = sp  # trainer.policy.ulysses.SequenceParallelGroup (not imported: ulysses imports Row)
         self.refused: dict[tuple, str] = {}  # (dtype, head dim, heads, kv heads, window) -> why
 
     def row(self, cu_seqlens: torch.Tensor, max_seqlen: int) -> Row:
@@ -353,7 +350,7 @@ def on_rows(inner: str) -> str:
     return "sdpa" if inner == "eager" else inner
 
 
-def install(model, inner: str = "sdpa", sp: SequenceParallelGroup | None = None) -> PackedAttention:
+def install(model, inner: str = "sdpa", sp=None) -> PackedAttention:
     """Route ``model``'s attention through :func:`attention` (every policy model of the rank: the policy, the
     reference); what its rows share, with ``inner`` on rows and ``sp`` the rank's Ulysses group, if any.
 

@@ -14,8 +14,8 @@ gathered around it, and the pre-backward hook FSDP puts on the returned logprobs
 their backward reads the weight, and reduce-scatters its gradient after. The head's post-processing is the
 model's: Gemma's final logit softcapping where the model's own config asks for it, the bias if any.
 A head that is not a plain ``nn.Linear`` takes the plain path (:func:`logits_logprobs`: the logits, then
-one chunked float32 pass over all of a forward's, :func:`trainer.algorithms.core_algos.logprobs_and_entropy`), and so does a
-micro-batch whose float32 logits would stay under :data:`TILE_ABOVE_BYTES`: there the whole tensor costs
+one chunked float32 pass over all of a forward's, :func:`trainer.algorithms.core_algos.logprobs_and_entropy`),
+and so does a micro-batch whose float32 logits would stay under :data:`TILE_ABOVE_BYTES`: there the whole tensor costs
 less than the tiles' second matmul in backward (the head alone ran 15-20 % slower tiled on a CPU,
 bench/README.md), and a small model's run keeps its exact numbers.
 """

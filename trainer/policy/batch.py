@@ -405,6 +405,14 @@ def pack_batch(samples: list[Sample], pad_id: int) -> PackedBatch:
     )
 
 
+def layout(samples: list[Sample], pad_id: int, prefix: bool, packed: bool) -> Batch:
+    """``samples`` as one micro-batch: the shared-prompt layout when ``prefix``, else packed rows when
+    ``packed``, else padded rows (a type checker holds each to :class:`Batch` here)."""
+    if prefix:
+        return prefix_batch(samples, pad_id)
+    return pack_batch(samples, pad_id) if packed else pad_batch(samples, pad_id)
+
+
 def unpad_logprobs(samples: list[Sample], batch: Batch, logprobs: torch.Tensor) -> list[list[float]]:
     """(B, K) window logprobs -> per-sample response logprobs (L_i,)."""
     return batch.unpad(samples, logprobs)

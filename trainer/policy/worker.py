@@ -62,10 +62,8 @@ from trainer.policy.batch import (
     Batch,
     Sample,
     budget_micro_batches,
-    pack_batch,
-    pad_batch,
+    layout,
     prefers_prefix,
-    prefix_batch,
     split_to_count,
 )
 from trainer.policy.packed_attention import PackedAttention
@@ -422,10 +420,7 @@ class PolicyWorker:
         return [bool(w) for w in wants.tolist()]
 
     def _batch(self, samples: list[Sample], prefix: bool) -> Batch:
-        pad = self.tokenizer.pad_token_id
-        if prefix:
-            return prefix_batch(samples, pad)
-        return pack_batch(samples, pad) if self.cfg.policy.sequence_packing else pad_batch(samples, pad)
+        return layout(samples, self.tokenizer.pad_token_id, prefix, self.cfg.policy.sequence_packing)
 
     def _micro_batches(self, samples: list[Sample], size: int, max_tokens: int | None) -> list[list[int]]:
         """Indices of ``samples`` per micro-batch: ``size`` at a time, or by the token budget (collective:

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from trainer.algorithms.objective import LossInputs, Objective
+from trainer.algorithms.objective import LossInputs, Objective, global_counts
 from trainer.config import LossConfig
 
 
@@ -117,3 +117,40 @@ def test_should_refuse_a_kl_penalty_without_reference_logprobs():
 def test_should_list_the_valid_names_when_an_option_is_unknown():
     with pytest.raises(KeyError, match="valid: mis, none, seq_mis, tis"):
         Objective(LossConfig(importance_sampling="cispo"), max_len=3, kl_penalty=False)
+
+
+def test_should_backpropagate_the_share_times_the_ranks_and_report_the_share_when_fsdp_averages_ranks():
+    torch.manual_seed(1)
+    lp = -torch.rand(2, 3)
+    one = Objective(LossConfig(importance_sampling="none"), max_len=3, kl_penalty=False)
+    four = Objective(LossConfig(importance_sampling="none"), max_len=3, kl_penalty=False, ranks=4)
+    x1, x4 = _inputs(lp), _inputs(lp)
+    (loss1, sums1), (loss4, sums4) = one(x1), four(x4)
+    assert (
+        loss4.item() == pytest.approx(4 * loss1.item()) and sums4["loss"] == sums1["loss"] == loss1.detach()
+    )
+    loss1.backward()
+    loss4.backward()
+    assert torch.allclose(x4.logprobs.grad, 4 * x1.logprobs.grad)  # FSDP's average over 4 ranks undoes it
+
+
+def test_should_divide_each_metric_by_its_own_count_when_the_step_is_summed_over_ranks():
+    objective = Objective(LossConfig(), max_len=3, kl_penalty=False, ranks=2)
+    sums = dict.fromkeys(objective.metric_keys(), 0.0) | {
+        "loss": 0.6,  # summed over 3 steps' micro-batches and ranks
+        "grad_norm": 6.0,  # once per step and rank: 3 x 2
+        "tokens": 10.0,
+        "pg_clipfrac": 2.0,
+        "gen_tokens": 4.0,
+        "gen_train_kl": 1.0,
+        "entropy": 5.0,
+    }
+    out = objective.metrics(sums, steps=3)
+    assert out["loss"] == pytest.approx(0.2) and out["grad_norm"] == pytest.approx(1.0)
+    assert out["pg_clipfrac"] == 0.2 and out["entropy"] == 0.5 and out["gen_train_kl"] == 0.25
+    assert "tokens" not in out and "gen_tokens" not in out
+    assert objective.metrics(dict.fromkeys(sums, 0.0), steps=1)["pg_clipfrac"] == 0.0  # nothing trained on
+
+
+def test_should_count_the_loss_tokens_and_samples_when_the_driver_takes_a_mini_batchs_counts():
+    assert global_counts([[1, 1, 0, 1], [1], [0, 0]]) == {"tokens": 4.0, "seqs": 3.0}

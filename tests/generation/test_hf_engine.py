@@ -74,3 +74,18 @@ def test_should_change_outputs_when_weights_are_updated(engine):
     assert after != before
     with pytest.raises(KeyError):
         engine.update_weights([("no.such.weight", torch.zeros(1))])
+
+
+def test_should_draw_what_torch_manual_seed_drew_and_leave_the_process_rng_alone_when_seeded(engine):
+    from trainer.generation.hf import _draw
+
+    probs = torch.softmax(torch.randn(6, 300, generator=torch.Generator().manual_seed(1)), -1)
+    torch.manual_seed(11)
+    reseeded = _draw(probs)  # the process's default generator, seeded
+    assert torch.equal(_draw(probs, torch.Generator().manual_seed(11)), reseeded)
+    torch.manual_seed(5)
+    state = torch.get_rng_state()
+    first = engine.generate(_prompts(engine), 2, SamplingParams(max_new_tokens=5, seed=4))
+    assert torch.equal(torch.get_rng_state(), state)  # a seeded call draws from a generator of its own
+    again = engine.generate(_prompts(engine), 2, SamplingParams(max_new_tokens=5, seed=4))
+    assert [[c.token_ids for c in g] for g in again] == [[c.token_ids for c in g] for g in first]

@@ -54,8 +54,9 @@ def test_should_match_sdpa_per_sample_forward_and_backward_when_torchs_varlen_ke
         assert pa._varlen(q, k, v, row, 0.0, scale, window) is None
         return
     grad = torch.randn(1, q.shape[2], q.shape[1], q.shape[3], device="cuda", dtype=dtype)
-    pa._REFUSED.clear()
-    assert pa._varlen(q, k, v, row, 0.0, scale, window) is not None, pa._REFUSED  # the kernel takes it
+    row.attention.refused.clear()
+    refused = row.attention.refused
+    assert pa._varlen(q, k, v, row, 0.0, scale, window) is not None, refused  # the kernel takes it
     fused = _run(lambda a, b, c: pa._varlen(a, b, c, row, 0.0, scale, window), q, k, v, grad)
     loop = _run(lambda a, b, c: pa._per_sample(a, b, c, row, 0.0, scale, window), q, k, v, grad)
     # the whole _attend takes the kernel too

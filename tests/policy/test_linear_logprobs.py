@@ -115,7 +115,7 @@ def test_should_apply_the_models_own_final_softcapping_when_a_gemma_model_caps_i
                               final_logit_softcapping=1.0, sliding_window=8)  # fmt: skip
     model = Gemma3ForCausalLM(config).to(torch.float32)
     batch = pack_batch(_samples()[:5], pad_id=0)
-    args = (model, batch, torch.device("cpu"), None, False, 0.8, True)
+    args = (model, batch, torch.device("cpu"), None, 0.8, True)
     want, want_entropy = forward.logits_logprobs(*args)  # the model's own logits: capped inside its forward
     got, got_entropy = forward.forward_logprobs(*args)
     torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
@@ -272,12 +272,12 @@ def test_should_project_the_whole_logits_only_when_they_stay_under_the_size_the_
     model.get_output_embeddings = lambda: head
     model.config = types.SimpleNamespace()
     batch = pack_batch([Sample(prompt_ids=[1, 2], response_ids=[3] * 99, advantage=1.0)], pad_id=0)
-    assert forward.positions(batch) == 99
+    assert batch.positions == 99
     for limit, expected in ((99 * 1000 * 4, "plain"), (99 * 1000 * 4 - 1, "tiled")):
         monkeypatch.setattr(forward, "TILE_ABOVE_BYTES", limit)
         calls.clear()
         try:
-            forward.forward_logprobs(model, batch, torch.device("cpu"), None, False, 1.0)
+            forward.forward_logprobs(model, batch, torch.device("cpu"), None, 1.0)
         except Exception:  # the stand-in root forward returns nothing to unpack: only the choice is checked
             pass
         assert calls[:1] == [expected], (limit, calls)
@@ -306,9 +306,7 @@ def test_should_never_make_a_positions_by_vocabulary_tensor_when_logprobs_and_th
         positions == 512 and positions * vocab > 2**19
     )  # the CPU's tile (2 MiB of float32) cannot hold them all
     with _Largest() as largest:
-        logprobs, entropy = forward.forward_logprobs(
-            model, batch, torch.device("cpu"), None, False, 1.0, True
-        )
+        logprobs, entropy = forward.forward_logprobs(model, batch, torch.device("cpu"), None, 1.0, True)
         (logprobs * batch.loss_mask).sum().backward()
     assert entropy is not None and model.lm_head.weight.grad is not None
     # the weight and its gradient (vocab x 32) are the largest things here: 16x fewer than the logits' elements

@@ -51,48 +51,43 @@ def test_should_equal_a_dense_block_diagonal_mask_when_each_sample_attends_alone
 
 
 @pytest.fixture(params=["sdpa", "eager"])
-def tiny(tiny_model_path, request, monkeypatch):
+def tiny(tiny_model_path, request):
     """The tiny model twice: as transformers runs it with ``request.param`` attention, and with the packed
-    attention installed over that (cpu-demo trains with eager)."""
+    attention installed over that (cpu-demo trains with eager); and the installed attention."""
     from trainer.models import load_model
 
-    for name in ("_INNER", "_OUTER", "_SP"):  # install sets them for the process: restored after the test
-        monkeypatch.setattr(packed_attention, name, getattr(packed_attention, name))
     plain = load_model(tiny_model_path, "float32", False).eval()
     plain.set_attn_implementation(request.param)
     packed = load_model(tiny_model_path, "float32", False).eval()
     packed.set_attn_implementation(request.param)
     assert packed_attention.takes(request.param, packed.config)
-    packed_attention.install(packed, request.param)
-    try:
-        yield plain, packed
-    finally:
-        packed_attention.set_row(None)
+    yield plain, packed, packed_attention.install(packed, request.param)
 
 
 def test_should_give_each_sample_its_own_logits_when_a_packed_row_runs_through_the_installed_attention(
     tiny, monkeypatch
 ):
-    plain, packed = tiny
+    plain, packed, attention = tiny
     samples = [Sample([5, 6, 7], [8, 9]), Sample([5, 6], [7]), Sample([9, 8, 7, 6], [5, 4, 3, 2])]
     batch = pack_batch(samples, pad_id=0)
-    packed_attention.set_row(Row(batch.cu_seqlens, batch.max_seqlen))
+    row = attention.row(batch.cu_seqlens, batch.max_seqlen)
 
     def dense(module):  # eager over a row would compute its dense block-diagonal mask: every pair of the row
         raise AssertionError("a packed row ran the model's eager attention")
 
     monkeypatch.setattr(packed_attention, "_eager", dense)
     with torch.no_grad():
-        row = packed(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits
-        for a, b in Row(batch.cu_seqlens, batch.max_seqlen).bounds:
+        logits = packed(
+            input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False, packed_row=row
+        ).logits
+        for a, b in row.bounds:
             alone = plain(input_ids=batch.input_ids[:, a:b], use_cache=False).logits
-            torch.testing.assert_close(row[:, a:b], alone, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(logits[:, a:b], alone, rtol=1e-5, atol=1e-5)
 
 
 def test_should_be_the_models_own_attention_when_the_batch_is_padded(tiny, monkeypatch):
-    plain, packed = tiny
+    plain, packed, _ = tiny
     batch = pad_batch([Sample([5, 6, 7], [8, 9]), Sample([5, 6], [7])], pad_id=0)
-    packed_attention.set_row(None)
     calls = []
     eager = packed_attention._eager
     monkeypatch.setattr(packed_attention, "_eager", lambda module: calls.append(module) or eager(module))
@@ -208,7 +203,6 @@ def varlen_on(monkeypatch):
     def use(fn):
         monkeypatch.setattr(packed_attention, "_varlen_attn", lambda: fn)
         monkeypatch.setattr(packed_attention, "_flash_device", lambda device: True)
-        monkeypatch.setattr(packed_attention, "_REFUSED", {})
 
     return use
 
@@ -231,7 +225,7 @@ def test_should_call_torchs_varlen_kernel_once_per_row_with_the_installed_signat
     row = Row(torch.tensor([0, 5, 6, 13, 20], dtype=torch.int32), 7)  # samples of 5, 1, 7 and 7 tokens
     q, k, v = _qkv(kv_heads)
     got = _attend(torch.nn.Linear(2, 2).eval(), q, k, v, row, "sdpa", 0.0, scale, window, None)
-    assert len(calls) == 1 and packed_attention._REFUSED == {}  # one kernel call for the whole row
+    assert len(calls) == 1 and row.attention.refused == {}  # one kernel call for the whole row
     want = _dense(q.float(), k.float(), v.float(), row, window, scale if scale is not None else 16**-0.5)
     assert got.shape == want.shape == (1, 20, 4, 16) and got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
@@ -308,7 +302,7 @@ def test_should_fall_back_to_the_loop_and_not_ask_again_when_the_kernel_refuses_
         for _ in range(3):  # three layers
             got = _attend(module, q, k, v, row, "sdpa", 0.0, 0.25, None, None)
             torch.testing.assert_close(got, packed_attention._per_sample(q, k, v, row, 0.0, 0.25, None))
-    assert len(calls) == 1 and len(packed_attention._REFUSED) == 1
+    assert len(calls) == 1 and len(row.attention.refused) == 1
     assert sum("refused" in r.getMessage() for r in caplog.records) == 1
 
 

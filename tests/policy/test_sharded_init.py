@@ -47,7 +47,7 @@ def _whole_then_sharded(w, attn: str | None = None) -> torch.nn.Module:
         lora.apply(model, w.lora)
     if attn is None and cfg.model.attn_implementation:
         model.set_attn_implementation(cfg.model.attn_implementation)
-    if w.packed_attention:
+    if w.attention is not None:
         packed_attention.install(model, cfg.model.attn_implementation or "sdpa", w.sp)
     model.config.use_cache = False
     model.to(w.device)

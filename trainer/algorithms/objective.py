@@ -12,16 +12,21 @@
 - ``aggregate``: token-mean, seq-mean-token-mean or seq-mean-token-sum-norm over the global counts, so
   that under data parallelism the ranks' losses sum to the single-process loss of the whole batch.
 
-Every option is chosen by name in :class:`Objective` (from :mod:`~trainer.algorithms.core_algos`'s
-registries); the worker keeps micro-batching, the forward, the backward and the optimizer
-(:meth:`trainer.policy.worker.PolicyWorker.train`). Beside the loss come the metrics of the step as sums
-over masked tokens (the worker adds them up over micro-batches and ranks, then divides): how far the engine
-that sampled is from the policy, what the correction truncated or dropped, the KL as penalised, the clip
-fraction and PPO's KL.
+The whole loss contract is here: the global counts a mini-batch's loss divides by (:func:`global_counts`,
+taken by the driver over all of the mini-batch's samples), the reduction of a micro-batch's per-token
+losses to the scalar that is backpropagated (:meth:`Objective.reduce`: its share of the mini-batch's
+loss, scaled by the ranks FSDP averages gradients over), and the denominators of the step's metrics
+(:meth:`Objective.metrics`). Every option is chosen by name in :class:`Objective` (from
+:mod:`~trainer.algorithms.core_algos`'s registries); the worker keeps micro-batching, the forward, the
+backward and the optimizer (:meth:`trainer.policy.worker.PolicyWorker.train`). Beside the loss come the
+metrics of the step as sums over masked tokens (the worker adds them up over micro-batches and ranks, then
+:meth:`Objective.metrics` divides): the loss, how far the engine that sampled is from the policy, what the
+correction truncated or dropped, the KL as penalised, the clip fraction and PPO's KL.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -50,8 +55,17 @@ class LossInputs:
     ref_logprobs: Tensor | None = None
 
 
+def global_counts(response_masks: Iterable[Sequence[int]]) -> dict[str, float]:
+    """What a mini-batch's loss divides by, over all of its samples (skipped ones included, so the loss stays
+    the whole mini-batch's mean): ``tokens``, the response tokens that carry loss, and ``seqs``, the samples.
+    ``response_masks``: each sample's (L_i,) loss mask."""
+    masks = list(response_masks)
+    return {"tokens": float(sum(sum(m) for m in masks)), "seqs": float(len(masks))}
+
+
 # The metric sums every call returns, whatever the options (the same keys on every rank and step).
 METRIC_SUMS = (
+    "loss",
     "pg_clipfrac",
     "ppo_kl",
     "tokens",
@@ -69,6 +83,9 @@ class Objective:
     loss: LossConfig
     max_len: int  # generation.max_new_tokens: seq-mean-token-sum-norm's constant length
     kl_penalty: bool  # a reference policy is there (the penalty's beta > 0)
+    # The ranks FSDP averages gradients over (all policy ranks; with sequence parallelism too, as each rank
+    # of a group computes a disjoint part of its forward, so the group's gradient is its ranks' sum).
+    ranks: int = 1
 
     def __post_init__(self):
         self.policy_loss = core_algos.get_policy_loss(self.loss.policy_loss)
@@ -84,9 +101,43 @@ class Objective:
     def metric_keys(self) -> tuple[str, ...]:
         return METRIC_SUMS + (("kl",) if self.kl is not None else ())
 
+    def reduce(
+        self, loss_tok: Tensor, mask: Tensor, num_tokens: float, num_seqs: float
+    ) -> tuple[Tensor, Tensor]:
+        """(B, T) per-token losses under mask (B, T) -> (the scalar to backpropagate, the micro-batch's share of
+        the mini-batch's loss). The share aggregates over the mini-batch's global counts, so the shares of
+        all micro-batches on all ranks sum to the mini-batch's loss (core_algos' aggregation registry). FSDP
+        averages gradients over the ranks, a division by their number that the backward scalar undoes."""
+        share = core_algos.aggregate_loss(
+            loss_tok,
+            mask,
+            self.loss.aggregation,
+            num_tokens=num_tokens,
+            num_seqs=num_seqs,
+            max_len=self.max_len,
+        )
+        return share * self.ranks, share.detach()
+
+    def metrics(self, sums: dict[str, float], steps: int) -> dict[str, float]:
+        """The step's metrics from the sums over every micro-batch and rank of ``steps`` optimizer steps
+        (:meth:`metric_keys`, the worker's ``grad_norm`` once per step and rank, and its ``entropy``): the
+        loss per step, the gradient norm per step and rank, the engine's gap and corrections per token it
+        sampled, everything else per token trained on."""
+        totals = dict(sums)
+        tokens = max(totals.pop("tokens"), 1.0)
+        gen_tokens = max(totals.pop("gen_tokens"), 1.0)
+        out = {
+            "loss": totals.pop("loss") / steps,
+            "grad_norm": totals.pop("grad_norm") / (steps * self.ranks),
+        }
+        for key in ("gen_logprob_abs_diff", "gen_train_kl", "is_flagged"):
+            out[key] = totals.pop(key) / gen_tokens
+        out.update({k: v / tokens for k, v in totals.items()})
+        return out
+
     def __call__(self, x: LossInputs) -> tuple[Tensor, dict[str, Tensor]]:
-        """The micro-batch's scalar loss (its share of the mini-batch's, by the global counts) and the
-        metric sums over its masked tokens (:meth:`metric_keys`; 0-dim tensors, detached)."""
+        """The micro-batch's scalar to backpropagate (:meth:`reduce`) and the metric sums over its masked
+        tokens, its share of the mini-batch's loss among them (:meth:`metric_keys`; 0-dim tensors, detached)."""
         mask, logprobs = x.mask, x.logprobs
         zero = logprobs.new_zeros(())
         sums = dict.fromkeys(self.metric_keys(), zero)
@@ -124,14 +175,7 @@ class Objective:
             kl = core_algos.clamp_kl(self.kl(logprobs, x.ref_logprobs), self.loss.kl_clamp)
             loss_tok = loss_tok + self.loss.reference_policy_kl_penalty * kl
             sums["kl"] = (kl.detach() * mask).sum()  # as the penalty saw it: clamped
-        loss = core_algos.aggregate_loss(
-            loss_tok,
-            mask,
-            self.loss.aggregation,
-            num_tokens=x.num_tokens,
-            num_seqs=x.num_seqs,
-            max_len=self.max_len,
-        )
+        loss, sums["loss"] = self.reduce(loss_tok, mask, x.num_tokens, x.num_seqs)
         sums["pg_clipfrac"] = (parts["clipfrac"].float() * mask).sum()
         sums["ppo_kl"] = (parts["ppo_kl"].detach() * mask).sum()
         sums["tokens"] = mask.sum()

@@ -43,8 +43,11 @@ _CACHE_CHUNK = 32
 _DRAW_BLOCK = 256  # tokens per block of the two-level CDF inversion in _draw
 
 
-def _sample(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
-    """Next tokens (B,) and their logprobs (B,) from float32 ``logits`` (B, V).
+def _sample(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next tokens (B,) and their logprobs (B,) from float32 ``logits`` (B, V); the draws from ``generator``
+    (None: torch's default one).
 
     Sampling applies temperature, then top-k, then top-p, as HF's warpers do. The logprob is that of the
     temperature-scaled distribution before top-k/top-p truncation, like vLLM's default: a truncated
@@ -65,14 +68,15 @@ def _sample(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor,
             remove = cumulative <= (1 - params.top_p)  # the low tail holding at most 1 - top_p of the mass
             remove[:, -1:] = False  # always keep the most likely token
             scores = scores.masked_fill(remove.scatter(1, sorted_idx, remove), float("-inf"))
-        tokens = _draw(torch.softmax(scores, dim=-1))
+        tokens = _draw(torch.softmax(scores, dim=-1), generator)
     else:
-        tokens = _draw(logprobs.exp())
+        tokens = _draw(logprobs.exp(), generator)
     return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
 
 
-def _draw(probs: torch.Tensor) -> torch.Tensor:
-    """One token per row of ``probs`` (B, V), by inverting its CDF with one uniform number per row.
+def _draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token per row of ``probs`` (B, V), by inverting its CDF with one uniform number per row (drawn
+    from ``generator``; None: torch's default one).
 
     Distributed as ``torch.multinomial(probs, 1)``, which on CPU draws an exponential per vocabulary
     entry: 8 ms for 8 x 49k (a tenth of a SmolLM2-135M decode step). A running sum over the whole
@@ -89,7 +93,7 @@ def _draw(probs: torch.Tensor) -> torch.Tensor:
     blocks = probs.view(rows, n_blocks, _DRAW_BLOCK)
     mass = blocks.sum(-1, dtype=dtype)  # (B, NB)
     cdf = mass.cumsum(-1)  # (B, NB)
-    u = torch.rand(rows, 1, dtype=dtype, device=probs.device) * cdf[:, -1:]  # (B, 1)
+    u = torch.rand(rows, 1, dtype=dtype, device=probs.device, generator=generator) * cdf[:, -1:]  # (B, 1)
     block = _invert(cdf, u)  # (B, 1)
     u = u - (cdf.gather(1, block) - mass.gather(1, block))  # the draw's offset inside its block
     inner = blocks.gather(1, block[:, :, None].expand(rows, 1, _DRAW_BLOCK))[:, 0].to(dtype).cumsum(-1)
@@ -146,20 +150,25 @@ class HFGenerationEngine:
         if not 0 <= params.top_p <= 1:
             raise ValueError(f"top_p must be in [0, 1], got {params.top_p}")
         flat = [p for p in prompts for _ in range(n)]
+        # A seed draws from a generator of this call's own, seeded as torch.manual_seed would seed the
+        # device's default one (the same numbers), without resetting the process's random state.
+        generator = None
         if params.seed is not None:
-            torch.manual_seed(params.seed)
+            generator = torch.Generator(device=self.device).manual_seed(params.seed)
         # Similar lengths in one batch waste less compute on padding; restore the order afterwards. The
         # sort is stable, so the samples of a prompt stay together and share one prefill.
         order = sorted(range(len(flat)), key=lambda i: len(flat[i]))
         done: dict[int, Completion] = {}
         for start in range(0, len(order), self.batch_size):
             idx = order[start : start + self.batch_size]
-            for i, c in zip(idx, self._generate_batch([flat[i] for i in idx], params)):
+            for i, c in zip(idx, self._generate_batch([flat[i] for i in idx], params, generator)):
                 done[i] = c
         out = [done[i] for i in range(len(flat))]
         return [out[i * n : (i + 1) * n] for i in range(len(prompts))]
 
-    def _generate_batch(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+    def _generate_batch(
+        self, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator | None = None
+    ) -> list[Completion]:
         if params.max_new_tokens <= 0:
             return [Completion([], [], "", "length") for _ in prompts]
         device, batch, max_new = self.device, len(prompts), params.max_new_tokens
@@ -197,7 +206,7 @@ class HFGenerationEngine:
                 mask = attention_mask[:, : column + 1]  # (B, W + step): prompt and generated columns
                 out = self._forward(tokens[-1][:, None], mask, position, cache, column)
                 logits = out.logits[:, -1].float()  # (B, V)
-            token, logprob = _sample(logits, params)
+            token, logprob = _sample(logits, params, generator)
             # Finished rows are fed a pad token; what they sample is ignored.
             token = torch.where(running, token, torch.full_like(token, self.pad_id))
             tokens.append(token)

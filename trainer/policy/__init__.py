@@ -1,3 +1,1 @@
-from trainer import heap
-
-heap.pause_for_actor("trainer.policy.worker.PolicyWorker")  # PolicyWorker.__init__ settles
+"""FSDP2 policy workers (Ray actors): :mod:`trainer.policy.worker`, driven by :mod:`trainer.policy.group`."""

@@ -12,6 +12,10 @@ back-propagated, once per sample); :class:`PaddedBatch` is the plain right-padde
 ``sequence_packing`` and ``shared_prefix`` on (the defaults), each micro-batch takes whichever of the
 first two runs fewer positions (:func:`prefers_prefix`).
 
+Each layout is a :class:`Batch`: the loss's (B, K) tensors, and its own forward (the model calls that give
+the window's logprobs, with a :class:`Head` that turns the hidden states at the positions that predict
+responses into logprobs: :mod:`trainer.policy.forward`) and its own unpadding back to per-sample values.
+
 A micro-batch is a fixed number of samples (``policy.micro_batch_size``) or, with
 ``policy.max_tokens_per_microbatch``, as many as fit a token budget (:func:`budget_micro_batches`,
 first-fit decreasing), split further until every data-parallel rank runs the same number
@@ -20,11 +24,14 @@ first-fit decreasing), split further until every data-parallel rank runs the sam
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 
 from trainer.models.prompts import distinct_prompts
+from trainer.policy.packed_attention import PackedAttention
 
 
 @dataclass
@@ -41,6 +48,50 @@ class Sample:
     @property
     def length(self) -> int:
         return len(self.prompt_ids) + len(self.response_ids)
+
+
+class Head(Protocol):
+    """How a forward's positions become logprobs (:mod:`trainer.policy.forward`: the model's own logits, or
+    its head a tile at a time). A layout calls :meth:`project` once per model call, then :meth:`join`."""
+
+    def project(
+        self, model: Any, labels: torch.Tensor, keep: Callable[[torch.Tensor], torch.Tensor], **inputs: Any
+    ) -> tuple[Any, Any]:
+        """``model(**inputs)``; of what its head gives (or takes), the positions ``keep`` selects, which
+        predict ``labels``: a part for :meth:`join`, and the call's cache."""
+        ...
+
+    def join(
+        self, parts: Sequence[Any], labels: torch.Tensor, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The parts of one forward, in order along dim 1 -> logprobs of ``labels`` and the entropy (or None)."""
+        ...
+
+
+class Batch(Protocol):
+    """One micro-batch in one layout: the loss reads its (B, K) window, where K is the layout's."""
+
+    loss_mask: torch.Tensor  # (B, K) 1 where the label is a response token the model wrote
+    advantages: torch.Tensor  # (B,)
+    old_logprobs: torch.Tensor | None  # (B, K)
+    ref_logprobs: torch.Tensor | None  # (B, K)
+    gen_logprobs: torch.Tensor | None  # (B, K)
+
+    @property
+    def positions(self) -> int:
+        """Positions whose logits the logprob pass projects."""
+        ...
+
+    def logprobs(
+        self, model: Any, head: Head, device: torch.device, attention: PackedAttention | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(B, K) logprobs of the window's labels and (B, K) entropy or None, from ``model``'s forward.
+        ``attention``: the rank's packed attention when the model's attention is it, else None."""
+        ...
+
+    def unpad(self, samples: list[Sample], logprobs: torch.Tensor) -> list[list[float]]:
+        """(B, K) window values -> per-sample response values (L_i,)."""
+        ...
 
 
 @dataclass
@@ -61,6 +112,32 @@ class PaddedBatch:
     old_logprobs: torch.Tensor | None  # (B, K), aligned with labels
     ref_logprobs: torch.Tensor | None  # (B, K)
     gen_logprobs: torch.Tensor | None  # (B, K)
+
+    @property
+    def positions(self) -> int:
+        return int(self.labels.numel())
+
+    def logprobs(
+        self, model: Any, head: Head, device: torch.device, attention: PackedAttention | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        width = self.input_ids.shape[1]
+        part, _ = head.project(
+            model,
+            self.labels,
+            lambda x: x[:, :-1],  # the last position predicts past the end
+            input_ids=self.input_ids.to(device),
+            attention_mask=self.attention_mask.to(device),
+            logits_to_keep=width - self.start,  # project only the positions that predict responses
+            use_cache=False,
+        )
+        return head.join([part], self.labels, device)
+
+    def unpad(self, samples: list[Sample], logprobs: torch.Tensor) -> list[list[float]]:
+        out = []
+        for row, s in enumerate(samples):
+            first = len(s.prompt_ids) - 1 - self.start
+            out.append(logprobs[row, first : first + len(s.response_ids)].tolist())
+        return out
 
 
 def _scatter(
@@ -126,6 +203,50 @@ class PrefixBatch:
     def labels(self) -> torch.Tensor:
         return self.response_ids
 
+    @property
+    def positions(self) -> int:
+        return int(self.labels.numel())
+
+    def logprobs(
+        self, model: Any, head: Head, device: torch.device, attention: PackedAttention | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        from transformers import DynamicCache
+
+        # Each distinct prompt once; its keys and values (still in the autograd graph) are then gathered to
+        # every sample of it, so its gradient sums over the group as a padded batch would. The prompt's last
+        # position predicts response token 0, for each sample of the prompt (rows).
+        prompt_mask = self.prompt_mask.to(device)
+        rows = self.rows.to(device)
+        first, cache = head.project(
+            model,
+            self.labels[:, :1],
+            lambda x: x[rows],  # (B, 1, .)
+            input_ids=self.prompt_ids.to(device),
+            attention_mask=prompt_mask,
+            position_ids=(prompt_mask.cumsum(1) - 1).clamp(min=0),
+            past_key_values=DynamicCache(config=getattr(model, "config", None)),
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        cache.batch_select_indices(rows)
+        lengths = prompt_mask.sum(1)[rows]  # (B,)
+        width = self.response_ids.shape[1]
+        rest, _ = head.project(
+            model,
+            self.labels[:, 1:],
+            lambda x: x[:, :-1],  # the last predicts past the end
+            input_ids=self.response_ids.to(device),
+            attention_mask=torch.cat([prompt_mask[rows], self.response_mask.to(device)], dim=1),
+            position_ids=lengths[:, None] + torch.arange(width, device=device),
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=width,
+        )
+        return head.join([first, rest], self.labels, device)
+
+    def unpad(self, samples: list[Sample], logprobs: torch.Tensor) -> list[list[float]]:
+        return [logprobs[row, : len(s.response_ids)].tolist() for row, s in enumerate(samples)]
+
 
 def prefix_batch(samples: list[Sample], pad_id: int) -> PrefixBatch:
     prompt_ids, prompt_mask, rows = distinct_prompts([s.prompt_ids for s in samples], pad_id)
@@ -189,6 +310,61 @@ class PackedBatch:
         b, c = self.labels.shape
         return flat.new_zeros(b * c).index_copy(0, self.window_index.to(flat.device), flat).view(b, c)
 
+    @property
+    def positions(self) -> int:
+        return int(self.window_index.numel())
+
+    def logprobs(
+        self, model: Any, head: Head, device: torch.device, attention: PackedAttention | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """No attention mask and no cache. The policy's own attention (``attention``) runs each sample of the
+        row on its own, told the row by the ``packed_row`` keyword; with Ulysses this rank runs its slice of
+        the row (attention sees the whole row) and the slices' logprobs are gathered over the group. A model
+        running flash attention gets the boundaries themselves, so it runs its varlen kernel without
+        inferring them in every layer. Others (eager): transformers reads the boundaries from the position
+        ids (a block-diagonal mask)."""
+        sp = attention.sp if attention is not None else None
+        input_ids, position_ids, predict = self.input_ids, self.position_ids, self.predict
+        labels = self.flat_labels[None]
+        keywords: dict[str, Any] = self._flash_boundaries(model, device)
+        if sp is not None:
+            assert attention is not None
+            row, input_ids, position_ids, predict = sp.split(self)
+            keywords = {"packed_row": attention.row(row.cu_seqlens, row.max_seqlen)}
+            labels = labels[:, sp.first : sp.first + predict.numel()]  # (1, M of this slice)
+        elif attention is not None:
+            keywords = {"packed_row": attention.row(self.cu_seqlens, self.max_seqlen)}
+        part, _ = head.project(
+            model,
+            labels,
+            lambda x: x,
+            input_ids=input_ids.to(device),
+            position_ids=position_ids.to(device),
+            logits_to_keep=predict.to(device),  # project only the positions that predict responses
+            use_cache=False,
+            **keywords,
+        )
+        logprobs, entropy = head.join([part], labels, device)  # (1, M), of this rank's slice with SP
+        if sp is not None:  # every slice's tokens, so each rank of the group has them all
+            from trainer.policy.ulysses import gather_slices
+
+            logprobs = gather_slices(logprobs[0], sp.counts, sp)[None]
+            entropy = gather_slices(entropy[0], sp.counts, sp)[None] if entropy is not None else None
+        return self.to_window(logprobs[0]), self.to_window(entropy[0]) if entropy is not None else None
+
+    def _flash_boundaries(self, model: Any, device: torch.device) -> dict[str, Any]:
+        """The row's sample boundaries as flash attention's varlen arguments, for a model that runs flash
+        attention (so it need not infer them in every layer); nothing for any other implementation."""
+        if "flash" not in (getattr(model.config, "_attn_implementation", None) or ""):
+            return {}
+        cu = self.cu_seqlens.to(device)
+        return dict(
+            cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=self.max_seqlen, max_length_k=self.max_seqlen
+        )
+
+    def unpad(self, samples: list[Sample], logprobs: torch.Tensor) -> list[list[float]]:
+        return [logprobs[row, : len(s.response_ids)].tolist() for row, s in enumerate(samples)]
+
 
 def pack_batch(samples: list[Sample], pad_id: int) -> PackedBatch:
     """Samples back to back in one (1, N) row; ``pad_id`` only fills the (B, C) label window."""
@@ -229,17 +405,17 @@ def pack_batch(samples: list[Sample], pad_id: int) -> PackedBatch:
     )
 
 
-def unpad_logprobs(
-    samples: list[Sample], batch: PaddedBatch | PrefixBatch | PackedBatch, logprobs: torch.Tensor
-) -> list[list[float]]:
+def layout(samples: list[Sample], pad_id: int, prefix: bool, packed: bool) -> Batch:
+    """``samples`` as one micro-batch: the shared-prompt layout when ``prefix``, else packed rows when
+    ``packed``, else padded rows (a type checker holds each to :class:`Batch` here)."""
+    if prefix:
+        return prefix_batch(samples, pad_id)
+    return pack_batch(samples, pad_id) if packed else pad_batch(samples, pad_id)
+
+
+def unpad_logprobs(samples: list[Sample], batch: Batch, logprobs: torch.Tensor) -> list[list[float]]:
     """(B, K) window logprobs -> per-sample response logprobs (L_i,)."""
-    if isinstance(batch, (PrefixBatch, PackedBatch)):
-        return [logprobs[row, : len(s.response_ids)].tolist() for row, s in enumerate(samples)]
-    out = []
-    for row, s in enumerate(samples):
-        first = len(s.prompt_ids) - 1 - batch.start
-        out.append(logprobs[row, first : first + len(s.response_ids)].tolist())
-    return out
+    return batch.unpad(samples, logprobs)
 
 
 def prefix_positions(samples: list[Sample]) -> int:

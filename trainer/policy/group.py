@@ -13,6 +13,7 @@ import ray
 
 from trainer import watchdog
 from trainer.algorithms import core_algos
+from trainer.algorithms.objective import global_counts
 from trainer.cluster import bundles_for, in_bundle, reserve
 from trainer.config import Config, ConfigError
 from trainer.policy.batch import Sample, shard_for_ranks, with_policy_gradient
@@ -104,12 +105,7 @@ class PolicyGroup:
         mb_size = len(samples) // n_mb
         for m in range(n_mb):
             mb = samples[m * mb_size : (m + 1) * mb_size]
-            counts.append(  # of the whole mini-batch: the loss is its mean, skipped samples included
-                {
-                    "tokens": float(sum(sum(s.response_mask or [1] * len(s.response_ids)) for s in mb)),
-                    "seqs": float(len(mb)),
-                }
-            )
+            counts.append(global_counts(s.response_mask or [1] * len(s.response_ids) for s in mb))
             if skip:
                 mb = with_policy_gradient(mb, self.dp)
             self.trained_lengths += [s.length for s in mb]

@@ -13,10 +13,15 @@ once per sample with ``is_causal`` (the fused causal kernel, no mask); for anyth
 batches, the reference's, a copy of the model generating with a KV cache) it is transformers' own sdpa,
 unchanged.
 
-The row in hand is process state (:func:`set_row`), set by the policy rank before each packed forward and
-kept until the next one, so a checkpointed backward recomputes with the same row. With Ulysses sequence
-parallelism (:mod:`trainer.policy.ulysses`) the same function all-to-alls around the per-sample
-attention; its inner attention may then be flash attention's varlen call (GPUs).
+The row travels with the call: a packed forward passes its :class:`Row` to the model as the ``packed_row``
+keyword, which transformers hands on, through every decoder layer, to each attention call (its
+``**kwargs``, the same way flash attention's ``cu_seq_lens_q`` travel), and a checkpointed layer's
+recompute gets it again from the keywords it kept. No call, no row: padded batches and the shared-prompt
+layout run the model's own attention. What a rank's rows have in common (the implementation that runs on
+them, its Ulysses group, the shapes torch's varlen kernel refused) is one :class:`PackedAttention`, owned
+by the rank, that every row points to. With Ulysses sequence parallelism (:mod:`trainer.policy.ulysses`)
+the same function all-to-alls around the per-sample attention; its inner attention may then be flash
+attention's varlen call (GPUs).
 """
 
 from __future__ import annotations
@@ -25,23 +30,42 @@ import inspect
 import logging
 import math
 import sys
-from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import Any
 
 import torch
 
 log = logging.getLogger(__name__)
 
-ATTENTION = "kuberl_packed"  # the name the policy's model config carries
+# The names the policy's model config carries: the attention off a row is transformers' sdpa, or, for a
+# model whose own attention is eager, that eager attention (:func:`install`).
+ATTENTION = "kuberl_packed"
+ATTENTION_EAGER = "kuberl_packed_eager"
 
 
-@dataclass
+class PackedAttention:
+    """What every packed row of a rank shares: what runs on a row (``inner``: sdpa per sample, or a flash
+    varlen implementation), the rank's Ulysses group (None without sequence parallelism), and the shapes
+    torch's varlen kernel refused (:func:`_varlen`: each is tried and logged once per rank)."""
+
+    def __init__(self, inner: str = "sdpa", sp: Any = None):
+        self.inner = on_rows(inner)
+        self.sp = sp  # trainer.policy.ulysses.SequenceParallelGroup (not imported: ulysses imports Row)
+        self.refused: dict[tuple, str] = {}  # (dtype, head dim, heads, kv heads, window) -> why
+
+    def row(self, cu_seqlens: torch.Tensor, max_seqlen: int) -> Row:
+        return Row(cu_seqlens, max_seqlen, self)
+
+
 class Row:
-    """A packed row's sample boundaries: cu_seqlens (B + 1,) in tokens, and the longest sample."""
+    """A packed row's sample boundaries: cu_seqlens (B + 1,) in tokens, and the longest sample; the
+    ``packed_row`` keyword of a packed forward. A plain class, not a dataclass: FSDP2 rebuilds the
+    dataclasses among a forward's keywords (to cast their tensors), which would drop the device copies."""
 
-    cu_seqlens: torch.Tensor
-    max_seqlen: int
-    _on: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # device -> int32 copy
+    def __init__(self, cu_seqlens: torch.Tensor, max_seqlen: int, attention: PackedAttention | None = None):
+        self.cu_seqlens, self.max_seqlen = cu_seqlens, max_seqlen
+        self.attention = attention if attention is not None else PackedAttention()
+        self._on: dict[torch.device, torch.Tensor] = {}  # device -> int32 copy
 
     @property
     def bounds(self) -> list[tuple[int, int]]:
@@ -56,18 +80,6 @@ class Row:
         return self._on[device]
 
 
-_ROW: Row | None = None  # the row of the current packed micro-batch, or None (padded layouts)
-_SP = None  # the rank's Ulysses group (trainer.policy.ulysses.SequenceParallelGroup), when sequence parallel
-_INNER = "sdpa"  # what runs on a row: sdpa per sample, or a flash varlen implementation
-_OUTER = "sdpa"  # what runs off a row (padded batches, the shared-prompt layout): sdpa, or the model's eager
-
-
-def set_row(row: Row | None) -> None:
-    """The row the next forwards (and a checkpointed backward) run on; None for a padded batch."""
-    global _ROW
-    _ROW = row
-
-
 def attention(
     module,
     query,
@@ -78,35 +90,39 @@ def attention(
     scaling: float | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    packed_row: Row | None = None,
     **kwargs,
 ):
-    """transformers' attention-function signature: q (1, H, n, D), k/v (1, Hkv, n, D) -> ((1, n, H, D), None)."""
-    if _ROW is None:  # not a packed row: the model's eager attention or transformers' sdpa, with its mask
-        if _OUTER == "eager":
+    """transformers' attention-function signature: q (1, H, n, D), k/v (1, Hkv, n, D) -> ((1, n, H, D), None).
+    ``packed_row``: the row the forward runs on (the module docstring), None off a row."""
+    if packed_row is None:  # off a row: the model's eager attention or transformers' sdpa, with its mask
+        if module.config._attn_implementation == ATTENTION_EAGER:
+            if attention_mask is None and query.shape[2] > 1:  # eager without a mask attends to every pair
+                raise RuntimeError("packed attention: eager off a packed row needs an attention mask")
             return _eager(module)(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                   sliding_window=sliding_window, softcap=softcap, **kwargs)  # fmt: skip
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       sliding_window=sliding_window, **kwargs)  # fmt: skip
-    tokens = query.shape[2] * (_SP.size if _SP is not None else 1)
-    if query.shape[0] != 1 or tokens != int(_ROW.cu_seqlens[-1]):
+    row, sp = packed_row, packed_row.attention.sp
+    tokens = query.shape[2] * (sp.size if sp is not None else 1)
+    if query.shape[0] != 1 or tokens != int(row.cu_seqlens[-1]):
         raise RuntimeError(
-            f"packed attention: a ({query.shape[0]}, {tokens})-token input is not the row set for "
-            f"this forward ({int(_ROW.cu_seqlens[-1])} tokens): set_row(None) after a packed pass"
+            f"packed attention: a ({query.shape[0]}, {tokens})-token input is not the row passed to "
+            f"this forward ({int(row.cu_seqlens[-1])} tokens)"
         )
     dropout = dropout if module.training else 0.0
-    if _SP is None:
-        return _attend(
-            module, query, key, value, _ROW, _INNER, dropout, scaling, sliding_window, softcap
-        ), None
+    inner = row.attention.inner
+    if sp is None:
+        return _attend(module, query, key, value, row, inner, dropout, scaling, sliding_window, softcap), None
     heads, kv_heads = query.shape[1], key.shape[1]
-    if kv_heads % _SP.size:  # fewer key/value heads than ranks: give every query head its own copy
+    if kv_heads % sp.size:  # fewer key/value heads than ranks: give every query head its own copy
         key = key.repeat_interleave(heads // kv_heads, dim=1)
         value = value.repeat_interleave(heads // kv_heads, dim=1)
-    q, k, v = (_SP.to_heads(t) for t in (query, key, value))
-    out = _attend(module, q, k, v, _ROW, _INNER, dropout, scaling, sliding_window, softcap)
-    return _SP.to_sequence(out), None
+    q, k, v = (sp.to_heads(t) for t in (query, key, value))
+    out = _attend(module, q, k, v, row, inner, dropout, scaling, sliding_window, softcap)
+    return sp.to_sequence(out), None
 
 
 def _attend(module, q, k, v, row: Row, inner: str, dropout, scaling, sliding_window, softcap) -> torch.Tensor:
@@ -183,7 +199,6 @@ def _per_sample(q, k, v, row: Row, dropout, scaling, sliding_window) -> torch.Te
 # Versions without ``enable_gqa`` check no head counts and hand k/v of fewer heads to the kernel, which
 # shares each key/value head among its group of query heads (as sdpa's flash path does with enable_gqa);
 # 2.13 refuses fewer heads unless told ``enable_gqa=True``.
-_REFUSED: dict[tuple, str] = {}  # (dtype, head dim, heads, kv heads, window) -> why the kernel refused it
 
 
 @lru_cache(maxsize=1)
@@ -257,7 +272,8 @@ def _varlen(q, k, v, row: Row, dropout, scaling, sliding_window) -> torch.Tensor
     that kernel can't take it (then the caller runs :func:`_per_sample`): not CUDA, not fp16/bf16, dropout,
     a head size or head grouping flash attention lacks, a sliding window or scale this torch's varlen_attn
     can't express, no varlen_attn at all. A refusal by the kernel itself (the first forward of a shape)
-    is remembered and logged once, and that shape runs per sample from then on."""
+    is remembered (the row's :class:`PackedAttention`) and logged once, and that shape runs per sample from
+    then on."""
     fn = _varlen_attn()
     heads, kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[-1]
     if (
@@ -279,7 +295,8 @@ def _varlen(q, k, v, row: Row, dropout, scaling, sliding_window) -> torch.Tensor
         return None
     kw = _varlen_kwargs(_parameters(fn), heads, kv_heads, head_dim, scaling, window)
     key = (q.dtype, head_dim, heads, kv_heads, window is not None)
-    if kw is None or key in _REFUSED:
+    refused = row.attention.refused
+    if kw is None or key in refused:
         return None
     cu = row.cu_on(q.device)
     qt, kt, vt = (t[0].transpose(0, 1) for t in (q, k, v))  # (N, h, D), the kernel's layout
@@ -289,11 +306,11 @@ def _varlen(q, k, v, row: Row, dropout, scaling, sliding_window) -> torch.Tensor
     except torch.cuda.OutOfMemoryError:
         raise
     except (RuntimeError, ValueError) as e:  # the kernel refused this shape: per sample from now on
-        _REFUSED[key] = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+        refused[key] = f"{type(e).__name__}: {e}".splitlines()[0][:300]
         log.warning(
             "packed attention: torch varlen_attn refused %s (%s); running sdpa per sample instead",
             key,
-            _REFUSED[key],
+            refused[key],
         )
         return None
     return out.unsqueeze(0)
@@ -311,13 +328,15 @@ def _eager(module):
 
 
 def _mask(*args, **kwargs):
-    """The mask transformers builds for this attention: none for a packed row (the boundaries are in the
-    row); off a row, the one the attention there takes (eager's additive mask, or sdpa's)."""
-    if _ROW is not None:
+    """The mask transformers builds for this attention: none where the forward passed no padding mask
+    (a packed row, whose boundaries are in the row; every other forward of the policy passes one), else
+    the one the attention off a row takes (eager's additive mask, or sdpa's)."""
+    if kwargs.get("attention_mask") is None:
         return None
     from transformers.masking_utils import eager_mask, sdpa_mask
 
-    return (eager_mask if _OUTER == "eager" else sdpa_mask)(*args, **kwargs)
+    eager = kwargs["config"]._attn_implementation == ATTENTION_EAGER
+    return (eager_mask if eager else sdpa_mask)(*args, **kwargs)
 
 
 def takes(inner: str, config) -> bool:
@@ -331,21 +350,20 @@ def on_rows(inner: str) -> str:
     return "sdpa" if inner == "eager" else inner
 
 
-def install(model, inner: str = "sdpa", sp=None) -> None:
-    """Route ``model``'s attention through :func:`attention` (every policy model of the process: the
-    policy, the reference), with ``inner`` on rows and ``sp`` the rank's Ulysses group, if any.
+def install(model, inner: str = "sdpa", sp=None) -> PackedAttention:
+    """Route ``model``'s attention through :func:`attention` (every policy model of the rank: the policy, the
+    reference); what its rows share, with ``inner`` on rows and ``sp`` the rank's Ulysses group, if any.
 
     A model whose own attention is eager keeps it off a row (padded batches and the shared-prompt
     layout: on CPU eager's backward beats sdpa's with a mask), while its rows run sdpa once per sample:
     eager over a packed row computes the dense (N, N) block-diagonal mask, every pair of the row, so its
     cost grew with the token budget, where sdpa per sample costs each sample's own pairs (bench/README.md,
     ``make bench-train``: "Eager models attended over the whole packed row")."""
-    global _INNER, _OUTER, _SP
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    AttentionInterface.register(ATTENTION, attention)
-    AttentionMaskInterface.register(ATTENTION, _mask)
-    model.set_attn_implementation(ATTENTION)
-    _OUTER = "eager" if inner == "eager" else "sdpa"
-    _INNER, _SP = on_rows(inner), sp
+    name = ATTENTION_EAGER if inner == "eager" else ATTENTION
+    AttentionInterface.register(name, attention)
+    AttentionMaskInterface.register(name, _mask)
+    model.set_attn_implementation(name)
+    return PackedAttention(inner, sp)

@@ -16,10 +16,11 @@ The logprobs of a slice's response tokens are then gathered over the group (:fun
 every rank of the group holds the micro-batch's whole (B, C) window and computes the same loss as
 without sequence parallelism; its backward keeps only the rank's own part. FSDP2 still shards over all
 ranks and averages gradients over all of them: each group's gradient is the sum of its ranks' (each
-computed a disjoint part of the forward), so ``loss * world_size`` is the right scale, as for plain data
-parallelism. verl (``ulysses_sequence_parallel_size``) and NeMo-RL split the same way; verl pads the row
-and all-to-alls inside flash attention's wrapper, where here the all-to-alls sit in the packed-row attention
-function the policy registers with transformers anyway, and the model's modules stay as they are.
+computed a disjoint part of the forward), so the objective scales its loss by all the ranks
+(:meth:`trainer.algorithms.objective.Objective.reduce`), as for plain data parallelism. verl
+(``ulysses_sequence_parallel_size``) and NeMo-RL split the same way; verl pads the row and all-to-alls
+inside flash attention's wrapper, where here the all-to-alls sit in the packed-row attention function the
+policy registers with transformers anyway, and the model's modules stay as they are.
 Grouped-query attention splits the key/value heads too when S divides them, else repeats them to H.
 """
 

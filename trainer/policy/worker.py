@@ -36,6 +36,15 @@ build and refit order (:mod:`trainer.policy.colocated`), the DCP checkpoint (:mo
 
 from __future__ import annotations
 
+from trainer import heap
+
+# A rank's process imports this module (Ray, to create the actor) before PolicyWorker.__init__ runs, and the
+# imports below (torch, transformers) make millions of long-lived objects that each collection would walk:
+# so the collector pauses here, before them, when this process is a rank being created, and __init__
+# settles (trainer.heap). There is no earlier place in a rank's process to say it.
+# ruff: noqa: E402
+heap.pause_for_actor("trainer.policy.worker.PolicyWorker")
+
 import datetime
 import logging
 import os
@@ -44,25 +53,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from trainer import heap
 from trainer.algorithms.objective import LossInputs, Objective
 from trainer.config import Config
 from trainer.generation.base import Completion, SamplingParams
 from trainer.models import DTYPES, build_empty_model, load_model, load_tokenizer
 from trainer.policy import colocated, dcp, forward, gather, streams
 from trainer.policy.batch import (
-    PackedBatch,
-    PaddedBatch,
-    PrefixBatch,
+    Batch,
     Sample,
     budget_micro_batches,
-    pack_batch,
-    pad_batch,
+    layout,
     prefers_prefix,
-    prefix_batch,
     split_to_count,
-    unpad_logprobs,
 )
+from trainer.policy.packed_attention import PackedAttention
 from trainer.policy.sharded_init import load_shards
 
 log = logging.getLogger(__name__)
@@ -123,7 +127,8 @@ class PolicyWorker:
         self.colocated_engine = colocated_engine
         self.engine = None
         self.sp = None  # set in setup with policy.sequence_parallel_size > 1
-        self.packed_attention = False  # whether the policy's attention is trainer.policy.packed_attention's
+        # The policy's attention when it is trainer.policy.packed_attention's (set in setup), else None.
+        self.attention: PackedAttention | None = None
         self._fused_rows = False  # whether packed rows run one fused varlen call (set in setup)
         self._engine_awake = False  # whether the colocated engine may hold device memory (steps 1-3 above)
         self.device = torch.device("cuda", 0) if cfg.cluster.use_gpus else torch.device("cpu")
@@ -196,13 +201,12 @@ class PolicyWorker:
             self.sp = SequenceParallelGroup(cfg.policy.sequence_parallel_size, self.rank, self.world_size)
         from trainer.policy import packed_attention
 
-        self.packed_attention = self.sp is not None or packed_attention.takes(inner, model.config)
-        if self.packed_attention:
-            packed_attention.install(model, inner, self.sp)
+        if self.sp is not None or packed_attention.takes(inner, model.config):
+            self.attention = packed_attention.install(model, inner, self.sp)
         # Packed rows in one fused varlen call (GPUs in bf16/fp16) beat the shared-prompt layout everywhere
         # measured (_prefix_layouts); on CPU they run sdpa per sample and the position count decides.
         compute = DTYPES.get(cfg.policy.param_dtype or "") or DTYPES.get(cfg.model.dtype, torch.float32)
-        rows = packed_attention.on_rows(inner) if self.packed_attention else inner
+        rows = self.attention.inner if self.attention is not None else inner
         self._fused_rows = cfg.policy.sequence_packing and packed_attention.fused_rows(
             self.device, compute, rows
         )
@@ -225,7 +229,7 @@ class PolicyWorker:
                 self.model_path, cfg.model.dtype, cfg.model.trust_remote_code, cfg.model.attn_implementation
             )
             ref.requires_grad_(False)
-            if self.packed_attention:
+            if self.attention is not None:  # the same attention as the policy's: its rows serve both
                 packed_attention.install(ref, cfg.model.attn_implementation or "sdpa", self.sp)
             shard_model(ref, True, DTYPES.get(cfg.policy.param_dtype))
             load_shards(ref, host, self.device)
@@ -389,22 +393,10 @@ class PolicyWorker:
         return {"buckets": stats.buckets, "bytes": stats.bytes, "seconds": stats.seconds}
 
     # ----- logprobs --------------------------------------------------------------------------------
-    def _set_row(self, row) -> None:
-        """The packed row the policy's attention runs on until the next forward (None: a padded batch)."""
-        forward.set_row(self.packed_attention, row)
-
-    def _forward_logprobs(
-        self, model, batch: PaddedBatch | PrefixBatch | PackedBatch, with_entropy: bool = False
-    ):
+    def _forward_logprobs(self, model, batch: Batch, with_entropy: bool = False):
         """(B, K) logprobs of the window's labels, and optionally (B, K) entropy (:mod:`trainer.policy.forward`)."""
         return forward.forward_logprobs(
-            model,
-            batch,
-            self.device,
-            self.sp,
-            self.packed_attention,
-            self.cfg.generation.temperature,
-            with_entropy,
+            model, batch, self.device, self.attention, self.cfg.generation.temperature, with_entropy
         )
 
     def _prefix_layouts(self, mbs: list[list[Sample]]) -> list[bool]:
@@ -427,11 +419,8 @@ class PolicyWorker:
             dist.all_reduce(wants, op=dist.ReduceOp.MIN)
         return [bool(w) for w in wants.tolist()]
 
-    def _batch(self, samples: list[Sample], prefix: bool) -> PaddedBatch | PrefixBatch | PackedBatch:
-        pad = self.tokenizer.pad_token_id
-        if prefix:
-            return prefix_batch(samples, pad)
-        return pack_batch(samples, pad) if self.cfg.policy.sequence_packing else pad_batch(samples, pad)
+    def _batch(self, samples: list[Sample], prefix: bool) -> Batch:
+        return layout(samples, self.tokenizer.pad_token_id, prefix, self.cfg.policy.sequence_packing)
 
     def _micro_batches(self, samples: list[Sample], size: int, max_tokens: int | None) -> list[list[int]]:
         """Indices of ``samples`` per micro-batch: ``size`` at a time, or by the token budget (collective:
@@ -459,8 +448,7 @@ class PolicyWorker:
             for idx, mb, prefix in zip(indices, mbs, self._prefix_layouts(mbs)):
                 batch = self._batch(mb, prefix)
                 logprobs, _ = self._forward_logprobs(model, batch)
-                self._set_row(None)
-                for i, lp in zip(idx, unpad_logprobs(mb, batch, logprobs.cpu())):
+                for i, lp in zip(idx, batch.unpad(mb, logprobs.cpu())):
                     result[i] = lp
         return result
 
@@ -487,12 +475,14 @@ class PolicyWorker:
         has_reference = self.ref_model is not None or (
             self.lora is not None and loss_cfg.reference_policy_kl_penalty > 0
         )
-        objective = Objective(loss_cfg, max_len=cfg.generation.max_new_tokens, kl_penalty=has_reference)
+        objective = Objective(
+            loss_cfg, max_len=cfg.generation.max_new_tokens, kl_penalty=has_reference, ranks=self.world_size
+        )
         self._engine_to_sleep()  # when no logprob pass came first
         self.model.train()
-        # The same keys on every rank, and present when a step trained on nothing (all skipped); sums over
-        # tokens (trainer.algorithms.objective), normalised after the all-reduce below.
-        sums: dict[str, float] = dict.fromkeys(("loss", *objective.metric_keys()), 0.0)
+        # The same keys on every rank, and present when a step trained on nothing (all skipped); sums
+        # (trainer.algorithms.objective), normalised by the objective after the all-reduce below.
+        sums: dict[str, float] = dict.fromkeys(objective.metric_keys(), 0.0)
         if cfg.policy.compute_entropy:
             sums["entropy"] = 0.0
 
@@ -528,10 +518,7 @@ class PolicyWorker:
                         ref_logprobs=on_device(batch.ref_logprobs) if objective.kl is not None else None,
                     )
                 )
-                # FSDP averages gradients over ranks; the loss already divides by global counts.
-                (loss * self.world_size).backward()
-                self._set_row(None)  # after backward: a checkpointed one recomputes on the row
-                add("loss", loss.detach())
+                loss.backward()
                 for key, value in metric_sums.items():
                     add(key, value)
                 if entropy is not None:
@@ -548,23 +535,13 @@ class PolicyWorker:
             self.optimizer.step()
             self.scheduler.step()
         self.model.set_requires_gradient_sync(True)
-        # Sum over ranks, then normalise: token-level metrics by tokens, per-step ones by steps.
+        # Sum over ranks, then normalise (Objective.metrics).
         if self.sp is not None and not self.sp.leader:  # a group's sums once: its ranks computed the same
             sums = {k: (v if k == "grad_norm" else 0.0) for k, v in sums.items()}
         keys = sorted(sums)
         totals = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=self.device)
         dist.all_reduce(totals)
-        agg = dict(zip(keys, totals.tolist()))
-        n_steps = len(minibatches)
-        tokens = max(agg.pop("tokens"), 1.0)
-        gen_tokens = max(agg.pop("gen_tokens"), 1.0)
-        out = {
-            "loss": agg.pop("loss") / n_steps,
-            "grad_norm": agg.pop("grad_norm") / (n_steps * self.world_size),
-        }
-        for key in ("gen_logprob_abs_diff", "gen_train_kl", "is_flagged"):
-            out[key] = agg.pop(key) / gen_tokens
-        out.update({k: v / tokens for k, v in agg.items()})
+        out = objective.metrics(dict(zip(keys, totals.tolist())), steps=len(minibatches))
         out["lr"] = self.scheduler.get_last_lr()[0]
         return out
 

@@ -568,7 +568,31 @@ class EnvConfig:
 
 
 @dataclass
-class RewardModelConfig:
+class RewardActorsConfig:
+    """Where a model-scored reward's replicas run (the reward_model and judge sections): Ray actors of their own."""
+
+    replicas: int = 1  # Ray actors, each with a whole copy of the model
+    num_cpus: float = 1.0  # per replica
+    num_gpus: float = 0.0  # per replica (on a GPU cluster: 1)
+    # A custom Ray resource each replica also asks for (one unit): the worker group that serves reward models.
+    resource: str | None = None
+    # How long the replicas may take to load their model before the run stops with one line.
+    start_timeout_s: float = 600.0
+
+    def validate_actors(self, section: str) -> None:
+        _require(self.replicas >= 1, f"{section}.replicas={self.replicas} must be >= 1")
+        _require(
+            self.num_cpus >= 0 and self.num_gpus >= 0,
+            f"{section}.num_cpus={self.num_cpus} and {section}.num_gpus={self.num_gpus} must be >= 0",
+        )
+        _require(
+            math.isfinite(self.start_timeout_s) and self.start_timeout_s > 0,
+            f"{section}.start_timeout_s={self.start_timeout_s} must be a number of seconds > 0",
+        )
+
+
+@dataclass
+class RewardModelConfig(RewardActorsConfig):
     """The model behind the ``reward_model`` entry of env.reward_functions (trainer.rewards.reward_model)."""
 
     # A hub id or model directory that AutoModelForSequenceClassification loads with one label (a
@@ -589,13 +613,6 @@ class RewardModelConfig:
     mean: float = 0.0
     std: float = 1.0
     clip: float | None = None  # after normalising, scores outside [-clip, clip] are clipped; null: none
-    replicas: int = 1  # Ray actors, each with a whole copy of the model
-    num_cpus: float = 1.0  # per replica
-    num_gpus: float = 0.0  # per replica (on a GPU cluster: 1)
-    # A custom Ray resource each replica also asks for (one unit): the worker group that serves reward models.
-    resource: str | None = None
-    # How long the replicas may take to load their model before the run stops with one line.
-    start_timeout_s: float = 600.0
 
     def validate(self) -> None:
         rm = self
@@ -622,15 +639,7 @@ class RewardModelConfig:
         _require(
             rm.clip is None or rm.clip > 0, f"reward_model.clip={rm.clip} must be > 0, or null (no clipping)"
         )
-        _require(rm.replicas >= 1, f"reward_model.replicas={rm.replicas} must be >= 1")
-        _require(
-            rm.num_cpus >= 0 and rm.num_gpus >= 0,
-            f"reward_model.num_cpus={rm.num_cpus} and reward_model.num_gpus={rm.num_gpus} must be >= 0",
-        )
-        _require(
-            math.isfinite(rm.start_timeout_s) and rm.start_timeout_s > 0,
-            f"reward_model.start_timeout_s={rm.start_timeout_s} must be a number of seconds > 0",
-        )
+        rm.validate_actors("reward_model")
 
 
 # The judge's default template: the question, the response, and an instruction to end on "Score: N" (what
@@ -649,7 +658,7 @@ JUDGE_FIELDS = ("question", "response", "reference")  # what judge.template may 
 
 
 @dataclass
-class JudgeConfig:
+class JudgeConfig(RewardActorsConfig):
     """The generative judge behind the ``llm_judge`` entry of env.reward_functions (trainer.rewards.judge)."""
 
     # A hub id or model directory of a causal LM (from_pretrained) that reads judge.template and writes a
@@ -679,13 +688,6 @@ class JudgeConfig:
     max_response_tokens: int = 2048
     overlong_score: float = 0.0
     batch_size: int = 64  # hf backend: sequences per generate() call
-    replicas: int = 1  # Ray actors, each with a whole copy of the judge and its engine
-    num_cpus: float = 1.0  # per replica
-    num_gpus: float = 0.0  # per replica (on a GPU cluster: 1)
-    # A custom Ray resource each replica also asks for (one unit): the worker group that serves reward models.
-    resource: str | None = None
-    # How long the replicas may take to load the judge before the run stops with one line.
-    start_timeout_s: float = 600.0
 
     def validate(self) -> None:
         import re
@@ -741,15 +743,7 @@ class JudgeConfig:
             f"judge.max_response_tokens={j.max_response_tokens} must be >= 1 (tokens of the response the judge reads)",
         )
         _require(j.batch_size >= 1, f"judge.batch_size={j.batch_size} must be >= 1")
-        _require(j.replicas >= 1, f"judge.replicas={j.replicas} must be >= 1")
-        _require(
-            j.num_cpus >= 0 and j.num_gpus >= 0,
-            f"judge.num_cpus={j.num_cpus} and judge.num_gpus={j.num_gpus} must be >= 0",
-        )
-        _require(
-            math.isfinite(j.start_timeout_s) and j.start_timeout_s > 0,
-            f"judge.start_timeout_s={j.start_timeout_s} must be a number of seconds > 0",
-        )
+        j.validate_actors("judge")
 
 
 @dataclass

@@ -1,8 +1,8 @@
 """The self-hosted LLM judge as a reward: the parser on numbers, verdicts, garbage and injection attempts; the
 prompt the judge reads (the response as data, special-token strings as plain text, a cap on its length); real
 generations on the hf engine, whose scores must be exactly what the parser makes of the text the engine
-wrote; a tiny judge trained here to write "score: 1" for a right sum and "score: 0" for a wrong one, on its
-own Ray actor through the reward runner; and the checks that stop a bad judge at start in one line.
+wrote; a tiny judge trained here to write "score: 1" for a response that is the reference sum and "score: 0"
+for any other, on its own Ray actor through the reward runner; and the checks that stop a bad judge at start in one line.
 
 The trained judge is built once per session and cached like builtin:tiny (``KUBERL_CACHE``), from a fixed
 seed, in seconds (:func:`build_arithmetic_judge`).
@@ -20,10 +20,11 @@ import pytest
 from trainer.config import ConfigError, DataConfig, EnvConfig, JudgeConfig, RewardSpec
 from trainer.rewards import judge
 
-JUDGE_VERSION = 1  # bump when the build below changes: the cache keys on it
+JUDGE_VERSION = 6  # bump when the build below changes: the cache keys on it
 TINY_OPTIONS = {"num_examples": 512, "min_operand": 0, "max_operand": 2, "ops": "+"}
-# The trained judge's template: the question and the response, nothing else (a tiny model reads little).
-SUM_TEMPLATE = "{question}={response}"
+# The trained judge's template: the question, the reference answer and the response, nothing else (a tiny
+# model reads little, and compares the response with the reference, as a judge given one does).
+SUM_TEMPLATE = "{question} {reference} {response}"
 # What the policy (builtin:tiny) writes: one of these characters per token.
 POLICY_CHARS = "0123456789+-*/=?.,:() \nabcdefghijklmnopqrstuvwxyz"
 
@@ -169,9 +170,9 @@ def test_should_not_judge_a_response_longer_than_the_cap(tiny_model_path):
 # ----- a judge that knows sums ------------------------------------------------------------------------
 
 
-def judge_examples(seed: int = 0) -> list[tuple[str, str, str]]:
-    """``(question, response, verdict)`` over the tiny arithmetic problems: the sum ("score: 1"), another
-    digit, another character, nothing, or a longer string (each "score: 0")."""
+def judge_examples(seed: int = 0) -> list[tuple[str, str, str, str]]:
+    """``(question, reference, response, verdict)`` over the tiny arithmetic problems: the sum ("score: 1"),
+    then another digit (the hard case) and another character, nothing or a longer string (each "score: 0")."""
     from trainer import data
 
     examples = data.get("arithmetic")(DataConfig(options=TINY_OPTIONS, seed=seed), "train")
@@ -179,15 +180,13 @@ def judge_examples(seed: int = 0) -> list[tuple[str, str, str]]:
     out = []
     for ex in examples:
         question, right = ex["messages"][-1]["content"], ex["ground_truth"]
-        out.append((question, right, "score: 1"))
-        kind = rng.random()
-        if kind < 0.5:
-            wrong = rng.choice([d for d in "0123456789" if d != right])
-        elif kind < 0.8:
-            wrong = rng.choice([c for c in POLICY_CHARS if c != right] + [""])
+        out.append((question, right, right, "score: 1"))
+        out.append((question, right, rng.choice([d for d in "0123456789" if d != right]), "score: 0"))
+        if rng.random() < 0.6:
+            other = rng.choice([c for c in POLICY_CHARS if c != right] + [""])
         else:
-            wrong = "".join(rng.choice(POLICY_CHARS) for _ in range(rng.randint(2, 6)))
-        out.append((question, wrong, "score: 0"))
+            other = "".join(rng.choice(POLICY_CHARS) for _ in range(rng.randint(2, 6)))
+        out.append((question, right, other, "score: 0"))
     return out
 
 
@@ -203,8 +202,8 @@ def build_arithmetic_judge(out_dir: str, steps: int = 300, seed: int = 0) -> str
     build_tiny_model(out_dir, seed=seed)
     tok = load_tokenizer(out_dir)
     rows = []
-    for question, response, verdict in judge_examples(seed):
-        prompt = judge.prompt_ids(tok, SUM_TEMPLATE, question, judge.response_ids(tok, response), "")
+    for question, reference, response, verdict in judge_examples(seed):
+        prompt = judge.prompt_ids(tok, SUM_TEMPLATE, question, judge.response_ids(tok, response), reference)
         target = tok(verdict, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
         rows.append((prompt, target))
     with torch.random.fork_rng(devices=[]):
@@ -225,6 +224,7 @@ def build_arithmetic_judge(out_dir: str, steps: int = 300, seed: int = 0) -> str
             loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
             optim.zero_grad()
             loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # a tiny model at this rate spikes without it
             optim.step()
     model.save_pretrained(out_dir)
     return out_dir
@@ -240,11 +240,11 @@ def arithmetic_judge(_quiet_env) -> str:
 
 def test_should_write_its_verdict_on_sums_after_training_and_pay_what_it_wrote(arithmetic_judge):
     worker = _worker(model=arithmetic_judge, template=SUM_TEMPLATE, max_new_tokens=12, max_score=1.0)
-    items = [(q, r, "") for q, r, _ in judge_examples(seed=1)[:64]]
-    scores, notes, _ = _run(worker, items)
-    want = [1.0 if v == "score: 1" else 0.0 for _, _, v in judge_examples(seed=1)[:64]]
+    examples = judge_examples(seed=1)[:96]
+    scores, notes, _ = _run(worker, [(q, r, ref) for q, ref, r, _ in examples])
+    want = [1.0 if v == "score: 1" else 0.0 for *_, v in examples]
     right = sum(s == w for s, w in zip(scores, want))
-    assert right >= 60, list(zip(items, notes))
+    assert right >= 80, [(e, n) for e, n, s, w in zip(examples, notes, scores, want) if s != w]
     assert all(n.startswith(judge.PARSED) for n in notes)  # a real output with a real score in it
 
 

@@ -507,7 +507,7 @@ def bench_reward_model(repeat: int, samples: int = 64, seed: int = 0) -> dict:
     from trainer import hardware
     from trainer.config import RewardModelConfig
     from trainer.models import load_tokenizer, resolve_model
-    from trainer.rewards.reward_model import RewardModelWorker
+    from trainer.rewards.reward_model import RewardModelWorker, render
 
     base = resolve_model("embedded:smollm2-135m-instruct")
     out = Path(tempfile.mkdtemp(prefix="kuberl-bench-rm-"))
@@ -527,10 +527,10 @@ def bench_reward_model(repeat: int, samples: int = 64, seed: int = 0) -> dict:
             worker = RewardModelWorker(
                 RewardModelConfig(name=str(out), dtype=dtype, max_tokens_per_batch=budget)
             )
-            tokens = sum(
-                len(worker.tokenizer.apply_chat_template([*m, {"role": "assistant", "content": r}]))
-                for m, r in items
-            )
+            tokens = 0
+            for m, r in items:  # what the replica reads: its template's text, in its tokens
+                text, special = render(worker.tokenizer, m, r)
+                tokens += len(worker.tokenizer(text, add_special_tokens=not special)["input_ids"])
             best = float("inf")
             for _ in range(repeat):
                 t0 = time.perf_counter()

@@ -680,7 +680,8 @@ class JudgeConfig(RewardActorsConfig):
     score_pattern: str = JUDGE_SCORE_PATTERN
     min_score: float = 0.0
     max_score: float = 10.0
-    verdicts: dict[str, float] = field(default_factory=lambda: {"correct": 1.0, "incorrect": 0.0})
+    # parse=verdict: each word and what it pays, e.g. {correct: 1, incorrect: 0} (a mapping: entries add up).
+    verdicts: dict[str, float] = field(default_factory=dict)
     # What an output that holds no score (or one outside the range) pays; its note quotes the output.
     unparsed_score: float = 0.0
     # Tokens of the response (the judge's tokenizer) placed in the template; a longer response is not cut (the

@@ -499,6 +499,19 @@ def conversations(samples: int, seed: int) -> list[tuple[list[dict], str]]:
     return items
 
 
+def score_rounds(worker, items: list, repeat: int) -> tuple[float, list, list[str]]:
+    """A replica's ``score`` over ``items``, ``repeat`` times, as the runner drives it: the best seconds, then
+    the last round's scores and notes."""
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        gen = worker.score(items)
+        next(gen)  # started
+        scores, notes, _ = next(gen)
+        best = min(best, time.perf_counter() - t0)
+    return best, scores, notes
+
+
 def bench_reward_model(repeat: int, samples: int = 64, seed: int = 0) -> dict:
     """Samples/s of a SmolLM2-135M-shaped reward model on this CPU, per dtype and token budget."""
     import torch
@@ -531,13 +544,7 @@ def bench_reward_model(repeat: int, samples: int = 64, seed: int = 0) -> dict:
             for m, r in items:  # what the replica reads: its template's text, in its tokens
                 text, special = render(worker.tokenizer, m, r)
                 tokens += len(worker.tokenizer(text, add_special_tokens=not special)["input_ids"])
-            best = float("inf")
-            for _ in range(repeat):
-                t0 = time.perf_counter()
-                gen = worker.score(items)
-                next(gen)
-                scores, notes, _ = next(gen)
-                best = min(best, time.perf_counter() - t0)
+            best, scores, notes = score_rounds(worker, items, repeat)
             assert len(scores) == samples and not any(notes)
             print(f"{dtype:9s} {budget:12d} {best:8.2f} {samples / best:9.1f} {tokens / best:9.0f}")
             results[f"{dtype}/{budget}"] = {
@@ -574,13 +581,7 @@ def bench_judge(repeat: int, samples: int = 32, max_new_tokens: int = 32, seed: 
             JudgeConfig(model=model, dtype=dtype, max_new_tokens=max_new_tokens, batch_size=samples)
         )
         prompts, _ = worker.prompts(items)
-        best, parsed, out_tokens = float("inf"), 0, 0
-        for _ in range(repeat):
-            t0 = time.perf_counter()
-            gen = worker.score(items)
-            next(gen)
-            scores, notes, _ = next(gen)
-            best = min(best, time.perf_counter() - t0)
+        best, scores, notes = score_rounds(worker, items, repeat)
         parsed = sum(n.startswith(judge.PARSED) for n in notes)
         outs = worker.engine.generate(prompts, 1, worker.params)  # type: ignore[arg-type]
         out_tokens = sum(len(c[0].token_ids) for c in outs)

@@ -224,7 +224,9 @@ def build_arithmetic_judge(out_dir: str, steps: int = 300, seed: int = 0) -> str
             loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
             optim.zero_grad()
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # a tiny model at this rate spikes without it
+            torch.nn.utils.clip_grad_norm_(
+                model.parameters(), 1.0
+            )  # a tiny model at this rate spikes without it
             optim.step()
     model.save_pretrained(out_dir)
     return out_dir

@@ -25,8 +25,12 @@ classifier (the embedded model's weights, a random one-label head) scores the sa
 conversations as a reward model replica does (its chat template, its tokenizer, forward passes under a
 token budget), in float32 and bfloat16, in one process; samples/s and tokens/s, best of the rounds.
 
+And the LLM judge's (:func:`bench_judge`): the embedded SmolLM2-135M-Instruct as ``judge.model`` on the hf
+engine, judging the same conversations with the default ``judge.template`` (greedy, up to 32 tokens of
+verdict), as a judge replica does; samples/s, and the judge's output tokens/s.
+
     make bench-rewards         # BENCH_REWARDS_ARGS="--cpp --json out.json --repeat 5"
-                               # --rm-only: the reward model alone; --no-rm: without it
+                               # --rm-only: the reward model and the judge alone; --no-rm: without them
 """
 
 from __future__ import annotations
@@ -331,11 +335,13 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3, help="rounds over every path; the best round counts")
     ap.add_argument("--cpp", action="store_true", help="add the C++ workload (slower: one g++ per sample)")
     ap.add_argument("--no-ray", action="store_true", help="skip the Ray runs (threads only)")
-    ap.add_argument("--no-rm", action="store_true", help="skip the reward model's scoring throughput")
-    ap.add_argument("--rm-only", action="store_true", help="only the reward model's scoring throughput")
+    ap.add_argument("--no-rm", action="store_true", help="skip the reward model's and the judge's throughput")
+    ap.add_argument(
+        "--rm-only", action="store_true", help="only the reward model's and the judge's throughput"
+    )
     args = ap.parse_args()
     if args.rm_only:
-        results = {"reward_model": bench_reward_model(args.repeat)}
+        results = {"reward_model": bench_reward_model(args.repeat), "judge": bench_judge(args.repeat)}
         if args.json:
             Path(args.json).write_text(json.dumps(results, indent=2))
         return
@@ -427,6 +433,7 @@ def main() -> None:
         results["cpp"] = bench_cpp(b, meter)
     if not args.no_rm:
         results["reward_model"] = bench_reward_model(args.repeat)
+        results["judge"] = bench_judge(args.repeat)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
 
@@ -473,25 +480,11 @@ def bench_cpp(b, meter: CpuMeter) -> dict:
             "baseline_cpu_s": c1 - c0, "sandbox_cpu_s": c2 - c1, "precompiled_header": with_pch}  # fmt: skip
 
 
-def bench_reward_model(repeat: int, samples: int = 64, seed: int = 0) -> dict:
-    """Samples/s of a SmolLM2-135M-shaped reward model on this CPU, per dtype and token budget."""
-    import torch
-    from transformers import AutoModelForSequenceClassification
-
-    from trainer import hardware
-    from trainer.config import RewardModelConfig
-    from trainer.models import load_tokenizer, resolve_model
-    from trainer.rewards.reward_model import RewardModelWorker
-
-    base = resolve_model("embedded:smollm2-135m-instruct")
-    out = Path(tempfile.mkdtemp(prefix="kuberl-bench-rm-"))
-    atexit.register(shutil.rmtree, out, True)
-    torch.manual_seed(seed)  # the random head: the scores are not the point, the forward passes are
-    AutoModelForSequenceClassification.from_pretrained(base, num_labels=1).save_pretrained(out)
-    load_tokenizer(base).save_pretrained(out)
+def conversations(samples: int, seed: int) -> list[tuple[list[dict], str]]:
+    """``(messages, response)``: a math question and a worked answer of 40-160 words, as a policy writes them."""
     rng = random.Random(seed)
     items = []
-    for _ in range(samples):  # a math question and a worked answer of 40-160 words, as a policy writes them
+    for _ in range(samples):
         a, b = rng.randint(10, 999), rng.randint(10, 999)
         steps = " ".join(
             f"step {k}: {rng.randint(1, 99)} + {rng.randint(1, 99)} carries over;"
@@ -503,6 +496,39 @@ def bench_reward_model(repeat: int, samples: int = 64, seed: int = 0) -> dict:
                 f"{steps} so the answer is \\boxed{{{a + b}}}.",
             )
         )
+    return items
+
+
+def score_rounds(worker, items: list, repeat: int) -> tuple[float, list, list[str]]:
+    """A replica's ``score`` over ``items``, ``repeat`` times, as the runner drives it: the best seconds, then
+    the last round's scores and notes."""
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        gen = worker.score(items)
+        next(gen)  # started
+        scores, notes, _ = next(gen)
+        best = min(best, time.perf_counter() - t0)
+    return best, scores, notes
+
+
+def bench_reward_model(repeat: int, samples: int = 64, seed: int = 0) -> dict:
+    """Samples/s of a SmolLM2-135M-shaped reward model on this CPU, per dtype and token budget."""
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    from trainer import hardware
+    from trainer.config import RewardModelConfig
+    from trainer.models import load_tokenizer, resolve_model
+    from trainer.rewards.reward_model import RewardModelWorker, render
+
+    base = resolve_model("embedded:smollm2-135m-instruct")
+    out = Path(tempfile.mkdtemp(prefix="kuberl-bench-rm-"))
+    atexit.register(shutil.rmtree, out, True)
+    torch.manual_seed(seed)  # the random head: the scores are not the point, the forward passes are
+    AutoModelForSequenceClassification.from_pretrained(base, num_labels=1).save_pretrained(out)
+    load_tokenizer(base).save_pretrained(out)
+    items = conversations(samples, seed)
     print(
         f"\nreward model: SmolLM2-135M-shaped sequence classifier (embedded weights, random head), {samples} "
         f"samples; {hardware.describe()}, {torch.get_num_threads()} threads; best of {repeat} rounds"
@@ -514,17 +540,11 @@ def bench_reward_model(repeat: int, samples: int = 64, seed: int = 0) -> dict:
             worker = RewardModelWorker(
                 RewardModelConfig(name=str(out), dtype=dtype, max_tokens_per_batch=budget)
             )
-            tokens = sum(
-                len(worker.tokenizer.apply_chat_template([*m, {"role": "assistant", "content": r}]))
-                for m, r in items
-            )
-            best = float("inf")
-            for _ in range(repeat):
-                t0 = time.perf_counter()
-                gen = worker.score(items)
-                next(gen)
-                scores, notes, _ = next(gen)
-                best = min(best, time.perf_counter() - t0)
+            tokens = 0
+            for m, r in items:  # what the replica reads: its template's text, in its tokens
+                text, special = render(worker.tokenizer, m, r)
+                tokens += len(worker.tokenizer(text, add_special_tokens=not special)["input_ids"])
+            best, scores, notes = score_rounds(worker, items, repeat)
             assert len(scores) == samples and not any(notes)
             print(f"{dtype:9s} {budget:12d} {best:8.2f} {samples / best:9.1f} {tokens / best:9.0f}")
             results[f"{dtype}/{budget}"] = {
@@ -533,6 +553,47 @@ def bench_reward_model(repeat: int, samples: int = 64, seed: int = 0) -> dict:
                 "tokens_per_s": tokens / best,
                 "tokens": tokens,
             }
+    print(f"(load average now {os.getloadavg()[0]:.1f})")
+    return results
+
+
+def bench_judge(repeat: int, samples: int = 32, max_new_tokens: int = 32, seed: int = 0) -> dict:
+    """Samples/s of the embedded SmolLM2-135M-Instruct as a judge on the hf engine, on this CPU, per dtype."""
+    import torch
+
+    from trainer import hardware
+    from trainer.config import JudgeConfig
+    from trainer.generation.judge import JudgeWorker
+    from trainer.models import resolve_model
+    from trainer.rewards import judge
+
+    model = resolve_model("embedded:smollm2-135m-instruct")
+    items = [judge.item(None, response, messages) for messages, response in conversations(samples, seed)]
+    print(
+        f"\njudge: SmolLM2-135M-Instruct (embedded weights) on the hf engine, default judge.template, greedy, up "
+        f"to {max_new_tokens} tokens, {samples} samples; {hardware.describe()}, {torch.get_num_threads()} threads; "
+        f"best of {repeat} rounds"
+    )
+    print(f"{'dtype':9s} {'seconds':>8s} {'samples/s':>9s} {'out tok/s':>9s} {'parsed':>7s}")
+    results: dict = {"samples": samples, "max_new_tokens": max_new_tokens}
+    for dtype in ("float32", "bfloat16"):
+        worker = JudgeWorker(
+            JudgeConfig(model=model, dtype=dtype, max_new_tokens=max_new_tokens, batch_size=samples)
+        )
+        prompts, _ = worker.prompts(items)
+        best, scores, notes = score_rounds(worker, items, repeat)
+        parsed = sum(n.startswith(judge.PARSED) for n in notes)
+        outs = worker.engine.generate(prompts, 1, worker.params)  # type: ignore[arg-type]
+        out_tokens = sum(len(c[0].token_ids) for c in outs)
+        print(f"{dtype:9s} {best:8.2f} {samples / best:9.2f} {out_tokens / best:9.0f} {parsed:4d}/{samples}")
+        results[dtype] = {
+            "seconds": best,
+            "samples_per_s": samples / best,
+            "output_tokens_per_s": out_tokens / best,
+            "parsed": parsed,
+            "example_note": notes[0][:300],
+        }
+        worker.shutdown()
     print(f"(load average now {os.getloadavg()[0]:.1f})")
     return results
 

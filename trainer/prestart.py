@@ -38,13 +38,14 @@ def check_names(cfg: Config) -> None:
     filled in here (the first reward's); running it again changes nothing."""
     from trainer import data, rewards
     from trainer.algorithms import core_algos
-    from trainer.rewards import feedback, reward_model
+    from trainer.rewards import feedback, judge, reward_model
 
     core_algos.check_loss_config(cfg.grpo.loss)
     data.check(cfg.data.name, "data.name", cfg.data.options)
     data.check(cfg.data.val_name, "data.val_name")
     rewards.check_specs(cfg.env.reward_functions)
     reward_model.check(cfg.reward_model, cfg.env.reward_functions)  # reads the model's config.json alone
+    judge.check(cfg.judge, cfg.env.reward_functions)  # the same for the judge
     feedback.configure(cfg.env, cfg.grpo.max_rollout_turns)
 
 

@@ -44,7 +44,7 @@ if TYPE_CHECKING:  # the heavy modules load inside TrainState, after the checks 
     from trainer.generation.placement import Generator
     from trainer.logger import RunLogger
     from trainer.policy.group import PolicyGroup
-    from trainer.rewards.reward_model import RewardModelPool
+    from trainer.rewards.actors import ModelPool
     from trainer.rewards.runner import RewardRunner
 
 log = logging.getLogger(__name__)
@@ -95,7 +95,7 @@ class TrainState:
     policy: PolicyGroup
     generator: Generator
     rewards: RewardRunner
-    reward_model: RewardModelPool | None
+    model_rewards: list[ModelPool]  # the reward model and the judge, when entries name them
     feedback: RewardRunner | None
     turns: TurnEncoder
     logger: RunLogger
@@ -144,9 +144,9 @@ class TrainState:
         # process reads and encodes the data: on a cluster, actor boot and weight loading overlap the
         # dataset's download and tokenization instead of following them.
         self.policy = PolicyGroup(cfg, self.model_path, colocated_engine=not cfg.disaggregated, wait=False)
-        self.reward_model = None  # self.generator: set once made (close() reads it with getattr)
+        self.model_rewards = []  # self.generator: set once made (close() reads it with getattr)
         try:
-            self._start_reward_model(cfg)
+            self._start_model_rewards(cfg)
             self._build(cfg, resume, info, t0)
         except BaseException as e:
             # Bad data, a rank that died, Ctrl-C after the ranks started: end what was started without
@@ -160,12 +160,16 @@ class TrainState:
             raise
         self._ray = ray
 
-    def _start_reward_model(self, cfg: Config) -> None:
-        """The reward model's replicas, when a reward names it: they load while the data and the ranks set up."""
-        from trainer.rewards import reward_model
+    def _start_model_rewards(self, cfg: Config) -> None:
+        """The reward model's and the judge's replicas, when a reward names them: they load while the data and
+        the ranks set up."""
+        from trainer.generation.judge import JudgePool
+        from trainer.rewards import judge, reward_model
 
         if reward_model.used(cfg.env.reward_functions):
-            self.reward_model = reward_model.RewardModelPool(cfg.reward_model)
+            self.model_rewards.append(reward_model.RewardModelPool(cfg.reward_model))
+        if judge.used(cfg.env.reward_functions):
+            self.model_rewards.append(JudgePool(cfg.judge))
 
     def _build(self, cfg: Config, resume: Path | None, info: dict[str, Any], t0: float) -> None:
         """The rest of the set-up, while the policy ranks start: data, then the ranks, generation,
@@ -221,10 +225,10 @@ class TrainState:
             from trainer.sandbox.backends import resolve
 
             resolve()  # says once, here in the driver's log, which sandbox the code rewards get
-        if self.reward_model is not None:
-            self.reward_model.wait_ready()
-            print(f"kuberl: {self.reward_model.describe()}", flush=True)
-        self.rewards = RewardRunner(cfg.env, reward_model=self.reward_model)
+        for pool in self.model_rewards:
+            pool.wait_ready()
+            print(f"kuberl: {pool.describe()}", flush=True)
+        self.rewards = RewardRunner(cfg.env, reward_model=self.model_rewards)
         self.feedback = RewardRunner(cfg.env, feedback=True) if cfg.grpo.max_rollout_turns > 1 else None
         self.turns = TurnEncoder(tokenizer, cfg.generation.chat_template_kwargs)
         if resume:
@@ -338,7 +342,7 @@ class TrainState:
         the whole teardown has a deadline, so a driver whose workers are stuck or gone still ends."""
         self.preemption.uninstall()
         with self.watch.deadline(30 if failed else 300, "the run's workers did not shut down in time"):
-            for part in (getattr(self, "generator", None), self.policy, self.reward_model):
+            for part in (getattr(self, "generator", None), self.policy, *self.model_rewards):
                 if part is None:  # a set-up that failed before the generator was made
                     continue
                 try:

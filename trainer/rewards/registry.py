@@ -16,8 +16,9 @@ Built-ins register themselves by name with :func:`register`; anything importable
 ``"package.module:function"`` so users can plug in their own rewards without touching kuberl.
 :func:`check` looks a name up as :func:`get` does and says what is wrong in one line naming the key;
 :func:`check_specs` also binds each reward's kwargs to its signature and wants a finite weight, so a
-bad entry stops the run at start instead of scoring every sample 0 (or ``nan``) to the end. The entry
-``reward_model`` is no function: the reward model's actors score it (:mod:`trainer.rewards.reward_model`).
+bad entry stops the run at start instead of scoring every sample 0 (or ``nan``) to the end. The entries
+``reward_model`` and ``llm_judge`` are no functions: the reward model's actors score the first
+(:mod:`trainer.rewards.reward_model`), the judge's the second (:mod:`trainer.rewards.judge`).
 """
 
 from __future__ import annotations
@@ -109,6 +110,9 @@ _REGISTRY: dict[str, RewardFn] = {}
 # The env.reward_functions entry that the reward model's actors score (trainer.rewards.reward_model), not a
 # function; check_specs accepts it without kwargs.
 REWARD_MODEL = "reward_model"
+LLM_JUDGE = "llm_judge"  # the same, for the generative judge's actors (trainer.rewards.judge)
+# Each actor-scored entry and the config section that holds its settings.
+MODEL_SCORED = {REWARD_MODEL: "reward_model (e.g. reward_model.name)", LLM_JUDGE: "judge (e.g. judge.model)"}
 
 
 def register(name: str) -> Callable[[F], F]:
@@ -146,7 +150,7 @@ def get(name: str) -> RewardFn:
         return fn
     raise KeyError(
         f"unknown reward {name!r}; registered: {', '.join(names())}, or 'module:function' (and, in "
-        f"env.reward_functions, {REWARD_MODEL})"
+        f"env.reward_functions, {' and '.join(MODEL_SCORED)})"
     )
 
 
@@ -191,19 +195,19 @@ def check_specs(specs: list[RewardSpec]) -> None:
     plug-in's too), and its weight is a finite number; a bad entry is one line naming the index and key."""
     for i, spec in enumerate(specs):
         key = f"env.reward_functions[{i}]"
-        if spec.name != REWARD_MODEL:
+        if spec.name not in MODEL_SCORED:
             check(spec.name, f"{key}.name")
         if not isinstance(spec.weight, numbers.Real) or not math.isfinite(spec.weight):
             raise ConfigError(
                 f"{key}.weight={spec.weight!r} must be a finite number (it multiplies the reward)"
             )
-        if spec.name == REWARD_MODEL:  # scored by the reward model's actors, configured under reward_model
+        if spec.name in MODEL_SCORED:  # scored by actors of its own, configured in a section of its own
             if spec.kwargs:
                 raise ConfigError(
-                    f"{key}.kwargs: the {REWARD_MODEL} entry takes none; its settings are under "
-                    f"reward_model (e.g. reward_model.name)"
+                    f"{key}.kwargs: the {spec.name} entry takes none; its settings are under "
+                    f"{MODEL_SCORED[spec.name]}"
                 )
-            if sum(s.name == REWARD_MODEL for s in specs) > 1:
-                raise ConfigError(f"{key}: env.reward_functions names {REWARD_MODEL} twice; keep one entry")
+            if sum(s.name == spec.name for s in specs) > 1:
+                raise ConfigError(f"{key}: env.reward_functions names {spec.name} twice; keep one entry")
             continue
         check_kwargs(get(spec.name), dict(spec.kwargs or {}), f"{key}.kwargs")

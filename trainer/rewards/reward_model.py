@@ -38,19 +38,18 @@ from collections.abc import Iterator
 from typing import Any
 
 from trainer.config import ConfigError, RewardModelConfig, RewardSpec
+from trainer.rewards import actors
+from trainer.rewards.actors import RewardModelError
 from trainer.rewards.registry import REWARD_MODEL as NAME  # the env.reward_functions entry it scores
+
+__all__ = ["NAME", "RewardModelError", "RewardModelPool", "RewardModelWorker", "check", "render", "used"]
 
 # A reward model without a chat template reads each turn as "role: content" on its own line.
 PLAIN_TEMPLATE = "{role}: {content}\n"
 
 
-class RewardModelError(RuntimeError):
-    """The reward model's replicas cannot score (they did not start in time); one line for people
-    (python -m trainer prints it as it does a ClusterError; importing the rewards never imports Ray)."""
-
-
 def used(specs: list[RewardSpec]) -> bool:
-    return any(spec.name == NAME for spec in specs)
+    return actors.used(NAME, specs)
 
 
 # ----- the checks at start ----------------------------------------------------------------------------
@@ -58,28 +57,16 @@ def used(specs: list[RewardSpec]) -> bool:
 
 def _model_name(cfg: RewardModelConfig) -> str:
     """``reward_model.name``; a ConfigError when it is null (an env.reward_functions entry needs a model)."""
-    if not cfg.name:
-        raise ConfigError(
-            f"env.reward_functions names {NAME}, but reward_model.name is null; set it to a reward model's "
-            "hub id or directory (an AutoModelForSequenceClassification with one label)"
-        )
-    return cfg.name
+    return actors.model_path(
+        cfg.name,
+        "reward_model.name",
+        NAME,
+        "a reward model's hub id or directory (an AutoModelForSequenceClassification with one label)",
+    )
 
 
 def _model_config(cfg: RewardModelConfig) -> Any:
-    from transformers import AutoConfig
-
-    from trainer.models import ModelNotFoundError, hub_id_or_directory
-
-    try:
-        path = hub_id_or_directory(_model_name(cfg), "reward_model.name")
-    except ModelNotFoundError as e:
-        raise ConfigError(str(e)) from None
-    try:
-        return AutoConfig.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
-    except (OSError, ValueError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ConfigError(f"reward_model.name={cfg.name}: cannot read its config: {first}") from None
+    return actors.model_config(_model_name(cfg), "reward_model.name", cfg.trust_remote_code)
 
 
 def check(cfg: RewardModelConfig, specs: list[RewardSpec]) -> None:
@@ -165,17 +152,12 @@ class RewardModelWorker:
     """One replica: the tokenizer and the model, scoring ``(messages, response)`` pairs. A Ray actor."""
 
     def __init__(self, cfg: RewardModelConfig):
-        import torch
         from transformers import AutoModelForSequenceClassification
 
-        from trainer import hardware
         from trainer.models import DTYPES, load_tokenizer
 
         self.cfg = cfg
-        self.device = "cuda" if cfg.num_gpus > 0 and torch.cuda.is_available() else "cpu"
-        dtype = cfg.dtype
-        if dtype == "auto":
-            dtype = "bfloat16" if self.device == "cuda" or hardware.native_bf16() else "float32"
+        self.device, dtype = actors.device_and_dtype(cfg.num_gpus, cfg.dtype)
         name = _model_name(cfg)
         self.tokenizer = load_tokenizer(cfg.tokenizer or name, cfg.trust_remote_code)
         self.model = (
@@ -250,50 +232,22 @@ class RewardModelWorker:
 # ----- the driver's side -------------------------------------------------------------------------------
 
 
-class RewardModelPool:
-    """The replicas, started once per run; :meth:`call` sends a batch to the next one (round robin).
-    Shared by the run's reward runners; each tracks its own batches in flight."""
+class RewardModelPool(actors.ModelPool):
+    """The reward model's replicas (:class:`~trainer.rewards.actors.ModelPool`); a batch is a list of
+    ``(messages, response)``."""
+
+    NAME, SECTION, WHAT, worker = NAME, "reward_model", "reward model", RewardModelWorker
 
     def __init__(self, cfg: RewardModelConfig, use_gpus: bool = False):
-        import ray
-
-        from trainer import watchdog
-
-        self.cfg = cfg
         self.mean, self.std = stats(cfg)
-        options: dict[str, Any] = {
-            "num_cpus": cfg.num_cpus,
-            "num_gpus": cfg.num_gpus,
-            "max_restarts": 0,
-            "max_concurrency": 1,
-        }
-        if cfg.resource:
-            options["resources"] = {cfg.resource: 1}
-        actor = ray.remote(RewardModelWorker)
-        # Any: Ray's stubs type an actor's methods as the plain functions, without their .remote
-        self.workers: list[Any] = [actor.options(**options).remote(cfg) for _ in range(cfg.replicas)]
-        for r, w in enumerate(self.workers):
-            watchdog.register(w, f"reward model replica {r}")
-        self._next = itertools.count()
-        self.info: list[dict] = []
+        super().__init__(cfg)
 
-    def wait_ready(self) -> None:
-        """Every replica has loaded its model, within ``reward_model.start_timeout_s``; else one line."""
-        import ray
+    def model_name(self) -> str:
+        return f"reward_model.name={self.cfg.name}"
 
-        refs = [w.ready.remote() for w in self.workers]
-        ready, waiting = ray.wait(refs, num_returns=len(refs), timeout=self.cfg.start_timeout_s)
-        if waiting:
-            raise RewardModelError(
-                f"{len(waiting)} of {len(refs)} reward model replicas did not load reward_model.name={self.cfg.name} "
-                f"within reward_model.start_timeout_s={self.cfg.start_timeout_s:g}s: the cluster has no room for "
-                f"them ({self._asks()} each) or the model is slow to load; raise the timeout or free those resources"
-            )
-        self.info = ray.get(refs)
-
-    def _asks(self) -> str:
-        parts = [f"{self.cfg.num_cpus:g} CPU"] + ([f"{self.cfg.num_gpus:g} GPU"] if self.cfg.num_gpus else [])
-        return " + ".join(parts + ([f"1 {self.cfg.resource}"] if self.cfg.resource else []))
+    def item(self, ground_truth: Any, response: str, messages: list[dict]) -> tuple[list[dict], str]:
+        """What a replica reads of one sample: the prompt's messages, then the response."""
+        return messages, response
 
     def describe(self) -> str:
         info = self.info[0] if self.info else {}
@@ -303,38 +257,15 @@ class RewardModelPool:
             else "plain 'role: content' lines (no chat template)"
         )
         return (
-            f"reward model {self.cfg.name}: {self.cfg.replicas} replica(s) of {self._asks()}, reads {template}, "
+            f"reward model {self.cfg.name}: {self.cfg.replicas} replica(s) of {self.asks()}, reads {template}, "
             f"up to {info.get('max_length', '?')} tokens"
         )
-
-    def call(self, items: list[tuple[list[dict], str]]) -> Any:
-        """Score ``items`` on the next replica: a streaming generator (None once started, then the result)."""
-        return self.workers[next(self._next) % len(self.workers)].score.remote(items)
-
-    def shares(self, n: int) -> list[slice]:
-        """``n`` samples split into one batch per replica (fewer when there are fewer samples)."""
-        k = max(1, min(len(self.workers), n))
-        size = -(-n // k)
-        return [slice(i, min(n, i + size)) for i in range(0, n, size)]
 
     def finish(self, raw: float | None, note: str) -> tuple[float, float | None, str]:
         """A replica's raw score as the reward's: ``(score, raw, note)``; None (too long) scores overlong_score."""
         if raw is None:
             return self.cfg.overlong_score, None, note
         return normalize(raw, self.mean, self.std, self.cfg.clip), raw, note
-
-    def shutdown(self, graceful: bool = True) -> None:
-        import ray
-
-        from trainer import watchdog
-
-        for w in self.workers:
-            watchdog.forget(w)
-            try:
-                ray.kill(w)
-            except Exception:  # noqa: S110  (already gone)
-                pass
-        self.workers = []
 
 
 def step_metrics(rollouts: list) -> dict[str, float]:

@@ -34,11 +34,14 @@ cluster has no node with the resource (after :data:`SANDBOX_WAIT_S` for one to j
 private local instance, which can gain none) stops with one line. Without the variable (``make up``,
 tests) nothing changes.
 
-A ``reward_model`` entry (:mod:`trainer.rewards.reward_model`) is not scored in these tasks: each chunk of
-samples also goes, split over the replicas, to the run's reward-model actors (``RewardRunner(...,
-reward_model=pool)``), with the same time limit from the moment a replica starts the batch; its score
-joins the others' by weight when both are in. It pays, it never says correct: a sample is correct by the
-verifiable rewards beside it, and never with the reward model alone.
+A ``reward_model`` entry (:mod:`trainer.rewards.reward_model`) or an ``llm_judge`` entry
+(:mod:`trainer.rewards.judge`) is not scored in these tasks: each chunk of samples also goes, split over
+the replicas, to that model's actors (``RewardRunner(..., reward_model=pools)``: the run's pools, one per
+entry), with the same time limit from the moment a replica starts the batch; its score joins the others'
+by weight when all are in. The reward model pays, it never says correct: a sample is correct by the
+verifiable rewards beside it, and never with the reward model alone. The judge says correct when it pays
+full marks; its note (the judge's own output) is the sample's when the judge is the first positively
+weighted entry, or when no verifiable reward pays beside it.
 """
 
 from __future__ import annotations
@@ -55,7 +58,9 @@ import ray
 
 from trainer.cluster import ClusterError
 from trainer.config import ConfigError, EnvConfig, RewardSpec, check_name
+from trainer.rewards import judge, registry
 from trainer.rewards import reward_model as rm
+from trainer.rewards.actors import ModelPool
 
 log = logging.getLogger(__name__)
 
@@ -193,6 +198,7 @@ class _Task:
     items: list[tuple]
     submitted: float
     started: float | None = None
+    pool: str = ""  # a model-scored batch: its pool's entry name
 
 
 class RewardRunner:
@@ -200,7 +206,10 @@ class RewardRunner:
     next turn instead (``RewardResult.feedback``; None when the attempt passed)."""
 
     def __init__(
-        self, env: EnvConfig, feedback: bool = False, reward_model: rm.RewardModelPool | None = None
+        self,
+        env: EnvConfig,
+        feedback: bool = False,
+        reward_model: ModelPool | list[ModelPool] | None = None,
     ):
         from trainer import rewards
         from trainer.rewards.feedback import FEEDBACK
@@ -211,18 +220,24 @@ class RewardRunner:
         else:
             rewards.check_specs(env.reward_functions)
         self.env = env
-        self.specs = [spec for spec in env.reward_functions if feedback or spec.name != rm.NAME]
-        self.rm_spec = (
-            None if feedback else next((s for s in env.reward_functions if s.name == rm.NAME), None)
-        )
-        if self.rm_spec is not None and reward_model is None:
-            raise ConfigError(
-                f"env.reward_functions names {rm.NAME}, which needs the run's reward model actors "
-                "(reward_model.name); this runner has none"
-            )
-        self.reward_model = reward_model if self.rm_spec is not None else None
+        scored = registry.MODEL_SCORED
+        self.specs = [spec for spec in env.reward_functions if feedback or spec.name not in scored]
+        # The entries the models' actors score, in env.reward_functions' order, and their pools.
+        self.model_specs = [] if feedback else [s for s in env.reward_functions if s.name in scored]
+        given = [reward_model] if isinstance(reward_model, ModelPool) else list(reward_model or [])
+        self.reward_model = reward_model  # as given: a validation runner is built from the same pools
+        self.pools: dict[str, ModelPool] = {}
+        for spec in self.model_specs:
+            pool = next((p for p in given if p.NAME == spec.name), None)
+            if pool is None:
+                raise ConfigError(
+                    f"env.reward_functions names {spec.name}, which needs the run's {spec.name.replace('_', ' ')} "
+                    f"actors (settings under {scored[spec.name]}); this runner has none"
+                )
+            self.pools[spec.name] = pool
         self._rm_running: dict[ray.ObjectRefGenerator, _Task] = {}
-        self._rm_results: dict[int, tuple[float, float | None, str]] = {}  # id -> (score, raw score, note)
+        # entry name -> id -> (score, raw score, note)
+        self._rm_results: dict[str, dict[int, tuple[float, float | None, str]]] = {n: {} for n in self.pools}
         self._rm_moved = 0.0
         # A feedback runner's one name (check_name above refused a null env.feedback); None for a scoring one.
         feedback_name = env.feedback if feedback else None
@@ -258,12 +273,12 @@ class RewardRunner:
             self._pending.extend((i, item, False) for i, item in zip(ids, plain))
         else:  # the reward model alone: no task to run
             self._results.update((i, RewardResult(0.0, True)) for i in ids)
-        if self.reward_model is not None:
-            # What the reward model reads: the prompt's messages (or its question), then the response.
-            read = [(_conversation(rest), resp) for _, resp, *rest in items]
-            now = time.monotonic()
-            for part in self.reward_model.shares(len(items)):
-                self._rm_running[self.reward_model.call(read[part])] = _Task(ids[part], read[part], now)
+        now = time.monotonic()
+        for name, pool in self.pools.items():
+            # What the model reads, from the prompt's messages (or its question) and the response.
+            read = [pool.item(gt, resp, _conversation(rest)) for gt, resp, *rest in items]
+            for part in pool.shares(len(items)):
+                self._rm_running[pool.call(read[part])] = _Task(ids[part], read[part], now, pool=name)
         self._pump()
         return ids
 
@@ -297,8 +312,8 @@ class RewardRunner:
         else:
             self._pending.extendleft((i, item, True) for i, item in reversed(list(zip(ids, items))))
 
-    def _poll_reward_model(self, pool: rm.RewardModelPool, timeout: float) -> None:
-        """Collect the reward model's finished batches and note started ones; a late batch's samples score 0.
+    def _poll_reward_model(self, timeout: float) -> None:
+        """Collect the models' finished batches and note started ones; a late batch's samples score 0.
         A replica that died raises (the run ends naming it)."""
         from ray.exceptions import RayActorError
 
@@ -316,37 +331,40 @@ class RewardRunner:
             except Exception as e:  # the replica raised on this batch (a template that failed on a message)
                 self._rm_running.pop(gen)
                 tail = traceback.format_exception_only(type(e), e)[-1].strip()[:300]
-                self._rm_results.update((i, (0.0, None, f"reward model raised {tail}")) for i in task.ids)
+                why = f"{self.pools[task.pool].WHAT} raised {tail}"
+                self._rm_results[task.pool].update((i, (0.0, None, why)) for i in task.ids)
                 continue
             if task.started is None:
                 task.started = now
                 continue
             self._rm_running.pop(gen)
             scores, notes, _ = out
+            pool = self.pools[task.pool]
             for i, raw, note in zip(task.ids, scores, notes):
-                self._rm_results[i] = pool.finish(raw, note)
+                self._rm_results[task.pool][i] = pool.finish(raw, note)
         busy = any(task.started is not None for task in self._rm_running.values())
         for gen, task in list(self._rm_running.items()):
             if task.started is not None and now - task.started > self.env.reward_timeout_s:
                 ray.cancel(gen)
                 self._rm_running.pop(gen)
                 self._rm_moved = now
-                why = f"reward model timed out after {self.env.reward_timeout_s:g}s"
-                self._rm_results.update((i, (0.0, None, why)) for i in task.ids)
+                why = f"{self.pools[task.pool].WHAT} timed out after {self.env.reward_timeout_s:g}s"
+                self._rm_results[task.pool].update((i, (0.0, None, why)) for i in task.ids)
             elif (
                 not busy
                 and task.started is None
                 and now - max(task.submitted, self._rm_moved) > START_TIMEOUT_S
             ):
+                what = self.pools[task.pool].WHAT
                 raise ClusterError(
-                    f"a reward model batch has waited {now - task.submitted:.0f}s for a replica to start it, while "
-                    f"none ran: the reward model's replicas are stuck; check their logs, or raise env.reward_timeout_s"
+                    f"a {what} batch has waited {now - task.submitted:.0f}s for a replica to start it, while "
+                    f"none ran: the {what}'s replicas are stuck; check their logs, or raise env.reward_timeout_s"
                 )
 
     def poll(self, timeout: float = 0.0) -> None:
         """Collect finished tasks, note started ones, cancel overdue ones, start queued ones."""
-        if self._rm_running and self.reward_model is not None:  # batches run only with a reward model
-            self._poll_reward_model(self.reward_model, 0.0 if self._running else timeout)
+        if self._rm_running:  # batches run only with a reward model or a judge
+            self._poll_reward_model(0.0 if self._running else timeout)
         if self._running:
             ready = set(ray.wait(list(self._running), num_returns=len(self._running), timeout=timeout)[0])
             now = time.monotonic()
@@ -398,32 +416,42 @@ class RewardRunner:
         unknown = [i for i in ids if i >= self._next or i < 0]
         if unknown:
             raise KeyError(f"reward ids {unknown[:3]} were not submitted to this runner")
-        spec = self.rm_spec  # set exactly when the runner has a reward model (__init__)
-        rm_ids = ids if spec is not None else []
-        while any(i not in self._results for i in ids) or any(i not in self._rm_results for i in rm_ids):
+        while any(i not in self._results for i in ids) or any(
+            i not in got for got in self._rm_results.values() for i in ids
+        ):
             self.poll(timeout=0.05)
         out = [self._results.pop(i) for i in ids]
         for r in out:
             for w in r.warnings:
                 log.warning("%s; the sample scores 0 for it", w)
-        if spec is not None and rm_ids:
+        for spec in self.model_specs:
             notes: collections.Counter[str] = collections.Counter()
-            for i, r in zip(rm_ids, out):
-                score, raw, note = self._rm_results.pop(i)
-                self._join_reward_model(spec, r, score, raw, note)
-                if note:
-                    notes[note.split(":")[0]] += 1
+            for i, r in zip(ids, out):
+                score, raw, note = self._rm_results[spec.name].pop(i)
+                self._join_model_score(spec, r, score, raw, note)
+                if note and not note.startswith(judge.PARSED):  # a verdict read is no warning
+                    notes[note.split(":")[0].split(" (")[0]] += 1
             for what, n in notes.items():
-                log.warning("%s (%d of %d samples)", what, n, len(rm_ids))
+                log.warning("%s (%d of %d samples)", what, n, len(ids))
         return out
 
-    def _join_reward_model(
+    def _join_model_score(
         self, spec: RewardSpec, result: RewardResult, score: float, raw: float | None, note: str
     ) -> None:
         result.scores[spec.name] = score
         result.total += spec.weight * score
-        result.rm_score = raw
-        if spec.weight > 0 and not any(s.weight > 0 for s in self.specs):
-            # No verifiable reward beside it: nothing says correct, and the reward model's score is the note.
-            result.correct = False
-            result.answer_note = note or f"reward model: {raw:.3f}"
+        if spec.weight <= 0:
+            return
+        alone = not any(s.weight > 0 for s in self.specs)  # no verifiable reward pays beside it
+        if spec.name == rm.NAME:
+            result.rm_score = raw
+            if alone:  # nothing says correct, and the reward model's score is the note
+                result.correct = False
+                result.answer_note = note or f"reward model: {raw:.3f}"
+            return
+        # The judge: full marks say correct; its output is the note when it comes first, or pays alone.
+        result.correct = result.correct and score >= 1.0
+        first = next(s for s in self.env.reward_functions if s.weight > 0)
+        if first is spec or alone:
+            result.answer = None if raw is None else f"{raw:.3g}"
+            result.answer_note = note

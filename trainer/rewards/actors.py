@@ -1,0 +1,160 @@
+"""What the rewards scored by a model of their own share: the reward model (:mod:`trainer.rewards.reward_model`)
+and the generative judge (:mod:`trainer.rewards.judge`) each run on Ray actors of their own, started once
+per run, checked at start and watched while they run.
+
+- :func:`model_path` and :func:`model_config`: the section's model exists and its config reads, or one
+  line naming the key (:class:`~trainer.config.ConfigError`) before anything starts.
+- :class:`ModelPool`: the replicas, ``cfg.replicas`` actors of ``cfg.num_cpus`` CPUs, ``cfg.num_gpus``
+  GPUs and one unit of ``cfg.resource`` when set, registered with :mod:`trainer.watchdog` (a replica that
+  dies ends the run in one line naming it) and waited for within ``cfg.start_timeout_s``
+  (:class:`RewardModelError` otherwise). A batch goes to the next replica as a streaming call that yields
+  None once the replica starts it (the reward runner's time limit counts from there), then
+  ``(scores, notes, seconds)``.
+
+A pool is named by its ``env.reward_functions`` entry (``NAME``) and its config section (``SECTION``);
+the reward runner (:mod:`trainer.rewards.runner`) sends it each chunk of samples and joins its scores to
+the other rewards' by weight.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, ClassVar
+
+from trainer.config import ConfigError, RewardSpec
+
+
+class RewardModelError(RuntimeError):
+    """A model-scored reward's replicas cannot score (they did not start in time); one line for people
+    (python -m trainer prints it as it does a ClusterError; importing the rewards never imports Ray)."""
+
+
+def used(name: str, specs: list[RewardSpec]) -> bool:
+    """An entry of ``env.reward_functions`` names ``name``."""
+    return any(spec.name == name for spec in specs)
+
+
+def model_path(name: str | None, key: str, entry: str, fix: str) -> str:
+    """``key``'s value (a model's hub id or directory); a ConfigError when it is null, for the
+    ``entry`` of env.reward_functions needs one: "set it to ``fix``"."""
+    if not name:
+        raise ConfigError(f"env.reward_functions names {entry}, but {key} is null; set it to {fix}")
+    return name
+
+
+def model_config(name: str, key: str, trust_remote_code: bool) -> Any:
+    """The transformers config of the model ``key`` names, read alone; else one line naming the key."""
+    from transformers import AutoConfig
+
+    from trainer.models import ModelNotFoundError, hub_id_or_directory
+
+    try:
+        path = hub_id_or_directory(name, key)
+    except ModelNotFoundError as e:
+        raise ConfigError(str(e)) from None
+    try:
+        return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"{key}={name}: cannot read its config: {first}") from None
+
+
+def device_and_dtype(num_gpus: float, dtype: str) -> tuple[str, str]:
+    """A replica's device (a GPU when it asked for one and sees one) and its dtype, ``auto`` resolved."""
+    import torch
+
+    from trainer import hardware
+
+    device = "cuda" if num_gpus > 0 and torch.cuda.is_available() else "cpu"
+    if dtype == "auto":
+        dtype = "bfloat16" if device == "cuda" or hardware.native_bf16() else "float32"
+    return device, dtype
+
+
+class ModelPool:
+    """The replicas of one model-scored reward, started once per run; :meth:`call` sends a batch to the next
+    one (round robin). Shared by the run's reward runners; each tracks its own batches in flight."""
+
+    NAME: ClassVar[str]  # its env.reward_functions entry
+    SECTION: ClassVar[str]  # its config section
+    WHAT: ClassVar[str]  # what people call it, in messages ("reward model")
+    worker: ClassVar[type]  # the replica's class (a Ray actor; takes the section's config)
+
+    def __init__(self, cfg: Any):
+        import ray
+
+        from trainer import watchdog
+
+        self.cfg = cfg
+        options: dict[str, Any] = {
+            "num_cpus": cfg.num_cpus,
+            "num_gpus": cfg.num_gpus,
+            "max_restarts": 0,
+            "max_concurrency": 1,
+        }
+        if cfg.resource:
+            options["resources"] = {cfg.resource: 1}
+        actor: Any = ray.remote(self.worker)
+        # Any: Ray's stubs type an actor's methods as the plain functions, without their .remote
+        self.workers: list[Any] = [actor.options(**options).remote(cfg) for _ in range(cfg.replicas)]
+        for r, w in enumerate(self.workers):
+            watchdog.register(w, f"{self.WHAT} replica {r}")
+        self._next = itertools.count()
+        self.info: list[dict] = []
+
+    def model_name(self) -> str:
+        """The key and value of the model it serves, for messages (``reward_model.name=...``)."""
+        raise NotImplementedError
+
+    def item(self, ground_truth: Any, response: str, messages: list[dict]) -> Any:
+        """What a replica reads of one sample (the prompt's ``messages``, its last user turn the question)."""
+        raise NotImplementedError
+
+    def wait_ready(self) -> None:
+        """Every replica has loaded its model, within ``start_timeout_s``; else one line."""
+        import ray
+
+        refs = [w.ready.remote() for w in self.workers]
+        ready, waiting = ray.wait(refs, num_returns=len(refs), timeout=self.cfg.start_timeout_s)
+        if waiting:
+            raise RewardModelError(
+                f"{len(waiting)} of {len(refs)} {self.WHAT} replicas did not load {self.model_name()} within "
+                f"{self.SECTION}.start_timeout_s={self.cfg.start_timeout_s:g}s: the cluster has no room for "
+                f"them ({self.asks()} each) or the model is slow to load; raise the timeout or free those resources"
+            )
+        self.info = ray.get(refs)
+
+    def asks(self) -> str:
+        """What each replica asks Ray for, in words."""
+        parts = [f"{self.cfg.num_cpus:g} CPU"] + ([f"{self.cfg.num_gpus:g} GPU"] if self.cfg.num_gpus else [])
+        return " + ".join(parts + ([f"1 {self.cfg.resource}"] if self.cfg.resource else []))
+
+    def describe(self) -> str:
+        raise NotImplementedError
+
+    def call(self, items: list) -> Any:
+        """Score ``items`` on the next replica: a streaming generator (None once started, then the result)."""
+        return self.workers[next(self._next) % len(self.workers)].score.remote(items)
+
+    def shares(self, n: int) -> list[slice]:
+        """``n`` samples split into one batch per replica (fewer when there are fewer samples)."""
+        k = max(1, min(len(self.workers), n))
+        size = -(-n // k)
+        return [slice(i, min(n, i + size)) for i in range(0, n, size)]
+
+    def finish(self, raw: float | None, note: str) -> tuple[float, float | None, str]:
+        """A replica's score for one sample as the reward's: ``(score, raw, note)``."""
+        raise NotImplementedError
+
+    def shutdown(self, graceful: bool = True) -> None:
+        import ray
+
+        from trainer import watchdog
+
+        for w in self.workers:
+            watchdog.forget(w)
+            try:
+                ray.kill(w)
+            except Exception:  # noqa: S110  (already gone)
+                pass
+        self.workers = []

@@ -55,6 +55,12 @@ def model_config(name: str, key: str, trust_remote_code: bool) -> Any:
     try:
         return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
+        from trainer.models.shape import known_config
+
+        # No hub here (an offline check, a cluster without egress): a model of the shape table is checked
+        # against the table's copy of its config.
+        if (known := known_config(name)) is not None:
+            return known
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConfigError(f"{key}={name}: cannot read its config: {first}") from None
 

@@ -17,20 +17,15 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 
+# fmt: off
 @dataclass
 class Step:
     """What the environment says after one model turn."""
-
-    messages: list[
-        dict[str, Any]
-    ]  # chat messages appended after the model's turn (role "tool" or "user"); [] when done
-    done: bool  # the episode ends here: the model answered, or the environment ended it
-    reward: float | None = (
-        None  # an environment that scores its own episodes: the episode's reward, set when done
-    )
-    info: dict[str, float] = field(
-        default_factory=dict
-    )  # counters summed per step into metrics: tool_calls, tool_errors, tool_s
+    messages: list[dict[str, Any]]  # chat messages appended after the model's turn (role "tool" or "user"); [] when done
+    done: bool                       # the episode ends here: the model answered, or the environment ended it
+    reward: float | None = None      # an environment that scores its own episodes: the episode's reward, set when done
+    info: dict[str, float] = field(default_factory=dict)  # counters summed per step into metrics: tool_calls, tool_errors, tool_s
+# fmt: on
 
 
 class Episode(Protocol):

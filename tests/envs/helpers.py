@@ -101,3 +101,59 @@ class RecordingGenerator:
         out = self.engine.generate(prompts, n, params)
         self.calls.append(([list(p) for p in prompts], n, out))
         return [(ray.put(out), list(range(len(prompts))))]
+
+
+# The whole call to the die as one token of its own, so that a random tiny model writes it often enough to learn.
+ROLL_CALL = '<tool_call>{"name": "roll", "arguments": {}}</tool_call>'
+
+
+def build_dice_model(out_dir: str) -> str:
+    """The tools model (:func:`build_tools_model`) with ROLL_CALL added to its vocabulary."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    build_tools_model(out_dir)
+    tok = AutoTokenizer.from_pretrained(out_dir)
+    tok.add_tokens([ROLL_CALL])
+    model = AutoModelForCausalLM.from_pretrained(out_dir)
+    model.resize_token_embeddings(len(tok))
+    model.save_pretrained(out_dir)
+    tok.save_pretrained(out_dir)
+    return out_dir
+
+
+class DiceTools:
+    """The tools environment with one tool, a die (``roll``), scoring its own episodes: half for a call that
+    ran, half for a final answer that is the digit the die last showed. Only the tool knows that digit."""
+
+    name = "dice"
+
+    def __init__(self, **kwargs: Any):
+        from trainer.envs.tools import ToolEnvironment
+
+        self.tools_env = ToolEnvironment(tools=["tests.envs.tool_funcs:roll"], **kwargs)
+
+    def tools(self) -> list[dict[str, Any]] | None:
+        return self.tools_env.tools()
+
+    def episode(self, example: dict[str, Any]) -> _DiceEpisode:
+        return _DiceEpisode(self.tools_env.episode(example))
+
+    def close(self) -> None:
+        self.tools_env.close()
+
+
+class _DiceEpisode:
+    def __init__(self, inner):
+        self.inner, self.shown = inner, None
+
+    def step(self, text: str) -> Step:
+        step = self.inner.step(text)
+        ok = [m["content"] for m in step.messages if not m["content"].startswith("Error")]
+        if ok:
+            self.shown = ok[-1]
+        # Scored at every step: the loop keeps the last one's, also when it cuts the episode at its turn limit.
+        step.reward = 0.5 * (self.shown is not None) + 0.5 * (step.done and text.strip() == self.shown)
+        return step
+
+    def close(self) -> None:
+        self.inner.close()

@@ -77,3 +77,27 @@ def test_should_list_each_schema_and_the_call_format_when_rendering_tools_into_a
     # the example call in the prompt is in the format the parser reads
     example = text[text.index("<tool_call>") :]
     assert "<function name>" in example
+
+
+def test_should_offer_tools_through_the_template_or_the_system_prompt_when_it_has_no_tools_support():
+    from tests.envs.helpers import TOOLS_TEMPLATE
+    from trainer.envs.tool_calls import offer_tools, takes_tools
+    from trainer.envs.tools import ToolEnvironment
+    from trainer.models.tiny import build_tiny_tokenizer
+
+    schemas = ToolEnvironment(tools=["calculator"]).tools()
+    plain = build_tiny_tokenizer()
+    hermes = build_tiny_tokenizer()
+    hermes.chat_template = TOOLS_TEMPLATE
+    assert takes_tools(hermes) and not takes_tools(plain)
+    user = [{"role": "user", "content": "what is 2*3?"}]
+    text = hermes.apply_chat_template(user, tools=schemas, tokenize=False, add_generation_prompt=True)
+    assert json.dumps(schemas[0]) in text and text.endswith("<|im_start|>assistant\n")
+    offered = offer_tools([{"role": "system", "content": "be brief."}, *user], schemas)
+    assert (
+        offered[0]["content"].startswith("be brief.\n\n") and json.dumps(schemas[0]) in offered[0]["content"]
+    )
+    assert offer_tools(user, schemas)[0]["role"] == "system" and offer_tools(user, schemas)[1:] == user
+    # what a model writes in the format the prompt shows is what the parser reads
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "2*3"}}</tool_call>'
+    assert parse_tool_calls(call) == ([{"name": "calculator", "arguments": {"expression": "2*3"}}], [])

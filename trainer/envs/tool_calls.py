@@ -48,13 +48,12 @@ def _one(body: str) -> tuple[dict[str, Any] | None, str | None]:
     if not isinstance(name, str) or not name:
         return None, f'the tool call has no "name" string: {_quote(body)}'
     args = obj.get("arguments", obj.get("parameters", {}))
-    if isinstance(
-        args, str
-    ):  # some models write the arguments as a JSON string, as OpenAI's API carries them
+    # Some models write the arguments as a JSON string, as OpenAI's API carries them.
+    if isinstance(written := args, str):
         try:
-            args = json.loads(args) if args.strip() else {}
+            args = json.loads(written) if written.strip() else {}
         except json.JSONDecodeError:
-            return None, f'the "arguments" of the call to {name!r} are not a JSON object: {_quote(args)}'
+            return None, f'the "arguments" of the call to {name!r} are not a JSON object: {_quote(written)}'
     if args is None:
         args = {}
     if not isinstance(args, dict):

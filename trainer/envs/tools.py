@@ -61,7 +61,11 @@ _MAX_CHARS = 500
 def _evaluate(node: ast.AST) -> int | float:
     if isinstance(node, ast.Expression):
         return _evaluate(node.body)
-    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+    if (
+        isinstance(node, ast.Constant)
+        and isinstance(node.value, (int, float))
+        and not isinstance(node.value, bool)
+    ):
         return node.value
     if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
         return _UNARY[type(node.op)](_evaluate(node.operand))
@@ -166,8 +170,8 @@ def stop_processes() -> None:
     from multiprocessing import forkserver, resource_tracker
 
     # The standard library's own way to stop them (private: it has no public one).
-    forkserver._forkserver._stop()
-    resource_tracker._resource_tracker._stop()
+    forkserver._forkserver._stop()  # type: ignore[attr-defined]
+    resource_tracker._resource_tracker._stop()  # type: ignore[attr-defined]
     _CONTEXT = None
 
 

@@ -113,6 +113,8 @@ def rollout_rows(
             "generation_length": r.model_tokens,
             "finish_reason": r.completion.finish_reason,
             "turns": r.turns,
+            # a tool environment's counters for this episode (tool_calls, tool_errors, tool_s); {} otherwise
+            "env_info": dict(getattr(r, "env_info", {})),
             "policy_version": version,  # the weights that generated it: step - 1 - version steps stale
         }
         for r, advantage, version in zip(rollouts, advantages, versions)

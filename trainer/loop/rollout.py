@@ -156,9 +156,9 @@ def generate_episodes(
     After each turn the episode's environment step (tools, feedback) runs in a thread of its own; its
     messages are rendered through the chat template as glue (mask 0) after the model's exact tokens, and the
     episode's next turn goes to the engines as soon as it is ready, with the samples the same generation call
-    returned beside it when they are ready too: they wait for each other at most :data:`LINGER_S` (or the
-    call's own generation time, if longer), so a long episode or a slow tool holds back no other sample for
-    longer than that, while samples that step together still reach the engines in one batch. An episode ends
+    returned beside it when they are ready too: they wait for each other at most :data:`LINGER_S`, so a long
+    episode or a slow tool holds back no other sample for longer than that, while samples that step together
+    still reach the engines in one batch. An episode ends
     when the environment says so, at ``max_turns``, or when its next turn might not fit in ``max_context``
     tokens; its final turn is what the rewards judge, submitted as soon as it ends. Later turns' draws are
     grouped by timing, so only the first turn's follow ``params.seed`` exactly.
@@ -170,8 +170,8 @@ def generate_episodes(
         for _ in range(n)
     ]
     reward_ids: list[int | None] = [None] * len(live)
-    # A generation call in flight -> (for each of its prompts, the rows its completions belong to; when it started)
-    calls: dict[Any, tuple[list[list[int]], float]] = {}
+    # A generation call in flight -> for each of its prompts, the rows its completions belong to.
+    calls: dict[Any, list[list[int]]] = {}
     cohorts: dict[int, _Cohort] = {}  # the rows one call returned, stepping in the environment
     steps: dict[Future, int] = {}
     launched = 0
@@ -181,12 +181,8 @@ def generate_episodes(
         nonlocal launched
         seed = None if params.seed is None else params.seed + 7919 * launched
         launched += 1
-        now = time.monotonic()
         for ref, idx in generator.submit(prompts, k, replace(params, seed=seed)):
-            calls[ref] = (
-                [[rows[j]] if k == 1 else list(range(rows[j] * k, (rows[j] + 1) * k)) for j in idx],
-                now,
-            )
+            calls[ref] = [[rows[j]] if k == 1 else list(range(rows[j] * k, (rows[j] + 1) * k)) for j in idx]
 
     def end(row: int) -> None:
         ep = live[row]
@@ -207,9 +203,8 @@ def generate_episodes(
             if calls:
                 done, _ = ray.wait(list(calls), num_returns=len(calls), timeout=0.01 if steps else 0.1)
                 for ref in done:
-                    groups, started = calls.pop(ref)
-                    cohort = _Cohort(next(keys), time.monotonic() - started)
-                    for rows, group in zip(groups, ray.get(ref)):
+                    cohort = _Cohort(next(keys))
+                    for rows, group in zip(calls.pop(ref), ray.get(ref)):
                         for row, c in zip(rows, group):
                             r = live[row].rollout
                             r.completion, r.turns = c, r.turns + 1
@@ -232,9 +227,7 @@ def generate_episodes(
                     end(row)
             now, go = time.monotonic(), []
             for key, cohort in list(cohorts.items()):
-                if cohort.ready and (
-                    not cohort.waiting or now - cohort.since >= max(LINGER_S, cohort.generation_s)
-                ):
+                if cohort.ready and (not cohort.waiting or now - cohort.since >= LINGER_S):
                     go += cohort.ready
                     cohort.ready, cohort.since = [], 0.0
                 if not cohort.waiting and not cohort.ready:
@@ -250,15 +243,15 @@ def generate_episodes(
     return PendingRollouts([ep.rollout for ep in live], ids, time.monotonic() - start)
 
 
-# Samples one generation call returned wait for each other's environment steps at most this long (or that
-# call's generation time, if longer) before their next turns go to the engines without the slow ones.
+# Samples one generation call returned wait for each other's environment steps at most this long before
+# their next turns go to the engines without the slow ones: long enough for steps that finish together
+# (a batch of calculator calls) to make one batch, short against a generation round.
 LINGER_S = 1.0
 
 
 @dataclass
 class _Cohort:
     key: int
-    generation_s: float
     waiting: set[int] = field(default_factory=set)  # rows whose environment step is running
     ready: list[int] = field(default_factory=list)  # rows whose next turn can go
     since: float = 0.0  # when the first of ``ready`` became ready (0: none is)

@@ -30,6 +30,13 @@ def test_should_read_an_unclosed_call_to_the_end_when_the_turn_stopped_inside_it
     assert calls == [{"name": "calculator", "arguments": {"expression": "1+1"}}] and errors == []
 
 
+def test_should_end_an_unclosed_call_at_its_json_object_when_prose_follows_it():
+    calls, errors = parse_tool_calls('<tool_call>{"name": "f", "arguments": {"x": 1}} and then I will see')
+    assert calls == [{"name": "f", "arguments": {"x": 1}}] and errors == []
+    # a closed call must be JSON and nothing else
+    assert parse_tool_calls('<tool_call>{"name": "f"} trailing</tool_call>')[1]
+
+
 def test_should_accept_arguments_written_as_a_json_string_when_a_model_follows_openais_wire_format():
     calls, errors = parse_tool_calls('<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>')
     assert calls == [{"name": "f", "arguments": {"x": 1}}] and errors == []

@@ -9,7 +9,7 @@ A call is a JSON object between ``<tool_call>`` and ``</tool_call>``::
 :func:`parse_tool_calls` finds every call in a turn and returns the well-formed ones and, for each
 malformed one, an error meant for the model (it is sent back as the tool's answer, so the model can fix
 its call; the run never fails on what the model wrote). A call the model left open (its turn ended, or a
-stop string cut it, before ``</tool_call>``) is read up to the end of the text.
+stop string cut it, before ``</tool_call>``) is its first JSON object after ``<tool_call>``.
 
 :func:`render_tools` writes the tools' schemas into a system prompt in the same format, for a chat template
 that has no ``tools=`` support of its own (:func:`takes_tools` tells; :func:`offer_tools` adds that prompt to a
@@ -33,10 +33,14 @@ def _quote(body: str) -> str:
     return body if len(body) <= _SHOWN else body[:_SHOWN] + "..."
 
 
-def _one(body: str) -> tuple[dict[str, Any] | None, str | None]:
-    """One call's JSON -> ({name, arguments}, None) or (None, the error for the model)."""
+def _one(body: str, closed: bool) -> tuple[dict[str, Any] | None, str | None]:
+    """One call's JSON -> ({name, arguments}, None) or (None, the error for the model). A call left open
+    ends at its JSON object: what follows is the model's text, not part of the call."""
     try:
-        obj = json.loads(body)
+        if closed:
+            obj = json.loads(body)
+        else:
+            obj, _ = json.JSONDecoder().raw_decode(body.lstrip())
     except json.JSONDecodeError as e:
         return None, f"the tool call is not valid JSON ({e.msg} at character {e.pos}): {_quote(body)}"
     if not isinstance(obj, dict):
@@ -69,7 +73,7 @@ def parse_tool_calls(text: str) -> tuple[list[dict[str, Any]], list[str]]:
     A stray ``</tool_call>`` with no opening marker is an error too: the model meant a call."""
     calls, errors = [], []
     for match in _CALL.finditer(text):
-        call, error = _one(match.group(1))
+        call, error = _one(match.group(1), match.group(0).endswith(CLOSE))
         if call is not None:
             calls.append(call)
         else:

@@ -122,8 +122,8 @@ def build_dice_model(out_dir: str) -> str:
 
 
 class DiceTools:
-    """The tools environment with one tool, a die (``roll``), scoring its own episodes: half for a call that
-    ran, half for a final answer that is the digit the die last showed. Only the tool knows that digit."""
+    """The tools environment with one tool, a die (``roll``), scoring its own episodes: half for an answer after
+    a call that ran, half more when the answer is the digit the die last showed. Only the tool knows that digit."""
 
     name = "dice"
 
@@ -152,7 +152,9 @@ class _DiceEpisode:
         if ok:
             self.shown = ok[-1]
         # Scored at every step: the loop keeps the last one's, also when it cuts the episode at its turn limit.
-        step.reward = 0.5 * (self.shown is not None) + 0.5 * (step.done and text.strip() == self.shown)
+        # Half for answering after a call that ran (a call in the last turn is no answer), half for the digit.
+        answered = step.done and self.shown is not None
+        step.reward = 0.5 * answered + 0.5 * (answered and text.strip() == self.shown)
         return step
 
     def close(self) -> None:

@@ -65,10 +65,12 @@ def test_should_learn_to_call_the_tool_when_only_the_tool_knows_the_answer(train
         "data.prompt_template='roll the die and say what it shows: {question}'",
         "policy.max_total_sequence_length=512",
         "grpo.num_prompts_per_step=8",
+        "grpo.max_num_steps=30",  # the call is learned by step 10, answering after it by step 25
     )
     scalars = _scalars(run_dir)
     rewards, calls = scalars["train/reward_mean"], scalars["train/tool_call_rate"]
     print("reward", [round(r, 3) for r in rewards], "\ncall rate", [round(c, 3) for c in calls])
     first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
-    assert last > first + 0.1, f"reward did not rise: {first:.3f} -> {last:.3f} ({rewards})"
-    assert sum(calls[-3:]) / 3 > sum(calls[:3]) / 3 + 0.2
+    # A 2-core EPYC: 0.01 -> 0.52 (answers after a call, about one in twenty the die's digit), calls 2% -> 99%.
+    assert last > first + 0.25, f"reward did not rise: {first:.3f} -> {last:.3f} ({rewards})"
+    assert sum(calls[-3:]) / 3 > sum(calls[:3]) / 3 + 0.5

@@ -187,3 +187,10 @@ def test_should_run_python_in_the_sandbox_when_the_python_tool_is_called():
     assert message["content"] == "42"
     (message,) = env.episode({}).step(_call("python", code="raise SystemExit('boom')")).messages
     assert "runtime error" in message["content"]
+
+
+def test_should_refuse_the_python_tool_when_the_cluster_keeps_code_on_sandbox_nodes(monkeypatch):
+    monkeypatch.setenv("KUBERL_SANDBOX_RESOURCE", "kuberl-sandbox")
+    with pytest.raises(ConfigError, match="drop the python tool"):
+        ToolEnvironment(tools=["calculator", "python"])
+    assert ToolEnvironment(tools=["calculator"]).tools()

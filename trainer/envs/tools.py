@@ -20,7 +20,8 @@ Each call runs in a child process forked from a clean server process (multiproce
 no threads of the driver come along), under a memory limit, and is killed at its timeout: an argument
 that makes a tool loop, hang or eat memory costs that call an error message, never the run. The
 ``python`` tool runs the model's code in the sandbox (:mod:`trainer.sandbox`), isolated like the code
-rewards' programs.
+rewards' programs, on the driver's node: a cluster with a sandbox group (whose code must run on its nodes
+only) refuses it.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import json
 import math
 import multiprocessing
 import operator
+import os
 import time
 import traceback
 from collections.abc import Callable
@@ -317,6 +319,16 @@ class ToolEnvironment:
             if target.split(":")[0] not in _PRELOAD:
                 _PRELOAD.append(target.split(":")[0])
             self.schemas.append(schema)
+        # Imported here: the fork server preloads this module, and every call's process forks from it (no Ray).
+        from trainer.rewards.runner import SANDBOX_RESOURCE_ENV
+
+        if "python" in self.targets and os.environ.get(SANDBOX_RESOURCE_ENV, "").strip():
+            # Fail closed: on a cluster with a sandbox group the model's code runs only on its nodes, and tool
+            # calls run beside the driver.
+            raise ConfigError(
+                f"env.environment_kwargs.tools: the python tool runs the model's code beside the driver, and this "
+                f"cluster keeps such code on its sandbox nodes ({SANDBOX_RESOURCE_ENV} is set); drop the python tool"
+            )
         self.max_calls_per_turn, self.tool_timeout_s = max_calls_per_turn, float(tool_timeout_s)
         self.tool_memory_mb, self.max_result_chars = tool_memory_mb, max_result_chars
 

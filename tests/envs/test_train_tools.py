@@ -53,11 +53,15 @@ def test_should_train_on_tool_episodes_when_vllm_generates(trainer_env, tmp_path
     assert max(scalars["train/gen_logprob_abs_diff"]) < 0.05  # vLLM's kernels, on the tokens it sampled
 
 
-def test_should_learn_to_call_the_tool_when_only_the_tool_knows_the_answer(trainer_env, tmp_path):
+@pytest.mark.parametrize("backend", ["hf", pytest.param("vllm", marks=pytest.mark.vllm)])
+def test_should_learn_to_call_the_tool_when_only_the_tool_knows_the_answer(trainer_env, tmp_path, backend):
+    if backend == "vllm":
+        _needs_vllm()
     model = build_dice_model(str(tmp_path / "dice-model"))
     stdout, run_dir = _train(
         trainer_env,
         tmp_path,
+        f"generation.backend={backend}",
         f"model.name={model}",
         "grpo.max_rollout_turns=2",
         "env.environment=tests.envs.helpers:DiceTools",

@@ -160,8 +160,10 @@ def generate_episodes(
     episode or a slow tool holds back no other sample for longer than that, while samples that step together
     still reach the engines in one batch. An episode ends
     when the environment says so, at ``max_turns``, or when its next turn might not fit in ``max_context``
-    tokens; its final turn is what the rewards judge, submitted as soon as it ends. Later turns' draws are
-    grouped by timing, so only the first turn's follow ``params.seed`` exactly.
+    tokens; its final turn is what the rewards judge, submitted as soon as it ends. Only the first turn
+    follows ``params.seed``; later turns are drawn unseeded: their calls are grouped by timing, and one seed
+    for a call would give every sample in it the same random draws (vLLM seeds each request alike), so a
+    group's episodes, whose contexts differ little, would all choose alike and carry no advantage.
     """
     start = time.monotonic()
     live = [
@@ -174,13 +176,9 @@ def generate_episodes(
     calls: dict[Any, list[list[int]]] = {}
     cohorts: dict[int, _Cohort] = {}  # the rows one call returned, stepping in the environment
     steps: dict[Future, int] = {}
-    launched = 0
     keys = itertools.count()
 
-    def launch(rows: list[int], prompts: list[list[int]], k: int) -> None:
-        nonlocal launched
-        seed = None if params.seed is None else params.seed + 7919 * launched
-        launched += 1
+    def launch(rows: list[int], prompts: list[list[int]], k: int, seed: int | None) -> None:
         for ref, idx in generator.submit(prompts, k, replace(params, seed=seed)):
             calls[ref] = [[rows[j]] if k == 1 else list(range(rows[j] * k, (rows[j] + 1) * k)) for j in idx]
 
@@ -197,7 +195,7 @@ def generate_episodes(
         )
         reward_ids[row] = rewards.submit([item])[0]
 
-    launch(list(range(len(examples))), [ex["prompt_ids"] for ex in examples], n)
+    launch(list(range(len(examples))), [ex["prompt_ids"] for ex in examples], n, params.seed)
     with ThreadPoolExecutor(max_workers=min(32, len(live)), thread_name_prefix="kuberl-env") as pool:
         while calls or steps:
             if calls:
@@ -233,7 +231,8 @@ def generate_episodes(
                 if not cohort.waiting and not cohort.ready:
                     del cohorts[key]
             if go:
-                launch(go, [live[row].rollout.prompt_ids + live[row].rollout.response_ids for row in go], 1)
+                contexts = [live[row].rollout.prompt_ids + live[row].rollout.response_ids for row in go]
+                launch(go, contexts, 1, None)
             rewards.poll()
     for ep in live:
         ep.rollout.env_info = ep.info

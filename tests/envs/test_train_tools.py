@@ -69,12 +69,15 @@ def test_should_learn_to_call_the_tool_when_only_the_tool_knows_the_answer(train
         "data.prompt_template='roll the die and say what it shows: {question}'",
         "policy.max_total_sequence_length=512",
         "grpo.num_prompts_per_step=8",
-        "grpo.max_num_steps=30",  # the call is learned by step 10, answering after it by step 25
+        "grpo.max_num_steps=30",
+        # At tiny's 1e-2 one of three runs learned to call and answer, then stopped calling at all in one step.
+        "policy.learning_rate=5e-3",
     )
     scalars = _scalars(run_dir)
     rewards, calls = scalars["train/reward_mean"], scalars["train/tool_call_rate"]
     print("reward", [round(r, 3) for r in rewards], "\ncall rate", [round(c, 3) for c in calls])
     first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
-    # A 2-core EPYC: 0.01 -> 0.52 (answers after a call, about one in twenty the die's digit), calls 2% -> 99%.
+    # A 2-core EPYC, last 3 steps against the first 3: hf 0.01 -> 0.49, calls 2% -> 96%; vLLM 0.01 -> 0.33,
+    # calls 2% -> 66%. Mostly the half for answering after a call: copying the digit comes later.
     assert last > first + 0.25, f"reward did not rise: {first:.3f} -> {last:.3f} ({rewards})"
     assert sum(calls[-3:]) / 3 > sum(calls[:3]) / 3 + 0.5

@@ -252,7 +252,7 @@ class GRPOConfig:
         False  # baseline: mean of the other G-1 rewards (RLOO), not the group's
     )
     num_minibatches: int = 1  # optimizer steps per batch; > 1 reuses the old logprobs (PPO-style)
-    max_rollout_turns: int = 1  # > 1: multi-turn, an environment between turns (env.environment, or env.feedback)
+    max_rollout_turns: int = 1  # > 1: multi-turn, an environment between turns (env.environment/env.feedback)
     val_period: int = 0  # steps between validations (data.val_name); 0: no periodic validation
     val_at_start: bool = False
     loss: LossConfig = field(default_factory=LossConfig)

@@ -418,6 +418,7 @@ MAPPING_KEYS = [
     "env.reward_functions.0.kwargs",
     "env.feedback_kwargs",
     "judge.verdicts",
+    "env.environment_kwargs",
 ]
 
 
@@ -514,6 +515,8 @@ def test_should_print_vllm_kwargs_when_the_cli_sets_them_over_an_empty_default(c
         ("grpo.loss.policy_loss=x", "grpo.loss.policy_loss='x' is not allowed; choose one of: clipped"),
         ("grpo.loss.aggregation=median", "grpo.loss.aggregation='median' is not allowed"),
         ("grpo.max_rollout_turns=2", "grpo.max_rollout_turns=2 needs execution feedback: env.feedback=None"),
+        ("env.environment=nope", "env.environment='nope' is not an environment; valid: code_feedback, tools"),
+        ("env.environment=tools", "env.environment=tools answers the model between its turns"),
     ],
 )
 def test_should_fail_with_one_line_before_anything_starts_when_cli_value_is_bad(

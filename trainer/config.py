@@ -252,7 +252,7 @@ class GRPOConfig:
         False  # baseline: mean of the other G-1 rewards (RLOO), not the group's
     )
     num_minibatches: int = 1  # optimizer steps per batch; > 1 reuses the old logprobs (PPO-style)
-    max_rollout_turns: int = 1  # > 1: multi-turn, the environment's feedback between turns (env.feedback)
+    max_rollout_turns: int = 1  # > 1: multi-turn, an environment between turns (env.environment/env.feedback)
     val_period: int = 0  # steps between validations (data.val_name); 0: no periodic validation
     val_at_start: bool = False
     loss: LossConfig = field(default_factory=LossConfig)
@@ -551,6 +551,11 @@ class EnvConfig:
     max_concurrent_rewards: int = 32
     feedback: str | None = None  # multi-turn execution feedback; null: the first reward's, if it has one
     feedback_kwargs: dict[str, Any] = field(default_factory=dict)
+    # A multi-turn environment (trainer.envs) answering the model between its turns, up to
+    # grpo.max_rollout_turns: tools, code_feedback, ... null: single-turn, or code_feedback (env.feedback)
+    # when grpo.max_rollout_turns > 1.
+    environment: str | None = None
+    environment_kwargs: dict[str, Any] = field(default_factory=dict)  # passed to the environment's factory
 
     def validate(self) -> None:
         _require(

@@ -101,6 +101,11 @@ class RunLogger:
             )
         if "train/dynamic_sampling_rounds" in m:
             line += f" | {m['train/dynamic_sampling_rounds']:.0f} rounds, {m['train/dynamic_sampling_prompts']:.0f} prompts"
+        if "train/tool_calls_mean" in m:  # a tool environment: how much the model leaned on its tools
+            line += (
+                f" | turns {m['train/turns_mean']:.1f}, tool calls {m['train/tool_calls_mean']:.2f}/sample "
+                f"({m['train/tool_call_rate']:.0%} called, {m['train/tool_errors']:.0f} errors, {m['timing/tool_s']:.1f}s)"
+            )
         if "val/accuracy" in m:
             line += f" | val {m['val/accuracy']:.3f}"
         print(line, flush=True)

@@ -41,6 +41,7 @@ from trainer.watchdog import Lost, Watch, gcs_address
 if TYPE_CHECKING:  # the heavy modules load inside TrainState, after the checks that need none of them
     from trainer.data.loader import PromptLoader
     from trainer.data.prompts import TurnEncoder
+    from trainer.envs.base import Environment
     from trainer.generation.placement import Generator
     from trainer.logger import RunLogger
     from trainer.policy.group import PolicyGroup
@@ -96,7 +97,7 @@ class TrainState:
     generator: Generator
     rewards: RewardRunner
     model_rewards: list[ModelPool]  # the reward model and the judge, when entries name them
-    feedback: RewardRunner | None
+    environment: Environment | None
     turns: TurnEncoder
     logger: RunLogger
 
@@ -174,8 +175,11 @@ class TrainState:
     def _build(self, cfg: Config, resume: Path | None, info: dict[str, Any], t0: float) -> None:
         """The rest of the set-up, while the policy ranks start: data, then the ranks, generation,
         rewards, a checkpoint to resume, the logger."""
+        from trainer import envs
         from trainer.data.loader import PromptLoader
         from trainer.data.prompts import TurnEncoder, encode_examples
+        from trainer.envs.code_feedback import CodeFeedback
+        from trainer.envs.tool_calls import offer_tools, takes_tools
         from trainer.generation.placement import make_generator
         from trainer.logger import RunLogger
         from trainer.models import load_tokenizer
@@ -191,8 +195,25 @@ class TrainState:
             ) from None
         max_prompt = cfg.policy.max_total_sequence_length - cfg.generation.max_new_tokens
         kwargs = cfg.generation.chat_template_kwargs
-        train = load_dataset(cfg.data, cfg.data.split)
-        self.train_examples = encode_examples(tokenizer, train, kwargs, max_prompt)
+        # A named environment is built first: the tools it offers are part of every prompt.
+        self.environment = (
+            envs.build(cfg.env.environment, cfg.env.environment_kwargs) if cfg.env.environment else None
+        )
+        schemas = self.environment.tools() if self.environment is not None else None
+        tools = schemas if schemas and takes_tools(tokenizer) else None  # through the template's own tools=
+        in_prompt = schemas if schemas and tools is None else None  # else written into the system prompt
+        if in_prompt:
+            print(
+                f"kuberl: {cfg.model.name}'s chat template has no tools support: the tools are offered in the "
+                "system prompt",
+                flush=True,
+            )
+
+        def offered(ex: dict) -> dict:
+            return {**ex, "messages": offer_tools(ex["messages"], in_prompt)} if in_prompt else ex
+
+        train = [offered(ex) for ex in load_dataset(cfg.data, cfg.data.split)]
+        self.train_examples = encode_examples(tokenizer, train, kwargs, max_prompt, tools)
         if not self.train_examples:
             raise SetupError(
                 f"data={cfg.data.name}: none of its {len(train)} training prompts fits in {max_prompt} tokens "
@@ -212,8 +233,8 @@ class TrainState:
                 path=None if other else cfg.data.path,
                 max_examples=cfg.data.max_val_examples,
             )
-            val = load_dataset(val_cfg, cfg.data.val_split)
-            self.val_examples = encode_examples(tokenizer, val, kwargs, max_prompt)
+            val = [offered(ex) for ex in load_dataset(val_cfg, cfg.data.val_split)]
+            self.val_examples = encode_examples(tokenizer, val, kwargs, max_prompt, tools)
         self.loader = PromptLoader(
             self.train_examples, cfg.grpo.num_prompts_per_step, cfg.seed, cfg.data.shuffle
         )
@@ -229,8 +250,9 @@ class TrainState:
             pool.wait_ready()
             print(f"kuberl: {pool.describe()}", flush=True)
         self.rewards = RewardRunner(cfg.env, reward_model=self.model_rewards)
-        self.feedback = RewardRunner(cfg.env, feedback=True) if cfg.grpo.max_rollout_turns > 1 else None
-        self.turns = TurnEncoder(tokenizer, cfg.generation.chat_template_kwargs)
+        if self.environment is None and cfg.grpo.max_rollout_turns > 1:  # the code loop, with env.feedback
+            self.environment = CodeFeedback.from_runner(RewardRunner(cfg.env, feedback=True))
+        self.turns = TurnEncoder(tokenizer, cfg.generation.chat_template_kwargs, tools)
         if resume:
             self.policy.run("load_checkpoint", str(resume))
             self.generator.update_weights()
@@ -342,6 +364,9 @@ class TrainState:
         the whole teardown has a deadline, so a driver whose workers are stuck or gone still ends."""
         self.preemption.uninstall()
         with self.watch.deadline(30 if failed else 300, "the run's workers did not shut down in time"):
+            close_environment = getattr(getattr(self, "environment", None), "close", None)
+            if close_environment is not None:  # an environment's own processes (the tools' fork server)
+                close_environment()
             for part in (getattr(self, "generator", None), self.policy, *self.model_rewards):
                 if part is None:  # a set-up that failed before the generator was made
                     continue

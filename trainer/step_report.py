@@ -67,6 +67,16 @@ def step_metrics(
     }
     if cfg.grpo.max_rollout_turns > 1:
         metrics["train/mean_turns"] = sum(r.turns for r in rollouts) / len(rollouts)
+        metrics["train/turns_mean"] = metrics["train/mean_turns"]
+        # The environment's counters (trainer.envs.base.Step.info), summed over each episode's turns.
+        counted = [getattr(r, "env_info", {}) for r in rollouts]
+        if cfg.env.environment is not None:
+            metrics["train/tool_calls_mean"] = sum(c.get("tool_calls", 0.0) for c in counted) / len(rollouts)
+            metrics["train/tool_errors"] = sum(c.get("tool_errors", 0.0) for c in counted)
+            metrics["train/tool_call_rate"] = sum(c.get("tool_calls", 0.0) > 0 for c in counted) / len(
+                rollouts
+            )
+            metrics["timing/tool_s"] = sum(c.get("tool_s", 0.0) for c in counted)  # summed over samples
     for name in rollouts[0].reward.scores:
         metrics[f"train/reward/{name}"] = sum(r.reward.scores.get(name, 0.0) for r in rollouts) / len(
             rollouts
@@ -103,6 +113,8 @@ def rollout_rows(
             "generation_length": r.model_tokens,
             "finish_reason": r.completion.finish_reason,
             "turns": r.turns,
+            # a tool environment's counters for this episode (tool_calls, tool_errors, tool_s); {} otherwise
+            "env_info": dict(getattr(r, "env_info", {})),
             "policy_version": version,  # the weights that generated it: step - 1 - version steps stale
         }
         for r, advantage, version in zip(rollouts, advantages, versions)

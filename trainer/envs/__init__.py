@@ -52,6 +52,11 @@ def _factory(name: str) -> Callable[..., Environment]:
     return ENVIRONMENTS[name]
 
 
+def check(name: str) -> None:
+    """ConfigError (one line, the valid names) unless ``name`` is a registered environment."""
+    _factory(name)
+
+
 def build(name: str, kwargs: dict[str, Any]) -> Environment:
     """The environment ``name`` built with ``kwargs`` (env.environment_kwargs); ConfigError for a bad name."""
     factory = _factory(name)

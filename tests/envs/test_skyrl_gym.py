@@ -206,6 +206,8 @@ class Misbehaving(BaseTextEnv):
             self.release.wait(60)
         if self.mode == "nan":
             return BaseTextEnvStepOutput(observations=[], reward=float("nan"), done=True, metadata={})
+        if self.mode == "silent":  # goes on, with nothing to say
+            return BaseTextEnvStepOutput(observations=[], reward=0.5, done=False, metadata={})
         if self.mode == "bad_observations":
             return BaseTextEnvStepOutput(observations="not messages", reward=0.5, done=False, metadata={})
         return BaseTextEnvStepOutput(observations=[], reward=0.5, done=True, metadata={})
@@ -235,7 +237,7 @@ def test_should_end_the_episode_with_reward_zero_and_log_once_when_the_environme
         second = run(env, ex, ["#### 1"])
     assert time.monotonic() - start < 5  # a hung step is abandoned at the timeout, not waited for
     for (step,) in (first, second):
-        assert step == type(step)(messages=[], done=True, reward=0.0, info={"env_errors": 1.0})
+        assert step == type(step)(messages=[], done=True, reward=0.0, info={"errors": 1.0})
     (note,) = [r.getMessage() for r in caplog.records]  # two failures, one line
     assert note.startswith("skyrl_gym 'kuberl_test_misbehaving': ") and "reward 0" in note
 
@@ -243,7 +245,18 @@ def test_should_end_the_episode_with_reward_zero_and_log_once_when_the_environme
 def test_should_pay_what_the_environment_says_when_it_behaves(misbehaving) -> None:
     env = build("skyrl_gym", {"env_class": "kuberl_test_misbehaving"})
     (step,) = run(env, example(None, env_extras={"mode": "fine"}), ["anything"])
-    assert step.done and step.reward == 0.5 and "env_errors" not in step.info
+    assert step.done and step.reward == 0.5 and "errors" not in step.info
+
+
+def test_should_end_with_the_rewards_so_far_when_the_environment_goes_on_without_a_message(
+    misbehaving, caplog, monkeypatch
+) -> None:
+    monkeypatch.setattr(adapter, "_logged", set())
+    env = build("skyrl_gym", {"env_class": "kuberl_test_misbehaving"})
+    with caplog.at_level(logging.WARNING, logger="trainer.envs.skyrl_gym"):
+        (step,) = run(env, example(None, env_extras={"mode": "silent"}), ["anything", "more"])
+    assert step.done and step.messages == [] and step.reward == 0.5
+    assert "without observations" in caplog.records[0].getMessage()
 
 
 def test_should_refuse_an_environment_when_its_init_rewrites_the_prompt(misbehaving) -> None:
@@ -254,5 +267,7 @@ def test_should_refuse_an_environment_when_its_init_rewrites_the_prompt(misbehav
 
 def test_should_say_which_example_when_the_data_does_not_fit_the_environment() -> None:
     env = build("skyrl_gym", {"env_class": "aime"})  # reads reward_model, which a reward_spec row lacks
-    with pytest.raises(ValueError, match=r"skyrl_gym 'aime' cannot start on example 'ex-0': reward_model"):
+    with pytest.raises(
+        ConfigError, match=r"env_class='aime' cannot start on example 'ex-0' of data.name: reward_model"
+    ):
         env.episode(example("4"))

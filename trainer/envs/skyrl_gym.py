@@ -15,7 +15,9 @@ example's messages, then ``step(text)`` per model turn, whose observations becom
 extras are the example's ``env_extras`` (the columns of a SkyRL dataset row besides its prompt and env class,
 as skyrl-train passes them: ``data.name=skyrl_gym``), or, for an example of another dataset, its ground truth as
 SkyRL's ``reward_spec``. The episode's reward is the sum of its steps' rewards: skyrl-train places each turn's
-reward on that turn's last token and its outcome estimators (GRPO's among them) sum them per trajectory.
+reward on that turn's last token and its outcome estimators (GRPO's among them) sum them per trajectory. The
+rollout loop does not step the turn at ``grpo.max_rollout_turns``, so that limit must exceed the environment's
+own number of turns for the environment to score every episode.
 
 Where the two loops differ, this adapter refuses or says so rather than drift quietly:
 
@@ -23,8 +25,10 @@ Where the two loops differ, this adapter refuses or says so rather than drift qu
   ``init`` rewrites the prompt (``rlm``) is refused on its first example;
 - a ``postprocessed_action`` (the environment rewriting the model's turn) is ignored: the trainer trains on the
   tokens the engine sampled, never on a re-tokenisation (skyrl-train re-tokenises it, with a warning);
-- an ``init`` or ``step`` that raises or outlasts ``step_timeout_s`` ends the episode with reward 0, logged once
-  per environment and kind. It runs on a daemon thread, so one that hangs is abandoned, not waited for.
+- a ``step`` that goes on without observations ends the episode with the rewards so far: a turn needs a message;
+- an ``init`` or ``step`` that raises or outlasts ``step_timeout_s`` ends the episode with reward 0 (counted in
+  ``Step.info["errors"]``), logged once per environment and kind. It runs on a daemon thread, so one that hangs
+  is abandoned, not waited for.
 """
 
 from __future__ import annotations
@@ -45,12 +49,12 @@ INSTALL = "pip install 'kuberl-trainer[envs]'"
 _logged: set[tuple[str, str]] = set()  # (env_class, kind): each failure kind is logged once per process
 
 
-def _log_once(env_class: str, kind: str, detail: str) -> None:
+def _log_once(
+    env_class: str, kind: str, detail: str, outcome: str = "the episode ends with reward 0"
+) -> None:
     if (env_class, kind) not in _logged:
         _logged.add((env_class, kind))
-        log.warning(
-            "skyrl_gym %r: %s (%s); the episode ends with reward 0 (logged once)", env_class, kind, detail
-        )
+        log.warning("skyrl_gym %r: %s (%s); %s (logged once per kind)", env_class, kind, detail, outcome)
 
 
 class _Failed(Exception):
@@ -116,22 +120,33 @@ class SkyRLEpisode:
                 raise _Failed("step returned a reward that is not finite", repr(reward))
             done = bool(out["done"])
             messages = [] if done else _messages(out.get("observations", []), self.env_class)
+            if (
+                not done and not messages
+            ):  # skyrl-train would let the model go on; here a turn needs a message
+                _log_once(
+                    self.env_class,
+                    "step went on without observations",
+                    "the loop has nothing to append",
+                    "the episode ends here with the rewards so far",
+                )
+                done = True
         except (_Failed, TypeError, ValueError) as e:
             kind, detail = (
                 (e.kind, e.detail) if isinstance(e, _Failed) else ("step returned a bad reward", str(e))
             )
             _log_once(self.env_class, kind, detail)
             self.done = True
-            return Step(messages=[], done=True, reward=0.0, info={"env_errors": 1.0})
+            return Step(messages=[], done=True, reward=0.0, info={"errors": 1.0})
         if out.get("postprocessed_action") not in (None, text):
             _log_once(
                 self.env_class,
                 "rewrote the model's turn (postprocessed_action)",
-                "ignored: the sampled tokens are trained on",
+                "the sampled tokens are trained on",
+                "it is ignored",
             )
         self.total += reward
         self.done = done
-        info = {"env_s": time.monotonic() - start}
+        info = {"step_s": time.monotonic() - start}
         return Step(messages=messages, done=done, reward=self.total if done else None, info=info)
 
     def close(self) -> None:
@@ -146,7 +161,7 @@ class _DeadEpisode:
     """An episode whose environment failed to start: its first step ends it with reward 0."""
 
     def step(self, text: str) -> Step:
-        return Step(messages=[], done=True, reward=0.0, info={"env_errors": 1.0})
+        return Step(messages=[], done=True, reward=0.0, info={"errors": 1.0})
 
     def close(self) -> None:
         pass
@@ -210,7 +225,9 @@ class SkyRLGym:
             env = self._make(self.env_class, env_config=self.env_config, extras=self.env_extras(example))
         except Exception as e:  # SkyRL asserts on missing fields: the data does not fit the environment
             first = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise ValueError(f"skyrl_gym {self.env_class!r} cannot start on {where}: {first}") from None
+            raise ConfigError(
+                f"env.environment_kwargs.env_class={self.env_class!r} cannot start on {where} of data.name: {first}"
+            ) from None
         messages = example["messages"]
         try:
             prompt, _ = _bounded(lambda: env.init([dict(m) for m in messages]), self.timeout_s, "init")

@@ -73,3 +73,6 @@ def test_should_train_a_few_steps_when_the_environment_is_skyrl_gym(trainer_env,
     assert "train/env/errors" not in scalars  # no step failed
     rows = [json.loads(line) for line in (run_dir / "train_data_step1.jsonl").read_text().splitlines()]
     assert len(rows) == 16 and all(r["rewards"]["environment"] >= 0 for r in rows)
+    # between the turns, SkyRL's own instruction for the last one, in the transcript the trainer trained on
+    assert all("final numeric answer in the exact format" in r["transcript"] for r in rows)
+    assert all(r["answer_note"] == f"environment reward {r['reward']:g}" for r in rows)

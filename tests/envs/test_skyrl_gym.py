@@ -271,3 +271,30 @@ def test_should_say_which_example_when_the_data_does_not_fit_the_environment() -
         ConfigError, match=r"env_class='aime' cannot start on example 'ex-0' of data.name: reward_model"
     ):
         env.episode(example("4"))
+
+
+@pytest.mark.parametrize(
+    ("row", "says"),
+    [
+        ({"question": "2 + 2?", "reward_spec": {"ground_truth": "4"}}, "no column 'prompt' (SkyRL's format); columns: question, reward_spec"),
+        ({"prompt": "2 + 2?", "reward_spec": {"ground_truth": "4"}}, "'prompt' must be a non-empty list of chat messages"),
+        ({"prompt": [{"role": "user"}], "reward_spec": {"ground_truth": "4"}}, "each 'prompt' message needs a string role and content"),
+    ],
+)  # fmt: skip
+def test_should_refuse_in_one_line_when_a_row_is_not_skyrl_format(tmp_path, row, says) -> None:
+    path = write_skyrl_rows(tmp_path / "bad.jsonl", [row])
+    with pytest.raises(ValueError) as e:
+        data.get("skyrl_gym")(data_cfg(path), "train")
+    assert says in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("setting", [{"system_prompt": "Be brief."}, {"prompt_template": "Q: {question}"}])
+def test_should_refuse_a_prompt_setting_it_would_ignore_when_the_rows_carry_their_messages(
+    tmp_path, setting
+) -> None:
+    path = write_skyrl_rows(
+        tmp_path / "ok.jsonl", [{"prompt": QUESTION, "reward_spec": {"ground_truth": "72"}}]
+    )
+    assert data.get("skyrl_gym")(data_cfg(path), "train")[0]["messages"] == QUESTION
+    with pytest.raises(ValueError, match="takes each row's prompt messages as they are"):
+        data.get("skyrl_gym")(data_cfg(path, **setting), "train")

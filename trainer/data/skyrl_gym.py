@@ -5,8 +5,8 @@ rows carry ``prompt``, the chat messages as they are, ``env_class``, and whateve
 ``reward_spec: {method, ground_truth}`` for the math environments, ``extra_info``, ``db_id``... Each row
 becomes an example with:
 
-- ``messages``: the row's ``prompt`` (``data.system_prompt`` and ``data.prompt_template`` do not apply: the
-  row's messages are the prompt SkyRL would render);
+- ``messages``: the row's ``prompt``, the prompt SkyRL would render (so ``data.system_prompt`` and
+  ``data.prompt_template`` must be left unset);
 - ``ground_truth``: ``reward_spec.ground_truth``, so that our rewards can score the same answers beside the
   environment's;
 - ``env_extras``: every column but ``prompt`` and ``env_class``, what skyrl-train passes to the environment as
@@ -49,6 +49,11 @@ def _messages(prompt: Any, where: str) -> list[dict[str, str]]:
 def skyrl_gym(cfg: Any, split: str) -> list[Example]:
     if not cfg.path and not cfg.hf_name:
         raise ValueError("dataset 'skyrl_gym' needs data.path (a SkyRL .parquet/.jsonl) or data.hf_name")
+    if cfg.system_prompt or (cfg.prompt_template or "{question}") != "{question}":
+        raise ValueError(
+            "dataset 'skyrl_gym' takes each row's prompt messages as they are: unset data.system_prompt and "
+            "data.prompt_template (null and '{question}')"
+        )
     table = load_table(cfg, split)
     if PROMPT not in table.column_names:
         raise ValueError(

@@ -88,7 +88,7 @@ def _bounded(fn: Callable[[], Any], timeout_s: float, what: str) -> Any:
     return result[0]
 
 
-def _messages(observations: Any, env_class: str) -> list[dict[str, Any]]:
+def _messages(observations: Any) -> list[dict[str, Any]]:
     """SkyRL's observations (OpenAI-format messages) as the contract's messages; anything else is a failure
     of the environment, not of the model."""
     if not isinstance(observations, list) or not all(
@@ -119,7 +119,7 @@ class SkyRLEpisode:
             if not math.isfinite(reward):
                 raise _Failed("step returned a reward that is not finite", repr(reward))
             done = bool(out["done"])
-            messages = [] if done else _messages(out.get("observations", []), self.env_class)
+            messages = [] if done else _messages(out.get("observations", []))
             if (
                 not done and not messages
             ):  # skyrl-train would let the model go on; here a turn needs a message
@@ -135,7 +135,7 @@ class SkyRLEpisode:
                 (e.kind, e.detail) if isinstance(e, _Failed) else ("step returned a bad reward", str(e))
             )
             _log_once(self.env_class, kind, detail)
-            self.done = True
+            self.done, self.total = True, 0.0
             return Step(messages=[], done=True, reward=0.0, info={"errors": 1.0})
         if out.get("postprocessed_action") not in (None, text):
             _log_once(

@@ -347,6 +347,9 @@ class TrainState:
         the whole teardown has a deadline, so a driver whose workers are stuck or gone still ends."""
         self.preemption.uninstall()
         with self.watch.deadline(30 if failed else 300, "the run's workers did not shut down in time"):
+            close_environment = getattr(getattr(self, "environment", None), "close", None)
+            if close_environment is not None:  # an environment's own processes (the tools' fork server)
+                close_environment()
             for part in (getattr(self, "generator", None), self.policy, self.reward_model):
                 if part is None:  # a set-up that failed before the generator was made
                     continue

@@ -7,6 +7,7 @@ rewards still running, so the caller can start the policy's logprob passes befor
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -174,6 +175,7 @@ def generate_episodes(
     cohorts: dict[int, _Cohort] = {}  # the rows one call returned, stepping in the environment
     steps: dict[Future, int] = {}
     launched = 0
+    keys = itertools.count()
 
     def launch(rows: list[int], prompts: list[list[int]], k: int) -> None:
         nonlocal launched
@@ -206,7 +208,7 @@ def generate_episodes(
                 done, _ = ray.wait(list(calls), num_returns=len(calls), timeout=0.01 if steps else 0.1)
                 for ref in done:
                     groups, started = calls.pop(ref)
-                    cohort = _Cohort(id(ref), time.monotonic() - started)
+                    cohort = _Cohort(next(keys), time.monotonic() - started)
                     for rows, group in zip(groups, ray.get(ref)):
                         for row, c in zip(rows, group):
                             r = live[row].rollout

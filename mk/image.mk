@@ -14,7 +14,7 @@ LOCK_FLAGS     := $(LOCK_PLATFORM) --generate-hashes --custom-compile-command "m
 NEED_REPO       = @test -n "$(IMAGE_REPO)" || { echo "IMAGE_REPO is not set: make $@ IMAGE_REPO=us-docker.pkg.dev/PROJECT/kuberl/kuberl (the chart's image.repository)"; exit 2; }
 
 lock: setup ## Re-pin the GPU image's dependencies (docker/requirements.lock, with hashes) and the chart's rayVersion
-	$(UV) pip compile pyproject.toml --extra vllm --extra tracking $(LOCK_FLAGS) --quiet -o $(LOCK)
+	$(UV) pip compile pyproject.toml --extra vllm --extra tracking --extra envs $(LOCK_FLAGS) --quiet -o $(LOCK)
 	$(UV) pip compile docker/model.in --no-deps $(LOCK_FLAGS) --quiet -o $(MODEL_LOCK)
 	@ray=$$(sed -n 's/^ray==\([^ ]*\).*/\1/p' $(LOCK)) && test -n "$$ray" && \
 	  sed -i "s/^rayVersion: .*/rayVersion: \"$$ray\"/" $(CHART)/values.yaml && \

@@ -77,6 +77,9 @@ def step_metrics(
                 rollouts
             )
             metrics["timing/tool_s"] = sum(c.get("tool_s", 0.0) for c in counted)  # summed over samples
+        # Any other environment's counters (skyrl_gym: errors, step_s), each summed over the step's samples.
+        for key in sorted({k for c in counted for k in c} - {"tool_calls", "tool_errors", "tool_s"}):
+            metrics[f"train/env/{key}"] = sum(c.get(key, 0.0) for c in counted)
     for name in rollouts[0].reward.scores:
         metrics[f"train/reward/{name}"] = sum(r.reward.scores.get(name, 0.0) for r in rollouts) / len(
             rollouts

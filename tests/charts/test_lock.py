@@ -63,6 +63,8 @@ def test_should_resolve_to_exactly_the_locked_set_with_its_hashes_when_checked_a
         "vllm",
         "--extra",
         "tracking",
+        "--extra",
+        "envs",
         str(pins),
         "-o",
         str(tmp_path / "resolved.txt"),

@@ -21,6 +21,7 @@ ENVIRONMENTS: dict[str, Callable[..., Environment]] = {}
 _BUILTIN = {  # name -> "module:factory", imported on first use
     "code_feedback": "trainer.envs.code_feedback:CodeFeedback",
     "tools": "trainer.envs.tools:ToolEnvironment",
+    "skyrl_gym": "trainer.envs.skyrl_gym:SkyRLGym",
 }
 
 

@@ -613,6 +613,11 @@ class EnvConfig:
     max_concurrent_rewards: int = 32
     feedback: str | None = None  # multi-turn execution feedback; null: the first reward's, if it has one
     feedback_kwargs: dict[str, Any] = field(default_factory=dict)
+    # A multi-turn environment (trainer.envs) answering the model between its turns, up to
+    # grpo.max_rollout_turns: tools, code_feedback, ... null: single-turn, or code_feedback (env.feedback)
+    # when grpo.max_rollout_turns > 1.
+    environment: str | None = None
+    environment_kwargs: dict[str, Any] = field(default_factory=dict)  # passed to the environment's factory
 
     def validate(self) -> None:
         _require(

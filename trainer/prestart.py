@@ -36,7 +36,7 @@ def check_names(cfg: Config) -> None:
     """Every name the run's components are built from, checked by its own registry before anything is
     built or started: a one-line ConfigError naming the key. A multi-turn run's ``env.feedback`` is
     filled in here (the first reward's); running it again changes nothing."""
-    from trainer import data, rewards
+    from trainer import data, envs, rewards
     from trainer.algorithms import core_algos
     from trainer.rewards import feedback, reward_model
 
@@ -45,7 +45,15 @@ def check_names(cfg: Config) -> None:
     data.check(cfg.data.val_name, "data.val_name")
     rewards.check_specs(cfg.env.reward_functions)
     reward_model.check(cfg.reward_model, cfg.env.reward_functions)  # reads the model's config.json alone
-    feedback.configure(cfg.env, cfg.grpo.max_rollout_turns)
+    if cfg.env.environment is None:
+        feedback.configure(cfg.env, cfg.grpo.max_rollout_turns)
+    else:
+        envs.check(cfg.env.environment)
+        if cfg.grpo.max_rollout_turns < 2:
+            raise ConfigError(
+                f"env.environment={cfg.env.environment} answers the model between its turns, and "
+                f"grpo.max_rollout_turns={cfg.grpo.max_rollout_turns} allows none: set grpo.max_rollout_turns >= 2"
+            )
 
 
 def check_cpu_pinning(cfg: Config) -> None:

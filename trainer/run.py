@@ -41,6 +41,7 @@ from trainer.watchdog import Lost, Watch, gcs_address
 if TYPE_CHECKING:  # the heavy modules load inside TrainState, after the checks that need none of them
     from trainer.data.loader import PromptLoader
     from trainer.data.prompts import TurnEncoder
+    from trainer.envs.base import Environment
     from trainer.generation.placement import Generator
     from trainer.logger import RunLogger
     from trainer.policy.group import PolicyGroup
@@ -96,7 +97,7 @@ class TrainState:
     generator: Generator
     rewards: RewardRunner
     reward_model: RewardModelPool | None
-    feedback: RewardRunner | None
+    environment: Environment | None
     turns: TurnEncoder
     logger: RunLogger
 
@@ -170,8 +171,10 @@ class TrainState:
     def _build(self, cfg: Config, resume: Path | None, info: dict[str, Any], t0: float) -> None:
         """The rest of the set-up, while the policy ranks start: data, then the ranks, generation,
         rewards, a checkpoint to resume, the logger."""
+        from trainer import envs
         from trainer.data.loader import PromptLoader
         from trainer.data.prompts import TurnEncoder, encode_examples
+        from trainer.envs.code_feedback import CodeFeedback
         from trainer.generation.placement import make_generator
         from trainer.logger import RunLogger
         from trainer.models import load_tokenizer
@@ -187,8 +190,13 @@ class TrainState:
             ) from None
         max_prompt = cfg.policy.max_total_sequence_length - cfg.generation.max_new_tokens
         kwargs = cfg.generation.chat_template_kwargs
+        # A named environment is built first: the tools it offers are part of every prompt.
+        self.environment = (
+            envs.build(cfg.env.environment, cfg.env.environment_kwargs) if cfg.env.environment else None
+        )
+        tools = self.environment.tools() if self.environment is not None else None
         train = load_dataset(cfg.data, cfg.data.split)
-        self.train_examples = encode_examples(tokenizer, train, kwargs, max_prompt)
+        self.train_examples = encode_examples(tokenizer, train, kwargs, max_prompt, tools)
         if not self.train_examples:
             raise SetupError(
                 f"data={cfg.data.name}: none of its {len(train)} training prompts fits in {max_prompt} tokens "
@@ -209,7 +217,7 @@ class TrainState:
                 max_examples=cfg.data.max_val_examples,
             )
             val = load_dataset(val_cfg, cfg.data.val_split)
-            self.val_examples = encode_examples(tokenizer, val, kwargs, max_prompt)
+            self.val_examples = encode_examples(tokenizer, val, kwargs, max_prompt, tools)
         self.loader = PromptLoader(
             self.train_examples, cfg.grpo.num_prompts_per_step, cfg.seed, cfg.data.shuffle
         )
@@ -225,8 +233,9 @@ class TrainState:
             self.reward_model.wait_ready()
             print(f"kuberl: {self.reward_model.describe()}", flush=True)
         self.rewards = RewardRunner(cfg.env, reward_model=self.reward_model)
-        self.feedback = RewardRunner(cfg.env, feedback=True) if cfg.grpo.max_rollout_turns > 1 else None
-        self.turns = TurnEncoder(tokenizer, cfg.generation.chat_template_kwargs)
+        if self.environment is None and cfg.grpo.max_rollout_turns > 1:  # the code loop, with env.feedback
+            self.environment = CodeFeedback.from_runner(RewardRunner(cfg.env, feedback=True))
+        self.turns = TurnEncoder(tokenizer, cfg.generation.chat_template_kwargs, tools)
         if resume:
             self.policy.run("load_checkpoint", str(resume))
             self.generator.update_weights()

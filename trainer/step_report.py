@@ -67,6 +67,16 @@ def step_metrics(
     }
     if cfg.grpo.max_rollout_turns > 1:
         metrics["train/mean_turns"] = sum(r.turns for r in rollouts) / len(rollouts)
+        metrics["train/turns_mean"] = metrics["train/mean_turns"]
+        # The environment's counters (trainer.envs.base.Step.info), summed over each episode's turns.
+        counted = [getattr(r, "env_info", {}) for r in rollouts]
+        if any("tool_calls" in c for c in counted):
+            metrics["train/tool_calls_mean"] = sum(c.get("tool_calls", 0.0) for c in counted) / len(rollouts)
+            metrics["train/tool_errors"] = sum(c.get("tool_errors", 0.0) for c in counted)
+            metrics["train/tool_call_rate"] = sum(c.get("tool_calls", 0.0) > 0 for c in counted) / len(
+                rollouts
+            )
+            metrics["timing/tool_s"] = sum(c.get("tool_s", 0.0) for c in counted)  # summed over samples
     for name in rollouts[0].reward.scores:
         metrics[f"train/reward/{name}"] = sum(r.reward.scores.get(name, 0.0) for r in rollouts) / len(
             rollouts

@@ -74,6 +74,7 @@ def _state(cfg, engines: FakeEngines, step: int = 0):
         loader=PromptLoader(examples, cfg.grpo.num_prompts_per_step, cfg.seed, shuffle=False),
         rewards=SimpleNamespace(reward_model=None),
         feedback=None,
+        environment=None,
         turns=None,
         generator=engines,
     )

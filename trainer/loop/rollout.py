@@ -7,15 +7,21 @@ rewards still running, so the caller can start the policy's logprob passes befor
 
 from __future__ import annotations
 
+import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import ray
 
 from trainer.data.prompts import TurnEncoder
+from trainer.envs.base import Environment, Episode
 from trainer.generation.base import Completion, SamplingParams
 from trainer.generation.placement import Generator
 from trainer.rewards.runner import RewardResult, RewardRunner, question_of
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -29,6 +35,8 @@ class Rollout:
     response_ids: list[int] = field(init=False)
     response_mask: list[int] = field(init=False)
     response_logprobs: list[float] = field(init=False)  # the engine's, 0.0 on environment tokens
+    # A multi-turn episode's environment counters, summed over its turns (tool_calls, tool_errors, tool_s).
+    env_info: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.response_ids = list(self.completion.token_ids)
@@ -112,63 +120,174 @@ def generate_multi_turn(
     max_turns: int,
     max_context: int,
 ) -> PendingRollouts:
-    """Episodes of up to ``max_turns`` attempts: after a failing attempt the environment's feedback
-    becomes the next user turn; an episode ends on success, at the turn limit, or when the context
-    would exceed ``max_context`` tokens. The final attempt is what gets rewarded."""
+    """Code episodes of up to ``max_turns`` attempts: after a failing attempt the feedback runner's
+    answer becomes the next user turn (the ``code_feedback`` environment over ``feedback``)."""
+    from trainer.envs.code_feedback import CodeFeedback
+
+    env = CodeFeedback.from_runner(feedback)
+    return generate_episodes(generator, rewards, env, turns, examples, n, params, max_turns, max_context)
+
+
+@dataclass
+class _Live:
+    """An episode in progress: its rollout, the environment's side of it, and what it has said so far."""
+
+    rollout: Rollout
+    episode: Episode
+    info: dict[str, float] = field(default_factory=dict)
+    environment_reward: float | None = None
+    cohort: Any = None  # the _Cohort of the generation call that returned its last turn
+
+
+def generate_episodes(
+    generator: Generator,
+    rewards: RewardRunner,
+    env: Environment,
+    turns: TurnEncoder,
+    examples: list[dict],
+    n: int,
+    params: SamplingParams,
+    max_turns: int,
+    max_context: int,
+) -> PendingRollouts:
+    """Episodes of up to ``max_turns`` model turns, ``n`` per example, with ``env`` answering between them.
+
+    After each turn the episode's environment step (tools, feedback) runs in a thread of its own; its
+    messages are rendered through the chat template as glue (mask 0) after the model's exact tokens, and the
+    episode's next turn goes to the engines as soon as it is ready, with the samples the same generation call
+    returned beside it when they are ready too: they wait for each other at most :data:`LINGER_S` (or the
+    call's own generation time, if longer), so a long episode or a slow tool holds back no other sample for
+    longer than that, while samples that step together still reach the engines in one batch. An episode ends
+    when the environment says so, at ``max_turns``, or when its next turn might not fit in ``max_context``
+    tokens; its final turn is what the rewards judge, submitted as soon as it ends. Later turns' draws are
+    grouped by timing, so only the first turn's follow ``params.seed`` exactly.
+    """
     start = time.monotonic()
-    episodes = [Rollout(ex, Completion([], [], "", "length"), turns=0) for ex in examples for _ in range(n)]
-    active = list(range(len(episodes)))
-    for turn in range(max_turns):
-        contexts = [episodes[i].prompt_ids + episodes[i].response_ids for i in active]
-        turn_params = replace(params, seed=None if params.seed is None else params.seed + 7919 * turn)
-        outputs: list[Completion | None] = [None] * len(active)
-        for ref, idx in generator.submit(contexts, 1, turn_params):
-            for k, group in zip(idx, ray.get(ref)):
-                outputs[k] = group[0]
-        done = [c for c in outputs if c is not None]
-        if len(done) != len(active):
-            raise RuntimeError(f"turn {turn + 1}: the generator answered {len(done)} of {len(active)} asked")
-        for i, c in zip(active, done):
-            ep = episodes[i]
-            ep.completion, ep.turns = c, ep.turns + 1
-            ep.response_ids += c.token_ids
-            ep.response_mask += [1] * len(c.token_ids)
-            ep.response_logprobs += c.logprobs
-        if turn == max_turns - 1:
-            break
-        results = feedback.results(
-            feedback.submit(
-                [(episodes[i].example["ground_truth"], episodes[i].completion.text) for i in active]
+    live = [
+        _Live(Rollout(ex, Completion([], [], "", "length"), turns=0), env.episode(ex))
+        for ex in examples
+        for _ in range(n)
+    ]
+    reward_ids: list[int | None] = [None] * len(live)
+    # A generation call in flight -> (for each of its prompts, the rows its completions belong to; when it started)
+    calls: dict[Any, tuple[list[list[int]], float]] = {}
+    cohorts: dict[int, _Cohort] = {}  # the rows one call returned, stepping in the environment
+    steps: dict[Future, int] = {}
+    launched = 0
+
+    def launch(rows: list[int], prompts: list[list[int]], k: int) -> None:
+        nonlocal launched
+        seed = None if params.seed is None else params.seed + 7919 * launched
+        launched += 1
+        now = time.monotonic()
+        for ref, idx in generator.submit(prompts, k, replace(params, seed=seed)):
+            calls[ref] = (
+                [[rows[j]] if k == 1 else list(range(rows[j] * k, (rows[j] + 1) * k)) for j in idx],
+                now,
             )
+
+    def end(row: int) -> None:
+        ep = live[row]
+        ep.episode.close()
+        r, ex = ep.rollout, ep.rollout.example
+        item = (
+            ex["ground_truth"],
+            r.completion.text,
+            question_of(ex),
+            ex.get("messages"),
+            ep.environment_reward,
         )
-        still = []
-        for i, result in zip(active, results):
-            ep = episodes[i]
-            if result.feedback is None:  # passed (or the environment had nothing to say): done
-                continue
-            ended = ep.completion.finish_reason == "stop" and bool(ep.completion.token_ids)
-            glue = turns.continuation(ep.example["messages"], result.feedback, ended)
-            if len(ep.prompt_ids) + len(ep.response_ids) + len(glue) + params.max_new_tokens > max_context:
-                continue
-            ep.response_ids += glue
-            ep.response_mask += [0] * len(glue)
-            ep.response_logprobs += [0.0] * len(glue)  # masked out of the loss and the metrics
-            still.append(i)
-        active = still
-        if not active:
-            break
-    ids = rewards.submit(
-        [
-            (
-                ep.example["ground_truth"],
-                ep.completion.text,
-                question_of(ep.example),
-                ep.example.get("messages"),
-            )
-            for ep in episodes
-        ]
-    )
-    return PendingRollouts(episodes, ids, time.monotonic() - start)
+        reward_ids[row] = rewards.submit([item])[0]
+
+    launch(list(range(len(examples))), [ex["prompt_ids"] for ex in examples], n)
+    with ThreadPoolExecutor(max_workers=min(32, len(live)), thread_name_prefix="kuberl-env") as pool:
+        while calls or steps:
+            if calls:
+                done, _ = ray.wait(list(calls), num_returns=len(calls), timeout=0.01 if steps else 0.1)
+                for ref in done:
+                    groups, started = calls.pop(ref)
+                    cohort = _Cohort(id(ref), time.monotonic() - started)
+                    for rows, group in zip(groups, ray.get(ref)):
+                        for row, c in zip(rows, group):
+                            r = live[row].rollout
+                            r.completion, r.turns = c, r.turns + 1
+                            r.response_ids += c.token_ids
+                            r.response_mask += [1] * len(c.token_ids)
+                            r.response_logprobs += c.logprobs
+                            if r.turns >= max_turns:
+                                end(row)
+                            else:
+                                steps[pool.submit(live[row].episode.step, c.text)] = row
+                                cohort.waiting.add(row)
+                                live[row].cohort = cohort
+                    cohorts[cohort.key] = cohort
+            for fut in [f for f in steps if f.done()]:
+                row = steps.pop(fut)
+                ep = live[row]
+                ep.cohort.waiting.discard(row)
+                if _apply_step(ep, fut, env, turns, params, max_context):
+                    ep.cohort.ready.append(row)
+                    ep.cohort.since = ep.cohort.since or time.monotonic()
+                else:
+                    end(row)
+            now, go = time.monotonic(), []
+            for key, cohort in list(cohorts.items()):
+                if cohort.ready and (
+                    not cohort.waiting or now - cohort.since >= max(LINGER_S, cohort.generation_s)
+                ):
+                    go += cohort.ready
+                    cohort.ready, cohort.since = [], 0.0
+                if not cohort.waiting and not cohort.ready:
+                    del cohorts[key]
+            if go:
+                launch(go, [live[row].rollout.prompt_ids + live[row].rollout.response_ids for row in go], 1)
+            rewards.poll()
+    for ep in live:
+        ep.rollout.env_info = ep.info
+    ids = [i for i in reward_ids if i is not None]
+    if len(ids) != len(live):
+        raise RuntimeError(f"the generator answered {len(ids)} of the {len(live)} episodes asked for")
+    return PendingRollouts([ep.rollout for ep in live], ids, time.monotonic() - start)
+
+
+# Samples one generation call returned wait for each other's environment steps at most this long (or that
+# call's generation time, if longer) before their next turns go to the engines without the slow ones.
+LINGER_S = 1.0
+
+
+@dataclass
+class _Cohort:
+    key: int
+    generation_s: float
+    waiting: set[int] = field(default_factory=set)  # rows whose environment step is running
+    ready: list[int] = field(default_factory=list)  # rows whose next turn can go
+    since: float = 0.0  # when the first of ``ready`` became ready (0: none is)
+
+
+def _apply_step(
+    ep: _Live, fut: Future, env: Environment, turns: TurnEncoder, params: SamplingParams, max_context: int
+) -> bool:
+    """Apply a finished environment step to ``ep``: True when its next turn goes (the glue appended), False
+    when the episode ends here (the environment said so, it raised, or the token budget is spent)."""
+    try:
+        step = fut.result()
+    except Exception as e:  # an environment's bug ends its episode, not the run
+        log.warning("environment %r raised on a model turn, ending the episode: %s", env.name, e)
+        return False
+    for k, v in step.info.items():
+        ep.info[k] = ep.info.get(k, 0.0) + v
+    if step.done or not step.messages:
+        ep.environment_reward = step.reward
+        return False
+    r = ep.rollout
+    ended = r.completion.finish_reason == "stop" and bool(r.completion.token_ids)
+    glue = turns.continuation(r.example["messages"], step.messages, ended)
+    if len(r.prompt_ids) + len(r.response_ids) + len(glue) + params.max_new_tokens > max_context:
+        return False  # the token budget is spent: the last turn stands as the answer
+    r.response_ids += glue
+    r.response_mask += [0] * len(glue)
+    r.response_logprobs += [0.0] * len(glue)  # masked out of the loss and the metrics
+    return True
 
 
 def finish(pending: PendingRollouts, rewards: RewardRunner) -> list[Rollout]:

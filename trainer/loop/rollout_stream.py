@@ -99,15 +99,15 @@ class _Producer:
     def _round(self, examples: list[dict], params: SamplingParams) -> PendingRollouts:
         g, s = self.cfg.grpo, self.state
         if g.max_rollout_turns > 1:
-            if s.feedback is None:
+            if s.environment is None:
                 raise ConfigError(
-                    f"grpo.max_rollout_turns={g.max_rollout_turns} needs a feedback runner (env.feedback) "
-                    "between turns, and this run was built without one; set grpo.max_rollout_turns=1"
+                    f"grpo.max_rollout_turns={g.max_rollout_turns} needs an environment (env.environment, or "
+                    "env.feedback) between turns, and this run was built without one; set grpo.max_rollout_turns=1"
                 )
-            return rollout.generate_multi_turn(
+            return rollout.generate_episodes(
                 s.generator,
                 self.rewards,
-                s.feedback,
+                s.environment,
                 s.turns,
                 examples,
                 g.num_generations_per_prompt,

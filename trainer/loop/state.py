@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:  # annotations only: the run has loaded these (Ray, the workers) before the loop starts
     from trainer.data.loader import PromptLoader
     from trainer.data.prompts import TurnEncoder
+    from trainer.envs.base import Environment
     from trainer.generation.placement import Generator
     from trainer.logger import RunLogger
     from trainer.policy.group import PolicyGroup
@@ -30,7 +31,7 @@ class LoopState(Protocol):
     policy: PolicyGroup
     generator: Generator
     rewards: RewardRunner  # the training rewards (the async stream's producer thread owns it)
-    feedback: RewardRunner | None  # multi-turn: what the model is told between attempts
+    environment: Environment | None  # multi-turn: what answers the model between its turns
     turns: TurnEncoder
     loader: PromptLoader
     logger: RunLogger

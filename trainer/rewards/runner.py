@@ -73,16 +73,24 @@ class RewardResult:
 
 
 def score_one(
-    specs: list[RewardSpec], ground_truth: Any, response: str, question: str | None = None
+    specs: list[RewardSpec],
+    ground_truth: Any,
+    response: str,
+    question: str | None = None,
+    environment_reward: float | None = None,
 ) -> RewardResult:
-    """Run every reward on one response in this process (also used by evaluation and tests)."""
+    """Run every reward on one response in this process (also used by evaluation and tests);
+    ``environment_reward`` is what a multi-turn environment scored the episode (the ``environment`` entry)."""
     from trainer import rewards
 
     result = RewardResult(total=0.0, correct=True)
     reported = False
     for spec in specs:
         try:
-            score = rewards.call(rewards.get(spec.name), ground_truth, response, spec.kwargs, question)
+            kwargs = spec.kwargs
+            if spec.name == "environment":
+                kwargs = {**kwargs, "environment_reward": environment_reward}
+            score = rewards.call(rewards.get(spec.name), ground_truth, response, kwargs, question)
         except Exception as e:  # a reward bug must cost one sample, never the run
             tail = traceback.format_exception_only(type(e), e)[-1].strip()
             result.warnings.append(f"reward {spec.name!r} raised {tail}")
@@ -184,7 +192,7 @@ def _feedback_task(name: str, kwargs: dict, items: list[tuple]):
     import trainer.rewards.feedback  # noqa: F401
 
     start = time.monotonic()
-    yield [feedback_one(name, kwargs, gt, response) for gt, response, _ in items], time.monotonic() - start
+    yield [feedback_one(name, kwargs, gt, response) for gt, response, *_ in items], time.monotonic() - start
 
 
 @dataclass
@@ -248,12 +256,14 @@ class RewardRunner:
         self._moved = 0.0  # when a task last started or ended: waiting tasks count their wait from here
 
     def submit(self, items: list[tuple]) -> list[int]:
-        """Queue ``(ground_truth, response)``, ``(ground_truth, response, question)`` or ``(ground_truth, response,
-        question, messages)`` items (the reward model reads the prompt's messages); returns their indices for
-        :meth:`results`."""
+        """Queue ``(ground_truth, response)``, ``(ground_truth, response, question)``, ``(ground_truth, response,
+        question, messages)`` or ``(..., messages, environment_reward)`` items (the reward model reads the prompt's
+        messages; the ``environment`` reward pays a multi-turn environment's own score); returns their indices
+        for :meth:`results`."""
         ids = list(range(self._next, self._next + len(items)))
         self._next += len(items)
-        plain = [(gt, resp, rest[0] if rest else None) for gt, resp, *rest in items]
+        # (ground truth, response, question, the environment's reward of a multi-turn episode)
+        plain = [(gt, resp, *(rest + [None, None, None])[:3:2]) for gt, resp, *rest in items]
         if self.specs:
             self._pending.extend((i, item, False) for i, item in zip(ids, plain))
         else:  # the reward model alone: no task to run
@@ -266,6 +276,12 @@ class RewardRunner:
                 self._rm_running[self.reward_model.call(read[part])] = _Task(ids[part], read[part], now)
         self._pump()
         return ids
+
+    def done(self, ids: list[int]) -> bool:
+        """Whether :meth:`results` would return ``ids`` at once (all are scored); polls nothing."""
+        return all(i in self._results for i in ids) and (
+            self.rm_spec is None or all(i in self._rm_results for i in ids)
+        )
 
     def task_size(self) -> int:
         """How many samples the next task carries: about TASK_TARGET_S of measured scoring, 1 before any."""

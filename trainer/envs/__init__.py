@@ -1,0 +1,65 @@
+"""Multi-turn environments, by name: ``env.environment`` picks one, ``env.environment_kwargs`` configure it.
+
+Built-ins are registered by module path and imported only when a run names them, so importing this package
+never imports an environment's optional dependencies. A factory is called as ``factory(**kwargs)`` and
+checks its kwargs there, with one-line :class:`~trainer.config.ConfigError`s.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from collections.abc import Callable
+from typing import Any
+
+from trainer.config import ConfigError
+from trainer.envs.base import Environment, Episode, Step
+
+__all__ = ["ENVIRONMENTS", "Environment", "Episode", "Step", "build", "register"]
+
+ENVIRONMENTS: dict[str, Callable[..., Environment]] = {}
+_BUILTIN = {  # name -> "module:factory", imported on first use
+    "code_feedback": "trainer.envs.code_feedback:CodeFeedback",
+    "tools": "trainer.envs.tools:ToolEnvironment",
+}
+
+
+def register(name: str) -> Callable[[Callable[..., Environment]], Callable[..., Environment]]:
+    """Decorator: make a factory available as ``env.environment: name``."""
+
+    def add(factory: Callable[..., Environment]) -> Callable[..., Environment]:
+        ENVIRONMENTS[name] = factory
+        return factory
+
+    return add
+
+
+def names() -> list[str]:
+    return sorted(set(ENVIRONMENTS) | {n for n, target in _BUILTIN.items() if _importable(target)})
+
+
+def _importable(target: str) -> bool:
+    return importlib.util.find_spec(target.split(":")[0]) is not None
+
+
+def _factory(name: str) -> Callable[..., Environment]:
+    if name not in ENVIRONMENTS and name in _BUILTIN and _importable(_BUILTIN[name]):
+        module, attr = _BUILTIN[name].split(":")
+        ENVIRONMENTS.setdefault(name, getattr(importlib.import_module(module), attr))
+    if name not in ENVIRONMENTS:
+        raise ConfigError(f"env.environment={name!r} is not an environment; valid: {', '.join(names())}")
+    return ENVIRONMENTS[name]
+
+
+def check(name: str) -> None:
+    """ConfigError (one line, the valid names) unless ``name`` is a registered environment."""
+    _factory(name)
+
+
+def build(name: str, kwargs: dict[str, Any]) -> Environment:
+    """The environment ``name`` built with ``kwargs`` (env.environment_kwargs); ConfigError for a bad name."""
+    factory = _factory(name)
+    try:
+        return factory(**dict(kwargs))
+    except TypeError as e:  # an unknown or missing kwarg: say which environment and what it said
+        raise ConfigError(f"env.environment_kwargs for {name!r}: {e}") from None

@@ -1,0 +1,98 @@
+"""Tool calls in the model's text, Hermes style (Qwen2.5, Hermes, SmolLM3 and most open chat templates).
+
+A call is a JSON object between ``<tool_call>`` and ``</tool_call>``::
+
+    <tool_call>
+    {"name": "calculator", "arguments": {"expression": "123 * 456"}}
+    </tool_call>
+
+:func:`parse_tool_calls` finds every call in a turn and returns the well-formed ones and, for each
+malformed one, an error meant for the model (it is sent back as the tool's answer, so the model can fix
+its call; the run never fails on what the model wrote). A call the model left open (its turn ended, or a
+stop string cut it, before ``</tool_call>``) is read up to the end of the text.
+
+:func:`render_tools` writes the tools' schemas into a system prompt in the same format, for a chat template
+that has no ``tools=`` support of its own; :func:`content_of` is the turn's text without its calls (an
+OpenAI-style assistant message's ``content``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+_CALL = re.compile(re.escape(OPEN) + r"(.*?)(?:" + re.escape(CLOSE) + r"|$)", re.DOTALL)
+_SHOWN = 200  # characters of a malformed call quoted back to the model
+
+
+def _quote(body: str) -> str:
+    body = body.strip()
+    return body if len(body) <= _SHOWN else body[:_SHOWN] + "..."
+
+
+def _one(body: str) -> tuple[dict[str, Any] | None, str | None]:
+    """One call's JSON -> ({name, arguments}, None) or (None, the error for the model)."""
+    try:
+        obj = json.loads(body)
+    except json.JSONDecodeError as e:
+        return None, f"the tool call is not valid JSON ({e.msg} at character {e.pos}): {_quote(body)}"
+    if not isinstance(obj, dict):
+        return (
+            None,
+            f'a tool call must be a JSON object {{"name": ..., "arguments": {{...}}}}: {_quote(body)}',
+        )
+    name = obj.get("name")
+    if not isinstance(name, str) or not name:
+        return None, f'the tool call has no "name" string: {_quote(body)}'
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(
+        args, str
+    ):  # some models write the arguments as a JSON string, as OpenAI's API carries them
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except json.JSONDecodeError:
+            return None, f'the "arguments" of the call to {name!r} are not a JSON object: {_quote(args)}'
+    if args is None:
+        args = {}
+    if not isinstance(args, dict):
+        return (
+            None,
+            f'the "arguments" of the call to {name!r} must be a JSON object, not {type(args).__name__}',
+        )
+    return {"name": name, "arguments": args}, None
+
+
+def parse_tool_calls(text: str) -> tuple[list[dict[str, Any]], list[str]]:
+    """The calls in ``text``, in order: (calls as ``{"name", "arguments"}``, one error per malformed call).
+    A stray ``</tool_call>`` with no opening marker is an error too: the model meant a call."""
+    calls, errors = [], []
+    for match in _CALL.finditer(text):
+        call, error = _one(match.group(1))
+        if call is not None:
+            calls.append(call)
+        else:
+            errors.append(error or "malformed tool call")
+    if not calls and not errors and CLOSE in text:
+        errors.append(f"a tool call must start with {OPEN} and end with {CLOSE}")
+    return calls, errors
+
+
+def content_of(text: str) -> str:
+    """``text`` without its tool calls (what an assistant message's ``content`` holds beside ``tool_calls``)."""
+    return _CALL.sub("", text).strip()
+
+
+def render_tools(tools: list[dict[str, Any]]) -> str:
+    """A system prompt offering ``tools`` (OpenAI function schemas) in the call format parsed here, for a
+    chat template without ``tools=`` support."""
+    listed = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    return (
+        "You can call functions to help answer the user. The functions are listed, one JSON schema a line, "
+        f"between <tools> and </tools>:\n<tools>\n{listed}\n</tools>\n"
+        "To call a function, write a JSON object with its name and arguments between "
+        f'{OPEN} and {CLOSE}, for example:\n{OPEN}\n{{"name": "<function name>", "arguments": '
+        f"{{<arguments as a JSON object>}}}}\n{CLOSE}\nThe result comes back in the next turn. "
+        "When you have the answer, write it without a tool call."
+    )

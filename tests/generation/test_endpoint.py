@@ -14,6 +14,7 @@ import urllib.request
 import openai
 import pytest
 import torch
+from openai.types.chat.chat_completion import Choice
 
 from trainer.config import ConfigError, EndpointConfig, GenerationConfig, load
 from trainer.data.prompts import encode_prompt
@@ -106,7 +107,7 @@ def test_should_answer_an_openai_chat_completion_with_tools_token_exact_when_n_i
     out = _client(ep).chat.completions.create(
         model="tiny", messages=MESSAGES, tools=TOOLS, n=2, logprobs=True, max_tokens=6, seed=3
     )
-    prompt = encode_prompt(tokenizer, MESSAGES, {"tools": TOOLS})
+    prompt = encode_prompt(tokenizer, MESSAGES, {}, TOOLS)
     assert "tools: add" in tokenizer.decode(prompt)  # the tools went through the chat template
     assert out.model_extra["prompt_token_ids"] == prompt
     # The same call into the engine samples the same ids with the same logprobs.
@@ -249,15 +250,26 @@ def test_should_answer_400_naming_the_field_when_a_request_is_bad(serve):
         client.chat.completions.create(model="tiny", messages=[])
 
 
-def test_should_turn_a_parsed_tool_call_into_openais_shape_when_the_sample_has_one(engine, tokenizer):
-    call = {"id": "call_0", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}
-    ep = ChatEndpoint(
-        engine, tokenizer, _gen(), "tiny", parse_tool_calls=lambda text: [call] if "call" in text else []
+def test_should_turn_a_sampled_tool_call_into_openais_shape_when_the_text_has_one(engine, tokenizer):
+    ep = ChatEndpoint(engine, tokenizer, _gen(), "tiny")
+    text = 'adding.<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+    made = ep._choice(0, Completion([5, 6], [-0.1, -0.2], text, "stop"), want_logprobs=False)
+    assert made["finish_reason"] == "tool_calls" and made["message"]["content"] == "adding."
+    ((call),) = made["message"]["tool_calls"]
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    assert call["function"]["name"] == "add" and json.loads(call["function"]["arguments"]) == {"a": 2, "b": 3}
+    assert made["token_ids"] == [5, 6]  # the sampled ids, whatever the text was parsed into
+    parsed = Choice.model_validate(made)  # what the openai client makes of it
+    assert parsed.message.tool_calls[0].function.name == "add" and parsed.finish_reason == "tool_calls"
+    # A call cut off by the length limit is still a call; the reason stays "length".
+    cut = ep._choice(
+        0, Completion([5], [-0.1], '<tool_call>{"name": "add", "arguments": {}}', "length"), False
     )
-    made = ep._choice(0, Completion([5, 6], [-0.1, -0.2], "call add", "stop"), want_logprobs=False)
-    assert made["finish_reason"] == "tool_calls" and made["message"]["tool_calls"] == [call]
-    plain = ep._choice(0, Completion([5], [-0.1], "5", "length"), want_logprobs=False)
-    assert plain["finish_reason"] == "length" and "tool_calls" not in plain["message"]
+    assert cut["finish_reason"] == "length" and cut["message"]["tool_calls"]
+    # A malformed call stays text, as the model wrote it.
+    bad = ep._choice(0, Completion([5], [-0.1], "<tool_call>{add}</tool_call>", "stop"), False)
+    assert bad["finish_reason"] == "stop" and "tool_calls" not in bad["message"]
+    assert bad["message"]["content"] == "<tool_call>{add}</tool_call>"
 
 
 @pytest.mark.parametrize(

@@ -7,8 +7,9 @@ the policy tokenizer's chat template with ``generation.chat_template_kwargs``, e
 own prompts do (:func:`trainer.data.prompts.encode_prompt`), and the engine samples from the ids. Each
 answer is OpenAI's shape plus what a harness needs to keep its trajectory token-exact (STYLE 20):
 ``prompt_token_ids`` and, per choice, ``token_ids``, the sampled ids themselves (logprobs beside them),
-so nobody re-tokenises decoded text. Tool calls in a sample's text are parsed into
-``message.tool_calls`` (finish_reason ``tool_calls``).
+so nobody re-tokenises decoded text. Tool calls in a sample's text are parsed with the environments' own
+parser (:func:`trainer.envs.tool_calls.parse_tool_calls`, Hermes' ``<tool_call>`` JSON) into
+``message.tool_calls`` (finish_reason ``tool_calls``); a malformed call stays in ``content`` as written.
 
 Safety (STYLE 16): every request carries ``Authorization: Bearer <token>``, the run's own Ray token by
 default (``generation.endpoint.token_env``), compared in constant time; without a token the endpoint
@@ -42,6 +43,7 @@ from typing import Any
 
 from trainer.config import EndpointConfig, GenerationConfig
 from trainer.data.prompts import encode_prompt
+from trainer.envs.tool_calls import content_of, parse_tool_calls
 from trainer.generation.base import Completion, GenerationEngine, SamplingParams
 
 MAX_BODY_BYTES = 16 * 2**20  # a chat request with a long conversation and its tools fits many times
@@ -246,14 +248,12 @@ class ChatEndpoint:
         model_name: str,
         max_model_len: int | None = None,
         gate: EngineGate | None = None,
-        parse_tool_calls=None,
     ):
         cfg: EndpointConfig = gen.endpoint
         self.engine, self.tokenizer, self.gen, self.cfg = engine, tokenizer, gen, cfg
         self.model_name, self.max_model_len = model_name, max_model_len
         self.gate = gate or EngineGate(cfg.max_waiting, cfg.wait_timeout_s)
         self.log = RequestLog(cfg.record_limit)
-        self.parse_tool_calls = parse_tool_calls
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -326,11 +326,8 @@ class ChatEndpoint:
         if tools is not None and not isinstance(tools, list):
             raise BadRequest("tools must be a list", "tools")
         params, n = self._params(body)
-        kwargs = dict(self.gen.chat_template_kwargs)
-        if tools:
-            kwargs["tools"] = tools
         try:
-            prompt = encode_prompt(self.tokenizer, messages, kwargs)
+            prompt = encode_prompt(self.tokenizer, messages, self.gen.chat_template_kwargs, tools)
         except Exception as e:  # the template's own complaint (a role it does not know, a missing field)
             raise BadRequest(f"the chat template cannot render these messages: {e}", "messages") from None
         if self.max_model_len is not None and len(prompt) + params.max_new_tokens > self.max_model_len:
@@ -399,13 +396,21 @@ class ChatEndpoint:
         return params, n
 
     def _choice(self, index: int, c: Completion, want_logprobs: bool) -> dict:
-        calls = []
-        if self.parse_tool_calls is not None:
-            calls = self.parse_tool_calls(c.text)
-        finish = "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
         message: dict[str, Any] = {"role": "assistant", "content": c.text}
-        if calls:
-            message["tool_calls"] = calls
+        finish = c.finish_reason
+        calls, errors = parse_tool_calls(c.text)
+        if calls and not errors:  # a malformed call stays text: the harness sees what the model wrote
+            message["content"] = content_of(c.text) or None
+            message["tool_calls"] = [
+                {
+                    "id": f"call_{uuid.uuid4().hex[:24]}",
+                    "type": "function",
+                    "function": {"name": call["name"], "arguments": json.dumps(call["arguments"])},
+                }
+                for call in calls
+            ]
+            if finish == "stop":
+                finish = "tool_calls"
         logprobs = None
         if want_logprobs:
             logprobs = {

@@ -332,3 +332,33 @@ def test_should_serve_from_a_generation_actor_and_leave_no_listener_when_it_ends
     finally:
         ray.kill(actor)
     json.dumps(record)  # what the driver drains is plain data
+
+
+@pytest.mark.vllm
+def test_should_answer_token_exact_over_a_vllm_engine_when_the_backend_is_vllm(
+    tiny_model_path, tokenizer, monkeypatch
+):
+    """The same answer over real vLLM (on CPU): the ids and logprobs it sampled, through the openai client."""
+    from trainer.generation.vllm_engine import VLLMGenerationEngine
+
+    monkeypatch.setenv("KUBERL_TEST_ENDPOINT_TOKEN", TOKEN)
+    gen = _gen()
+    gen.enforce_eager = True
+    engine = VLLMGenerationEngine(tiny_model_path, gen, "float32", seed=0, max_model_len=512, threads=1)
+    ep = ChatEndpoint(engine, tokenizer, gen, "tiny", max_model_len=512)
+    try:
+        ep.start()
+        out = _client(ep).chat.completions.create(
+            model="tiny", messages=MESSAGES, tools=TOOLS, n=2, logprobs=True, max_tokens=6, seed=3
+        )
+        prompt = encode_prompt(tokenizer, MESSAGES, {}, TOOLS)
+        assert out.model_extra["prompt_token_ids"] == prompt
+        expected = engine.generate([prompt], 2, SamplingParams(max_new_tokens=6, temperature=1.0, seed=3))[0]
+        for choice, c in zip(out.choices, expected):
+            assert choice.model_extra["token_ids"] == c.token_ids
+            assert [t.logprob for t in choice.logprobs.content] == pytest.approx(c.logprobs, abs=1e-5)
+        (record,) = ep.drain_requests()
+        assert [r["token_ids"] for r in record["choices"]] == [c.token_ids for c in expected]
+    finally:
+        ep.shutdown()
+        engine.shutdown()

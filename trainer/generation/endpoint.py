@@ -41,6 +41,8 @@ from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+import torch
+
 from trainer.config import EndpointConfig, GenerationConfig
 from trainer.data.prompts import encode_prompt
 from trainer.envs.tool_calls import content_of, parse_tool_calls
@@ -254,6 +256,9 @@ class ChatEndpoint:
         self.model_name, self.max_model_len = model_name, max_model_len
         self.gate = gate or EngineGate(cfg.max_waiting, cfg.wait_timeout_s)
         self.log = RequestLog(cfg.record_limit)
+        # The owner's intra-op threads: a request runs the engine from a server thread, whose OpenMP
+        # team would otherwise take every core (and vLLM's CPU attention checks it against its plan).
+        self.threads = torch.get_num_threads()
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -337,6 +342,7 @@ class ChatEndpoint:
                 "max_tokens",
             )
         with self.gate.request():
+            torch.set_num_threads(self.threads)
             (samples,) = self.engine.generate([prompt], n, params)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         self.log.add(

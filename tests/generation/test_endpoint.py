@@ -362,3 +362,41 @@ def test_should_answer_token_exact_over_a_vllm_engine_when_the_backend_is_vllm(
     finally:
         ep.shutdown()
         engine.shutdown()
+
+
+@pytest.mark.slow
+def test_should_serve_during_a_disaggregated_run_and_end_with_it_when_enabled(trainer_env, tmp_path):
+    """A two-step run with the endpoint on: every generation actor says where it serves, the run ends."""
+    import subprocess
+    import sys
+
+    from ..conftest import REPO
+
+    # A Ray instance of the run's own, whose actors inherit the token's variable from the driver, as Ray
+    # containers inherit it from the pod (the session's instance started without it).
+    env = {k: v for k, v in trainer_env.items() if k != "RAY_ADDRESS"}
+    env["KUBERL_TEST_ENDPOINT_TOKEN"] = TOKEN
+    args = [
+        "experiment=tiny",
+        f"logger.log_dir={tmp_path / 'logs'}",
+        f"checkpointing.checkpoint_dir={tmp_path / 'ckpt'}",
+        "grpo.max_num_steps=2",
+        "cluster.cpu_workers_per_node=1",
+        "generation.placement=disaggregated",
+        "generation.endpoint.enabled=true",
+        "generation.endpoint.port=0",
+        "generation.endpoint.token_env=KUBERL_TEST_ENDPOINT_TOKEN",
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainer", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (line,) = [x for x in proc.stdout.splitlines() if "serves http://" in x]
+    host, port = line.split("http://")[1].split("/v1")[0].rsplit(":", 1)
+    assert host == "127.0.0.1"  # no POD_IP here: the loopback, not every interface
+    assert not _listening(host, int(port))  # gone with its actor

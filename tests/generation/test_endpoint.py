@@ -248,6 +248,16 @@ def test_should_answer_400_naming_the_field_when_a_request_is_bad(serve):
         assert field in e.value.message
     with pytest.raises(openai.BadRequestError, match="messages"):
         client.chat.completions.create(model="tiny", messages=[])
+    host, port = client.base_url.host, client.base_url.port
+    for data, code in ((b"{not json", 400), (b"[1]", 400)):
+        req = urllib.request.Request(
+            f"http://{host}:{port}/v1/chat/completions",
+            data=data,
+            headers={"Authorization": f"Bearer {TOKEN}"},
+        )
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=30)
+        assert e.value.code == code
 
 
 def test_should_turn_a_sampled_tool_call_into_openais_shape_when_the_text_has_one(engine, tokenizer):

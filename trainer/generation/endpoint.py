@@ -485,7 +485,10 @@ def _handler(endpoint: ChatEndpoint, token: bytes) -> type[BaseHTTPRequestHandle
                 self._error(404, "not_found", f"no route GET {self.path}")
 
         def do_POST(self) -> None:
-            length = int(self.headers.get("Content-Length") or 0)
+            try:
+                length = int(self.headers.get("Content-Length") or 0)
+            except ValueError:
+                length = -1
             if not self._authorized():
                 self.close_connection = True  # the body is not read: the connection cannot be reused
                 return
@@ -493,9 +496,9 @@ def _handler(endpoint: ChatEndpoint, token: bytes) -> type[BaseHTTPRequestHandle
                 self.close_connection = True
                 self._error(404, "not_found", f"no route POST {self.path}")
                 return
-            if length > MAX_BODY_BYTES:
+            if not 0 <= length <= MAX_BODY_BYTES:
                 self.close_connection = True
-                self._error(413, "invalid_request_error", f"the body is over {MAX_BODY_BYTES} bytes")
+                self._error(413, "invalid_request_error", f"a body of 0 to {MAX_BODY_BYTES} bytes is needed")
                 return
             try:
                 body = json.loads(self.rfile.read(length) or b"null")

@@ -182,6 +182,21 @@ def test_should_listen_only_on_the_address_asked_and_nowhere_after_shutdown(serv
     ep.shutdown()  # idempotent
 
 
+def test_should_listen_on_an_ipv6_address_when_asked(serve):
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6 on this machine")
+    try:
+        ep = serve(_gen(bind="::1"))
+    except EndpointError as e:
+        pytest.skip(f"::1 cannot be bound here: {e}")
+    host, port = ep.address
+    assert host == "::1"
+    with socket.socket(socket.AF_INET6) as s:
+        s.settimeout(2)
+        assert s.connect_ex(("::1", port)) == 0
+    assert not _listening("127.0.0.1", port)
+
+
 def test_should_bind_the_pod_ip_or_the_loopback_when_no_address_is_configured(monkeypatch):
     monkeypatch.delenv("POD_IP", raising=False)
     assert bind_address(None) == "127.0.0.1"

@@ -33,6 +33,7 @@ import collections
 import hmac
 import json
 import os
+import socket
 import threading
 import time
 import uuid
@@ -66,6 +67,10 @@ class BadRequest(Exception):
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
         self.param = param
+
+
+class _Server6(ThreadingHTTPServer):
+    address_family = socket.AF_INET6  # a pod IP (or bind) in an IPv6 cluster
 
 
 class EngineGate:
@@ -272,9 +277,10 @@ class ChatEndpoint:
         first = self.cfg.port if port is None else port
         candidates = [0] if first == 0 else list(range(first, first + self.cfg.ports))
         handler = _handler(self, token.encode())
+        server_class = _Server6 if ":" in host else ThreadingHTTPServer
         for p in candidates:
             try:
-                server = ThreadingHTTPServer((host, p), handler)
+                server = server_class((host, p), handler)
                 break
             except OSError as e:
                 last = e

@@ -417,6 +417,7 @@ MAPPING_KEYS = [
     "generation.vllm_kwargs",
     "env.reward_functions.0.kwargs",
     "env.feedback_kwargs",
+    "env.environment_kwargs",
 ]
 
 

@@ -175,6 +175,7 @@ class TrainState:
         from trainer.data.loader import PromptLoader
         from trainer.data.prompts import TurnEncoder, encode_examples
         from trainer.envs.code_feedback import CodeFeedback
+        from trainer.envs.tool_calls import offer_tools, takes_tools
         from trainer.generation.placement import make_generator
         from trainer.logger import RunLogger
         from trainer.models import load_tokenizer
@@ -194,8 +195,20 @@ class TrainState:
         self.environment = (
             envs.build(cfg.env.environment, cfg.env.environment_kwargs) if cfg.env.environment else None
         )
-        tools = self.environment.tools() if self.environment is not None else None
-        train = load_dataset(cfg.data, cfg.data.split)
+        schemas = self.environment.tools() if self.environment is not None else None
+        tools = schemas if schemas and takes_tools(tokenizer) else None  # through the template's own tools=
+        in_prompt = schemas if schemas and tools is None else None  # else written into the system prompt
+        if in_prompt:
+            print(
+                f"kuberl: {cfg.model.name}'s chat template has no tools support: the tools are offered in the "
+                "system prompt",
+                flush=True,
+            )
+
+        def offered(ex: dict) -> dict:
+            return {**ex, "messages": offer_tools(ex["messages"], in_prompt)} if in_prompt else ex
+
+        train = [offered(ex) for ex in load_dataset(cfg.data, cfg.data.split)]
         self.train_examples = encode_examples(tokenizer, train, kwargs, max_prompt, tools)
         if not self.train_examples:
             raise SetupError(
@@ -216,7 +229,7 @@ class TrainState:
                 path=None if other else cfg.data.path,
                 max_examples=cfg.data.max_val_examples,
             )
-            val = load_dataset(val_cfg, cfg.data.val_split)
+            val = [offered(ex) for ex in load_dataset(val_cfg, cfg.data.val_split)]
             self.val_examples = encode_examples(tokenizer, val, kwargs, max_prompt, tools)
         self.loader = PromptLoader(
             self.train_examples, cfg.grpo.num_prompts_per_step, cfg.seed, cfg.data.shuffle
@@ -347,6 +360,9 @@ class TrainState:
         the whole teardown has a deadline, so a driver whose workers are stuck or gone still ends."""
         self.preemption.uninstall()
         with self.watch.deadline(30 if failed else 300, "the run's workers did not shut down in time"):
+            close_environment = getattr(getattr(self, "environment", None), "close", None)
+            if close_environment is not None:  # an environment's own processes (the tools' fork server)
+                close_environment()
             for part in (getattr(self, "generator", None), self.policy, self.reward_model):
                 if part is None:  # a set-up that failed before the generator was made
                     continue

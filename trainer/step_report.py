@@ -70,7 +70,7 @@ def step_metrics(
         metrics["train/turns_mean"] = metrics["train/mean_turns"]
         # The environment's counters (trainer.envs.base.Step.info), summed over each episode's turns.
         counted = [getattr(r, "env_info", {}) for r in rollouts]
-        if any("tool_calls" in c for c in counted):
+        if cfg.env.environment is not None:
             metrics["train/tool_calls_mean"] = sum(c.get("tool_calls", 0.0) for c in counted) / len(rollouts)
             metrics["train/tool_errors"] = sum(c.get("tool_errors", 0.0) for c in counted)
             metrics["train/tool_call_rate"] = sum(c.get("tool_calls", 0.0) > 0 for c in counted) / len(

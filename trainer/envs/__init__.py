@@ -1,7 +1,7 @@
 """Multi-turn environments, by name: ``env.environment`` picks one, ``env.environment_kwargs`` configure it.
 
 Built-ins are registered by module path and imported only when a run names them, so importing this package
-never imports an environment's optional dependencies. A factory is called as ``factory(**kwargs)`` and
+never imports an environment's optional dependencies; a user's own is reachable as ``package.module:factory``. A factory is called as ``factory(**kwargs)`` and
 checks its kwargs there, with one-line :class:`~trainer.config.ConfigError`s.
 """
 
@@ -46,8 +46,19 @@ def _factory(name: str) -> Callable[..., Environment]:
     if name not in ENVIRONMENTS and name in _BUILTIN and _importable(_BUILTIN[name]):
         module, attr = _BUILTIN[name].split(":")
         ENVIRONMENTS.setdefault(name, getattr(importlib.import_module(module), attr))
+    if name not in ENVIRONMENTS and ":" in name:  # a user's own, as "package.module:factory"
+        module, _, attr = name.partition(":")
+        try:
+            factory = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as e:
+            raise ConfigError(
+                f"env.environment={name!r}: cannot import it ({type(e).__name__}: {e})"
+            ) from None
+        ENVIRONMENTS[name] = factory
     if name not in ENVIRONMENTS:
-        raise ConfigError(f"env.environment={name!r} is not an environment; valid: {', '.join(names())}")
+        raise ConfigError(
+            f"env.environment={name!r} is not an environment; valid: {', '.join(names())}, or package.module:factory"
+        )
     return ENVIRONMENTS[name]
 
 

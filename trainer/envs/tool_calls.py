@@ -12,7 +12,8 @@ its call; the run never fails on what the model wrote). A call the model left op
 stop string cut it, before ``</tool_call>``) is read up to the end of the text.
 
 :func:`render_tools` writes the tools' schemas into a system prompt in the same format, for a chat template
-that has no ``tools=`` support of its own; :func:`content_of` is the turn's text without its calls (an
+that has no ``tools=`` support of its own (:func:`takes_tools` tells; :func:`offer_tools` adds that prompt to a
+conversation); :func:`content_of` is the turn's text without its calls (an
 OpenAI-style assistant message's ``content``).
 """
 
@@ -82,6 +83,22 @@ def parse_tool_calls(text: str) -> tuple[list[dict[str, Any]], list[str]]:
 def content_of(text: str) -> str:
     """``text`` without its tool calls (what an assistant message's ``content`` holds beside ``tool_calls``)."""
     return _CALL.sub("", text).strip()
+
+
+def takes_tools(tokenizer) -> bool:
+    """Whether the tokenizer's chat template renders ``tools=`` itself (it reads a ``tools`` variable)."""
+    template = tokenizer.chat_template
+    if isinstance(template, dict):  # named templates: the default one renders plain chats
+        template = template.get("default", "")
+    return "tools" in (template or "")
+
+
+def offer_tools(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` with :func:`render_tools`'s prompt in their system turn (after its own text, or a new one)."""
+    prompt = render_tools(tools)
+    if messages and messages[0].get("role") == "system":
+        return [{**messages[0], "content": f"{messages[0]['content']}\n\n{prompt}"}, *messages[1:]]
+    return [{"role": "system", "content": prompt}, *messages]
 
 
 def render_tools(tools: list[dict[str, Any]]) -> str:

@@ -144,16 +144,31 @@ def _call(target: str, arguments: dict[str, Any], memory_mb: int, conn) -> None:
 
 
 _CONTEXT: Any = None
+_PRELOAD: list[str] = [__name__]  # imported once by the fork server, so a call does not import its tool again
 
 
 def _context():
-    """The forkserver context, started once per process with this module preloaded (children fork from it)."""
+    """The forkserver context; its server starts at the first call with the tools' modules preloaded."""
     global _CONTEXT
     if _CONTEXT is None:
         ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload([__name__])
+        ctx.set_forkserver_preload(list(_PRELOAD))
         _CONTEXT = ctx
     return _CONTEXT
+
+
+def stop_processes() -> None:
+    """End the fork server (and multiprocessing's resource tracker beside it), if this process started them;
+    a later call starts them again. Their owner is whoever owns the environment (:meth:`ToolEnvironment.close`)."""
+    global _CONTEXT
+    if _CONTEXT is None:
+        return
+    from multiprocessing import forkserver, resource_tracker
+
+    # The standard library's own way to stop them (private: it has no public one).
+    forkserver._forkserver._stop()
+    resource_tracker._resource_tracker._stop()
+    _CONTEXT = None
 
 
 def run_tool(target: str, arguments: dict[str, Any], timeout_s: float, memory_mb: int) -> tuple[bool, str]:
@@ -295,6 +310,8 @@ class ToolEnvironment:
             if name in self.targets:
                 raise ConfigError(f"env.environment_kwargs.tools[{i}]: a second tool named {name!r}")
             self.targets[name] = target
+            if target.split(":")[0] not in _PRELOAD:
+                _PRELOAD.append(target.split(":")[0])
             self.schemas.append(schema)
         self.max_calls_per_turn, self.tool_timeout_s = max_calls_per_turn, float(tool_timeout_s)
         self.tool_memory_mb, self.max_result_chars = tool_memory_mb, max_result_chars
@@ -304,3 +321,7 @@ class ToolEnvironment:
 
     def episode(self, example: dict[str, Any]) -> ToolEpisode:
         return ToolEpisode(self)
+
+    def close(self) -> None:
+        """End the processes the calls forked from (the run, at its end)."""
+        stop_processes()

@@ -7,6 +7,7 @@ rewards still running, so the caller can start the policy's logprob passes befor
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -174,6 +175,7 @@ def generate_episodes(
     cohorts: dict[int, _Cohort] = {}  # the rows one call returned, stepping in the environment
     steps: dict[Future, int] = {}
     launched = 0
+    keys = itertools.count()
 
     def launch(rows: list[int], prompts: list[list[int]], k: int) -> None:
         nonlocal launched
@@ -206,7 +208,7 @@ def generate_episodes(
                 done, _ = ray.wait(list(calls), num_returns=len(calls), timeout=0.01 if steps else 0.1)
                 for ref in done:
                     groups, started = calls.pop(ref)
-                    cohort = _Cohort(id(ref), time.monotonic() - started)
+                    cohort = _Cohort(next(keys), time.monotonic() - started)
                     for rows, group in zip(groups, ray.get(ref)):
                         for row, c in zip(rows, group):
                             r = live[row].rollout
@@ -214,18 +216,16 @@ def generate_episodes(
                             r.response_ids += c.token_ids
                             r.response_mask += [1] * len(c.token_ids)
                             r.response_logprobs += c.logprobs
-                            if r.turns >= max_turns:
-                                end(row)
-                            else:
-                                steps[pool.submit(live[row].episode.step, c.text)] = row
-                                cohort.waiting.add(row)
-                                live[row].cohort = cohort
+                            # The last turn is stepped too: an environment that scores its episodes sees it.
+                            steps[pool.submit(live[row].episode.step, c.text)] = row
+                            cohort.waiting.add(row)
+                            live[row].cohort = cohort
                     cohorts[cohort.key] = cohort
             for fut in [f for f in steps if f.done()]:
                 row = steps.pop(fut)
                 ep = live[row]
                 ep.cohort.waiting.discard(row)
-                if _apply_step(ep, fut, env, turns, params, max_context):
+                if _apply_step(ep, fut, env, turns, params, max_context, ep.rollout.turns >= max_turns):
                     ep.cohort.ready.append(row)
                     ep.cohort.since = ep.cohort.since or time.monotonic()
                 else:
@@ -265,10 +265,17 @@ class _Cohort:
 
 
 def _apply_step(
-    ep: _Live, fut: Future, env: Environment, turns: TurnEncoder, params: SamplingParams, max_context: int
+    ep: _Live,
+    fut: Future,
+    env: Environment,
+    turns: TurnEncoder,
+    params: SamplingParams,
+    max_context: int,
+    last: bool,
 ) -> bool:
     """Apply a finished environment step to ``ep``: True when its next turn goes (the glue appended), False
-    when the episode ends here (the environment said so, it raised, or the token budget is spent)."""
+    when the episode ends here (the environment said so, it raised, the token budget is spent, or this was
+    its ``last`` turn, whose step counts only for its reward and counters)."""
     try:
         step = fut.result()
     except Exception as e:  # an environment's bug ends its episode, not the run
@@ -276,8 +283,8 @@ def _apply_step(
         return False
     for k, v in step.info.items():
         ep.info[k] = ep.info.get(k, 0.0) + v
-    if step.done or not step.messages:
-        ep.environment_reward = step.reward
+    ep.environment_reward = step.reward  # the last step's stands, however the episode ends
+    if step.done or not step.messages or last:
         return False
     r = ep.rollout
     ended = r.completion.finish_reason == "stop" and bool(r.completion.token_ids)

@@ -81,7 +81,8 @@ def serve(engine, tokenizer, monkeypatch):
     started = []
 
     def start(gen: GenerationConfig | None = None, **kwargs) -> ChatEndpoint:
-        ep = ChatEndpoint(engine, tokenizer, gen or _gen(), model_name="tiny", **kwargs)
+        kwargs = {"engine": engine, "tokenizer": tokenizer, **kwargs}
+        ep = ChatEndpoint(gen=gen or _gen(), model_name="tiny", **kwargs)
         started.append(ep)
         ep.start()
         return ep
@@ -130,6 +131,20 @@ def test_should_answer_an_openai_chat_completion_with_tools_token_exact_when_n_i
     ]
     assert record["tools"] == TOOLS
     assert ep.drain_requests() == []  # drained once
+
+
+def test_should_offer_the_tools_in_the_system_turn_when_the_template_has_no_tools_support(
+    serve, tiny_model_path
+):
+    from trainer.envs.tool_calls import offer_tools
+
+    plain = load_tokenizer(tiny_model_path)  # the tiny ChatML template, which never reads `tools`
+    engine = HFGenerationEngine(load_model(tiny_model_path, "float32"), plain, batch_size=2)
+    ep = serve(engine=engine, tokenizer=plain)
+    out = _client(ep).chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS, max_tokens=2)
+    expected = encode_prompt(plain, offer_tools(MESSAGES, TOOLS), {})
+    assert out.model_extra["prompt_token_ids"] == expected
+    assert "<|im_start|>system" in plain.decode(expected)
 
 
 def test_should_report_the_models_own_logprobs_when_asked(serve, engine, tokenizer):

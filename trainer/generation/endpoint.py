@@ -4,7 +4,8 @@ for people who want to talk to the policy being trained (``generation.endpoint``
 ``POST /v1/chat/completions`` (messages, tools, n, temperature, top_p, max_tokens or
 max_completion_tokens, logprobs, seed, stop) and ``GET /v1/models``. The messages (and tools) go through
 the policy tokenizer's chat template with ``generation.chat_template_kwargs``, exactly as the trainer's
-own prompts do (:func:`trainer.data.prompts.encode_prompt`), and the engine samples from the ids. Each
+own prompts do (:func:`trainer.data.prompts.encode_prompt`; tools through the template's ``tools=``, or in
+the system turn where the template has none), and the engine samples from the ids. Each
 answer is OpenAI's shape plus what a harness needs to keep its trajectory token-exact (STYLE 20):
 ``prompt_token_ids`` and, per choice, ``token_ids``, the sampled ids themselves (logprobs beside them),
 so nobody re-tokenises decoded text. Tool calls in a sample's text are parsed with the environments' own
@@ -46,7 +47,7 @@ import torch
 
 from trainer.config import EndpointConfig, GenerationConfig
 from trainer.data.prompts import encode_prompt
-from trainer.envs.tool_calls import content_of, parse_tool_calls
+from trainer.envs.tool_calls import content_of, offer_tools, parse_tool_calls, takes_tools
 from trainer.generation.base import Completion, GenerationEngine, SamplingParams
 
 MAX_BODY_BYTES = 16 * 2**20  # a chat request with a long conversation and its tools fits many times
@@ -261,6 +262,7 @@ class ChatEndpoint:
         self.model_name, self.max_model_len = model_name, max_model_len
         self.gate = gate or EngineGate(cfg.max_waiting, cfg.wait_timeout_s)
         self.log = RequestLog(cfg.record_limit)
+        self.takes_tools = takes_tools(tokenizer)  # whether the chat template renders tools= itself
         # The owner's intra-op threads: a request runs the engine from a server thread, whose OpenMP
         # team would otherwise take every core (and vLLM's CPU attention checks it against its plan).
         self.threads = torch.get_num_threads()
@@ -337,8 +339,12 @@ class ChatEndpoint:
         if tools is not None and not isinstance(tools, list):
             raise BadRequest("tools must be a list", "tools")
         params, n = self._params(body)
+        if tools and not self.takes_tools:  # as a run offers them: in the system turn, in the parsed format
+            messages, tools_kwarg = offer_tools(messages, tools), None
+        else:
+            tools_kwarg = tools or None
         try:
-            prompt = encode_prompt(self.tokenizer, messages, self.gen.chat_template_kwargs, tools)
+            prompt = encode_prompt(self.tokenizer, messages, self.gen.chat_template_kwargs, tools_kwarg)
         except Exception as e:  # the template's own complaint (a role it does not know, a missing field)
             raise BadRequest(f"the chat template cannot render these messages: {e}", "messages") from None
         if self.max_model_len is not None and len(prompt) + params.max_new_tokens > self.max_model_len:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import ipaddress
 import math
 import os
 from collections.abc import Iterable, Sequence
@@ -440,6 +441,61 @@ class ResourcesConfig:
     num_cpu_workers: int = 1  # CPU clusters: generation actors
 
 
+# Ports the chart's pods already give to Ray (GCS, dashboard, client, metrics): the endpoint takes none.
+_RAY_POD_PORTS = (6379, 8265, 10001, 8080)
+
+
+@dataclass
+class EndpointConfig:
+    # An OpenAI-compatible chat endpoint (trainer/generation/endpoint.py) in each generation actor, for
+    # harnesses that drive rollouts and for people who talk to the policy; token-authenticated, cluster only.
+    enabled: bool = False
+    # The first port; the engines of one pod take consecutive ones (port, port + 1, ...). 0: any free port.
+    port: int = 8000
+    ports: int = 8  # how many ports from `port` the engines of one pod may take (the chart lists them)
+    # IP address to listen on. null: $POD_IP (the chart's downward API), else 127.0.0.1; 0.0.0.0 only if
+    # written here.
+    bind: str | None = None
+    # The variable holding the bearer token every request must carry: Ray's own token by default (KubeRay
+    # sets it in every Ray container with auth.mode=token). Empty or unset: the endpoint does not start.
+    token_env: str = "RAY_AUTH_TOKEN"
+    # Requests that may wait for the engine at once (it serves one at a time, between the trainer's own
+    # calls); one more gets 503.
+    max_waiting: int = 16
+    wait_timeout_s: float = 300  # how long a request waits for the engine (a refit, a rollout) before a 503
+    record_limit: int = 4096  # requests each actor keeps for drain_requests(); the oldest go first
+
+    def validate(self) -> None:
+        _require(
+            0 <= self.port <= 65535, f"generation.endpoint.port={self.port} must be a TCP port (0: any free)"
+        )
+        _require(self.ports >= 1, f"generation.endpoint.ports={self.ports} must be >= 1")
+        _require(
+            self.port == 0 or self.port + self.ports - 1 <= 65535,
+            f"generation.endpoint.port + ports - 1 = {self.port + self.ports - 1} is past 65535",
+        )
+        last = self.port + self.ports - 1
+        _require(
+            self.port == 0 or not any(self.port <= p <= last for p in _RAY_POD_PORTS),
+            f"generation.endpoint ports {self.port}-{last} overlap Ray's ports "
+            f"({', '.join(map(str, _RAY_POD_PORTS))}); choose another generation.endpoint.port",
+        )
+        if self.bind is not None:
+            try:
+                ipaddress.ip_address(self.bind)
+            except ValueError:
+                raise ConfigError(
+                    f"generation.endpoint.bind={self.bind!r} must be an IP address, or null ($POD_IP, else 127.0.0.1)"
+                ) from None
+        _require(bool(self.token_env), "generation.endpoint.token_env must name an environment variable")
+        _require(self.max_waiting >= 0, f"generation.endpoint.max_waiting={self.max_waiting} must be >= 0")
+        _require(
+            math.isfinite(self.wait_timeout_s) and self.wait_timeout_s > 0,
+            f"generation.endpoint.wait_timeout_s={self.wait_timeout_s} must be a number of seconds > 0",
+        )
+        _require(self.record_limit >= 1, f"generation.endpoint.record_limit={self.record_limit} must be >= 1")
+
+
 @dataclass
 class GenerationConfig:
     # hf: our own decode loop over a transformers copy of the model (trainer/generation/hf.py), on any
@@ -489,9 +545,15 @@ class GenerationConfig:
     # that did not join. Above vLLM's own 300 s for its store step, so that its error comes first.
     weight_group_timeout_s: float = 600
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
+    endpoint: EndpointConfig = field(default_factory=EndpointConfig)
 
     def validate(self) -> None:
         _one_of("generation.backend", self.backend, ("hf", "vllm"))
+        self.endpoint.validate()
+        _require(
+            not self.endpoint.enabled or self.placement == "disaggregated",
+            "generation.endpoint.enabled needs generation.placement=disaggregated (the generation actors serve it)",
+        )
         if self.quantization is not None:
             _one_of("generation.quantization", self.quantization, QUANTIZATIONS)
             _require(

@@ -152,6 +152,15 @@ class DisaggregatedGenerator:
         except BaseException:
             self.shutdown(graceful=False)  # the actors may be stuck in a rendezvous: not waited for
             raise
+        # generation.endpoint: where each actor serves, (host, port) per engine
+        self.endpoints: list[tuple[str, int]] = []
+        if cfg.generation.endpoint.enabled:
+            self.endpoints = ray.get([w.endpoint_address.remote() for w in self.workers])
+            for r, (host, port) in enumerate(self.endpoints):
+                print(
+                    f"kuberl: generation engine {r} serves http://{host}:{port}/v1 (generation.endpoint)",
+                    flush=True,
+                )
 
     def _start(self, cfg: Config, policy: PolicyRanks, n: int, tp: int) -> None:
         # Every engine built before anyone opens the transfer group (module docstring, step 1).
@@ -198,6 +207,14 @@ class DisaggregatedGenerator:
             for w, idx in zip(self.workers, parts)
             if idx
         ]
+
+    def drain_requests(self) -> list[dict]:
+        """What the endpoints served since the last drain (:meth:`GenerationWorker.drain_requests`), each
+        record with the ``engine`` that sampled it; empty where generation.endpoint is off."""
+        if not self.endpoints:
+            return []
+        drained = ray.get([w.drain_requests.remote() for w in self.workers])
+        return [{**record, "engine": r} for r, records in enumerate(drained) for record in records]
 
     def update_weights(self) -> None:
         """One refit (module docstring, step 3): the receivers are listed first, so that when several calls

@@ -6,6 +6,11 @@ dtypes and shapes beforehand, the bytes move in packed chunks over one group roo
 engine takes them through its weight-transfer API, on every tensor-parallel worker: vLLM's ``nccl``
 backend on GPUs, its CPU twin elsewhere (:mod:`trainer.generation.refit.vllm_nccl`); the hf engine
 joins a :class:`~trainer.generation.refit.group.WeightSyncGroup` and takes the stream in ``update_weights``.
+
+With ``generation.endpoint.enabled`` the actor also serves its engine over an OpenAI-compatible endpoint
+(:mod:`trainer.generation.endpoint`): it starts it once the engine is built and stops it before the
+engine, and the trainer's own generation and refits pass through the same gate as the endpoint's requests,
+so the engine never runs two calls at once and never samples from half-loaded weights.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from trainer import heap
 from trainer.cluster import node_address, setup_cpu_process
 from trainer.config import Config
 from trainer.generation.base import Completion, SamplingParams, WeightReceiver
+from trainer.generation.endpoint import ChatEndpoint, EngineGate
 from trainer.generation.factory import EngineSpec, build_engine
 
 
@@ -48,7 +54,30 @@ class GenerationWorker:
             lora=cfg.policy.lora if cfg.policy.lora.enabled else None,
         )
         self.lora = spec.lora is not None
+        ep = cfg.generation.endpoint
+        self.gate = EngineGate(ep.max_waiting, ep.wait_timeout_s)
+        self.endpoint: ChatEndpoint | None = None
         self.engine = build_engine(cfg.generation, spec)
+        if ep.enabled:
+            self._start_endpoint(cfg, spec)
+
+    def _start_endpoint(self, cfg: Config, spec: EngineSpec) -> None:
+        from trainer.models import load_tokenizer
+
+        tokenizer = load_tokenizer(spec.tokenizer_path or spec.model_path, spec.trust_remote_code)
+        self.endpoint = ChatEndpoint(
+            self.engine,
+            tokenizer,
+            cfg.generation,
+            model_name=cfg.model.name,
+            max_model_len=spec.max_model_len,
+            gate=self.gate,
+        )
+        try:
+            self.endpoint.start()
+        except BaseException:
+            self.engine.shutdown()  # the actor's constructor fails: nothing it started may stay behind
+            raise
 
     def ready(self) -> bool:
         """Answers once the engine is built (the actor's constructor has returned): the driver opens the
@@ -80,7 +109,11 @@ class GenerationWorker:
     @torch.no_grad()
     def receive_weights(self, update_info: dict) -> None:
         """One refit: the full weights, or with LoRA the adapters alone (``update_info`` names them), over
-        the same transport and in buckets of their own."""
+        the same transport and in buckets of their own. Endpoint requests wait until it is done."""
+        with self.gate.trainer():
+            self._receive_weights(update_info)
+
+    def _receive_weights(self, update_info: dict) -> None:
         if self.sync is None:
             (self.engine.receive_adapter if self.lora else self.engine.receive_weights)(update_info)
             return
@@ -102,7 +135,19 @@ class GenerationWorker:
         return {name: p.detach().cpu().clone() for name, p in self.engine.model.named_parameters()}
 
     def generate(self, prompts: list[list[int]], n: int, params: SamplingParams) -> list[list[Completion]]:
-        return self.engine.generate(prompts, n, params)
+        with self.gate.trainer():
+            return self.engine.generate(prompts, n, params)
+
+    def endpoint_address(self) -> tuple[str, int] | None:
+        """Where this actor's endpoint listens (host, port); None when generation.endpoint is off."""
+        return self.endpoint.address if self.endpoint is not None else None
+
+    def drain_requests(self) -> list[dict]:
+        """The endpoint's requests since the last drain, oldest first (:meth:`ChatEndpoint.drain_requests`)."""
+        return self.endpoint.drain_requests() if self.endpoint is not None else []
 
     def shutdown(self) -> None:
+        """Stop listening first (no request reaches an engine going away), then the engine."""
+        if self.endpoint is not None:
+            self.endpoint.shutdown()
         self.engine.shutdown()

@@ -68,6 +68,12 @@ entrypoint, which would add it: without this no GPU container loads libcuda. */}
 - name: LD_LIBRARY_PATH
   value: {{ ternary "/usr/local/gib/lib64:/usr/local/nvidia/lib64" "/usr/local/nvidia/lib64" $v.rdma.enabled }}
 {{- end }}
+{{- if $v.generationEndpoint.enabled }}
+{{- /* Where the generation actors' endpoint listens: the pod's own address, not every interface. */}}
+- name: POD_IP
+  valueFrom:
+    fieldRef: {fieldPath: status.podIP}
+{{- end }}
 {{- with $v.storage.models }}{{ if .enabled }}
 - name: KUBERL_MODELS_DIR
   value: {{ .mountPath | quote }}
@@ -138,6 +144,33 @@ it. Args: dict group, gpus.
 {{- $_ := set $r "limits" $lim }}
 {{- end }}
 {{- toYaml $r }}
+{{- end }}
+
+{{/*
+The generation endpoint's container ports (generationEndpoint): `port` and the ones after it, one per
+engine of a pod. Fails closed: the endpoint authenticates with the run's Ray token (auth.mode=token) and
+is reachable only from the release's own pods (networkPolicy.enabled), and takes no port a pod uses.
+Args: the chart root.
+*/}}
+{{- define "kuberl.endpointPorts" -}}
+{{- $e := .Values.generationEndpoint }}
+{{- if ne .Values.auth.mode "token" }}
+{{- fail "generationEndpoint.enabled needs auth.mode=token: every request to the endpoint carries the run's Ray token" }}
+{{- end }}
+{{- if not .Values.networkPolicy.enabled }}
+{{- fail "generationEndpoint.enabled needs networkPolicy.enabled=true: only the release's own pods may reach the endpoint" }}
+{{- end }}
+{{- $taken := list 6379 8265 10001 8080 }}
+{{- if .Values.tensorboard.enabled }}{{ $taken = append $taken .Values.tensorboard.port }}{{ end }}
+{{- $last := add $e.port $e.ports -1 }}
+{{- range $taken }}
+{{- if and (ge (int .) (int $e.port)) (le (int .) (int $last)) }}
+{{- fail (printf "generationEndpoint ports %d-%d take port %d, which the Ray pods use: choose another generationEndpoint.port" (int $e.port) (int $last) (int .)) }}
+{{- end }}
+{{- end }}
+{{- range $i := until (int $e.ports) }}
+- {name: {{ printf "openai-%d" $i }}, containerPort: {{ add $e.port $i }}}
+{{- end }}
 {{- end }}
 
 {{/*
@@ -222,9 +255,15 @@ spec:
         {{- if $v.tensorboard.enabled }}
         - {name: tensorboard, containerPort: {{ $v.tensorboard.port }}}
         {{- end }}
+        {{- if $v.generationEndpoint.enabled }}
+        {{- include "kuberl.endpointPorts" .root | nindent 8 }}
+        {{- end }}
       {{- else }}
       ports:
         - {name: metrics, containerPort: 8080}
+        {{- if and $v.generationEndpoint.enabled (not $sandbox) }}
+        {{- include "kuberl.endpointPorts" .root | nindent 8 }}
+        {{- end }}
       {{- end }}
       env:
         {{- include "kuberl.env" $ctx | nindent 8 }}

@@ -1,0 +1,442 @@
+"""The OpenAI-compatible endpoint (trainer/generation/endpoint.py) over a real tiny hf engine, driven by
+the ``openai`` client: token-exact answers, authentication, the bind address, the engine gate, the request
+ring, and a generation actor that serves it and leaves no listener behind."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+import torch
+from openai.types.chat.chat_completion import Choice
+
+from trainer.config import ConfigError, EndpointConfig, GenerationConfig, load
+from trainer.data.prompts import encode_prompt
+from trainer.generation.base import Completion, SamplingParams
+from trainer.generation.endpoint import ChatEndpoint, EndpointError, EngineGate, bind_address
+from trainer.generation.hf import HFGenerationEngine
+from trainer.models import load_model, load_tokenizer
+
+TOKEN = "test-token-0123456789abcdef"
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "description": "add two numbers",
+            "parameters": {
+                "type": "object",
+                "properties": {"a": {"type": "number"}, "b": {"type": "number"}},
+                "required": ["a", "b"],
+            },
+        },
+    }
+]
+MESSAGES = [{"role": "user", "content": "what is 2+3?"}]
+# The tiny ChatML template, plus the tool names in a system turn: the prompt ids then show that the tools
+# went through the template.
+TOOLS_TEMPLATE = (
+    "{% if tools %}{{ '<|im_start|>system\ntools: ' }}{% for t in tools %}{{ t['function']['name'] + ' ' }}"
+    "{% endfor %}{{ '<|im_end|>\n' }}{% endif %}"
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_path):
+    tok = load_tokenizer(tiny_model_path)
+    tok.chat_template = TOOLS_TEMPLATE
+    return tok
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_path, tokenizer):
+    return HFGenerationEngine(load_model(tiny_model_path, "float32"), tokenizer, batch_size=4)
+
+
+def _gen(**endpoint) -> GenerationConfig:
+    ep = {
+        "enabled": True,
+        "port": 0,
+        "bind": "127.0.0.1",
+        "token_env": "KUBERL_TEST_ENDPOINT_TOKEN",
+        **endpoint,
+    }
+    return GenerationConfig(max_new_tokens=8, placement="disaggregated", endpoint=EndpointConfig(**ep))
+
+
+@pytest.fixture
+def serve(engine, tokenizer, monkeypatch):
+    """Start endpoints over the module's engine; every one is shut down after the test."""
+    monkeypatch.setenv("KUBERL_TEST_ENDPOINT_TOKEN", TOKEN)
+    started = []
+
+    def start(gen: GenerationConfig | None = None, **kwargs) -> ChatEndpoint:
+        kwargs = {"engine": engine, "tokenizer": tokenizer, **kwargs}
+        ep = ChatEndpoint(gen=gen or _gen(), model_name="tiny", **kwargs)
+        started.append(ep)
+        ep.start()
+        return ep
+
+    yield start
+    for ep in started:
+        ep.shutdown()
+
+
+def _client(ep: ChatEndpoint, token: str = TOKEN) -> openai.OpenAI:
+    host, port = ep.address
+    return openai.OpenAI(base_url=f"http://{host}:{port}/v1", api_key=token, max_retries=0, timeout=60)
+
+
+def _listening(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(2)
+        return s.connect_ex((host, port)) == 0
+
+
+def test_should_answer_an_openai_chat_completion_with_tools_token_exact_when_n_is_2(serve, engine, tokenizer):
+    ep = serve()
+    out = _client(ep).chat.completions.create(
+        model="tiny", messages=MESSAGES, tools=TOOLS, n=2, logprobs=True, max_tokens=6, seed=3
+    )
+    prompt = encode_prompt(tokenizer, MESSAGES, {}, TOOLS)
+    assert "tools: add" in tokenizer.decode(prompt)  # the tools went through the chat template
+    assert out.model_extra["prompt_token_ids"] == prompt
+    # The same call into the engine samples the same ids with the same logprobs.
+    expected = engine.generate([prompt], 2, SamplingParams(max_new_tokens=6, temperature=1.0, seed=3))[0]
+    assert len(out.choices) == 2
+    for choice, c in zip(out.choices, expected):
+        assert choice.model_extra["token_ids"] == c.token_ids
+        assert [t.logprob for t in choice.logprobs.content] == pytest.approx(c.logprobs)
+        assert [t.token for t in choice.logprobs.content] == [tokenizer.decode([i]) for i in c.token_ids]
+        assert choice.message.content == c.text
+        assert choice.finish_reason == c.finish_reason
+    assert out.usage.prompt_tokens == len(prompt)
+    assert out.usage.completion_tokens == sum(len(c.token_ids) for c in expected)
+    # The same request, recorded for the trainer.
+    (record,) = ep.drain_requests()
+    assert record["id"] == out.id and record["prompt_token_ids"] == prompt
+    assert [r["token_ids"] for r in record["choices"]] == [c.token_ids for c in expected]
+    assert [r["logprobs"] for r in record["choices"]] == [
+        [t.logprob for t in c.logprobs.content] for c in out.choices
+    ]
+    assert record["tools"] == TOOLS
+    assert ep.drain_requests() == []  # drained once
+
+
+def test_should_offer_the_tools_in_the_system_turn_when_the_template_has_no_tools_support(
+    serve, tiny_model_path
+):
+    from trainer.envs.tool_calls import offer_tools
+
+    plain = load_tokenizer(tiny_model_path)  # the tiny ChatML template, which never reads `tools`
+    engine = HFGenerationEngine(load_model(tiny_model_path, "float32"), plain, batch_size=2)
+    ep = serve(engine=engine, tokenizer=plain)
+    out = _client(ep).chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS, max_tokens=2)
+    expected = encode_prompt(plain, offer_tools(MESSAGES, TOOLS), {})
+    assert out.model_extra["prompt_token_ids"] == expected
+    assert "<|im_start|>system" in plain.decode(expected)
+
+
+def test_should_report_the_models_own_logprobs_when_asked(serve, engine, tokenizer):
+    out = _client(serve()).chat.completions.create(
+        model="tiny", messages=MESSAGES, logprobs=True, max_completion_tokens=5, seed=1
+    )
+    prompt, ids = out.model_extra["prompt_token_ids"], out.choices[0].model_extra["token_ids"]
+    with torch.no_grad():
+        logits = engine.model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1 : -1]
+    expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(ids)[:, None])[:, 0]
+    assert [t.logprob for t in out.choices[0].logprobs.content] == pytest.approx(expected.tolist(), abs=1e-4)
+    assert len(ids) <= 5
+
+
+def test_should_refuse_a_request_when_the_token_is_missing_or_wrong(serve):
+    ep = serve()
+    with pytest.raises(openai.AuthenticationError):
+        _client(ep, token="wrong").chat.completions.create(model="tiny", messages=MESSAGES)
+    host, port = ep.address
+    for headers in ({}, {"Authorization": TOKEN}, {"Authorization": f"Bearer {TOKEN}x"}):
+        for method, path, data in (("GET", "/v1/models", None), ("POST", "/v1/chat/completions", b"{}")):
+            req = urllib.request.Request(
+                f"http://{host}:{port}{path}", data=data, headers=headers, method=method
+            )
+            with pytest.raises(urllib.error.HTTPError) as e:
+                urllib.request.urlopen(req, timeout=30)
+            assert e.value.code == 401
+    assert ep.drain_requests() == []  # nothing reached the engine
+    assert [m.id for m in _client(ep).models.list()] == ["tiny"]
+
+
+def test_should_refuse_to_start_when_no_token_is_configured(engine, tokenizer, monkeypatch):
+    monkeypatch.delenv("KUBERL_TEST_ENDPOINT_TOKEN", raising=False)
+    ep = ChatEndpoint(engine, tokenizer, _gen(), model_name="tiny")
+    with pytest.raises(EndpointError, match=r"\$KUBERL_TEST_ENDPOINT_TOKEN is unset or empty"):
+        ep.start()
+    monkeypatch.setenv("KUBERL_TEST_ENDPOINT_TOKEN", "")
+    with pytest.raises(EndpointError):
+        ep.start()
+
+
+def test_should_listen_only_on_the_address_asked_and_nowhere_after_shutdown(serve):
+    ep = serve(_gen(bind="127.0.0.2"))  # another loopback address: 127.0.0.1 must not answer
+    host, port = ep.address
+    assert host == "127.0.0.2"
+    assert _listening("127.0.0.2", port) and not _listening("127.0.0.1", port)
+    ep.shutdown()
+    assert not _listening("127.0.0.2", port)
+    assert not any(t.name == "kuberl-endpoint" for t in threading.enumerate())
+    ep.shutdown()  # idempotent
+
+
+def test_should_listen_on_an_ipv6_address_when_asked(serve):
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6 on this machine")
+    try:
+        ep = serve(_gen(bind="::1"))
+    except EndpointError as e:
+        pytest.skip(f"::1 cannot be bound here: {e}")
+    host, port = ep.address
+    assert host == "::1"
+    with socket.socket(socket.AF_INET6) as s:
+        s.settimeout(2)
+        assert s.connect_ex(("::1", port)) == 0
+    assert not _listening("127.0.0.1", port)
+
+
+def test_should_bind_the_pod_ip_or_the_loopback_when_no_address_is_configured(monkeypatch):
+    monkeypatch.delenv("POD_IP", raising=False)
+    assert bind_address(None) == "127.0.0.1"
+    monkeypatch.setenv("POD_IP", "10.4.0.7")
+    assert bind_address(None) == "10.4.0.7"
+    assert bind_address("0.0.0.0") == "0.0.0.0"  # only when written in the config
+
+
+def test_should_take_the_next_port_when_another_engine_of_the_pod_holds_the_first(serve):
+    first = serve(_gen(port=0))
+    taken = first.address[1]
+    second = serve(_gen(port=taken, ports=2))
+    assert second.address[1] == taken + 1
+    with pytest.raises(EndpointError, match="no free port"):
+        serve(_gen(port=taken, ports=1))
+
+
+def test_should_wait_for_the_trainers_call_and_answer_503_past_the_wait(serve):
+    gate = EngineGate(max_waiting=1, wait_timeout_s=0.5)
+    ep = serve(gate=gate)
+    client = _client(ep)
+    with gate.trainer():  # a rollout or a refit holds the engine
+        with pytest.raises(openai.APIStatusError) as e:
+            client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2)
+        assert e.value.status_code == 503 and "wait_timeout_s" in e.value.message
+    # Released within the wait: the request is answered once the trainer's call is done.
+    gate.wait_timeout_s = 60
+    held = threading.Event()
+
+    def trainer_call():
+        with gate.trainer():
+            held.set()
+            time.sleep(1.0)
+
+    t = threading.Thread(target=trainer_call)
+    t.start()
+    held.wait()
+    begin = time.monotonic()
+    out = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2)
+    assert time.monotonic() - begin > 0.5 and out.choices[0].model_extra["token_ids"]
+    t.join()
+
+
+def test_should_keep_only_the_last_requests_when_the_ring_is_full(serve):
+    ep = serve(_gen(record_limit=2))
+    client = _client(ep)
+    seeds = [1, 2, 3]
+    for s in seeds:
+        client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2, seed=s)
+    assert len(ep.drain_requests()) == 2 and ep.log.dropped == 1
+
+
+def test_should_answer_400_naming_the_field_when_a_request_is_bad(serve):
+    client = _client(serve(max_model_len=512))
+    for kwargs, field in (
+        ({"n": 0}, "n"),
+        ({"temperature": 5}, "temperature"),
+        ({"stream": True}, "stream"),
+        ({"top_logprobs": 3, "logprobs": True}, "top_logprobs"),
+        ({"max_tokens": 10_000}, "max_tokens"),
+    ):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="tiny", messages=MESSAGES, **kwargs)
+        assert field in e.value.message
+    with pytest.raises(openai.BadRequestError, match="messages"):
+        client.chat.completions.create(model="tiny", messages=[])
+    host, port = client.base_url.host, client.base_url.port
+    for data, code in ((b"{not json", 400), (b"[1]", 400)):
+        req = urllib.request.Request(
+            f"http://{host}:{port}/v1/chat/completions",
+            data=data,
+            headers={"Authorization": f"Bearer {TOKEN}"},
+        )
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=30)
+        assert e.value.code == code
+
+
+def test_should_turn_a_sampled_tool_call_into_openais_shape_when_the_text_has_one(engine, tokenizer):
+    ep = ChatEndpoint(engine, tokenizer, _gen(), "tiny")
+    text = 'adding.<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+    made = ep._choice(0, Completion([5, 6], [-0.1, -0.2], text, "stop"), want_logprobs=False)
+    assert made["finish_reason"] == "tool_calls" and made["message"]["content"] == "adding."
+    ((call),) = made["message"]["tool_calls"]
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    assert call["function"]["name"] == "add" and json.loads(call["function"]["arguments"]) == {"a": 2, "b": 3}
+    assert made["token_ids"] == [5, 6]  # the sampled ids, whatever the text was parsed into
+    parsed = Choice.model_validate(made)  # what the openai client makes of it
+    assert parsed.message.tool_calls[0].function.name == "add" and parsed.finish_reason == "tool_calls"
+    # A call cut off by the length limit is still a call; the reason stays "length".
+    cut = ep._choice(
+        0, Completion([5], [-0.1], '<tool_call>{"name": "add", "arguments": {}}', "length"), False
+    )
+    assert cut["finish_reason"] == "length" and cut["message"]["tool_calls"]
+    # A malformed call stays text, as the model wrote it.
+    bad = ep._choice(0, Completion([5], [-0.1], "<tool_call>{add}</tool_call>", "stop"), False)
+    assert bad["finish_reason"] == "stop" and "tool_calls" not in bad["message"]
+    assert bad["message"]["content"] == "<tool_call>{add}</tool_call>"
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["generation.endpoint.enabled=true"], "needs generation.placement=disaggregated"),
+        (["generation.endpoint.port=8260"], "overlap Ray's ports"),
+        (["generation.endpoint.bind=localhost"], "must be an IP address"),
+        (["generation.endpoint.port=70000"], "must be a TCP port"),
+        (["generation.endpoint.token_env="], "must name an environment variable"),
+        (["generation.endpoint.record_limit=0"], "record_limit=0 must be >= 1"),
+    ],
+)
+def test_should_reject_a_bad_endpoint_config_in_one_line(overrides, message):
+    with pytest.raises(ConfigError, match=message) as e:
+        load(["experiment=tiny", *overrides])
+    assert "\n" not in str(e.value)
+
+
+def test_should_serve_from_a_generation_actor_and_leave_no_listener_when_it_ends(ray_local, tiny_model_path):
+    """The real actor: its endpoint answers, the driver drains what it sampled, and shutdown closes it."""
+    import ray
+
+    from trainer.generation.worker import GenerationWorker
+
+    cfg = load(
+        [
+            "experiment=tiny",
+            f"model.name={tiny_model_path}",
+            "generation.placement=disaggregated",
+            "generation.endpoint.enabled=true",
+            "generation.endpoint.port=0",
+            "generation.endpoint.bind=127.0.0.1",
+            # Not RAY_AUTH_TOKEN: the actor's own connection to the session's Ray instance uses that one.
+            "generation.endpoint.token_env=KUBERL_TEST_ENDPOINT_TOKEN",
+        ]
+    )
+    actor = (
+        ray.remote(num_cpus=0)(GenerationWorker)
+        .options(runtime_env={"env_vars": {"KUBERL_TEST_ENDPOINT_TOKEN": TOKEN}})
+        .remote(cfg, tiny_model_path, 0, 1)
+    )
+    try:
+        host, port = ray.get(actor.endpoint_address.remote(), timeout=180)
+        client = openai.OpenAI(base_url=f"http://{host}:{port}/v1", api_key=TOKEN, max_retries=0, timeout=120)
+        out = client.chat.completions.create(
+            model=cfg.model.name, messages=MESSAGES, n=2, max_tokens=4, logprobs=True
+        )
+        (record,) = ray.get(actor.drain_requests.remote())
+        assert record["prompt_token_ids"] == out.model_extra["prompt_token_ids"]
+        assert [c["token_ids"] for c in record["choices"]] == [
+            c.model_extra["token_ids"] for c in out.choices
+        ]
+        # The trainer's own call passes through the same gate.
+        params = SamplingParams(max_new_tokens=3, seed=0)
+        (samples,) = ray.get(actor.generate.remote([record["prompt_token_ids"]], 1, params))
+        assert len(samples[0].token_ids) <= 3
+        ray.get(actor.shutdown.remote())
+        assert not _listening(host, port)
+    finally:
+        ray.kill(actor)
+    json.dumps(record)  # what the driver drains is plain data
+
+
+@pytest.mark.vllm
+def test_should_answer_token_exact_over_a_vllm_engine_when_the_backend_is_vllm(
+    tiny_model_path, tokenizer, monkeypatch
+):
+    """The same answer over real vLLM (on CPU): the ids and logprobs it sampled, through the openai client."""
+    from trainer.generation.vllm_engine import VLLMGenerationEngine
+
+    monkeypatch.setenv("KUBERL_TEST_ENDPOINT_TOKEN", TOKEN)
+    gen = _gen()
+    gen.enforce_eager = True
+    engine = VLLMGenerationEngine(tiny_model_path, gen, "float32", seed=0, max_model_len=512, threads=1)
+    ep = ChatEndpoint(engine, tokenizer, gen, "tiny", max_model_len=512)
+    try:
+        ep.start()
+        out = _client(ep).chat.completions.create(
+            model="tiny", messages=MESSAGES, tools=TOOLS, n=2, logprobs=True, max_tokens=6, seed=3
+        )
+        prompt = encode_prompt(tokenizer, MESSAGES, {}, TOOLS)
+        assert out.model_extra["prompt_token_ids"] == prompt
+        expected = engine.generate([prompt], 2, SamplingParams(max_new_tokens=6, temperature=1.0, seed=3))[0]
+        for choice, c in zip(out.choices, expected):
+            assert choice.model_extra["token_ids"] == c.token_ids
+            assert [t.logprob for t in choice.logprobs.content] == pytest.approx(c.logprobs, abs=1e-5)
+        (record,) = ep.drain_requests()
+        assert [r["token_ids"] for r in record["choices"]] == [c.token_ids for c in expected]
+    finally:
+        ep.shutdown()
+        engine.shutdown()
+
+
+@pytest.mark.slow
+def test_should_serve_during_a_disaggregated_run_and_end_with_it_when_enabled(trainer_env, tmp_path):
+    """A two-step run with the endpoint on: every generation actor says where it serves, the run ends."""
+    import subprocess
+    import sys
+
+    from ..conftest import REPO
+
+    # A Ray instance of the run's own, whose actors inherit the token's variable from the driver, as Ray
+    # containers inherit it from the pod (the session's instance started without it).
+    env = {k: v for k, v in trainer_env.items() if k != "RAY_ADDRESS"}
+    env["KUBERL_TEST_ENDPOINT_TOKEN"] = TOKEN
+    args = [
+        "experiment=tiny",
+        f"logger.log_dir={tmp_path / 'logs'}",
+        f"checkpointing.checkpoint_dir={tmp_path / 'ckpt'}",
+        "grpo.max_num_steps=2",
+        "cluster.cpu_workers_per_node=1",
+        "generation.placement=disaggregated",
+        "generation.endpoint.enabled=true",
+        "generation.endpoint.port=0",
+        "generation.endpoint.token_env=KUBERL_TEST_ENDPOINT_TOKEN",
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainer", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (line,) = [x for x in proc.stdout.splitlines() if "serves http://" in x]
+    host, port = line.split("http://")[1].split("/v1")[0].rsplit(":", 1)
+    assert host == "127.0.0.1"  # no POD_IP here: the loopback, not every interface
+    assert not _listening(host, int(port))  # gone with its actor

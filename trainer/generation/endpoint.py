@@ -1,0 +1,529 @@
+"""An OpenAI-compatible chat endpoint over one generation engine, for harnesses that drive rollouts and
+for people who want to talk to the policy being trained (``generation.endpoint``).
+
+``POST /v1/chat/completions`` (messages, tools, n, temperature, top_p, max_tokens or
+max_completion_tokens, logprobs, seed, stop) and ``GET /v1/models``. The messages (and tools) go through
+the policy tokenizer's chat template with ``generation.chat_template_kwargs``, exactly as the trainer's
+own prompts do (:func:`trainer.data.prompts.encode_prompt`; tools through the template's ``tools=``, or in
+the system turn where the template has none), and the engine samples from the ids. Each
+answer is OpenAI's shape plus what a harness needs to keep its trajectory token-exact (STYLE 20):
+``prompt_token_ids`` and, per choice, ``token_ids``, the sampled ids themselves (logprobs beside them),
+so nobody re-tokenises decoded text. Tool calls in a sample's text are parsed with the environments' own
+parser (:func:`trainer.envs.tool_calls.parse_tool_calls`, Hermes' ``<tool_call>`` JSON) into
+``message.tool_calls`` (finish_reason ``tool_calls``); a malformed call stays in ``content`` as written.
+
+Safety (STYLE 16): every request carries ``Authorization: Bearer <token>``, the run's own Ray token by
+default (``generation.endpoint.token_env``), compared in constant time; without a token the endpoint
+does not start. It listens on the pod's own address ($POD_IP, from the chart's downward API) or
+127.0.0.1, never on every interface unless ``generation.endpoint.bind`` says so, and the chart's
+NetworkPolicy admits only the release's own pods.
+
+One engine serves both the trainer and the endpoint, one call at a time (:class:`EngineGate`): a request
+waits while the trainer generates or a refit loads weights, at most ``wait_timeout_s``, behind at most
+``max_waiting`` others, and otherwise gets a 503 that says why; the trainer's calls go first. Each
+request's prompt ids, sampled ids and logprobs are kept in a bounded ring (:class:`RequestLog`) that the
+driver drains through the actor, to train on what a harness sampled.
+
+The server is the standard library's threaded HTTP server (no dependency, and none on vLLM); its
+owner (:class:`~trainer.generation.worker.GenerationWorker`) starts it and shuts it down with itself.
+"""
+
+from __future__ import annotations
+
+import collections
+import hmac
+import json
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import torch
+
+from trainer.config import EndpointConfig, GenerationConfig
+from trainer.data.prompts import encode_prompt
+from trainer.envs.tool_calls import content_of, offer_tools, parse_tool_calls, takes_tools
+from trainer.generation.base import Completion, GenerationEngine, SamplingParams
+
+MAX_BODY_BYTES = 16 * 2**20  # a chat request with a long conversation and its tools fits many times
+MAX_N = 256  # samples per request: bounds what one request can make the engine do
+
+
+class EndpointError(RuntimeError):
+    """The endpoint cannot start (no token, address taken); the message is one line, for people."""
+
+
+class Busy(Exception):
+    """The engine is not free for a request (HTTP 503); the message says why."""
+
+
+class BadRequest(Exception):
+    """A request the endpoint cannot serve (HTTP 400); the message names the field."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+class _Server6(ThreadingHTTPServer):
+    address_family = socket.AF_INET6  # a pod IP (or bind) in an IPv6 cluster
+
+
+class EngineGate:
+    """One engine, two kinds of callers, one call at a time: the trainer's own calls (generation, refits),
+    which wait as long as they must and go first, and the endpoint's requests, which wait at most
+    ``wait_timeout_s``, behind at most ``max_waiting`` others."""
+
+    def __init__(self, max_waiting: int = 16, wait_timeout_s: float = 300):
+        self.max_waiting, self.wait_timeout_s = max_waiting, wait_timeout_s
+        self._cond = threading.Condition()
+        self._busy = False
+        self._waiting = 0  # requests waiting
+        self._trainer_waiting = 0
+        self._closed = False
+
+    @contextmanager
+    def trainer(self) -> Iterator[None]:
+        with self._cond:
+            self._trainer_waiting += 1
+            try:
+                while self._busy:
+                    self._cond.wait()
+            finally:
+                self._trainer_waiting -= 1
+            self._busy = True
+        try:
+            yield
+        finally:
+            self._release()
+
+    @contextmanager
+    def request(self) -> Iterator[None]:
+        with self._cond:
+            if self._closed:
+                raise Busy("the endpoint is shutting down")
+            if (self._busy or self._trainer_waiting) and self._waiting >= self.max_waiting:
+                raise Busy(
+                    f"{self._waiting} requests already wait for the engine "
+                    "(generation.endpoint.max_waiting); retry later"
+                )
+            self._waiting += 1
+            try:
+                deadline = time.monotonic() + self.wait_timeout_s
+                while (self._busy or self._trainer_waiting) and not self._closed:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise Busy(
+                            "the engine stayed busy with training's own generation or a weight refit for "
+                            f"generation.endpoint.wait_timeout_s={self.wait_timeout_s:g}s; retry later"
+                        )
+                    self._cond.wait(left)
+                if self._closed:
+                    raise Busy("the endpoint is shutting down")
+                self._busy = True
+            finally:
+                self._waiting -= 1
+        try:
+            yield
+        finally:
+            self._release()
+
+    def close(self) -> None:
+        """Turn away every waiting and later request (the trainer's calls still pass)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def _release(self) -> None:
+        with self._cond:
+            self._busy = False
+            self._cond.notify_all()
+
+
+class RequestLog:
+    """The last ``limit`` requests' tokens, oldest dropped first, for the driver to train on."""
+
+    def __init__(self, limit: int):
+        self._records: collections.deque[dict] = collections.deque(maxlen=limit)
+        self._lock = threading.Lock()
+        self.dropped = 0  # records pushed out before anyone drained them
+
+    def add(self, record: dict) -> None:
+        with self._lock:
+            if len(self._records) == self._records.maxlen:
+                self.dropped += 1
+            self._records.append(record)
+
+    def drain(self) -> list[dict]:
+        with self._lock:
+            out = list(self._records)
+            self._records.clear()
+            return out
+
+
+def read_token(env: str) -> str:
+    """The bearer token every request must carry, from ``$env``; none there: the endpoint refuses to start."""
+    token = os.environ.get(env, "")
+    if not token:
+        raise EndpointError(
+            f"generation.endpoint needs a token: ${env} is unset or empty (the chart's auth.mode=token sets "
+            "RAY_AUTH_TOKEN in every Ray container; or point generation.endpoint.token_env at another variable)"
+        )
+    return token
+
+
+def bind_address(bind: str | None) -> str:
+    """``generation.endpoint.bind``, else the pod's own address ($POD_IP), else the loopback."""
+    return bind or os.environ.get("POD_IP") or "127.0.0.1"
+
+
+def _text(content: Any, where: str) -> str:
+    """A message's content as text: a string, or OpenAI's list of text parts."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not (
+                isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+            ):
+                raise BadRequest(f"{where}: only text content parts are supported", where)
+            parts.append(part["text"])
+        return "".join(parts)
+    raise BadRequest(f"{where} must be a string or a list of text parts", where)
+
+
+def _messages(raw: Any) -> list[dict]:
+    """OpenAI messages as chat templates take them: text content, tool-call arguments as objects."""
+    if not isinstance(raw, list) or not raw:
+        raise BadRequest("messages must be a non-empty list", "messages")
+    out = []
+    for i, m in enumerate(raw):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise BadRequest(f"messages[{i}] must be an object with a role", f"messages[{i}]")
+        msg = {k: v for k, v in m.items() if v is not None}
+        msg["content"] = _text(m.get("content"), f"messages[{i}].content")
+        calls = []
+        for call in m.get("tool_calls") or []:
+            fn = dict(call.get("function") or {})
+            args = fn.get("arguments")
+            if isinstance(args, str):  # OpenAI sends a JSON string; templates render an object
+                try:
+                    fn["arguments"] = json.loads(args)
+                except ValueError:
+                    pass
+            calls.append({**call, "function": fn})
+        if calls:
+            msg["tool_calls"] = calls
+        out.append(msg)
+    return out
+
+
+def _int(body: dict, key: str, low: int, high: int | None = None) -> int | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high and value > high):
+        bound = f"an integer >= {low}" + (f" and <= {high}" if high else "")
+        raise BadRequest(f"{key}={value!r} must be {bound}", key)
+    return value
+
+
+def _float(body: dict, key: str, low: float, high: float) -> float | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high:
+        raise BadRequest(f"{key}={value!r} must be a number in [{low:g}, {high:g}]", key)
+    return float(value)
+
+
+class ChatEndpoint:
+    """The endpoint over ``engine``; :meth:`start` listens, :meth:`shutdown` stops listening for good."""
+
+    def __init__(
+        self,
+        engine: GenerationEngine,
+        tokenizer,
+        gen: GenerationConfig,
+        model_name: str,
+        max_model_len: int | None = None,
+        gate: EngineGate | None = None,
+    ):
+        cfg: EndpointConfig = gen.endpoint
+        self.engine, self.tokenizer, self.gen, self.cfg = engine, tokenizer, gen, cfg
+        self.model_name, self.max_model_len = model_name, max_model_len
+        self.gate = gate or EngineGate(cfg.max_waiting, cfg.wait_timeout_s)
+        self.log = RequestLog(cfg.record_limit)
+        self.takes_tools = takes_tools(tokenizer)  # whether the chat template renders tools= itself
+        # The owner's intra-op threads: a request runs the engine from a server thread, whose OpenMP
+        # team would otherwise take every core (and vLLM's CPU attention checks it against its plan).
+        self.threads = torch.get_num_threads()
+        self._server: ThreadingHTTPServer | None = None
+        self._thread: threading.Thread | None = None
+
+    # -- serving ---------------------------------------------------------------------------------------
+
+    def start(self, port: int | None = None) -> tuple[str, int]:
+        """Listen on ``bind_address`` at the first free port of ``port`` (default ``cfg.port``) ..
+        ``port + cfg.ports - 1`` (the engines of one pod take consecutive ports); returns (host, port)."""
+        token = read_token(self.cfg.token_env)  # before binding: without a token nothing listens
+        host = bind_address(self.cfg.bind)
+        first = self.cfg.port if port is None else port
+        candidates = [0] if first == 0 else list(range(first, first + self.cfg.ports))
+        handler = _handler(self, token.encode())
+        server_class = _Server6 if ":" in host else ThreadingHTTPServer
+        for p in candidates:
+            try:
+                server = server_class((host, p), handler)
+                break
+            except OSError as e:
+                last = e
+        else:
+            raise EndpointError(
+                f"generation.endpoint: no free port on {host} in {first}-{candidates[-1]} ({last.strerror}); "
+                "raise generation.endpoint.ports or choose another generation.endpoint.port"
+            )
+        server.daemon_threads = True  # a request still in the engine does not hold up shutdown
+        self._server = server
+        self._thread = threading.Thread(target=server.serve_forever, name="kuberl-endpoint", daemon=True)
+        self._thread.start()
+        return self.address
+
+    @property
+    def address(self) -> tuple[str, int]:
+        assert self._server is not None, "the endpoint is not started"
+        host, port = self._server.server_address[:2]
+        return str(host), int(port)
+
+    def shutdown(self) -> None:
+        """Stop listening and turn away waiting requests; idempotent."""
+        self.gate.close()
+        server, self._server = self._server, None
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def drain_requests(self) -> list[dict]:
+        """Every request recorded since the last drain: ``prompt_token_ids`` and per choice ``token_ids``,
+        ``logprobs`` and ``finish_reason`` (plus the request's ``id``, ``created``, ``messages``, ``tools``)."""
+        return self.log.drain()
+
+    # -- one request -----------------------------------------------------------------------------------
+
+    def models(self) -> dict:
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "owned_by": "kuberl"}]}
+
+    def chat(self, body: Any) -> dict:
+        """One chat completion (OpenAI's response, plus ``prompt_token_ids`` and each choice's ``token_ids``)."""
+        if not isinstance(body, dict):
+            raise BadRequest("the body must be a JSON object")
+        if body.get("stream"):
+            raise BadRequest("stream=true is not supported", "stream")
+        if body.get("top_logprobs"):
+            raise BadRequest(
+                "top_logprobs is not supported (logprobs=true gives each sampled token's)", "top_logprobs"
+            )
+        messages = _messages(body.get("messages"))
+        tools = body.get("tools")
+        if tools is not None and not isinstance(tools, list):
+            raise BadRequest("tools must be a list", "tools")
+        params, n = self._params(body)
+        if tools and not self.takes_tools:  # as a run offers them: in the system turn, in the parsed format
+            messages, tools_kwarg = offer_tools(messages, tools), None
+        else:
+            tools_kwarg = tools or None
+        try:
+            prompt = encode_prompt(self.tokenizer, messages, self.gen.chat_template_kwargs, tools_kwarg)
+        except Exception as e:  # the template's own complaint (a role it does not know, a missing field)
+            raise BadRequest(f"the chat template cannot render these messages: {e}", "messages") from None
+        if self.max_model_len is not None and len(prompt) + params.max_new_tokens > self.max_model_len:
+            raise BadRequest(
+                f"the prompt ({len(prompt)} tokens) plus max_tokens ({params.max_new_tokens}) is over the "
+                f"engine's {self.max_model_len} tokens",
+                "max_tokens",
+            )
+        with self.gate.request():
+            torch.set_num_threads(self.threads)
+            (samples,) = self.engine.generate([prompt], n, params)
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        self.log.add(
+            {
+                "id": rid,
+                "created": created,
+                "messages": messages,
+                "tools": tools,
+                "prompt_token_ids": prompt,
+                "choices": [
+                    {"token_ids": c.token_ids, "logprobs": c.logprobs, "finish_reason": c.finish_reason}
+                    for c in samples
+                ],
+            }
+        )
+        want_logprobs = bool(body.get("logprobs"))
+        return {
+            "id": rid,
+            "object": "chat.completion",
+            "created": created,
+            "model": self.model_name,
+            "choices": [self._choice(j, c, want_logprobs) for j, c in enumerate(samples)],
+            "usage": {
+                "prompt_tokens": len(prompt),
+                "completion_tokens": sum(len(c.token_ids) for c in samples),
+                "total_tokens": len(prompt) * len(samples) + sum(len(c.token_ids) for c in samples),
+            },
+            "prompt_token_ids": prompt,
+        }
+
+    def _params(self, body: dict) -> tuple[SamplingParams, int]:
+        gen = self.gen
+        n = _int(body, "n", 1, MAX_N) or 1
+        max_tokens = _int(body, "max_completion_tokens", 1)
+        if max_tokens is None:
+            max_tokens = _int(body, "max_tokens", 1)
+        temperature = _float(body, "temperature", 0.0, 2.0)
+        top_p = _float(body, "top_p", 0.0, 1.0)
+        if top_p == 0.0:
+            raise BadRequest("top_p=0 must be in (0, 1]", "top_p")
+        seed = body.get("seed")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise BadRequest(f"seed={seed!r} must be an integer", "seed")
+        stop = body.get("stop")
+        if isinstance(stop, str):
+            stop = [stop]
+        if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) and s for s in stop)):
+            raise BadRequest("stop must be a string or a list of non-empty strings", "stop")
+        params = SamplingParams(
+            max_new_tokens=max_tokens or gen.max_new_tokens,
+            temperature=gen.temperature if temperature is None else temperature,
+            top_p=gen.top_p if top_p is None else top_p,
+            top_k=gen.top_k,
+            stop_strings=list(gen.stop_strings) if stop is None else stop,
+            seed=seed,
+        )
+        return params, n
+
+    def _choice(self, index: int, c: Completion, want_logprobs: bool) -> dict:
+        message: dict[str, Any] = {"role": "assistant", "content": c.text}
+        finish = c.finish_reason
+        calls, errors = parse_tool_calls(c.text)
+        if calls and not errors:  # a malformed call stays text: the harness sees what the model wrote
+            message["content"] = content_of(c.text) or None
+            message["tool_calls"] = [
+                {
+                    "id": f"call_{uuid.uuid4().hex[:24]}",
+                    "type": "function",
+                    "function": {"name": call["name"], "arguments": json.dumps(call["arguments"])},
+                }
+                for call in calls
+            ]
+            if finish == "stop":
+                finish = "tool_calls"
+        logprobs = None
+        if want_logprobs:
+            logprobs = {
+                "content": [
+                    {"token": tok, "logprob": lp, "bytes": list(tok.encode()), "top_logprobs": []}
+                    for tok, lp in zip(self._pieces(c.token_ids), c.logprobs)
+                ]
+            }
+        return {
+            "index": index,
+            "message": message,
+            "finish_reason": finish,
+            "logprobs": logprobs,
+            "token_ids": c.token_ids,
+        }
+
+    def _pieces(self, ids: list[int]) -> list[str]:
+        """Each token's own text (special tokens included: they are what was sampled)."""
+        return [self.tokenizer.decode([i], skip_special_tokens=False) for i in ids]
+
+
+def _handler(endpoint: ChatEndpoint, token: bytes) -> type[BaseHTTPRequestHandler]:
+    expected = b"Bearer " + token
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # keep-alive: an OpenAI client reuses its connection
+        server_version = "kuberl"
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass  # a harness sends thousands of requests; the request log is what the driver reads
+
+        def _send(self, status: int, payload: dict, headers: dict[str, str] | None = None) -> None:
+            data = json.dumps(payload).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            for k, v in (headers or {}).items():
+                self.send_header(k, v)
+            self.end_headers()
+            self.wfile.write(data)
+
+        def _error(
+            self, status: int, kind: str, message: str, param: str | None = None, **headers: str
+        ) -> None:
+            body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
+            self._send(status, body, {k.replace("_", "-"): v for k, v in headers.items()})
+
+        def _authorized(self) -> bool:
+            given = self.headers.get("Authorization", "").encode()
+            if hmac.compare_digest(given, expected):
+                return True
+            self._error(
+                401,
+                "authentication_error",
+                "a valid 'Authorization: Bearer <token>' header is required",
+                WWW_Authenticate="Bearer",
+            )
+            return False
+
+        def do_GET(self) -> None:
+            if not self._authorized():
+                return
+            if self.path.rstrip("/") == "/v1/models":
+                self._send(200, endpoint.models())
+            else:
+                self._error(404, "not_found", f"no route GET {self.path}")
+
+        def do_POST(self) -> None:
+            try:
+                length = int(self.headers.get("Content-Length") or 0)
+            except ValueError:
+                length = -1
+            if not self._authorized():
+                self.close_connection = True  # the body is not read: the connection cannot be reused
+                return
+            if self.path.rstrip("/") != "/v1/chat/completions":
+                self.close_connection = True
+                self._error(404, "not_found", f"no route POST {self.path}")
+                return
+            if not 0 <= length <= MAX_BODY_BYTES:
+                self.close_connection = True
+                self._error(413, "invalid_request_error", f"a body of 0 to {MAX_BODY_BYTES} bytes is needed")
+                return
+            try:
+                body = json.loads(self.rfile.read(length) or b"null")
+            except ValueError as e:
+                self._error(400, "invalid_request_error", f"the body is not JSON: {e}")
+                return
+            try:
+                self._send(200, endpoint.chat(body))
+            except BadRequest as e:
+                self._error(400, "invalid_request_error", str(e), e.param)
+            except Busy as e:
+                self._error(503, "engine_busy", str(e), Retry_After="5")
+            except Exception as e:  # the engine failed: the request gets the reason, the server lives on
+                self._error(500, "server_error", f"{type(e).__name__}: {e}")
+
+    return Handler

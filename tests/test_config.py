@@ -515,7 +515,10 @@ def test_should_print_vllm_kwargs_when_the_cli_sets_them_over_an_empty_default(c
         ("grpo.loss.policy_loss=x", "grpo.loss.policy_loss='x' is not allowed; choose one of: clipped"),
         ("grpo.loss.aggregation=median", "grpo.loss.aggregation='median' is not allowed"),
         ("grpo.max_rollout_turns=2", "grpo.max_rollout_turns=2 needs execution feedback: env.feedback=None"),
-        ("env.environment=nope", "env.environment='nope' is not an environment; valid: code_feedback, tools"),
+        (
+            "env.environment=nope",
+            "env.environment='nope' is not an environment; valid: code_feedback, skyrl_gym, tools",
+        ),
         ("env.environment=tools", "env.environment=tools answers the model between its turns"),
     ],
 )

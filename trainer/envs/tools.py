@@ -171,9 +171,9 @@ def stop_processes() -> None:
         return
     from multiprocessing import forkserver, resource_tracker
 
-    # The standard library's own way to stop them (private: it has no public one).
-    forkserver._forkserver._stop()  # type: ignore[attr-defined]
-    resource_tracker._resource_tracker._stop()  # type: ignore[attr-defined]
+    # The standard library's own way to stop them (private: it has no public one, and no stub names it).
+    forkserver._forkserver._stop()  # type: ignore[attr-defined]  # private, unstubbed: see above
+    resource_tracker._resource_tracker._stop()  # type: ignore[attr-defined]  # private, unstubbed: see above
     _CONTEXT = None
 
 

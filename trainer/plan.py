@@ -25,6 +25,12 @@ plan adds up what one device holds at its peak:
   replicas' GPUs are ``gpu.type``'s too), or in host memory for CPU replicas. Either way the plan also
   says whether it would fit **beside the policy**, resident on every training GPU at the policy's
   peak: an alternative placement, reported but not part of the verdict;
+- **a judge** (``{name: llm_judge}``), counted the same way (:class:`Scorer`: a model-scored reward's
+  replicas, on ``judge.resource``'s group, in host memory, or beside the policy): each replica's weights in
+  ``judge.dtype``, and on the hf engine the KV cache and prefill of one batch of ``judge.batch_size``
+  prompts of :func:`judge_sequence`'s length (the template, the policy's prompt, a response of at most
+  ``judge.max_response_tokens``, then ``judge.max_new_tokens``); a vLLM judge takes its
+  ``gpu_memory_utilization`` share of a whole GPU, which must hold its weights and one such sequence;
 - **transients**, what a training GPU holds for a moment only: loading, each rank's shards and one full
   tensor broadcast from rank 0 (the largest: the embeddings), beside a colocated engine already built
   (:mod:`trainer.policy.sharded_init`: the model is sharded on the meta device before any weight is

@@ -298,12 +298,6 @@ def scorers(cfg) -> list[Scorer]:
     return out
 
 
-def uses_reward_model(cfg) -> bool:
-    from trainer.rewards.registry import REWARD_MODEL
-
-    return any(spec.name == REWARD_MODEL for spec in cfg.env.reward_functions)
-
-
 def reward_model_pass(cfg, shape: Shape) -> tuple[int, int]:
     """``(tokens, longest)`` of a replica's largest forward pass: a batch of at most
     ``reward_model.max_tokens_per_batch`` padded tokens, or one sample alone when it is longer. The
@@ -316,17 +310,12 @@ def reward_model_pass(cfg, shape: Shape) -> tuple[int, int]:
     return max(rm.max_tokens_per_batch, longest), longest
 
 
-def reward_model_dtype(cfg, gpu: bool) -> str:
-    """``reward_model.dtype`` as a replica resolves ``auto``."""
-    return replica_dtype(cfg.reward_model.dtype, gpu)
-
-
 def reward_model_terms(cfg, shape: Shape, gpu: bool) -> dict[str, float]:
     """Bytes one replica holds at its peak: its weights, and one forward pass without gradients, where
     each block's intermediates are freed as the next block runs (:func:`block_activation_bytes` of one
     block bounds them), beside the residual stream and the (batch, 1, T, T) boolean mask that SDPA gets
     for a padded batch. The score head reads the last position: no logits over a vocabulary."""
-    dtype = BYTES[reward_model_dtype(cfg, gpu)]
+    dtype = BYTES[replica_dtype(cfg.reward_model.dtype, gpu)]
     tokens, longest = reward_model_pass(cfg, shape)
     return {
         "reward model weights": shape.params * dtype,
@@ -368,6 +357,7 @@ def judge_utilization(cfg) -> float:
     from trainer.generation.judge import generation_config
     from trainer.generation.vllm_engine import resolve_gpu_memory_utilization
 
+    # the share does not depend on the dtype; a judge's engine never shares its GPU with a policy rank
     return resolve_gpu_memory_utilization(generation_config(cfg.judge, "bfloat16"), colocated=False)
 
 

@@ -2,7 +2,8 @@
 prompt the judge reads (the response as data, special-token strings as plain text, a cap on its length); real
 generations on the hf engine, whose scores must be exactly what the parser makes of the text the engine
 wrote; a tiny judge trained here to write "score: 1" for a response that is the reference sum and "score: 0"
-for any other, on its own Ray actor through the reward runner; and the checks that stop a bad judge at start in one line.
+for any other, on its own Ray actor through the reward runner, and on vLLM's CPU build in a JudgePool actor (the
+same verdicts, the same text as the hf engine writes); and the checks that stop a bad judge at start in one line.
 
 The trained judge is built once per session and cached like builtin:tiny (``KUBERL_CACHE``), from a fixed
 seed, in seconds (:func:`build_arithmetic_judge`).

@@ -263,3 +263,107 @@ def test_should_count_every_cpu_replica_on_the_machine_when_a_cpu_experiment_use
     shape = plan.model_shape(TINY, classifier=True)
     assert node.terms["reward model weights x 3 replicas"] == 3 * shape.params * 4
     assert "reward model activations x 3 replicas" in node.terms and not result.alternatives
+
+
+# ----- the judge: its replicas counted as the reward model's -------------------------------------------
+
+JUDGE = "Qwen/Qwen2.5-Coder-1.5B-Instruct"  # a causal LM in the plan's table: shaped offline
+
+
+def _judge_cfg(*overrides: str):
+    return config.load(["experiment=qwen2.5-coder-7b-code-rm", "env.reward_functions=[{name: llm_judge}]",
+                        f"judge.model={JUDGE}", "judge.dtype=bfloat16", *overrides])  # fmt: skip
+
+
+def test_should_count_a_gpu_judge_on_its_own_gpu_and_say_it_fits_when_one_batch_fits() -> None:
+    result = plan.plan(_judge_cfg("judge.num_gpus=1", "judge.resource=kuberl_judge"), "b200", "x")
+    own = next(d for d in result.devices if d.role.startswith("judge GPU"))
+    shape = plan.model_shape(JUDGE)
+    assert own.role == "judge GPU (kuberl_judge)" and own.capacity == plan.GPU_MEMORY["b200"]
+    assert own.terms["judge weights"] == shape.params * 2  # judge.dtype=bfloat16
+    cfg = _judge_cfg()
+    prompt, total = plan.judge_sequence(cfg, shape)
+    question = cfg.policy.max_total_sequence_length - cfg.generation.max_new_tokens  # the policy's prompt
+    assert prompt == len(cfg.judge.template.encode()) + question + 2048 and total == prompt + 256
+    assert own.terms["judge KV cache"] == 64 * total * plan.kv_bytes_per_token(
+        shape, 2, 1
+    )  # judge.batch_size
+    assert own.fits and result.fits and result.judge_shape == shape
+    out = plan.render(result)
+    assert "  judge: 1.54B parameters (28 layers, hidden 1536, a causal LM;" in out
+    assert "alternative: training GPU with the judge beside the policy:" in out
+    assert out.splitlines()[-1].startswith("plan: fits")
+
+
+def test_should_say_it_does_not_fit_and_name_the_judges_key_when_its_batch_does_not_fit() -> None:
+    result = plan.plan(_judge_cfg("judge.num_gpus=1", "judge.batch_size=1024"), "b200", "x")
+    assert not result.fits
+    out = plan.render(result)
+    assert out.splitlines()[-1].startswith("plan: does not fit (judge GPU (any GPU node) at ")
+    assert (
+        "largest term: judge activations; change: a smaller judge.batch_size or judge.max_response_tokens"
+        in out
+    )
+    fewer = plan.plan(_judge_cfg("judge.num_gpus=1", "judge.batch_size=1024", "judge.max_response_tokens=64",
+                                 "judge.max_new_tokens=16", "policy.max_total_sequence_length=4608"), "b200", "x")  # fmt: skip
+    assert fewer.fits
+
+
+def test_should_take_vllms_share_of_a_whole_gpu_when_the_judge_runs_on_vllm() -> None:
+    cfg = _judge_cfg("judge.num_gpus=1", "judge.backend=vllm")
+    result = plan.plan(cfg, "h200", "x")
+    capacity = plan.GPU_MEMORY["h200"]
+    own = next(d for d in result.devices if d.role.startswith("judge GPU"))
+    share = next(d for d in result.devices if d.role == "judge engine's share")
+    assert (
+        own.terms["judge engine (vLLM's share)"] == plan.judge_utilization(cfg) * capacity == 0.9 * capacity
+    )
+    assert (
+        share.capacity == 0.9 * capacity
+        and share.terms["judge weights"] == plan.model_shape(JUDGE).params * 2
+    )
+    assert result.fits
+    (beside,) = result.alternatives  # a 0.9 share beside the policy never fits
+    assert not beside.fits
+    half = plan.plan(_judge_cfg("judge.num_gpus=0.5", "judge.backend=vllm"), "h200", "x")
+    assert not half.fits  # vLLM's share is of the whole GPU, not of the half Ray gives it
+    assert "change: judge.num_gpus=1 (vLLM takes its share of a whole GPU)" in plan.render(half)
+
+
+def test_should_note_host_memory_and_no_gpu_when_the_judge_runs_on_cpu_replicas() -> None:
+    result = plan.plan(_judge_cfg("judge.num_gpus=0", "judge.replicas=2"), "b200", "x")
+    assert not any(d.role.startswith("judge") for d in result.devices) and result.fits
+    assert any(n.startswith("judge: 2 CPU replica(s) (judge.num_gpus=0)") for n in result.notes)
+    assert len(result.alternatives) == 1  # beside the policy is still said
+
+
+def test_should_count_the_reward_model_and_the_judge_each_when_a_run_uses_both() -> None:
+    cfg = config.load(["experiment=qwen2.5-coder-7b-code-rm", f"judge.model={JUDGE}", "judge.num_gpus=1",
+                       "env.reward_functions=[{name: reward_model}, {name: llm_judge}]"])  # fmt: skip
+    result = plan.plan(cfg, "b200", "x")
+    roles = [d.role for d in result.devices]
+    assert "reward model GPU (kuberl_reward_model)" in roles and "judge GPU (any GPU node)" in roles
+    assert len(result.alternatives) == 2 and result.rm_shape and result.judge_shape
+
+
+def test_should_count_every_cpu_judge_replica_on_the_machine_when_a_cpu_experiment_uses_a_judge() -> None:
+    cfg = config.load(["experiment=cpu-demo", "env.reward_functions=[{name: llm_judge}]", f"judge.model='{TINY}'",
+                       "judge.replicas=2"])  # fmt: skip
+    result = plan.plan(cfg, None, "cpu-demo")
+    (node,) = result.devices
+    assert node.terms["judge weights x 2 replicas"] == 2 * plan.model_shape(TINY).params * 4  # float32
+    assert "judge KV cache x 2 replicas" in node.terms and not result.alternatives
+
+
+def test_should_say_in_one_line_naming_the_key_when_the_judges_config_cannot_be_read() -> None:
+    import os
+
+    args = [RM_PRESET, "env.reward_functions=[{name: llm_judge}]", "judge.model=no-such-org/no-such-judge"]
+    out = subprocess.run([sys.executable, "-m", "trainer.plan", *args], capture_output=True, text=True, cwd=REPO,
+                         timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})  # fmt: skip
+    assert out.returncode == 2 and out.stdout == ""
+    (line,) = out.stderr.strip().splitlines()
+    assert line.startswith("kuberl: plan: cannot read the config of judge.model=no-such-org/no-such-judge (")
+    assert line.endswith(
+        "download it first (huggingface-cli download NAME config.json) or give a local directory"
+    )

@@ -25,6 +25,12 @@ plan adds up what one device holds at its peak:
   replicas' GPUs are ``gpu.type``'s too), or in host memory for CPU replicas. Either way the plan also
   says whether it would fit **beside the policy**, resident on every training GPU at the policy's
   peak: an alternative placement, reported but not part of the verdict;
+- **a judge** (``{name: llm_judge}``), counted the same way (:class:`Scorer`: a model-scored reward's
+  replicas, on ``judge.resource``'s group, in host memory, or beside the policy): each replica's weights in
+  ``judge.dtype``, and on the hf engine the KV cache and prefill of one batch of ``judge.batch_size``
+  prompts of :func:`judge_sequence`'s length (the template, the policy's prompt, a response of at most
+  ``judge.max_response_tokens``, then ``judge.max_new_tokens``); a vLLM judge takes its
+  ``gpu_memory_utilization`` share of a whole GPU, which must hold its weights and one such sequence;
 - **transients**, what a training GPU holds for a moment only: loading, each rank's shards and one full
   tensor broadcast from rank 0 (the largest: the embeddings), beside a colocated engine already built
   (:mod:`trainer.policy.sharded_init`: the model is sharded on the meta device before any weight is
@@ -46,6 +52,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -80,6 +87,8 @@ class Device:
     # Terms that never peak together: the total counts the larger of each pair's sides (activations
     # are freed as backward goes, while the gradients it produces accumulate).
     either: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = ()
+    # The key to change for a term, where it is this device's own (else ADVICE's).
+    advice: dict[str, str] = field(default_factory=dict)
 
     @property
     def total(self) -> float:
@@ -245,13 +254,48 @@ def engine_device(cfg, shape: Shape, capacity: float, role: str) -> Device:
     return dev
 
 
-# ----- the reward model -----------------------------------------------------------------------------
+# ----- the model-scored rewards: the reward model and the judge -----------------------------------
 
 
-def uses_reward_model(cfg) -> bool:
-    from trainer.rewards.registry import REWARD_MODEL
+@dataclass(frozen=True)
+class Scorer:
+    """A model-scored reward's replicas as the plan counts them (the reward model, the judge): what one replica
+    holds, by term, in host memory (``terms(None)``) or on a GPU of that capacity, and, for a vLLM engine, what
+    its share of the GPU must hold (``share(capacity)``, a device of its own)."""
 
-    return any(spec.name == REWARD_MODEL for spec in cfg.env.reward_functions)
+    what: str  # what people call it: "reward model", "judge"
+    section: str  # its config section (a RewardActorsConfig): "reward_model", "judge"
+    shape: Shape
+    terms: Callable[[float | None], dict[str, float]]
+    batch: str  # its largest batch, in words
+    share: Callable[[float], Device | None] = lambda capacity: None
+
+
+def replica_dtype(dtype: str, gpu: bool) -> str:
+    """A replica's dtype setting as it resolves ``auto``: bfloat16 on a GPU or a CPU with native bf16."""
+    if dtype != "auto":
+        return dtype
+    from trainer import hardware
+
+    return "bfloat16" if gpu or hardware.native_bf16() else "float32"
+
+
+def scorers(cfg) -> list[Scorer]:
+    """The model-scored rewards ``env.reward_functions`` names, each shaped from its config."""
+    from trainer.rewards.registry import LLM_JUDGE, REWARD_MODEL
+
+    names = {spec.name for spec in cfg.env.reward_functions}
+    out = []
+    if REWARD_MODEL in names:
+        rm = cfg.reward_model
+        out.append(
+            reward_model_scorer(cfg, model_shape(rm.name, rm.trust_remote_code, True, "reward_model.name"))
+        )
+    if LLM_JUDGE in names:
+        out.append(
+            judge_scorer(cfg, model_shape(cfg.judge.model, cfg.judge.trust_remote_code, key="judge.model"))
+        )
+    return out
 
 
 def reward_model_pass(cfg, shape: Shape) -> tuple[int, int]:
@@ -266,22 +310,12 @@ def reward_model_pass(cfg, shape: Shape) -> tuple[int, int]:
     return max(rm.max_tokens_per_batch, longest), longest
 
 
-def reward_model_dtype(cfg, gpu: bool) -> str:
-    """``reward_model.dtype`` as a replica resolves ``auto``: bfloat16 on a GPU or a CPU with native bf16."""
-    dtype = cfg.reward_model.dtype
-    if dtype != "auto":
-        return dtype
-    from trainer import hardware
-
-    return "bfloat16" if gpu or hardware.native_bf16() else "float32"
-
-
 def reward_model_terms(cfg, shape: Shape, gpu: bool) -> dict[str, float]:
     """Bytes one replica holds at its peak: its weights, and one forward pass without gradients, where
     each block's intermediates are freed as the next block runs (:func:`block_activation_bytes` of one
     block bounds them), beside the residual stream and the (batch, 1, T, T) boolean mask that SDPA gets
     for a padded batch. The score head reads the last position: no logits over a vocabulary."""
-    dtype = BYTES[reward_model_dtype(cfg, gpu)]
+    dtype = BYTES[replica_dtype(cfg.reward_model.dtype, gpu)]
     tokens, longest = reward_model_pass(cfg, shape)
     return {
         "reward model weights": shape.params * dtype,
@@ -291,41 +325,155 @@ def reward_model_terms(cfg, shape: Shape, gpu: bool) -> dict[str, float]:
     }
 
 
-def reward_model_devices(
-    cfg, shape: Shape, capacity: float, policy: list[Device]
-) -> tuple[list[Device], Device]:
-    """The reward model's replica where the config puts it (a GPU of the group that offers
-    ``reward_model.resource``; none for CPU replicas, which :func:`plan` notes), and, as the alternative,
-    the training GPU with a replica resident beside the policy at the policy's peak (``policy``: its GPU
-    phases)."""
-    rm = cfg.reward_model
-    gpu_terms = reward_model_terms(cfg, shape, gpu=True)
+def reward_model_scorer(cfg, shape: Shape) -> Scorer:
     tokens, longest = reward_model_pass(cfg, shape)
+    return Scorer(
+        "reward model",
+        "reward_model",
+        shape,
+        lambda capacity: reward_model_terms(cfg, shape, gpu=capacity is not None),
+        f"its largest forward pass: {tokens} tokens, samples up to {longest} tokens",
+    )
+
+
+def judge_sequence(cfg, shape: Shape) -> tuple[int, int]:
+    """``(prompt, total)`` tokens of the judge's longest sequence: ``judge.template`` (its UTF-8 bytes: a
+    byte-level tokenizer writes no more tokens than that; the chat template and a short reference add a few),
+    the question (the policy's prompt, at most ``policy.max_total_sequence_length - generation.max_new_tokens``
+    of the policy's tokens) and a response of at most ``judge.max_response_tokens`` (a longer one is not judged),
+    then the judge's own ``judge.max_new_tokens``; within the judge's context."""
+    j = cfg.judge
+    question = max(0, cfg.policy.max_total_sequence_length - cfg.generation.max_new_tokens)
+    prompt = len(j.template.encode()) + question + j.max_response_tokens
+    total = prompt + j.max_new_tokens
+    if shape.context:
+        total = min(total, shape.context)
+        prompt = min(prompt, total)
+    return prompt, total
+
+
+def judge_utilization(cfg) -> float:
+    """The share of its GPU a vLLM judge replica takes (its engine: :func:`trainer.generation.judge.generation_config`)."""
+    from trainer.generation.judge import generation_config
+    from trainer.generation.vllm_engine import resolve_gpu_memory_utilization
+
+    # the share does not depend on the dtype; a judge's engine never shares its GPU with a policy rank
+    return resolve_gpu_memory_utilization(generation_config(cfg.judge, "bfloat16"), colocated=False)
+
+
+def judge_terms(cfg, shape: Shape, capacity: float | None) -> dict[str, float]:
+    """Bytes one judge replica holds at its peak, on a GPU of ``capacity`` (None: in host memory). A vLLM
+    engine on a GPU takes its ``gpu_memory_utilization`` share, whatever the judge (:func:`judge_share` says
+    what the share must hold); on CPU, its weights and its KV cache space
+    (:data:`trainer.generation.vllm_cpu.CPU_KV_CACHE_GIB`). The hf engine (:mod:`trainer.generation.hf`):
+    its weights, the KV cache of one batch (``judge.batch_size`` sequences of :func:`judge_sequence`'s
+    length), and the prefill of that batch, its largest pass: one block's working set, the residual stream,
+    the padded batch's boolean attention mask, and the float32 logits of its last positions."""
+    j = cfg.judge
+    dtype = BYTES[replica_dtype(j.dtype, capacity is not None)]
+    weights = shape.params * dtype
+    if j.backend == "vllm":
+        if capacity is not None:
+            return {"judge engine (vLLM's share)": judge_utilization(cfg) * capacity}
+        from trainer.generation.vllm_cpu import CPU_KV_CACHE_GIB
+
+        return {"judge weights": weights, "judge KV cache": CPU_KV_CACHE_GIB * GiB}
+    prompt, total = judge_sequence(cfg, shape)
+    batch = j.batch_size
+    return {
+        "judge weights": weights,
+        "judge KV cache": batch * total * kv_bytes_per_token(shape, dtype, 1),
+        "judge activations": block_activation_bytes(shape, batch * prompt, dtype) + batch * prompt * shape.hidden * dtype,
+        "judge attention mask": batch * prompt * prompt,
+        "judge logits": batch * shape.vocab * 4,
+    }  # fmt: skip
+
+
+def judge_share(cfg, shape: Shape, capacity: float) -> Device | None:
+    """A vLLM judge's share of its GPU, as :func:`engine_device` plans the policy's engine: its weights in
+    ``judge.dtype`` and the KV cache of one judge sequence (vLLM refuses to start without room for one); the
+    rest of the share holds as many more as fit. None for the hf engine."""
+    j = cfg.judge
+    if j.backend != "vllm":
+        return None
+    util = judge_utilization(cfg)
+    dtype = BYTES[replica_dtype(j.dtype, True)]
+    _, total = judge_sequence(cfg, shape)
+    weights = shape.params * dtype
+    per_seq = kv_bytes_per_token(shape, dtype, 1) * total
+    dev = Device(
+        "judge engine's share",
+        util * capacity,
+        {"judge weights": weights, "judge KV cache (one sequence)": per_seq},
+    )
+    sequences = int((util * capacity - weights) // per_seq) if per_seq else 0
+    dev.notes.append(
+        f"KV cache for {max(0, sequences)} judge sequences of {total} tokens in the engine's {util:g} share "
+        f"({util * capacity / GiB:.1f} GiB)"
+    )
+    return dev
+
+
+def judge_scorer(cfg, shape: Shape) -> Scorer:
+    prompt, total = judge_sequence(cfg, shape)
+    j = cfg.judge
+    batch = "as many as its share holds" if j.backend == "vllm" else f"judge.batch_size={j.batch_size}"
+    return Scorer(
+        "judge",
+        "judge",
+        shape,
+        lambda capacity: judge_terms(cfg, shape, capacity),
+        f"the {j.backend} engine; its prompts up to {prompt} tokens, {total} with its verdict, {batch} at once",
+        lambda capacity: judge_share(cfg, shape, capacity),
+    )
+
+
+def replica_devices(
+    cfg, scorer: Scorer, capacity: float, policy: list[Device]
+) -> tuple[list[Device], Device]:
+    """A model-scored reward's replica where the config puts it (a GPU of the group that offers its section's
+    ``resource``, and a vLLM engine's share of it; none for CPU replicas, which :func:`plan` notes), and, as
+    the alternative, the training GPU with a replica resident beside the policy at the policy's peak
+    (``policy``: its GPU phases)."""
+    actors = getattr(cfg, scorer.section)
+    gpu_terms = scorer.terms(capacity)
     devices = []
-    if rm.num_gpus > 0:
+    if actors.num_gpus > 0:
         # One device per replica (the worker loads onto cuda:0 of its GPUs); a fraction of a GPU: that share.
         own = Device(
-            f"reward model GPU ({rm.resource or 'any GPU node'})",
-            capacity * min(1.0, rm.num_gpus),
+            f"{scorer.what} GPU ({actors.resource or 'any GPU node'})",
+            capacity * min(1.0, actors.num_gpus),
             {**gpu_terms, "runtime reserve": RUNTIME_RESERVE},
         )
-        where = f"the worker group that offers {rm.resource}" if rm.resource else "any GPU Ray offers"
+        where = f"the worker group that offers {actors.resource}" if actors.resource else "any GPU Ray offers"
         own.notes.append(
-            f"reward_model.replicas={rm.replicas} x num_gpus={rm.num_gpus:g} on {where}; its largest forward "
-            f"pass: {tokens} tokens, samples up to {longest} tokens"
+            f"{scorer.section}.replicas={actors.replicas} x num_gpus={actors.num_gpus:g} on {where}; {scorer.batch}"
         )
         devices.append(own)
+        share = scorer.share(capacity)
+        if share is not None:
+            devices.append(share)
     peak = max(policy, key=lambda d: d.total)
     beside = Device(
-        "training GPU with the reward model beside the policy (an alternative)",
+        f"training GPU with the {scorer.what} beside the policy (an alternative)",
         capacity,
         {POLICY_PEAK: peak.total, **gpu_terms, "runtime reserve": RUNTIME_RESERVE},
+        advice={
+            POLICY_PEAK: f"the {scorer.what} on a worker group of its own ({scorer.section}.resource), or CPU replicas"
+        },
     )
     beside.notes.append(
         f"the policy at its peak: {peak.role}; one replica resident on each training GPU, a process of its "
         "own (its own CUDA context); the run does not place it there"
     )
     return devices, beside
+
+
+def reward_model_devices(
+    cfg, shape: Shape, capacity: float, policy: list[Device]
+) -> tuple[list[Device], Device]:
+    """:func:`replica_devices` of the reward model."""
+    return replica_devices(cfg, reward_model_scorer(cfg, shape), capacity, policy)
 
 
 # ----- the plan -------------------------------------------------------------------------------------
@@ -337,9 +485,10 @@ class Plan:
     target: str  # "8 x H200 (a3-ultragpu-8g) per node" or "CPU"
     shape: Shape
     devices: list[Device]
-    # Placements the run does not use but could (the reward model beside the policy): said, not counted.
+    # Placements the run does not use but could (the reward model or the judge beside the policy): said, not counted.
     alternatives: list[Device] = field(default_factory=list)
     rm_shape: Shape | None = None
+    judge_shape: Shape | None = None
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -378,10 +527,16 @@ ADVICE = {
     "KV cache (one sequence)": "a smaller policy.max_total_sequence_length, or a larger generation.tensor_parallel_size",
     "colocated engine (awake)": "a smaller generation.gpu_memory_utilization, or generation.placement=disaggregated",
     "one full tensor, loading": "more training GPUs (the shards beside it shrink)",
-    POLICY_PEAK: "the reward model on a worker group of its own (reward_model.resource), or CPU replicas",
     "reward model weights": "a smaller reward model (reward_model.name), or reward_model.dtype=bfloat16",
     "reward model activations": "a smaller reward_model.max_tokens_per_batch (or reward_model.max_length)",
     "reward model attention mask": "a smaller reward_model.max_tokens_per_batch (or reward_model.max_length)",
+    "judge weights": "a smaller judge (judge.model), or judge.dtype=bfloat16",
+    "judge engine (vLLM's share)": "judge.num_gpus=1 (vLLM takes its share of a whole GPU), or judge.backend=hf",
+    "judge KV cache": "a smaller judge.batch_size, judge.max_response_tokens or judge.max_new_tokens",
+    "judge KV cache (one sequence)": "a smaller judge.max_response_tokens or judge.max_new_tokens",
+    "judge activations": "a smaller judge.batch_size or judge.max_response_tokens",
+    "judge attention mask": "a smaller judge.batch_size or judge.max_response_tokens",
+    "judge logits": "a smaller judge.batch_size",
     SLEEPING_TERM: "a larger workerGroups.train.resources.requests.memory in the values file",
 }
 LOADING_TERM = "one full tensor, loading"
@@ -502,19 +657,18 @@ def plan(cfg, gpu: str | None, experiment: str, host_bytes: float = float("inf")
         devices.append(engine_device(cfg, shape, capacity, "generation GPU (engine's share)"))
     per_node = cfg.cluster.gpus_per_node
     result = Plan(experiment, f"{per_node} x {GPU_NAMES[gpu]} per node", shape, devices)
-    if uses_reward_model(cfg):
-        rm_shape = model_shape(cfg.reward_model.name, cfg.reward_model.trust_remote_code, classifier=True)
-        policy = [d for d in devices if d.role.startswith("training GPU")]
-        own, beside = reward_model_devices(cfg, rm_shape, capacity, policy)
+    policy = [d for d in devices if d.role.startswith("training GPU")]
+    for scorer in scorers(cfg):
+        _shaped(result, scorer)
+        own, beside = replica_devices(cfg, scorer, capacity, policy)
         result.devices += own
         result.alternatives.append(beside)
-        result.rm_shape = rm_shape
         if not own:
-            rm = cfg.reward_model
-            each = sum(reward_model_terms(cfg, rm_shape, gpu=False).values())
+            actors = getattr(cfg, scorer.section)
+            each = sum(scorer.terms(None).values())
             result.notes.append(
-                f"reward model: {rm.replicas} CPU replica(s) (reward_model.num_gpus=0), {each / GiB:.2f} GiB of "
-                "host memory each on the nodes Ray picks"
+                f"{scorer.what}: {actors.replicas} CPU replica(s) ({scorer.section}.num_gpus=0), {each / GiB:.2f} GiB "
+                "of host memory each on the nodes Ray picks"
             )
     return result
 
@@ -534,12 +688,19 @@ def _cpu_plan(cfg, shape: Shape, terms: dict[str, float], experiment: str) -> Pl
     engines = ranks if not cfg.disaggregated else cfg.num_generation_workers
     node.terms[f"engine weights x {engines}"] = shape.params * BYTES[cfg.engine_dtype] * engines
     result = Plan(experiment, "CPU", shape, [node])
-    if uses_reward_model(cfg):  # CPU replicas on the same machine, all scoring at once at worst
-        rm = cfg.reward_model
-        result.rm_shape = model_shape(rm.name, rm.trust_remote_code, classifier=True)
-        for k, v in reward_model_terms(cfg, result.rm_shape, gpu=False).items():
-            node.terms[f"{k} x {rm.replicas} replicas"] = v * rm.replicas
+    for scorer in scorers(cfg):  # CPU replicas on the same machine, all scoring at once at worst
+        _shaped(result, scorer)
+        replicas = getattr(cfg, scorer.section).replicas
+        for k, v in scorer.terms(None).items():
+            node.terms[f"{k} x {replicas} replicas"] = v * replicas
     return result
+
+
+def _shaped(result: Plan, scorer: Scorer) -> None:
+    if scorer.section == "judge":
+        result.judge_shape = scorer.shape
+    else:
+        result.rm_shape = scorer.shape
 
 
 def _host_memory() -> float:
@@ -561,6 +722,12 @@ def render(p: Plan) -> str:
             f"  reward model: {r.params / 1e9:.2f}B parameters ({r.layers} layers, hidden {r.hidden}, a score "
             f"head; config from {r.source})"
         )
+    if p.judge_shape is not None:
+        r = p.judge_shape
+        lines.append(
+            f"  judge: {r.params / 1e9:.2f}B parameters ({r.layers} layers, hidden {r.hidden}, a causal LM; config "
+            f"from {r.source})"
+        )
     for d in p.devices + p.alternatives:
         lines.append(f"  {d.role}:")
         for name, value in sorted(d.terms.items(), key=lambda kv: -kv[1]):
@@ -571,7 +738,8 @@ def render(p: Plan) -> str:
         lines.append(f"    {'total':<34} {d.total / GiB:9.2f} GiB of {d.capacity / GiB:.1f} GiB: {verdict}")
         lines += [f"    ({n})" for n in d.notes]
         if not d.fits:
-            key = ADVICE.get(d.dominant.split(" x ")[0], "a larger machine")
+            term = d.dominant.split(" x ")[0]
+            key = d.advice.get(term) or ADVICE.get(term, "a larger machine")
             lines.append(f"    largest term: {d.dominant}; change: {key}")
     transients = sorted(p.transients().items(), key=lambda kv: -kv[1])
     if transients:

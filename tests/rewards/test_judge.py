@@ -2,7 +2,8 @@
 prompt the judge reads (the response as data, special-token strings as plain text, a cap on its length); real
 generations on the hf engine, whose scores must be exactly what the parser makes of the text the engine
 wrote; a tiny judge trained here to write "score: 1" for a response that is the reference sum and "score: 0"
-for any other, on its own Ray actor through the reward runner; and the checks that stop a bad judge at start in one line.
+for any other, on its own Ray actor through the reward runner, and on vLLM's CPU build in a JudgePool actor (the
+same verdicts, the same text as the hf engine writes); and the checks that stop a bad judge at start in one line.
 
 The trained judge is built once per session and cached like builtin:tiny (``KUBERL_CACHE``), from a fixed
 seed, in seconds (:func:`build_arithmetic_judge`).
@@ -278,6 +279,42 @@ def test_should_judge_on_its_own_actor_beside_a_verifiable_reward_through_the_ru
     # The judge comes first: its output is the sample's note.
     assert right.answer_note.startswith("judge read 1 -> 1: 'score: 1'") and right.answer == "1"
     assert [r.scores["llm_judge"] for r in only] == [1.0, 0.0] and only[0].correct and not only[1].correct
+
+
+@pytest.mark.vllm
+def test_should_pay_what_the_parser_makes_of_exactly_the_text_vllm_wrote_when_the_judge_runs_on_vllm(
+    arithmetic_judge, ray_local
+):
+    """judge.backend=vllm: the trained judge on vLLM's CPU build, in a JudgePool actor. Each score is the parser's
+    verdict on the text vLLM wrote (quoted whole in the note), and that text is the hf engine's greedy output
+    for the same prompt: the same judge, whichever engine decodes it."""
+    import ast
+
+    import ray
+
+    from trainer.generation.judge import JudgePool
+
+    cfg = {"model": arithmetic_judge, "template": SUM_TEMPLATE, "max_new_tokens": 12, "max_score": 1.0}
+    examples = judge_examples(seed=2)[:24]
+    items = [(q, r, ref) for q, ref, r, _ in examples]
+    pool = JudgePool(JudgeConfig(**cfg, backend="vllm", start_timeout_s=300.0))
+    try:
+        pool.wait_ready()
+        assert "on the vllm engine" in pool.describe()
+        gen = pool.call(items)
+        assert ray.get(next(gen)) is None
+        scores, notes, _ = ray.get(next(gen))
+    finally:
+        pool.shutdown()
+    quoted = [re.search(r"(?:-> [^:]*|judge\.unparsed_score): (.*)$", note, re.DOTALL) for note in notes]
+    texts = [ast.literal_eval(q.group(1)) for q in quoted if q]
+    assert len(texts) == len(items), notes
+    assert [(s, n) for s, n in zip(scores, notes)] == [judge.judged(t, JudgeConfig(**cfg)) for t in texts]
+    hf = _worker(**cfg)
+    prompts, _ = hf.prompts(items)
+    assert texts == [c[0].text for c in hf.engine.generate(prompts, 1, hf.params)]
+    want = [1.0 if v == "score: 1" else 0.0 for *_, v in examples]
+    assert sum(s == w for s, w in zip(scores, want)) >= 18 and all(n.startswith(judge.PARSED) for n in notes)
 
 
 def test_should_refuse_a_judge_entry_without_the_actors_or_with_kwargs():

@@ -23,6 +23,19 @@ from trainer.rewards import actors
 from trainer.rewards import judge as rules
 
 
+def generation_config(cfg: JudgeConfig, dtype: str) -> GenerationConfig:
+    """The engine settings a replica generates with (``dtype`` resolved): the judge's own, the rest generation's
+    defaults (a vLLM engine of its own takes the disaggregated share of its GPU); what the memory plan counts."""
+    return dataclasses.replace(
+        GenerationConfig(),
+        backend=cfg.backend,
+        max_new_tokens=cfg.max_new_tokens,
+        temperature=cfg.temperature,
+        batch_size=cfg.batch_size,
+        dtype=dtype,
+    )
+
+
 class JudgeWorker:
     """One replica: the judge's tokenizer and a generation engine over it, judging ``(question, response,
     reference)`` triples. A Ray actor."""
@@ -34,14 +47,7 @@ class JudgeWorker:
         device, dtype = actors.device_and_dtype(cfg.num_gpus, cfg.dtype)
         name = rules.model_name(cfg)
         self.tokenizer = load_tokenizer(cfg.tokenizer or name, cfg.trust_remote_code)
-        gen = dataclasses.replace(
-            GenerationConfig(),
-            backend=cfg.backend,
-            max_new_tokens=cfg.max_new_tokens,
-            temperature=cfg.temperature,
-            batch_size=cfg.batch_size,
-            dtype=dtype,
-        )
+        gen = generation_config(cfg, dtype)
         spec = EngineSpec(
             model_path=name,
             dtype=dtype,

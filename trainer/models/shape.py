@@ -92,7 +92,7 @@ def known_config(name: str):
     return AutoConfig.for_model(known.pop("model_type"), **known)
 
 
-def _hf_config(name: str, trust_remote_code: bool):
+def _hf_config(name: str, trust_remote_code: bool, key: str = "model.name"):
     from transformers import AutoConfig
 
     from trainer.models import resolve_model
@@ -107,18 +107,21 @@ def _hf_config(name: str, trust_remote_code: bool):
         return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code), path
     except OSError as e:
         raise ShapeError(
-            f"cannot read the config of model.name={name} ({str(e).splitlines()[0]}); "
+            f"cannot read the config of {key}={name} ({str(e).splitlines()[0]}); "
             "download it first (huggingface-cli download NAME config.json) or give a local directory"
         ) from None
 
 
-def model_shape(name: str, trust_remote_code: bool = False, classifier: bool = False) -> Shape:
+def model_shape(
+    name: str, trust_remote_code: bool = False, classifier: bool = False, key: str = "model.name"
+) -> Shape:
     """Instantiate ``name`` on the meta device, as the policy loads it, and count; ``classifier``: as a
-    reward model loads (a sequence classifier with one label: a score head, no LM head)."""
+    reward model loads (a sequence classifier with one label: a score head, no LM head); ``key``: the
+    setting that names it, for the error."""
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    config, source = _hf_config(name, trust_remote_code)
+    config, source = _hf_config(name, trust_remote_code, key)
     with torch.device("meta"):
         if classifier:
             config.num_labels = 1

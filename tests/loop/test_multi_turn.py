@@ -8,8 +8,9 @@ import ray
 
 from trainer.config import EnvConfig, RewardSpec
 from trainer.data.prompts import TurnEncoder, encode_prompt
+from trainer.envs.code_feedback import CodeFeedback
 from trainer.generation.base import Completion, SamplingParams
-from trainer.loop.rollout import finish, generate_multi_turn
+from trainer.loop.rollout import finish, generate_episodes
 from trainer.models import load_tokenizer
 from trainer.rewards.runner import RewardRunner
 
@@ -20,18 +21,35 @@ RIGHT = "```python\na, b = map(int, input().split())\nprint(a + b)\n```"
 TESTS = {"inputs": ["1 2\n", "5 5\n"], "outputs": ["3\n", "10\n"]}
 
 
+def generate_multi_turn(generator, rewards, feedback, turns, examples, n, params, max_turns, max_context):
+    """The run's code loop: the ``code_feedback`` environment over a feedback runner."""
+    env = CodeFeedback.from_runner(feedback)
+    return generate_episodes(generator, rewards, env, turns, examples, n, params, max_turns, max_context)
+
+
 class ScriptedGenerator:
-    """A generation engine that answers from a script: (turn index) -> text."""
+    """A generation engine that answers from a script: (turn index) -> text. A prompt's turn is the number of
+    the model's attempts it already holds (the assistant turns its chat template opened, less the one to
+    write), not the number of calls: episodes that step apart reach the engines in calls of their own."""
 
     def __init__(self, tokenizer, script):
-        self.tokenizer, self.script, self.calls = tokenizer, script, []
+        self.tokenizer, self.script, self.prompts = tokenizer, script, []
+
+    @property
+    def turns(self) -> int:
+        """How many turns were asked for: 1 + the latest turn any prompt reached."""
+        return 1 + max(self._turn(p) for p in self.prompts)
+
+    def _turn(self, prompt) -> int:
+        return self.tokenizer.decode(prompt).count("<|im_start|>assistant") - 1
 
     def submit(self, prompts, n, params):
-        self.calls.append(prompts)
-        turn = len(self.calls) - 1
-        text = self.script[turn]
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
-        out = [[Completion(ids, [0.0] * len(ids), text, "stop") for _ in range(n)] for _ in prompts]
+        self.prompts += prompts
+        out = []
+        for prompt in prompts:
+            text = self.script[self._turn(prompt)]
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
+            out.append([Completion(ids, [0.0] * len(ids), text, "stop") for _ in range(n)])
         return [(ray.put(out), list(range(len(prompts))))]
 
 
@@ -60,7 +78,7 @@ def test_should_feed_back_the_failing_test_and_reward_the_final_attempt_when_ret
         4096,
     )
     (a, b) = finish(pending, rewards)
-    assert len(gen.calls) == 2  # both episodes passed on the second attempt: no third turn
+    assert gen.turns == 2  # both episodes passed on the second attempt: no third turn
     for r in (a, b):
         assert r.turns == 2 and r.reward.total == 1.0 and r.reward.correct
         # second-turn context = prompt + first attempt + feedback; the feedback names the failing test
@@ -71,7 +89,7 @@ def test_should_feed_back_the_failing_test_and_reward_the_final_attempt_when_ret
         second = tok(RIGHT, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
         assert model == first + second  # only the model's own tokens carry loss
         assert 0 in r.response_mask
-    assert gen.calls[1][0][: len(example["prompt_ids"])] == example["prompt_ids"]
+    assert all(p[: len(example["prompt_ids"])] == example["prompt_ids"] for p in gen.prompts[1:])
 
 
 def test_should_stop_at_the_turn_limit_and_score_the_last_attempt(setup):
@@ -90,7 +108,7 @@ def test_should_stop_at_the_turn_limit_and_score_the_last_attempt(setup):
         4096,
     )
     results = finish(pending, rewards)
-    assert len(gen.calls) == 2 and all(r.turns == 2 and r.reward.total == 0.0 for r in results)
+    assert gen.turns == 2 and all(r.turns == 2 and r.reward.total == 0.0 for r in results)
 
 
 def test_should_complete_and_log_rewards_when_tiny_model_runs_multi_turn_on_code(tmp_path, trainer_env):

@@ -110,25 +110,6 @@ def generate(
     return PendingRollouts(rollouts, ids, time.monotonic() - start)
 
 
-def generate_multi_turn(
-    generator: Generator,
-    rewards: RewardRunner,
-    feedback: RewardRunner,
-    turns: TurnEncoder,
-    examples: list[dict],
-    n: int,
-    params: SamplingParams,
-    max_turns: int,
-    max_context: int,
-) -> PendingRollouts:
-    """Code episodes of up to ``max_turns`` attempts: after a failing attempt the feedback runner's
-    answer becomes the next user turn (the ``code_feedback`` environment over ``feedback``)."""
-    from trainer.envs.code_feedback import CodeFeedback
-
-    env = CodeFeedback.from_runner(feedback)
-    return generate_episodes(generator, rewards, env, turns, examples, n, params, max_turns, max_context)
-
-
 @dataclass
 class _Live:
     """An episode in progress: its rollout, the environment's side of it, and what it has said so far."""

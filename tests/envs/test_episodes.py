@@ -260,7 +260,6 @@ def test_should_start_a_samples_next_turn_without_waiting_for_a_slow_episode(ray
     }
     gen = RecordingGenerator(ScriptedEngine(tokenizer, [CALL, CALL, "408"]))
     rewards = _rewards(("arithmetic",))
-    t0 = time.monotonic()
     pending = generate_episodes(
         gen,
         rewards,
@@ -278,4 +277,3 @@ def test_should_start_a_samples_next_turn_without_waiting_for_a_slow_episode(ray
     # would have waited for it at every turn): the fast sample's later turns were calls of their own.
     fast_turns = [c for c in gen.calls[1:] if len(c[0]) == 1 and "tag-slow" not in tokenizer.decode(c[0][0])]
     assert len(fast_turns) == 2
-    assert time.monotonic() - t0 < 2 * 4.0 + 5  # two slow steps, not more

@@ -50,6 +50,16 @@ def run_helm(*args: str) -> subprocess.CompletedProcess:
 
 
 @functools.cache
+def lint_failure(*sets: str) -> str:
+    """``helm lint --strict`` of the chart with ``--set`` values that must fail it; what it printed."""
+    args = ["lint", "--strict", str(CHART), "--set", "storage.gcsfuse.bucketName=b"]
+    for s in sets:
+        args += ["--set", s]
+    out = run_helm(*args)
+    assert out.returncode != 0, f"lint passed with {sets}"
+    return out.stdout + out.stderr
+
+
 def _render(values_files: tuple[str, ...], sets: tuple[str, ...], release: str) -> tuple:
     args = ["template", release, str(CHART), "--namespace", "exp"]
     for f in values_files:

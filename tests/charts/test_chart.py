@@ -14,6 +14,7 @@ from chartlib import (
     env_of,
     groups,
     head_template,
+    lint_failure,
     node_file,
     one,
     render,
@@ -22,16 +23,6 @@ from chartlib import (
     schema_errors,
     start_script,
 )
-
-
-def _lint(*sets: str) -> str:
-    args = ["lint", "--strict", str(CHART), "--set", "storage.gcsfuse.bucketName=b"]
-    for s in sets:
-        args += ["--set", s]
-    out = run_helm(*args)
-    assert out.returncode != 0, f"lint passed with {sets}"
-    return out.stdout + out.stderr
-
 
 # ----- RayCluster shape ---------------------------------------------------------------------------
 
@@ -378,7 +369,7 @@ def test_should_leave_the_head_without_nccl_settings_when_rdma_enabled() -> None
 
 
 def test_should_reject_an_nccl_value_that_would_break_its_quoting_when_linting() -> None:
-    assert "/rdma/ncclEnv" in _lint("rdma.ncclEnv.NCCL_IB_TC=1'; rm -rf /")
+    assert "/rdma/ncclEnv" in lint_failure("rdma.ncclEnv.NCCL_IB_TC=1'; rm -rf /")
 
 
 def test_should_leave_pods_without_rdma_plumbing_when_rdma_disabled() -> None:
@@ -458,18 +449,18 @@ def test_should_read_hf_token_and_wandb_key_from_secret_key_refs_when_secrets_ar
 
 
 def test_should_reject_hf_token_as_a_plain_value_when_put_in_env() -> None:
-    assert "env" in _lint("env[0].name=HF_TOKEN", "env[0].value=hf_abc")
+    assert "env" in lint_failure("env[0].name=HF_TOKEN", "env[0].value=hf_abc")
 
 
 def test_should_reject_a_token_value_under_secrets_when_given() -> None:
-    assert "token" in _lint("secrets.hfToken.token=hf_abc")
+    assert "token" in lint_failure("secrets.hfToken.token=hf_abc")
 
 
 # ----- schema -------------------------------------------------------------------------------------
 
 
 def test_should_fail_lint_naming_the_key_when_a_key_is_misspelled() -> None:
-    out = _lint("workerGroups.train.replcas=3")
+    out = lint_failure("workerGroups.train.replcas=3")
     assert "replcas" in out and "/workerGroups/train" in out
 
 
@@ -490,7 +481,7 @@ def test_should_fail_install_naming_the_key_when_a_key_is_misspelled() -> None:
     "bad", ["gpu.type=h100", "capacity.type=preemptible", "storage.type=nfs", "workerGroups.train.gpus=16"]
 )
 def test_should_fail_lint_when_an_enum_or_range_is_violated(bad: str) -> None:
-    assert bad.split("=")[0].replace(".", "/") in _lint(bad)
+    assert bad.split("=")[0].replace(".", "/") in lint_failure(bad)
 
 
 # ----- helm test and NOTES ------------------------------------------------------------------------
@@ -655,7 +646,7 @@ def test_should_pin_the_image_by_tag_or_digest_when_image_tag_is_given(tag: str,
 
 
 def test_should_reject_a_malformed_digest_when_linting() -> None:
-    assert "/image/tag" in _lint("image.tag=@sha256:123")
+    assert "/image/tag" in lint_failure("image.tag=@sha256:123")
 
 
 # ----- replicas -----------------------------------------------------------------------------------
@@ -751,7 +742,7 @@ def test_should_name_the_per_role_keys_in_one_line_when_file_cache_capacity_is_s
 
 
 def test_should_reject_a_forever_metadata_cache_when_set_on_the_read_write_mount() -> None:
-    out = _lint("storage.gcsfuse.mountOptions=implicit-dirs\\,metadata-cache:ttl-secs:-1")
+    out = lint_failure("storage.gcsfuse.mountOptions=implicit-dirs\\,metadata-cache:ttl-secs:-1")
     assert "/storage/gcsfuse/mountOptions" in out
 
 
@@ -856,7 +847,7 @@ def test_should_recreate_pods_on_upgrade_in_the_raycluster_and_not_in_a_rayjob_w
     assert "upgradeStrategy" not in job["spec"]["rayClusterSpec"] and "upgradeStrategy" not in job["spec"]
     assert not schema_errors(job)
     assert one(render("upgradeStrategy=None"), "RayCluster")["spec"]["upgradeStrategy"] == {"type": "None"}
-    assert "/upgradeStrategy" in _lint("upgradeStrategy=RollingUpdate")
+    assert "/upgradeStrategy" in lint_failure("upgradeStrategy=RollingUpdate")
 
 
 # ----- the RayJob's submitter ---------------------------------------------------------------------
@@ -901,7 +892,7 @@ def test_should_fail_naming_the_key_when_a_rayjob_has_no_experiment() -> None:
 
 
 def test_should_reject_the_experiment_as_an_override_when_linting() -> None:
-    assert "/job/overrides/0" in _lint(
+    assert "/job/overrides/0" in lint_failure(
         "job.enabled=true", "experiment=tiny", "job.overrides={experiment=tiny}"
     )
 

@@ -7,7 +7,18 @@ against the strict KubeRay and Kubernetes schemas in ../shared/schemas."""
 from __future__ import annotations
 
 import pytest
-from chartlib import CHART, JOB_SETS, VALUES, groups, one, ray_resources, render, run_helm, schema_errors
+from chartlib import (
+    CHART,
+    JOB_SETS,
+    VALUES,
+    groups,
+    lint_failure,
+    one,
+    ray_resources,
+    render,
+    run_helm,
+    schema_errors,
+)
 
 RM = (
     "workerGroups.rm.replicas=1",
@@ -41,15 +52,6 @@ def _template_failure(*sets: str) -> str:
     out = run_helm(*args)
     assert out.returncode != 0, f"rendered with {sets}"
     return out.stderr
-
-
-def _lint_failure(*sets: str) -> str:
-    args = ["lint", "--strict", str(CHART), "--set", "storage.gcsfuse.bucketName=b"]
-    for s in sets:
-        args += ["--set", s]
-    out = run_helm(*args)
-    assert out.returncode != 0, f"lint passed with {sets}"
-    return out.stdout + out.stderr
 
 
 def _selects(selector: dict, labels: dict) -> bool:
@@ -107,7 +109,7 @@ def test_should_keep_the_sandbox_groups_resource_as_before_when_it_goes_through_
     ids=["unknown-key", "zero-units", "not-a-number", "rays-own-resource", "bad-name"],
 )
 def test_should_refuse_in_lint_naming_the_key_when_the_schema_rejects_a_group_resource(bad, message) -> None:
-    out = _lint_failure(*RM, bad)
+    out = lint_failure(*RM, bad)
     assert message in out, out
 
 

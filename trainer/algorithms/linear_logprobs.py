@@ -50,9 +50,9 @@ def tile_elements(device: torch.device) -> int:
 def tiles(rows: int, vocab: int, budget: int) -> tuple[int, int]:
     """(positions per row chunk, vocabulary entries per block) for ``rows`` positions within ``budget``
     elements: every position in one chunk where a block of at least MIN_BLOCK allows it. A block is a
-    multiple of BLOCK_ALIGN entries, so every tile's rows start on an aligned address: with a width of,
-    say, 1359 bf16 entries, cuBLAS falls back to its unaligned kernels (``..._align1``), which made a
-    step of a 1.5B model 40 % slower on a GPU (bench/README.md)."""
+    multiple of BLOCK_ALIGN entries, so every tile's rows start on an aligned address: with an odd
+    width, cuBLAS falls back to its unaligned kernels (``..._align1``), far slower on a GPU
+    (bench/README.md, "The LM head a tile at a time")."""
     block = max(MIN_BLOCK, budget // max(rows, 1)) // BLOCK_ALIGN * BLOCK_ALIGN
     block = min(vocab, block)
     return min(rows, max(1, budget // block)) or 1, block

@@ -400,6 +400,24 @@ def lost(error: BaseException, doing: str, resumes_from: str) -> Lost | None:
     return Lost(f"lost {what} {doing}; {resumes_from}") if what else None
 
 
+def failed_step(error: Exception, step: int, resumes_from: str) -> Exception:
+    """What a step that raised ``error`` (a Ray error, or a :class:`GenerationError`) ends the run with.
+
+    A :class:`Lost` where the run lost a worker behind it. The loss is not always the error that came
+    first: when a generation actor dies mid-refit, the policy rank sending to it can fail on its broken
+    collective ("Connection reset by peer") before Ray reports the receiver dead, and that error is not the
+    run's failure but the loss's echo. Else an engine's or a refit's own failure, saying where a
+    resubmission resumes from; else the Ray error itself."""
+    from trainer.generation.placement import GenerationError
+
+    loss = lost(error, f"in step {step}", resumes_from)
+    if loss is not None:
+        return loss
+    if isinstance(error, GenerationError):
+        return GenerationError(f"{error} (step {step}); {resumes_from}")
+    return error
+
+
 def train(cfg: Config) -> list[dict[str, float]]:
     from ray.exceptions import RayError
 
@@ -424,11 +442,8 @@ def train(cfg: Config) -> list[dict[str, float]]:
     except Preempted:  # a clean stop: the workers are well and leave in order
         failed = False
         raise
-    except RayError as e:
-        step = state.progress.step + 1
-        raise lost(e, f"in step {step}", state._resumes_from()) or e from None
-    except GenerationError as e:  # an engine or a refit failed: say where a resubmission resumes from
-        raise GenerationError(f"{e} (step {state.progress.step + 1}); {state._resumes_from()}") from None
+    except (RayError, GenerationError) as e:
+        raise failed_step(e, state.progress.step + 1, state._resumes_from()) from None
     finally:
         state.close(failed)
     if history:

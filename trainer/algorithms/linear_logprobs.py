@@ -39,7 +39,7 @@ from torch import Tensor
 
 MIN_BLOCK = 256  # vocabulary entries per tile, at least: below this the matmuls stop paying for themselves
 TILE_BYTES = 12  # per tile element at the peak (trainer.plan counts it)
-BLOCK_ALIGN = 128  # a block's width in vocabulary entries is a multiple of this (a GEMM tile's width)
+BLOCK_ALIGN = 128  # a block's width in vocabulary entries is a multiple of this (a GEMM tile's width); MIN_BLOCK is one
 
 
 def tile_elements(device: torch.device) -> int:
@@ -53,8 +53,7 @@ def tiles(rows: int, vocab: int, budget: int) -> tuple[int, int]:
     multiple of BLOCK_ALIGN entries, so every tile's rows start on an aligned address: with an odd
     width, cuBLAS falls back to its unaligned kernels (``..._align1``), far slower on a GPU
     (bench/README.md, "The LM head a tile at a time")."""
-    block = max(MIN_BLOCK, budget // max(rows, 1)) // BLOCK_ALIGN * BLOCK_ALIGN
-    block = min(vocab, block)
+    block = min(vocab, max(MIN_BLOCK, budget // max(rows, 1) // BLOCK_ALIGN * BLOCK_ALIGN))
     return min(rows, max(1, budget // block)) or 1, block
 
 

@@ -1,0 +1,53 @@
+"""How a failed step ends the run (:func:`trainer.run.failed_step`): the loss behind an error when a worker
+is gone, even when the first error was not the dead actor's own, else the error saying where to resume."""
+
+from __future__ import annotations
+
+import pytest
+
+from trainer import watchdog
+from trainer.generation.placement import GenerationError
+from trainer.run import failed_step
+from trainer.watchdog import Lost
+
+RESUMES = "the next run resumes from /ckpt/tiny/step_2"
+ECHO = GenerationError(
+    "policy rank 0 failed in the weight refit: RuntimeError: [gloo/transport/tcp/pair.cc:537] Read error "
+    "[127.0.0.1]:27038: Connection reset by peer"
+)
+
+
+@pytest.fixture
+def actors(ray_local):
+    ray = ray_local
+
+    @ray.remote(num_cpus=0)
+    class Worker:
+        def ping(self) -> int:
+            return 1
+
+    handles = {"policy rank 0": Worker.remote(), "generation engine 0": Worker.remote()}
+    ray.get([h.ping.remote() for h in handles.values()])
+    for role, handle in handles.items():
+        watchdog.register(handle, role)
+    yield handles
+    for handle in handles.values():
+        watchdog.forget(handle)
+        ray.kill(handle)
+
+
+def test_should_name_the_dead_receiver_when_the_sender_of_a_refit_fails_first_on_its_broken_collective(
+    actors, ray_local
+):
+    ray_local.kill(actors["generation engine 0"], no_restart=True)
+    got = failed_step(ECHO, 3, RESUMES)
+    assert isinstance(got, Lost), got
+    line = str(got)
+    assert line.startswith("lost generation engine 0 (its process is gone") and "in step 3" in line
+    assert line.endswith(RESUMES) and "policy rank 0" not in line
+
+
+def test_should_report_the_refits_own_failure_with_where_to_resume_when_every_worker_is_alive(actors):
+    got = failed_step(ECHO, 3, RESUMES)
+    assert type(got) is GenerationError
+    assert str(got) == f"{ECHO} (step 3); {RESUMES}"

@@ -39,7 +39,7 @@ from torch import Tensor
 
 MIN_BLOCK = 256  # vocabulary entries per tile, at least: below this the matmuls stop paying for themselves
 TILE_BYTES = 12  # per tile element at the peak (trainer.plan counts it)
-BLOCK_ALIGN = 128  # a block's width in vocabulary entries is a multiple of this (a GEMM tile's width); MIN_BLOCK is one
+BLOCK_ALIGN = 128  # a block is a multiple of this many vocabulary entries (MIN_BLOCK is one)
 
 
 def tile_elements(device: torch.device) -> int:

@@ -17,6 +17,13 @@ from tests.shared_instance import shared
 REPO = Path(__file__).resolve().parents[1]
 SESSION = pytest.StashKey[str]()  # this session's id in tests.leftovers.MARK
 
+# No test reaches a model hub (there is none to reach: models are built locally or embedded). Without this,
+# each lookup of a hub name (a preset's reward model, a judge, a model whose config a check reads) waits
+# through huggingface_hub's five retries, 23 s, before the path for an unreachable hub runs; with it, the
+# same path runs at once. Set before any test module imports huggingface_hub, which reads it on import;
+# the runs the tests start inherit it (trainer.cluster passes it on to Ray's workers).
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
 
 def pytest_configure(config):
     from tests.leftovers import mark_session

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:  # annotations only: the run has loaded these (Ray, the workers) before the loop starts
     from trainer.data.loader import PromptLoader
     from trainer.data.prompts import TurnEncoder
-    from trainer.envs.base import Environment
+    from trainer.envs.base import Environment, RolloutDriver
     from trainer.generation.placement import Generator
     from trainer.logger import RunLogger
     from trainer.policy.group import PolicyGroup
@@ -32,6 +32,7 @@ class LoopState(Protocol):
     generator: Generator
     rewards: RewardRunner  # the training rewards (the async stream's producer thread owns it)
     environment: Environment | None  # multi-turn: what answers the model between its turns
+    driver: RolloutDriver | None  # an environment that runs its own rollouts through the endpoint (env.verifiers)
     turns: TurnEncoder
     loader: PromptLoader
     logger: RunLogger

@@ -201,8 +201,9 @@ class TrainState:
         self.environment = (
             envs.build(cfg.env.environment, cfg.env.environment_kwargs) if cfg.env.environment else None
         )
+        # env.verifiers: its dataset is the run's data, its tools are offered as the endpoint offers them
         self.driver = None
-        if cfg.env.verifiers.id:  # its dataset is the run's data, its tools are offered as the endpoint offers them
+        if cfg.env.verifiers.id:
             from trainer.envs.verifiers_env import VerifiersEnvironment
 
             self.driver = VerifiersEnvironment(cfg.env.verifiers.id, cfg.env.verifiers.args)

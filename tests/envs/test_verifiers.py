@@ -73,7 +73,10 @@ VF_RUN = [
 @pytest.mark.parametrize(
     "change, message",
     [
-        (["generation.endpoint.enabled=false"], "set generation.placement=disaggregated and generation.endpoint"),
+        (
+            ["generation.endpoint.enabled=false"],
+            "set generation.placement=disaggregated and generation.endpoint",
+        ),
         (["data.name=arithmetic"], "set data.name=verifiers"),
         (["env.reward_functions=[{name: arithmetic}]"], "add {name: environment, weight: 1.0}"),
         (["grpo.max_rollout_turns=2"], "leave env.environment null and grpo.max_rollout_turns=1"),
@@ -176,7 +179,9 @@ def _check_token_exact(rollout, records):
             continue
         candidates = sampled.get(tuple(full[:pos]), [])
         match = next((c for c in candidates if full[pos : pos + len(c["token_ids"])] == c["token_ids"]), None)
-        assert match is not None, f"the tokens at {pos} are no completion the endpoint sampled for what precedes them"
+        assert match is not None, (
+            f"the tokens at {pos} are no completion the endpoint sampled for what precedes them"
+        )
         candidates.remove(match)
         end = pos + len(match["token_ids"])
         assert mask[pos:end] == [1] * (end - pos)
@@ -211,7 +216,10 @@ def test_should_train_on_the_tokens_the_endpoint_sampled_with_a_tool_turn_masked
         assert r.env_info["turns_dropped"] == 0.0  # the template wrote each call back as it was sampled
         # the rubric's score, and ToolEnv's own count of the calls, came back with the rollout
         assert r.reward.scores["environment"] in (0.0, 1.0)
-        assert r.env_info["total_tool_calls"] >= r.turns - 1 and r.env_info["roll_calls"] == r.env_info["total_tool_calls"]
+        assert (
+            r.env_info["total_tool_calls"] >= r.turns - 1
+            and r.env_info["roll_calls"] == r.env_info["total_tool_calls"]
+        )
     assert tool_turns >= 1, "the tilted model never called the die"
 
 
@@ -272,7 +280,8 @@ def test_should_train_a_few_steps_when_the_environment_is_a_verifiers_one(traine
         rubric = scalars["train/verifiers/exact"][step] + 0.5 * scalars["train/verifiers/digits"][step]
         assert scalars["train/reward/environment"][step] == pytest.approx(rubric, abs=1e-5)
         assert scalars["train/reward_mean"][step] == pytest.approx(
-            scalars["train/reward/environment"][step] + 0.5 * scalars["train/reward/arithmetic"][step], abs=1e-5
+            scalars["train/reward/environment"][step] + 0.5 * scalars["train/reward/arithmetic"][step],
+            abs=1e-5,
         )
     assert scalars["train/verifiers/turns"] == [1.0] * STEPS
     rows = [json.loads(line) for line in (run_dir / "train_data_step1.jsonl").read_text().splitlines()]

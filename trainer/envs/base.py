@@ -115,9 +115,7 @@ class RolloutDriver(Protocol):
 
     name: str
 
-    def run(
-        self, examples: list[dict[str, Any]], n: int, sampling: dict[str, Any]
-    ) -> list[Trajectory]:
+    def run(self, examples: list[dict[str, Any]], n: int, sampling: dict[str, Any]) -> list[Trajectory]:
         """``n`` episodes per example, group-contiguous (rows [i*n, (i+1)*n) are example i's), sampled with
         ``sampling`` (OpenAI chat arguments: temperature, top_p, max_tokens, stop)."""
         ...

@@ -113,7 +113,9 @@ class VerifiersEnvironment:
         for i, row in enumerate(rows):
             prompt = row.get("prompt")
             if not isinstance(prompt, list) or not prompt:
-                raise ConfigError(f"env.verifiers.id={self.id}: row {i} of its dataset has no prompt messages")
+                raise ConfigError(
+                    f"env.verifiers.id={self.id}: row {i} of its dataset has no prompt messages"
+                )
             # Arrow fills the keys one message lacks and another has with None: the template sees neither
             messages = [
                 {**{k: v for k, v in m.items() if v is not None}, "content": _text(m.get("content"))}
@@ -144,13 +146,11 @@ class VerifiersEnvironment:
     def run(self, examples: list[dict[str, Any]], n: int, sampling: dict[str, Any]) -> list[Trajectory]:
         """``n`` rollouts per example by the environment's own ``generate``, group-contiguous; each example's
         group on one endpoint, the groups spread over all of them."""
-        inputs = [
-            {**ex["verifiers"], "example_id": i}  # the position in the batch: verifiers groups and sorts by it
-            for i, ex in enumerate(examples)
-            for _ in range(n)
-        ]
+        # example_id: the position in the batch, by which verifiers groups and sorts
+        inputs = [{**ex["verifiers"], "example_id": i} for i, ex in enumerate(examples) for _ in range(n)]
         shares = [
-            [x for x in inputs if x["example_id"] % len(self.endpoints) == k] for k in range(len(self.endpoints))
+            [x for x in inputs if x["example_id"] % len(self.endpoints) == k]
+            for k in range(len(self.endpoints))
         ]
         states = asyncio.run(self._generate(shares, {**sampling, "logprobs": True}))
         states.sort(key=lambda s: s["example_id"])  # stable: a group keeps its order

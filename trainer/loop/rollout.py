@@ -302,9 +302,15 @@ def generate_driven(
             sample.response_mask,
             sample.response_logprobs,
         )
-        r.env_info = {**t.info, "turns": float(sample.turns), "turns_dropped": float(len(t.turns) - sample.turns)}
+        r.env_info = {
+            **t.info,
+            "turns": float(sample.turns),
+            "turns_dropped": float(len(t.turns) - sample.turns),
+        }
         rollouts.append(r)
-        items.append((example["ground_truth"], t.text, question_of(example), example.get("messages"), t.reward))
+        items.append(
+            (example["ground_truth"], t.text, question_of(example), example.get("messages"), t.reward)
+        )
     ids = rewards.submit(items)
     return PendingRollouts(rollouts, ids, time.monotonic() - start)
 

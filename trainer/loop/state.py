@@ -32,11 +32,14 @@ class LoopState(Protocol):
     generator: Generator
     rewards: RewardRunner  # the training rewards (the async stream's producer thread owns it)
     environment: Environment | None  # multi-turn: what answers the model between its turns
-    driver: RolloutDriver | None  # an environment that runs its own rollouts through the endpoint (env.verifiers)
     turns: TurnEncoder
     loader: PromptLoader
     logger: RunLogger
     val_examples: list[dict]
+
+    @property  # read-only, so the run's own environment class satisfies it
+    def driver(self) -> RolloutDriver | None:
+        """An environment that runs its own rollouts through the endpoint (env.verifiers), or None."""
 
     @property  # read-only, so the run's own richer progress record satisfies it
     def progress(self) -> Position: ...

@@ -243,7 +243,7 @@ def test_should_pay_the_rubric_reward_into_the_advantages_when_the_env_is_single
 
 
 # ----- the acceptance: a few steps through the real entry point ---------------------------------------------
-STEPS = 2
+STEPS = 3
 
 
 @pytest.mark.slow
@@ -261,6 +261,8 @@ def test_should_train_a_few_steps_when_the_environment_is_a_verifiers_one(traine
             "env.reward_functions=[{name: environment, weight: 1.0}, {name: arithmetic, weight: 0.5}]",
             "generation.placement=disaggregated", "generation.endpoint.enabled=true",
             "generation.endpoint.port=0", "generation.endpoint.token_env=KUBERL_TEST_ENDPOINT_TOKEN",
+            # one step stale: the environment runs the next batch in the producer thread while the policy trains
+            "grpo.async.max_staleness=1",
             f"grpo.max_num_steps={STEPS}", "grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=4",
             "generation.max_new_tokens=2", "cluster.cpu_workers_per_node=1", "checkpointing.enabled=false",
             f"logger.log_dir={logs}",
@@ -284,5 +286,6 @@ def test_should_train_a_few_steps_when_the_environment_is_a_verifiers_one(traine
             abs=1e-5,
         )
     assert scalars["train/verifiers/turns"] == [1.0] * STEPS
+    assert max(scalars["train/staleness_max"]) <= 1.0
     rows = [json.loads(line) for line in (run_dir / "train_data_step1.jsonl").read_text().splitlines()]
     assert len(rows) == 8 and all(r["prompt"].endswith("=") or "=" in r["prompt"] for r in rows)

@@ -9,6 +9,10 @@ their tokens, never re-tokenising what the model wrote (:class:`trainer.data.pro
 
 An episode is bounded in time by its environment and fails into a message or a ``Step(done=True)``:
 nothing the model writes may crash the run or hang it.
+
+A :class:`RolloutDriver` (``env.verifiers``) runs its episodes itself, through the generation endpoint, and hands
+back each one's turns (:class:`Turn`) as the endpoint rendered and sampled them; :func:`chain` joins them into one
+token-exact sample.
 """
 
 from __future__ import annotations

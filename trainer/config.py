@@ -1157,6 +1157,11 @@ def _validate_verifiers(c: Config) -> None:
     )
     _require(data == "verifiers", f"{key}: its dataset is the run's prompts; set data.name=verifiers")
     _require(
+        c.data.system_prompt is None and c.data.prompt_template == "{question}",
+        f"{key} sends its own prompt messages: unset data.system_prompt and data.prompt_template (null and "
+        "'{question}'), or pass the environment its own system prompt in env.verifiers.args",
+    )
+    _require(
         c.env.environment is None and c.grpo.max_rollout_turns == 1,
         f"{key} runs its own turns (its max_turns): leave env.environment null and grpo.max_rollout_turns=1",
     )

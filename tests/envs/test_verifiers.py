@@ -122,22 +122,39 @@ def dice_model(tmp_path_factory):
     return path
 
 
-@pytest.fixture
-def endpoint(dice_model, monkeypatch):
-    from trainer.generation.endpoint import ChatEndpoint
+@pytest.fixture(scope="module")
+def engine(dice_model):
     from trainer.generation.hf import HFGenerationEngine
     from trainer.models import load_model, load_tokenizer
 
-    monkeypatch.setenv("KUBERL_TEST_ENDPOINT_TOKEN", TOKEN)
     tok = load_tokenizer(dice_model)
     engine = HFGenerationEngine(load_model(dice_model, "float32"), tok, batch_size=4)
-    ep_cfg = EndpointConfig(enabled=True, port=0, bind="127.0.0.1", token_env="KUBERL_TEST_ENDPOINT_TOKEN")
-    gen = GenerationConfig(max_new_tokens=6, placement="disaggregated", endpoint=ep_cfg)
-    ep = ChatEndpoint(engine, tok, gen, "dice", max_model_len=512)
-    ep.start()
-    yield ep, tok
-    ep.shutdown()
+    yield engine, tok
     engine.shutdown()
+
+
+@pytest.fixture
+def serve(engine, monkeypatch):
+    """Start an endpoint over the module's engine (``max_model_len``: its sequence budget); shut down after."""
+    from trainer.generation.endpoint import ChatEndpoint
+
+    monkeypatch.setenv("KUBERL_TEST_ENDPOINT_TOKEN", TOKEN)
+    started = []
+
+    def start(max_model_len: int = 512):
+        eng, tok = engine
+        ep_cfg = EndpointConfig(
+            enabled=True, port=0, bind="127.0.0.1", token_env="KUBERL_TEST_ENDPOINT_TOKEN"
+        )
+        gen = GenerationConfig(max_new_tokens=6, placement="disaggregated", endpoint=ep_cfg)
+        ep = ChatEndpoint(eng, tok, gen, "dice", max_model_len=max_model_len)
+        started.append(ep)
+        ep.start()
+        return ep, tok
+
+    yield start
+    for ep in started:
+        ep.shutdown()
 
 
 def _driven(env_id, args, endpoint, n, stop=()):
@@ -192,8 +209,9 @@ def _check_token_exact(rollout, records):
 
 
 def test_should_train_on_the_tokens_the_endpoint_sampled_with_a_tool_turn_masked_when_the_env_calls_tools(
-    endpoint, ray_local
+    serve, ray_local
 ):
+    endpoint = serve()
     _, tok = endpoint
     rollouts, examples, records = _driven(DICE, {"max_turns": 2}, endpoint, n=2, stop=["</tool_call>"])
     # the environment's dataset is the prompts: its rows' messages, in order
@@ -222,7 +240,8 @@ def test_should_train_on_the_tokens_the_endpoint_sampled_with_a_tool_turn_masked
     assert tool_turns >= 1, "the tilted model never called the die"
 
 
-def test_should_pay_the_rubric_reward_into_the_advantages_when_the_env_is_single_turn(endpoint, ray_local):
+def test_should_pay_the_rubric_reward_into_the_advantages_when_the_env_is_single_turn(serve, ray_local):
+    endpoint = serve()
     from trainer.algorithms import core_algos
     from trainer.loop.rollout import rewards_of
 
@@ -239,6 +258,28 @@ def test_should_pay_the_rubric_reward_into_the_advantages_when_the_env_is_single
     advantages = core_algos.compute_advantages(rewards, 4, estimator="mean", normalize_std=False)
     grouped = rewards.view(2, 4)
     assert torch.allclose(advantages.view(2, 4), grouped - grouped.mean(dim=1, keepdim=True))
+
+
+def test_should_end_a_rollout_within_the_sequence_budget_when_its_next_turn_would_not_fit(serve, ray_local):
+    from trainer.data.prompts import encode_prompt
+    from trainer.envs.verifiers_env import VerifiersEnvironment
+
+    _, tok = serve()
+    env = VerifiersEnvironment(DICE, {"max_turns": 5})
+    first = encode_prompt(tok, env.examples()[0]["messages"], {}, env.tools())
+    budget = (
+        len(first) + 6 + 20
+    )  # the first turn fits; a second, after a tool's answer (~70 tokens), does not
+    rollouts, _, records = _driven(DICE, {"max_turns": 5}, serve(budget), n=2, stop=["</tool_call>"])
+    called = [
+        r for r in rollouts if r.response_ids and r.response_ids[-1] == tok.convert_tokens_to_ids(ROLL_CALL)
+    ]
+    assert called, "the tilted model never called the die"
+    for r in rollouts:
+        assert r.turns == 1 and len(r.prompt_ids) + len(r.response_ids) <= budget
+        _check_token_exact(r, records)
+    for r in called:  # the endpoint refused the next turn: the rollout ended there, as an error of verifiers'
+        assert r.env_info["errors"] == 1.0
 
 
 # ----- the acceptance: a few steps through the real entry point ---------------------------------------------

@@ -419,6 +419,7 @@ MAPPING_KEYS = [
     "env.feedback_kwargs",
     "judge.verdicts",
     "env.environment_kwargs",
+    "env.verifiers.args",
 ]
 
 

@@ -604,6 +604,15 @@ class RewardSpec:
 
 
 @dataclass
+class VerifiersConfig:
+    # A verifiers environment (PyPI verifiers, the envs extra; trainer/envs/verifiers_env.py): its dataset is the
+    # run's prompts (data.name=verifiers), it drives each rollout through generation.endpoint, and its rubric's
+    # reward is what the `environment` entry of env.reward_functions pays. null: none.
+    id: str | None = None  # the module verifiers.load_environment imports (dashes read as underscores)
+    args: dict[str, Any] = field(default_factory=dict)  # keyword arguments of its load_environment
+
+
+@dataclass
 class EnvConfig:
     # Summed by weight; conf/rewards/*.yaml are presets (the rewards group, written under env).
     reward_functions: list[RewardSpec] = field(default_factory=lambda: [RewardSpec("math")])
@@ -618,6 +627,7 @@ class EnvConfig:
     # when grpo.max_rollout_turns > 1.
     environment: str | None = None
     environment_kwargs: dict[str, Any] = field(default_factory=dict)  # passed to the environment's factory
+    verifiers: VerifiersConfig = field(default_factory=VerifiersConfig)
 
     def validate(self) -> None:
         _require(
@@ -1083,6 +1093,7 @@ def _validate_across(c: Config) -> None:
             f"generation.tensor_parallel_size={gen.tensor_parallel_size} on a CPU cluster needs "
             "generation.backend=vllm and generation.placement=disaggregated (vLLM's CPU workers split the cores)",
         )
+    _validate_verifiers(c)
     res = gen.resources
     if c.disaggregated:
         if cl.use_gpus:
@@ -1127,6 +1138,42 @@ def _validate_across(c: Config) -> None:
 # ----- precision ------------------------------------------------------------------------------------
 
 _AUTO_KEYS = (("model", "dtype"), ("policy", "param_dtype"), ("generation", "dtype"))
+
+
+def _validate_verifiers(c: Config) -> None:
+    """env.verifiers: the environment drives its rollouts through the endpoint and is the run's data."""
+    vf, data = c.env.verifiers, c.data.name
+    if vf.id is None:
+        _require(
+            data != "verifiers",
+            "data.name=verifiers takes its prompts from a verifiers environment: set env.verifiers.id",
+        )
+        return
+    key = f"env.verifiers.id={vf.id}"
+    _require(
+        c.disaggregated and c.generation.endpoint.enabled,
+        f"{key} drives its rollouts through the generation endpoint: set generation.placement=disaggregated "
+        "and generation.endpoint.enabled=true",
+    )
+    _require(data == "verifiers", f"{key}: its dataset is the run's prompts; set data.name=verifiers")
+    _require(
+        c.data.system_prompt is None and c.data.prompt_template == "{question}",
+        f"{key} sends its own prompt messages: unset data.system_prompt and data.prompt_template (null and "
+        "'{question}'), or pass the environment its own system prompt in env.verifiers.args",
+    )
+    _require(
+        c.env.environment is None and c.grpo.max_rollout_turns == 1,
+        f"{key} runs its own turns (its max_turns): leave env.environment null and grpo.max_rollout_turns=1",
+    )
+    _require(
+        any(spec.name == "environment" for spec in c.env.reward_functions),
+        f"{key}: its rubric's reward is paid by the environment reward; add "
+        "{name: environment, weight: 1.0} to env.reward_functions",
+    )
+    _require(
+        not c.grpo.val_period and not c.grpo.val_at_start,
+        f"{key}: validation generates without the environment; set grpo.val_period=0 and grpo.val_at_start=false",
+    )
 
 
 def bf16_is_fast(c: Config) -> bool:

@@ -41,7 +41,12 @@ def check_names(cfg: Config) -> None:
     from trainer.rewards import feedback, judge, reward_model
 
     core_algos.check_loss_config(cfg.grpo.loss)
-    data.check(cfg.data.name, "data.name", cfg.data.options)
+    if cfg.env.verifiers.id:  # data.name=verifiers: the environment's own dataset (config checks the pair)
+        from trainer.envs import verifiers_env
+
+        verifiers_env.check(cfg.env.verifiers.id)
+    else:
+        data.check(cfg.data.name, "data.name", cfg.data.options)
     data.check(cfg.data.val_name, "data.val_name")
     rewards.check_specs(cfg.env.reward_functions)
     reward_model.check(cfg.reward_model, cfg.env.reward_functions)  # reads the model's config.json alone

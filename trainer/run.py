@@ -42,6 +42,7 @@ if TYPE_CHECKING:  # the heavy modules load inside TrainState, after the checks 
     from trainer.data.loader import PromptLoader
     from trainer.data.prompts import TurnEncoder
     from trainer.envs.base import Environment
+    from trainer.envs.verifiers_env import VerifiersEnvironment
     from trainer.generation.placement import Generator
     from trainer.logger import RunLogger
     from trainer.policy.group import PolicyGroup
@@ -98,6 +99,7 @@ class TrainState:
     rewards: RewardRunner
     model_rewards: list[ModelPool]  # the reward model and the judge, when entries name them
     environment: Environment | None
+    driver: VerifiersEnvironment | None  # env.verifiers: runs its own rollouts through the endpoint
     turns: TurnEncoder
     logger: RunLogger
 
@@ -199,7 +201,14 @@ class TrainState:
         self.environment = (
             envs.build(cfg.env.environment, cfg.env.environment_kwargs) if cfg.env.environment else None
         )
-        schemas = self.environment.tools() if self.environment is not None else None
+        # env.verifiers: its dataset is the run's data, its tools are offered as the endpoint offers them
+        self.driver = None
+        if cfg.env.verifiers.id:
+            from trainer.envs.verifiers_env import VerifiersEnvironment
+
+            self.driver = VerifiersEnvironment(cfg.env.verifiers.id, cfg.env.verifiers.args)
+        offering = self.environment or self.driver
+        schemas = offering.tools() if offering is not None else None
         tools = schemas if schemas and takes_tools(tokenizer) else None  # through the template's own tools=
         in_prompt = schemas if schemas and tools is None else None  # else written into the system prompt
         if in_prompt:
@@ -212,7 +221,14 @@ class TrainState:
         def offered(ex: dict) -> dict:
             return {**ex, "messages": offer_tools(ex["messages"], in_prompt)} if in_prompt else ex
 
-        train = [offered(ex) for ex in load_dataset(cfg.data, cfg.data.split)]
+        train = [
+            offered(ex)
+            for ex in (
+                self.driver.examples(cfg.data.max_examples)
+                if self.driver is not None
+                else load_dataset(cfg.data, cfg.data.split)
+            )
+        ]
         self.train_examples = encode_examples(tokenizer, train, kwargs, max_prompt, tools)
         if not self.train_examples:
             raise SetupError(
@@ -242,6 +258,20 @@ class TrainState:
 
         self.policy.wait_ready()
         self.generator = make_generator(cfg, self.model_path, self.policy)
+        if self.driver is not None:
+            from trainer.generation.endpoint import EndpointError, read_token
+
+            ep = cfg.generation.endpoint
+            try:  # the driver speaks to the endpoints with the token they check
+                token = read_token(ep.token_env)
+            except EndpointError as e:
+                raise SetupError(f"env.verifiers: {e}") from None
+            self.driver.connect(
+                [endpoint_url(host, port) for host, port in getattr(self.generator, "endpoints", [])],
+                token,
+                cfg.model.name,
+                ep.max_waiting + 1,  # one in the engine, the rest waiting: none turned away
+            )
         if any(spec.name in ("code_unit_tests", "cpp_contest") for spec in cfg.env.reward_functions):
             from trainer.sandbox.backends import resolve
 
@@ -380,6 +410,11 @@ class TrainState:
             not failed
         ):  # after a failure it keeps watching: the way out (ray.shutdown) may hang on a lost cluster
             self.watch.stop()
+
+
+def endpoint_url(host: str, port: int) -> str:
+    """The OpenAI base URL of a generation endpoint at (host, port)."""
+    return f"http://[{host}]:{port}/v1" if ":" in host else f"http://{host}:{port}/v1"
 
 
 def summarize(history: list[dict[str, float]]) -> str:

@@ -80,6 +80,10 @@ def step_metrics(
         # Any other environment's counters (skyrl_gym: errors, step_s), each summed over the step's samples.
         for key in sorted({k for c in counted for k in c} - {"tool_calls", "tool_errors", "tool_s"}):
             metrics[f"train/env/{key}"] = sum(c.get(key, 0.0) for c in counted)
+    if cfg.env.verifiers.id:  # its rubric's metrics and each sample's turns, averaged over the step's samples
+        counted = [getattr(r, "env_info", {}) for r in rollouts]
+        for key in sorted({k for c in counted for k in c}):
+            metrics[f"train/verifiers/{key}"] = sum(c.get(key, 0.0) for c in counted) / len(rollouts)
     for name in rollouts[0].reward.scores:
         metrics[f"train/reward/{name}"] = sum(r.reward.scores.get(name, 0.0) for r in rollouts) / len(
             rollouts

@@ -9,6 +9,10 @@ their tokens, never re-tokenising what the model wrote (:class:`trainer.data.pro
 
 An episode is bounded in time by its environment and fails into a message or a ``Step(done=True)``:
 nothing the model writes may crash the run or hang it.
+
+A :class:`RolloutDriver` (``env.verifiers``) runs its episodes itself, through the generation endpoint, and hands
+back each one's turns (:class:`Turn`) as the endpoint rendered and sampled them; :func:`chain` joins them into one
+token-exact sample.
 """
 
 from __future__ import annotations
@@ -46,4 +50,76 @@ class Environment(Protocol):
 
     def episode(self, example: dict[str, Any]) -> Episode:
         """A new episode for one dataset example (its messages, ground_truth, ...)."""
+        ...
+
+
+# An environment that drives its own episodes (env.verifiers): it talks to the trainer's engines through the
+# generation endpoint, one chat request per turn, and hands back each episode's turns as the endpoint sampled them.
+# fmt: off
+@dataclass
+class Turn:
+    """One chat request of an episode, as the endpoint answered it."""
+    prompt_ids: list[int]      # the ids the endpoint rendered the turn's messages to
+    completion_ids: list[int]  # the ids the engine sampled
+    logprobs: list[float]      # the engine's logprob of each sampled id
+    finish_reason: str         # "stop" (an EOS, a stop string or a tool call) or "length"
+
+
+@dataclass
+class Trajectory:
+    """One driven episode: its turns in order, the environment's score and what it counted."""
+    turns: list[Turn]
+    text: str                   # the last turn's answer as the environment read it (what our rewards judge)
+    reward: float | None        # the environment's own score of the episode
+    info: dict[str, float] = field(default_factory=dict)  # its metrics, averaged per step into train/verifiers/*
+# fmt: on
+
+
+@dataclass
+class Chained:
+    """A trajectory as one training sample: the first turn's prompt, then every token after it."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    response_mask: list[int]  # 1 on the engine's tokens, 0 on what the environment's messages rendered to
+    response_logprobs: list[float]  # the engine's, 0.0 on the environment's tokens
+    turns: int  # the turns in the sample: a turn whose prompt does not extend the sample ends it
+
+
+def chain(turns: list[Turn]) -> Chained:
+    """The turns of one episode as one token-exact sample: each later turn's prompt must begin with the sample so
+    far (the previous prompt and its sampled ids), and what follows them there is the environment's (mask 0).
+    A turn whose prompt does not (the chat template rendered the model's earlier turn otherwise than it was
+    sampled, e.g. a tool call re-written as the template writes them) ends the sample before it: nothing is
+    re-tokenised, and the turns after it are not trained on."""
+    if not turns:
+        raise ValueError("an episode with no turns cannot be trained on")
+    first = turns[0]
+    out = Chained(
+        list(first.prompt_ids),
+        list(first.completion_ids),
+        [1] * len(first.completion_ids),
+        list(first.logprobs),
+        1,
+    )
+    for turn in turns[1:]:
+        context = out.prompt_ids + out.response_ids
+        if turn.prompt_ids[: len(context)] != context:
+            break
+        glue = turn.prompt_ids[len(context) :]
+        out.response_ids += glue + turn.completion_ids
+        out.response_mask += [0] * len(glue) + [1] * len(turn.completion_ids)
+        out.response_logprobs += [0.0] * len(glue) + list(turn.logprobs)
+        out.turns += 1
+    return out
+
+
+class RolloutDriver(Protocol):
+    """An environment that runs its episodes itself, through the endpoint (:mod:`trainer.envs.verifiers_env`)."""
+
+    name: str
+
+    def run(self, examples: list[dict[str, Any]], n: int, sampling: dict[str, Any]) -> list[Trajectory]:
+        """``n`` episodes per example, group-contiguous (rows [i*n, (i+1)*n) are example i's), sampled with
+        ``sampling`` (OpenAI chat arguments: temperature, top_p, max_tokens, stop)."""
         ...

@@ -17,7 +17,7 @@ from typing import Any
 import ray
 
 from trainer.data.prompts import TurnEncoder
-from trainer.envs.base import Environment, Episode
+from trainer.envs.base import Environment, Episode, RolloutDriver, chain
 from trainer.generation.base import Completion, SamplingParams
 from trainer.generation.placement import Generator
 from trainer.rewards.runner import RewardResult, RewardRunner, question_of
@@ -268,6 +268,51 @@ def _apply_step(
     r.response_mask += [0] * len(glue)
     r.response_logprobs += [0.0] * len(glue)  # masked out of the loss and the metrics
     return True
+
+
+def generate_driven(
+    driver: RolloutDriver, rewards: RewardRunner, examples: list[dict], n: int, params: SamplingParams
+) -> PendingRollouts:
+    """Rollouts an environment runs itself through the generation endpoint (``env.verifiers``), ``n`` per
+    example: each becomes one sample of the turns the endpoint sampled (:func:`trainer.envs.base.chain`), its
+    prompt the ids the endpoint rendered, and the environment's score goes to the ``environment`` reward.
+    Unseeded, as the later turns of :func:`generate_episodes`: a group's requests are alike, and one seed would
+    give them the same draws."""
+    start = time.monotonic()
+    sampling: dict[str, Any] = {
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "max_tokens": params.max_new_tokens,
+    }
+    if params.stop_strings:
+        sampling["stop"] = list(params.stop_strings)
+    trajectories = driver.run(examples, n, sampling)
+    rollouts, items = [], []
+    for row, t in enumerate(trajectories):
+        example = examples[row // n]
+        sample = chain(t.turns)
+        last = t.turns[sample.turns - 1]
+        r = Rollout(
+            {**example, "prompt_ids": sample.prompt_ids},
+            Completion(last.completion_ids, last.logprobs, t.text, last.finish_reason),
+            turns=sample.turns,
+        )
+        r.response_ids, r.response_mask, r.response_logprobs = (
+            sample.response_ids,
+            sample.response_mask,
+            sample.response_logprobs,
+        )
+        r.env_info = {
+            **t.info,
+            "turns": float(sample.turns),
+            "turns_dropped": float(len(t.turns) - sample.turns),
+        }
+        rollouts.append(r)
+        items.append(
+            (example["ground_truth"], t.text, question_of(example), example.get("messages"), t.reward)
+        )
+    ids = rewards.submit(items)
+    return PendingRollouts(rollouts, ids, time.monotonic() - start)
 
 
 def finish(pending: PendingRollouts, rewards: RewardRunner) -> list[Rollout]:

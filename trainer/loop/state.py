@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:  # annotations only: the run has loaded these (Ray, the workers) before the loop starts
     from trainer.data.loader import PromptLoader
     from trainer.data.prompts import TurnEncoder
-    from trainer.envs.base import Environment
+    from trainer.envs.base import Environment, RolloutDriver
     from trainer.generation.placement import Generator
     from trainer.logger import RunLogger
     from trainer.policy.group import PolicyGroup
@@ -36,6 +36,10 @@ class LoopState(Protocol):
     loader: PromptLoader
     logger: RunLogger
     val_examples: list[dict]
+
+    @property  # read-only, so the run's own environment class satisfies it
+    def driver(self) -> RolloutDriver | None:
+        """An environment that runs its own rollouts through the endpoint (env.verifiers), or None."""
 
     @property  # read-only, so the run's own richer progress record satisfies it
     def progress(self) -> Position: ...

@@ -180,9 +180,9 @@ class HFGenerationEngine:
         if not 0 <= params.top_p <= 1:
             raise ValueError(f"top_p must be in [0, 1], got {params.top_p}")
         flat = [p for p in prompts for _ in range(n)]
-        seeds = params.prompt_seeds(len(prompts))
+        params.prompt_seeds(len(prompts))  # ValueError when seeds per prompt do not match the prompts
         # Seeds per prompt: each row's own stream (sample j of prompt i: seeds[i] + j, vLLM's rule for n).
-        row_seeds = [s + j for s in seeds for j in range(n)] if params.seeds is not None else None
+        row_seeds = None if params.seeds is None else [s + j for s in params.seeds for j in range(n)]
         # A seed for the call draws from a generator of this call's own, seeded as torch.manual_seed would
         # seed the device's default one (the same numbers), without resetting the process's random state.
         generator = None
@@ -195,8 +195,8 @@ class HFGenerationEngine:
         for start in range(0, len(order), self.batch_size):
             idx = order[start : start + self.batch_size]
             batch_seeds = None if row_seeds is None else [row_seeds[i] for i in idx]
-            for i, c in zip(idx, self._generate_batch([flat[i] for i in idx], params, generator, batch_seeds)):
-                done[i] = c
+            batch = self._generate_batch([flat[i] for i in idx], params, generator, batch_seeds)
+            done.update(zip(idx, batch))
         out = [done[i] for i in range(len(flat))]
         return [out[i * n : (i + 1) * n] for i in range(len(prompts))]
 

@@ -32,7 +32,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = -1
     stop_strings: list[str] = field(default_factory=list)
-    # One seed for the whole call: each backend draws its samples from it in its own way (below).
+    # One seed for the whole call: each backend draws its samples from it in its own way (its module says how).
     seed: int | None = None
     # One seed per prompt of the call instead (not both): sample j of prompt i draws from seeds[i] + j alone,
     # whatever else the call holds, so a prompt's draws do not depend on the prompts batched beside it.

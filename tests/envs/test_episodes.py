@@ -14,7 +14,7 @@ from trainer.config import EnvConfig, RewardSpec
 from trainer.data.prompts import TurnEncoder, encode_prompt
 from trainer.envs.tools import ToolEnvironment, stop_processes
 from trainer.generation.base import Completion, SamplingParams
-from trainer.loop.rollout import finish, generate_episodes
+from trainer.loop.rollout import finish, generate_episodes, turn_seed
 from trainer.rewards.runner import RewardRunner
 
 MESSAGES = [{"role": "user", "content": "what is 12*34?"}]
@@ -128,6 +128,72 @@ def test_should_train_on_exactly_the_sampled_and_appended_tokens_when_episodes_u
         transcript = tokenizer.decode(r.prompt_ids + r.response_ids)
         assert transcript.count("<tool_response>") == 2  # the template's own markers around each result
         assert r.env_info["tool_calls"] == 2.0
+
+
+class _SeedRecorder(RecordingGenerator):
+    """A recording generator that keeps each call's sampling parameters too."""
+
+    def __init__(self, engine):
+        super().__init__(engine)
+        self.params: list[SamplingParams] = []
+
+    def submit(self, prompts, n, params):
+        self.params.append(params)
+        return super().submit(prompts, n, params)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["hf", pytest.param("vllm", marks=pytest.mark.vllm)])
+def test_should_sample_every_turn_again_alike_when_episodes_are_run_again_with_the_same_seed(
+    backend, ray_local, model_path, tokenizer
+):
+    env = ToolEveryTurn(turns=3)
+    tools = env.tools()
+    turns = TurnEncoder(tokenizer, {}, tools)
+    engine = _engine(backend, model_path, tokenizer)
+
+    def run(seed):
+        gen, rewards = _SeedRecorder(engine), _rewards()
+        params = SamplingParams(max_new_tokens=12, temperature=1.0, seed=seed)
+        pending = generate_episodes(
+            gen, rewards, env, turns, [_example(tokenizer, tools)] * 2, 3, params, 3, 1024
+        )
+        return [r.response_ids for r in finish(pending, rewards)], gen
+
+    try:
+        first, gen = run(3)
+        again, _ = run(3)
+        other, _ = run(4)
+    finally:
+        getattr(engine, "shutdown", lambda: None)()
+    assert again == first  # every turn of every episode, whichever calls timing grouped the later turns into
+    assert other != first
+    # The later turns went with a seed per prompt, each (prompt, sample, turn) its own.
+    later = gen.params[1:]
+    assert later and all(p.seed is None and p.seeds is not None for p in later)
+    seeds = [s for p in later for s in p.seeds]
+    assert len(seeds) == 6 * 2 and len(set(seeds)) == len(seeds)
+    # Two samples whose first turns were alike (vLLM draws both prompts' sample j from seed + j) go on apart.
+    firsts = {}
+    for rows, out in zip([[0, 1, 2], [3, 4, 5]], gen.calls[0][2]):
+        for row, c in zip(rows, out):
+            firsts.setdefault(tuple(c.token_ids), []).append(row)
+    alike = [rows for rows in firsts.values() if len(rows) > 1]
+    assert alike or backend == "hf"  # the hf engine draws a call's rows from one stream: none alike
+    for rows in alike:
+        assert len({tuple(first[row]) for row in rows}) == len(rows)
+
+
+def test_should_give_each_later_turn_its_own_seed_when_derived_from_the_steps():
+    seeds = {
+        turn_seed(seed, prompt, sample, turn)
+        for seed in (0, 1, 2)
+        for prompt in range(4)
+        for sample in range(4)
+        for turn in (1, 2, 3)
+    }
+    assert len(seeds) == 3 * 4 * 4 * 3 and all(0 <= s < 2**62 for s in seeds)
+    assert turn_seed(1, 2, 3, 1) == turn_seed(1, 2, 3, 1)
 
 
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "12*34"}}</tool_call>'

@@ -110,6 +110,30 @@ def test_should_return_n_samples_with_ids_logprobs_and_reasons_when_asked_for_n(
     assert [[c.token_ids for c in s] for s in again] == [[c.token_ids for c in s] for s in out]  # same seed
 
 
+def test_should_draw_each_prompts_samples_from_its_own_seed_when_seeded_per_prompt(engine, tokenizer):
+    prompts = _prompts(tokenizer) + [tokenizer.encode("3*3=")]
+
+    def draw(seeds, n=2, which=prompts):
+        out = engine.generate(which, n, SamplingParams(max_new_tokens=10, temperature=1.0, seeds=seeds))
+        return [[c.token_ids for c in samples] for samples in out]
+
+    first = draw([11, 12, 13])
+    assert draw([11, 12, 13]) == first
+    moved = draw([11, 99, 13])  # only the second prompt's seed changes: only its samples may
+    assert moved[0] == first[0] and moved[2] == first[2] and moved[1] != first[1]
+    assert draw([12, 11, 13])[0] != first[0]
+    # Sample j of a prompt draws from its seed + j, as a prompt of its own with that seed would.
+    assert draw([12], n=1, which=prompts[:1])[0] == first[0][1:]
+
+
+def test_should_refuse_seeds_that_do_not_match_the_call(engine, tokenizer):
+    prompts = _prompts(tokenizer)
+    with pytest.raises(ValueError, match="2 seeds for 1 prompts"):
+        engine.generate(prompts[:1], 1, SamplingParams(max_new_tokens=2, seeds=[1, 2]))
+    with pytest.raises(ValueError, match="both set"):
+        engine.generate(prompts, 1, SamplingParams(max_new_tokens=2, seed=1, seeds=[1, 2]))
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_should_agree_with_a_transformers_forward_when_scoring_its_own_samples(
     engine, reference, tokenizer, temperature

@@ -89,3 +89,8 @@ def test_should_draw_what_torch_manual_seed_drew_and_leave_the_process_rng_alone
     assert torch.equal(torch.get_rng_state(), state)  # a seeded call draws from a generator of its own
     again = engine.generate(_prompts(engine), 2, SamplingParams(max_new_tokens=5, seed=4))
     assert [[c.token_ids for c in g] for g in again] == [[c.token_ids for c in g] for g in first]
+    # One seed for a call is one stream for all of its rows, the process's own once seeded alike: seeds per
+    # prompt (streams per row) leave a call with one seed drawing what it always drew.
+    torch.manual_seed(4)
+    unseeded = engine.generate(_prompts(engine), 2, SamplingParams(max_new_tokens=5))
+    assert [[c.token_ids for c in g] for g in unseeded] == [[c.token_ids for c in g] for g in first]

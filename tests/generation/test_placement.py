@@ -61,6 +61,9 @@ def _engine_class(recorder: str, build_s: float, receive: str = "ok", join: dict
         def close_weight_sync(self) -> None:
             pass
 
+        def generate(self, prompts, n, params):
+            return [[(prompt, seed)] for prompt, seed in zip(prompts, params.prompt_seeds(len(prompts)))]
+
         def shutdown(self) -> None:
             pass
 
@@ -233,3 +236,19 @@ def test_should_stop_in_one_line_naming_the_engine_when_an_engine_does_not_join_
     ]:
         assert time.monotonic() < deadline, f"generation actors left after a failed start: {live}"
         time.sleep(0.5)
+
+
+def test_should_send_each_prompts_seed_with_it_when_prompts_are_split_over_the_engines(placed):
+    import ray
+
+    from trainer.generation.base import SamplingParams
+
+    gen = placed(0.0)
+    prompts = [[i, i + 1] for i in range(5)]
+    calls = gen.submit(prompts, 1, SamplingParams(seeds=[100 + i for i in range(5)]))
+    assert len(calls) == 2  # both engines got prompts
+    got = {}
+    for ref, idx in calls:
+        for i, ((prompt, seed),) in zip(idx, ray.get(ref)):
+            got[i] = (prompt, seed)
+    assert got == {i: ([i, i + 1], 100 + i) for i in range(5)}

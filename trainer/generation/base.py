@@ -19,7 +19,7 @@ called more than once.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -32,11 +32,30 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = -1
     stop_strings: list[str] = field(default_factory=list)
+    # One seed for the whole call: each backend draws its samples from it in its own way (its module says how).
     seed: int | None = None
+    # One seed per prompt of the call instead (not both): sample j of prompt i draws from seeds[i] + j alone,
+    # whatever else the call holds, so a prompt's draws do not depend on the prompts batched beside it.
+    seeds: list[int] | None = None
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def for_prompts(self, idx: list[int]) -> SamplingParams:
+        """These parameters for the prompts ``idx`` of the call, as a call of their own (a worker's share)."""
+        return self if self.seeds is None else replace(self, seeds=[self.seeds[i] for i in idx])
+
+    def prompt_seeds(self, prompts: int) -> list[int | None]:
+        """The seed of each of a call's ``prompts`` prompts (``seed`` for every one when not seeded per
+        prompt); ValueError when ``seeds`` does not match the call."""
+        if self.seeds is None:
+            return [self.seed] * prompts
+        if self.seed is not None:
+            raise ValueError(f"seed={self.seed} and seeds are both set: give one seed per call or per prompt")
+        if len(self.seeds) != prompts:
+            raise ValueError(f"{len(self.seeds)} seeds for {prompts} prompts: give one seed per prompt")
+        return list(self.seeds)
 
 
 @dataclass
@@ -51,7 +70,9 @@ class Completion:
 
 class GenerationEngine(Protocol):
     def generate(self, prompts: list[list[int]], n: int, params: SamplingParams) -> list[list[Completion]]:
-        """For each prompt (token ids), ``n`` completions: result[i][j] is sample j of prompt i."""
+        """For each prompt (token ids), ``n`` completions: result[i][j] is sample j of prompt i. With
+        ``params.seeds`` each prompt's samples draw from their own seeds (:class:`SamplingParams`); ValueError
+        when they do not match the prompts."""
         ...
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

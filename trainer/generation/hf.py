@@ -18,6 +18,9 @@ is").
 - bf16 weights on CPU: linear layers prepacked for oneDNN (:mod:`trainer.generation.onednn_linear`),
   repacked after each weight update; only on CPUs whose instruction set oneDNN's bf16 reorder supports
   (not AVX2-only ones: the plain forward stays there).
+- Seeds: one seed for a call (``params.seed``) draws every row from one generator, as torch.manual_seed
+  would; seeds per prompt (``params.seeds``) give each row (sample j of prompt i: seeds[i] + j) a stream of
+  its own, drawn up front, one number per step, so its tokens do not depend on the rows beside it.
 - Logprobs are gathered the step a token is sampled, from the (B, V) log-softmax of that step only,
   instead of asking for all logits, which would hold a (B, L, V) tensor (1.6 GB for 64 x 128 tokens of
   a 49k vocab).
@@ -44,10 +47,13 @@ _DRAW_BLOCK = 256  # tokens per block of the two-level CDF inversion in _draw
 
 
 def _sample(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
+    logits: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None = None,
+    uniform: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Next tokens (B,) and their logprobs (B,) from float32 ``logits`` (B, V); the draws from ``generator``
-    (None: torch's default one).
+    (None: torch's default one), or ``uniform`` (B, 1) when given: each row's number in [0, 1).
 
     Sampling applies temperature, then top-k, then top-p, as HF's warpers do. The logprob is that of the
     temperature-scaled distribution before top-k/top-p truncation, like vLLM's default: a truncated
@@ -68,15 +74,18 @@ def _sample(
             remove = cumulative <= (1 - params.top_p)  # the low tail holding at most 1 - top_p of the mass
             remove[:, -1:] = False  # always keep the most likely token
             scores = scores.masked_fill(remove.scatter(1, sorted_idx, remove), float("-inf"))
-        tokens = _draw(torch.softmax(scores, dim=-1), generator)
+        tokens = _draw(torch.softmax(scores, dim=-1), generator, uniform)
     else:
-        tokens = _draw(logprobs.exp(), generator)
+        tokens = _draw(logprobs.exp(), generator, uniform)
     return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
 
 
-def _draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+def _draw(
+    probs: torch.Tensor, generator: torch.Generator | None = None, uniform: torch.Tensor | None = None
+) -> torch.Tensor:
     """One token per row of ``probs`` (B, V), by inverting its CDF with one uniform number per row (drawn
-    from ``generator``; None: torch's default one).
+    from ``generator``; None: torch's default one; or ``uniform`` (B, 1), already drawn, of
+    :func:`_draw_dtype`).
 
     Distributed as ``torch.multinomial(probs, 1)``, which on CPU draws an exponential per vocabulary
     entry: 8 ms for 8 x 49k (a tenth of a SmolLM2-135M decode step). A running sum over the whole
@@ -84,8 +93,7 @@ def _draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torc
     masses of blocks of ``_DRAW_BLOCK`` tokens (one vectorised reduction), the block that holds the
     draw, then the running sum inside that block only; 0.3 ms.
     """
-    # float64 so that small probabilities keep their share of the mass in the running sums.
-    dtype = torch.float32 if probs.device.type == "mps" else torch.float64
+    dtype = _draw_dtype(probs.device)
     rows, vocab = probs.shape
     n_blocks = -(-vocab // _DRAW_BLOCK)
     if vocab % _DRAW_BLOCK:
@@ -93,11 +101,33 @@ def _draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torc
     blocks = probs.view(rows, n_blocks, _DRAW_BLOCK)
     mass = blocks.sum(-1, dtype=dtype)  # (B, NB)
     cdf = mass.cumsum(-1)  # (B, NB)
-    u = torch.rand(rows, 1, dtype=dtype, device=probs.device, generator=generator) * cdf[:, -1:]  # (B, 1)
+    if uniform is None:
+        uniform = torch.rand(rows, 1, dtype=dtype, device=probs.device, generator=generator)
+    u = uniform * cdf[:, -1:]  # (B, 1)
     block = _invert(cdf, u)  # (B, 1)
     u = u - (cdf.gather(1, block) - mass.gather(1, block))  # the draw's offset inside its block
     inner = blocks.gather(1, block[:, :, None].expand(rows, 1, _DRAW_BLOCK))[:, 0].to(dtype).cumsum(-1)
     return (block * _DRAW_BLOCK + _invert(inner, u)).squeeze(1)  # (B,)
+
+
+def _draw_dtype(device: torch.device) -> torch.dtype:
+    # float64 so that small probabilities keep their share of the mass in the running sums.
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
+def _row_uniforms(seeds: list[int], steps: int, device: torch.device) -> torch.Tensor:
+    """(B, steps) the numbers each row draws at each step, from a generator seeded with its own seed."""
+    return torch.stack(
+        [
+            torch.rand(
+                steps,
+                dtype=_draw_dtype(device),
+                device=device,
+                generator=torch.Generator(device=device).manual_seed(seed),
+            )
+            for seed in seeds
+        ]
+    )
 
 
 def _invert(cdf: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -150,8 +180,11 @@ class HFGenerationEngine:
         if not 0 <= params.top_p <= 1:
             raise ValueError(f"top_p must be in [0, 1], got {params.top_p}")
         flat = [p for p in prompts for _ in range(n)]
-        # A seed draws from a generator of this call's own, seeded as torch.manual_seed would seed the
-        # device's default one (the same numbers), without resetting the process's random state.
+        params.prompt_seeds(len(prompts))  # ValueError when seeds per prompt do not match the prompts
+        # Seeds per prompt: each row's own stream (sample j of prompt i: seeds[i] + j, vLLM's rule for n).
+        row_seeds = None if params.seeds is None else [s + j for s in params.seeds for j in range(n)]
+        # A seed for the call draws from a generator of this call's own, seeded as torch.manual_seed would
+        # seed the device's default one (the same numbers), without resetting the process's random state.
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
@@ -161,17 +194,26 @@ class HFGenerationEngine:
         done: dict[int, Completion] = {}
         for start in range(0, len(order), self.batch_size):
             idx = order[start : start + self.batch_size]
-            for i, c in zip(idx, self._generate_batch([flat[i] for i in idx], params, generator)):
-                done[i] = c
+            batch_seeds = None if row_seeds is None else [row_seeds[i] for i in idx]
+            batch = self._generate_batch([flat[i] for i in idx], params, generator, batch_seeds)
+            done.update(zip(idx, batch))
         out = [done[i] for i in range(len(flat))]
         return [out[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     def _generate_batch(
-        self, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator | None = None
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        generator: torch.Generator | None = None,
+        row_seeds: list[int] | None = None,
     ) -> list[Completion]:
+        """Completions of ``prompts`` (one row each), drawn from ``generator``, or each row from its own seed."""
         if params.max_new_tokens <= 0:
             return [Completion([], [], "", "length") for _ in prompts]
         device, batch, max_new = self.device, len(prompts), params.max_new_tokens
+        uniforms = None  # (B, max_new)
+        if row_seeds is not None and not params.greedy:
+            uniforms = _row_uniforms(row_seeds, max_new, device)
         # The distinct prompts, left-padded; samples of one prompt share a single prefill.
         input_ids, prompt_mask, rows = distinct_prompts(prompts, self.pad_id)  # (U, W), (U, W), (B,)
         width = input_ids.shape[1]
@@ -206,7 +248,8 @@ class HFGenerationEngine:
                 mask = attention_mask[:, : column + 1]  # (B, W + step): prompt and generated columns
                 out = self._forward(tokens[-1][:, None], mask, position, cache, column)
                 logits = out.logits[:, -1].float()  # (B, V)
-            token, logprob = _sample(logits, params, generator)
+            uniform = None if uniforms is None else uniforms[:, step : step + 1]  # (B, 1)
+            token, logprob = _sample(logits, params, generator, uniform)
             # Finished rows are fed a pad token; what they sample is ignored.
             token = torch.where(running, token, torch.full_like(token, self.pad_id))
             tokens.append(token)

@@ -96,7 +96,8 @@ def wait_all(calls: dict[Any, str], timeout_s: float, key: str, failed: str, lat
 class Generator(Protocol):
     def submit(self, prompts: list[list[int]], n: int, params: SamplingParams) -> list[tuple[Any, list[int]]]:
         """Start generating; returns (object ref, prompt indices) per worker so results can be
-        consumed as each worker finishes. Each ref resolves to list[list[Completion]]."""
+        consumed as each worker finishes. Each ref resolves to list[list[Completion]]. Seeds per prompt
+        (``params.seeds``) go with their prompts to whichever worker samples them."""
         ...
 
     def update_weights(self) -> None:
@@ -115,7 +116,7 @@ class ColocatedGenerator:
     def submit(self, prompts, n, params):
         parts = split(prompts, len(self.policy.workers))
         return [
-            (w.generate.remote([prompts[i] for i in idx], n, params), idx)
+            (w.generate.remote([prompts[i] for i in idx], n, params.for_prompts(idx)), idx)
             for w, idx in zip(self.policy.workers, parts)
             if idx
         ]
@@ -203,7 +204,7 @@ class DisaggregatedGenerator:
     def submit(self, prompts, n, params):
         parts = split(prompts, len(self.workers))
         return [
-            (w.generate.remote([prompts[i] for i in idx], n, params), idx)
+            (w.generate.remote([prompts[i] for i in idx], n, params.for_prompts(idx)), idx)
             for w, idx in zip(self.workers, parts)
             if idx
         ]

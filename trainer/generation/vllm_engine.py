@@ -14,8 +14,10 @@ What matches the hf engine (:mod:`trainer.generation.hf`), so the trainer cannot
   the hf engine (vLLM's default ``raw_logprobs`` ignores the temperature). One difference: with top-k or
   top-p on, vLLM takes the log-softmax after truncation (the kept tokens renormalised) where the hf engine
   takes it before; they agree whenever top_k=-1 and top_p=1, which is GRPO's setting here.
-- Seeds: ``params.seed`` seeds sample ``j`` of a prompt with ``seed + j`` (vLLM's rule for ``n``); the
-  streams differ from the hf engine's, reproducibility holds per backend.
+- Seeds: ``params.seed`` seeds sample ``j`` of every prompt with ``seed + j`` (vLLM's rule for ``n``), and
+  ``params.seeds`` sample ``j`` of prompt ``i`` with ``seeds[i] + j``: each prompt goes as a request with
+  sampling parameters of its own, and vLLM draws a seeded request from a generator of its own. The streams
+  differ from the hf engine's; reproducibility holds per backend.
 
 Weight updates take full tensors under Hugging Face names; vLLM's ``load_weights`` maps them itself
 (q/k/v into ``qkv_proj``, gate/up into ``gate_up_proj``), one tensor at a time as they stream in. On
@@ -494,11 +496,14 @@ class VLLMGenerationEngine:
                 ),  # stop strings are matched on text; the text is ours below
             )
 
+        seeds = params.prompt_seeds(len(prompts))
         result = []
-        for part, seed in self._seedable_parts(prompts, n, params.seed):
+        for part, part_seeds in self._seedable_parts(prompts, n, seeds):
+            # One seed for the whole part: one set of parameters, as vLLM replicates it for every prompt.
+            alike = len(set(part_seeds)) == 1
             outputs = self.llm.generate(
                 [{"prompt_token_ids": list(prompts[i])} for i in part],
-                sampling(seed),
+                sampling(part_seeds[0]) if alike else [sampling(s) for s in part_seeds],
                 use_tqdm=False,
                 lora_request=self._lora_request,
             )
@@ -507,16 +512,16 @@ class VLLMGenerationEngine:
                 result.append([self._completion(o) for o in samples])
         return result
 
-    def _seedable_parts(self, prompts: list[list[int]], n: int, seed: int | None):
-        """(prompt indices, seed) per ``LLM.generate`` call, in order.
+    def _seedable_parts(self, prompts: list[list[int]], n: int, seeds: list[int | None]):
+        """(prompt indices, their seeds) per ``LLM.generate`` call, in order; ``seeds``: each prompt's.
 
         On CPU a seeded request whose prefill the scheduler splits over two steps crashes vLLM 0.32
         (it rewinds the request's generator, and a CPU generator has no offset). A request is split
         only when the step's token budget runs out, so seeded batches go in parts whose prefills
         (prompt tokens x n) fit in one step; a single prompt too long for that runs unseeded, said once.
         """
-        if seed is None or not self.on_cpu:
-            yield list(range(len(prompts))), seed
+        if all(s is None for s in seeds) or not self.on_cpu:
+            yield list(range(len(prompts))), seeds
             return
         budget = self.llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
         part: list[int] = []
@@ -524,7 +529,7 @@ class VLLMGenerationEngine:
         for i, p in enumerate(prompts):
             cost = len(p) * n
             if part and used + cost > budget:
-                yield part, seed
+                yield part, [seeds[j] for j in part]
                 part, used = [], 0
             if cost > budget:
                 if not getattr(self, "_warned_unseeded", False):
@@ -536,12 +541,12 @@ class VLLMGenerationEngine:
                         budget,
                     )
                     self._warned_unseeded = True
-                yield [i], None
+                yield [i], [None]
                 continue
             part.append(i)
             used += cost
         if part:
-            yield part, seed
+            yield part, [seeds[j] for j in part]
 
     def _completion(self, out) -> Completion:
         ids = list(out.token_ids)

@@ -7,6 +7,7 @@ rewards still running, so the caller can start the policy's logprob passes befor
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 import time
@@ -141,10 +142,9 @@ def generate_episodes(
     episode or a slow tool holds back no other sample for longer than that, while samples that step together
     still reach the engines in one batch. An episode ends
     when the environment says so, at ``max_turns``, or when its next turn might not fit in ``max_context``
-    tokens; its final turn is what the rewards judge, submitted as soon as it ends. Only the first turn
-    follows ``params.seed``; later turns are drawn unseeded: their calls are grouped by timing, and one seed
-    for a call would give every sample in it the same random draws (vLLM seeds each request alike), so a
-    group's episodes, whose contexts differ little, would all choose alike and carry no advantage.
+    tokens; its final turn is what the rewards judge, submitted as soon as it ends. The first turn follows
+    ``params.seed``; each later turn has a seed of its own (:func:`turn_seed`), whichever call timing puts it
+    in, so a run's episodes repeat with its seed (unseeded with ``params.seed`` None).
     """
     start = time.monotonic()
     live = [
@@ -159,8 +159,8 @@ def generate_episodes(
     steps: dict[Future, int] = {}
     keys = itertools.count()
 
-    def launch(rows: list[int], prompts: list[list[int]], k: int, seed: int | None) -> None:
-        for ref, idx in generator.submit(prompts, k, replace(params, seed=seed)):
+    def launch(rows: list[int], prompts: list[list[int]], k: int, call: SamplingParams) -> None:
+        for ref, idx in generator.submit(prompts, k, call):
             calls[ref] = [[rows[j]] if k == 1 else list(range(rows[j] * k, (rows[j] + 1) * k)) for j in idx]
 
     def end(row: int) -> None:
@@ -176,7 +176,7 @@ def generate_episodes(
         )
         reward_ids[row] = rewards.submit([item])[0]
 
-    launch(list(range(len(examples))), [ex["prompt_ids"] for ex in examples], n, params.seed)
+    launch(list(range(len(examples))), [ex["prompt_ids"] for ex in examples], n, params)
     with ThreadPoolExecutor(max_workers=min(32, len(live)), thread_name_prefix="kuberl-env") as pool:
         while calls or steps:
             if calls:
@@ -213,7 +213,10 @@ def generate_episodes(
                     del cohorts[key]
             if go:
                 contexts = [live[row].rollout.prompt_ids + live[row].rollout.response_ids for row in go]
-                launch(go, contexts, 1, None)
+                seeds = None
+                if params.seed is not None:
+                    seeds = [turn_seed(params.seed, row // n, row % n, live[row].rollout.turns) for row in go]
+                launch(go, contexts, 1, replace(params, seed=None, seeds=seeds))
             rewards.poll()
     for ep in live:
         ep.rollout.env_info = ep.info
@@ -221,6 +224,15 @@ def generate_episodes(
     if len(ids) != len(live):
         raise RuntimeError(f"the generator answered {len(ids)} of the {len(live)} episodes asked for")
     return PendingRollouts([ep.rollout for ep in live], ids, time.monotonic() - start)
+
+
+def turn_seed(seed: int, prompt: int, sample: int, turn: int) -> int:
+    """The seed of model turn ``turn`` (0: the first) of sample ``sample`` of prompt ``prompt`` in episodes
+    whose first turn was seeded ``seed`` (the run's seed and the step). Hashed, not added up: vLLM draws a
+    step's first turns from ``seed + sample`` and the next step's from ``seed + 1 + sample``, so sums of small
+    numbers would hand one episode's stream to another."""
+    digest = hashlib.blake2b(f"{seed}:{prompt}:{sample}:{turn}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 2  # 62 bits: room for ``seed + j`` in a torch or vLLM seed
 
 
 # Samples one generation call returned wait for each other's environment steps at most this long before

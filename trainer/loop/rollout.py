@@ -288,8 +288,9 @@ def generate_driven(
     """Rollouts an environment runs itself through the generation endpoint (``env.verifiers``), ``n`` per
     example: each becomes one sample of the turns the endpoint sampled (:func:`trainer.envs.base.chain`), its
     prompt the ids the endpoint rendered, and the environment's score goes to the ``environment`` reward.
-    Unseeded, as the later turns of :func:`generate_episodes`: a group's requests are alike, and one seed would
-    give them the same draws."""
+    Unseeded: the environment sends every request of a call with the same sampling arguments, so one seed
+    would give a group's alike requests the same draws (:func:`generate_episodes` seeds each sample and turn
+    of its own)."""
     start = time.monotonic()
     sampling: dict[str, Any] = {
         "temperature": params.temperature,

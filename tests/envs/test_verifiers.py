@@ -195,15 +195,24 @@ def _check_token_exact(rollout, records):
             assert logprobs[pos:end] == [0.0] * (end - pos)
             pos = end
             continue
+        # A group's requests share their prompt and may sample the same ids; batched in one engine call, their
+        # logprobs differ in the last bits. The trained stretch is one of them, ids and logprobs alike.
         candidates = sampled.get(tuple(full[:pos]), [])
-        match = next((c for c in candidates if full[pos : pos + len(c["token_ids"])] == c["token_ids"]), None)
+        match = next(
+            (
+                c
+                for c in candidates
+                if full[pos : pos + len(c["token_ids"])] == c["token_ids"]
+                and logprobs[pos : pos + len(c["token_ids"])] == c["logprobs"]
+            ),
+            None,
+        )
         assert match is not None, (
-            f"the tokens at {pos} are no completion the endpoint sampled for what precedes them"
+            f"the tokens at {pos} (with their logprobs) are no completion the endpoint sampled for what precedes them"
         )
         candidates.remove(match)
         end = pos + len(match["token_ids"])
         assert mask[pos:end] == [1] * (end - pos)
-        assert logprobs[pos:end] == match["logprobs"]
         pos = end
     return glue
 

@@ -255,6 +255,84 @@ def test_should_wait_for_the_trainers_call_and_answer_503_past_the_wait(serve):
     t.join()
 
 
+class _Counting:
+    """The module's engine, every call's prompts and sampling parameters recorded."""
+
+    def __init__(self, engine):
+        self.engine, self.calls = engine, []
+
+    def generate(self, prompts, n, params):
+        self.calls.append((len(prompts), n, params))
+        return self.engine.generate(prompts, n, params)
+
+
+def test_should_sample_requests_that_wait_together_in_one_engine_call_each_with_its_own_seed(serve, engine):
+    counting = _Counting(engine)
+    gate = EngineGate(max_waiting=16, wait_timeout_s=60)
+    ep = serve(engine=counting, gate=gate)
+    client = _client(ep)
+    asks = [(f"What is {i} + {i}?", seed) for i, seed in enumerate([5, 6, 7, 8])]
+    answers: dict[int, object] = {}
+
+    def ask(k: int) -> None:
+        text, seed = asks[k]
+        answers[k] = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": text}], max_tokens=4, logprobs=True, seed=seed
+        )
+
+    with gate.trainer():  # the engine busy (a rollout): the requests queue up behind it
+        threads = [threading.Thread(target=ask, args=(k,)) for k in range(len(asks))]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 60
+        while len(ep._jobs) < len(asks) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(ep._jobs) == len(asks)
+    for t in threads:
+        t.join(60)
+    # One call took every waiting request along, each drawing from its own seed.
+    assert [(size, n) for size, n, _ in counting.calls] == [(len(asks), 1)]
+    (_, _, params), *_ = counting.calls
+    assert params.seed is None and sorted(params.seeds) == [5, 6, 7, 8]
+    # Each answer is its own prompt's: the ids the endpoint rendered for it, and the samples of its seed.
+    records = {tuple(r["prompt_token_ids"]): r for r in ep.drain_requests()}
+    for k, (text, seed) in enumerate(asks):
+        out = answers[k]
+        prompt = out.model_extra["prompt_token_ids"]
+        assert records[tuple(prompt)]["messages"][-1]["content"] == text
+        assert out.choices[0].model_extra["token_ids"] == records[tuple(prompt)]["choices"][0]["token_ids"]
+        alone = engine.generate([prompt], 1, SamplingParams(max_new_tokens=4, seeds=[seed]))[0][0]
+        assert out.choices[0].model_extra["token_ids"] == alone.token_ids
+
+
+def test_should_answer_every_request_of_a_call_with_its_error_when_the_engine_raises(serve, engine):
+    class Failing:
+        def generate(self, prompts, n, params):
+            raise RuntimeError("the engine broke")
+
+    gate = EngineGate(max_waiting=16, wait_timeout_s=60)
+    ep = serve(engine=Failing(), gate=gate)
+    client = _client(ep)
+    errors: list[int] = []
+
+    def ask() -> None:
+        try:
+            client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2)
+        except openai.APIStatusError as e:
+            errors.append(e.status_code)
+
+    with gate.trainer():
+        threads = [threading.Thread(target=ask) for _ in range(3)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 60
+        while len(ep._jobs) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    for t in threads:
+        t.join(60)
+    assert len(errors) == 3 and not ep._jobs, errors
+
+
 def test_should_keep_only_the_last_requests_when_the_ring_is_full(serve):
     ep = serve(_gen(record_limit=2))
     client = _client(ep)

@@ -20,7 +20,9 @@ NetworkPolicy admits only the release's own pods.
 
 One engine serves both the trainer and the endpoint, one call at a time (:class:`EngineGate`): a request
 waits while the trainer generates or a refit loads weights, at most ``wait_timeout_s``, behind at most
-``max_waiting`` others, and otherwise gets a 503 that says why; the trainer's calls go first. Each
+``max_waiting`` others, and otherwise gets a 503 that says why; the trainer's calls go first. Requests that
+wait together go to the engine as one call (:meth:`ChatEndpoint.sample`): a harness's concurrent rollouts
+are sampled as a batch, as the trainer's own are. Each
 request's prompt ids, sampled ids and logprobs are kept in a bounded ring (:class:`RequestLog`) that the
 driver drains through the actor, to train on what a harness sampled.
 
@@ -40,6 +42,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -52,6 +55,7 @@ from trainer.generation.base import Completion, GenerationEngine, SamplingParams
 
 MAX_BODY_BYTES = 16 * 2**20  # a chat request with a long conversation and its tools fits many times
 MAX_N = 256  # samples per request: bounds what one request can make the engine do
+MAX_BATCH_PROMPTS = 256  # waiting requests one engine call takes along, at most
 
 
 class EndpointError(RuntimeError):
@@ -103,7 +107,10 @@ class EngineGate:
             self._release()
 
     @contextmanager
-    def request(self) -> Iterator[None]:
+    def request(self, served: threading.Event | None = None) -> Iterator[bool]:
+        """The engine for one request: yields True holding it, or False, without it, once ``served`` is set
+        (another request's call took this one along, :meth:`ChatEndpoint.sample`); set ``served`` before
+        releasing the engine, whose release wakes the waiters."""
         with self._cond:
             if self._closed:
                 raise Busy("the endpoint is shutting down")
@@ -116,6 +123,8 @@ class EngineGate:
             try:
                 deadline = time.monotonic() + self.wait_timeout_s
                 while (self._busy or self._trainer_waiting) and not self._closed:
+                    if served is not None and served.is_set():
+                        break
                     left = deadline - time.monotonic()
                     if left <= 0:
                         raise Busy(
@@ -123,15 +132,19 @@ class EngineGate:
                             f"generation.endpoint.wait_timeout_s={self.wait_timeout_s:g}s; retry later"
                         )
                     self._cond.wait(left)
-                if self._closed:
+                if served is not None and served.is_set():
+                    holds = False
+                elif self._closed:
                     raise Busy("the endpoint is shutting down")
-                self._busy = True
+                else:
+                    self._busy = holds = True
             finally:
                 self._waiting -= 1
         try:
-            yield
+            yield holds
         finally:
-            self._release()
+            if holds:
+                self._release()
 
     def close(self) -> None:
         """Turn away every waiting and later request (the trainer's calls still pass)."""
@@ -143,6 +156,26 @@ class EngineGate:
         with self._cond:
             self._busy = False
             self._cond.notify_all()
+
+
+@dataclass
+class _Job:
+    """One request's share of an engine call: its prompt, and what the call gave it."""
+
+    prompt: list[int]
+    n: int
+    params: SamplingParams
+    served: threading.Event = field(default_factory=threading.Event)
+    samples: list[Completion] | None = None
+    error: BaseException | None = None
+
+    def joins(self, other: _Job) -> bool:
+        """Whether one engine call can carry both: the same n and sampling arguments, seeded or not alike."""
+        return (
+            self.n == other.n
+            and replace(self.params, seed=None) == replace(other.params, seed=None)
+            and (self.params.seed is None) == (other.params.seed is None)
+        )
 
 
 class RequestLog:
@@ -268,6 +301,8 @@ class ChatEndpoint:
         self.threads = torch.get_num_threads()
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
+        self._jobs: list[_Job] = []  # requests waiting for the engine, oldest first
+        self._jobs_lock = threading.Lock()
 
     # -- serving ---------------------------------------------------------------------------------------
 
@@ -353,9 +388,7 @@ class ChatEndpoint:
                 f"engine's {self.max_model_len} tokens",
                 "max_tokens",
             )
-        with self.gate.request():
-            torch.set_num_threads(self.threads)
-            (samples,) = self.engine.generate([prompt], n, params)
+        samples = self.sample(prompt, n, params)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         self.log.add(
             {
@@ -384,6 +417,63 @@ class ChatEndpoint:
             },
             "prompt_token_ids": prompt,
         }
+
+    def sample(self, prompt: list[int], n: int, params: SamplingParams) -> list[Completion]:
+        """``n`` samples of ``prompt``. Requests that wait for the engine together go to it as one call: the
+        request that gets the engine takes along every waiting request its call can carry (:meth:`_Job.joins`,
+        at most MAX_BATCH_PROMPTS prompts), so a harness's concurrent rollouts are sampled as one batch, as the
+        trainer's own are, instead of one after another. A batch's seeded requests draw from their own seeds
+        (``SamplingParams.seeds``), so on vLLM a request draws alike alone or batched."""
+        job = _Job(prompt, n, params)
+        with self._jobs_lock:
+            self._jobs.append(job)
+        try:
+            with self.gate.request(job.served) as holds:
+                if holds and not job.served.is_set():
+                    self._run(self._take(job))
+        except Busy:
+            with self._jobs_lock:
+                if job in self._jobs:  # no call took it: turned away
+                    self._jobs.remove(job)
+                    raise
+            job.served.wait()  # a call took it along after all
+        if job.error is not None:
+            raise job.error
+        assert job.samples is not None
+        return job.samples
+
+    def _take(self, job: _Job) -> list[_Job]:
+        """``job`` and the waiting requests one call can carry with it, taken off the queue."""
+        with self._jobs_lock:
+            batch = [job]
+            for other in self._jobs:
+                if len(batch) == MAX_BATCH_PROMPTS:
+                    break
+                if other is not job and other.joins(job):
+                    batch.append(other)
+            self._jobs = [j for j in self._jobs if all(j is not b for b in batch)]
+        return batch
+
+    def _run(self, batch: list[_Job]) -> None:
+        """One engine call for ``batch`` (the engine held); every job served, with its samples or the error."""
+        first = batch[0]
+        params = first.params
+        if len(batch) > 1 and params.seed is not None:  # each its own seed, whatever the call holds beside it
+            params = replace(
+                params, seed=None, seeds=[j.params.seed for j in batch if j.params.seed is not None]
+            )
+        try:
+            torch.set_num_threads(self.threads)
+            out = self.engine.generate([j.prompt for j in batch], first.n, params)
+            for j, samples in zip(batch, out):
+                j.samples = samples
+        except BaseException as e:  # every request of the call answers with it
+            for j in batch:
+                j.error = e
+            raise
+        finally:
+            for j in batch:
+                j.served.set()
 
     def _params(self, body: dict) -> tuple[SamplingParams, int]:
         gen = self.gen

@@ -74,7 +74,13 @@ class BadRequest(Exception):
         self.param = param
 
 
-class _Server6(ThreadingHTTPServer):
+class _Server(ThreadingHTTPServer):
+    # The listen backlog: the standard library's 5 overflows when a harness opens dozens of connections at
+    # once, and a connection the kernel drops waits a second for its retried SYN.
+    request_queue_size = 1024
+
+
+class _Server6(_Server):
     address_family = socket.AF_INET6  # a pod IP (or bind) in an IPv6 cluster
 
 
@@ -314,7 +320,7 @@ class ChatEndpoint:
         first = self.cfg.port if port is None else port
         candidates = [0] if first == 0 else list(range(first, first + self.cfg.ports))
         handler = _handler(self, token.encode())
-        server_class = _Server6 if ":" in host else ThreadingHTTPServer
+        server_class = _Server6 if ":" in host else _Server
         for p in candidates:
             try:
                 server = server_class((host, p), handler)

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.cli import run_main
 from trainer import submit
 from trainer.ports import free_port
 
@@ -33,6 +34,7 @@ def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
 
 
 def _cli(env: dict[str, str], *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    """A process of its own, for what Ray's client reads once per process: the auth mode and the token."""
     return subprocess.run(
         [sys.executable, "-m", "trainer.submit", *args],
         capture_output=True,
@@ -41,6 +43,11 @@ def _cli(env: dict[str, str], *args: str, timeout: float = 60) -> subprocess.Com
         cwd=REPO,
         timeout=timeout,
     )
+
+
+def _main(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    """``_cli`` without the new interpreter: the command is the point, not the process (tests.cli)."""
+    return run_main(submit.main, args, env)
 
 
 def _one_line_error(out: subprocess.CompletedProcess) -> str:
@@ -104,7 +111,7 @@ def test_should_resolve_the_one_experiment_a_prefix_starts_when_exp_is_typed_sho
 
 
 def test_should_list_the_candidates_in_one_line_when_a_prefix_is_ambiguous(tmp_path: Path) -> None:
-    line = _one_line_error(_cli(_env(tmp_path), "resolve", "gemma3"))
+    line = _one_line_error(_main(_env(tmp_path), "resolve", "gemma3"))
     assert "EXP=gemma3 matches several experiments (gemma3-1b-math, gemma3-27b-gsm8k)" in line
 
 
@@ -172,34 +179,35 @@ def test_should_drop_trailing_dashes_when_the_cut_lands_on_them() -> None:
 
 
 def test_should_list_the_experiments_when_exp_is_unknown(tmp_path: Path) -> None:
-    line = _one_line_error(_cli(_env(tmp_path), "submit", "gemma4-1t"))
+    line = _one_line_error(_main(_env(tmp_path), "submit", "gemma4-1t"))
     assert "unknown experiment 'gemma4-1t'" in line and "tiny" in line
 
 
 def test_should_say_how_to_get_a_cluster_when_none_is_reachable(tmp_path: Path) -> None:
-    line = _one_line_error(_cli(_env(tmp_path), "submit", "tiny"))
+    line = _one_line_error(_main(_env(tmp_path), "submit", "tiny"))
     assert "make up" in line and "RAY_ADDRESS" in line
 
 
 def test_should_name_the_address_when_ray_address_is_unreachable(tmp_path: Path) -> None:
     address = f"http://127.0.0.1:{_free_port()}"
-    line = _one_line_error(_cli(_env(tmp_path, RAY_ADDRESS=address, RAY_AUTH_TOKEN="t" * 64), "status"))
+    line = _one_line_error(_main(_env(tmp_path, RAY_ADDRESS=address, RAY_AUTH_TOKEN="t" * 64), "status"))
     assert f"cannot reach the Ray Jobs API at {address}" in line
 
 
 def test_should_say_where_a_token_goes_when_token_auth_is_on_and_there_is_none(tmp_path: Path) -> None:
     env = _env(tmp_path, RAY_ADDRESS="http://127.0.0.1:1", RAY_AUTH_MODE="token", HOME=str(tmp_path))
     env.pop("RAY_AUTH_TOKEN", None)
+    # A process of its own: one that has read a token before (a test that joined a Ray instance) keeps it.
     line = _one_line_error(_cli(env, "status"))
     assert "there is no Ray token here" in line and "RAY_AUTH_TOKEN" in line
 
 
 def test_should_ask_for_a_job_id_when_logs_has_none(tmp_path: Path) -> None:
-    assert "make logs JOB=" in _one_line_error(_cli(_env(tmp_path), "logs"))
+    assert "make logs JOB=" in _one_line_error(_main(_env(tmp_path), "logs"))
 
 
 def test_should_reject_an_override_without_a_value_when_submitting(tmp_path: Path) -> None:
-    assert "not key=value" in _one_line_error(_cli(_env(tmp_path), "submit", "tiny", "grpo.max_num_steps"))
+    assert "not key=value" in _one_line_error(_main(_env(tmp_path), "submit", "tiny", "grpo.max_num_steps"))
 
 
 # A stand-in for kubectl (no Kubernetes API here): a context, namespace `team`, one installed
@@ -232,7 +240,7 @@ def fake_kube(tmp_path: Path) -> dict[str, str]:
 
 
 def test_should_say_how_to_create_the_secret_when_the_hf_token_secret_is_missing(fake_kube) -> None:
-    line = _one_line_error(_cli(fake_kube, "submit", "gemma3-1b-math"))
+    line = _one_line_error(_main(fake_kube, "submit", "gemma3-1b-math"))
     assert "Secret hf-token (for HF_TOKEN) is missing in namespace team" in line
     assert "kubectl create secret generic hf-token -n team --from-literal=token=" in line
 
@@ -248,7 +256,7 @@ def test_should_name_the_token_secret_when_the_raycluster_uses_token_auth_and_th
         },
     }
     (tmp_path / "bin" / "raycluster.json").write_text(json.dumps(cluster))
-    line = _one_line_error(_cli(fake_kube, "status", "--exp", "gemma3-1b-math"))
+    line = _one_line_error(_main(fake_kube, "status", "--exp", "gemma3-1b-math"))
     assert "cannot read the Ray token from Secret gemma3-1b-math-b200-ray-auth in namespace team" in line
     assert "auth_token" in line
 
@@ -278,7 +286,7 @@ def test_should_name_the_secret_as_kuberay_does_when_the_release_starts_with_a_d
 
 
 def test_should_say_to_install_the_release_when_its_raycluster_is_missing(fake_kube) -> None:
-    line = _one_line_error(_cli(fake_kube, "submit", "qwen2.5-coder-7b-code"))
+    line = _one_line_error(_main(fake_kube, "submit", "qwen2.5-coder-7b-code"))
     assert "no RayCluster qwen2-5-coder-7b-code-b200 in namespace team" in line and "make install" in line
 
 

@@ -70,3 +70,14 @@ def run_main(
         os.environ.clear()
         os.environ.update(saved_env)
     return subprocess.CompletedProcess(list(argv), code or 0, out.getvalue(), err.getvalue())
+
+
+def refuse_ray(monkeypatch) -> None:
+    """For ``python -m trainer`` runs that must stop before Ray starts: should one get that far, the test
+    fails there, instead of a run attaching Ray to the test's process for the rest of the session."""
+    from trainer import cluster
+
+    def init_ray(cfg) -> None:
+        raise AssertionError("the run got as far as starting Ray; it should have stopped before")
+
+    monkeypatch.setattr(cluster, "init_ray", init_ray)

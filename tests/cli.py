@@ -74,10 +74,12 @@ def run_main(
 
 def refuse_ray(monkeypatch) -> None:
     """For ``python -m trainer`` runs that must stop before Ray starts: should one get that far, the test
-    fails there, instead of a run attaching Ray to the test's process for the rest of the session."""
-    from trainer import cluster
+    fails there, instead of a run attaching Ray to the test's process for the rest of the session. The
+    driver's heap freeze (trainer.heap.settle) is skipped too: it is the driver's, not the test process's."""
+    from trainer import cluster, heap
 
     def init_ray(cfg) -> None:
         raise AssertionError("the run got as far as starting Ray; it should have stopped before")
 
     monkeypatch.setattr(cluster, "init_ray", init_ray)
+    monkeypatch.setattr(heap, "settle", lambda *modules: None)

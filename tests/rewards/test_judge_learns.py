@@ -11,7 +11,7 @@ import re
 import pytest
 
 from tests.rewards.test_judge import SUM_TEMPLATE, arithmetic_judge  # noqa: F401  (the session fixture)
-from tests.test_train_tiny import LEARN_STEPS, _scalars, _train
+from tests.tiny_run import LEARN_STEPS, read_scalars, train_tiny
 
 pytestmark = pytest.mark.slow
 
@@ -24,7 +24,7 @@ def test_should_learn_arithmetic_when_an_llm_judge_is_the_only_reward(
     tmp_path,
     capsys,
 ):
-    stdout, run_dir = _train(
+    stdout, run_dir = train_tiny(
         trainer_env,
         tmp_path,
         JUDGE_ONLY,
@@ -37,7 +37,7 @@ def test_should_learn_arithmetic_when_an_llm_judge_is_the_only_reward(
     assert re.search(
         r"kuberl: judge \S+: 1 replica\(s\) of 1 CPU on the hf engine, reads its chat template", stdout
     ), stdout
-    scalars = _scalars(run_dir)
+    scalars = read_scalars(run_dir)
     rewards = scalars["train/reward_mean"]
     assert rewards == pytest.approx(scalars["train/reward/llm_judge"], abs=1e-4)
     first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3

@@ -12,7 +12,7 @@ import re
 import pytest
 
 from tests.rewards.test_reward_model import arithmetic_rm  # noqa: F401  (the session fixture)
-from tests.test_train_tiny import LEARN_STEPS, _scalars, _train
+from tests.tiny_run import LEARN_STEPS, read_scalars, train_tiny
 
 pytestmark = pytest.mark.slow
 
@@ -50,7 +50,7 @@ def test_should_learn_arithmetic_when_a_bradley_terry_reward_model_is_the_only_r
 ):
     from trainer.convert import convert
 
-    stdout, run_dir = _train(
+    stdout, run_dir = train_tiny(
         trainer_env,
         tmp_path,
         RM_ONLY,
@@ -60,7 +60,7 @@ def test_should_learn_arithmetic_when_a_bradley_terry_reward_model_is_the_only_r
     assert re.search(r"kuberl: reward model \S+: 1 replica\(s\) of 1 CPU, reads its chat template", stdout), (
         stdout
     )
-    scalars = _scalars(run_dir)
+    scalars = read_scalars(run_dir)
     rewards, rm_mean = scalars["train/reward_mean"], scalars["train/rm_score_mean"]
     assert rewards == pytest.approx(scalars["train/reward/reward_model"], abs=1e-4)
     assert rewards == pytest.approx(rm_mean, abs=1e-4)  # the mean is float32 in one, float64 in the other
@@ -88,7 +88,7 @@ def test_should_train_on_both_when_the_reward_model_sits_beside_a_verifiable_rew
     trainer_env,
     tmp_path,
 ):
-    _, run_dir = _train(
+    _, run_dir = train_tiny(
         trainer_env,
         tmp_path,
         HALF_AND_HALF,
@@ -96,7 +96,7 @@ def test_should_train_on_both_when_the_reward_model_sits_beside_a_verifiable_rew
         "grpo.max_num_steps=2",
         "checkpointing.enabled=false",
     )
-    scalars = _scalars(run_dir)
+    scalars = read_scalars(run_dir)
     assert len(scalars["train/reward_mean"]) == 2
     for step in range(2):
         total = (

@@ -27,6 +27,15 @@ REPO = Path(__file__).resolve().parents[1]
 _QUIET_WARNINGS = (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning)
 
 
+def no_cluster_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    """This environment with no cluster anywhere (no RAY_ADDRESS, no kube context) and a private state dir,
+    for the submit commands and the make targets around them; ``extra`` on top."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "EXP", "NAMESPACE")}
+    env.update(KUBERL_STATE_DIR=str(tmp_path / "state"), KUBECONFIG=str(tmp_path / "no-kubeconfig"))
+    env.update(extra)
+    return env
+
+
 def run_main(
     main: Callable[[list[str]], int | None],
     argv: Sequence[str],

@@ -1,5 +1,5 @@
 """The reward model's signal is real: ``experiment=tiny`` trained with the tiny Bradley-Terry model of
-``test_reward_model.py`` as its only reward learns (its reward rises), and the arithmetic accuracy that
+``tiny_rm.py`` as its only reward learns (its reward rises), and the arithmetic accuracy that
 ``trainer.eval`` measures with the verifiable ``arithmetic`` reward, which the run never saw, rises with it;
 beside the verifiable reward by weight (0.5/0.5) the run trains and reports both components.
 """
@@ -11,10 +11,12 @@ import re
 
 import pytest
 
-from tests.rewards.test_reward_model import arithmetic_rm  # noqa: F401  (the session fixture)
+from tests.rewards import tiny_rm
 from tests.tiny_run import LEARN_STEPS, read_scalars, train_tiny
 
 pytestmark = pytest.mark.slow
+
+arithmetic_rm = tiny_rm.arithmetic_rm  # the session fixture
 
 RM_ONLY = "env.reward_functions=[{name: reward_model, weight: 1.0}]"
 HALF_AND_HALF = (

@@ -7,7 +7,8 @@ working directory, and its stdout, stderr and exit status back as a ``CompletedP
 environment, the working directory and the root logger are as they were. Warnings and log records that a
 fresh interpreter would print on stderr land in the captured stderr, so a test that counts stderr's lines
 sees them. A test that needs the process itself (signals, leftovers, a clean import state, Ray attached to
-the process) still starts one.
+the process) still starts one. :func:`no_cluster_env` is the environment the submit commands and the
+make targets around them are tested in: no cluster anywhere.
 """
 
 from __future__ import annotations

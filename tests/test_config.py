@@ -8,6 +8,8 @@ import time
 
 import pytest
 
+from tests.cli import refuse_ray, run_main
+from trainer.__main__ import main as trainer_main
 from trainer.config import ConfigError, experiments, load
 
 from .conftest import REPO
@@ -842,20 +844,10 @@ def test_should_accept_vllm_on_cpu_and_say_in_one_line_when_it_is_not_installed(
     assert message.startswith("generation.backend=vllm") and "\n" not in message
 
 
-def test_should_name_the_model_in_one_line_when_its_head_dim_is_too_small_for_vllm_on_cpu():
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "trainer",
-            "experiment=tiny",
-            "generation.backend=vllm",
-            "model.name='builtin:tiny?num_heads=4'",
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
+def test_should_name_the_model_in_one_line_when_its_head_dim_is_too_small_for_vllm_on_cpu(monkeypatch):
+    refuse_ray(monkeypatch)
+    proc = run_main(
+        trainer_main, ["experiment=tiny", "generation.backend=vllm", "model.name='builtin:tiny?num_heads=4'"]
     )
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip() and not ln.startswith("kuberl: warning")]
     assert proc.returncode == 3 and len(lines) == 1, proc.stderr
@@ -870,28 +862,19 @@ def test_should_name_the_model_in_one_line_when_its_head_dim_is_too_small_for_vl
     )
 
 
-def test_should_name_the_key_in_one_line_when_the_models_heads_cannot_take_the_tensor_parallel_size():
+def test_should_name_the_key_in_one_line_when_the_models_heads_cannot_take_the_tensor_parallel_size(
+    monkeypatch,
+):
     """builtin:tiny has 2 heads: vLLM cannot split them over 3 workers (it failed inside the generation
     actor, a validation traceback after the policy had loaded)."""
     from trainer.generation.vllm_engine import vllm_available
 
     if not vllm_available():
         pytest.skip("vLLM is not installed: the run stops earlier, naming generation.backend")
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "trainer",
-            "experiment=tiny",
-            "generation.backend=vllm",
-            "generation.placement=disaggregated",
-            "generation.tensor_parallel_size=3",
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    refuse_ray(monkeypatch)
+    argv = ["experiment=tiny", "generation.backend=vllm", "generation.placement=disaggregated",
+            "generation.tensor_parallel_size=3"]  # fmt: skip
+    proc = run_main(trainer_main, argv)
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip() and not ln.startswith("kuberl: warning")]
     assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert lines[0].startswith(

@@ -195,11 +195,14 @@ def _make(env: dict, *args: str, timeout: float = 240) -> subprocess.CompletedPr
 def test_should_exit_in_one_line_and_resume_when_the_ray_cluster_is_stopped_under_the_driver(
     tmp_path, trainer_env
 ):
-    from .test_submit import _env, _free_port
+    from tests.cli import no_cluster_env
+    from trainer.ports import free_port
 
-    env = _env(tmp_path)
-    port = _free_port()
-    up = _make(env, "up", f"RAY_PORT={port}", f"RAY_DASHBOARD_PORT={_free_port()}", "RAY_NUM_CPUS=8")
+    env = no_cluster_env(tmp_path)
+    port = free_port("127.0.0.1")
+    up = _make(
+        env, "up", f"RAY_PORT={port}", f"RAY_DASHBOARD_PORT={free_port('127.0.0.1')}", "RAY_NUM_CPUS=8"
+    )
     assert up.returncode == 0, up.stdout + up.stderr
     try:
         attached = dict(env, RAY_ADDRESS=f"127.0.0.1:{port}", RAY_AUTH_MODE="token")

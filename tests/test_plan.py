@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.cli import run_main
 from trainer import config, plan, submit
 from trainer.models.shape import known_config
 
@@ -18,9 +19,8 @@ REPO = Path(__file__).resolve().parents[1]
 TINY = "builtin:tiny?hidden_size=256&num_layers=4&num_heads=4&intermediate_size=1024"
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "trainer.plan", *args], capture_output=True, text=True,
-                          cwd=REPO, timeout=300)  # fmt: skip
+def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return run_main(plan.main, args, env)
 
 
 @pytest.mark.parametrize(
@@ -359,8 +359,8 @@ def test_should_say_in_one_line_naming_the_key_when_the_judges_config_cannot_be_
     import os
 
     args = [RM_PRESET, "env.reward_functions=[{name: llm_judge}]", "judge.model=no-such-org/no-such-judge"]
-    out = subprocess.run([sys.executable, "-m", "trainer.plan", *args], capture_output=True, text=True, cwd=REPO,
-                         timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})  # fmt: skip
+    # huggingface_hub reads HF_HUB_OFFLINE on import: tests/conftest.py set it before any test imported it
+    out = _cli(*args, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert out.returncode == 2 and out.stdout == ""
     (line,) = out.stderr.strip().splitlines()
     assert line.startswith("kuberl: plan: cannot read the config of judge.model=no-such-org/no-such-judge (")

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.cli import run_main
 from trainer import preflight
 from trainer.preflight import Result
 
@@ -389,8 +390,7 @@ def _env_with_kubectl(tmp_path: Path, image: str | None) -> dict[str, str]:
 
 
 def _preflight(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "trainer.preflight", *args], capture_output=True, text=True,
-                          env=env, cwd=REPO, timeout=60)  # fmt: skip
+    return run_main(preflight.main, args, env)
 
 
 def test_should_say_it_cannot_check_and_go_on_when_kubectl_is_absent_at_install(tmp_path) -> None:

@@ -18,21 +18,15 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.cli import no_cluster_env, run_main
 from trainer import submit
 from trainer.ports import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
-    """No cluster anywhere: no RAY_ADDRESS, no kube context, a private state dir."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "EXP", "NAMESPACE")}
-    env.update(KUBERL_STATE_DIR=str(tmp_path / "state"), KUBECONFIG=str(tmp_path / "no-kubeconfig"))
-    env.update(extra)
-    return env
-
-
 def _cli(env: dict[str, str], *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    """A process of its own, for what Ray's client reads once per process: the auth mode and the token."""
     return subprocess.run(
         [sys.executable, "-m", "trainer.submit", *args],
         capture_output=True,
@@ -41,6 +35,11 @@ def _cli(env: dict[str, str], *args: str, timeout: float = 60) -> subprocess.Com
         cwd=REPO,
         timeout=timeout,
     )
+
+
+def _main(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    """``_cli`` without the new interpreter: the command is the point, not the process (tests.cli)."""
+    return run_main(submit.main, args, env)
 
 
 def _one_line_error(out: subprocess.CompletedProcess) -> str:
@@ -104,7 +103,7 @@ def test_should_resolve_the_one_experiment_a_prefix_starts_when_exp_is_typed_sho
 
 
 def test_should_list_the_candidates_in_one_line_when_a_prefix_is_ambiguous(tmp_path: Path) -> None:
-    line = _one_line_error(_cli(_env(tmp_path), "resolve", "gemma3"))
+    line = _one_line_error(_main(no_cluster_env(tmp_path), "resolve", "gemma3"))
     assert "EXP=gemma3 matches several experiments (gemma3-1b-math, gemma3-27b-gsm8k)" in line
 
 
@@ -172,34 +171,41 @@ def test_should_drop_trailing_dashes_when_the_cut_lands_on_them() -> None:
 
 
 def test_should_list_the_experiments_when_exp_is_unknown(tmp_path: Path) -> None:
-    line = _one_line_error(_cli(_env(tmp_path), "submit", "gemma4-1t"))
+    line = _one_line_error(_main(no_cluster_env(tmp_path), "submit", "gemma4-1t"))
     assert "unknown experiment 'gemma4-1t'" in line and "tiny" in line
 
 
 def test_should_say_how_to_get_a_cluster_when_none_is_reachable(tmp_path: Path) -> None:
-    line = _one_line_error(_cli(_env(tmp_path), "submit", "tiny"))
+    line = _one_line_error(_main(no_cluster_env(tmp_path), "submit", "tiny"))
     assert "make up" in line and "RAY_ADDRESS" in line
 
 
 def test_should_name_the_address_when_ray_address_is_unreachable(tmp_path: Path) -> None:
     address = f"http://127.0.0.1:{_free_port()}"
-    line = _one_line_error(_cli(_env(tmp_path, RAY_ADDRESS=address, RAY_AUTH_TOKEN="t" * 64), "status"))
+    line = _one_line_error(
+        _main(no_cluster_env(tmp_path, RAY_ADDRESS=address, RAY_AUTH_TOKEN="t" * 64), "status")
+    )
     assert f"cannot reach the Ray Jobs API at {address}" in line
 
 
 def test_should_say_where_a_token_goes_when_token_auth_is_on_and_there_is_none(tmp_path: Path) -> None:
-    env = _env(tmp_path, RAY_ADDRESS="http://127.0.0.1:1", RAY_AUTH_MODE="token", HOME=str(tmp_path))
+    env = no_cluster_env(
+        tmp_path, RAY_ADDRESS="http://127.0.0.1:1", RAY_AUTH_MODE="token", HOME=str(tmp_path)
+    )
     env.pop("RAY_AUTH_TOKEN", None)
+    # A process of its own: one that has read a token before (a test that joined a Ray instance) keeps it.
     line = _one_line_error(_cli(env, "status"))
     assert "there is no Ray token here" in line and "RAY_AUTH_TOKEN" in line
 
 
 def test_should_ask_for_a_job_id_when_logs_has_none(tmp_path: Path) -> None:
-    assert "make logs JOB=" in _one_line_error(_cli(_env(tmp_path), "logs"))
+    assert "make logs JOB=" in _one_line_error(_main(no_cluster_env(tmp_path), "logs"))
 
 
 def test_should_reject_an_override_without_a_value_when_submitting(tmp_path: Path) -> None:
-    assert "not key=value" in _one_line_error(_cli(_env(tmp_path), "submit", "tiny", "grpo.max_num_steps"))
+    assert "not key=value" in _one_line_error(
+        _main(no_cluster_env(tmp_path), "submit", "tiny", "grpo.max_num_steps")
+    )
 
 
 # A stand-in for kubectl (no Kubernetes API here): a context, namespace `team`, one installed
@@ -228,11 +234,11 @@ def fake_kube(tmp_path: Path) -> dict[str, str]:
         "spec": {"headGroupSpec": {"template": {"spec": {"containers": [{"name": "ray-head", "env": env}]}}}}
     }
     (bin_dir / "raycluster.json").write_text(json.dumps(cluster))
-    return _env(tmp_path, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    return no_cluster_env(tmp_path, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
 
 
 def test_should_say_how_to_create_the_secret_when_the_hf_token_secret_is_missing(fake_kube) -> None:
-    line = _one_line_error(_cli(fake_kube, "submit", "gemma3-1b-math"))
+    line = _one_line_error(_main(fake_kube, "submit", "gemma3-1b-math"))
     assert "Secret hf-token (for HF_TOKEN) is missing in namespace team" in line
     assert "kubectl create secret generic hf-token -n team --from-literal=token=" in line
 
@@ -248,7 +254,7 @@ def test_should_name_the_token_secret_when_the_raycluster_uses_token_auth_and_th
         },
     }
     (tmp_path / "bin" / "raycluster.json").write_text(json.dumps(cluster))
-    line = _one_line_error(_cli(fake_kube, "status", "--exp", "gemma3-1b-math"))
+    line = _one_line_error(_main(fake_kube, "status", "--exp", "gemma3-1b-math"))
     assert "cannot read the Ray token from Secret gemma3-1b-math-b200-ray-auth in namespace team" in line
     assert "auth_token" in line
 
@@ -278,7 +284,7 @@ def test_should_name_the_secret_as_kuberay_does_when_the_release_starts_with_a_d
 
 
 def test_should_say_to_install_the_release_when_its_raycluster_is_missing(fake_kube) -> None:
-    line = _one_line_error(_cli(fake_kube, "submit", "qwen2.5-coder-7b-code"))
+    line = _one_line_error(_main(fake_kube, "submit", "qwen2.5-coder-7b-code"))
     assert "no RayCluster qwen2-5-coder-7b-code-b200 in namespace team" in line and "make install" in line
 
 
@@ -300,7 +306,7 @@ def _make(env: dict[str, str], *args: str, timeout: float = 300) -> subprocess.C
 def local_cluster(tmp_path_factory):
     """`make up` on free ports with 2 (logical) GPUs, `make down` afterwards, nothing left behind."""
     tmp = tmp_path_factory.mktemp("cluster")
-    env = _env(tmp)
+    env = no_cluster_env(tmp)
     port, dashboard = _free_port(), _free_port()
     up = _make(
         env, "up", f"RAY_PORT={port}", f"RAY_DASHBOARD_PORT={dashboard}", "RAY_NUM_GPUS=2", timeout=240

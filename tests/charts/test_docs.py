@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import re
 import subprocess
-import sys
 
 import yaml
 from chartlib import CHART, REPO
+
+from tests.cli import run_main
+from trainer import submit
 
 DOC = (REPO / "docs" / "cluster.md").read_text()
 ROOTS = ("image", "storage", "rdma", "job", "head", "capacity", "gpu", "serviceAccount", "secrets", "tests", "tensorboard",
@@ -146,8 +148,7 @@ def test_should_state_the_gke_version_and_driver_the_chart_needs_when_the_runboo
 
 def test_should_submit_the_27b_experiment_when_the_runbook_ends_a_run() -> None:
     assert "make submit EXP=gemma3-27b" in DOC
-    release = subprocess.run([sys.executable, "-m", "trainer.submit", "resolve", "gemma3-27b"], capture_output=True,
-                             text=True, cwd=REPO)  # fmt: skip
+    release = run_main(submit.main, ["resolve", "gemma3-27b"])
     assert release.stdout.split() == ["gemma3-27b-gsm8k-h200", "values/gemma3-27b-gsm8k-h200.yaml"]
 
 

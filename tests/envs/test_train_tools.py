@@ -9,7 +9,7 @@ import json
 import pytest
 
 from tests.envs.helpers import build_dice_model
-from tests.test_train_tiny import _needs_vllm, _scalars, _train
+from tests.tiny_run import needs_vllm, read_scalars, train_tiny
 
 pytestmark = pytest.mark.slow
 
@@ -35,8 +35,8 @@ def _check_tool_run(run_dir, scalars):
 
 
 def test_should_train_on_tool_episodes_when_the_hf_engine_generates(trainer_env, tmp_path):
-    _, run_dir = _train(trainer_env, tmp_path, *TOOLS_RUN)
-    scalars = _scalars(run_dir)
+    _, run_dir = train_tiny(trainer_env, tmp_path, *TOOLS_RUN)
+    scalars = read_scalars(run_dir)
     _check_tool_run(run_dir, scalars)
     assert max(scalars["train/gen_logprob_abs_diff"]) < 1e-3  # float32 on both sides, the same tokens
 
@@ -44,11 +44,11 @@ def test_should_train_on_tool_episodes_when_the_hf_engine_generates(trainer_env,
 @pytest.mark.vllm
 @pytest.mark.parametrize("placement", ["colocated", "disaggregated"])
 def test_should_train_on_tool_episodes_when_vllm_generates(trainer_env, tmp_path, placement):
-    _needs_vllm()
-    _, run_dir = _train(
+    needs_vllm()
+    _, run_dir = train_tiny(
         trainer_env, tmp_path, *TOOLS_RUN, "generation.backend=vllm", f"generation.placement={placement}"
     )
-    scalars = _scalars(run_dir)
+    scalars = read_scalars(run_dir)
     _check_tool_run(run_dir, scalars)
     assert max(scalars["train/gen_logprob_abs_diff"]) < 0.05  # vLLM's kernels, on the tokens it sampled
 
@@ -56,9 +56,9 @@ def test_should_train_on_tool_episodes_when_vllm_generates(trainer_env, tmp_path
 @pytest.mark.parametrize("backend", ["hf", pytest.param("vllm", marks=pytest.mark.vllm)])
 def test_should_learn_to_call_the_tool_when_only_the_tool_knows_the_answer(trainer_env, tmp_path, backend):
     if backend == "vllm":
-        _needs_vllm()
+        needs_vllm()
     model = build_dice_model(str(tmp_path / "dice-model"))
-    stdout, run_dir = _train(
+    stdout, run_dir = train_tiny(
         trainer_env,
         tmp_path,
         f"generation.backend={backend}",
@@ -73,7 +73,7 @@ def test_should_learn_to_call_the_tool_when_only_the_tool_knows_the_answer(train
         # At tiny's 1e-2 one of three runs learned to call and answer, then stopped calling at all in one step.
         "policy.learning_rate=5e-3",
     )
-    scalars = _scalars(run_dir)
+    scalars = read_scalars(run_dir)
     rewards, calls = scalars["train/reward_mean"], scalars["train/tool_call_rate"]
     print("reward", [round(r, 3) for r in rewards], "\ncall rate", [round(c, 3) for c in calls])
     first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3

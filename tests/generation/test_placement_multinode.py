@@ -24,7 +24,7 @@ import pytest
 
 from tests.conftest import REPO
 from tests.ray_process import ray_process
-from tests.test_train_tiny import LEARN_STEPS, _assert_learned, _needs_vllm, _scalars
+from tests.tiny_run import LEARN_STEPS, assert_learned, needs_vllm, read_scalars
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -75,7 +75,7 @@ def _actor_nodes(address: str) -> tuple[dict[str, list[str]], set[str]]:
 def test_should_place_policy_ranks_on_two_nodes_and_the_engine_on_a_third_and_learn_when_the_cluster_has_three(
     cluster, tmp_path
 ):
-    _needs_vllm()
+    needs_vllm()
     address, env = cluster
     logs, ckpt = tmp_path / "logs", tmp_path / "ckpt"
     proc = subprocess.run(
@@ -102,8 +102,8 @@ def test_should_place_policy_ranks_on_two_nodes_and_the_engine_on_a_third_and_le
     assert rendezvous == rank0 != engine
     assert sorted(actors["PolicyWorker"]) == sorted([rank0, rank1])
     assert actors["GenerationWorker"] == [engine]
-    scalars = _scalars(next((logs / "tiny").iterdir()))
+    scalars = read_scalars(next((logs / "tiny").iterdir()))
     print("reward per step:", " ".join(f"{r:.3f}" for r in scalars["train/reward_mean"]))
-    _assert_learned(scalars["train/reward_mean"])
+    assert_learned(scalars["train/reward_mean"])
     # Every step sampled with the weights of the refit before it, received across nodes.
     assert all(g < 0.05 for g in scalars["train/gen_logprob_abs_diff"]), scalars["train/gen_logprob_abs_diff"]

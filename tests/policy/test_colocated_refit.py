@@ -16,116 +16,12 @@ import fnmatch
 import pytest
 import torch
 
-from trainer.config import load
-from trainer.generation.base import Completion, SamplingParams
+from tests.policy import colocated
+from tests.policy.colocated import refit_samples, train_step
+from trainer.generation.base import SamplingParams
 from trainer.policy.batch import Sample
-from trainer.ports import free_port
 
-
-class RecordingEngine:
-    """Answers like an engine and writes each call the worker makes into ``calls``."""
-
-    reloads_every_weight = False
-
-    def __init__(self, calls: list):
-        self.calls = calls
-        self.loaded: dict[str, torch.Tensor] = {}
-
-    def generate(self, prompts, n, params):
-        self.calls.append("generate")
-        return [[Completion([5, 6], [-1.0, -1.0], "ab", "length") for _ in range(n)] for _ in prompts]
-
-    def update_weights(self, named_tensors):
-        self.calls.append("update_weights")
-        for name, tensor in named_tensors:  # consumed as an engine does: the gathers happen here
-            self.loaded[name] = tensor.detach().clone()
-
-    def sleep(self):
-        self.calls.append("sleep")
-
-    def wake_up(self, tags=None):
-        self.calls.append(f"wake_up({','.join(tags) if tags else 'all'})")
-
-    def shutdown(self):
-        pass
-
-
-def _free_port() -> int:
-    return free_port("127.0.0.1")  # outside the ephemeral range (trainer.ports)
-
-
-def _samples() -> list[Sample]:
-    g = torch.Generator().manual_seed(0)
-    return [
-        Sample(
-            torch.randint(4, 30, (4,), generator=g).tolist(),
-            [5, 6, 7],
-            advantage=float(i % 2) - 0.5,
-            gen_logprobs=[-1.0, -1.0, -1.0],
-        )
-        for i in range(4)
-    ]
-
-
-@pytest.fixture
-def worker(request, tiny_model_path, monkeypatch):
-    """A real PolicyWorker (world of 1, gloo) with a recording engine; ``worker.calls`` is the record.
-    Indirect parameter: a dict of ``kl`` (the KL penalty; default 0: no reference model), ``freeze``
-    (policy.freeze patterns) and ``reloads`` (the engine's ``reloads_every_weight``)."""
-    import torch.distributed as dist
-
-    from trainer.generation import factory
-    from trainer.policy.worker import PolicyWorker
-
-    if dist.is_initialized():
-        pytest.skip("this process already has a torch.distributed world")
-    calls: list[str] = []
-    options = getattr(request, "param", {})
-    engine = RecordingEngine(calls)
-    engine.reloads_every_weight = options.get("reloads", False)
-    monkeypatch.setattr(factory, "build_engine", lambda gen, spec: engine)
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
-    cfg = load(
-        [
-            "experiment=tiny",
-            f"model.name={tiny_model_path}",
-            "cluster.cpu_workers_per_node=1",
-            "cluster.keep_freed_memory=false",
-            f"grpo.loss.reference_policy_kl_penalty={options.get('kl', 0.0)}",
-            f"policy.freeze=[{','.join(options.get('freeze', []))}]",
-        ]
-    )
-    threads = torch.get_num_threads()
-    w = PolicyWorker(cfg, tiny_model_path, rank=0, world_size=1, colocated_engine=True)
-    try:
-        w.setup("127.0.0.1", _free_port())
-        w.calls = calls
-
-        def note(label: str):
-            def hook(*_):
-                if (
-                    not calls or calls[-1] != label
-                ):  # a pass of several forwards (prompt, then responses) is one
-                    calls.append(label)
-
-            return hook
-
-        # The policy's own device work goes into the record beside the engine's calls.
-        # On the embeddings: the logprob forward runs the model through an FSDP forward method of its own
-        # (trainer/policy/forward.py), which the top module's hooks do not see.
-        w.model.get_input_embeddings().register_forward_pre_hook(note("policy forward"))
-        if w.ref_model is not None:
-            w.ref_model.get_input_embeddings().register_forward_pre_hook(note("reference forward"))
-        w.optimizer.register_step_post_hook(note("optimizer step"))
-        yield w
-    finally:
-        w.shutdown()
-        torch.set_num_threads(threads)  # the worker set this process's threads as a rank does its own
-
-
-def _train(w, samples: list[Sample]) -> None:
-    tokens = float(sum(len(s.response_ids) for s in samples))
-    w.train([samples], [{"tokens": tokens, "seqs": float(len(samples))}])
+worker = colocated.worker  # the fixture: the real rank with its recording engine
 
 
 def _a_step(w, samples: list[Sample]) -> None:
@@ -138,7 +34,7 @@ def _a_step(w, samples: list[Sample]) -> None:
         s.old_logprobs = lp
     for s, lp in zip(samples, w.compute_logprobs(samples, reference=True)):
         s.ref_logprobs = lp
-    _train(w, samples)
+    train_step(w, samples)
     w.refresh_engine()
 
 
@@ -149,7 +45,7 @@ REFIT = ["empty_cache", "wake_up(weights)", "update_weights", "empty_cache", "wa
 def test_should_sleep_before_the_logprob_passes_and_wake_weights_then_kv_cache_when_a_colocated_rank_refits(
     worker,
 ):
-    samples = _samples()
+    samples = refit_samples()
     _a_step(worker, samples)
     _a_step(worker, samples)
     one_step = [
@@ -166,16 +62,16 @@ def test_should_sleep_before_the_logprob_passes_and_wake_weights_then_kv_cache_w
 
 
 def test_should_sleep_when_training_comes_first_when_no_logprob_pass_runs(worker):
-    samples = _samples()
+    samples = refit_samples()
     worker.generate([s.prompt_ids for s in samples], 1, SamplingParams(max_new_tokens=2))
-    _train(worker, samples)
+    train_step(worker, samples)
     worker.refresh_engine()
     worker.generate([s.prompt_ids for s in samples], 1, SamplingParams(max_new_tokens=2))  # e.g. validation
     assert worker.calls == ["generate", "sleep", "policy forward", "optimizer step", *REFIT, "generate"]
 
 
 def test_should_sleep_again_when_the_engine_generated_after_sleeping_without_a_refit(worker):
-    samples = _samples()
+    samples = refit_samples()
     prompts = [s.prompt_ids for s in samples]
     worker.generate(prompts, 1, SamplingParams(max_new_tokens=2))
     worker.compute_logprobs(samples)
@@ -185,9 +81,9 @@ def test_should_sleep_again_when_the_engine_generated_after_sleeping_without_a_r
 
 
 def test_should_load_the_trained_weights_when_the_refit_gathers_unit_by_unit(worker):
-    samples = _samples()
+    samples = refit_samples()
     worker.generate([s.prompt_ids for s in samples], 1, SamplingParams(max_new_tokens=2))
-    _train(worker, samples)
+    train_step(worker, samples)
     worker.refresh_engine()
     expected = worker.full_state_dict()
     assert sorted(worker.engine.loaded) == sorted(expected)
@@ -207,9 +103,9 @@ FROZEN = "model.layers.0.*"
 def test_should_send_frozen_weights_only_when_the_engine_discarded_its_weights_in_sleep(worker):
     """vLLM's level-2 sleep frees the weights: its refit must bring the frozen ones back too; an engine
     that keeps them (level 1, hf) gets the trainable ones alone."""
-    samples = _samples()
+    samples = refit_samples()
     worker.generate([s.prompt_ids for s in samples], 1, SamplingParams(max_new_tokens=2))
-    _train(worker, samples)
+    train_step(worker, samples)
     worker.refresh_engine()
     frozen = {n for n in worker.full_state_dict() if fnmatch.fnmatch(n, FROZEN)}
     assert frozen

@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from tests.leftovers import wait_all
-from tests.policy.test_packing import _free_port, _samples
+from tests.policy.helpers import local_port, skewed_samples
 from trainer.algorithms import core_algos
 from trainer.algorithms import linear_logprobs as ll
 from trainer.config import load
@@ -127,7 +127,7 @@ def test_should_apply_the_models_own_final_softcapping_when_a_gemma_model_caps_i
                               num_attention_heads=2, num_key_value_heads=1, head_dim=16,
                               final_logit_softcapping=1.0, sliding_window=8)  # fmt: skip
     model = Gemma3ForCausalLM(config).to(torch.float32)
-    batch = pack_batch(_samples()[:5], pad_id=0)
+    batch = pack_batch(skewed_samples()[:5], pad_id=0)
     args = (model, batch, torch.device("cpu"), None, 0.8, True)
     want, want_entropy = forward.logits_logprobs(*args)  # the model's own logits: capped inside its forward
     got, got_entropy = forward.forward_logprobs(*args)
@@ -161,7 +161,7 @@ def worker(tiny_model_path):
     threads = torch.get_num_threads()
     w = PolicyWorker(cfg, tiny_model_path, rank=0, world_size=1, colocated_engine=False)
     try:
-        w.setup("127.0.0.1", _free_port())
+        w.setup("127.0.0.1", local_port())
         assert w.model.get_output_embeddings().weight is w.model.get_input_embeddings().weight  # tied
         w.scheduler.base_lrs = [0.0] * len(
             w.scheduler.base_lrs
@@ -206,7 +206,7 @@ def _assert_same(got: dict, want: dict) -> None:
 def test_should_give_todays_logprobs_entropy_and_gradients_when_the_head_is_tiled_in_each_layout(
     worker, layout, monkeypatch
 ):
-    samples = _samples()
+    samples = skewed_samples()
     with monkeypatch.context() as today:
         today.setattr(forward, "forward_logprobs", forward.logits_logprobs)
         want = _run(worker, samples, LAYOUTS[layout])
@@ -233,10 +233,10 @@ def _rank_main(rank: int, world: int, port: int, model_path: str, out: str) -> N
         group["lr"] = 0.0
     tiled = forward.forward_logprobs
     forward.forward_logprobs = forward.logits_logprobs
-    want = _run(w, _samples(), {})
+    want = _run(w, skewed_samples(), {})
     forward.forward_logprobs = tiled
     ll.MIN_BLOCK, ll.tile_elements, forward.TILE_ABOVE_BYTES = 16, lambda device: 16 * 5, 0
-    got = _run(w, _samples(), {})
+    got = _run(w, skewed_samples(), {})
     if rank == 0:
         torch.save({"want": want, "got": got}, out)
     w.shutdown()

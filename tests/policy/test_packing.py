@@ -10,48 +10,16 @@ parameter's gradient.
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 
+from tests.policy.helpers import local_port, skewed_samples
 from trainer.config import load
 from trainer.policy.batch import Sample
 
 # float32 on CPU: packed and padded sum the same terms in a different order (attention over a
 # different key count, other matmul shapes), so they agree to rounding, not bit for bit.
 RTOL, ATOL = 1e-5, 1e-6
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _samples() -> list[Sample]:
-    """3 prompts (of 4..9 tokens) x 4 responses of 1..23 tokens, with every per-token input set."""
-    g = torch.Generator().manual_seed(0)
-    out = []
-    for p in range(3):
-        prompt = torch.randint(4, 40, (4 + 5 * p // 2,), generator=g).tolist()
-        for k in range(4):
-            n = [1, 23, 6, 14][(k + p) % 4]
-            response = torch.randint(4, 40, (n,), generator=g).tolist()
-            mask = [0 if 2 <= t < 5 else 1 for t in range(n)]  # tokens 2..4: an environment turn
-            old, ref, gen = ((torch.randn(n, generator=g) * 0.3 - 3.0).tolist() for _ in range(3))
-            out.append(
-                Sample(
-                    prompt,
-                    response,
-                    advantage=float(k) - 1.5,
-                    response_mask=mask,
-                    old_logprobs=old,
-                    ref_logprobs=ref,
-                    gen_logprobs=gen,
-                )
-            )
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +47,7 @@ def worker(tiny_model_path):
     threads = torch.get_num_threads()
     w = PolicyWorker(cfg, tiny_model_path, rank=0, world_size=1, colocated_engine=False)
     try:
-        w.setup("127.0.0.1", _free_port())
+        w.setup("127.0.0.1", local_port())
         # lr 0 (the scheduler scales base_lrs): the weights stay, and param.grad keeps each step's gradient.
         w.scheduler.base_lrs = [0.0] * len(w.scheduler.base_lrs)
         for group in w.optimizer.param_groups:
@@ -137,7 +105,7 @@ def test_should_give_the_padded_loss_and_gradients_when_micro_batches_are_packed
     for k, v in loss.items():
         setattr(worker.cfg.grpo.loss, k, v)
     try:
-        samples = _samples()
+        samples = skewed_samples()
         _assert_same(_step(worker, samples, sequence_packing=True), _step(worker, samples, **PADDED))
     finally:
         for k, v in saved.items():
@@ -147,7 +115,7 @@ def test_should_give_the_padded_loss_and_gradients_when_micro_batches_are_packed
 def test_should_give_the_count_split_loss_and_gradients_when_micro_batches_are_filled_to_a_token_budget(
     worker,
 ):
-    samples = _samples()
+    samples = skewed_samples()
     by_count = _step(worker, samples, sequence_packing=True)
     for packing in (True, False):
         # 40 tokens: the 12 samples (10..32 tokens) go into 6..12 micro-batches instead of 3 of 5.
@@ -160,7 +128,7 @@ def test_should_give_the_count_split_loss_and_gradients_when_micro_batches_are_f
 
 
 def test_should_give_the_padded_logprobs_when_policy_and_reference_passes_are_packed(worker):
-    samples = _samples()
+    samples = skewed_samples()
     for reference in (False, True):
         worker.cfg.policy.sequence_packing = False
         try:
@@ -178,7 +146,7 @@ def test_should_give_the_padded_logprobs_when_policy_and_reference_passes_are_pa
 
 
 def test_should_give_the_same_gradients_when_packed_micro_batches_checkpoint_activations(worker):
-    samples = _samples()
+    samples = skewed_samples()
     plain = _step(worker, samples, sequence_packing=True)
     worker.model.gradient_checkpointing_enable()
     try:
@@ -204,7 +172,7 @@ def test_should_give_the_padded_loss_and_gradients_when_each_micro_batch_takes_t
         s.old_logprobs, s.ref_logprobs, s.gen_logprobs = (
             (torch.randn(n, generator=g) * 0.3 - 3.0).tolist() for _ in range(3)
         )
-    samples = even + _samples()[:4]  # the second group: responses of 1, 23, 6 and 14 tokens
+    samples = even + skewed_samples()[:4]  # the second group: responses of 1, 23, 6 and 14 tokens
     layouts = []
     build = worker._batch
     worker._batch = lambda chunk, prefix: layouts.append(type(build(chunk, prefix))) or build(chunk, prefix)

@@ -18,7 +18,10 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from .test_colocated_refit import _samples, _train, worker  # noqa: F401  (the real rank, one gloo process)
+from tests.policy import colocated
+from tests.policy.colocated import refit_samples, train_step
+
+worker = colocated.worker  # the fixture: the real rank (one gloo process)
 
 
 class _Stream:
@@ -69,7 +72,7 @@ class _Cuda:
 
 
 @pytest.fixture
-def recorded(worker, monkeypatch):  # noqa: F811
+def recorded(worker, monkeypatch):
     """The worker with CUDA's stream API recorded and the rank's stream rule on its CUDA branch."""
     from torch.distributed.fsdp import FSDPModule
 
@@ -158,7 +161,7 @@ def _violations(rank, log: list, reads) -> list[str]:
 
 
 def test_should_read_every_weight_behind_its_gather_when_vllms_producer_switches_streams_per_chunk(recorded):
-    _train(recorded, _samples())  # weights the step changed
+    train_step(recorded, refit_samples())  # weights the step changed
     with recorded.cuda.stream(recorded.cuda.default):  # the refit starts on the rank's own stream
         reads = _read_as_vllm_does(recorded.cuda, recorded.iter_full_weights())
     units = len(recorded._fsdp_units())

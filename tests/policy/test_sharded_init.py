@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tests.leftovers import wait_all
-from tests.policy.test_packing import _samples
+from tests.policy.helpers import skewed_samples
 from trainer.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -80,7 +80,7 @@ def compare(w) -> dict:
             for (n, p), (_, q) in zip(w.ref_model.named_parameters(), old_ref.named_parameters())
             if not torch.equal(p.to_local(), q.to_local())
         ]
-    samples = _samples()
+    samples = skewed_samples()
     new_lp, new_ref = w.compute_logprobs(samples), w.compute_logprobs(samples, reference=True)
     w.model, w.ref_model = old, (old_ref if old_ref is not None else w.ref_model)
     old_lp, old_ref_lp = w.compute_logprobs(samples), w.compute_logprobs(samples, reference=True)

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tests.leftovers import wait_all
-from tests.policy.test_packing import _samples  # the same length-skewed batch as the packing equality tests
+from tests.policy.helpers import skewed_samples  # the same length-skewed batch as the packing equality tests
 from trainer.policy.batch import pack_batch
 from trainer.policy.ulysses import slice_row
 from trainer.ports import free_port
@@ -62,7 +62,7 @@ def _rank_main(rank: int, world: int, port: int, model_path: str, out: str) -> N
     w.scheduler.base_lrs = [0.0] * len(w.scheduler.base_lrs)  # the weights stay; param.grad keeps each step's
     for group in w.optimizer.param_groups:
         group["lr"] = 0.0
-    samples = _samples()
+    samples = skewed_samples()
     tokens = float(sum(sum(s.response_mask) for s in samples))
     saved: dict = {
         "logprobs": w.compute_logprobs(samples),
@@ -128,7 +128,9 @@ def test_should_give_one_ranks_loss_and_gradients_when_two_ranks_split_each_row(
 
 
 def test_should_pad_the_row_to_the_ranks_and_keep_every_predicted_position_once_when_sliced():
-    batch = pack_batch(_samples()[:3], pad_id=0)  # 3 samples of 4 + (1, 23, 6) tokens = 42: 2 pad at 4 ranks
+    batch = pack_batch(
+        skewed_samples()[:3], pad_id=0
+    )  # 3 samples of 4 + (1, 23, 6) tokens = 42: 2 pad at 4 ranks
     total = batch.input_ids.shape[1]
     slices = [slice_row(batch, 4, r) for r in range(4)]
     row = slices[0][0]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.rewards import rg_corpus, test_adversarial, test_fairness
+from tests.rewards import rg_corpus, tables
 from trainer import rewards
 
 math_reward = rewards.get("math")
@@ -132,7 +132,7 @@ BOMBS = [
 ]
 
 
-@pytest.mark.parametrize(("gt", "response", "why"), BOMBS, ids=test_adversarial.ids(BOMBS))
+@pytest.mark.parametrize(("gt", "response", "why"), BOMBS, ids=tables.ids(BOMBS))
 def test_should_score_zero_when_an_answer_is_built_to_be_expensive(gt, response, why):
     assert math_reward(gt, response) == (0.0, False)
 
@@ -146,20 +146,20 @@ def _builtin_non_code() -> list[str]:
 
 def _table_calls(names: list[str]) -> list[tuple[str, object, str, str | None]]:
     rows: list[tuple[object, str, str | None]] = []
-    for table in (test_adversarial.MATH_ATTACKS, test_adversarial.MATH_HONEST):
+    for table in (tables.MATH_ATTACKS, tables.MATH_HONEST):
         rows += [(gt, response, question) for gt, response, question, _ in table]
     for table in (
-        test_adversarial.GSM8K_ATTACKS,
-        test_adversarial.GSM8K_HONEST,
-        test_adversarial.ARITHMETIC_ATTACKS,
-        test_adversarial.ARITHMETIC_HONEST,
-        test_adversarial.EXACT_ATTACKS,
+        tables.GSM8K_ATTACKS,
+        tables.GSM8K_HONEST,
+        tables.ARITHMETIC_ATTACKS,
+        tables.ARITHMETIC_HONEST,
+        tables.EXACT_ATTACKS,
         BOMBS,
     ):
         rows += [(row[0], row[1], None) for row in table]
-    rows += [("", row[0], None) for row in test_adversarial.FORMAT_ATTACKS]
-    for _, gt, answer in test_fairness.HONEST + test_fairness.NEAR_MISSES:
-        rows += [(gt, make(answer), None) for make in test_fairness.STYLES.values()]
+    rows += [("", row[0], None) for row in tables.FORMAT_ATTACKS]
+    for _, gt, answer in tables.HONEST + tables.NEAR_MISSES:
+        rows += [(gt, make(answer), None) for make in tables.STYLES.values()]
     return [(name, gt, response, question) for gt, response, question in rows for name in names]
 
 

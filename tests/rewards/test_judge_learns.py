@@ -1,4 +1,4 @@
-"""The judge's signal is real: ``experiment=tiny`` trained with the tiny judge of ``test_judge.py`` as its only
+"""The judge's signal is real: ``experiment=tiny`` trained with the tiny judge of ``tiny_judge.py`` as its only
 reward (given the reference sum, it writes "score: 1" for a response that is that sum, "score: 0" for anything
 else) learns: its reward rises, and every sample's note is what the judge wrote.
 """
@@ -10,21 +10,24 @@ import re
 
 import pytest
 
-from tests.rewards.test_judge import SUM_TEMPLATE, arithmetic_judge  # noqa: F401  (the session fixture)
-from tests.test_train_tiny import LEARN_STEPS, _scalars, _train
+from tests.rewards import tiny_judge
+from tests.rewards.tiny_judge import SUM_TEMPLATE
+from tests.tiny_run import LEARN_STEPS, read_scalars, train_tiny
 
 pytestmark = pytest.mark.slow
+
+arithmetic_judge = tiny_judge.arithmetic_judge  # the session fixture
 
 JUDGE_ONLY = "env.reward_functions=[{name: llm_judge, weight: 1.0}]"
 
 
 def test_should_learn_arithmetic_when_an_llm_judge_is_the_only_reward(
-    arithmetic_judge,  # noqa: F811  (the fixture imported above)
+    arithmetic_judge,
     trainer_env,
     tmp_path,
     capsys,
 ):
-    stdout, run_dir = _train(
+    stdout, run_dir = train_tiny(
         trainer_env,
         tmp_path,
         JUDGE_ONLY,
@@ -37,7 +40,7 @@ def test_should_learn_arithmetic_when_an_llm_judge_is_the_only_reward(
     assert re.search(
         r"kuberl: judge \S+: 1 replica\(s\) of 1 CPU on the hf engine, reads its chat template", stdout
     ), stdout
-    scalars = _scalars(run_dir)
+    scalars = read_scalars(run_dir)
     rewards = scalars["train/reward_mean"]
     assert rewards == pytest.approx(scalars["train/reward/llm_judge"], abs=1e-4)
     first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3

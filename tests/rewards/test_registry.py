@@ -3,17 +3,13 @@ before it starts, in one line naming the key."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
+from tests.cli import refuse_ray, run_main
 from trainer import rewards
+from trainer.__main__ import main as trainer_main
 from trainer.config import ConfigError, EnvConfig, RewardSpec
 from trainer.rewards import feedback
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def test_should_accept_registered_and_importable_rewards():
@@ -150,13 +146,8 @@ def test_should_bind_a_plugins_kwargs_against_its_own_signature():
         ),
     ],
 )
-def test_should_stop_the_run_at_start_in_one_line_when_the_reward_config_is_bad(override, line):
+def test_should_stop_the_run_at_start_in_one_line_when_the_reward_config_is_bad(override, line, monkeypatch):
     # issue 41: these ran to the end, every sample 0 with a warning each, or every reward nan
-    proc = subprocess.run(
-        [sys.executable, "-m", "trainer", "experiment=cpu-demo", override],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    refuse_ray(monkeypatch)
+    proc = run_main(trainer_main, ["experiment=cpu-demo", override])
     assert proc.returncode == 2 and proc.stderr.strip() == line, (proc.returncode, proc.stderr[-2000:])

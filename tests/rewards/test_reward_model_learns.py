@@ -1,5 +1,5 @@
 """The reward model's signal is real: ``experiment=tiny`` trained with the tiny Bradley-Terry model of
-``test_reward_model.py`` as its only reward learns (its reward rises), and the arithmetic accuracy that
+``tiny_rm.py`` as its only reward learns (its reward rises), and the arithmetic accuracy that
 ``trainer.eval`` measures with the verifiable ``arithmetic`` reward, which the run never saw, rises with it;
 beside the verifiable reward by weight (0.5/0.5) the run trains and reports both components.
 """
@@ -11,10 +11,12 @@ import re
 
 import pytest
 
-from tests.rewards.test_reward_model import arithmetic_rm  # noqa: F401  (the session fixture)
-from tests.test_train_tiny import LEARN_STEPS, _scalars, _train
+from tests.rewards import tiny_rm
+from tests.tiny_run import LEARN_STEPS, read_scalars, train_tiny
 
 pytestmark = pytest.mark.slow
+
+arithmetic_rm = tiny_rm.arithmetic_rm  # the session fixture
 
 RM_ONLY = "env.reward_functions=[{name: reward_model, weight: 1.0}]"
 HALF_AND_HALF = (
@@ -50,7 +52,7 @@ def test_should_learn_arithmetic_when_a_bradley_terry_reward_model_is_the_only_r
 ):
     from trainer.convert import convert
 
-    stdout, run_dir = _train(
+    stdout, run_dir = train_tiny(
         trainer_env,
         tmp_path,
         RM_ONLY,
@@ -60,7 +62,7 @@ def test_should_learn_arithmetic_when_a_bradley_terry_reward_model_is_the_only_r
     assert re.search(r"kuberl: reward model \S+: 1 replica\(s\) of 1 CPU, reads its chat template", stdout), (
         stdout
     )
-    scalars = _scalars(run_dir)
+    scalars = read_scalars(run_dir)
     rewards, rm_mean = scalars["train/reward_mean"], scalars["train/rm_score_mean"]
     assert rewards == pytest.approx(scalars["train/reward/reward_model"], abs=1e-4)
     assert rewards == pytest.approx(rm_mean, abs=1e-4)  # the mean is float32 in one, float64 in the other
@@ -88,7 +90,7 @@ def test_should_train_on_both_when_the_reward_model_sits_beside_a_verifiable_rew
     trainer_env,
     tmp_path,
 ):
-    _, run_dir = _train(
+    _, run_dir = train_tiny(
         trainer_env,
         tmp_path,
         HALF_AND_HALF,
@@ -96,7 +98,7 @@ def test_should_train_on_both_when_the_reward_model_sits_beside_a_verifiable_rew
         "grpo.max_num_steps=2",
         "checkpointing.enabled=false",
     )
-    scalars = _scalars(run_dir)
+    scalars = read_scalars(run_dir)
     assert len(scalars["train/reward_mean"]) == 2
     for step in range(2):
         total = (

@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from tests.test_train_tiny import _train
+from tests.tiny_run import train_tiny
 from tests.tracking import readback
 
 pytestmark = pytest.mark.slow
@@ -28,7 +28,7 @@ def test_should_send_the_same_curve_config_and_rollouts_to_every_backend_when_a_
     trainer_env, tmp_path
 ):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    stdout, run_dir = _train(
+    stdout, run_dir = train_tiny(
         trainer_env,
         tmp_path,
         f"grpo.max_num_steps={STEPS}",
@@ -79,7 +79,7 @@ def test_should_send_the_same_curve_config_and_rollouts_to_every_backend_when_a_
     assert f"metrics -> tensorboard, wandb run {ids['wandb']}, mlflow run {ids['mlflow']}" in stdout
 
     # One more step, resumed from the checkpoint: the same runs go on.
-    stdout, resumed_dir = _train(
+    stdout, resumed_dir = train_tiny(
         trainer_env,
         tmp_path,
         f"grpo.max_num_steps={STEPS + 1}",

@@ -33,7 +33,7 @@ import os, sys, torch, torch.distributed as dist
 from trainer.config import Config
 from trainer.generation.refit.transport import init_info
 from trainer.policy.worker import PolicyWorker, shard_model
-from tests.gpu.test_policy_cuda import TorchLM
+from tests.gpu.torch_lm import TorchLM
 
 rank, port, transfer_port, out, meta_file = (int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4],
                                             sys.argv[5])

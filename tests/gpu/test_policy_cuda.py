@@ -24,6 +24,7 @@ import torch
 from tests.leftovers import wait_all
 
 from .conftest import REPO, free_port, need, needs_gpus
+from .torch_lm import TorchLM
 
 pytestmark = pytest.mark.gpu
 
@@ -82,33 +83,6 @@ def _namespace() -> dict:
 def tiny(request) -> str:
     need("transformers", "the policy is a transformers model")
     return request.getfixturevalue("tiny_model_path")  # after the check: building it needs transformers
-
-
-class Block(torch.nn.Module):
-    def __init__(self, width: int):
-        super().__init__()
-        self.up, self.down = torch.nn.Linear(width, 4 * width), torch.nn.Linear(4 * width, width)
-
-    def forward(self, x):
-        return x + self.down(torch.relu(self.up(x)))
-
-
-class TorchLM(torch.nn.Module):
-    """A language model in plain torch (no transformers): what FSDP2 needs of one is its block types."""
-
-    _no_split_modules = ["Block"]
-
-    def __init__(self, vocab: int = 64, width: int = 32, depth: int = 3):
-        super().__init__()
-        self.embed = torch.nn.Embedding(vocab, width)
-        self.blocks = torch.nn.ModuleList(Block(width) for _ in range(depth))
-        self.head = torch.nn.Linear(width, vocab)
-
-    def forward(self, ids):
-        x = self.embed(ids)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
 
 
 @needs_gpus(1)

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from .conftest import free_port, needs_gpus
-from .test_policy_cuda import TorchLM
+from .torch_lm import TorchLM
 
 pytestmark = pytest.mark.gpu
 

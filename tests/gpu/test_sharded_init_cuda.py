@@ -28,7 +28,7 @@ def test_should_hold_the_whole_models_shards_and_logprobs_when_a_gpu_rank_is_bui
         need("peft", "LoRA adapters")
     import torch.distributed as dist
 
-    from tests.policy.test_sharded_init import check, compare
+    from tests.policy.sharded_checks import check, compare
     from trainer.config import from_dictconfig
     from trainer.policy.worker import PolicyWorker
 

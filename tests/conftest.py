@@ -14,15 +14,26 @@ import pytest
 from tests.ray_process import ray_process
 from tests.shared_instance import shared
 
+try:
+    from trainer.cluster import QUIET_ENV
+except ImportError:  # a GPU node's Python without Ray runs tests/gpu (tests/gpu/conftest.py)
+    QUIET_ENV = {}
+
 REPO = Path(__file__).resolve().parents[1]
 SESSION = pytest.StashKey[str]()  # this session's id in tests.leftovers.MARK
 
-# No test reaches a model hub (there is none to reach: models are built locally or embedded). Without this,
-# each lookup of a hub name (a preset's reward model, a judge, a model whose config a check reads) waits
-# through huggingface_hub's five retries, 23 s, before the path for an unreachable hub runs; with it, the
-# same path runs at once. Set before any test module imports huggingface_hub, which reads it on import;
-# the runs the tests start inherit it (trainer.cluster passes it on to Ray's workers).
+# Set before any test module is imported (collection imports them all, in every xdist worker): huggingface_hub
+# and transformers read these once, on import.
+# - No test reaches a model hub (there is none to reach: models are built locally or embedded). Without
+#   HF_HUB_OFFLINE, each lookup of a hub name (a preset's reward model, a judge, a model whose config a check
+#   reads) waits through huggingface_hub's five retries, 23 s, before the path for an unreachable hub runs;
+#   with it, the same path runs at once. The runs the tests start inherit it (trainer.cluster passes it on).
+# - The quiet environment a run sets for itself (trainer.cluster.QUIET_ENV), so that an entry point called in
+#   process (tests.cli.run_main) prints what it prints as a process: no progress bar from a model built on
+#   the way, whichever module imported transformers first.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+for _key, _value in QUIET_ENV.items():
+    os.environ.setdefault(_key, _value)
 
 
 def pytest_configure(config):

@@ -9,6 +9,7 @@ import socket
 import pytest
 import torch
 
+from tests.policy.helpers import refit_samples
 from trainer.config import ConfigError, load
 from trainer.policy.batch import Sample
 
@@ -17,19 +18,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _samples() -> list[Sample]:
-    g = torch.Generator().manual_seed(0)
-    return [
-        Sample(
-            torch.randint(4, 30, (4,), generator=g).tolist(),
-            [5, 6, 7],
-            advantage=float(i % 2) - 0.5,
-            gen_logprobs=[-1.0, -1.0, -1.0],
-        )
-        for i in range(4)
-    ]
 
 
 def _train(w, samples: list[Sample]) -> dict:
@@ -73,7 +61,7 @@ def test_should_train_only_the_adapters_when_policy_lora_is_set(worker):
     assert in_optimizer and all(".lora_A." in n or ".lora_B." in n for n in in_optimizer)
     assert 0 < worker.info["trainable_params"] < worker.info["num_params"] / 5
     before = worker.full_state_dict()
-    samples = _samples()
+    samples = refit_samples()
     for s, lp in zip(samples, worker.compute_logprobs(samples)):
         s.old_logprobs = lp
     for s, lp in zip(samples, worker.compute_logprobs(samples, reference=True)):
@@ -90,7 +78,7 @@ def test_should_train_only_the_adapters_when_policy_lora_is_set(worker):
 def test_should_score_with_the_base_model_when_the_reference_has_its_adapters_off(worker, tiny_model_path):
     from trainer.models import load_model
 
-    samples = _samples()
+    samples = refit_samples()
     for _ in range(2):  # adapters far from zero
         for s, lp in zip(samples, worker.compute_logprobs(samples)):
             s.old_logprobs = lp
@@ -113,7 +101,7 @@ def test_should_score_with_the_base_model_when_the_reference_has_its_adapters_of
 
 
 def test_should_refit_the_adapters_alone_when_a_colocated_hf_engine_serves_a_lora_policy(worker):
-    samples = _samples()
+    samples = refit_samples()
     for s, lp in zip(samples, worker.compute_logprobs(samples)):
         s.old_logprobs = lp
     for s, lp in zip(samples, worker.compute_logprobs(samples, reference=True)):
@@ -170,7 +158,7 @@ def test_should_give_the_policys_logits_when_a_lora_checkpoint_converts_to_an_ad
     from trainer.checkpoint import FORMAT, write_marker
     from trainer.convert import convert
 
-    samples = _samples()
+    samples = refit_samples()
     for _ in range(2):
         for s, lp in zip(samples, worker.compute_logprobs(samples)):
             s.old_logprobs = lp

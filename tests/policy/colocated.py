@@ -45,19 +45,6 @@ def _free_port() -> int:
     return free_port("127.0.0.1")  # outside the ephemeral range (trainer.ports)
 
 
-def refit_samples() -> list[Sample]:
-    g = torch.Generator().manual_seed(0)
-    return [
-        Sample(
-            torch.randint(4, 30, (4,), generator=g).tolist(),
-            [5, 6, 7],
-            advantage=float(i % 2) - 0.5,
-            gen_logprobs=[-1.0, -1.0, -1.0],
-        )
-        for i in range(4)
-    ]
-
-
 @pytest.fixture
 def worker(request, tiny_model_path, monkeypatch):
     """A real PolicyWorker (world of 1, gloo) with a recording engine; ``worker.calls`` is the record.

@@ -1,5 +1,5 @@
 """What several policy tests share: the length-skewed batch the packing, sequence-parallel, sharded-init and
-logprob equality tests train on, and a port for a one-process gloo world."""
+logprob equality tests train on, the small batch of the refit and LoRA tests, and a port for a one-process gloo world."""
 
 from __future__ import annotations
 
@@ -14,6 +14,20 @@ def local_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def refit_samples() -> list[Sample]:
+    """4 samples of a 4-token prompt and 3 response tokens, advantages +-0.5: one small training step."""
+    g = torch.Generator().manual_seed(0)
+    return [
+        Sample(
+            torch.randint(4, 30, (4,), generator=g).tolist(),
+            [5, 6, 7],
+            advantage=float(i % 2) - 0.5,
+            gen_logprobs=[-1.0, -1.0, -1.0],
+        )
+        for i in range(4)
+    ]
 
 
 def skewed_samples() -> list[Sample]:

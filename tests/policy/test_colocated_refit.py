@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from tests.policy import colocated
-from tests.policy.colocated import refit_samples, train_step
+from tests.policy.colocated import train_step
+from tests.policy.helpers import refit_samples
 from trainer.generation.base import SamplingParams
 from trainer.policy.batch import Sample
 

@@ -22,6 +22,7 @@ import textwrap
 import pytest
 import torch
 
+from tests.policy.helpers import refit_samples
 from trainer.config import ConfigError, load
 from trainer.policy.batch import Sample
 from trainer.ports import free_port
@@ -33,21 +34,8 @@ def _frozen(name: str) -> bool:
     return name.startswith("model.layers.0.") or name == "model.norm.weight"
 
 
-def _samples() -> list[Sample]:
-    g = torch.Generator().manual_seed(0)
-    return [
-        Sample(
-            torch.randint(4, 30, (4,), generator=g).tolist(),
-            [5, 6, 7],
-            advantage=float(i % 2) - 0.5,
-            gen_logprobs=[-1.0, -1.0, -1.0],
-        )
-        for i in range(4)
-    ]
-
-
 def _train(w) -> None:
-    samples = _samples()
+    samples = refit_samples()
     tokens = float(sum(len(s.response_ids) for s in samples))
     w.train([samples], [{"tokens": tokens, "seqs": float(len(samples))}])
 

@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from tests.policy import colocated
-from tests.policy.colocated import refit_samples, train_step
+from tests.policy.colocated import train_step
+from tests.policy.helpers import refit_samples
 
 worker = colocated.worker  # the fixture: the real rank (one gloo process)
 

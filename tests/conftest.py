@@ -14,6 +14,11 @@ import pytest
 from tests.ray_process import ray_process
 from tests.shared_instance import shared
 
+# A local instance turns on Ray's token auth (token in ~/.ray/auth_token); a client must ask for it, and Ray
+# reads this once per process, on import: before trainer.cluster below imports it (ray_local connects this
+# process; without xdist, this process is the one that runs the tests).
+os.environ.setdefault("RAY_AUTH_MODE", "token")
+
 try:
     from trainer.cluster import QUIET_ENV
 except ImportError:  # a GPU node's Python without Ray runs tests/gpu (tests/gpu/conftest.py)
@@ -40,9 +45,6 @@ def pytest_configure(config):
     from tests.leftovers import mark_session
 
     config.stash[SESSION] = mark_session()  # before any test starts a process
-    # A local instance turns on Ray's token auth (token in ~/.ray/auth_token); a client must ask for it, and
-    # Ray reads this once per process: before any test imports it (ray_local connects this process).
-    os.environ.setdefault("RAY_AUTH_MODE", "token")
     # Two xdist workers, each running multi-process runs, share two cores: more threads want them than there
     # are. libgomp (torch's OpenMP) keeps a thread that finished its share of an op spinning for the next
     # one, on a core another process could use; passive threads sleep instead. Set here, before any process

@@ -174,6 +174,31 @@ def test_should_score_many_samples_per_task_when_they_are_cheap_and_one_per_task
 
 
 @pytest.mark.slow
+def test_should_send_cheap_samples_that_arrive_one_by_one_in_one_task_when_another_is_in_flight(
+    ray_local, monkeypatch
+):
+    from trainer.rewards import runner as runner_module
+
+    runner = RewardRunner(EnvConfig([RewardSpec("tests.rewards.test_runner:_cheap")]))
+    runner.item_s = 1e-4  # measured as cheap: a task's worth is many samples
+    sent = []
+    task = runner._task
+    runner._task = lambda items: sent.append(len(items)) or task(items)
+    monkeypatch.setattr(runner_module, "HOLD_S", 600.0)  # this machine's pauses do not end the wait
+    # As a multi-turn rollout's episodes end: one sample at a time. The first goes at once; the rest wait
+    # for it to end, then go together, instead of a task (and a worker) each.
+    ids = [i for n in range(20) for i in runner.submit([(None, str(n))])]
+    assert sent == [1]
+    assert [r.total for r in runner.results(ids)] == [1.0] * 20
+    assert sent == [1, 19]
+    # A part of a task waits no longer than HOLD_S: with none, each sample goes as it comes.
+    monkeypatch.setattr(runner_module, "HOLD_S", 0.0)
+    ids = [i for n in range(3) for i in runner.submit([(None, str(n))])]
+    assert sent[2:] == [1, 1, 1]
+    assert [r.total for r in runner.results(ids)] == [1.0] * 3
+
+
+@pytest.mark.slow
 def test_should_cost_only_the_bad_sample_when_it_hangs_or_kills_a_task_it_shares(ray_local, caplog):
     runner = RewardRunner(
         EnvConfig(

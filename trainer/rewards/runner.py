@@ -13,6 +13,8 @@ How many samples a task carries follows their measured cost: a Ray task costs 1-
 which was 60% of a tiny test step when each of its 256 one-millisecond samples had a task of its own;
 a sample that takes seconds (code run in a sandbox) still gets a task to itself, so expensive rewards
 keep spreading over the CPUs. Until a cost has been measured, one task of one sample is in flight.
+Samples that arrive one at a time (a multi-turn rollout's episodes, as each ends) wait up to :data:`HOLD_S`
+for a task's worth while other tasks are in flight.
 
 Nothing a reward does can crash the run, and each sample keeps its own time limit: a task that
 runs longer than ``env.reward_timeout_s`` (or whose process dies) is cancelled; alone in its task, the
@@ -47,6 +49,7 @@ weighted entry, or when no verifiable reward pays beside it.
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import os
 import time
@@ -143,6 +146,10 @@ def feedback_one(name: str, kwargs: dict, ground_truth: Any, response: str) -> R
 # each about a second of CPU (on 2 cores, 4 instead of 3 per tiny run at 0.05 s), to save tens of ms.
 TASK_TARGET_S = 0.2
 MAX_TASK_ITEMS = 256
+# Less than a task's worth of samples waits up to this long for more while other tasks are in flight: samples
+# that arrive one at a time (a multi-turn rollout's episodes end one by one) then share a task, most often on
+# the worker of the task just ended, instead of making Ray start a worker (about a second of CPU) for each.
+HOLD_S = TASK_TARGET_S
 # Reward tasks that have waited this long for a CPU to run on, while no other task ran, started or ended,
 # say the cluster has none to give: every sample would score 0, so the run stops and says so instead.
 START_TIMEOUT_S = 600.0
@@ -261,8 +268,9 @@ class RewardRunner:
             self._task = lambda items: feedback_task.remote(name, kwargs, items)
         else:
             self._task = lambda items: score.remote(self.specs, items)
-        # (index, (ground truth, response, question), alone): not yet sent; ``alone`` after its shared task failed
-        self._pending: collections.deque[tuple[int, tuple, bool]] = collections.deque()
+        # (index, (ground truth, response, question), alone, when queued): not yet sent; ``alone`` after its
+        # shared task failed
+        self._pending: collections.deque[tuple[int, tuple, bool, float]] = collections.deque()
         # A task in flight -> its indices, its items, when it was submitted, when it started (None: not yet)
         self._running: dict[ray.ObjectRefGenerator, _Task] = {}
         self._results: dict[int, RewardResult] = {}
@@ -279,11 +287,11 @@ class RewardRunner:
         self._next += len(items)
         # (ground truth, response, question, the environment's reward of a multi-turn episode)
         plain = [(gt, resp, *(rest + [None, None, None])[:3:2]) for gt, resp, *rest in items]
+        now = time.monotonic()
         if self.specs:
-            self._pending.extend((i, item, False) for i, item in zip(ids, plain))
+            self._pending.extend((i, item, False, now) for i, item in zip(ids, plain))
         else:  # the reward model alone: no task to run
             self._results.update((i, RewardResult(0.0, True)) for i in ids)
-        now = time.monotonic()
         for name, pool in self.pools.items():
             # What the model reads, from the prompt's messages (or its question) and the response.
             read = [pool.item(gt, resp, _conversation(rest)) for gt, resp, *rest in items]
@@ -305,16 +313,21 @@ class RewardRunner:
         return max(1, min(MAX_TASK_ITEMS, int(TASK_TARGET_S / self.item_s)))
 
     def _pump(self) -> None:
+        now = time.monotonic()
         while self._pending and len(self._running) < self.env.max_concurrent_rewards:
             if self.item_s is None and self._running:
                 return  # one probe until a cost is known: a run's cheap rewards then start one worker, not dozens
-            i, item, alone = self._pending.popleft()
-            ids, items = [i], [item]
-            size = 1 if alone else self.task_size()
-            while len(ids) < size and self._pending and not self._pending[0][2]:
-                i, item, _ = self._pending.popleft()
-                ids.append(i)
-                items.append(item)
+            if self._pending[0][2]:  # a sample whose shared task failed: a task of its own
+                i, item, _, _ = self._pending.popleft()
+                ids, items = [i], [item]
+            else:
+                size = self.task_size()
+                head = itertools.islice(self._pending, size)
+                n = sum(1 for _ in itertools.takewhile(lambda pending: not pending[2], head))
+                if n < size and self._running and now - self._pending[0][3] < HOLD_S:
+                    return  # less than a task's worth: it waits for more samples, or for the tasks in flight
+                taken = [self._pending.popleft() for _ in range(n)]
+                ids, items = [t[0] for t in taken], [t[1] for t in taken]
             self._running[self._task(items)] = _Task(ids, items, time.monotonic())
 
     def _measured(self, seconds: float, n: int) -> None:
@@ -326,7 +339,8 @@ class RewardRunner:
         if len(ids) == 1:
             self._results[ids[0]] = _failed(why)
         else:
-            self._pending.extendleft((i, item, True) for i, item in reversed(list(zip(ids, items))))
+            now = time.monotonic()
+            self._pending.extendleft((i, item, True, now) for i, item in reversed(list(zip(ids, items))))
 
     def _poll_reward_model(self, timeout: float) -> None:
         """Collect the models' finished batches and note started ones; a late batch's samples score 0.

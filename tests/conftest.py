@@ -135,8 +135,13 @@ def pytest_sessionfinish(session, exitstatus):
 # runs (69 files) it took 1.2 core-s a minute, 0.5 when it looks for new files every 2 s. It still reads
 # every known file 10 times a second, from where it stopped, so no line is lost; a new worker's first lines
 # reach its driver up to 2 s later.
+# And one lease request in flight per kind of task: a run's reward tasks then start workers one at a time, as
+# they are needed. With Ray's ten, and its workers started for a backlog of tasks, a 20-step tiny run started
+# four reward workers and used two (each started worker about a second of CPU).
 RAY_IDLE_ENV = {
     "RAY_prestart_worker_first_driver": "0",
+    "RAY_enable_worker_prestart": "0",
+    "RAY_max_pending_lease_requests_per_scheduling_category": "1",
     "REPORTER_UPDATE_INTERVAL_MS": "60000",
     "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0",
     "LOG_NAME_UPDATE_INTERVAL_S": "2",

@@ -22,30 +22,55 @@ LEARN_STEPS = 20
 
 def train_tiny(env: dict[str, str], tmp_path: Path, *overrides: str) -> tuple[str, Path]:
     """A run of ``experiment=tiny`` attached to the session's Ray instance (``trainer_env``), of
-    LEARN_STEPS steps and one policy rank unless the overrides say otherwise."""
+    LEARN_STEPS steps and one policy rank unless the overrides say otherwise: ``python -m trainer``'s
+    ``main`` in this process (:func:`run_in_process`)."""
     logs, ckpt = tmp_path / "logs", tmp_path / "ckpt"
     defaults = {"grpo.max_num_steps": LEARN_STEPS, "cluster.cpu_workers_per_node": 1}
     defaults = [f"{k}={v}" for k, v in defaults.items() if not any(o.startswith(f"{k}=") for o in overrides)]
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "trainer",
-            "experiment=tiny",
-            f"logger.log_dir={logs}",
-            f"checkpointing.checkpoint_dir={ckpt}",
-            *defaults,
-            *overrides,
-        ],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    argv = [
+        "experiment=tiny",
+        f"logger.log_dir={logs}",
+        f"checkpointing.checkpoint_dir={ckpt}",
+        *defaults,
+        *overrides,
+    ]
+    proc = run_in_process(argv, env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (run_dir,) = list((logs / "tiny").iterdir())
     return proc.stdout, run_dir
+
+
+# A run in this process that has not ended by then ends the test process, with every thread's stack on
+# stderr: no test waits for ever on a run (a run in a process of its own had a timeout of the same length).
+RUN_TIMEOUT_S = 900
+
+
+def run_in_process(argv: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    """``python -m trainer ARGV`` with ``env``, as ``main(argv)`` in this process (tests.cli.run_main): the
+    run's driver without a new interpreter's seconds of imports (torch, transformers, Ray), which the test
+    process has paid already. The driver's heap freeze (trainer.heap.settle) is skipped: it is the driver's,
+    not the test process's. If this process is attached to Ray already (``ray_local``), the run is a driver
+    of that job, as a run on a cluster that its driver joined; else it joins the cluster at ``RAY_ADDRESS``
+    and leaves it when it ends, as its process would have."""
+    import faulthandler
+
+    import ray
+
+    from tests.cli import run_main
+    from trainer import heap
+    from trainer.__main__ import main
+
+    attached = ray.is_initialized()
+    settle = heap.settle
+    heap.settle = lambda *modules: None
+    faulthandler.dump_traceback_later(RUN_TIMEOUT_S, exit=True, file=sys.__stderr__)
+    try:
+        return run_main(main, argv, env=env)
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+        heap.settle = settle
+        if not attached and ray.is_initialized():
+            ray.shutdown()
 
 
 def read_scalars(run_dir: Path) -> dict[str, list[float]]:

@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 
 import pytest
 
-from tests.conftest import REPO
+from tests.tiny_run import run_in_process
 from trainer.models.tiny import DEFAULT_VOCAB_CHARS, build_tiny_model
 
 pytest.importorskip("skyrl_gym")
@@ -43,9 +41,9 @@ def test_should_train_a_few_steps_when_the_environment_is_skyrl_gym(trainer_env,
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     logs = tmp_path / "logs"
-    proc = subprocess.run(
+    proc = run_in_process(
         [
-            sys.executable, "-m", "trainer", "experiment=tiny",
+            "experiment=tiny",
             f"model.name={model}",
             "data.name=skyrl_gym", f"data.path={data}",
             "env.environment=skyrl_gym",
@@ -58,7 +56,7 @@ def test_should_train_a_few_steps_when_the_environment_is_skyrl_gym(trainer_env,
             "cluster.cpu_workers_per_node=1", "checkpointing.enabled=false",
             f"logger.log_dir={logs}",
         ],
-        cwd=REPO, env=trainer_env, capture_output=True, text=True, timeout=900,
+        trainer_env,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (run_dir,) = list((logs / "tiny").iterdir())

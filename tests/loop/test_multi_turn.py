@@ -113,16 +113,12 @@ def test_should_stop_at_the_turn_limit_and_score_the_last_attempt(setup):
 
 def test_should_complete_and_log_rewards_when_tiny_model_runs_multi_turn_on_code(tmp_path, trainer_env):
     import json
-    import subprocess
-    import sys
 
     from tests.conftest import REPO
+    from tests.tiny_run import run_in_process
 
-    proc = subprocess.run(
+    proc = run_in_process(
         [
-            sys.executable,
-            "-m",
-            "trainer",
             "experiment=tiny",
             "data.name=nemotron_code",
             f"data.path={REPO / 'tests/fixtures/code/nemotron_code_sample.jsonl'}",
@@ -137,11 +133,7 @@ def test_should_complete_and_log_rewards_when_tiny_model_runs_multi_turn_on_code
             f"logger.log_dir={tmp_path / 'logs'}",
             f"checkpointing.checkpoint_dir={tmp_path / 'ckpt'}",
         ],
-        cwd=REPO,
-        env=trainer_env,
-        capture_output=True,
-        text=True,
-        timeout=600,
+        trainer_env,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     (run_dir,) = list((tmp_path / "logs" / "tiny").iterdir())

@@ -12,8 +12,6 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-
 # Long enough to show learning with a margin, no longer: on a 2-core AVX2 EPYC every variant below had
 # cleared assert_learned's bar by step 12 (most by 6-10), and at step 20 its last three steps were
 # 2-3x above it; tiny's 40 steps doubled each run for nothing the assertions look at.
@@ -53,6 +51,7 @@ def run_in_process(argv: list[str], env: dict[str, str]) -> subprocess.Completed
     of that job, as a run on a cluster that its driver joined; else it joins the cluster at ``RAY_ADDRESS``
     and leaves it when it ends, as its process would have."""
     import faulthandler
+    from unittest import mock
 
     import ray
 
@@ -61,14 +60,12 @@ def run_in_process(argv: list[str], env: dict[str, str]) -> subprocess.Completed
     from trainer.__main__ import main
 
     attached = ray.is_initialized()
-    settle = heap.settle
-    heap.settle = lambda *modules: None
     faulthandler.dump_traceback_later(RUN_TIMEOUT_S, exit=True, file=sys.__stderr__)
     try:
-        return run_main(main, argv, env=env)
+        with mock.patch.object(heap, "settle", lambda *modules: None):
+            return run_main(main, argv, env=env)
     finally:
         faulthandler.cancel_dump_traceback_later()
-        heap.settle = settle
         if not attached and ray.is_initialized():
             ray.shutdown()
 

@@ -3,6 +3,7 @@ whose character vocabulary can write tool calls, and environments and generators
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 import ray
@@ -123,34 +124,40 @@ def build_dice_model(out_dir: str) -> str:
 
 class DiceTools:
     """The tools environment with one tool, a die (``roll``), scoring its own episodes: half for an answer after
-    a call that ran, half more when the answer is the digit the die last showed. Only the tool knows that digit."""
+    a call that ran, half more when the answer is the digit the die last showed. Only the tool's reply holds
+    that digit.
+
+    The die is seeded, so a run repeats: each episode rolls with a generator of its own, drawn from ``seed``
+    in the order the rollout loop opens episodes (a fixed order). The call still runs through the tool
+    server; its reply's digit is the episode's roll, in place of the server's unseeded one."""
 
     name = "dice"
 
-    def __init__(self, **kwargs: Any):
+    def __init__(self, seed: int = 0, **kwargs: Any):
         from trainer.envs.tools import ToolEnvironment
 
         self.tools_env = ToolEnvironment(tools=["tests.envs.tool_funcs:roll"], **kwargs)
+        self.dice = random.Random(seed)
 
     def tools(self) -> list[dict[str, Any]] | None:
         return self.tools_env.tools()
 
     def episode(self, example: dict[str, Any]) -> _DiceEpisode:
-        return _DiceEpisode(self.tools_env.episode(example))
+        return _DiceEpisode(self.tools_env.episode(example), random.Random(self.dice.getrandbits(64)))
 
     def close(self) -> None:
         self.tools_env.close()
 
 
 class _DiceEpisode:
-    def __init__(self, inner):
-        self.inner, self.shown = inner, None
+    def __init__(self, inner, die: random.Random):
+        self.inner, self.die, self.shown = inner, die, None
 
     def step(self, text: str) -> Step:
         step = self.inner.step(text)
-        ok = [m["content"] for m in step.messages if not m["content"].startswith("Error")]
-        if ok:
-            self.shown = ok[-1]
+        for message in step.messages:
+            if not message["content"].startswith("Error"):
+                message["content"] = self.shown = str(self.die.randrange(10))
         # Scored at every step: the loop keeps the last one's, also when it cuts the episode at its turn limit.
         # Half for answering after a call that ran (a call in the last turn is no answer), half for the digit.
         answered = step.done and self.shown is not None

@@ -28,6 +28,7 @@ import torch
 
 from .conftest import REPO
 from .faults import launch
+from .tiny_run import run_in_process
 
 pytestmark = pytest.mark.slow
 
@@ -39,13 +40,13 @@ STEPS = 6
 TWO_RANKS = "cluster.cpu_workers_per_node=2"
 
 
-def _cmd(tmp: Path, *extra: str, faults: str = "") -> list[str]:
+def _overrides(tmp: Path, *extra: str) -> list[str]:
     ranks = (
         []
         if any(e.startswith("cluster.cpu_workers_per_node=") for e in extra)
         else ["cluster.cpu_workers_per_node=1"]
     )
-    overrides = [
+    return [
         "experiment=tiny",
         f"grpo.max_num_steps={STEPS}",
         "checkpointing.save_period=2",
@@ -54,15 +55,24 @@ def _cmd(tmp: Path, *extra: str, faults: str = "") -> list[str]:
         f"checkpointing.checkpoint_dir={tmp / 'ckpt'}",
         *extra,
     ]
+
+
+def _cmd(tmp: Path, *extra: str, faults: str = "") -> list[str]:
+    overrides = _overrides(tmp, *extra)
     return launch(faults, overrides) if faults else [sys.executable, "-m", "trainer", *overrides]
 
 
 # Every run attaches to the session's Ray instance (``trainer_env``): a SIGKILLed driver's actors are then
-# ended by Ray, which notices the driver gone, as on a cluster.
+# ended by Ray, which notices the driver gone, as on a cluster. A run that is neither stopped nor faulted is
+# ``python -m trainer``'s main in this process (tests.tiny_run.run_in_process): what these tests check of it
+# is its checkpoints, logs and output, not its process.
 def _run(env: dict[str, str], tmp: Path, *extra: str, faults: str = "") -> subprocess.CompletedProcess:
-    proc = subprocess.run(
-        _cmd(tmp, *extra, faults=faults), cwd=REPO, env=env, capture_output=True, text=True, timeout=900
-    )
+    if faults:
+        proc = subprocess.run(
+            _cmd(tmp, *extra, faults=faults), cwd=REPO, env=env, capture_output=True, text=True, timeout=900
+        )
+    else:
+        proc = run_in_process(_overrides(tmp, *extra), env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     return proc
 

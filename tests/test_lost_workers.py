@@ -20,6 +20,7 @@ import psutil
 import pytest
 
 from .conftest import REPO
+from .tiny_run import run_in_process
 
 pytestmark = pytest.mark.slow
 
@@ -126,14 +127,9 @@ def _resumes(tmp: Path, line: str, *extra: str, env: dict | None = None) -> None
     assert committed, line
     path, step = committed.group(1), int(committed.group(2))
     assert (Path(path) / "COMMITTED").is_file()
-    run = subprocess.run(
-        [sys.executable, "-m", "trainer", *_overrides(tmp, f"grpo.max_num_steps={step + 1}", *extra)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    # python -m trainer's main in this process (tests.tiny_run.run_in_process): the resumed run's process is
+    # not what the test checks.
+    run = run_in_process(_overrides(tmp, f"grpo.max_num_steps={step + 1}", *extra), env)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     assert f"kuberl: resumed from {path} (step {step}," in run.stdout
     assert f"step {step + 1:4d}/{step + 1}" in run.stdout

@@ -49,7 +49,7 @@ def run_in_process(argv: list[str], env: dict[str, str]) -> subprocess.Completed
     process has paid already. The driver's heap freeze (trainer.heap.settle) is skipped: it is the driver's,
     not the test process's. If this process is attached to Ray already (``ray_local``), the run is a driver
     of that job, as a run on a cluster that its driver joined; else it joins the cluster at ``RAY_ADDRESS``
-    and leaves it when it ends, as its process would have."""
+    and leaves it when it ends, as its process would have. W&B's service process ends with the run too."""
     import faulthandler
     from unittest import mock
 
@@ -68,6 +68,9 @@ def run_in_process(argv: list[str], env: dict[str, str]) -> subprocess.Completed
         faulthandler.cancel_dump_traceback_later()
         if not attached and ray.is_initialized():
             ray.shutdown()
+        # What the run's process did at its exit: W&B's atexit hook ends its service process (wandb-core).
+        if "wandb" in sys.modules:
+            sys.modules["wandb"].teardown()
 
 
 def read_scalars(run_dir: Path) -> dict[str, list[float]]:

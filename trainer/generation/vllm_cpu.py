@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import tempfile
 
 import torch
 
@@ -26,11 +25,11 @@ PACK_THREADS_ATTR = "kuberl_pack_threads"
 CPU_KV_CACHE_GIB = 1
 
 
-def environment() -> str:
+def environment(cache_root: str) -> None:
     """Set the process environment a CPU engine starts under (before ``import vllm``: the engine core's
-    mode is fixed at construction; setdefault keeps what an operator set) and return the engine's private
-    ``VLLM_CACHE_ROOT``, a fresh directory the engine removes at shutdown."""
-    cache_root = tempfile.mkdtemp(prefix="kuberl-vllm-")
+    mode is fixed at construction; setdefault keeps what an operator set), its ``VLLM_CACHE_ROOT`` the
+    engine's own directory (:func:`trainer.generation.vllm_lifetime.private_dir`), which it removes at
+    shutdown."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(CPU_KV_CACHE_GIB))
     # A core list only takes effect in vLLM's multiprocess executor (it sets OMP variables for the workers
     # it spawns); in-process the engine uses this process's threads, which Ray or the policy worker
@@ -39,7 +38,6 @@ def environment() -> str:
     os.environ["VLLM_CACHE_ROOT"] = cache_root  # compile caches: per engine
     if modelinfos := shared_modelinfo_dir():  # vLLM writes each file atomically: engines may share it
         os.symlink(modelinfos, os.path.join(cache_root, "modelinfos"))
-    return cache_root
 
 
 def shared_modelinfo_dir() -> str | None:

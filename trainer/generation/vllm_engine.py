@@ -61,7 +61,6 @@ import contextlib
 import logging
 import os
 import shutil
-import tempfile
 import time
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
@@ -282,7 +281,8 @@ class VLLMGenerationEngine:
         # the policy's adapter, once a refit brought one (before: B = 0, the base)
         self._lora_request: LoRARequest | None = None
         self._adapter_dir: str | None = None
-        self._cache_root: str | None = None
+        # The engine's files (vllm_lifetime.private_dir): sockets, file store, CPU caches; removed at shutdown.
+        self._private_dir: str | None = None
         self._owns_dist = False
         self.model_path = model_path
         self.seed = seed
@@ -316,11 +316,17 @@ class VLLMGenerationEngine:
         # at construction. setdefault keeps what an operator set on purpose.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core runs in this process
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # its INFO lines would drown the trainer's
+        self._private_dir = vllm_lifetime.private_dir()
+        os.environ["VLLM_RPC_BASE_PATH"] = self._private_dir  # its message queues' sockets
         if self.on_cpu:
-            self._cache_root = vllm_cpu.environment()  # compile caches: per engine, removed at shutdown
+            vllm_cpu.environment(self._private_dir)  # compile caches: per engine
         with heap.paused():
             import vllm
+            import vllm.envs
             from vllm import LLM
+        # vLLM caches its environment once an engine core has started: an engine after the first in this
+        # process would read the first one's directories, gone with it.
+        vllm.envs.disable_envs_cache()
         vllm_patches.check_versions()
         vllm_lifetime.mark_owner()  # the processes vLLM spawns for this engine die with this process
 
@@ -347,7 +353,10 @@ class VLLMGenerationEngine:
         os.environ["OMP_NUM_THREADS"] = str(max(1, want // max(1, gen.tensor_parallel_size)))
         t0 = time.monotonic()
         try:
-            with vllm_patches.keep_plain_weights(self.on_cpu):
+            with (
+                vllm_patches.keep_plain_weights(self.on_cpu),
+                vllm_lifetime.temporary_files_in(self._private_dir),
+            ):
                 self._llm = LLM(**kwargs)
             worker = getattr(self.llm.llm_engine.model_executor, "driver_worker", None)
             if self.on_cpu and worker is not None:
@@ -450,9 +459,9 @@ class VLLMGenerationEngine:
                 destroy_model_parallel()
                 destroy_distributed_environment()
             self._owns_dist = False
-        if self._cache_root:
-            shutil.rmtree(self._cache_root, ignore_errors=True)
-            self._cache_root = None
+        if self._private_dir:
+            shutil.rmtree(self._private_dir, ignore_errors=True)
+            self._private_dir = None
         if self._adapter_dir:
             shutil.rmtree(self._adapter_dir, ignore_errors=True)
             self._adapter_dir = None
@@ -608,8 +617,9 @@ class VLLMGenerationEngine:
 
     def _adapter_path(self) -> str:
         if self._adapter_dir is None:  # the host's memory where it has a tmpfs: megabytes, written per refit
-            root = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-            self._adapter_dir = tempfile.mkdtemp(prefix="kuberl-adapter-", dir=root)
+            shm = vllm_lifetime.SHARED_MEMORY
+            root = shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else None
+            self._adapter_dir = vllm_lifetime.private_dir(root, vllm_lifetime.ADAPTER_PREFIX)
         return self._adapter_dir
 
     def _load_adapter(self) -> None:

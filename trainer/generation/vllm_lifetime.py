@@ -20,20 +20,39 @@ Linux sends that signal when the *thread* that spawned the process ends, so the 
 builds the engine on its main thread (whose end is the process's); built on another thread, the child
 polls its parent instead, once a second, from a thread of its own. Processes further down (compile
 workers of a worker) have parents of their own and are left to them.
+
+The engine's files go with it too. vLLM puts its message queues' ZeroMQ sockets (two per queue: a
+tensor-parallel engine has several) and its ``torch.distributed`` file store in the temporary directory,
+and removes neither when its processes are killed, nor the sockets when the engine shuts down; a Ray
+node that hosts run after run kept them all. Each engine gets a directory of its own instead
+(:func:`private_dir`: only its user may enter it, so no other user reaches its sockets either), which it
+removes at shutdown; one whose owner was killed is removed by the next engine that starts on the host
+(:func:`sweep`), with the shared memory its tensor-parallel workers left. A LoRA engine's adapter directory, in the host's shared memory, is made and swept the same
+way.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
+import re
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
+from collections.abc import Iterator
 
 # "PID:signal" or "PID:poll": the process that owns the engine, and how its children follow it.
 OWNER_ENV = "KUBERL_VLLM_OWNER"
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
+# An engine's own directories: <prefix><pid namespace>-<owner pid>-<random>, in the temporary directory
+# (PRIVATE_PREFIX) and, for a LoRA engine's adapter, in the host's shared memory (ADAPTER_PREFIX).
+PRIVATE_PREFIX = "kuberl-vllm-"
+ADAPTER_PREFIX = "kuberl-adapter-"
+SHARED_MEMORY = "/dev/shm"
 POLL_S = 1.0
 _hooked = False  # this process has registered its fork hooks
 _forking_how = "poll"  # set in the parent just before a fork, read in the child (a copy of its memory)
@@ -91,3 +110,79 @@ def _watch(parent: int) -> None:
     while os.getppid() == parent:
         time.sleep(POLL_S)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _pid_namespace() -> int:
+    """This process's pid namespace (the inode of ``/proc/self/ns/pid``): pids mean something only inside it."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's: alive
+        return True
+    return True
+
+
+def sweep(root: str | None = None, prefix: str = PRIVATE_PREFIX) -> list[str]:
+    """Remove the engine directories ``prefix*`` in ``root`` (the temporary directory) whose owner is gone:
+    made by this user, in this pid namespace (a pid from another one could name a live process here), by a
+    pid no process has now. A reused pid keeps a directory, never the other way round. Returns the paths
+    removed."""
+    root = root or tempfile.gettempdir()
+    name = re.compile(re.escape(prefix) + r"(\d+)-(\d+)-")
+    ns, uid, removed = _pid_namespace(), os.getuid(), []
+    with contextlib.suppress(OSError), os.scandir(root) as entries:
+        for entry in entries:
+            m = name.match(entry.name)
+            if m is None or int(m.group(1)) != ns or _alive(int(m.group(2))):
+                continue
+            with contextlib.suppress(OSError):
+                if entry.is_dir(follow_symlinks=False) and entry.stat(follow_symlinks=False).st_uid == uid:
+                    _remove_shared_memory(entry.path, uid)
+                    shutil.rmtree(entry.path)
+                    removed.append(entry.path)
+    return removed
+
+
+def _remove_shared_memory(private: str, uid: int) -> None:
+    """A CPU engine's tensor-parallel workers share memory through ``/dev/shm/<store>-...-cpushm_<rank>``
+    (vLLM's CPU communicator, named by the engine's file store ``<store>``), which vLLM unlinks at shutdown
+    and a killed engine leaves: megabytes of the host's memory each. Remove those of the store in ``private``."""
+    stores = [name for name in os.listdir(private) if name.startswith("vllm_dist_")]
+    if not stores or not os.path.isdir(SHARED_MEMORY):
+        return
+    with os.scandir(SHARED_MEMORY) as entries:
+        for entry in entries:
+            if (
+                any(entry.name.startswith(f"{store}-") for store in stores)
+                and "-cpushm" in entry.name
+                and entry.stat(follow_symlinks=False).st_uid == uid
+            ):
+                with contextlib.suppress(OSError):
+                    os.unlink(entry.path)
+
+
+def private_dir(root: str | None = None, prefix: str = PRIVATE_PREFIX) -> str:
+    """A fresh directory in ``root`` (the temporary directory) for one engine's files (module docstring),
+    after :func:`sweep` there; the engine removes it at shutdown."""
+    sweep(root, prefix)
+    return tempfile.mkdtemp(prefix=f"{prefix}{_pid_namespace()}-{os.getpid()}-", dir=root)
+
+
+@contextlib.contextmanager
+def temporary_files_in(path: str) -> Iterator[None]:
+    """This process's temporary directory is ``path`` inside (``tempfile.tempdir``): for the engine's build,
+    where vLLM names its ``torch.distributed`` file store there (``get_file_store_init_method``)."""
+    before = tempfile.tempdir
+    tempfile.tempdir = path
+    try:
+        yield
+    finally:
+        tempfile.tempdir = before

@@ -1,0 +1,93 @@
+"""An engine's own directories (trainer/generation/vllm_lifetime.py): which ones a sweep removes, how they are
+made, and the temporary directory during an engine's build. The engine's use of them is tested with real
+engines: a clean shutdown and a failed start in test_engine_contract.py, a killed owner in
+test_vllm_lifetime.py."""
+
+from __future__ import annotations
+
+import os
+import stat
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from trainer.generation import vllm_lifetime
+from trainer.generation.vllm_lifetime import ADAPTER_PREFIX, PRIVATE_PREFIX, private_dir, sweep
+
+
+def _no_such_pid() -> int:
+    """A pid no process can have: above the kernel's largest."""
+    return int(Path("/proc/sys/kernel/pid_max").read_text()) + 1
+
+
+def _made(root: Path, name: str) -> Path:
+    path = root / name
+    path.mkdir()
+    (path / "a-socket-or-a-store").write_text("")
+    return path
+
+
+def test_should_remove_only_the_directories_of_owners_gone_from_this_pid_namespace(tmp_path) -> None:
+    ns, gone = vllm_lifetime._pid_namespace(), _no_such_pid()
+    dead = _made(tmp_path, f"{PRIVATE_PREFIX}{ns}-{gone}-abc")
+    live = _made(tmp_path, f"{PRIVATE_PREFIX}{ns}-{os.getpid()}-abc")
+    elsewhere = _made(tmp_path, f"{PRIVATE_PREFIX}{ns + 1}-{gone}-abc")  # its pid may be alive over there
+    unnamed = _made(tmp_path, f"{PRIVATE_PREFIX}x1y2z3")  # no owner in the name: nobody's to judge
+    adapter = _made(tmp_path, f"{ADAPTER_PREFIX}{ns}-{gone}-abc")  # another kind: its own sweep
+    plain_file = tmp_path / f"{PRIVATE_PREFIX}{ns}-{gone}-file"
+    plain_file.write_text("")
+
+    assert sweep(str(tmp_path)) == [str(dead)]
+    assert not dead.exists()
+    assert (
+        live.exists() and elsewhere.exists() and unnamed.exists() and adapter.exists() and plain_file.exists()
+    )
+    assert sweep(str(tmp_path), ADAPTER_PREFIX) == [str(adapter)] and not adapter.exists()
+
+
+def test_should_remove_the_shared_memory_of_a_gone_engines_tensor_parallel_workers_and_no_other(
+    tmp_path, monkeypatch
+) -> None:
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    monkeypatch.setattr(vllm_lifetime, "SHARED_MEMORY", str(shm))
+    ns, gone = vllm_lifetime._pid_namespace(), _no_such_pid()
+    dead = _made(tmp_path, f"{PRIVATE_PREFIX}{ns}-{gone}-abc")
+    (dead / "vllm_dist_0a1b").write_text(
+        ""
+    )  # the engine's file store: its workers' shared memory is named by it
+    live = _made(tmp_path, f"{PRIVATE_PREFIX}{ns}-{os.getpid()}-abc")
+    (live / "vllm_dist_2c3d").write_text("")
+    names = ["vllm_dist_0a1b-tp:0-[0-1]-cpushm_0", "vllm_dist_0a1b-tp:0-[0-1]-cpushm_1"]
+    kept = [
+        "vllm_dist_2c3d-tp:0-[0-1]-cpushm_0",
+        "vllm_dist_0a1b2-tp:0-[0-1]-cpushm_0",
+        "vllm_dist_0a1b-other",
+    ]
+    for name in names + kept:
+        (shm / name).write_bytes(b"\0" * 64)
+
+    assert sweep(str(tmp_path)) == [str(dead)]
+    assert sorted(p.name for p in shm.iterdir()) == sorted(kept)
+
+
+def test_should_make_a_directory_only_its_user_enters_named_by_its_owner_after_sweeping(tmp_path) -> None:
+    ns = vllm_lifetime._pid_namespace()
+    dead = _made(tmp_path, f"{PRIVATE_PREFIX}{ns}-{_no_such_pid()}-abc")
+    made = Path(private_dir(str(tmp_path)))
+    assert made.parent == tmp_path and made.name.startswith(f"{PRIVATE_PREFIX}{ns}-{os.getpid()}-")
+    assert stat.S_IMODE(made.stat().st_mode) == 0o700
+    assert not dead.exists()
+    assert sweep(str(tmp_path)) == [] and made.exists()  # its owner, this process, is alive
+
+
+def test_should_give_the_temporary_directory_back_when_the_build_inside_fails(tmp_path) -> None:
+    before = tempfile.tempdir
+    with (
+        pytest.raises(RuntimeError, match="the build failed"),
+        vllm_lifetime.temporary_files_in(str(tmp_path)),
+    ):
+        assert tempfile.gettempdir() == str(tmp_path)
+        raise RuntimeError("the build failed")
+    assert tempfile.tempdir == before

@@ -4,6 +4,7 @@ the index's metadata, so no GPU wheel is downloaded. Skipped (with the reason) w
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -34,10 +35,12 @@ def _pins_only(lock: Path, out: Path) -> Path:
     return out
 
 
-def _compile(uv: str, *args: str) -> subprocess.CompletedProcess:
+def _compile(uv: str, tmp: Path, *args: str) -> subprocess.CompletedProcess:
+    """``uv pip compile ARGS``, its temporary files in ``tmp`` (the locks of the build environments it makes
+    for pyproject.toml would otherwise stay in the machine's temporary directory)."""
     return subprocess.run(
         [uv, "pip", "compile", *args, *PLATFORM, "--generate-hashes", "--no-header", "--quiet"],
-        capture_output=True, text=True, cwd=REPO, timeout=300,
+        capture_output=True, text=True, cwd=REPO, timeout=300, env={**os.environ, "TMPDIR": str(tmp)},
     )  # fmt: skip
 
 
@@ -58,6 +61,7 @@ def test_should_resolve_to_exactly_the_locked_set_with_its_hashes_when_checked_a
     pins = _pins_only(lock, tmp_path / "pins.txt")
     out = _compile(
         uv,
+        tmp_path,
         "pyproject.toml",
         "--extra",
         "vllm",
@@ -78,7 +82,12 @@ def test_should_resolve_to_exactly_the_locked_set_with_its_hashes_when_checked_a
 def test_should_find_the_model_package_and_its_hashes_on_the_index_when_checked(uv, tmp_path) -> None:
     lock = DOCKER / "model.lock"
     out = _compile(
-        uv, "--no-deps", str(_pins_only(lock, tmp_path / "pins.txt")), "-o", str(tmp_path / "resolved.txt")
+        uv,
+        tmp_path,
+        "--no-deps",
+        str(_pins_only(lock, tmp_path / "pins.txt")),
+        "-o",
+        str(tmp_path / "resolved.txt"),
     )
     assert out.returncode == 0, out.stderr.strip()[-2000:]
     _assert_same(lock, tmp_path / "resolved.txt")

@@ -46,9 +46,10 @@ def test_should_remove_only_the_directories_of_owners_gone_from_this_pid_namespa
     assert sweep(str(tmp_path), ADAPTER_PREFIX) == [str(adapter)] and not adapter.exists()
 
 
-def test_should_remove_the_shared_memory_of_a_gone_engines_tensor_parallel_workers_and_no_other(
+def test_should_remove_the_shared_memory_of_an_engines_workers_with_its_directory_and_no_other(
     tmp_path, monkeypatch
 ) -> None:
+    """At its shutdown (workers its executor had to kill leave theirs) and by the sweep (a killed owner's)."""
     shm = tmp_path / "shm"
     shm.mkdir()
     monkeypatch.setattr(vllm_lifetime, "SHARED_MEMORY", str(shm))
@@ -57,19 +58,22 @@ def test_should_remove_the_shared_memory_of_a_gone_engines_tensor_parallel_worke
     (dead / "vllm_dist_0a1b").write_text(
         ""
     )  # the engine's file store: its workers' shared memory is named by it
-    live = _made(tmp_path, f"{PRIVATE_PREFIX}{ns}-{os.getpid()}-abc")
-    (live / "vllm_dist_2c3d").write_text("")
-    names = ["vllm_dist_0a1b-tp:0-[0-1]-cpushm_0", "vllm_dist_0a1b-tp:0-[0-1]-cpushm_1"]
-    kept = [
-        "vllm_dist_2c3d-tp:0-[0-1]-cpushm_0",
+    own = _made(tmp_path, f"{PRIVATE_PREFIX}{ns}-{os.getpid()}-abc")
+    (own / "vllm_dist_2c3d").write_text("")
+    other = [
+        "vllm_dist_4e5f-tp:0-[0-1]-cpushm_0",
         "vllm_dist_0a1b2-tp:0-[0-1]-cpushm_0",
         "vllm_dist_0a1b-other",
     ]
-    for name in names + kept:
+    for name in [*(f"vllm_dist_{s}-tp:0-[0-1]-cpushm_{r}" for s in ("0a1b", "2c3d") for r in (0, 1)), *other]:
         (shm / name).write_bytes(b"\0" * 64)
 
     assert sweep(str(tmp_path)) == [str(dead)]
-    assert sorted(p.name for p in shm.iterdir()) == sorted(kept)
+    assert sorted(p.name for p in shm.iterdir()) == sorted(
+        other + ["vllm_dist_2c3d-tp:0-[0-1]-cpushm_0", "vllm_dist_2c3d-tp:0-[0-1]-cpushm_1"]
+    )
+    vllm_lifetime.remove(str(own))
+    assert not own.exists() and sorted(p.name for p in shm.iterdir()) == sorted(other)
 
 
 def test_should_make_a_directory_only_its_user_enters_named_by_its_owner_after_sweeping(tmp_path) -> None:

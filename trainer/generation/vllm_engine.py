@@ -460,7 +460,7 @@ class VLLMGenerationEngine:
                 destroy_distributed_environment()
             self._owns_dist = False
         if self._private_dir:
-            shutil.rmtree(self._private_dir, ignore_errors=True)
+            vllm_lifetime.remove(self._private_dir)  # with its workers' shared memory, if any stayed
             self._private_dir = None
         if self._adapter_dir:
             shutil.rmtree(self._adapter_dir, ignore_errors=True)

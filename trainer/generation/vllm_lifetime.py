@@ -27,7 +27,7 @@ and removes neither when its processes are killed, nor the sockets when the engi
 node that hosts run after run kept them all. Each engine gets a directory of its own instead
 (:func:`private_dir`: only its user may enter it, so no other user reaches its sockets either), which it
 removes at shutdown; one whose owner was killed is removed by the next engine that starts on the host
-(:func:`sweep`), with the shared memory its tensor-parallel workers left. A LoRA engine's adapter directory, in the host's shared memory, is made and swept the same
+(:func:`sweep`); with each goes the shared memory its tensor-parallel workers left (:func:`remove`). A LoRA engine's adapter directory, in the host's shared memory, is made and swept the same
 way.
 """
 
@@ -145,16 +145,24 @@ def sweep(root: str | None = None, prefix: str = PRIVATE_PREFIX) -> list[str]:
                 continue
             with contextlib.suppress(OSError):
                 if entry.is_dir(follow_symlinks=False) and entry.stat(follow_symlinks=False).st_uid == uid:
-                    _remove_shared_memory(entry.path, uid)
-                    shutil.rmtree(entry.path)
+                    remove(entry.path)
                     removed.append(entry.path)
     return removed
 
 
+def remove(private: str) -> None:
+    """Remove an engine's directory (at its shutdown, or its owner gone) and the shared memory its
+    tensor-parallel workers left: a CPU engine's workers share memory through
+    ``/dev/shm/<store>-...-cpushm_<rank>`` (vLLM's CPU communicator, named by the engine's file store
+    ``<store>``, which is in the directory), megabytes of the host's memory each. vLLM unlinks them when its
+    workers end on their own; a killed engine's, or a worker its executor had to kill at shutdown (seen on
+    a loaded machine), stay."""
+    with contextlib.suppress(OSError):
+        _remove_shared_memory(private, os.getuid())
+    shutil.rmtree(private, ignore_errors=True)
+
+
 def _remove_shared_memory(private: str, uid: int) -> None:
-    """A CPU engine's tensor-parallel workers share memory through ``/dev/shm/<store>-...-cpushm_<rank>``
-    (vLLM's CPU communicator, named by the engine's file store ``<store>``), which vLLM unlinks at shutdown
-    and a killed engine leaves: megabytes of the host's memory each. Remove those of the store in ``private``."""
     stores = [name for name in os.listdir(private) if name.startswith("vllm_dist_")]
     if not stores or not os.path.isdir(SHARED_MEMORY):
         return

@@ -60,6 +60,8 @@ def test_should_remove_the_shared_memory_of_an_engines_workers_with_its_director
     )  # the engine's file store: its workers' shared memory is named by it
     own = _made(tmp_path, f"{PRIVATE_PREFIX}{ns}-{os.getpid()}-abc")
     (own / "vllm_dist_2c3d").write_text("")
+    vllm_lifetime.note_stores(str(own))
+    (own / "vllm_dist_2c3d").unlink()  # as its workers' destroyed groups do: the note still names it
     other = [
         "vllm_dist_4e5f-tp:0-[0-1]-cpushm_0",
         "vllm_dist_0a1b2-tp:0-[0-1]-cpushm_0",

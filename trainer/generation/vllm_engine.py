@@ -316,10 +316,10 @@ class VLLMGenerationEngine:
         # at construction. setdefault keeps what an operator set on purpose.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core runs in this process
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # its INFO lines would drown the trainer's
-        self._private_dir = vllm_lifetime.private_dir()
-        os.environ["VLLM_RPC_BASE_PATH"] = self._private_dir  # its message queues' sockets
+        private = self._private_dir = vllm_lifetime.private_dir()
+        os.environ["VLLM_RPC_BASE_PATH"] = private  # its message queues' sockets
         if self.on_cpu:
-            vllm_cpu.environment(self._private_dir)  # compile caches: per engine
+            vllm_cpu.environment(private)  # compile caches: per engine
         with heap.paused():
             import vllm
             import vllm.envs
@@ -355,9 +355,10 @@ class VLLMGenerationEngine:
         try:
             with (
                 vllm_patches.keep_plain_weights(self.on_cpu),
-                vllm_lifetime.temporary_files_in(self._private_dir),
+                vllm_lifetime.temporary_files_in(private),
             ):
                 self._llm = LLM(**kwargs)
+            vllm_lifetime.note_stores(private)  # its workers' shared memory is named after them
             worker = getattr(self.llm.llm_engine.model_executor, "driver_worker", None)
             if self.on_cpu and worker is not None:
                 # vLLM's no-op set_num_threads kept torch's count through the build: the kernels' count

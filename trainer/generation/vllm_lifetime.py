@@ -53,6 +53,7 @@ PR_SET_PDEATHSIG = 1  # linux/prctl.h
 PRIVATE_PREFIX = "kuberl-vllm-"
 ADAPTER_PREFIX = "kuberl-adapter-"
 SHARED_MEMORY = "/dev/shm"
+STORES_NOTE = "kuberl-stores"  # in an engine's directory: its file stores' names (note_stores)
 POLL_S = 1.0
 _hooked = False  # this process has registered its fork hooks
 _forking_how = "poll"  # set in the parent just before a fork, read in the child (a copy of its memory)
@@ -150,20 +151,32 @@ def sweep(root: str | None = None, prefix: str = PRIVATE_PREFIX) -> list[str]:
     return removed
 
 
+def note_stores(private: str) -> None:
+    """Once the engine is built: note, in its directory, the names of the ``torch.distributed`` file stores
+    its workers joined (``vllm_dist_*``). A worker that destroys its group removes the store's file, and
+    one that then ends without its exit handlers (killed by its executor at shutdown, seen on a loaded
+    machine) leaves its shared memory, which is named after the store (:func:`remove`)."""
+    stores = sorted(name for name in os.listdir(private) if name.startswith("vllm_dist_"))
+    if stores:
+        with open(os.path.join(private, STORES_NOTE), "w") as f:
+            f.write("\n".join(stores) + "\n")
+
+
 def remove(private: str) -> None:
     """Remove an engine's directory (at its shutdown, or its owner gone) and the shared memory its
     tensor-parallel workers left: a CPU engine's workers share memory through
     ``/dev/shm/<store>-...-cpushm_<rank>`` (vLLM's CPU communicator, named by the engine's file store
-    ``<store>``, which is in the directory), megabytes of the host's memory each. vLLM unlinks them when its
-    workers end on their own; a killed engine's, or a worker its executor had to kill at shutdown (seen on
-    a loaded machine), stay."""
+    ``<store>``), megabytes of the host's memory each, which vLLM's workers unlink only in their exit
+    handlers: a killed engine's, or a killed worker's, stay."""
     with contextlib.suppress(OSError):
         _remove_shared_memory(private, os.getuid())
     shutil.rmtree(private, ignore_errors=True)
 
 
 def _remove_shared_memory(private: str, uid: int) -> None:
-    stores = [name for name in os.listdir(private) if name.startswith("vllm_dist_")]
+    stores = {name for name in os.listdir(private) if name.startswith("vllm_dist_")}
+    with contextlib.suppress(OSError), open(os.path.join(private, STORES_NOTE)) as f:
+        stores.update(line.strip() for line in f if line.strip().startswith("vllm_dist_"))
     if not stores or not os.path.isdir(SHARED_MEMORY):
         return
     with os.scandir(SHARED_MEMORY) as entries:

@@ -27,8 +27,8 @@ and removes neither when its processes are killed, nor the sockets when the engi
 node that hosts run after run kept them all. Each engine gets a directory of its own instead
 (:func:`private_dir`: only its user may enter it, so no other user reaches its sockets either), which it
 removes at shutdown; one whose owner was killed is removed by the next engine that starts on the host
-(:func:`sweep`); with each goes the shared memory its tensor-parallel workers left (:func:`remove`). A LoRA engine's adapter directory, in the host's shared memory, is made and swept the same
-way.
+(:func:`sweep`). With each goes the shared memory its tensor-parallel workers left (:func:`remove`). A LoRA
+engine's adapter directory, in the host's shared memory, is made and swept the same way.
 """
 
 from __future__ import annotations

@@ -126,8 +126,8 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:  # another user's: alive
-        return True
+    except PermissionError:  # another user's process: alive
+        pass
     return True
 
 

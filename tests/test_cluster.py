@@ -1,7 +1,9 @@
-"""Process set-up for CPU workers."""
+"""Process set-up for CPU workers, and the environment the workers of a run's local Ray instance get."""
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -126,3 +128,45 @@ def test_should_refuse_more_pinned_processes_than_cores():
     )
     with pytest.raises(SetupError, match="cluster.cpu_pinning"):
         check_cpu_pinning(cfg)
+
+
+# A run without RAY_ADDRESS: its local instance, and what one of its workers sees.
+_LOCAL = textwrap.dedent(
+    """
+    import json, os, ray
+    from trainer.cluster import init_ray
+    from trainer.config import load
+
+    init_ray(load(["experiment=tiny"]))
+
+    @ray.remote(num_cpus=1)
+    def seen():
+        keys = ("TRANSFORMERS_VERBOSITY", "TOKENIZERS_PARALLELISM", "KUBERL_CACHE")
+        return {"env": {k: os.environ.get(k) for k in keys}, "runtime_env": dict(ray.get_runtime_context().runtime_env)}
+
+    try:
+        print(json.dumps(ray.get(seen.remote())))
+    finally:
+        ray.shutdown()
+    """
+)
+
+
+def test_should_give_a_local_instances_workers_this_processs_environment_without_a_runtime_env(tmp_path):
+    """The workers of a run's own instance inherit its environment: the quiet defaults, and the user's own
+    values over them. No runtime env, which would start every worker through a second Python."""
+    from trainer.cluster import QUIET_ENV
+
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS" and k not in QUIET_ENV}
+    env.update({"TOKENIZERS_PARALLELISM": "true", "KUBERL_CACHE": str(tmp_path)})
+    out = subprocess.run(
+        [sys.executable, "-c", _LOCAL], capture_output=True, text=True, env=env, timeout=300, check=False
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    seen = json.loads(out.stdout.splitlines()[-1])
+    assert seen["env"] == {
+        "TRANSFORMERS_VERBOSITY": QUIET_ENV["TRANSFORMERS_VERBOSITY"],
+        "TOKENIZERS_PARALLELISM": "true",
+        "KUBERL_CACHE": str(tmp_path),
+    }
+    assert seen["runtime_env"] == {}

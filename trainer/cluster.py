@@ -126,21 +126,29 @@ class ClusterError(RuntimeError):
 def init_ray(cfg: Config) -> None:
     if ray.is_initialized():
         return
-    env_vars = dict(QUIET_ENV)
-    for key in ("KUBERL_CACHE", "HF_HOME", "HF_TOKEN", "HF_HUB_OFFLINE"):
-        if key in os.environ:
-            env_vars[key] = os.environ[key]
-    runtime_env = {"env_vars": env_vars}
     address = os.environ.get("RAY_ADDRESS")
     if address:
+        # A cluster started elsewhere: its workers have that cluster's environment, not this process's. The
+        # job's runtime env gives them the quiet settings and this process's hub and cache variables.
+        env_vars = dict(QUIET_ENV)
+        for key in ("KUBERL_CACHE", "HF_HOME", "HF_TOKEN", "HF_HUB_OFFLINE"):
+            if key in os.environ:
+                env_vars[key] = os.environ[key]
         try:
-            ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
+            ray.init(address=address, runtime_env={"env_vars": env_vars}, log_to_driver=True)
         except Exception as e:
             raise ClusterError(
                 f"cannot connect to the Ray cluster at RAY_ADDRESS={address} ({type(e).__name__}); "
                 "unset RAY_ADDRESS to run locally, or start the cluster (make up)"
             ) from None
         return
+    # A local instance is this process's child, and its workers inherit this process's environment: the quiet
+    # settings (this process's defaults from here on, as python -m trainer makes them) and the hub and cache
+    # variables reach them without a runtime env. With one, Ray would start every worker through its
+    # setup_worker.py (a Python process that imports Ray, then execs the worker's own) and could not use the
+    # workers it starts ahead for the first driver.
+    for key, value in QUIET_ENV.items():
+        os.environ.setdefault(key, value)
     needed = cfg.train_world_size + (cfg.num_generation_workers if cfg.disaggregated else 0) + 2
     # Ray gives its raylet a fixed 30 s to register; on a machine busy with other work that can pass.
     # Once more, then one line instead of Ray's traceback.
@@ -151,7 +159,6 @@ def init_ray(cfg: Config) -> None:
                 num_cpus=max(os.cpu_count() or 1, needed),
                 num_gpus=None if cfg.cluster.use_gpus else 0,
                 include_dashboard=False,
-                runtime_env=runtime_env,
                 log_to_driver=True,
                 logging_level=logging.WARNING,
             )

@@ -64,6 +64,13 @@ try:
     receiving = actor.receive_weights.remote(meta.update_info())  # both workers wait for a broadcast never sent
     ended, _ = ray.wait([receiving], timeout=5)
     out["receiving"] = not ended
+    # What the engine wrote outside its memory, read while its owner lives: from the kill on, the next engine
+    # to start on this host (this test's, or another test's beside it) may sweep the directory.
+    out["files"] = sorted(os.listdir(private))
+    stores = [f for f in out["files"] if f.startswith("vllm_dist_")]
+    shared = lambda: sorted(f for f in os.listdir("/dev/shm") if any(f.startswith(s + "-") for s in stores))
+    out["shared"] = shared()  # the tensor-parallel workers' shared memory (vLLM's CPU communicator)
+    out["outside"] = sorted(set(os.listdir(tmp)) - in_tmp)
     os.kill(pid, signal.SIGKILL)  # no __del__, no atexit in the actor
     deadline = time.monotonic() + within
     while True:
@@ -72,14 +79,10 @@ try:
             break
         time.sleep(0.5)
     out["alive"] = [" ".join(p.cmdline())[:120] for p in alive]
-    # What the engine wrote outside its memory: in its own directory, which its killed owner left behind,
-    # and which the next engine's sweep removes.
-    out["files"] = sorted(os.listdir(private))
-    stores = [f for f in out["files"] if f.startswith("vllm_dist_")]
-    shared = lambda: sorted(f for f in os.listdir("/dev/shm") if any(f.startswith(s + "-") for s in stores))
-    out["shared"] = shared()  # the tensor-parallel workers' shared memory (vLLM's CPU communicator)
-    out["outside"] = sorted(set(os.listdir(tmp)) - in_tmp)
-    out["swept"] = private in vllm_lifetime.sweep() and not os.path.exists(private)
+    # The killed owner left its directory and shared memory behind; a sweep (this one, or that of an engine
+    # started beside this test since the kill) removes both.
+    vllm_lifetime.sweep()
+    out["swept"] = not os.path.exists(private)
     out["shared_after"] = shared()
 finally:
     for p in children:  # whatever the test finds, nothing outlives it

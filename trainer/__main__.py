@@ -7,7 +7,6 @@ once, and train. Bad input ends in one line naming the problem and the fix, neve
 from __future__ import annotations
 
 import logging
-import os
 import sys
 
 from trainer import heap
@@ -29,10 +28,9 @@ def _fail(message: str, code: int = 2) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from trainer.cluster import QUIET_ENV
+    from trainer.cluster import quiet
 
-    for key, value in QUIET_ENV.items():
-        os.environ.setdefault(key, value)
+    quiet()
     argv = list(sys.argv[1:] if argv is None else argv)
     from trainer.config import ConfigError, experiments, load
 

@@ -33,6 +33,13 @@ QUIET_ENV = {
 }
 
 
+def quiet() -> None:
+    """Make :data:`QUIET_ENV` this process's defaults (a value the user set stays), for it and every process
+    it starts: an entry point calls this first, before anything it imports reads them."""
+    for key, value in QUIET_ENV.items():
+        os.environ.setdefault(key, value)
+
+
 # glibc mallopt parameters (malloc.h); values are C ints.
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 _MALLOC_LIMIT = 2**31 - 1
@@ -147,8 +154,7 @@ def init_ray(cfg: Config) -> None:
     # variables reach them without a runtime env. With one, Ray would start every worker through its
     # setup_worker.py (a Python process that imports Ray, then execs the worker's own) and could not use the
     # workers it starts ahead for the first driver.
-    for key, value in QUIET_ENV.items():
-        os.environ.setdefault(key, value)
+    quiet()
     needed = cfg.train_world_size + (cfg.num_generation_workers if cfg.disaggregated else 0) + 2
     # Ray gives its raylet a fixed 30 s to register; on a machine busy with other work that can pass.
     # Once more, then one line instead of Ray's traceback.

@@ -529,10 +529,9 @@ def _load(fn: Callable[[], Any], what: str, name: str) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from trainer.cluster import QUIET_ENV
+    from trainer.cluster import quiet
 
-    for key, value in QUIET_ENV.items():
-        os.environ.setdefault(key, value)
+    quiet()
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or {"-h", "--help"} & set(argv):
         from trainer import data

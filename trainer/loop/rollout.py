@@ -272,8 +272,13 @@ def _apply_step(
     if step.done or not step.messages or last:
         return False
     r = ep.rollout
-    ended = r.completion.finish_reason == "stop" and bool(r.completion.token_ids)
-    glue = turns.continuation(r.example["messages"], step.messages, ended)
+    try:  # the turn's sampled ids, not its finish reason, say whether its end-of-turn token is there
+        glue = turns.continuation(r.example["messages"], step.messages, r.completion.token_ids)
+    except Exception as e:  # a template that refuses this answer (checked at start-up): the episode ends
+        log.warning(
+            "the chat template cannot render environment %r's answer, ending the episode: %s", env.name, e
+        )
+        return False
     if len(r.prompt_ids) + len(r.response_ids) + len(glue) + params.max_new_tokens > max_context:
         return False  # the token budget is spent: the last turn stands as the answer
     r.response_ids += glue

@@ -39,6 +39,31 @@ CALLS_TEMPLATE = TOOLS_TEMPLATE.replace(
 )
 
 
+def _history_template(content: str, call: str) -> str:
+    """TOOLS_TEMPLATE with the assistant's turns written back as ``content`` (a Jinja expression of
+    ``message['content']``) and each tool call as ``call`` (of ``c``, the call): templates that rewrite history."""
+    return TOOLS_TEMPLATE.replace(
+        "{%- else %}",
+        "{%- elif message['role'] == 'assistant' %}"
+        "{{ '<|im_start|>assistant\\n' + " + content + " }}"
+        "{%- for c in message.get('tool_calls') or [] %}{{ " + call + " }}{%- endfor %}"
+        "{{ '<|im_end|>\\n' }}"
+        "{%- else %}",
+        1,
+    )
+
+
+_AS_SAMPLED = "'<tool_call>' + ({'name': c['function']['name'], 'arguments': c['function']['arguments']} | tojson) + '</tool_call>'"
+# Qwen3's template drops an earlier turn's reasoning (before the last user turn; DeepSeek-R1's, before every turn).
+THINK_TEMPLATE = _history_template("message['content'].split('</think>')[-1].lstrip('\\n')", _AS_SAMPLED)
+# Qwen2.5's and Qwen3's write a call back on lines of its own: not the ids the model sampled.
+SPACED_TEMPLATE = _history_template(
+    "message['content']",
+    "'<tool_call>\\n{\"name\": \"' + c['function']['name'] + '\", \"arguments\": ' "
+    "+ (c['function']['arguments'] | tojson) + '}\\n</tool_call>'",
+)
+
+
 # ----- one sample per episode: the prefix rule ---------------------------------------------------------------
 def test_should_join_turns_into_one_sample_with_the_environment_masked_when_each_prompt_extends_the_last():
     turns = [Turn([1, 2], [3, 4], [-0.1, -0.2], "stop"), Turn([1, 2, 3, 4, 9, 9], [5], [-0.5], "stop")]
@@ -49,14 +74,24 @@ def test_should_join_turns_into_one_sample_with_the_environment_masked_when_each
     assert s.turns == 2
 
 
-def test_should_end_the_sample_before_a_turn_when_its_prompt_rewrote_an_earlier_turn():
+def test_should_end_the_sample_before_a_turn_and_say_why_once_when_its_prompt_rewrote_an_earlier_turn(
+    monkeypatch, caplog
+):
+    import trainer.envs.base as base
+
+    monkeypatch.setattr(base, "_dropped_logged", False)
     turns = [
         Turn([1, 2], [3, 4], [-0.1, -0.2], "stop"),
         Turn([1, 2, 3, 7, 9], [5], [-0.5], "stop"),  # the template wrote the model's turn otherwise
         Turn([1, 2, 3, 7, 9, 5, 9], [6], [-0.6], "stop"),
     ]
-    s = chain(turns)
+    with caplog.at_level("WARNING", logger="trainer.envs.base"):
+        s = chain(turns)
+        assert chain(turns).turns == 1  # every episode of a run may drop: the reason is said once
     assert (s.response_ids, s.response_mask, s.turns) == ([3, 4], [1, 1], 1)
+    (record,) = [r for r in caplog.records if r.name == "trainer.envs.base"]
+    assert "turn 2 of 3 is not trained on, nor the 1 after it" in record.getMessage()
+    assert "at token 3 of 4" in record.getMessage() and "turns_dropped" in record.getMessage()
 
 
 # ----- configuration ---------------------------------------------------------------------------------------
@@ -157,7 +192,7 @@ def serve(engine, monkeypatch):
         ep.shutdown()
 
 
-def _driven(env_id, args, endpoint, n, stop=()):
+def _driven(env_id, args, endpoint, n, stop=(), max_new_tokens=6):
     """The environment's rollouts of its first two examples through ``endpoint``, scored; and the examples."""
     from trainer.envs.verifiers_env import VerifiersEnvironment
     from trainer.generation.base import SamplingParams
@@ -170,7 +205,7 @@ def _driven(env_id, args, endpoint, n, stop=()):
     env.connect([f"http://{host}:{port}/v1"], TOKEN, "dice", 4)
     examples = env.examples()[:2]
     rewards = RewardRunner(EnvConfig([RewardSpec("environment")], reward_timeout_s=60))
-    params = SamplingParams(max_new_tokens=6, temperature=1.0, stop_strings=list(stop))
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0, stop_strings=list(stop))
     pending = generate_driven(env, rewards, examples, n, params)
     return finish(pending, rewards), examples, ep.drain_requests()
 
@@ -289,6 +324,117 @@ def test_should_end_a_rollout_within_the_sequence_budget_when_its_next_turn_woul
         _check_token_exact(r, records)
     for r in called:  # the endpoint refused the next turn: the rollout ended there, as an error of verifiers'
         assert r.env_info["errors"] == 1.0
+
+
+# ----- a chat template that rewrites the model's earlier turns ----------------------------------------------
+class Scripted:
+    """An engine that writes ``turns[k]`` in the turn after ``k`` tool results (the ``<tool_response>``s its prompt
+    holds), its ids as the tokenizer makes them (``eos`` after the last turn's), each id's logprob its own."""
+
+    def __init__(self, tok, turns: list[str]):
+        self.tok, self.turns = tok, turns
+
+    def ids(self, k: int) -> list[int]:
+        ids = self.tok(self.turns[k], add_special_tokens=False)["input_ids"]
+        return ids + [self.tok.eos_token_id] if k == len(self.turns) - 1 else ids
+
+    def logprobs(self, k: int) -> list[float]:
+        return [-(k + 1) - i / 64 for i in range(len(self.ids(k)))]
+
+    def generate(self, prompts, n, params):
+        from trainer.generation.base import Completion
+
+        out = []
+        for prompt in prompts:
+            k = self.tok.decode(prompt).count("<tool_response>")
+            ids = self.ids(k)
+            assert len(ids) <= params.max_new_tokens
+            text = self.tok.decode(ids, skip_special_tokens=True)
+            out.append([Completion(ids, self.logprobs(k), text, "stop") for _ in range(n)])
+        return out
+
+
+@pytest.fixture
+def serve_scripted(dice_model, monkeypatch):
+    """An endpoint over a :class:`Scripted` engine, its tokenizer's chat template ``template``."""
+    from trainer.generation.endpoint import ChatEndpoint
+    from trainer.models import load_tokenizer
+
+    monkeypatch.setenv("KUBERL_TEST_ENDPOINT_TOKEN", TOKEN)
+    started = []
+
+    def start(template: str, turns: list[str]):
+        tok = load_tokenizer(dice_model)
+        tok.chat_template = template
+        ep_cfg = EndpointConfig(
+            enabled=True, port=0, bind="127.0.0.1", token_env="KUBERL_TEST_ENDPOINT_TOKEN"
+        )
+        gen = GenerationConfig(max_new_tokens=48, placement="disaggregated", endpoint=ep_cfg)
+        engine = Scripted(tok, turns)
+        ep = ChatEndpoint(engine, tok, gen, "dice", max_model_len=4096)
+        started.append(ep)
+        ep.start()
+        return ep, tok, engine
+
+    yield start
+    for ep in started:
+        ep.shutdown()
+
+
+@pytest.mark.parametrize(
+    "template, turns",
+    [
+        (THINK_TEMPLATE, ["<think>roll it</think>" + ROLL_CALL, "<think>once more</think>" + ROLL_CALL, "<think>so</think>4"]),
+        (SPACED_TEMPLATE, ["i roll" + ROLL_CALL, ROLL_CALL, "it is 4"]),
+    ],
+    ids=["think-stripped", "call-respaced"],
+)  # fmt: skip
+def test_should_keep_every_turn_of_an_episode_token_exact_when_the_template_rewrites_the_models_earlier_turns(
+    serve_scripted, ray_local, template, turns
+):
+    from trainer.data.prompts import encode_prompt
+    from trainer.envs.verifiers_env import VerifiersEnvironment
+
+    ep, tok, engine = serve_scripted(template, turns)
+    rollouts, examples, records = _driven(
+        DICE, {"max_turns": 3}, (ep, tok), n=2, stop=["</tool_call>"], max_new_tokens=48
+    )
+    tools = VerifiersEnvironment(DICE, {"max_turns": 3}).tools()
+    # What the template writes after a tool call the model sampled (no end-of-turn token: the stop string ended
+    # it), for each face the die may show: the only tokens of the sample that are not the engine's.
+    glue = [
+        tok(
+            f"<|im_end|>\n<|im_start|>user\n<tool_response>\n{face}\n</tool_response><|im_end|>\n"
+            "<|im_start|>assistant\n",
+            add_special_tokens=False,
+        )["input_ids"]
+        for face in "123456"
+    ]
+    assert len(rollouts) == 4
+    for r, ex in zip(rollouts, [e for e in examples for _ in range(2)]):
+        assert (r.turns, r.env_info["turns"], r.env_info["turns_dropped"]) == (3, 3.0, 0.0)
+        assert r.prompt_ids == encode_prompt(tok, ex["messages"], {}, tools)
+        pos, tokens, mask, logprobs = 0, [], [], []
+        for k in range(3):
+            tokens += engine.ids(k)
+            mask += [1] * len(engine.ids(k))
+            logprobs += engine.logprobs(k)
+            pos = len(tokens)
+            if k < 2:
+                between = next(g for g in glue if r.response_ids[pos : pos + len(g)] == g)
+                tokens += between
+                mask += [0] * len(between)
+                logprobs += [0.0] * len(between)
+        assert r.response_ids == tokens and r.response_mask == mask and r.response_logprobs == logprobs
+        _check_token_exact(r, records)
+        assert r.env_info["total_tool_calls"] == 2.0
+    # every later turn's prompt was built from the ids sampled before it, none rendered whole
+    assert (ep.continued, ep.unmatched) == (8, 0)
+    assert sum(rec["extends"] is not None for rec in records) == 8
+    # the template did rewrite them: rendered whole, a later turn's prompt would not hold the sampled ids
+    later = next(rec for rec in records if rec["extends"] is not None)
+    whole = encode_prompt(tok, later["messages"], {}, tools)
+    assert whole != later["prompt_token_ids"]
 
 
 # ----- the acceptance: a few steps through the real entry point ---------------------------------------------

@@ -19,7 +19,7 @@ from openai.types.chat.chat_completion import Choice
 from trainer.config import ConfigError, EndpointConfig, GenerationConfig, load
 from trainer.data.prompts import encode_prompt
 from trainer.generation.base import Completion, SamplingParams
-from trainer.generation.endpoint import ChatEndpoint, EndpointError, EngineGate, bind_address
+from trainer.generation.endpoint import ChatEndpoint, Continuations, EndpointError, EngineGate, bind_address
 from trainer.generation.hf import HFGenerationEngine
 from trainer.models import load_model, load_tokenizer
 
@@ -390,6 +390,66 @@ def test_should_turn_a_sampled_tool_call_into_openais_shape_when_the_text_has_on
     bad = ep._choice(0, Completion([5], [-0.1], "<tool_call>{add}</tool_call>", "stop"), False)
     assert bad["finish_reason"] == "stop" and "tool_calls" not in bad["message"]
     assert bad["message"]["content"] == "<tool_call>{add}</tool_call>"
+
+
+def test_should_prompt_a_later_turn_with_the_ids_it_sampled_when_the_conversation_holds_its_answer(
+    serve, tokenizer
+):
+    ep = serve()
+    client = _client(ep)
+    first = client.chat.completions.create(model="tiny", messages=MESSAGES, n=2, max_tokens=6, seed=3)
+    answers = [c.message.model_dump(exclude_none=True) for c in first.choices]
+    assert answers[0]["content"] != answers[1]["content"]  # each choice is its own conversation
+    sampled = first.choices[1].model_extra["token_ids"]
+    follow = {"role": "user", "content": "and 3+4?"}
+    second = client.chat.completions.create(
+        model="tiny", messages=[*MESSAGES, answers[1], follow], max_tokens=2
+    )
+    # the template's own text after an assistant turn's content, less the end-of-turn token the model wrote
+    glue = tokenizer(
+        "<|im_end|>\n<|im_start|>user\nand 3+4?<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False
+    )
+    glue = glue["input_ids"][1:] if sampled[-1] == tokenizer.eos_token_id else glue["input_ids"]
+    assert second.model_extra["prompt_token_ids"] == first.model_extra["prompt_token_ids"] + sampled + glue
+    assert (ep.continued, ep.unmatched) == (1, 0)
+    assert [r["extends"] for r in ep.drain_requests()] == [None, first.id]
+
+
+def test_should_render_the_whole_conversation_and_say_so_once_when_the_answer_is_none_it_sampled(
+    serve, tokenizer, caplog
+):
+    ep = serve()
+    client = _client(ep)
+    first = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4, seed=1)
+    edited = {
+        "role": "assistant",
+        "content": first.choices[0].message.content + "!",
+    }  # the harness rewrote it
+    written = {"role": "assistant", "content": "5"}  # a few-shot turn the harness wrote itself
+    follow = {"role": "user", "content": "and 3+4?"}
+    with caplog.at_level("WARNING", logger="trainer.generation.endpoint"):
+        for answer in (edited, written):
+            messages = [*MESSAGES, answer, follow]
+            out = client.chat.completions.create(model="tiny", messages=messages, max_tokens=2)
+            assert out.model_extra["prompt_token_ids"] == encode_prompt(tokenizer, messages, {})
+    assert (ep.continued, ep.unmatched) == (0, 2)
+    (record,) = [r for r in caplog.records if r.name == "trainer.generation.endpoint"]
+    assert "no sample of this endpoint ends the conversation so far" in record.getMessage()
+
+
+def test_should_keep_continuations_within_their_budget_and_continue_neither_of_two_alike_answers():
+    kept = Continuations(max_tokens=10)
+    kept.add(b"a", [1, 2, 3], [4, 5], "r1")
+    kept.add(b"b", [6, 7, 8], [9], "r2")
+    assert kept.find(b"a") == ([1, 2, 3], [4, 5], "r1")  # used: now the most recent
+    kept.add(b"c", [1], [2], "r3")  # 11 ids: the least recently used goes
+    assert "within 10 tokens" in kept.find(b"b") and kept.find(b"a") == ([1, 2, 3], [4, 5], "r1")
+    kept.add(b"c", [1], [2], "r4")  # the same ids again (a retried request): the first stands
+    assert kept.find(b"c") == ([1], [2], "r3")
+    kept.add(b"c", [1], [3], "r5")  # the same conversation ended with other ids: neither is continued
+    assert "different ids" in kept.find(b"c")
+    kept.add(b"d", list(range(8)), [8, 9, 10], "r6")  # over the whole budget: not kept
+    assert isinstance(kept.find(b"d"), str) and len(kept) == 2
 
 
 @pytest.mark.parametrize(

@@ -12,13 +12,19 @@ nothing the model writes may crash the run or hang it.
 
 A :class:`RolloutDriver` (``env.verifiers``) runs its episodes itself, through the generation endpoint, and hands
 back each one's turns (:class:`Turn`) as the endpoint rendered and sampled them; :func:`chain` joins them into one
-token-exact sample.
+token-exact sample. The endpoint builds a later turn's prompt from the ids it sampled for the earlier one (tokens in,
+tokens out: :mod:`trainer.generation.endpoint`), so each prompt extends the sample however the chat template writes
+the model's earlier turns back; a turn whose prompt still does not (the endpoint could not tell which of its samples
+the conversation holds) ends the sample, logged once per run and counted in ``turns_dropped``.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+log = logging.getLogger(__name__)
 
 
 # fmt: off
@@ -89,9 +95,10 @@ class Chained:
 def chain(turns: list[Turn]) -> Chained:
     """The turns of one episode as one token-exact sample: each later turn's prompt must begin with the sample so
     far (the previous prompt and its sampled ids), and what follows them there is the environment's (mask 0).
-    A turn whose prompt does not (the chat template rendered the model's earlier turn otherwise than it was
-    sampled, e.g. a tool call re-written as the template writes them) ends the sample before it: nothing is
-    re-tokenised, and the turns after it are not trained on."""
+    A turn whose prompt does not (the endpoint rendered the conversation again and the chat template wrote the
+    model's earlier turn otherwise than it was sampled: a tool call re-serialised, a ``<think>`` block stripped)
+    ends the sample before it: nothing is re-tokenised, and the turns after it are not trained on. The first such
+    turn of a run is logged, with where its prompt departs from the sample."""
     if not turns:
         raise ValueError("an episode with no turns cannot be trained on")
     first = turns[0]
@@ -102,9 +109,10 @@ def chain(turns: list[Turn]) -> Chained:
         list(first.logprobs),
         1,
     )
-    for turn in turns[1:]:
+    for k, turn in enumerate(turns[1:], start=2):
         context = out.prompt_ids + out.response_ids
         if turn.prompt_ids[: len(context)] != context:
+            _log_dropped(k, len(turns), context, turn.prompt_ids)
             break
         glue = turn.prompt_ids[len(context) :]
         out.response_ids += glue + turn.completion_ids
@@ -112,6 +120,28 @@ def chain(turns: list[Turn]) -> Chained:
         out.response_logprobs += [0.0] * len(glue) + list(turn.logprobs)
         out.turns += 1
     return out
+
+
+_dropped_logged = False  # a run drops turns in every step once it drops any: one line says why
+
+
+def _log_dropped(k: int, total: int, context: list[int], prompt: list[int]) -> None:
+    global _dropped_logged
+    if _dropped_logged:
+        return
+    _dropped_logged = True
+    at = next((i for i, (a, b) in enumerate(zip(context, prompt)) if a != b), min(len(context), len(prompt)))
+    log.warning(
+        "a driven episode's turn %d of %d is not trained on, nor the %d after it: its prompt departs from the "
+        "previous prompt + sampled ids at token %d of %d (the endpoint rendered the model's earlier turn otherwise "
+        "than it was sampled, and could not continue from the ids it sampled); train/verifiers/turns_dropped "
+        "counts such turns (logged once per run)",
+        k,
+        total,
+        total - k,
+        at,
+        len(context),
+    )
 
 
 class RolloutDriver(Protocol):

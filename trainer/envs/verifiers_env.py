@@ -13,7 +13,9 @@ environment is loaded once, on the driver:
   rollouts with its ``Rubric``;
 - each rollout comes back as the endpoint's turns: the prompt ids it rendered, the ids the engine sampled and
   their logprobs (verifiers keeps them in the state's ``trajectory``), which :func:`trainer.envs.base.chain`
-  joins into one token-exact sample;
+  joins into one token-exact sample. verifiers sends a later turn as the whole conversation, the assistant
+  messages the endpoint returned among it; the endpoint prompts it with the ids it sampled for them, not the
+  chat template's rewriting of them, so each turn's prompt extends the sample before it;
 - the rubric's reward is what ``{name: environment, weight: w}`` in ``env.reward_functions`` pays, beside the
   other rewards; its metrics (and the sample's ``turns``, ``turns_dropped``, ``errors``) become
   ``train/verifiers/<name>``.

@@ -12,6 +12,19 @@ so nobody re-tokenises decoded text. Tool calls in a sample's text are parsed wi
 parser (:func:`trainer.envs.tool_calls.parse_tool_calls`, Hermes' ``<tool_call>`` JSON) into
 ``message.tool_calls`` (finish_reason ``tool_calls``); a malformed call stays in ``content`` as written.
 
+Tokens in, tokens out: a harness sends each later turn of an episode as the whole conversation again, the
+assistant messages this endpoint answered with among it. Rendering that through the chat template would write
+the model's earlier turns as the template writes them (a tool call's JSON re-serialised, Qwen3's template
+dropping an earlier turn's ``<think>`` block, whitespace added), not as they were sampled, and the turns would
+no longer join into one token-exact sample (:func:`trainer.envs.base.chain`). So every sampled choice is kept
+(:class:`Continuations`, bounded) under the conversation it ends: the request's messages, tools and the
+assistant message returned for it. A request whose last assistant message is one of them is prompted with
+that request's prompt ids + the ids sampled for it + the template's glue for only the messages after it
+(:class:`trainer.data.prompts.TurnEncoder`, as the trainer's own environments are); any other request is
+rendered whole, and one whose last assistant message was not found is counted (``unmatched``) and logged
+once, with the reason. The match is exact: the tool calls' ids are the endpoint's own, and two samples that
+end the same conversation with the same message but different ids cannot be told apart, so neither is continued.
+
 Safety (STYLE 16): every request carries ``Authorization: Bearer <token>``, the run's own Ray token by
 default (``generation.endpoint.token_env``), compared in constant time; without a token the endpoint
 does not start. It listens on the pod's own address ($POD_IP, from the chart's downward API) or
@@ -33,13 +46,16 @@ owner (:class:`~trainer.generation.worker.GenerationWorker`) starts it and shuts
 from __future__ import annotations
 
 import collections
+import hashlib
 import hmac
 import json
+import logging
 import os
 import socket
 import threading
 import time
 import uuid
+from array import array
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -49,13 +65,18 @@ from typing import Any
 import torch
 
 from trainer.config import EndpointConfig, GenerationConfig
-from trainer.data.prompts import encode_prompt
+from trainer.data.prompts import TurnEncoder, encode_prompt
 from trainer.envs.tool_calls import content_of, offer_tools, parse_tool_calls, takes_tools
 from trainer.generation.base import Completion, GenerationEngine, SamplingParams
 
 MAX_BODY_BYTES = 16 * 2**20  # a chat request with a long conversation and its tools fits many times
 MAX_N = 256  # samples per request: bounds what one request can make the engine do
 MAX_BATCH_PROMPTS = 256  # waiting requests one engine call takes along, at most
+# Token ids the continuations keep (int32: 128 MiB), the least recently used dropped first: a harness's
+# rollouts in flight need only their last turn each (256 rollouts of 32k tokens fill a quarter of it).
+CONTINUATION_TOKENS = 2**25
+
+log = logging.getLogger(__name__)
 
 
 class EndpointError(RuntimeError):
@@ -205,6 +226,92 @@ class RequestLog:
             return out
 
 
+class Continuations:
+    """What the endpoint sampled, by the conversation each sample ends (a digest of the request's messages,
+    tools and the assistant message returned): the prompt ids and sampled ids, up to ``max_tokens`` ids in
+    all, the least recently used dropped first. A conversation two samples ended alike with different ids
+    is marked ambiguous (counted as one id): continuing either would train on ids the harness's next turn
+    may not follow."""
+
+    def __init__(self, max_tokens: int = CONTINUATION_TOKENS):
+        self.max_tokens = max_tokens
+        # key -> (prompt + sampled ids, how many of them were sampled, the request's id); None: ambiguous
+        self._entries: collections.OrderedDict[bytes, tuple[array, int, str] | None] = (
+            collections.OrderedDict()
+        )
+        self._tokens = 0
+        self._lock = threading.Lock()
+
+    def add(self, key: bytes, prompt: list[int], sampled: list[int], rid: str) -> None:
+        ids = array("i", prompt + sampled)
+        with self._lock:
+            if key in self._entries:
+                held = self._entries[key]
+                if held is not None and held[0] != ids:
+                    self._tokens -= len(held[0]) - 1
+                    self._entries[key] = None
+                self._entries.move_to_end(key)
+                return
+            if len(ids) > self.max_tokens:
+                return  # over the whole budget: a later turn of it is rendered whole
+            self._entries[key] = (ids, len(sampled), rid)
+            self._tokens += len(ids)
+            while self._tokens > self.max_tokens:
+                _, old = self._entries.popitem(last=False)
+                self._tokens -= len(old[0]) if old is not None else 1
+
+    def find(self, key: bytes) -> tuple[list[int], list[int], str] | str:
+        """(prompt ids, sampled ids, the request's id) of the sample that ended this conversation, or why none."""
+        with self._lock:
+            if key not in self._entries:
+                return (
+                    "no sample of this endpoint ends the conversation so far (the harness changed an earlier "
+                    "message or the assistant's, or it was dropped to keep the map within "
+                    f"{self.max_tokens} tokens)"
+                )
+            self._entries.move_to_end(key)
+            held = self._entries[key]
+        if held is None:
+            return "two samples ended the conversation so far with the same message and different ids"
+        ids, sampled, rid = held
+        cut = len(ids) - sampled
+        return ids[:cut].tolist(), ids[cut:].tolist(), rid
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+def _canonical(message: dict) -> str:
+    """A message as the conversation's digest reads it: every field the harness sent (an earlier request's
+    messages come back as they were)."""
+    return json.dumps(message, sort_keys=True, default=str)
+
+
+def _answered(message: dict) -> str:
+    """An assistant message as the endpoint returns it and a harness sends it back: its text (None and "" alike)
+    and its tool calls' ids, names and arguments (a JSON string or the object), nothing else."""
+    calls = []
+    for call in message.get("tool_calls") or []:
+        fn = call.get("function") or {}
+        args = fn.get("arguments")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except ValueError:
+                pass
+        calls.append([call.get("id"), fn.get("name"), args])
+    return json.dumps([message.get("content") or "", calls], sort_keys=True, default=str)
+
+
+def _conversation_key(tools: list | None, history: list[dict], answer: dict) -> bytes:
+    h = hashlib.blake2b(digest_size=16)
+    h.update(json.dumps(tools or None, sort_keys=True, default=str).encode())
+    for m in history:  # json.dumps escapes newlines: the separator is unambiguous
+        h.update(b"\n" + _canonical(m).encode())
+    h.update(b"\n\n" + _answered(answer).encode())
+    return h.digest()
+
+
 def read_token(env: str) -> str:
     """The bearer token every request must carry, from ``$env``; none there: the endpoint refuses to start."""
     token = os.environ.get(env, "")
@@ -301,6 +408,12 @@ class ChatEndpoint:
         self.model_name, self.max_model_len = model_name, max_model_len
         self.gate = gate or EngineGate(cfg.max_waiting, cfg.wait_timeout_s)
         self.log = RequestLog(cfg.record_limit)
+        self.continuations = Continuations()
+        self.continued = 0  # requests prompted from the ids sampled for an earlier one
+        self.unmatched = 0  # requests whose last assistant message no sample here ended: rendered whole
+        self._unmatched_logged = False
+        self._counts_lock = threading.Lock()  # the counters and the encoders, from the server's threads
+        self._encoders: collections.OrderedDict[str, TurnEncoder] = collections.OrderedDict()
         self.takes_tools = takes_tools(tokenizer)  # whether the chat template renders tools= itself
         # The owner's intra-op threads: a request runs the engine from a server thread, whose OpenMP
         # team would otherwise take every core (and vLLM's CPU attention checks it against its plan).
@@ -380,14 +493,7 @@ class ChatEndpoint:
         if tools is not None and not isinstance(tools, list):
             raise BadRequest("tools must be a list", "tools")
         params, n = self._params(body)
-        if tools and not self.takes_tools:  # as a run offers them: in the system turn, in the parsed format
-            messages, tools_kwarg = offer_tools(messages, tools), None
-        else:
-            tools_kwarg = tools or None
-        try:
-            prompt = encode_prompt(self.tokenizer, messages, self.gen.chat_template_kwargs, tools_kwarg)
-        except Exception as e:  # the template's own complaint (a role it does not know, a missing field)
-            raise BadRequest(f"the chat template cannot render these messages: {e}", "messages") from None
+        prompt, extends = self._prompt(messages, tools)
         if self.max_model_len is not None and len(prompt) + params.max_new_tokens > self.max_model_len:
             raise BadRequest(
                 f"the prompt ({len(prompt)} tokens) plus max_tokens ({params.max_new_tokens}) is over the "
@@ -396,6 +502,11 @@ class ChatEndpoint:
             )
         samples = self.sample(prompt, n, params)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        want_logprobs = bool(body.get("logprobs"))
+        choices = [self._choice(j, c, want_logprobs) for j, c in enumerate(samples)]
+        for choice, c in zip(choices, samples):  # what a later turn of the conversation continues from
+            key = _conversation_key(tools, messages, choice["message"])
+            self.continuations.add(key, prompt, c.token_ids, rid)
         self.log.add(
             {
                 "id": rid,
@@ -403,19 +514,19 @@ class ChatEndpoint:
                 "messages": messages,
                 "tools": tools,
                 "prompt_token_ids": prompt,
+                "extends": extends,  # the earlier request whose sampled ids the prompt continues, if any
                 "choices": [
                     {"token_ids": c.token_ids, "logprobs": c.logprobs, "finish_reason": c.finish_reason}
                     for c in samples
                 ],
             }
         )
-        want_logprobs = bool(body.get("logprobs"))
         return {
             "id": rid,
             "object": "chat.completion",
             "created": created,
             "model": self.model_name,
-            "choices": [self._choice(j, c, want_logprobs) for j, c in enumerate(samples)],
+            "choices": choices,
             "usage": {
                 "prompt_tokens": len(prompt),
                 "completion_tokens": sum(len(c.token_ids) for c in samples),
@@ -423,6 +534,61 @@ class ChatEndpoint:
             },
             "prompt_token_ids": prompt,
         }
+
+    def _prompt(self, messages: list[dict], tools: list | None) -> tuple[list[int], str | None]:
+        """The request's prompt ids, and the id of the earlier request they continue (module docstring), if any."""
+        offered = bool(tools) and not self.takes_tools  # as a run offers them: in the system turn
+        last = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=None)
+        if last is not None:
+            found = self.continuations.find(_conversation_key(tools, messages[:last], messages[last]))
+            if isinstance(found, str):
+                self._unmatched(found)
+            else:
+                prompt, sampled, rid = found
+                history = offer_tools(messages[:last], tools or []) if offered else messages[:last]
+                try:
+                    glue = self._encoder(None if offered else tools).continuation(
+                        history, messages[last + 1 :], sampled
+                    )
+                except Exception as e:  # a template that refuses the glue alone: the whole conversation
+                    self._unmatched(f"the chat template cannot render the messages after it alone ({e})")
+                else:
+                    with self._counts_lock:
+                        self.continued += 1
+                    return prompt + sampled + glue, rid
+        shown = offer_tools(messages, tools or []) if offered else messages
+        try:
+            ids = encode_prompt(
+                self.tokenizer, shown, self.gen.chat_template_kwargs, None if offered else tools
+            )
+        except Exception as e:  # the template's own complaint (a role it does not know, a missing field)
+            raise BadRequest(f"the chat template cannot render these messages: {e}", "messages") from None
+        return ids, None
+
+    def _encoder(self, tools: list | None) -> TurnEncoder:
+        """The glue encoder for these tools (a harness offers the same ones every turn: a few are kept)."""
+        key = json.dumps(tools or None, sort_keys=True, default=str)
+        with self._counts_lock:
+            enc = self._encoders.get(key)
+            if enc is None:
+                enc = TurnEncoder(self.tokenizer, self.gen.chat_template_kwargs, tools or None)
+                self._encoders[key] = enc
+                if len(self._encoders) > 8:
+                    self._encoders.popitem(last=False)
+            self._encoders.move_to_end(key)
+        return enc
+
+    def _unmatched(self, why: str) -> None:
+        with self._counts_lock:
+            self.unmatched += 1
+            first, self._unmatched_logged = not self._unmatched_logged, True
+        if first:
+            log.warning(
+                "generation.endpoint: a request's last assistant message is none it can continue from (%s); its "
+                "prompt renders the whole conversation again, so its turn may not extend the sample of the turns "
+                "before it (logged once; ChatEndpoint.unmatched counts them)",
+                why,
+            )
 
     def sample(self, prompt: list[int], n: int, params: SamplingParams) -> list[Completion]:
         """``n`` samples of ``prompt``. Requests that wait for the engine together go to it as one call: the

@@ -627,6 +627,9 @@ class EnvConfig:
     # when grpo.max_rollout_turns > 1.
     environment: str | None = None
     environment_kwargs: dict[str, Any] = field(default_factory=dict)  # passed to the environment's factory
+    # The model family's tool-call format the tools environment reads: hermes (built in), or a vLLM parser name
+    # (llama3_json, mistral, pythonic, qwen3_coder, ...: trainer.generation.tool_parsers).
+    tool_parser: str = "hermes"
     verifiers: VerifiersConfig = field(default_factory=VerifiersConfig)
 
     def validate(self) -> None:

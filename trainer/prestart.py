@@ -38,6 +38,7 @@ def check_names(cfg: Config) -> None:
     filled in here (the first reward's); running it again changes nothing."""
     from trainer import data, envs, rewards
     from trainer.algorithms import core_algos
+    from trainer.generation import tool_parsers
     from trainer.rewards import feedback, judge, reward_model
 
     core_algos.check_loss_config(cfg.grpo.loss)
@@ -51,6 +52,7 @@ def check_names(cfg: Config) -> None:
     rewards.check_specs(cfg.env.reward_functions)
     reward_model.check(cfg.reward_model, cfg.env.reward_functions)  # reads the model's config.json alone
     judge.check(cfg.judge, cfg.env.reward_functions)  # the same for the judge
+    tool_parsers.check(cfg.env.tool_parser)
     if cfg.env.environment is None:
         feedback.configure(cfg.env, cfg.grpo.max_rollout_turns)
     else:

@@ -182,6 +182,7 @@ class TrainState:
         from trainer.data.prompts import TurnEncoder, encode_examples
         from trainer.envs.code_feedback import CodeFeedback
         from trainer.envs.tool_calls import offer_tools, takes_tools
+        from trainer.generation import tool_parsers
         from trainer.generation.placement import make_generator
         from trainer.logger import RunLogger
         from trainer.models import load_tokenizer
@@ -199,7 +200,14 @@ class TrainState:
         kwargs = cfg.generation.chat_template_kwargs
         # A named environment is built first: the tools it offers are part of every prompt.
         self.environment = (
-            envs.build(cfg.env.environment, cfg.env.environment_kwargs) if cfg.env.environment else None
+            envs.build(
+                cfg.env.environment,
+                cfg.env.environment_kwargs,
+                cfg.env.tool_parser,
+                lambda tools: tool_parsers.build(cfg.env.tool_parser, tokenizer, tools),
+            )
+            if cfg.env.environment
+            else None
         )
         # env.verifiers: its dataset is the run's data, its tools are offered as the endpoint offers them
         self.driver = None

@@ -14,6 +14,7 @@ from typing import Any
 
 from trainer.config import ConfigError
 from trainer.envs.base import Environment, Episode, Step
+from trainer.envs.tool_calls import HERMES, ToolCallParser
 
 __all__ = ["ENVIRONMENTS", "Environment", "Episode", "Step", "build", "register"]
 
@@ -68,10 +69,30 @@ def check(name: str) -> None:
     _factory(name)
 
 
-def build(name: str, kwargs: dict[str, Any]) -> Environment:
-    """The environment ``name`` built with ``kwargs`` (env.environment_kwargs); ConfigError for a bad name."""
+def build(
+    name: str,
+    kwargs: dict[str, Any],
+    tool_parser: str = HERMES,
+    parser_for: Callable[[list[dict[str, Any]] | None], ToolCallParser] | None = None,
+) -> Environment:
+    """The environment ``name`` built with ``kwargs`` (env.environment_kwargs); ConfigError for a bad name.
+
+    ``tool_parser`` is env.tool_parser: any other than the built-in Hermes goes to an environment that reads tool
+    calls (one with ``use_tool_parser``), as ``parser_for(its tools)`` (the run builds vLLM's parsers, a layer
+    above this one: :func:`trainer.generation.tool_parsers.build`). An environment that reads no tool calls
+    refuses it, rather than ignore it."""
     factory = _factory(name)
     try:
-        return factory(**dict(kwargs))
+        env = factory(**dict(kwargs))
     except TypeError as e:  # an unknown or missing kwarg: say which environment and what it said
         raise ConfigError(f"env.environment_kwargs for {name!r}: {e}") from None
+    if tool_parser != HERMES:
+        use = getattr(env, "use_tool_parser", None)
+        if use is None:
+            raise ConfigError(
+                f"env.tool_parser={tool_parser}: env.environment={name} reads no tool calls; leave env.tool_parser={HERMES}"
+            )
+        if parser_for is None:  # a caller's mistake, not the config's
+            raise ValueError(f"build(tool_parser={tool_parser!r}) needs parser_for, to build that parser")
+        use(parser_for(env.tools()))
+    return env

@@ -15,15 +15,22 @@ stop string cut it, before ``</tool_call>``) is its first JSON object after ``<t
 that has no ``tools=`` support of its own (:func:`takes_tools` tells; :func:`offer_tools` adds that prompt to a
 conversation); :func:`content_of` is the turn's text without its calls (an
 OpenAI-style assistant message's ``content``).
+
+Other families write their calls otherwise (Llama 3's bare JSON, Mistral's ``[TOOL_CALLS]``, Qwen3-Coder's XML,
+pythonic lists): ``env.tool_parser`` names one of vLLM's parsers for them
+(:mod:`trainer.generation.tool_parsers`), handed to the environment as a :class:`ToolCallParser`; this module's
+parser is the default, ``hermes``. Either reads a turn decoded with its special tokens kept, since some families'
+markers are special tokens (:attr:`trainer.generation.base.Completion.raw_text`).
 """
 
 from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from typing import Any, Protocol
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+HERMES = "hermes"  # env.tool_parser's default: the parser below
 _CALL = re.compile(re.escape(OPEN) + r"(.*?)(?:" + re.escape(CLOSE) + r"|$)", re.DOTALL)
 _SHOWN = 200  # characters of a malformed call quoted back to the model
 
@@ -81,6 +88,26 @@ def parse_tool_calls(text: str) -> tuple[list[dict[str, Any]], list[str]]:
     if not calls and not errors and CLOSE in text:
         errors.append(f"a tool call must start with {OPEN} and end with {CLOSE}")
     return calls, errors
+
+
+class ToolCallParser(Protocol):
+    """The tool calls in one model turn, in one family's format."""
+
+    name: str  # env.tool_parser's value
+
+    def parse(self, text: str) -> tuple[list[dict[str, Any]], list[str]]:
+        """``text`` (a turn decoded with special tokens kept) -> (calls as ``{"name", "arguments"}`` with
+        ``arguments`` a dict, one error per call the model wrote but could not be read, meant for the model)."""
+        ...
+
+
+class HermesParser:
+    """:func:`parse_tool_calls` as a :class:`ToolCallParser`: env.tool_parser=hermes, the default."""
+
+    name = HERMES
+
+    def parse(self, text: str) -> tuple[list[dict[str, Any]], list[str]]:
+        return parse_tool_calls(text)
 
 
 def content_of(text: str) -> str:

@@ -11,9 +11,10 @@
 - ``tool_timeout_s`` (5): wall-clock seconds per call; ``tool_memory_mb`` (1024): address space per call.
 - ``max_result_chars`` (1000): a longer result is cut, and says so.
 
-After each model turn the episode parses its Hermes-style calls (:mod:`trainer.envs.tool_calls`), runs
-them and answers with one ``tool`` message per call, a malformed or unknown call included (its error is the
-message, so the model can fix it). A turn with no call is the model's answer and ends the episode; the
+After each model turn the episode parses its calls, Hermes-style (:mod:`trainer.envs.tool_calls`) unless
+``env.tool_parser`` names another family's format (the run hands the environment that parser,
+:meth:`ToolEnvironment.use_tool_parser`), runs them and answers with one ``tool`` message per call, a malformed
+or unknown call included (its error is the message, so the model can fix it). A turn with no call is the model's answer and ends the episode; the
 rollout loop also ends it at ``grpo.max_rollout_turns`` or when the sample's token budget is spent.
 
 Each call runs in a child process forked from a clean server process (multiprocessing's ``forkserver``:
@@ -41,7 +42,7 @@ from typing import Any
 from trainer.config import ConfigError
 from trainer.envs import register
 from trainer.envs.base import Step
-from trainer.envs.tool_calls import parse_tool_calls
+from trainer.envs.tool_calls import HermesParser, ToolCallParser
 
 # ----- built-in tools ---------------------------------------------------------------------------------
 
@@ -249,7 +250,7 @@ class ToolEpisode:
 
     def step(self, text: str) -> Step:
         env = self.env
-        calls, errors = parse_tool_calls(text)
+        calls, errors = env.parser.parse(text)
         if not calls and not errors:
             return Step([], done=True)
         messages: list[dict[str, Any]] = []
@@ -331,6 +332,11 @@ class ToolEnvironment:
             )
         self.max_calls_per_turn, self.tool_timeout_s = max_calls_per_turn, float(tool_timeout_s)
         self.tool_memory_mb, self.max_result_chars = tool_memory_mb, max_result_chars
+        self.parser: ToolCallParser = HermesParser()
+
+    def use_tool_parser(self, parser: ToolCallParser) -> None:
+        """Read the model's calls with ``parser`` (env.tool_parser, built for these tools) instead of Hermes'."""
+        self.parser = parser
 
     def tools(self) -> list[dict[str, Any]] | None:
         return self.schemas

@@ -64,8 +64,11 @@ class Completion:
 
     token_ids: list[int]  # (L,) generated tokens, EOS included when the model stopped
     logprobs: list[float]  # (L,) logprob of each generated token under the sampling model
-    text: str  # decoded without special tokens
+    text: str  # decoded without special tokens (what rewards read)
     finish_reason: str  # "stop" (EOS or a stop string) | "length"
+    # Decoded with special tokens kept, the turn-ending token left out: what a tool parser reads, as some
+    # families' call markers are special tokens (trainer.generation.tool_parsers.parser_text). None: not decoded.
+    raw_text: str | None = None
 
 
 class GenerationEngine(Protocol):

@@ -35,6 +35,7 @@ import torch
 
 from trainer.generation import onednn_linear
 from trainer.generation.base import Completion, SamplingParams
+from trainer.generation.tool_parsers import parser_text
 from trainer.models.prompts import distinct_prompts
 
 # Attention implementations known to work with a StaticCache and a padded 2D attention mask.
@@ -270,8 +271,9 @@ class HFGenerationEngine:
         for row, (length, stop) in enumerate(zip(lengths.tolist(), stopped.tolist())):
             ids = new[row, :length].tolist()  # an EOS is kept: the policy learns to stop
             text = self.tokenizer.decode(ids, skip_special_tokens=True)
+            raw = parser_text(self.tokenizer, ids, stop and bool(ids) and ids[-1] in self.eos_ids)
             reason = "stop" if stop else "length"
-            completions.append(Completion(ids, new_logprobs[row, :length].tolist(), text, reason))
+            completions.append(Completion(ids, new_logprobs[row, :length].tolist(), text, reason, raw))
         return completions
 
     def _stop_string_rows(

@@ -8,8 +8,9 @@ vLLM is imported only here and in ``trainer/generation/vllm_*``, and only when a
 What matches the hf engine (:mod:`trainer.generation.hf`), so the trainer cannot tell them apart:
 
 - ``result[i][j]`` is sample ``j`` of prompt ``i``; token ids include the EOS that ended a sample; the
-  text is decoded from those ids without special tokens; ``finish_reason`` is "stop" (EOS or a stop
-  string) or "length"; a stop string ends a sample at the token that completes it, and that token stays.
+  text is decoded from those ids without special tokens (``raw_text``, for tool parsers: with them, the
+  token that ended the sample left out); ``finish_reason`` is "stop" (EOS or a stop string) or "length";
+  a stop string ends a sample at the token that completes it, and that token stays.
 - Logprobs: ``logprobs_mode="processed_logprobs"``, the log-softmax of the temperature-scaled logits, like
   the hf engine (vLLM's default ``raw_logprobs`` ignores the temperature). One difference: with top-k or
   top-p on, vLLM takes the log-softmax after truncation (the kept tokens renormalised) where the hf engine
@@ -72,6 +73,7 @@ from trainer.config import ConfigError, GenerationConfig, LoRAConfig, vllm_max_l
 from trainer.generation import vllm_cpu, vllm_lifetime, vllm_patches
 from trainer.generation.base import Completion, SamplingParams
 from trainer.generation.refit.transport import vllm_transfer_backend
+from trainer.generation.tool_parsers import parser_text
 
 if TYPE_CHECKING:  # annotations only: vLLM is imported when an engine is built
     from vllm import LLM
@@ -565,7 +567,9 @@ class VLLMGenerationEngine:
         if out.finish_reason not in ("stop", "length"):
             raise RuntimeError(f"vLLM ended a sample with finish_reason={out.finish_reason!r}")
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        return Completion(ids, logprobs, text, out.finish_reason)
+        # stop_reason: None for an EOS, the id for a stop token id, the string for a stop string (whose tokens stay)
+        by_token = out.finish_reason == "stop" and not isinstance(out.stop_reason, str)
+        return Completion(ids, logprobs, text, out.finish_reason, parser_text(self.tokenizer, ids, by_token))
 
     # ----- weights ---------------------------------------------------------------------------------
 

@@ -437,6 +437,50 @@ def test_should_render_the_whole_conversation_and_say_so_once_when_the_answer_is
     assert "no sample of this endpoint ends the conversation so far" in record.getMessage()
 
 
+class _Fixed:
+    """An engine that writes ``ids`` for every prompt."""
+
+    def __init__(self, tok, ids: list[int]):
+        self.tok, self.ids = tok, ids
+
+    def generate(self, prompts, n, params):
+        text = self.tok.decode(self.ids, skip_special_tokens=True)
+        return [[Completion(self.ids, [-0.5] * len(self.ids), text, "stop")] * n for _ in prompts]
+
+
+@pytest.mark.parametrize("name", ["gemma3", "granite", "llama3", "mistral", "qwen2.5", "qwen3", "smollm2"])
+def test_should_extend_the_earlier_prompt_and_sampled_ids_on_every_family_when_a_conversation_goes_on(
+    name, monkeypatch
+):
+    """Real families' chat formats (tests/families/chat.py): Qwen3's rewrites the earlier turn's ``<think>``
+    block, Mistral's moves the system text to the newest user turn; the later prompt extends the sample all the same,
+    and what follows the sampled ids is what the template renders after the turn."""
+    from tests.families.chat import FAMILIES, build_tokenizer
+
+    fam = FAMILIES[name]
+    tok = build_tokenizer(fam)
+    # Qwen3's template writes an earlier turn's reasoning back on lines of its own, or drops it
+    written = "<think>add them</think>It is 5." if name == "qwen3" else "It is 5."
+    sampled = tok(written, add_special_tokens=False)["input_ids"] + [tok.convert_tokens_to_ids(fam.turn_end)]
+    ep = ChatEndpoint(_Fixed(tok, sampled), tok, _gen(), "tiny")
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+3?"}]
+    first = ep.chat({"messages": messages})
+    prompt = first["prompt_token_ids"]
+    conversation = [
+        *messages,
+        first["choices"][0]["message"],
+        {"role": "user", "content": "Check it once more."},
+    ]
+    later = ep.chat({"messages": conversation})["prompt_token_ids"]
+    assert later[: len(prompt) + len(sampled)] == prompt + sampled
+    glue = later[len(prompt) + len(sampled) :]
+    whole = encode_prompt(tok, conversation, {})
+    assert glue and whole[-len(glue) :] == glue
+    assert "Check it once more." in tok.decode(glue) and (ep.continued, ep.unmatched) == (1, 0)
+    if name == "qwen3":  # rendered whole, the prompt would have lost the sampled reasoning
+        assert whole[: len(prompt) + len(sampled)] != prompt + sampled
+
+
 def test_should_keep_continuations_within_their_budget_and_continue_neither_of_two_alike_answers():
     kept = Continuations(max_tokens=10)
     kept.add(b"a", [1, 2, 3], [4, 5], "r1")

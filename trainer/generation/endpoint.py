@@ -470,7 +470,8 @@ class ChatEndpoint:
 
     def drain_requests(self) -> list[dict]:
         """Every request recorded since the last drain: ``prompt_token_ids`` and per choice ``token_ids``,
-        ``logprobs`` and ``finish_reason`` (plus the request's ``id``, ``created``, ``messages``, ``tools``)."""
+        ``logprobs`` and ``finish_reason`` (plus the request's ``id``, ``created``, ``messages``, ``tools``, and
+        ``extends``: the id of the earlier request whose sampled ids its prompt continues, or None)."""
         return self.log.drain()
 
     # -- one request -----------------------------------------------------------------------------------

@@ -370,6 +370,9 @@ class PolicyConfig:
     # from the engine weight sync to the next forward.
     reshard_after_forward: bool = True
     compute_entropy: bool = True
+    # Start even when the LM head's start-up self-check finds its logprobs off the model's own logits
+    # (trainer.policy.forward.check_head), at your own risk.
+    unchecked_head: bool = False
     # FSDP2 mixed precision: the dtype parameters are gathered and computed in (bfloat16 halves the
     # all-gathers and doubles matmul throughput); master weights, optimizer state and the gradient
     # reduction stay in model.dtype / float32. null: compute in model.dtype. auto: bfloat16 on GPUs and

@@ -4,8 +4,11 @@ gradient.
 
 ``linear_logprobs(hidden, weight, bias, labels)`` equals ``logprobs_and_entropy(F.linear(hidden, weight,
 bias), labels)`` (:mod:`trainer.algorithms.core_algos`) to float32 rounding, with the head's own
-post-processing (Gemma's final logit softcapping, ``cap * tanh(z / cap)`` in the logits' dtype) and the
-sampling temperature (``x / T`` in float32) applied as the model and today's pass apply them.
+post-processing and the sampling temperature (``x / T`` in float32) applied as the model and today's pass
+apply them. The post-processing is a ``transform``: the ops a model's forward runs on its logits after the
+head, in its order and in the logits' dtype (:data:`OPS`: Granite divides by ``logits_scaling``, Cohere
+multiplies by ``logit_scale``, Gemma caps, ``cap * tanh(z / cap)``; :func:`trainer.policy.forward.head_transform`
+reads them off the model). The backward runs the same ops in reverse, each as autograd differentiates it.
 
 It works on tiles of (positions x vocabulary block). Forward: the tile's logits ``h @ W_b.T (+ b_b)``
 in the model's dtype, then float32; an online log-sum-exp over the vocabulary blocks (flash attention's
@@ -57,12 +60,39 @@ def tiles(rows: int, vocab: int, budget: int) -> tuple[int, int]:
     return min(rows, max(1, budget // block)) or 1, block
 
 
-def _softcapped(z: Tensor, softcap: float | None) -> tuple[Tensor, Tensor | None]:
-    """The head's post-processing as the model runs it, in the logits' dtype; also tanh's output for the backward."""
-    if softcap is None:
-        return z, None
-    t = torch.tanh(z / softcap)
-    return t * softcap, t
+# What a model may do to its logits after the head, each with its constant c: ``z * c``, ``z / c``, and
+# ``c * tanh(z / c)`` (the three ops of Gemma's forward, in its order).
+OPS = ("mul", "div", "softcap")
+Transform = tuple[tuple[str, float], ...]  # the ops in the order the model's forward runs them
+
+
+def _transformed(z: Tensor, transform: Transform) -> tuple[Tensor, list[Tensor]]:
+    """The head's post-processing as the model runs it, in the logits' dtype; also each softcap's tanh
+    output, for the backward."""
+    saved = []
+    for op, c in transform:
+        if op == "mul":
+            z = z * c
+        elif op == "div":
+            z = z / c
+        else:
+            t = torch.tanh(z / c)
+            saved.append(t)
+            z = t * c
+    return z, saved
+
+
+def _transform_backward(grad: Tensor, transform: Transform, saved: list[Tensor]) -> Tensor:
+    """The gradient of the transformed logits -> that of the head's output, op by op in reverse as autograd
+    differentiates each, in the logits' dtype."""
+    for op, c in reversed(transform):
+        if op == "mul":
+            grad = grad * c
+        elif op == "div":
+            grad = grad / c
+        else:  # through c * tanh(z / c)
+            grad = torch.ops.aten.tanh_backward(grad * c, saved.pop()) / c
+    return grad
 
 
 class _LinearLogprobs(torch.autograd.Function):
@@ -70,7 +100,7 @@ class _LinearLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor, scale: float,
-                softcap: float | None, with_entropy: bool, budget: int, shape: torch.Size):  # fmt: skip
+                transform: Transform, with_entropy: bool, budget: int, shape: torch.Size):  # fmt: skip
         n, vocab = hidden.shape[0], weight.shape[0]
         dtype = torch.promote_types(hidden.dtype, torch.float32)  # float64 stays float64
         step, block = tiles(n, vocab, budget)
@@ -90,7 +120,8 @@ class _LinearLogprobs(torch.autograd.Function):
             picked = torch.zeros_like(m)  # the label's logit
             for v0 in range(0, vocab, block):
                 w = weight[v0 : v0 + block]
-                x = _softcapped(F.linear(h, w, None if bias is None else bias[v0 : v0 + block]), softcap)[0]
+                z = F.linear(h, w, None if bias is None else bias[v0 : v0 + block])
+                x = _transformed(z, transform)[0]
                 x = x.to(dtype)  # a new tensor unless the model computes in float32 (then the matmul's own)
                 if scale != 1.0:
                     x = x * scale
@@ -109,7 +140,7 @@ class _LinearLogprobs(torch.autograd.Function):
             if t is not None:  # H = lse - sum p x, p = exp(x - m) / s
                 entropy[rows] = lse[rows] - t / s
         ctx.save_for_backward(hidden, weight, bias, labels, lse)
-        ctx.scale, ctx.softcap, ctx.budget = scale, softcap, budget
+        ctx.scale, ctx.transform, ctx.budget = scale, transform, budget
         ctx.mark_non_differentiable(entropy_result)
         return result, entropy_result
 
@@ -147,7 +178,7 @@ class _LinearLogprobs(torch.autograd.Function):
                 rows = slice(r0, r0 + step)
                 h, y, g = hidden[rows], labels[rows], g_all[rows]
                 z = F.linear(h, w, b)  # (n, b) in the model's dtype, as the plain head computed it
-                logits, t = _softcapped(z, ctx.softcap)
+                logits, saved = _transformed(z, ctx.transform)
                 x = logits.to(lse.dtype)
                 if ctx.scale != 1.0:
                     x = x * ctx.scale
@@ -157,8 +188,8 @@ class _LinearLogprobs(torch.autograd.Function):
                 at = (y - v0).clamp(0, w.shape[0] - 1)
                 grad.scatter_add_(-1, at[:, None], torch.where(inside, g, 0.0)[:, None])
                 grad = grad.to(z.dtype)  # the logits' gradient in their dtype, as autograd's would be
-                if t is not None:  # through cap * tanh(z / cap), op by op as autograd differentiates it
-                    grad = torch.ops.aten.tanh_backward(grad * ctx.softcap, t) / ctx.softcap
+                if ctx.transform:
+                    grad = _transform_backward(grad, ctx.transform, saved)
                 if grad_h is not None:
                     grad_h[rows] += (grad @ w).to(grad_h.dtype)
                 if grad_w is not None:
@@ -189,14 +220,22 @@ def linear_logprobs(
     labels: Tensor,
     *,
     temperature: float = 1.0,
+    transform: Transform = (),
     softcap: float | None = None,
     with_entropy: bool = False,
     budget: int | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    """Logprobs of ``labels`` (...,) under ``softcap(hidden @ weight.T + bias) / temperature``, hidden (..., H),
+    """Logprobs of ``labels`` (...,) under ``transform(hidden @ weight.T + bias) / temperature``, hidden (..., H),
     weight (V, H), bias (V,) or None; with ``with_entropy`` also the (...,) entropies (no gradient). Both in
-    float32 (float64 kept), with gradients to the hidden states, the weight and the bias. ``budget``: float32
-    elements per tile (default :func:`tile_elements` for the device)."""
+    float32 (float64 kept), with gradients to the hidden states, the weight and the bias. ``transform``: the
+    model's ops after its head (:data:`OPS`), ``softcap`` a last ``("softcap", softcap)`` among them.
+    ``budget``: float32 elements per tile (default :func:`tile_elements` for the device)."""
+    ops: Transform = tuple((op, float(c)) for op, c in transform) + (
+        (("softcap", float(softcap)),) if softcap is not None else ()
+    )
+    for op, _ in ops:
+        if op not in OPS:
+            raise ValueError(f"linear_logprobs: unknown transform op {op!r}; the ops are {', '.join(OPS)}")
     flat = hidden.reshape(-1, hidden.shape[-1])
     if budget is None:
         budget = tile_elements(hidden.device)
@@ -206,7 +245,7 @@ def linear_logprobs(
         bias,
         labels.long().reshape(-1),
         1.0 / temperature,
-        softcap,
+        ops,
         with_entropy,
         budget,
         labels.shape,

@@ -235,6 +235,7 @@ class PolicyWorker:
             load_shards(ref, host, self.device)
             self.ref_model = ref.eval()
         del host
+        head_check = self._check_head(compute)
         p = cfg.policy
         self.optimizer = adamw(
             self._trainable(),
@@ -255,7 +256,26 @@ class PolicyWorker:
             "pad_id": self.tokenizer.pad_token_id,
             # What each refit moves into each engine: the trainable parameters, at the engine's dtype.
             "refit_bytes": n_trainable * self.engine_dtype.itemsize,
+            "head_check": head_check,
         }
+
+    def _check_head(self, compute: torch.dtype) -> str:
+        """Fix the run's LM head for the policy and the reference (one head for every forward of the run,
+        :func:`trainer.policy.forward.fix_rows`), then check it against the policy's own logits on a sentence's
+        tokens (:func:`trainer.policy.forward.check_head`: two forwards, on every rank, as FSDP2 needs); rank 0
+        prints the ``self-check:`` line. A gap raises its one line, unless ``policy.unchecked_head``."""
+        cfg = self.cfg
+        rows = forward.run_rows(cfg.policy)
+        for model in (self.model, self.ref_model):
+            if model is not None:
+                forward.fix_rows(model, rows)
+        ids = self.tokenizer("The quick brown fox jumps over the lazy dog. 2 + 3 = 5")["input_ids"]
+        batch = self._batch([Sample(prompt_ids=ids[:1], response_ids=ids[1:])], prefix=False)
+        line = forward.check_head(self.model, batch, self.device, self.attention, cfg.generation.temperature,
+                                  compute, unchecked=cfg.policy.unchecked_head)  # fmt: skip
+        if self.rank == 0:
+            print(f"kuberl: {line}", flush=True)
+        return line
 
     def _trainable(self) -> list[torch.nn.Parameter]:
         """What the optimizer steps: every parameter, or with LoRA the adapters alone."""

@@ -633,6 +633,8 @@ class EnvConfig:
     # The model family's tool-call format the tools environment reads: hermes (built in), or a vLLM parser name
     # (llama3_json, mistral, pythonic, qwen3_coder, ...: trainer.generation.tool_parsers).
     tool_parser: str = "hermes"
+    # Multi-turn runs: start even when the chat template fails the start-up glue self-check (at your own risk).
+    unchecked_chat_template: bool = False
     verifiers: VerifiersConfig = field(default_factory=VerifiersConfig)
 
     def validate(self) -> None:

@@ -174,6 +174,35 @@ class TrainState:
         if judge.used(cfg.env.reward_functions):
             self.model_rewards.append(JudgePool(cfg.judge))
 
+    def _check_bos(self, cfg: Config, tokenizer, prompt_ids: list[int]) -> None:
+        """The prompts' first token against what the model needs (trainer.data.prompts.check_bos): its
+        ``self-check:`` line, or one line naming the failure."""
+        from trainer.data.prompts import BosError, check_bos
+
+        config = Path(self.model_path) / "config.json"
+        model_type = json.loads(config.read_text()).get("model_type") if config.is_file() else None
+        try:
+            print(f"kuberl: {check_bos(tokenizer, prompt_ids, model_type)}", flush=True)
+        except BosError as e:
+            raise SetupError(f"model={cfg.model.name}: {e}") from None
+
+    def _check_template(self, cfg: Config, messages: list[dict[str, Any]]) -> None:
+        """A multi-turn run's glue, checked on its own template before anything starts (TurnEncoder.self_check):
+        its ``self-check:`` line, or one line naming the failure and the key that overrides it."""
+        from trainer.data.prompts import TemplateGlueError
+
+        try:
+            print(f"kuberl: {self.turns.self_check(messages)}", flush=True)
+        except TemplateGlueError as e:
+            if not cfg.env.unchecked_chat_template:
+                raise SetupError(
+                    f"model={cfg.model.name}: multi-turn episodes cannot be glued exactly: {e}; give a tokenizer "
+                    "whose chat template glues exactly (model.tokenizer), or set env.unchecked_chat_template=true "
+                    "to train on it at your own risk"
+                ) from None
+            print(f"kuberl: self-check: chat template glue FAILED ({e}); env.unchecked_chat_template=true: "
+                  "training on it anyway", flush=True)  # fmt: skip
+
     def _build(self, cfg: Config, resume: Path | None, info: dict[str, Any], t0: float) -> None:
         """The rest of the set-up, while the policy ranks start: data, then the ranks, generation,
         rewards, a checkpoint to resume, the logger."""
@@ -247,6 +276,10 @@ class TrainState:
                 if train
                 else f"data={cfg.data.name}: the {cfg.data.split!r} split has no examples"
             )
+        self._check_bos(cfg, tokenizer, self.train_examples[0]["prompt_ids"])
+        self.turns = TurnEncoder(tokenizer, kwargs, tools)
+        if self.driver is None and (self.environment is not None or cfg.grpo.max_rollout_turns > 1):
+            self._check_template(cfg, train[0]["messages"])
         self.val_examples: list[dict] = []
         if cfg.grpo.val_period or cfg.grpo.val_at_start:
             # A different validation dataset must not inherit the training file or its size limit.
@@ -290,7 +323,6 @@ class TrainState:
         self.rewards = RewardRunner(cfg.env, reward_model=self.model_rewards)
         if self.environment is None and cfg.grpo.max_rollout_turns > 1:  # the code loop, with env.feedback
             self.environment = CodeFeedback.from_runner(RewardRunner(cfg.env, feedback=True))
-        self.turns = TurnEncoder(tokenizer, cfg.generation.chat_template_kwargs, tools)
         if resume:
             self.policy.run("load_checkpoint", str(resume))
             self.generator.update_weights()

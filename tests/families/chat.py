@@ -69,10 +69,10 @@ QWEN25_TEMPLATE = (
 QWEN3_TEMPLATE = (
     "{%- set default_system = none %}"
     + _CHATML_TOOLS
-    + "{%- set ns = namespace(last_query=messages | length - 1) %}"
+    + "{%- set ns = namespace(last_query=messages | length - 1, found=false) %}"
     "{%- for message in messages[::-1] %}{%- set i = messages | length - 1 - loop.index0 %}"
-    "{%- if ns.last_query == messages | length - 1 and message.role == 'user' and not message.content.startswith('<tool_response>') %}"
-    "{%- set ns.last_query = i %}{%- endif %}{%- endfor %}"
+    "{%- if not ns.found and message.role == 'user' and not message.content.startswith('<tool_response>') %}"
+    "{%- set ns.last_query = i %}{%- set ns.found = true %}{%- endif %}{%- endfor %}"
     "{%- for message in messages %}"
     "{%- if message.role == 'system' and loop.first %}"
     "{%- elif message.role in ('user', 'system') %}"

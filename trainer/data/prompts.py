@@ -273,3 +273,35 @@ def _added_special_tokens(tokenizer) -> list[str]:
 
 def _env_marker(i: int) -> str:
     return f"\u2063KUBERL_ENV_{i}\u2063"
+
+
+class BosError(ValueError):
+    """The run's prompts do not start with the BOS token the model needs (the message says what and the fix)."""
+
+
+def check_bos(tokenizer, prompt_ids: Sequence[int], model_type: str | None = None) -> str:
+    """The start-up check of a prompt's first token: one ``self-check:`` line, or :class:`BosError`.
+
+    A model trained with a BOS token in front of every sequence needs it: Gemma without ``<bos>`` degenerates
+    ("The capital of France is" -> " France. The The The..."), and a tokenizer converted from GGUF may not add it
+    though the file says so. A model needs it when its tokenizer puts it in front of plain text, and Gemma always.
+    Two BOS tokens (a template that writes one, a tokenizer that adds another) are refused as well."""
+    bos = tokenizer.bos_token_id
+    if bos is None or not prompt_ids:
+        return "self-check: prompts start as the tokenizer starts them (it has no BOS token)"
+    plain = tokenizer("a")["input_ids"]
+    gemma = (model_type or "").startswith("gemma")
+    wanted = bool(plain) and plain[0] == bos or gemma
+    name = tokenizer.convert_ids_to_tokens(bos)
+    if wanted and prompt_ids[0] != bos:
+        why = f"{model_type} needs it" if gemma else "its tokenizer puts it in front of plain text"
+        raise BosError(
+            f"the prompts do not start with {name!r} ({why}): give a chat template that writes bos_token first"
+        )
+    if len(prompt_ids) > 1 and prompt_ids[0] == prompt_ids[1] == bos:
+        raise BosError(
+            f"the prompts start with {name!r} twice: the chat template writes it and so does the encoding"
+        )
+    if wanted:
+        return f"self-check: prompts start with {name!r} once, as {model_type or 'the tokenizer'} expects"
+    return f"self-check: prompts need no BOS token ({name!r} is not put in front of plain text)"

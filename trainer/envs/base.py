@@ -40,7 +40,9 @@ class Step:
 
 class Episode(Protocol):
     def step(self, text: str) -> Step:
-        """The model's turn (its sampled tokens decoded, special tokens skipped) -> the environment's answer.
+        """The model's turn (its sampled tokens decoded with special tokens kept, less the token that ended it:
+        ``Completion.raw_text``, so a tool-call marker that is a special token reaches the parser) -> the
+        environment's answer.
         Bounded in time by the environment; fails into a message or a Step(done=True), never raises for bad model output."""
         ...
 

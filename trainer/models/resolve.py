@@ -23,7 +23,7 @@ _FORMAT_VERSION = 1
 # builtin:tiny's own: 2 since it has 2 heads (head_dim 32, which vLLM's CPU attention needs), not 4.
 TINY_VERSION = 2
 
-EMBEDDED = {"smollm2-135m-instruct"}
+EMBEDDED = {"smollm2-135m-instruct", "gemma3-270m"}
 BUILTIN = {"tiny"}
 _TINY_PARAMS = {"hidden_size", "num_layers", "num_heads", "intermediate_size", "seed", "embed_scale"}
 
@@ -49,10 +49,23 @@ def resolve_model(name: str, cache_dir: str | os.PathLike | None = None, key: st
             raise ModelNotFoundError(
                 f"unknown model {name!r}; embedded models: {', '.join(sorted(EMBEDDED))}"
             )
-        from trainer.models.embedded import convert_smollm2, find_smollm2_gguf
+        from trainer.models import embedded
 
-        gguf = find_smollm2_gguf()  # fails early, before any lock or temp dir, when the package is missing
-        return str(_cached(root, f"{rest}-v{_FORMAT_VERSION}", lambda out: convert_smollm2(gguf, out)))
+        if rest == "gemma3-270m":
+            chunks, sha256 = embedded.find_gemma3_chunks()  # fails early when the packages are missing
+            return str(
+                _cached(
+                    root,
+                    f"{rest}-v{_FORMAT_VERSION}",
+                    lambda out: embedded.convert_gemma3(chunks, sha256, out),
+                )
+            )
+        gguf = (
+            embedded.find_smollm2_gguf()
+        )  # fails early, before any lock or temp dir, when the package is missing
+        return str(
+            _cached(root, f"{rest}-v{_FORMAT_VERSION}", lambda out: embedded.convert_smollm2(gguf, out))
+        )
 
     base, _, query = rest.partition("?")
     if base not in BUILTIN:

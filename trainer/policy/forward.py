@@ -205,8 +205,8 @@ def _not_tiled(m) -> None:
 # ``self.logit_scale``, Falcon-H1's ``self.model.lm_head_multiplier``). A wrapper whose text config names such
 # a key but whose own forward does not apply it, or that scales the hidden states before the head (the
 # tiles' input), is the identity; one whose transform the tiles do not do is None (the plain path).
-TRANSFORMS: dict[str, Callable[[Any], Transform | None]] = {
-    **dict.fromkeys(
+TRANSFORMS: tuple[tuple[tuple[str, ...], Callable[[Any], Transform | None]], ...] = (
+    (
         (
             "GraniteForCausalLM",
             "GraniteSWAForCausalLM",
@@ -217,8 +217,8 @@ TRANSFORMS: dict[str, Callable[[Any], Transform | None]] = {
         ),
         _granite,
     ),
-    "Granite4VisionForConditionalGeneration": _granite_vision,
-    **dict.fromkeys(
+    (("Granite4VisionForConditionalGeneration",), _granite_vision),
+    (
         (
             "CohereForCausalLM",
             "Cohere2ForCausalLM",
@@ -228,12 +228,10 @@ TRANSFORMS: dict[str, Callable[[Any], Transform | None]] = {
         ),
         _cohere,
     ),
-    "FalconH1ForCausalLM": lambda m: _scaled("mul", m.model.lm_head_multiplier),
-    "HyperCLOVAXForCausalLM": lambda m: _scaled("mul", m.config.logits_scaling),
-    "HyperCLOVAXVisionV2ForConditionalGeneration": lambda m: _scaled(
-        "mul", m.config.text_config.logits_scaling
-    ),
-    **dict.fromkeys(
+    (("FalconH1ForCausalLM",), lambda m: _scaled("mul", m.model.lm_head_multiplier)),
+    (("HyperCLOVAXForCausalLM",), lambda m: _scaled("mul", m.config.logits_scaling)),
+    (("HyperCLOVAXVisionV2ForConditionalGeneration",), lambda m: _scaled("mul", _text(m).logits_scaling)),
+    (
         (
             "Gemma2ForCausalLM",
             "Gemma3ForCausalLM",
@@ -245,7 +243,7 @@ TRANSFORMS: dict[str, Callable[[Any], Transform | None]] = {
         ),
         _gemma,
     ),
-    **dict.fromkeys(
+    (
         (
             "Gemma3nForConditionalGeneration",
             "Gemma4ForConditionalGeneration",
@@ -253,14 +251,14 @@ TRANSFORMS: dict[str, Callable[[Any], Transform | None]] = {
         ),
         _gemma_wrapper,
     ),
-    "RecurrentGemmaForCausalLM": lambda m: _softcap(m.config.logits_soft_cap),  # always capped
-    "MuseGlimmerForConditionalGeneration": lambda m: (
-        _scaled("mul", m.config.text_config.output_multiplier)
-        + _softcap(m.config.text_config.final_logit_softcapping)
+    (("RecurrentGemmaForCausalLM",), lambda m: _softcap(m.config.logits_soft_cap)),  # always capped
+    (
+        ("MuseGlimmerForConditionalGeneration",),
+        lambda m: _scaled("mul", _text(m).output_multiplier) + _softcap(_text(m).final_logit_softcapping),
     ),
     # The text config's scale or cap is not applied by these wrappers' forwards (5.19); MiniCPM3 divides
     # the hidden states by logits_scaling before its head.
-    **dict.fromkeys(
+    (
         (
             "Gemma3ForConditionalGeneration",
             "PaliGemmaForConditionalGeneration",
@@ -273,7 +271,7 @@ TRANSFORMS: dict[str, Callable[[Any], Transform | None]] = {
     ),
     # Inkling cuts the vocabulary short after its head, xLSTM caps in float32, the T5Gemmas are
     # encoder-decoders and CLVP a speech model: their own logits (the plain path).
-    **dict.fromkeys(
+    (
         (
             "InklingForCausalLM",
             "InklingForConditionalGeneration",
@@ -284,15 +282,17 @@ TRANSFORMS: dict[str, Callable[[Any], Transform | None]] = {
         ),
         _not_tiled,
     ),
-}
+)
+KNOWN = frozenset(name for names, _ in TRANSFORMS for name in names)  # the classes TRANSFORMS names
 
 # Config keys that mean a transform after the head somewhere in transformers (a scale, a cap, a vocabulary cut
-# short): a class not in TRANSFORMS whose config or text config sets one takes the plain path.
+# short): a class not in TRANSFORMS whose config or text config sets one (to other than 1, for the scales of
+# _MULTIPLIERS) takes the plain path.
 TRANSFORM_KEYS = ("logits_scaling", "logit_scale", "lm_head_multiplier", "output_multiplier",
                   "final_logit_softcapping", "logits_soft_cap", "output_logit_soft_cap", "unpadded_vocab_size",
                   "logits_mup_width_multiplier")  # fmt: skip
-_NEUTRAL = {"logits_scaling": 1.0, "logit_scale": 1.0, "lm_head_multiplier": 1.0, "output_multiplier": 1.0,
-            "logits_mup_width_multiplier": 1.0}  # fmt: skip
+_MULTIPLIERS = ("logits_scaling", "logit_scale", "lm_head_multiplier", "output_multiplier",
+                "logits_mup_width_multiplier")  # fmt: skip
 
 
 def model_name(model) -> str:
@@ -307,15 +307,16 @@ def head_transform(model) -> Transform | None:
     or text config sets one of :data:`TRANSFORM_KEYS`). A class is found along the model's MRO, so a subclass
     is taken for its transformers base: if its forward does more, :func:`check_head` says so."""
     for cls in type(model).__mro__:
-        if cls.__name__ in TRANSFORMS and cls.__module__.startswith("transformers."):
-            return TRANSFORMS[cls.__name__](model)
+        if cls.__name__ in KNOWN and cls.__module__.startswith("transformers."):
+            return next(read for names, read in TRANSFORMS if cls.__name__ in names)(model)
     configs = [getattr(model, "config", None)]
     configs.append(_text(model) if configs[0] is not None else None)
     for config in configs:
         for key in TRANSFORM_KEYS:
             value = getattr(config, key, None)
-            if value is not None and not isinstance(value, bool) and value != _NEUTRAL.get(key):
-                return None
+            if value is None or isinstance(value, bool) or (key in _MULTIPLIERS and value == 1):
+                continue
+            return None
     return ()
 
 
@@ -392,7 +393,7 @@ def forward_logprobs(
 # The mean gap (nats per token) the self-check allows between the run's head and the model's own logits: a
 # float32 head differs by rounding alone (about 1e-6 on the tests' models); a 16-bit one by a unit in the last
 # place of a logit here and there (where the tiles' matmul rounds otherwise than the whole one).
-CHECK_BOUND = {torch.float64: 1e-4, torch.float32: 1e-4}
+CHECK_BOUND = 1e-4
 CHECK_BOUND_16BIT = 2e-2
 
 
@@ -413,7 +414,8 @@ def check_head(
     """The head the run uses (:func:`forward_logprobs`, with the rows :func:`fix_rows` set) against the model's
     own logits (:func:`logits_logprobs`: ``model(...).logits``, whatever its forward did after the head), on
     ``batch`` (a few tokens): the one ``self-check:`` line, or :class:`HeadCheckError` when the mean gap over
-    its response tokens exceeds the bound for ``compute_dtype`` (:data:`CHECK_BOUND`) and ``unchecked`` is not
+    its response tokens exceeds the bound for ``compute_dtype`` (:data:`CHECK_BOUND`, :data:`CHECK_BOUND_16BIT`)
+    and ``unchecked`` is not
     set. Two forwards of the sharded model: with FSDP2 every rank calls it, on the same batch."""
     rows = model.__dict__.get(_ROWS, batch.positions)
     tiled = takes_tiles(model, rows)
@@ -436,7 +438,7 @@ def check_head(
     mask = batch.loss_mask.to(got.device) > 0
     gaps = (got - want).abs()[mask].double()
     mean, worst = float(gaps.mean()), float(gaps.max())
-    bound = CHECK_BOUND.get(compute_dtype, CHECK_BOUND_16BIT)
+    bound = CHECK_BOUND if compute_dtype.itemsize >= 4 else CHECK_BOUND_16BIT
     name = model_name(model)
     model_type = getattr(model.config, "model_type", None)
     of = f"{name}'s logits" + (f" (model_type {model_type})" if model_type else "")

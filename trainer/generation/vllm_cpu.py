@@ -1,13 +1,20 @@
 """What vLLM's CPU build needs from us, beside the engine (:mod:`trainer.generation.vllm_engine`): the
-process environment an in-process CPU engine starts under, its thread count noted at packing, and the
-rebuild of its packed GEMM kernels after a weight update. None of it runs for a GPU engine.
+process environment an in-process CPU engine starts under, its thread count noted at packing, and what a
+weight update must redo on CPU. None of it runs for a GPU engine.
 
 vLLM's CPU linear layers run packed kernels (a oneDNN handle, or vLLM's own layout for bf16 on AMX CPUs)
 derived from each weight at load. Started under :func:`trainer.generation.vllm_patches.keep_plain_weights`
-the engine keeps the plain parameters too, so an update loads into them as on a GPU and
+the engine keeps the plain parameters too, so an update loads into them (directly, or through vLLM's
+layerwise reload, whose processing runs under the same patch: :func:`weight_processing`) and
 :func:`repack_cpu_kernels` then rebuilds every kernel, the tied ``lm_head``'s included, at the thread
 count the kernels were first packed at (:func:`at_pack_threads`): rebuilt at another count, the handles
 computed wrong q/k/v projections, which nothing reports (bench/README.md, "vLLM on CPU").
+
+Mixture-of-experts layers (``UnquantizedFusedMoEMethod``) pack their expert weights into the CPU grouped-GEMM
+layout at load, and vLLM 0.32 skips that packing when the layer is processed again for a weight update (it
+rebuilds nothing once the layer has a kernel, a rule written for GPUs, whose layout conversion runs before
+it): the experts then hold checkpoint-layout bytes where the kernel reads packed ones, and the engine samples
+from them without an error (gaps of 1 nat on a tiny Qwen3-MoE). :func:`repack_cpu_experts` packs them again.
 """
 
 from __future__ import annotations
@@ -16,6 +23,8 @@ import contextlib
 import os
 
 import torch
+
+from trainer.generation import vllm_patches
 
 # Where the engine notes, on its model, the torch thread count its CPU kernels were packed at (module
 # docstring; the measurement that found it is in bench/README.md, "vLLM on CPU").
@@ -70,6 +79,24 @@ def weights_packed(model: torch.nn.Module) -> bool:
 
 
 @contextlib.contextmanager
+def weight_processing(model: torch.nn.Module, plain: bool):
+    """What vLLM's weight processing runs under while an update loads and finishes, on CPU: torch at the
+    thread count the kernels were packed at (:func:`at_pack_threads`), and, when the layers kept their plain
+    weights at start-up (``plain``: not :func:`weights_packed`, seen before the update began), vLLM's CPU
+    GEMM dispatch keeping them again (:func:`~trainer.generation.vllm_patches.keep_plain_weights`). Without
+    it, layerwise reload's processing would leave an empty weight to copy into the full one it replaces
+    (a size-mismatch error); a model that packed without the patch keeps empty ones, and so does its
+    processing. Nothing on GPUs."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        yield
+        return
+    with at_pack_threads(model), vllm_patches.keep_plain_weights(plain):
+        yield
+
+
+@contextlib.contextmanager
 def at_pack_threads(model: torch.nn.Module):
     """Torch at the thread count the model's CPU kernels were packed at (``PACK_THREADS_ATTR``), if noted."""
     threads = getattr(model, PACK_THREADS_ATTR, None)
@@ -89,15 +116,27 @@ def repack_cpu_kernels(model: torch.nn.Module) -> None:
     layers have none.
 
     Call it under :func:`at_pack_threads` (as :func:`finish_weight_update` does). A plain embedding's
-    kernel is never used for a matmul and is skipped, unless the model uses it as lm_head.
+    kernel is never used for a matmul and is skipped, unless the model uses it as lm_head. Only layers
+    whose method is vLLM's unquantized linear or embedding one are vLLM's CPU GEMM's (a quantized layer's
+    processing is its own), and not one vLLM keeps on the plain matmul (``_cpu_skip_gemm_dispatch``, MLA's
+    ``kv_b_proj``).
     """
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
-    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+    from vllm.model_executor.layers.vocab_parallel_embedding import (
+        ParallelLMHead,
+        UnquantizedEmbeddingMethod,
+        VocabParallelEmbedding,
+    )
 
     lm_head = getattr(model, "lm_head", None)
     for layer in model.modules():
         if (
             not hasattr(layer, "cpu_linear")
+            or not isinstance(
+                getattr(layer, "quant_method", None), (UnquantizedLinearMethod, UnquantizedEmbeddingMethod)
+            )
+            or getattr(layer, "_cpu_skip_gemm_dispatch", False)
             or getattr(layer, "weight", None) is None
             or layer.weight.ndim != 2
         ):
@@ -109,3 +148,30 @@ def repack_cpu_kernels(model: torch.nn.Module) -> None:
         ):
             continue
         dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
+
+
+def repack_cpu_experts(model: torch.nn.Module) -> int:
+    """Pack each CPU mixture-of-experts layer's expert weights again (module docstring), from the
+    checkpoint-layout values an update left in them; returns how many layers. Nothing on GPU engines,
+    whose experts are not CPU kernels.
+
+    The experts' own ``process_weights_after_loading`` does it, as at load: vLLM's CPU packing keeps each
+    tensor's shape, so it reads the values an update copied in place. A layer whose intermediate size the
+    kernel pads is not reached: its update fails earlier, in vLLM's reload, with a size mismatch."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return 0
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
+    packed = 0
+    for layer in model.modules():
+        method = getattr(layer, "quant_method", None)
+        if not isinstance(method, UnquantizedFusedMoEMethod) or method.moe_kernel is None:
+            continue
+        experts = method.moe_kernel.fused_experts
+        if isinstance(experts, CPUUnquantizedExperts):
+            experts.process_weights_after_loading(layer)
+            packed += 1
+    return packed

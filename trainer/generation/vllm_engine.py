@@ -21,17 +21,20 @@ What matches the hf engine (:mod:`trainer.generation.hf`), so the trainer cannot
   differ from the hf engine's; reproducibility holds per backend.
 
 Weight updates take full tensors under Hugging Face names; vLLM's ``load_weights`` maps them itself
-(q/k/v into ``qkv_proj``, gate/up into ``gate_up_proj``), one tensor at a time as they stream in. On
-GPUs they load directly. On CPU, vLLM packs each linear weight into a oneDNN handle (or, bf16 on AMX
-CPUs, its own packed layout) and would leave an empty parameter behind, so that a plain ``load_weights``
-fails. The engine keeps the plain parameter beside the packed copy instead (a patch of vLLM's, at
-start-up only: :mod:`trainer.generation.vllm_patches`): an update loads into the parameters as on a GPU
-and then rebuilds every packed kernel from them, the tied ``lm_head``'s included, at the thread count the
-engine was built with (:mod:`trainer.generation.vllm_cpu`, which holds what the CPU build needs). An
-engine with a quantization config (FP8, AWQ, ...), on any device, or a layer that still comes without its
-parameter, updates through vLLM's layerwise reload instead, which runs the layers' weight processing again
-(:func:`needs_layerwise_reload`). Either way the prefix cache is reset after every update: it holds
-keys/values computed with the old weights (and the encoder cache, its vision embeddings).
+(q/k/v into ``qkv_proj``, gate/up into ``gate_up_proj``), one tensor at a time as they stream in. Where a
+layer's weight processing at load is not the identity (quantization, an MoE's experts re-laid out for its
+kernels, MLA's derived matrices), an update goes through vLLM's layerwise reload, which runs that
+processing again, as vLLM's own weight-transfer engines do for every update; a dense unquantized model
+loads in place, for less than half the cost, with the same result (:func:`needs_layerwise_reload`). On
+CPU, vLLM packs each linear weight into a oneDNN handle (or, bf16 on AMX CPUs, its own packed layout) and
+would leave an empty parameter behind, so that a plain ``load_weights`` fails. The engine keeps the plain
+parameter beside the packed copy instead (a patch of vLLM's, at start-up and while an update's processing
+runs: :mod:`trainer.generation.vllm_patches`): an update loads into the parameters as on a GPU and then
+rebuilds every packed kernel from them, the tied ``lm_head``'s and the experts' included, at the thread
+count the engine was built with (:mod:`trainer.generation.vllm_cpu`, which holds what the CPU build needs).
+After a level-2 sleep a refit must bring every weight, on either path (:func:`check_every_weight_loaded`).
+Either way the prefix cache is reset after every update: it holds keys/values computed with the old weights
+(and the encoder cache, its vision embeddings).
 
 LoRA (``lora``: ``policy.lora``): the engine starts with ``enable_lora`` (``max_lora_rank`` the smallest vLLM
 rank that holds the adapter, one adapter slot) and serves the base weights with the policy's adapter, which a
@@ -59,12 +62,13 @@ the process that owns the engine, even when it is killed (:mod:`trainer.generati
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import shutil
 import time
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -575,8 +579,12 @@ class VLLMGenerationEngine:
 
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load full tensors with Hugging Face names, streamed: each is loaded as it arrives. An engine
-        asleep wakes its weights only (the KV cache stays asleep until :meth:`wake_up` or :meth:`generate`)."""
+        """Load full tensors with Hugging Face names, streamed: each is loaded as it arrives, then every layer
+        whose weight processing is not the identity processed again (:func:`needs_layerwise_reload`). An
+        engine asleep wakes its weights only (the KV cache stays asleep until :meth:`wake_up` or
+        :meth:`generate`). After a level-2 sleep the refit must bring every weight
+        (:func:`check_every_weight_loaded`); one that did not is an error, and the engine still refuses to
+        generate."""
         worker = self._worker()
         self.wake_up(tags=["weights"])
         from vllm.config import set_current_vllm_config
@@ -586,12 +594,15 @@ class VLLMGenerationEngine:
         # lm_head, which finish_weight_update repacks): expected here, and a line per update otherwise.
         with set_current_vllm_config(worker.vllm_config), quiet(RELOAD_LOGGER):
             model = worker.model_runner.get_model()
-            layerwise = needs_layerwise_reload(model, model_config)
-            begin_weight_update(model, layerwise)
-            loaded = model.load_weights(_cpu_contiguous(named_tensors, self.on_cpu))
-            if self._weights_discarded and not layerwise:
-                check_every_weight_loaded(model, loaded)
-            finish_weight_update(model, model_config, layerwise, self._tied)
+            update = begin_weight_update(model, model_config)
+            with vllm_cpu.weight_processing(model, update.plain):  # layerwise processing runs as layers fill
+                loaded = model.load_weights(_cpu_contiguous(named_tensors, self.on_cpu))
+            # Finished before the checks: a layerwise update left open would leave layers on the meta device.
+            finish_weight_update(update)
+        if self._weights_discarded:
+            check_every_weight_loaded(update.expected, loaded)
+        if update.layerwise:
+            check_whole_layers(update.expected, loaded)
         self._weights_discarded = False
         self._weights_changed()
 
@@ -726,28 +737,95 @@ def _receive_adapter(worker, update_info: dict, path: str, lora: LoRAConfig, bas
 # ----- weight-update steps shared with the gloo receiver ---------------------------------------------
 
 
+@dataclasses.dataclass(frozen=True)
+class WeightUpdate:
+    """One weight update of a model, from :func:`begin_weight_update` to :func:`finish_weight_update`.
+
+    ``layerwise``: through vLLM's layerwise reload (:func:`needs_layerwise_reload`). ``expected``: vLLM's
+    names of the parameters a complete refit loads, as ``load_weights`` reports them
+    (:func:`check_every_weight_loaded`). ``plain``: on CPU, the layers kept their plain weights beside the
+    packed kernels (:func:`trainer.generation.vllm_cpu.weight_processing`)."""
+
+    model: torch.nn.Module
+    model_config: Any
+    layerwise: bool
+    expected: frozenset[str]
+    plain: bool
+
+
 def needs_layerwise_reload(model: torch.nn.Module, model_config) -> bool:
     """Whether a weight update must go through vLLM's layerwise reload, on any device.
 
-    Yes when the engine has a quantization config (``model_config.quantization``: a quantized checkpoint,
-    or online FP8 and the like): its ``process_weights_after_loading`` turned the checkpoint tensors into
-    kernel formats (FP8 with scales, packed int4, transposed layouts), which a plain ``load_weights`` of
-    new checkpoint tensors cannot reach; layerwise reload puts each layer back into checkpoint form, loads
-    it, and runs the processing again, as vLLM's own NCCL weight-transfer engine does for every update.
-    Yes too when a CPU layer kept only its packed weight (:func:`trainer.generation.vllm_cpu.weights_packed`). Otherwise the tensors
-    load in place, which is cheaper.
+    Layerwise reload puts each layer back into checkpoint form, loads it, and runs its weight processing
+    (``process_weights_after_loading``) again, as vLLM's own weight-transfer engines do for every update.
+    A plain ``load_weights`` writes checkpoint tensors into the processed parameters in place, which is
+    right only where processing changed nothing; where it did (FP8 with scales, packed int4, an MoE's
+    experts packed for CPU, shuffled or their halves swapped for FlashInfer/CUTLASS/AITER kernels, MLA's
+    matrices derived from ``kv_b_proj``), the engine would sample from checkpoint-layout bytes with no
+    error. So yes when:
+
+    - the engine has a quantization config (``model_config.quantization``: a quantized checkpoint, or online
+      FP8 and the like);
+    - a CPU layer kept only its packed weight (:func:`trainer.generation.vllm_cpu.weights_packed`);
+    - the platform is neither CUDA nor CPU (XPU's unquantized linear layers may transpose their weights);
+    - some layer's processing is not known to be the identity (:func:`_processing_is_known`): an allow-list,
+      so a layer kind vLLM adds later goes layerwise until someone has read its processing.
+
+    Otherwise (a dense unquantized model: its linear and embedding layers' processing is nothing on CUDA
+    and, on CPU, the packing :func:`finish_weight_update` redoes from the plain weights) the tensors load
+    in place: same weights, at less than half the cost. Measured with the engine's ``update_weights``, both
+    paths alternating, one thread on an AMD EPYC (Zen 4) vCPU, median of 20-30 refits: the tiny model
+    (tiny-v2) 65 ms in place against 142 ms layerwise in float32 (2.2x), 70 against 160 ms in bfloat16
+    (2.3x); a 4-layer, hidden-512 Llama 108 against 278 ms (2.6x). The reload allocates each layer
+    afresh, copies it back into the engine's tensors and packs its CPU kernels twice (its processing,
+    then :func:`~trainer.generation.vllm_cpu.repack_cpu_kernels`), where loading in place writes each
+    tensor once.
     """
-    return getattr(model_config, "quantization", None) is not None or vllm_cpu.weights_packed(model)
+    from vllm.platforms import current_platform
+
+    if getattr(model_config, "quantization", None) is not None or vllm_cpu.weights_packed(model):
+        return True
+    if not (current_platform.is_cuda() or current_platform.is_cpu()):
+        return True
+    return not all(_processing_is_known(module) for module in model.modules())
 
 
-def check_every_weight_loaded(model: torch.nn.Module, loaded: Iterable[str] | None) -> None:
+def _processing_is_known(module: torch.nn.Module) -> bool:
+    """Whether ``module``'s weight processing is the identity, or the CPU packing that
+    :func:`finish_weight_update` redoes: no quantization method or an unquantized linear or embedding one
+    (exactly those classes: a subclass may add processing, as the ROCm router's does), and, for an attention
+    layer, vLLM's plain ``Attention`` whose backend processes nothing (MLA derives its matrices from
+    ``kv_b_proj``; some backends pack). Layers without vLLM processing (norms, rotary tables) are known."""
+    from vllm.model_executor.layers.attention import Attention, is_deferred_attention_layer
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+    from vllm.v1.attention.backend import AttentionImpl
+
+    method = getattr(module, "quant_method", None)
+    if isinstance(method, QuantizeMethodBase) and type(method) not in (
+        UnquantizedLinearMethod,
+        UnquantizedEmbeddingMethod,
+    ):
+        return False
+    if is_deferred_attention_layer(module):
+        impl = getattr(module, "impl", None)
+        return (
+            type(module) is Attention
+            and impl is not None
+            and type(impl).process_weights_after_loading is AttentionImpl.process_weights_after_loading
+        )
+    return True
+
+
+def check_every_weight_loaded(expected: Iterable[str], loaded: Iterable[str] | None) -> None:
     """After a level-2 sleep every parameter's memory is fresh and undefined: a refit that left one out
-    would sample from garbage, so it is an error naming what was not loaded (``loaded``: what vLLM's
-    ``load_weights`` reports, vLLM's parameter names). A tied ``lm_head`` is ``embed_tokens``' parameter,
-    which ``named_parameters`` lists once."""
+    would sample from garbage (layerwise reload puts an unloaded layer's old tensors back, with a warning at
+    most), so it is an error naming what was not loaded. ``expected``: :attr:`WeightUpdate.expected`;
+    ``loaded``: what vLLM's ``load_weights`` reports, vLLM's parameter names."""
     if loaded is None:  # a model whose load_weights reports nothing: nothing to check against
         return
-    missing = sorted({name for name, _ in model.named_parameters()} - set(loaded))
+    missing = sorted(set(expected) - set(loaded))
     if missing:
         shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
         raise RuntimeError(
@@ -756,35 +834,70 @@ def check_every_weight_loaded(model: torch.nn.Module, loaded: Iterable[str] | No
         )
 
 
-def begin_weight_update(model: torch.nn.Module, layerwise: bool) -> None:
-    """``layerwise`` (:func:`needs_layerwise_reload`): put every layer back into loadable (checkpoint-format)
-    state. Otherwise nothing."""
+def check_whole_layers(expected: Iterable[str], loaded: Iterable[str] | None) -> None:
+    """A layerwise update that brought some of a layer's parameters and not the others is an error, asleep
+    or not: layerwise reload processes such a layer with uninitialised memory where the rest would go (its
+    "delayed processing"), where loading in place would have kept the old values. Whole layers left out
+    keep their weights. ``expected`` and ``loaded`` as :func:`check_every_weight_loaded`'s; a parameter
+    that several checkpoint tensors fill (q/k/v into ``qkv_proj``) counts as loaded once any of them came."""
+    if loaded is None:
+        return
+    loaded = set(loaded)
+    layers: dict[str, list[str]] = {}
+    for name in expected:
+        layers.setdefault(name.rpartition(".")[0], []).append(name)
+    partial = sorted(
+        name
+        for names in layers.values()
+        if any(n in loaded for n in names)
+        for name in names
+        if name not in loaded
+    )
+    if partial:
+        shown = ", ".join(partial[:3]) + (f" and {len(partial) - 3} more" if len(partial) > 3 else "")
+        raise RuntimeError(
+            f"refit brought part of a layer and left {len(partial)} of its weight(s) out ({shown}): vLLM's "
+            "layerwise reload filled them with uninitialised memory; send every weight of each layer it "
+            "sends (a policy.freeze pattern must cover whole layers on this engine)"
+        )
+
+
+def begin_weight_update(model: torch.nn.Module, model_config) -> WeightUpdate:
+    """Open an update: decide how it loads (:func:`needs_layerwise_reload`) and, layerwise, put every layer
+    back into loadable (checkpoint-format) state. What a complete refit loads is read here, in that state:
+    checkpoint names, not the processed ones (a quantized layer's scales no checkpoint brings), less the
+    parameters tied to another (a tied ``lm_head``, which the reload gives a copy of its own until it puts
+    the shared one back), which load through the one they share."""
+    layerwise = needs_layerwise_reload(model, model_config)
+    plain = not vllm_cpu.weights_packed(model)  # before the reload puts checkpoint-shaped tensors in place
+    tied_names = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    tied_names -= {name for name, _ in model.named_parameters()}
     if layerwise:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
         initialize_layerwise_reload(model)
+    expected = frozenset({name for name, _ in model.named_parameters()} - tied_names)
+    return WeightUpdate(model, model_config, layerwise, expected, plain)
 
 
-def finish_weight_update(model: torch.nn.Module, model_config, layerwise: bool, tied: bool) -> None:
-    """After the new tensors are loaded: ``layerwise``, process every layer again (quantization, CPU
-    packing); otherwise rebuild what vLLM derived from them on CPU (packed kernels; nothing on GPUs)."""
-    with vllm_cpu.at_pack_threads(model):
-        if not layerwise:
-            vllm_cpu.repack_cpu_kernels(model)
-            return
-        from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+def finish_weight_update(update: WeightUpdate) -> None:
+    """After the new tensors are loaded: layerwise, process the layers left (attention, padded ones) and put
+    back those that received nothing; on CPU then rebuild what vLLM derived from the weights, on either path
+    (packed GEMM kernels; the experts' packing, which vLLM skips on an update: :mod:`trainer.generation.vllm_cpu`).
+    Nothing more on GPUs."""
+    model = update.model
+    with vllm_cpu.weight_processing(model, update.plain):
+        if update.layerwise:
+            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
-        finalize_layerwise_reload(model, model_config)
-        lm_head = getattr(model, "lm_head", None)
-        method = getattr(lm_head, "quant_method", None)
-        # Only the plain embedding method, whose processing is the CPU packing (idempotent; nothing on
-        # GPUs): a quantized lm_head's processing must not run twice over weights already processed.
-        if tied and lm_head is not None and isinstance(method, UnquantizedEmbeddingMethod):
-            # lm_head shares embed_tokens' parameter but keeps its own packed copy for the matmul, which
-            # layerwise reload skips ("ParallelLMHead: Failed to load weights"): without this the logits
-            # silently use the old embedding.
-            method.process_weights_after_loading(lm_head)
+            finalize_layerwise_reload(model, update.model_config)
+        # From the updated plain weights, at the pack thread count. The reload packed them too, but from
+        # tensors it then frees, and a tied lm_head not at all: it shares embed_tokens' parameter but keeps
+        # its own packed copy, and the reload skips it ("ParallelLMHead: Failed to load weights"), so the
+        # logits would silently use the old embedding. A layer that kept only its packed weight (an empty
+        # parameter) is skipped: the reload's processing rebuilt its kernel.
+        vllm_cpu.repack_cpu_kernels(model)
+        vllm_cpu.repack_cpu_experts(model)
 
 
 RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"

@@ -1,7 +1,7 @@
 """kuberl's two monkey-patches, of vLLM and of torch, in one place, each checked against the versions it
 was written for.
 
-- :func:`keep_plain_weights` (vLLM, CPU engines at start-up): vLLM's CPU dispatch
+- :func:`keep_plain_weights` (vLLM, CPU engines at start-up and while a weight update's processing runs): vLLM's CPU dispatch
   (``vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm``) would replace each packed layer's
   weight with an empty parameter; called with ``remove_weight=False`` instead, the layer keeps it, so a
   refit can load into it (:mod:`trainer.generation.vllm_cpu`).

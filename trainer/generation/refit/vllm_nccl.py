@@ -15,15 +15,18 @@ plugin mechanism: the ``vllm.general_plugins`` entry point ``kuberl`` (pyproject
 :func:`register`, which vLLM runs in the engine process and in each worker it starts; it also ties each
 worker to the process that owns the engine (:mod:`trainer.generation.vllm_lifetime`).
 
-Two things the twin does beyond vLLM's base class, both for CPU engines: ``finish_weight_update``
-rebuilds the packed CPU kernels from the new weights, a tied ``lm_head``'s included
-(:func:`~trainer.generation.vllm_engine.finish_weight_update`); and ``update_weights`` synchronizes the
-device only when it has one (vLLM's base class calls ``torch.accelerator.synchronize()``, which raises
-without an accelerator; gloo itself is synchronous).
+An update runs the same steps as the colocated refit's (:func:`~trainer.generation.vllm_engine.begin_weight_update`,
+:func:`~trainer.generation.vllm_engine.finish_weight_update`): vLLM's layerwise reload wherever a layer's weight
+processing is not the identity, as vLLM's NCCL engine does for every update, and in place otherwise. Two
+things the twin does beyond vLLM's base class, both for CPU engines: ``finish_weight_update`` rebuilds the
+packed CPU kernels from the new weights, a tied ``lm_head``'s and the experts' included; and ``update_weights``
+synchronizes the device only when it has one (vLLM's base class calls ``torch.accelerator.synchronize()``,
+which raises without an accelerator; gloo itself is synchronous).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -33,6 +36,7 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine
 from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo
 from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferUpdateInfo
 
+from trainer.generation import vllm_cpu
 from trainer.generation.refit.transport import (
     GLOO_TRANSFER_BACKEND,
     TransferStats,
@@ -44,9 +48,10 @@ from trainer.generation.refit.transport import (
 )
 from trainer.generation.vllm_engine import (
     RELOAD_LOGGER,
+    WeightUpdate,
     begin_weight_update,
+    check_whole_layers,
     finish_weight_update,
-    needs_layerwise_reload,
     quiet,
 )
 
@@ -65,10 +70,9 @@ class GlooWeightTransferEngine(
         self.group = None
         self.rank: int | None = None
         self.buffer_bytes = 0
-        self.layerwise = False
+        self.update: WeightUpdate | None = None  # the update between start_weight_update and finish
+        self.loaded: set[str] = set()  # what its load_weights calls reported
         self.on_cpu = self.device.type == "cpu"
-        hf = self.model_config.hf_config
-        self.tied = bool(getattr(getattr(hf, "text_config", None) or hf, "tie_word_embeddings", False))
 
     def init_transfer_engine(self, init_info: NCCLWeightTransferInitInfo) -> None:
         from trainer.generation.refit.group import WeightSyncGroup
@@ -88,10 +92,9 @@ class GlooWeightTransferEngine(
         )
 
     def start_weight_update(self) -> None:
-        # As vLLM's NCCL engine does for every update where it matters: quantized engines, and CPU layers
-        # that kept only their packed weight, reload layer by layer.
-        self.layerwise = needs_layerwise_reload(self.model, self.model_config)
-        begin_weight_update(self.model, self.layerwise)
+        # Layer by layer wherever processing matters, as vLLM's NCCL engine reloads every update.
+        self.update = begin_weight_update(self.model, self.model_config)
+        self.loaded = set()
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         self.receive_weights(self.parse_update_info(update_info))
@@ -105,15 +108,26 @@ class GlooWeightTransferEngine(
         meta = WeightMeta(
             list(update_info.names), list(update_info.dtype_names), [list(s) for s in update_info.shapes]
         )
-        with quiet(RELOAD_LOGGER):
+        # Layerwise processing runs as each layer fills. No update open: the target is a collector of
+        # adapters (trainer.generation.vllm_engine._receive_adapter), which processes nothing.
+        update = self.update
+        processing = (
+            vllm_cpu.weight_processing(self.model, update.plain) if update else contextlib.nullcontext()
+        )
+        with quiet(RELOAD_LOGGER), processing:
             for chunk in receive_packed(self.group, meta, self.buffer_bytes):
                 if not self.on_cpu:
                     chunk = [(name, t.to(self.device, non_blocking=True)) for name, t in chunk]
-                self.model.load_weights(iter(chunk))
+                self.loaded |= set(self.model.load_weights(iter(chunk)) or ())
 
     def finish_weight_update(self) -> None:
+        update, self.update = self.update, None
+        if update is None:
+            raise RuntimeError("finish_weight_update before start_weight_update")
         with quiet(RELOAD_LOGGER):
-            finish_weight_update(self.model, self.model_config, self.layerwise, self.tied)
+            finish_weight_update(update)
+        if update.layerwise:  # as the colocated refit checks
+            check_whole_layers(update.expected, self.loaded)
 
     def shutdown(self) -> None:
         """vLLM's ``shutdown_weight_transfer_engine``: leave the group in order, with the sender."""

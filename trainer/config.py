@@ -512,6 +512,10 @@ class GenerationConfig:
     top_p: float = 1.0
     top_k: int = -1  # -1: off
     stop_strings: list[str] = field(default_factory=list)
+    # The start-up gate on the engines: the run stops in one line when the mean |engine - policy| logprob of the
+    # sampled tokens exceeds this (nats/token) at the first step, or at the first step sampled by refitted
+    # weights (trainer.loop.grpo.EngineParity). null: report train/gen_logprob_abs_diff only.
+    max_logprob_gap: float | None = 0.1
     # Passed to tokenizer.apply_chat_template, e.g. {enable_thinking: true}.
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     vllm_kwargs: dict[str, Any] = field(
@@ -552,6 +556,10 @@ class GenerationConfig:
 
     def validate(self) -> None:
         _one_of("generation.backend", self.backend, ("hf", "vllm"))
+        _require(
+            self.max_logprob_gap is None or self.max_logprob_gap > 0,
+            f"generation.max_logprob_gap={self.max_logprob_gap} must be > 0 nats/token, or null (no gate)",
+        )
         self.endpoint.validate()
         _require(
             not self.endpoint.enabled or self.placement == "disaggregated",

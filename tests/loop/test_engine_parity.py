@@ -57,3 +57,11 @@ def test_should_wait_for_an_on_policy_batch_when_generation_runs_ahead():
 def test_should_only_report_when_the_gate_is_off():
     gate = EngineParity(None, "tiny")
     gate.check(1, _batch(1, [0]), 9.0)
+
+
+def test_should_wait_for_a_step_that_measured_the_gap_when_a_step_trained_on_no_token(capsys):
+    gate = EngineParity(0.1, "tiny")
+    gate.check(1, _batch(1, [0]), 0.0, tokens=0.0)  # every group skipped: 0 is no measurement
+    assert "self-check" not in capsys.readouterr().out
+    with pytest.raises(GenerationError, match="as the engines loaded"):
+        gate.check(1, _batch(1, [0]), 0.5, tokens=40.0)

@@ -117,7 +117,7 @@ def grpo_step(
 
     train_metrics = policy.train(samples)
     if parity is not None:  # before the new weights reach the engines: the run stops on this step's
-        parity.check(step, batch, train_metrics["gen_logprob_abs_diff"])
+        parity.check(step, batch, train_metrics["gen_logprob_abs_diff"], sum(policy.trained_lengths))
     t4 = time.monotonic()
     push_wait_s, refit_s = stream.push_weights(step)  # async: once the round in flight ends
     t5 = time.monotonic()
@@ -163,8 +163,10 @@ class EngineParity:
         self.bound, self.model = bound, model
         self.pending = {"load", "refit"}
 
-    def check(self, step: int, batch: RolloutBatch, gap: float) -> None:
-        if self.bound is None or not self.pending or any(batch.staleness()):
+    def check(self, step: int, batch: RolloutBatch, gap: float, tokens: float = 1.0) -> None:
+        """``gap``: the mean over the ``tokens`` sampled tokens the step trained on; a step that trained on none
+        (every group skipped) measured nothing, and the check waits for one that did."""
+        if self.bound is None or not self.pending or any(batch.staleness()) or tokens <= 0:
             return
         what = "refit" if min(batch.versions) >= 1 else "load"
         if what not in self.pending:

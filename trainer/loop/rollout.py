@@ -191,7 +191,8 @@ def generate_episodes(
                             r.response_mask += [1] * len(c.token_ids)
                             r.response_logprobs += c.logprobs
                             # The last turn is stepped too: an environment that scores its episodes sees it.
-                            steps[pool.submit(live[row].episode.step, c.raw_text if c.raw_text is not None else c.text)] = row
+                            text = c.raw_text if c.raw_text is not None else c.text  # tool markers kept
+                            steps[pool.submit(live[row].episode.step, text)] = row
                             cohort.waiting.add(row)
                             live[row].cohort = cohort
                     cohorts[cohort.key] = cohort

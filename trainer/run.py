@@ -297,7 +297,12 @@ class TrainState:
         )
         self.progress = Progress(step=0, loader_state=self.loader.state_dict())
 
-        self.policy.wait_ready()
+        from trainer.policy.forward import HeadCheckError
+
+        try:
+            self.policy.wait_ready()
+        except HeadCheckError as e:  # Ray's error is also the rank's own: its line, not a traceback
+            raise SetupError(f"model={cfg.model.name}: {getattr(e, 'cause', e)}") from None
         self.generator = make_generator(cfg, self.model_path, self.policy)
         if self.driver is not None:
             from trainer.generation.endpoint import EndpointError, read_token

@@ -195,7 +195,9 @@ FAMILIES["qwen3-moe"] = FAMILIES["qwen3"]  # the same tokenizer and template as 
 
 def build_tokenizer(family: Family):
     """A ``PreTrainedTokenizerFast``: one token per printable character, the family's special and added
-    tokens, its BOS, EOS and template."""
+    tokens, its BOS, EOS and template. The turn markers are special added tokens only, not named among
+    ``additional_special_tokens``: as in Gemma's tokenizer converted from GGUF, where ``all_special_ids`` holds
+    just BOS, EOS, PAD, UNK and MASK."""
     from tokenizers import AddedToken as RawAddedToken
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -213,6 +215,5 @@ def build_tokenizer(family: Family):
         unk_token="<unk>",
         bos_token=family.bos or family.eos,
         eos_token=family.eos,
-        additional_special_tokens=[t for t in family.specials if t not in (family.bos, family.eos)],
         chat_template=family.template,
     )

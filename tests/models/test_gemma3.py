@@ -73,3 +73,18 @@ def test_should_continue_a_sentence_and_read_a_paragraph_as_llama_cpp_does(gemma
         ).item()
     assert abs(nll - 2.448) < 0.1, nll  # llama.cpp's NLL of the same tokens from the same file
     assert bare > nll + 1.5, (bare, nll)  # the trap: without <bos> it reads English far worse
+
+
+def test_should_end_a_turn_with_one_end_of_turn_when_the_model_wrote_it(gemma):
+    tok, _ = gemma
+    from trainer.data.prompts import TurnEncoder
+
+    turns = TurnEncoder(tok, {}, None)
+    assert "end of turn '<end_of_turn>'" in turns.self_check()  # not among the tokenizer's all_special_ids
+    end_of_turn = tok.convert_tokens_to_ids("<end_of_turn>")
+    sampled = tok("5", add_special_tokens=False)["input_ids"] + [end_of_turn]
+    glue = turns.continuation([{"role": "user", "content": "2 + 3 ="}], "And 4 + 4?", sampled)
+    assert (
+        tok.decode(sampled + glue)
+        == "5<end_of_turn>\n<start_of_turn>user\nAnd 4 + 4?<end_of_turn>\n<start_of_turn>model\n"
+    )

@@ -92,6 +92,7 @@ class TurnEncoder:
     ):
         self.tokenizer, self.kwargs = tokenizer, _with_tools(chat_template_kwargs, tools)
         self._tool_role: bool | None = None  # whether the template renders role "tool" (probed once)
+        self._special_ids = special_ids(tokenizer)
         self._specials = sorted(
             {str(t) for t in [*tokenizer.all_special_tokens, *_added_special_tokens(tokenizer)] if str(t)},
             key=len,
@@ -143,7 +144,7 @@ class TurnEncoder:
             )
         glue = whole[whole.index(_PLACEHOLDER) + len(_PLACEHOLDER) :]
         ids = self._tokenize_glue(glue, turn, after)
-        if sampled and ids and sampled[-1] == ids[0] and ids[0] in self.tokenizer.all_special_ids:
+        if sampled and ids and sampled[-1] == ids[0] and ids[0] in self._special_ids:
             ids = ids[1:]  # the model already wrote the end-of-turn token
         return ids
 
@@ -226,7 +227,7 @@ class TurnEncoder:
             )
         ending = closed[closed.rindex(answer) + len(answer) :]
         end_ids = tok(ending, add_special_tokens=False)["input_ids"][:1]
-        end = end_ids[0] if end_ids and end_ids[0] in tok.all_special_ids else None
+        end = end_ids[0] if end_ids and end_ids[0] in self._special_ids else None
         sampled = tok(answer, add_special_tokens=False)["input_ids"] + ([end] if end is not None else [])
         glue_ended = self.continuation(messages, feedback, sampled)
         expected = tok(whole, add_special_tokens=False)["input_ids"]
@@ -263,6 +264,13 @@ class TurnEncoder:
 
 class TemplateGlueError(ValueError):
     """The chat template cannot glue an environment's answer after a model turn exactly (the message says why)."""
+
+
+def special_ids(tokenizer) -> set[int]:
+    """The ids of every special token: the named ones and the added tokens marked special (a family's turn
+    markers: Gemma's ``<end_of_turn>`` is one of the latter only, not among ``all_special_ids``)."""
+    decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    return set(tokenizer.all_special_ids) | {i for i, t in decoder.items() if getattr(t, "special", False)}
 
 
 def _added_special_tokens(tokenizer) -> list[str]:

@@ -75,7 +75,11 @@ def check_token_exact(rollout, calls, turns: TurnEncoder, expected_messages):
         pos = end
         if pos == len(full):
             break
-        glue = turns.continuation(rollout.example["messages"], expected_messages(match.text), match.token_ids)
+        glue = turns.continuation(
+            rollout.example["messages"],
+            expected_messages(match.raw_text if match.raw_text is not None else match.text),
+            match.token_ids,
+        )
         assert full[pos : pos + len(glue)] == glue, "the environment's tokens are not its messages' glue"
         assert mask[pos : pos + len(glue)] == [0] * len(glue) and set(logprobs[pos : pos + len(glue)]) <= {
             0.0

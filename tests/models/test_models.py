@@ -103,7 +103,7 @@ def test_tiny_params_in_the_name(tmp_path):
     ("name", "match"),
     [
         ("builtin:huge", "builtin models: tiny"),
-        ("embedded:gpt-9", "embedded models: smollm2-135m-instruct"),
+        ("embedded:gpt-9", "embedded models: gemma3-270m, smollm2-135m-instruct"),
         ("builtin:tiny?depth=3", "unknown parameter 'depth'"),
         ("builtin:tiny?seed=x", "seed must be an integer"),
     ],

@@ -49,7 +49,7 @@ def resolve_model(name: str, cache_dir: str | os.PathLike | None = None, key: st
             raise ModelNotFoundError(
                 f"unknown model {name!r}; embedded models: {', '.join(sorted(EMBEDDED))}"
             )
-        from trainer.models import embedded
+        import trainer.models.embedded as embedded
 
         if rest == "gemma3-270m":
             chunks, sha256 = embedded.find_gemma3_chunks()  # fails early when the packages are missing

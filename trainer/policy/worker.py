@@ -273,6 +273,9 @@ class PolicyWorker:
         batch = self._batch([Sample(prompt_ids=ids[:1], response_ids=ids[1:])], prefix=False)
         line = forward.check_head(self.model, batch, self.device, self.attention, cfg.generation.temperature,
                                   compute, unchecked=cfg.policy.unchecked_head)  # fmt: skip
+        # Its forwards ran without a backward: with reshard_after_forward=false the root (and every unit) would
+        # stay gathered, and the first training forward would reuse those weights past the optimizer's step.
+        self._reshard()
         if self.rank == 0:
             print(f"kuberl: {line}", flush=True)
         return line

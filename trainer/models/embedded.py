@@ -61,9 +61,7 @@ def find_smollm2_gguf() -> Path:
 
 def convert_smollm2(gguf: Path, out_dir: str) -> str:
     """Write a float32 HF directory (safetensors, config, generation config, tokenizer) for ``gguf``."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     print(f"kuberl: converting {gguf.name} to a float32 HF model in {out_dir} (once)", flush=True)
     src, name = str(gguf.parent), gguf.name
@@ -81,18 +79,29 @@ def convert_smollm2(gguf: Path, out_dir: str) -> str:
     config = AutoConfig.from_pretrained(src, gguf_file=name)
     config.pad_token_id = tokenizer.pad_token_id
     config.eos_token_id = tokenizer.eos_token_id
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    tensors = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=model)["tensors"]
-    result = model.load_state_dict({k: v.to(torch.float32) for k, v in tensors.items()}, strict=False)
-    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
-    if set(result.missing_keys) - tied or result.unexpected_keys:
-        raise RuntimeError(f"GGUF {gguf} does not match {type(model).__name__}: {result}")
+    model = load_gguf_model(gguf, config)
     model.generation_config = GenerationConfig(
         bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
     )
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     return out_dir
+
+
+def load_gguf_model(gguf: Path, config):
+    """A float32 model of ``config`` holding the GGUF's weights, dequantised (every weight loaded; a tied head
+    is the embeddings)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    tensors = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=model)["tensors"]
+    result = model.load_state_dict({k: v.to(torch.float32) for k, v in tensors.items()}, strict=False)
+    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    if set(result.missing_keys) - tied or result.unexpected_keys:
+        raise RuntimeError(f"GGUF {gguf} does not match {type(model).__name__}: {result}")
+    return model
 
 
 # Gemma's turn format, written here for the base model (its GGUF has no template): <bos> once, user and model
@@ -161,9 +170,7 @@ def assemble_gemma3(chunks: list[Path], sha256: str, out: Path) -> Path:
 def convert_gemma3(chunks: list[Path], sha256: str, out_dir: str) -> str:
     """Write a float32 HF directory for the base Gemma 3 270M: the GGUF's weights and tokenizer, with <bos>
     added to every encoding, Gemma's turn format as the chat template, and <end_of_turn> ending generation."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     print(
         f"kuberl: converting Gemma 3 270M (GGUF, Q4_K_M) to a float32 HF model in {out_dir} (once)",
@@ -176,12 +183,7 @@ def convert_gemma3(chunks: list[Path], sha256: str, out_dir: str) -> str:
         tokenizer.add_bos_token = True  # the file says add_bos_token; transformers' GGUF tokenizer drops it
         tokenizer.chat_template = GEMMA3_CHAT_TEMPLATE
         config = AutoConfig.from_pretrained(src, gguf_file=name)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        tensors = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=model)["tensors"]
-        result = model.load_state_dict({k: v.to(torch.float32) for k, v in tensors.items()}, strict=False)
-        tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
-        if set(result.missing_keys) - tied or result.unexpected_keys:
-            raise RuntimeError(f"GGUF {gguf} does not match {type(model).__name__}: {result}")
+        model = load_gguf_model(gguf, config)
         end_of_turn = tokenizer.convert_tokens_to_ids("<end_of_turn>")
         model.generation_config = GenerationConfig(
             bos_token_id=tokenizer.bos_token_id,

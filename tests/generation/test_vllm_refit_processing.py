@@ -90,7 +90,7 @@ def moe_engine(moe_path):
 
 
 @pytest.fixture(scope="module")
-def dense_engine(tiny_model_path):
+def dense_engine(tiny_model_path, moe_engine):  # after the MoE engine: vLLM's EP group comes with the first
     engine = _engine(tiny_model_path)
     yield engine
     engine.shutdown()
@@ -164,6 +164,41 @@ def test_should_sample_from_the_new_weights_when_a_cpu_moe_engine_is_refit_in_pl
     assert _gap(moe_engine, reference) < TOL
 
 
+def test_should_pack_every_engine_of_a_process_at_one_thread_count(
+    moe_engine, dense_engine, moe_path, tiny_model_path
+):
+    """vLLM's oneDNN primitives are cached process-wide by shape (:func:`trainer.generation.vllm_cpu.pack_threads`):
+    an engine packed at another thread count than one that already ran the same shapes (the dense model's
+    ``qkv_proj`` is the MoE's, 192x64) ran on the other's primitives, 0.26 nats off under AVX2 kernels."""
+    from trainer.generation import vllm_cpu
+
+    assert _gap(moe_engine, _reference(moe_path)) < TOL  # the first engine has run its shapes
+    counts = {
+        getattr(engine._worker().model_runner.get_model(), vllm_cpu.PACK_THREADS_ATTR)
+        for engine in (moe_engine, dense_engine)
+    }
+    assert counts == {vllm_cpu._process_pack_threads}
+    assert _gap(dense_engine, _reference(tiny_model_path)) < TOL
+
+
+def test_should_build_a_later_engine_at_the_first_ones_count_and_give_the_callers_back(monkeypatch):
+    from trainer.generation import vllm_cpu
+
+    monkeypatch.setattr(vllm_cpu, "_process_pack_threads", None)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        with vllm_cpu.pack_threads() as first:
+            assert first == 2
+        assert vllm_cpu._process_pack_threads == 2
+        torch.set_num_threads(1)
+        with vllm_cpu.pack_threads() as later:
+            assert (later, torch.get_num_threads()) == (2, 2)
+        assert (torch.get_num_threads(), vllm_cpu._process_pack_threads) == (1, 2)
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize(
     ("which", "left_out", "named"),
     [
@@ -218,3 +253,23 @@ def test_should_refuse_a_layerwise_refit_that_sent_part_of_a_layer_when_awake(mo
     # A whole layer left out keeps its weights, as loading in place would.
     moe_engine.update_weights((n, t) for n, t in weights.items() if n != "model.norm.weight")
     assert _gap(moe_engine, reference) < TOL
+
+
+def test_should_say_in_one_line_that_a_moe_engine_cannot_follow_a_dense_one_in_a_process(
+    monkeypatch, tiny_model_path
+):
+    """vLLM makes its parallel groups with a process's first engine; built after a dense one, a MoE engine
+    failed on a bare assertion deep in its model load (seen running this module's dense tests first)."""
+    import vllm
+
+    def dense_first(**kwargs):
+        raise AssertionError(
+            "expert parallel group is not initialized. EP group is only created for MoE models with "
+            "num_experts > 0. This function should only be called for MoE models."
+        )
+
+    monkeypatch.setattr(vllm, "LLM", dense_first)
+    with pytest.raises(
+        RuntimeError, match=r"^vLLM cannot build the mixture-of-experts model .* whose first vLLM engine was dense"
+    ):
+        _engine(tiny_model_path)

@@ -29,6 +29,9 @@ from trainer.generation import vllm_patches
 # Where the engine notes, on its model, the torch thread count its CPU kernels were packed at (module
 # docstring; the measurement that found it is in bench/README.md, "vLLM on CPU").
 PACK_THREADS_ATTR = "kuberl_pack_threads"
+# The thread count the first CPU engine of this process packed its kernels at: every later engine packs at
+# it too (:func:`pack_threads`).
+_process_pack_threads: int | None = None
 # KV cache on CPU, GiB, unless VLLM_CPU_KVCACHE_SPACE is set: 1 GiB holds 1M tokens of the tiny model and
 # 45k of SmolLM2-135M in float32, far more than a GRPO batch needs.
 CPU_KV_CACHE_GIB = 1
@@ -108,6 +111,30 @@ def at_pack_threads(model: torch.nn.Module):
     try:
         yield
     finally:
+        torch.set_num_threads(before)
+
+
+@contextlib.contextmanager
+def pack_threads():
+    """Torch at the thread count this process's CPU kernels are packed at while an engine builds, and that
+    count noted for the rest of the process (yields it).
+
+    vLLM's oneDNN GEMM keeps one process-wide cache of matmul primitives, keyed by the shapes and not by the
+    layout the weight was packed in, and under AVX2 that layout depends on the thread count at packing. A
+    second engine packed at another count than the first then runs its same-shaped layers through the first
+    one's primitives, on weights it packed differently: builtin:tiny's ``qkv_proj`` (192x64, as a tiny
+    Qwen3-MoE's) gave 0.26 nats from transformers, every time, built at 1 thread after an engine built at 2
+    had run (``ONEDNN_MAX_CPU_ISA=AVX2``; exact with AVX-512 kernels, and exact at one count). So the first
+    engine's count holds for every engine of the process; the engine runs at its own count afterwards."""
+    global _process_pack_threads
+    before = torch.get_num_threads()
+    if _process_pack_threads is not None:
+        torch.set_num_threads(_process_pack_threads)
+    try:
+        yield torch.get_num_threads()
+    finally:
+        if _process_pack_threads is None:
+            _process_pack_threads = torch.get_num_threads()
         torch.set_num_threads(before)
 
 

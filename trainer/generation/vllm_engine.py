@@ -120,6 +120,15 @@ def engines_started() -> int:
     return _engines_started
 
 
+# vLLM makes its parallel groups once per process, with the first engine, and the expert-parallel group only
+# for a mixture-of-experts model: a later MoE engine finds none and fails on an assertion deep in its load.
+EXPERTS_AFTER_DENSE = (
+    "vLLM cannot build the mixture-of-experts model {model} in a process whose first vLLM engine was dense: "
+    "vLLM made its parallel groups then, without the expert-parallel one; start the MoE engine in a process "
+    "of its own, or before the dense one"
+)
+
+
 def head_dim_of(model_path: str) -> int | None:
     """The attention head dimension of the model at ``model_path`` (read from its config), if it says."""
     from transformers import AutoConfig
@@ -358,27 +367,34 @@ class VLLMGenerationEngine:
         # read by vLLM's "threads for serving" step; tensor-parallel workers (spawned) split the cores
         os.environ["OMP_NUM_THREADS"] = str(max(1, want // max(1, gen.tensor_parallel_size)))
         t0 = time.monotonic()
-        try:
-            with (
-                vllm_patches.keep_plain_weights(self.on_cpu),
-                vllm_lifetime.temporary_files_in(private),
-            ):
-                self._llm = LLM(**kwargs)
-            vllm_lifetime.note_stores(private)  # its workers' shared memory is named after them
-            worker = getattr(self.llm.llm_engine.model_executor, "driver_worker", None)
-            if self.on_cpu and worker is not None:
-                # vLLM's no-op set_num_threads kept torch's count through the build: the kernels' count
-                setattr(
-                    worker.worker.model_runner.get_model(),
-                    vllm_cpu.PACK_THREADS_ATTR,
-                    torch.get_num_threads(),
-                )
-        finally:
-            torch.set_num_threads = set_num_threads
-            if omp is None:
-                os.environ.pop("OMP_NUM_THREADS", None)
-            else:
-                os.environ["OMP_NUM_THREADS"] = omp
+        # every CPU engine of the process packs at one thread count (vllm_cpu.pack_threads)
+        with vllm_cpu.pack_threads() if self.on_cpu else contextlib.nullcontext():
+            try:
+                with (
+                    vllm_patches.keep_plain_weights(self.on_cpu),
+                    vllm_lifetime.temporary_files_in(private),
+                ):
+                    try:
+                        self._llm = LLM(**kwargs)
+                    except AssertionError as e:
+                        if "expert parallel group is not initialized" not in str(e):
+                            raise
+                        raise RuntimeError(EXPERTS_AFTER_DENSE.format(model=model_path)) from None
+                vllm_lifetime.note_stores(private)  # its workers' shared memory is named after them
+                worker = getattr(self.llm.llm_engine.model_executor, "driver_worker", None)
+                if self.on_cpu and worker is not None:
+                    # vLLM's no-op set_num_threads kept torch's count through the build: the kernels' count
+                    setattr(
+                        worker.worker.model_runner.get_model(),
+                        vllm_cpu.PACK_THREADS_ATTR,
+                        torch.get_num_threads(),
+                    )
+            finally:
+                torch.set_num_threads = set_num_threads
+                if omp is None:
+                    os.environ.pop("OMP_NUM_THREADS", None)
+                else:
+                    os.environ["OMP_NUM_THREADS"] = omp
         torch.set_num_threads(want)
         self.tokenizer = self.llm.get_tokenizer()
         self._tied = bool(getattr(self._hf_text_config(), "tie_word_embeddings", False))

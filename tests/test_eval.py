@@ -270,6 +270,8 @@ def test_should_score_arithmetic_with_its_own_reward_when_no_reward_is_given():
         (["model=m", "data=arithmetic", "reward=nope"], "reward: unknown reward 'nope'; registered:"),
         (["data=arithmetic"], "model= is required"),
         (["model=m", "data=arithmetic", "oops"], "'oops' is not key=value"),
+        (["model=m", "data=arithmetic", "stop_strings=\\n"], "stop_strings='\\\\n' must be a YAML list"),
+        (["model=m", "data=arithmetic", "few_shot=[{question: 1+1}]"], "data.few_shot[0]={'question': '1+1'} must"),
     ],
 )
 def test_bad_input_is_one_line(argv, expected, capsys):
@@ -369,3 +371,19 @@ def test_make_eval_with_the_tiny_model(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
     check_run(proc.stdout, tmp_path, "builtin:tiny")
+
+
+def test_should_read_stop_strings_and_few_shot_turns_as_yaml_into_the_prompt_and_sampling():
+    from trainer.data.common import build_messages
+    from trainer.eval import data_config, parse_args
+
+    args = parse_args(
+        ["model=m", "data=arithmetic", 'stop_strings=["\\n", "Q:"]', "few_shot=[{question: 2+3, answer: 5}]"]
+    )
+    assert args.stop_strings == ["\n", "Q:"]
+    cfg, _ = data_config(args)
+    assert build_messages(cfg, "1+1")[-3:] == [
+        {"role": "user", "content": "2+3"},
+        {"role": "assistant", "content": "5"},
+        {"role": "user", "content": "1+1"},
+    ]

@@ -122,11 +122,22 @@ class DataConfig:
     answer_key: str = "answer"
     system_prompt: str | None = None
     prompt_template: str = "{question}"  # {question}: the prompt_key column; {{ }}: literal braces
+    # Worked examples as earlier turns of the conversation, each {question, answer}: a user turn (the
+    # prompt_template on its question) and the assistant's answer, after the system prompt
+    few_shot: list[dict[str, str]] = field(default_factory=list)
     max_examples: int | None = None  # null: all
     max_val_examples: int | None = 64
     shuffle: bool = True
     seed: int = field(default=42, metadata={COMPOSED: "${seed}"})  # composed: the root seed
     options: dict[str, Any] = field(default_factory=dict)  # the dataset's own options (trainer/data)
+
+    def validate(self) -> None:
+        for i, shot in enumerate(self.few_shot):
+            _require(
+                set(shot) == {"question", "answer"} and all(isinstance(v, str) and v for v in shot.values()),
+                f"data.few_shot[{i}]={dict(shot)!r} must be {{question: ..., answer: ...}}, both non-empty "
+                "strings (the user turn's question and the assistant's answer)",
+            )
 
 
 @dataclass
@@ -1030,6 +1041,7 @@ class Config(_Resolved):
         """Every section's own checks, then those across sections; changes nothing."""
         self.grpo.validate()
         self.model.validate()
+        self.data.validate()
         self.policy.validate()
         self.generation.validate()
         self.cluster.validate()
@@ -1173,9 +1185,10 @@ def _validate_verifiers(c: Config) -> None:
     )
     _require(data == "verifiers", f"{key}: its dataset is the run's prompts; set data.name=verifiers")
     _require(
-        c.data.system_prompt is None and c.data.prompt_template == "{question}",
-        f"{key} sends its own prompt messages: unset data.system_prompt and data.prompt_template (null and "
-        "'{question}'), or pass the environment its own system prompt in env.verifiers.args",
+        c.data.system_prompt is None and c.data.prompt_template == "{question}" and not c.data.few_shot,
+        f"{key} sends its own prompt messages: unset data.system_prompt, data.prompt_template and "
+        "data.few_shot (null, '{question}' and []), or pass the environment its own system prompt in "
+        "env.verifiers.args",
     )
     _require(
         c.env.environment is None and c.grpo.max_rollout_turns == 1,

@@ -53,11 +53,11 @@ USAGE = """usage: python -m trainer.eval model=PATH_OR_HF_ID data=DATASET [key=v
   data_path=              a local .jsonl/.parquet file or directory instead of the hub (required for local)
   split=                  dataset split (default: test; train for openmathinstruct2)
   reward=                 reward name or module:function (default: the dataset's)
-  k=1 num_tests_per_prompt=1 temperature=0.0 top_p=1.0 top_k=-1 seed=42 max_new_tokens=8192
+  k=1 num_tests_per_prompt=1 temperature=0.0 top_p=1.0 top_k=-1 seed=42 max_new_tokens=8192 stop_strings=[]
   max_examples=           evaluate the first N prompts only
   output=                 directory for eval_<data>.jsonl and eval_<data>_result.json (default results/eval/<model>)
   backend=hf|vllm batch_size=64 dtype=auto|float32|bfloat16 tokenizer= log_every=
-  prompt_template= system_prompt= prompt_key= answer_key= options.KEY=VALUE   dataset settings"""
+  prompt_template= system_prompt= few_shot= prompt_key= answer_key= options.KEY=VALUE   dataset settings"""
 
 
 class EvalError(Exception):
@@ -201,6 +201,7 @@ class EvalArgs:
     top_k: int = -1
     seed: int = 42
     max_new_tokens: int = 8192
+    stop_strings: list[str] = dataclasses.field(default_factory=list)  # a YAML list: 'stop_strings=["\n"]'
     max_examples: int | None = None
     output: str | None = None
     backend: str = "hf"
@@ -213,6 +214,7 @@ class EvalArgs:
     gpu_memory_utilization: float = 0.8
     prompt_template: str | None = None
     system_prompt: str | None = None
+    few_shot: list[dict[str, str]] | None = None  # a YAML list: 'few_shot=[{question: 2 + 3, answer: "5"}]'
     prompt_key: str | None = None
     answer_key: str | None = None
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -277,8 +279,29 @@ def parse_args(argv: list[str]) -> EvalArgs:
 
 
 def _coerce(key: str, text: str, hint: Any) -> Any:
+    if typing.get_origin(hint) is list:
+        import yaml
+
+        try:
+            value = yaml.safe_load(text) if text else []
+        except yaml.YAMLError:
+            value = None
+        (item,) = typing.get_args(hint)
+        if item is str:
+            ok = isinstance(value, list) and all(isinstance(v, str) and v for v in value)
+            example = '["\\n"]'
+        else:  # few_shot: mappings (DataConfig.validate checks their keys)
+            ok = isinstance(value, list) and all(isinstance(v, dict) for v in value)
+            example = '[{question: 2 + 3, answer: "5"}]'
+        if not ok:
+            raise EvalError(f"{key}={text!r} must be a YAML list, e.g. {key}='{example}'")
+        if item is not str:
+            value = [{k: str(v) for k, v in shot.items()} for shot in value]
+        return value
     args = [a for a in typing.get_args(hint) if a is not type(None)]
-    if args:  # X | None
+    if len(args) == 1 and typing.get_origin(args[0]) is list:  # list | None
+        return None if text.lower() in ("null", "none") else _coerce(key, text, args[0])
+    if args and typing.get_origin(hint) is not list:  # X | None
         if text.lower() in ("", "null", "none"):
             return None
         hint = args[0]
@@ -309,7 +332,7 @@ def data_config(args: EvalArgs) -> tuple[DataConfig, str]:
     # The training templates, so eval prompts match training prompts; ${seed} interpolations are ours.
     values = {k: v for k, v in (base or {}).items() if k in fields and not (isinstance(v, str) and "${" in v)}
     values.update(name=args.data, seed=args.seed, shuffle=False, max_examples=args.max_examples)
-    for key in ("prompt_template", "system_prompt", "prompt_key", "answer_key"):
+    for key in ("prompt_template", "system_prompt", "few_shot", "prompt_key", "answer_key"):
         if getattr(args, key) is not None:
             values[key] = getattr(args, key)
     if args.options:
@@ -323,7 +346,12 @@ def data_config(args: EvalArgs) -> tuple[DataConfig, str]:
     elif args.data == "local":
         raise EvalError("data=local needs data_path=FILE (.jsonl/.parquet with question and answer columns)")
     split = args.split or DEFAULT_SPLIT.get(args.data, "test")
-    return DataConfig(**values), split
+    cfg = DataConfig(**values)
+    try:
+        cfg.validate()
+    except ConfigError as e:
+        raise EvalError(str(e)) from None
+    return cfg, split
 
 
 def reward_specs(args: EvalArgs) -> list[RewardSpec]:
@@ -459,6 +487,7 @@ def _evaluate_and_write(
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
+        stop_strings=list(args.stop_strings),
         seed=args.seed,
     )
     log_every = args.log_every if args.log_every is not None else (1024 if args.backend == "vllm" else 64)

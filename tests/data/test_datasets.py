@@ -69,6 +69,23 @@ def test_messages_with_system_prompt_and_template():
     assert build_messages(cfg(), "1+1?") == [{"role": "user", "content": "1+1?"}]
 
 
+def test_should_put_few_shot_examples_as_earlier_turns_templated_as_the_question():
+    c = cfg(system_prompt="Be brief.", prompt_template="Q: {question}", few_shot=[{"question": "1+1", "answer": "2"}])
+    assert build_messages(c, "2+2") == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Q: 1+1"},
+        {"role": "assistant", "content": "2"},
+        {"role": "user", "content": "Q: 2+2"},
+    ]
+
+
+def test_should_refuse_a_few_shot_example_without_its_answer_in_one_line():
+    from trainer.config import ConfigError, DataConfig
+
+    with pytest.raises(ConfigError, match=r"^data\.few_shot\[1\]=\{'question': '2\+2'\} must be \{question: \.\.\., answer"):
+        DataConfig(few_shot=[{"question": "1+1", "answer": "2"}, {"question": "2+2"}]).validate()
+
+
 def test_question_with_braces_is_not_formatted_again():
     assert (
         user({"messages": build_messages(cfg(), "Simplify $\\frac{2}{4}$ {x}")})

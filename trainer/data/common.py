@@ -7,8 +7,8 @@ one row into a question and a ground truth; :func:`load_table_examples` does the
    file is the split), a local directory laid out like a hub repository (``test.jsonl``,
    ``main/train-00000-of-00001.parquet``, ...), or the hub;
 2. optionally shuffle with ``cfg.seed`` and keep the first ``cfg.max_examples`` rows;
-3. build chat messages: ``cfg.system_prompt`` as a system message, then
-   ``cfg.prompt_template.format(question=...)`` as the user message.
+3. build chat messages: ``cfg.system_prompt`` as a system message, ``cfg.few_shot``'s worked examples as
+   earlier user and assistant turns, then ``cfg.prompt_template.format(question=...)`` as the user message.
 
 Large hub tables (OpenMathInstruct-2 has 14M rows) can be streamed so that only the rows used are
 downloaded; a streamed shuffle draws from a buffer of ``options.shuffle_buffer`` rows, not the whole table.
@@ -27,19 +27,27 @@ _FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
 
 def build_messages(cfg: Any, question: str) -> list[dict[str, str]]:
-    """The prompt's chat messages: an optional system message, then the templated question."""
+    """The prompt's chat messages: an optional system message, the worked examples of ``cfg.few_shot`` as
+    earlier turns (each question templated as the real one is, then its answer from the assistant: few-shot
+    prompting in the model's own turn format, which a base model given the examples inside one user turn
+    does not follow), then the templated question."""
     template = cfg.prompt_template or "{question}"
     if "{question}" not in template:
         raise ValueError(f"data.prompt_template {template!r} must contain '{{question}}'")
-    try:
-        user = template.format(question=question)
-    except (KeyError, IndexError, ValueError) as e:
-        raise ValueError(
-            f"data.prompt_template {template!r} cannot be formatted ({e!r}); "
-            "the only field is {question}, write literal braces as {{ and }}"
-        ) from None
+
+    def user(text: str) -> dict[str, str]:
+        try:
+            return {"role": "user", "content": template.format(question=text)}
+        except (KeyError, IndexError, ValueError) as e:
+            raise ValueError(
+                f"data.prompt_template {template!r} cannot be formatted ({e!r}); "
+                "the only field is {question}, write literal braces as {{ and }}"
+            ) from None
+
     messages = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
-    return messages + [{"role": "user", "content": user}]
+    for shot in getattr(cfg, "few_shot", None) or ():
+        messages += [user(shot["question"]), {"role": "assistant", "content": shot["answer"]}]
+    return messages + [user(question)]
 
 
 def make_example(cfg: Any, dataset: str, id: str, question: str, ground_truth: Any) -> Example:

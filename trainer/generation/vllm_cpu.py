@@ -32,8 +32,9 @@ PACK_THREADS_ATTR = "kuberl_pack_threads"
 # The thread count the first CPU engine of this process packed its kernels at: every later engine packs at
 # it too (:func:`pack_threads`).
 _process_pack_threads: int | None = None
-# KV cache on CPU, GiB, unless VLLM_CPU_KVCACHE_SPACE is set: 1 GiB holds 1M tokens of the tiny model and
-# 45k of SmolLM2-135M in float32, far more than a GRPO batch needs.
+# KV cache on CPU, GiB, unless VLLM_CPU_KVCACHE_SPACE is set or generation.vllm_kwargs.kv_cache_memory_bytes
+# says otherwise (:func:`kv_cache_kwargs`): 1 GiB holds 1M tokens of the tiny model and 45k of SmolLM2-135M in
+# float32, far more than a GRPO batch needs.
 CPU_KV_CACHE_GIB = 1
 
 
@@ -42,7 +43,6 @@ def environment(cache_root: str) -> None:
     mode is fixed at construction; setdefault keeps what an operator set), its ``VLLM_CACHE_ROOT`` the
     engine's own directory (:func:`trainer.generation.vllm_lifetime.private_dir`), which it removes at
     shutdown."""
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(CPU_KV_CACHE_GIB))
     # A core list only takes effect in vLLM's multiprocess executor (it sets OMP variables for the workers
     # it spawns); in-process the engine uses this process's threads, which Ray or the policy worker
     # already placed, so binding is left to them.
@@ -50,6 +50,15 @@ def environment(cache_root: str) -> None:
     os.environ["VLLM_CACHE_ROOT"] = cache_root  # compile caches: per engine
     if modelinfos := shared_modelinfo_dir():  # vLLM writes each file atomically: engines may share it
         os.symlink(modelinfos, os.path.join(cache_root, "modelinfos"))
+
+
+def kv_cache_kwargs() -> dict:
+    """The KV cache's size for ``vllm.LLM`` on CPU: ``CPU_KV_CACHE_GIB`` as ``kv_cache_memory_bytes``, which
+    ``generation.vllm_kwargs`` may override in bytes (a size under a GiB: vLLM's own
+    ``VLLM_CPU_KVCACHE_SPACE`` takes whole GiB, and wins over both when an operator sets it)."""
+    if os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+        return {}
+    return {"kv_cache_memory_bytes": CPU_KV_CACHE_GIB * 2**30}
 
 
 def shared_modelinfo_dir() -> str | None:

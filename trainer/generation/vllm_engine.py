@@ -233,6 +233,8 @@ def llm_kwargs(
         gpu_memory_utilization=resolve_gpu_memory_utilization(gen, colocated),
         logprobs_mode="processed_logprobs",  # temperature-scaled, as the hf engine (module docstring)
     )
+    if on_cpu:
+        kwargs.update(vllm_cpu.kv_cache_kwargs())
     if sleep_mode(on_cpu, colocated):
         kwargs["enable_sleep_mode"] = True  # sleep frees KV cache and weights between steps
     if weight_transfer:

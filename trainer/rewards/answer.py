@@ -684,6 +684,12 @@ def _terms(form: str) -> list[str]:
     return sorted(t if t[0] in "+-" else "+" + t for t in re.split(r"(?<=.)(?=[-+])", form) if t)
 
 
+def same_expression(a: str, b: str) -> bool:
+    """``a`` and ``b`` are one expression up to form (:func:`_form`) and the order of a sum's terms."""
+    fa, fb = _form(a), _form(b)
+    return fa == fb or _terms(fa) == _terms(fb)
+
+
 _MATH_SPAN = re.compile(r"\$\$(.+?)\$\$|\$(.+?)\$|\\\((.+?)\\\)|\\\[(.+?)\\\]", re.DOTALL)
 
 

@@ -61,6 +61,7 @@ from trainer.rewards.answer import (
     lookalike_digits,
     parse_number,
     restates,
+    same_expression,
     several_values,
     show,
     why_not_a_number,
@@ -437,6 +438,8 @@ def arithmetic_reward(
             return Score(0.0, False, None, final.source)
         value = parse_number(final.answer, fractions=False, decorations=False, plain=True)
         score = _compare_numbers(final, gold, value, question)
+        if score.correct and final.source == "after '='" and (other := another_question(response, question)):
+            return Score(0.0, False, score.answer, f"after '=': {other}")
         if score.correct and final.source != BOXED and unboxed_score != 1.0:
             s = float(unboxed_score)
             return Score(
@@ -446,6 +449,34 @@ def arithmetic_reward(
     except Exception as e:  # a reward never takes a run down
         log.debug("arithmetic reward failed", exc_info=True)
         return Score(0.0, False, None, f"arithmetic reward error: {type(e).__name__}")
+
+
+_EXPRESSION = re.compile(r"[0-9][0-9 \t+\-*/×().]*[0-9)]")  # digits joined by operators, brackets, spaces
+_OPERATION = re.compile(r"[0-9)][ \t]*[-+*/×][ \t]*[-(]*[0-9]")
+
+
+def _expressions(text: str) -> list[str]:
+    """The arithmetic expressions in ``text`` that hold an operation (``13+7``, ``3 - (-2)``), in order."""
+    return [m.group() for m in _EXPRESSION.finditer(text) if _OPERATION.search(m.group())]
+
+
+def another_question(response: Any, question: str | None) -> str | None:
+    """Why a response whose answer closes an equation answers another question, else None: the equation's
+    left side (the line's expression before its first ``=``) is an arithmetic expression other than the
+    one the question asks (its last, up to spacing, brackets and the order of a sum's terms).
+
+    Only the final answer's value was compared before: ``2 - 1 = 1`` was paid for the sum ``0+1``, and a
+    base model trained on one-digit sums learned to write that one line whatever it was asked, right
+    whenever the sum was 1 (experiment cpu-gemma3). The working that leads to the question's value
+    (``13 + 7 = 10 + 10 = 20``) still counts: only the equation's first side is read."""
+    asked = _expressions(question or "")
+    if not asked:
+        return None
+    line = next((ln for ln in reversed(fold(str(response)).splitlines()) if "=" in ln), "")
+    head = _expressions(line.split("=", 1)[0])
+    if not head or same_expression(head[-1], asked[-1]):
+        return None
+    return f"the equation {clip(head[-1].strip(), 30)!r} = ... is not the question's {asked[-1].strip()!r}"
 
 
 # -- format and exact match ----------------------------------------------------------------------

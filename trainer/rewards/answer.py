@@ -685,9 +685,10 @@ def _terms(form: str) -> list[str]:
 
 
 def same_expression(a: str, b: str) -> bool:
-    """``a`` and ``b`` are one expression up to form (:func:`_form`) and the order of a sum's terms."""
-    fa, fb = _form(a), _form(b)
-    return fa == fb or _terms(fa) == _terms(fb)
+    """``a`` and ``b`` are one expression up to spacing, brackets and the order of a sum's terms (not up to
+    a term 0 or a factor 1, as :func:`_form` is: ``+ 2`` is not ``0+2`` written out)."""
+    fa, fb = (re.sub(r"\\?[()\[\]]|\\[{}]", "", _canon(x)) for x in (a, b))
+    return bool(fa) and (fa == fb or _terms(fa) == _terms(fb))
 
 
 _MATH_SPAN = re.compile(r"\$\$(.+?)\$\$|\$(.+?)\$|\\\((.+?)\\\)|\\\[(.+?)\\\]", re.DOTALL)

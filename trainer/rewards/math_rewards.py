@@ -452,6 +452,7 @@ def arithmetic_reward(
 
 
 _EXPRESSION = re.compile(r"[0-9][0-9 \t+\-*/×().]*[0-9)]")  # digits joined by operators, brackets, spaces
+_LEFT_SIDE = re.compile(r"[0-9 \t+\-*/×().]+$")  # the arithmetic an equation's left side ends in
 _OPERATION = re.compile(r"[0-9)][ \t]*[-+*/×][ \t]*[-(]*[0-9]")
 
 
@@ -462,21 +463,22 @@ def _expressions(text: str) -> list[str]:
 
 def another_question(response: Any, question: str | None) -> str | None:
     """Why a response whose answer closes an equation answers another question, else None: the equation's
-    left side (the line's expression before its first ``=``) is an arithmetic expression other than the
-    one the question asks (its last, up to spacing, brackets and the order of a sum's terms).
+    left side ends in arithmetic (digits, operators, brackets: what stands just before the line's first
+    ``=``) that is not the expression the question asks (its last, up to spacing, brackets and the order of
+    a sum's terms).
 
-    Only the final answer's value was compared before: ``2 - 1 = 1`` was paid for the sum ``0+1``, and a
-    base model trained on one-digit sums learned to write that one line whatever it was asked, right
-    whenever the sum was 1 (experiment cpu-gemma3). The working that leads to the question's value
-    (``13 + 7 = 10 + 10 = 20``) still counts: only the equation's first side is read."""
+    Only the final answer's value was compared before, and a base model trained on one-digit sums
+    (experiment cpu-gemma3) learned to write one line whatever it was asked, paid whenever the sum was its
+    value: ``2 - 1 = 1``, then ``+ 2 = 2`` and ``0 = 1``. The working that leads to the question's value
+    (``13 + 7 = 10 + 10 = 20``) still counts, and so does a left side without arithmetic (``x = 20``)."""
     asked = _expressions(question or "")
     if not asked:
         return None
     line = next((ln for ln in reversed(fold(str(response)).splitlines()) if "=" in ln), "")
-    head = _expressions(line.split("=", 1)[0])
-    if not head or same_expression(head[-1], asked[-1]):
+    said = _LEFT_SIDE.search(line.split("=", 1)[0].rstrip())
+    if said is None or not re.search(r"[0-9]", said.group()) or same_expression(said.group(), asked[-1]):
         return None
-    return f"the equation {clip(head[-1].strip(), 30)!r} = ... is not the question's {asked[-1].strip()!r}"
+    return f"the equation {clip(said.group().strip(), 30)!r} = ... is not the question's {asked[-1].strip()!r}"
 
 
 # -- format and exact match ----------------------------------------------------------------------

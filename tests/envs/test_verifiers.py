@@ -117,7 +117,10 @@ VF_RUN = [
         (["grpo.max_rollout_turns=2"], "leave env.environment null and grpo.max_rollout_turns=1"),
         (["grpo.val_period=5"], "set grpo.val_period=0"),
         (["data.system_prompt=be brief"], "unset data.system_prompt, data.prompt_template and data.few_shot"),
-        (["data.few_shot=[{question: '1 + 1', answer: '2'}]"], "unset data.system_prompt, data.prompt_template"),
+        (
+            ["data.few_shot=[{question: '1 + 1', answer: '2'}]"],
+            "unset data.system_prompt, data.prompt_template",
+        ),
         (["env.verifiers.id=null"], "data.name=verifiers takes its prompts from a verifiers environment"),
     ],
 )

@@ -163,11 +163,18 @@ def test_should_size_a_cpu_engines_kv_cache_in_bytes_which_vllm_kwargs_or_vllms_
     """1 GiB by default, as ``kv_cache_memory_bytes`` so that a run can ask for less than vLLM's
     ``VLLM_CPU_KVCACHE_SPACE`` (whole GiB) allows: two Gemma 3 270M ranks on 24 GiB need the room."""
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
-    cpu = llm_kwargs("m", GenerationConfig(backend="vllm"), "float32", 0, 256, on_cpu=True, weight_transfer=False)
+    cpu = llm_kwargs(
+        "m", GenerationConfig(backend="vllm"), "float32", 0, 256, on_cpu=True, weight_transfer=False
+    )
     assert cpu["kv_cache_memory_bytes"] == 2**30
     gen = GenerationConfig(backend="vllm", vllm_kwargs={"kv_cache_memory_bytes": 2**28})
-    assert llm_kwargs("m", gen, "float32", 0, 256, on_cpu=True, weight_transfer=False)["kv_cache_memory_bytes"] == 2**28
-    gpu = llm_kwargs("m", GenerationConfig(backend="vllm"), "bfloat16", 0, 256, on_cpu=False, weight_transfer=False)
+    assert (
+        llm_kwargs("m", gen, "float32", 0, 256, on_cpu=True, weight_transfer=False)["kv_cache_memory_bytes"]
+        == 2**28
+    )
+    gpu = llm_kwargs(
+        "m", GenerationConfig(backend="vllm"), "bfloat16", 0, 256, on_cpu=False, weight_transfer=False
+    )
     assert "kv_cache_memory_bytes" not in gpu  # the GPU's share (gpu_memory_utilization) sizes it there
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")  # vLLM's platform reads it, in GiB
     assert "kv_cache_memory_bytes" not in llm_kwargs(

@@ -270,6 +270,7 @@ def test_should_say_in_one_line_that_a_moe_engine_cannot_follow_a_dense_one_in_a
 
     monkeypatch.setattr(vllm, "LLM", dense_first)
     with pytest.raises(
-        RuntimeError, match=r"^vLLM cannot build the mixture-of-experts model .* whose first vLLM engine was dense"
+        RuntimeError,
+        match=r"^vLLM cannot build the mixture-of-experts model .* whose first vLLM engine was dense",
     ):
         _engine(tiny_model_path)

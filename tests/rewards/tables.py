@@ -284,7 +284,11 @@ ARITHMETIC_ATTACKS = [
     ("2", "02", "a leading zero (tiny's model found it): not how 2 is written"),
     ("20", "\\boxed{+20}", "a plus sign: not how 20 is written"),
     ("20", "<think>\\boxed{20}", "cut off while thinking"),
-    ("20", "10 + 10 = 20", "cpu-gemma3: another equation with the question's value, not the question answered"),
+    (
+        "20",
+        "10 + 10 = 20",
+        "cpu-gemma3: another equation with the question's value, not the question answered",
+    ),
     ("20", "13 + 7 = 20\n2 * 10 = 20", "another equation last"),
     ("20", "+ 7 = 20", "cpu-gemma3: half an equation"),
     ("20", "0 = 20", "cpu-gemma3: a false equation"),

@@ -49,7 +49,11 @@ def _messages(prompt: Any, where: str) -> list[dict[str, str]]:
 def skyrl_gym(cfg: Any, split: str) -> list[Example]:
     if not cfg.path and not cfg.hf_name:
         raise ValueError("dataset 'skyrl_gym' needs data.path (a SkyRL .parquet/.jsonl) or data.hf_name")
-    if cfg.system_prompt or (cfg.prompt_template or "{question}") != "{question}" or getattr(cfg, "few_shot", None):
+    if (
+        cfg.system_prompt
+        or (cfg.prompt_template or "{question}") != "{question}"
+        or getattr(cfg, "few_shot", None)
+    ):
         raise ValueError(
             "dataset 'skyrl_gym' takes each row's prompt messages as they are: unset data.system_prompt, "
             "data.prompt_template and data.few_shot (null, '{question}' and [])"

@@ -478,7 +478,9 @@ def another_question(response: Any, question: str | None) -> str | None:
     said = _LEFT_SIDE.search(line.split("=", 1)[0].rstrip())
     if said is None or not re.search(r"[0-9]", said.group()) or same_expression(said.group(), asked[-1]):
         return None
-    return f"the equation {clip(said.group().strip(), 30)!r} = ... is not the question's {asked[-1].strip()!r}"
+    return (
+        f"the equation {clip(said.group().strip(), 30)!r} = ... is not the question's {asked[-1].strip()!r}"
+    )
 
 
 # -- format and exact match ----------------------------------------------------------------------

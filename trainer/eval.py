@@ -301,7 +301,7 @@ def _coerce(key: str, text: str, hint: Any) -> Any:
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     if len(args) == 1 and typing.get_origin(args[0]) is list:  # list | None
         return None if text.lower() in ("null", "none") else _coerce(key, text, args[0])
-    if args and typing.get_origin(hint) is not list:  # X | None
+    if args:  # X | None
         if text.lower() in ("", "null", "none"):
             return None
         hint = args[0]

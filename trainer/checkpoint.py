@@ -30,7 +30,13 @@ have no marker but were committed by that rename: a ``step_N`` with ``training_i
 directories of that protocol are removed at start.
 
 Nothing is ever resumed silently: the trainer says in one line which checkpoint it resumed or that
-it starts fresh.
+it starts fresh. A resume under another config than the checkpoint's (a learning rate changed by a
+``helm upgrade`` between two attempts of a RayJob) or another image refuses in one line naming what
+changed (:func:`config_changes`), unless ``checkpointing.allow_changed_config=true``; the keys that
+change where and how fast a run trains, not what it learns, may change freely (:data:`MAY_CHANGE`).
+
+One run writes a directory at a time: :mod:`trainer.lease` holds it, and the Checkpointer calls its
+``guard`` before every removal and every commit, so a run that lost its lease writes nothing more.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ import re
 import shutil
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -148,9 +155,11 @@ def remove(path: Path) -> None:
 
 
 class Checkpointer:
-    def __init__(self, cfg: CheckpointConfig, experiment: str):
+    def __init__(self, cfg: CheckpointConfig, experiment: str, guard: Callable[[], None] | None = None):
         self.cfg = cfg
         self.root = Path(cfg.checkpoint_dir) / experiment
+        # Called before every removal and every commit; raises when this run may no longer write here.
+        self.guard = guard or (lambda: None)
 
     # ----- finding ---------------------------------------------------------------------------------
     def step_dirs(self) -> list[tuple[int, Path]]:
@@ -167,6 +176,7 @@ class Checkpointer:
         """Remove what cut-off saves left: ``step_N`` without a marker, and the earlier protocol's
         temporary directories. Returns one line per removal (the caller prints them)."""
         lines = []
+        self.guard()
         for _, path in self.step_dirs():
             if not is_complete(path):
                 remove(path)
@@ -203,6 +213,7 @@ class Checkpointer:
     # ----- writing ---------------------------------------------------------------------------------
     def begin(self, step: int) -> tuple[Path, str | None]:
         """The directory the ranks write step ``step`` into, and a line if an older one was replaced."""
+        self.guard()
         path = self.root / f"step_{step}"
         replaced = None
         if path.exists():  # a re-run of the same step (resume=never, or a re-save after a cut-off one)
@@ -218,7 +229,10 @@ class Checkpointer:
 
         (path / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
         (path / "dataloader.json").write_text(json.dumps(loader_state))
-        (path / INFO).write_text(json.dumps({**info, "checkpoint_format": FORMAT}, indent=1))
+        (path / INFO).write_text(
+            json.dumps({**info, "checkpoint_format": FORMAT, "provenance": provenance(config)}, indent=1)
+        )
+        self.guard()
         write_marker(path, step)
         self._prune()
 
@@ -236,6 +250,7 @@ class Checkpointer:
                 return float("-inf") if name else float(item[0])
             return value if self.cfg.higher_is_better else -value
 
+        self.guard()
         ranked = sorted(steps, key=score, reverse=True)
         # The latest checkpoint always stays: it is the one preemption resumes from.
         kept = set(p for _, p in ranked[:keep]) | {latest[1]}
@@ -248,3 +263,116 @@ def rng_info(seed: int, step: int) -> dict[str, Any]:
     """Every random draw of a step is seeded from (seed, step): sampling uses seed + step, and the
     prompt order per epoch uses seed + epoch. Restoring the step restores the streams exactly."""
     return {"seed": seed, "next_sampling_seed": seed + step + 1, "saved_at": time.time()}
+
+
+# ----- what a checkpoint was trained under ------------------------------------------------------------
+
+# Keys that change where and how fast a run trains, not what it learns: a resume may change them freely
+# (more steps, another cluster shape, other micro-batches, other trackers). A key here that names a
+# section covers every key under it. tests/test_checkpoint_lineage.py checks each names a real key.
+MAY_CHANGE = (
+    "experiment_name",
+    "checkpointing",
+    "logger",
+    "cluster",
+    "grpo.max_num_steps",
+    "grpo.val_period",
+    "grpo.val_at_start",
+    "policy.micro_batch_size",
+    "policy.logprob_micro_batch_size",
+    "policy.max_tokens_per_microbatch",
+    "policy.logprob_max_tokens_per_microbatch",
+    "policy.activation_checkpointing",
+    "policy.reshard_after_forward",
+    "policy.sequence_parallel_size",
+    "generation.batch_size",
+    "generation.gpu_memory_utilization",
+    "generation.enforce_eager",
+    "generation.refit_bucket_mb",
+    "generation.engine_start_timeout_s",
+    "generation.refit_timeout_s",
+    "generation.weight_group_timeout_s",
+    "generation.resources",
+    "generation.endpoint",
+)
+
+
+def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, dict) and tree:
+        out: dict[str, Any] = {}
+        for key, value in tree.items():
+            out.update(_flat(value, f"{prefix}.{key}" if prefix else str(key)))
+        return out
+    return {prefix: list(tree) if isinstance(tree, tuple) else tree}
+
+
+def _may_change(key: str) -> bool:
+    return any(key == k or key.startswith(k + ".") for k in MAY_CHANGE)
+
+
+def config_hash(config: dict[str, Any]) -> str:
+    """A short hash of what a run learns under: every key of the resolved config but :data:`MAY_CHANGE`."""
+    import hashlib
+
+    kept = {k: v for k, v in sorted(_flat(config).items()) if not _may_change(k)}
+    return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def code_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return f"kuberl {version('kuberl')}"
+    except Exception:  # not installed as a package (a source tree on PYTHONPATH)
+        return "kuberl (source tree)"
+
+
+def provenance(config: dict[str, Any]) -> dict[str, Any]:
+    """What a checkpoint was trained under, beyond its config.yaml: the config's hash, the job image (the
+    chart's pods carry it in $KUBERL_IMAGE) and the code's version."""
+    return {
+        "config_hash": config_hash(config),
+        "image": os.environ.get("KUBERL_IMAGE") or None,
+        "code_version": code_version(),
+    }
+
+
+def _show(value: Any) -> str:
+    text = json.dumps(value, default=str) if not isinstance(value, str) else value
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def config_changes(checkpoint: Path, config: dict[str, Any]) -> list[str]:
+    """What differs between the config and image ``checkpoint`` was saved under and this run's, one
+    ``key: old -> new`` each; keys of :data:`MAY_CHANGE` and keys only one side has (a key added or
+    removed by a newer kuberl, whose default keeps the old behaviour) are not compared."""
+    import yaml
+
+    try:
+        saved = yaml.safe_load((checkpoint / "config.yaml").read_text())
+    except (OSError, yaml.YAMLError):
+        return []  # a checkpoint without its config (the earliest protocol): nothing to compare with
+    before, now = _flat(saved or {}), _flat(config)
+    changes = [
+        f"{k}: {_show(before[k])} -> {_show(now[k])}"
+        for k in sorted(before.keys() & now.keys())
+        if not _may_change(k) and before[k] != now[k]
+    ]
+    try:
+        image_then = read_info(checkpoint).get("provenance", {}).get("image")
+    except (OSError, ValueError):
+        image_then = None
+    image_now = os.environ.get("KUBERL_IMAGE") or None
+    if image_then and image_now and image_then != image_now:
+        changes.append(f"image: {image_then} -> {image_now}")
+    return changes
+
+
+def refuse_changes(checkpoint: Path, changes: list[str]) -> CheckpointError:
+    shown = "; ".join(changes[:4]) + (f" (and {len(changes) - 4} more)" if len(changes) > 4 else "")
+    return CheckpointError(
+        f"checkpointing: {checkpoint} was saved under another config: {shown}. A resumed run must train "
+        "under what its checkpoint was trained with: restore those values, start a new lineage "
+        "(checkpointing.resume=never or another checkpointing.checkpoint_dir), or set "
+        "checkpointing.allow_changed_config=true to resume with the changes"
+    )

@@ -953,8 +953,20 @@ class CheckpointConfig:
     # After SIGTERM, save the last finished step only if a save (timed by the last one) fits in what is
     # left of this many seconds; otherwise rely on the last periodic checkpoint. GKE spot gives 15-30 s.
     preemption_grace_s: float = 25.0
+    # One run per checkpoint directory (trainer/lease.py): a run holds a lease on it, renewed every 30 s; a
+    # second run refuses while the holder's heartbeat is younger than this, and takes over after it.
+    lease_stale_after_s: float = 600.0
+    take_over: bool = False  # take the lease of a run known to be dead without waiting for it to go stale
+    # A resume under a config (or image) other than the checkpoint's refuses, naming the changed keys; true
+    # resumes anyway, and logs each change at start and in the trackers.
+    allow_changed_config: bool = False
 
     def validate(self) -> None:
+        _require(
+            self.lease_stale_after_s >= 120,
+            f"checkpointing.lease_stale_after_s={self.lease_stale_after_s:g} must be >= 120 (four heartbeats of "
+            "30 s: a live run's lease must not look stale)",
+        )
         _require(self.save_period >= 1, f"checkpointing.save_period={self.save_period} must be >= 1")
         _require(
             self.keep_top_k is None or self.keep_top_k >= 1, "checkpointing.keep_top_k must be >= 1 or null"

@@ -23,8 +23,9 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from trainer.checkpoint import Checkpointer, read_info, rng_info
+from trainer.checkpoint import Checkpointer, config_changes, read_info, refuse_changes, rng_info
 from trainer.config import Config, to_dict
+from trainer.lease import Lease
 from trainer.preemption import Preempted, Preemption
 from trainer.prestart import (
     SetupError,
@@ -102,13 +103,11 @@ class TrainState:
     driver: VerifiersEnvironment | None  # env.verifiers: runs its own rollouts through the endpoint
     turns: TurnEncoder
     logger: RunLogger
+    lease: Lease | None  # the run's hold on its checkpoint directory; None without checkpointing
+    config_changes: list[str] = []  # checkpointing.allow_changed_config: what this resume changed
 
     def __init__(self, cfg: Config):
-        import ray
-
-        from trainer.cluster import init_ray
-        from trainer.models import hub_id_or_directory, resolve_model
-        from trainer.policy.group import PolicyGroup
+        from trainer.models import hub_id_or_directory
 
         self.cfg = cfg
         t0 = time.monotonic()
@@ -122,9 +121,43 @@ class TrainState:
             check_writable("checkpointing.checkpoint_dir", cfg.checkpointing.checkpoint_dir)
         if cfg.model.tokenizer:
             hub_id_or_directory(cfg.model.tokenizer, "model.tokenizer", need_config=False)
+        # The run's checkpoint directory is its own while it lives (trainer/lease.py): a second run on it
+        # refuses here, before it reads, cleans or prunes anything there.
+        self.lease = None
+        if cfg.checkpointing.enabled:
+            ck = cfg.checkpointing
+            self.lease = Lease(
+                Path(ck.checkpoint_dir) / cfg.experiment_name,
+                cfg.experiment_name,
+                ck.lease_stale_after_s,
+                ck.take_over,
+            )
+            took = (
+                self.lease.acquire()
+            )  # a LeaseError (a CheckpointError: one line) when another run holds it
+            if took:
+                print(took, flush=True)
+        try:
+            self._start(cfg, t0)
+        except BaseException:
+            if self.lease is not None:
+                self.lease.release()
+            raise
+
+    def _start(self, cfg: Config, t0: float) -> None:
+        import ray
+
+        from trainer.cluster import init_ray
+        from trainer.models import resolve_model
+        from trainer.policy.group import PolicyGroup
+
         # Which checkpoint to continue, first: a finished run need not start Ray or load anything.
-        self.checkpointer = Checkpointer(cfg.checkpointing, cfg.experiment_name)
+        self.checkpointer = Checkpointer(
+            cfg.checkpointing, cfg.experiment_name, self.lease.check if self.lease is not None else None
+        )
         resume, skipped = self.checkpointer.resume_path()  # first: resume=PATH of a cut-off save is an error
+        if resume:
+            self._check_resume_config(cfg, resume)
         for line in skipped + self.checkpointer.clean_stale():
             print(line, flush=True)
         info = read_info(resume) if resume else {}
@@ -162,6 +195,19 @@ class TrainState:
                 self.watch.stop()
             raise
         self._ray = ray
+
+    def _check_resume_config(self, cfg: Config, resume: Path) -> None:
+        """Refuse to resume ``resume`` under another config or image than it was saved with, naming the
+        changes (checkpoint.config_changes); with checkpointing.allow_changed_config, say each one."""
+        changes = config_changes(resume, to_dict(cfg))
+        if not changes:
+            return
+        if not cfg.checkpointing.allow_changed_config:
+            raise SetupError(str(refuse_changes(resume, changes)))
+        self.config_changes = changes
+        for change in changes:
+            print(f"kuberl: warning: resuming {resume} with a changed {change} (checkpointing.allow_changed_config=true)",
+                  flush=True)  # fmt: skip
 
     def _start_model_rewards(self, cfg: Config) -> None:
         """The reward model's and the judge's replicas, when a reward names them: they load while the data and
@@ -355,6 +401,13 @@ class TrainState:
             )
         except TrackerError as e:
             raise SetupError(str(e)) from None
+        if self.config_changes:  # allow_changed_config: in the trackers too, at the step it resumed from
+            self.logger.scalars(
+                self.progress.step, {"resume/changed_config_keys": float(len(self.config_changes))}
+            )
+            with open(self.logger.run_dir / "config_changes.txt", "a") as f:
+                f.write(f"resumed from {resume} at step {self.progress.step}:\n")
+                f.writelines(f"  {change}\n" for change in self.config_changes)
         if resume:
             print(
                 f"kuberl: resumed from {resume} (step {self.progress.step}, checkpointing.resume={cfg.checkpointing.resume})"
@@ -451,6 +504,8 @@ class TrainState:
                     log.warning("shutdown: %s", e)
             if getattr(self, "logger", None) is not None:
                 self.logger.close(failed)
+        if getattr(self, "lease", None) is not None:  # last: the directory is free once nothing writes to it
+            self.lease.release()
         if (
             not failed
         ):  # after a failure it keeps watching: the way out (ray.shutdown) may hang on a lost cluster

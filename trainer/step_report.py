@@ -53,11 +53,6 @@ def step_metrics(
         "train/pg_clipfrac": train_metrics["pg_clipfrac"],
         "train/entropy": train_metrics.get("entropy", 0.0),
         "train/grad_norm": train_metrics["grad_norm"],
-        # The engine against the policy's own recomputation, on the sampled tokens (see core_algos).
-        "train/gen_logprob_abs_diff": train_metrics["gen_logprob_abs_diff"],
-        "train/gen_train_kl": train_metrics["gen_train_kl"],
-        "train/is_flagged_frac": train_metrics["is_flagged"],  # whatever the mode; and under its own name:
-        IS_METRICS.get(loss_cfg.importance_sampling, "train/is_flagged_frac"): train_metrics["is_flagged"],
         "train/loss": train_metrics["loss"],
         "train/lr": train_metrics["lr"],
         **{f"timing/{k}": v for k, v in timing.items()},
@@ -65,6 +60,16 @@ def step_metrics(
         **perf_scalars,
         **stream_metrics,
     }
+    if "gen_logprob_abs_diff" in train_metrics:  # absent on a step that trained on no engine-sampled token
+        # The engine against the policy's own recomputation, on the sampled tokens (see core_algos).
+        metrics["train/gen_logprob_abs_diff"] = train_metrics["gen_logprob_abs_diff"]
+        metrics["train/gen_train_kl"] = train_metrics["gen_train_kl"]
+        metrics["train/is_flagged_frac"] = train_metrics[
+            "is_flagged"
+        ]  # whatever the mode; and under its own name:
+        metrics[IS_METRICS.get(loss_cfg.importance_sampling, "train/is_flagged_frac")] = train_metrics[
+            "is_flagged"
+        ]
     if cfg.grpo.max_rollout_turns > 1:
         metrics["train/mean_turns"] = sum(r.turns for r in rollouts) / len(rollouts)
         metrics["train/turns_mean"] = metrics["train/mean_turns"]

@@ -150,6 +150,10 @@ def test_should_divide_each_metric_by_its_own_count_when_the_step_is_summed_over
     assert out["pg_clipfrac"] == 0.2 and out["entropy"] == 0.5 and out["gen_train_kl"] == 0.25
     assert "tokens" not in out and "gen_tokens" not in out
     assert objective.metrics(dict.fromkeys(sums, 0.0), steps=1)["pg_clipfrac"] == 0.0  # nothing trained on
+    # No engine-sampled token trained on (every group skipped): the engine's gap was not measured, and a
+    # 0.0 would read as a perfect match on the dashboard.
+    quiet = objective.metrics(sums | {"gen_tokens": 0.0, "gen_train_kl": 0.0}, steps=3)
+    assert not {"gen_logprob_abs_diff", "gen_train_kl", "is_flagged"} & quiet.keys()
 
 
 def test_should_count_the_loss_tokens_and_samples_when_the_driver_takes_a_mini_batchs_counts():

@@ -122,16 +122,19 @@ class Objective:
         """The step's metrics from the sums over every micro-batch and rank of ``steps`` optimizer steps
         (:meth:`metric_keys`, the worker's ``grad_norm`` once per step and rank, and its ``entropy``): the
         loss per step, the gradient norm per step and rank, the engine's gap and corrections per token it
-        sampled, everything else per token trained on."""
+        sampled, everything else per token trained on. A step that trained on no engine-sampled token (every
+        group skipped, or no engine logprobs) measured no gap: those three keys are absent, not 0."""
         totals = dict(sums)
         tokens = max(totals.pop("tokens"), 1.0)
-        gen_tokens = max(totals.pop("gen_tokens"), 1.0)
+        gen_tokens = totals.pop("gen_tokens")
         out = {
             "loss": totals.pop("loss") / steps,
             "grad_norm": totals.pop("grad_norm") / (steps * self.ranks),
         }
         for key in ("gen_logprob_abs_diff", "gen_train_kl", "is_flagged"):
-            out[key] = totals.pop(key) / gen_tokens
+            value = totals.pop(key)
+            if gen_tokens > 0:
+                out[key] = value / gen_tokens
         out.update({k: v / tokens for k, v in totals.items()})
         return out
 

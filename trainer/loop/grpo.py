@@ -117,7 +117,13 @@ def grpo_step(
 
     train_metrics = policy.train(samples)
     if parity is not None:  # before the new weights reach the engines: the run stops on this step's
-        parity.check(step, batch, train_metrics["gen_logprob_abs_diff"], sum(policy.trained_lengths))
+        gap = train_metrics.get("gen_logprob_abs_diff")  # absent: no engine-sampled token was trained on
+        parity.check(
+            step,
+            batch,
+            gap if gap is not None else 0.0,
+            sum(policy.trained_lengths) if gap is not None else 0,
+        )
     t4 = time.monotonic()
     push_wait_s, refit_s = stream.push_weights(step)  # async: once the round in flight ends
     t5 = time.monotonic()

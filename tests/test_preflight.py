@@ -765,3 +765,59 @@ def test_should_note_rather_than_fail_when_gcloud_cannot_read_the_quotas() -> No
     problems, notes = preflight.check_quotas(FakeCluster(SPOT_NODES), plan, CONTEXT, FakeGcloud(None))
     assert problems == [] and len(notes) == 1 and "check PREEMPTIBLE_NVIDIA_B200_GPUS yourself" in notes[0]
     assert preflight.check_quotas(FakeCluster(SPOT_NODES), plan, CONTEXT, lambda *a: None) == ([], [])
+
+
+# ----- what `helm upgrade` does to what runs -------------------------------------------------------
+
+
+def _rendered(kind: str, *helm_args: str) -> dict:
+    (doc,) = [d for d in _render("gemma3-27b-gsm8k-h200.yaml", helm_args) if d["kind"] == kind]
+    return json.loads(json.dumps(doc))
+
+
+def _upgrade(live: dict | None, kind: str, *helm_args: str) -> list[str]:
+    doc = _rendered(kind, *helm_args)
+    cluster = {} if live is None else {(kind.lower(), doc["metadata"]["name"]): live}
+    return preflight.check_upgrade(FakeCluster(cluster), [doc], "team")
+
+
+def test_should_warn_that_an_upgrade_recreates_a_running_raycluster_only_when_kuberay_hashes_the_change() -> (
+    None
+):
+    live = _rendered("RayCluster")
+    assert _upgrade(None, "RayCluster") == [] and _upgrade(live, "RayCluster") == []
+    # What KubeRay leaves out of its hash (the autoscaler's and Kueue's fields), and defaults the API
+    # server filled in, recreate nothing.
+    quiet = json.loads(json.dumps(live))
+    group = quiet["spec"]["workerGroupSpecs"][0]
+    group["replicas"], group["scaleStrategy"] = 7, {"workersToDelete": ["w-1"]}
+    group["template"]["spec"]["tolerations"] = [{"key": "kueue", "operator": "Exists"}]
+    quiet["spec"]["headGroupSpec"]["template"]["spec"]["schedulerName"] = "default-scheduler"
+    assert _upgrade(quiet, "RayCluster") == []
+    old = json.loads(json.dumps(live))
+    old["spec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]["image"] = "kuberl:old"
+    (line,) = _upgrade(old, "RayCluster")
+    assert line.startswith(f"upgrade: RayCluster {live['metadata']['name']} is recreated by this upgrade")
+    assert (
+        "changed: spec.workerGroupSpecs[0].template.spec.containers[0].image)" in line and "make stop" in line
+    )
+
+
+def test_should_warn_that_a_running_rayjob_takes_an_upgrade_only_at_its_next_retry() -> None:
+    job = ("--set", "job.enabled=true")
+    live = _rendered("RayJob", *job)
+    live["spec"]["entrypoint"] = live["spec"]["entrypoint"].replace(
+        "experiment=", "policy.learning_rate=0.5 experiment="
+    )
+    live["status"] = {"jobDeploymentStatus": "Running"}
+    (line,) = _upgrade(live, "RayJob", *job)
+    assert "is Running: KubeRay ignores spec changes of a running RayJob" in line
+    assert "(changed: spec.entrypoint)" in line and '"suspend":true' in line
+    live["status"] = {"jobDeploymentStatus": "Complete"}
+    assert _upgrade(live, "RayJob", *job) == []
+
+
+def test_should_check_kuberay_and_what_the_upgrade_does_and_go_on_at_install(tmp_path) -> None:
+    env = _env_with_kubectl(tmp_path, "quay.io/kuberay/operator:v1.6.0")
+    out = _preflight(env, "--kuberay-only", "--upgrade", "--exp", "gemma3-27b")
+    assert out.returncode == 0 and out.stdout == "" and out.stderr == ""  # nothing running: nothing to say

@@ -882,6 +882,97 @@ def check_quotas(
     return problems, []
 
 
+# ----- what `helm upgrade` does to what is running --------------------------------------------------
+
+# What KubeRay leaves out of the RayCluster spec it hashes (utils.GenerateHashWithoutReplicasAndWorkersToDelete,
+# KubeRay 1.6): with upgradeStrategy Recreate, any other change of the spec deletes every pod, head included.
+RUNNING_JOB = ("Initializing", "Running", "Waiting", "Retrying")
+
+
+def kuberay_hashed_spec(spec: dict) -> dict:
+    """The part of a RayClusterSpec whose change makes KubeRay recreate the cluster's pods: the spec less
+    the worker groups' replicas, min/max and workersToDelete, every template's tolerations and scheduling
+    gates (Kueue injects them), and upgradeStrategy."""
+    import copy
+
+    out = copy.deepcopy(spec)
+    out.pop("upgradeStrategy", None)
+    groups = [out.get("headGroupSpec") or {}, *(out.get("workerGroupSpecs") or [])]
+    for i, group in enumerate(groups):
+        pod = (group.get("template") or {}).get("spec") or {}
+        pod.pop("tolerations", None)
+        pod.pop("schedulingGates", None)
+        if i:
+            for key in ("replicas", "minReplicas", "maxReplicas"):
+                group.pop(key, None)
+            (group.get("scaleStrategy") or {}).pop("workersToDelete", None)
+    return out
+
+
+def spec_changes(live: object, rendered: object, path: str = "spec") -> list[str]:
+    """Where ``rendered`` differs from ``live``, as paths. A key only the live object has is a default the
+    API server or the operator filled in, not a change; a list is compared whole (an env var removed)."""
+    if isinstance(live, dict) and isinstance(rendered, dict):
+        out: list[str] = []
+        for key, value in rendered.items():
+            out += spec_changes(live.get(key), value, f"{path}.{key}")
+        return out
+    if isinstance(live, list) and isinstance(rendered, list) and len(live) == len(rendered):
+        out = []
+        for i, (a, b) in enumerate(zip(live, rendered)):
+            out += spec_changes(a, b, f"{path}[{i}]")
+        return out
+    return [] if live == rendered or (live is None and rendered in ({}, [], None)) else [path]
+
+
+def _shown(paths: list[str]) -> str:
+    return ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
+
+
+def check_upgrade(kubectl: Kubectl, docs: list[dict], namespace: str) -> list[str]:
+    """Warnings, one line each, about what this `helm upgrade` does to the release's running objects: a
+    RayCluster it recreates (every pod deleted) and a running RayJob it changes only at its next retry."""
+    warnings = []
+    for d in docs:
+        if not isinstance(d, dict) or not isinstance(d.get("metadata"), dict):
+            continue
+        name, kind = d["metadata"].get("name"), d.get("kind")
+        if kind == "RayCluster":
+            live = _get(kubectl, "raycluster", name, "-n", namespace)
+            if live is None:
+                continue
+            changed = spec_changes(
+                kuberay_hashed_spec(live.get("spec") or {}), kuberay_hashed_spec(d["spec"])
+            )
+            strategy = ((d["spec"].get("upgradeStrategy") or {}).get("type")) or "None"
+            if changed and strategy == "Recreate":
+                warnings.append(
+                    f"upgrade: RayCluster {name} is recreated by this upgrade: KubeRay deletes every pod, the head "
+                    f"included, and a running job dies with it (changed: {_shown(changed)}); stop the job first "
+                    "(make stop), then upgrade and submit again: it resumes from its last checkpoint"
+                )
+            elif changed:
+                warnings.append(
+                    f"upgrade: RayCluster {name} keeps its pods (upgradeStrategy {strategy}): the change "
+                    f"({_shown(changed)}) applies only to pods created later"
+                )
+        elif kind == "RayJob":
+            live = _get(kubectl, "rayjob", name, "-n", namespace)
+            status = ((live or {}).get("status") or {}).get("jobDeploymentStatus", "")
+            if live is None or status not in RUNNING_JOB:
+                continue
+            changed = spec_changes(live.get("spec") or {}, d["spec"])
+            if changed:
+                warnings.append(
+                    f"upgrade: RayJob {name} is {status}: KubeRay ignores spec changes of a running RayJob, so this "
+                    f"upgrade changes nothing now and takes effect at its next retry, mid-run (changed: "
+                    f"{_shown(changed)}). To change it now: kubectl patch rayjob {name} -n {namespace} --type merge "
+                    '-p \'{"spec":{"suspend":true}}\', upgrade, then set suspend back to false: the new cluster '
+                    "resumes from the last checkpoint (a changed config refuses unless checkpointing.allow_changed_config)"
+                )
+    return warnings
+
+
 # ----- command line -------------------------------------------------------------------------------
 
 
@@ -890,6 +981,14 @@ def run(args: argparse.Namespace, kubectl: Kubectl = real_kubectl, gcloud: Gclou
     try:
         context = check_context(kubectl)
         problems, notes = check_kuberay(kubectl, minimum)
+        if args.upgrade:  # before `helm upgrade --install` (make install): what it does to what runs
+            from trainer.submit import kube_namespace, resolve
+
+            release = resolve(args.exp, need_values=True)
+            namespace = args.namespace or kube_namespace(None)
+            docs = render(release.name, release.values, namespace, args.helm_args, args.helm)
+            for line in check_upgrade(kubectl, docs, namespace):
+                print(f"warning: {line}")
         if not args.kuberay_only:
             from trainer.submit import kube_namespace, resolve
 
@@ -897,6 +996,7 @@ def run(args: argparse.Namespace, kubectl: Kubectl = real_kubectl, gcloud: Gclou
             namespace = args.namespace or kube_namespace(None)
             docs = render(release.name, release.values, namespace, args.helm_args, args.helm)
             p = plan(docs)
+            notes += [f"{line} (warning)" for line in check_upgrade(kubectl, docs, namespace)]
             more, more_notes = check_release(kubectl, p, namespace)
             problems += more
             notes += more_notes
@@ -930,6 +1030,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--exp", default="", help="values file or experiment (as for make install)")
     p.add_argument("--namespace", "-n", default="")
     p.add_argument("--kuberay-only", action="store_true", help="only the KubeRay version (make install)")
+    p.add_argument("--upgrade", action="store_true",
+                   help="also what helm upgrade does to the release's running RayCluster or RayJob (make install)")  # fmt: skip
     p.add_argument("--helm", default=os.environ.get("HELM") or str(REPO / "bin" / "helm"), help="helm binary")
     p.add_argument("helm_args", nargs="*", help="after --: what make install passes to helm (HELM_ARGS)")
     args = p.parse_args(argv)

@@ -20,6 +20,7 @@ from typing import Any
 
 from trainer.config import Config
 from trainer.tracking import Tracker, open_trackers, table_rows
+from trainer.tracking.ray_gauges import RayGauges
 
 
 def new_run_name() -> str:
@@ -39,6 +40,8 @@ class RunLogger:
         self.run_dir = Path(cfg.logger.log_dir) / cfg.experiment_name / self.run_name
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.trackers: list[Tracker] = open_trackers(cfg, self.run_dir, self.run_name, resume_step, run_ids)
+        # Progress as Prometheus gauges through Ray, whatever the backends: the chart's alerts read them.
+        self.gauges = RayGauges(cfg.experiment_name, self.run_name)
 
     def describe(self) -> str:
         """Where the metrics go, for the start-up line: ``tensorboard, wandb run 1a2b3c, mlflow run 9f8e...``."""

@@ -401,6 +401,14 @@ class TrainState:
             )
         except TrackerError as e:
             raise SetupError(str(e)) from None
+        saved_at = None
+        if resume:
+            saved_at = (
+                (resume / "COMMITTED").stat().st_mtime if (resume / "COMMITTED").is_file() else time.time()
+            )
+        elif cfg.checkpointing.enabled:
+            saved_at = time.time()  # none yet: the checkpoint-age alert counts from the start
+        self.logger.gauges.started(self.progress.step, saved_at)
         if self.config_changes:  # allow_changed_config: in the trackers too, at the step it resumed from
             self.logger.scalars(
                 self.progress.step, {"resume/changed_config_keys": float(len(self.config_changes))}
@@ -485,6 +493,7 @@ class TrainState:
         }
         self.checkpointer.commit(path, p.step, info, p.loader_state, to_dict(self.cfg))
         p.saved, p.saved_step, p.save_s = path, p.step, time.monotonic() - t0
+        self.logger.gauges.checkpointed(time.time())
         print(f"kuberl: saved checkpoint {path} ({p.save_s:.1f}s)", flush=True)
 
     def close(self, failed: bool = False) -> None:

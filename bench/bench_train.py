@@ -355,7 +355,9 @@ def main() -> int:
     memory = (not args.gpu) if args.memory is None else args.memory
 
     tokens = sum(s.length for s in samples)
-    flops = flops_of.training(s.length for s in samples)  # the model's, whatever a layout pads or recomputes
+    flops = flops_of.training(  # the model's, whatever a layout pads or recomputes; the head on response positions
+        (s.length for s in samples), projected=sum(len(s.response_ids) for s in samples)
+    )
     counts = [{"tokens": float(sum(len(s.response_ids) for s in samples)), "seqs": float(len(samples))}]
     where = (
         f"{torch.cuda.get_device_name(0)}, param_dtype {args.param_dtype}"
@@ -416,11 +418,16 @@ def main() -> int:
                 seconds[name].append(s)
         live: dict[str, float] = {}
         if memory:  # untimed: the tracker sees every allocation
-            from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+            from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPModMemStats
 
             for name in names:
                 tracker = FSDPMemTracker(worker.model, worker.optimizer)
                 with tracker:
+                    # The tracker opens a module's record in its forward pre-hook, but the policy never calls
+                    # the root's forward (the decoder, then the LM head a tile at a time): without a record
+                    # the root's pre-backward raises KeyError. Open it here, as its pre-hook would have.
+                    if worker.model not in tracker.memory_tracking:
+                        tracker.memory_tracking[worker.model] = _FSDPModMemStats(type(worker.model).__name__)
                     step(name)
                 snapshot = tracker.get_tracker_snapshot("peak")
                 live[name] = max(v["Total"] for v in snapshot.values()) / 2**20

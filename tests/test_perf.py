@@ -49,6 +49,17 @@ def test_should_match_the_hand_count_when_counting_smollm2_135m_training_flops()
     assert m.training([64], frozen_base=True) == 4 * SMOLLM2_N * 64 + 431_308_800
 
 
+def test_should_count_the_lm_head_only_on_the_positions_it_projects() -> None:
+    """The policy projects only the positions that predict a response token (trainer.policy.batch): a
+    sample of 48 prompt and 16 response tokens pays the head 16 times, not 64."""
+    m = smollm2()
+    head = 576 * 49152
+    assert m.head_params == head
+    assert m.training([64], projected=16) == SMOLLM2_64_TOKENS - 6 * head * 48
+    assert m.training([64], projected=64) == m.training([64])
+    assert m.training([64], frozen_base=True, projected=16) == 4 * SMOLLM2_N * 64 + 431_308_800 - 4 * head * 48
+
+
 def test_should_count_the_matmul_parameters_of_every_linear_when_the_shape_comes_from_the_model(
     tiny_model_path,
 ) -> None:

@@ -146,16 +146,18 @@ def perf_metrics(
     ranks: list[dict],
     flops: perf.ModelFlops | None,
     refit_bytes: int | None = None,
+    projected: int | None = None,
 ) -> dict[str, float]:
     """Trained tokens/s, MFU of the policy's training pass, each rank's peak memory and what a refit moves;
     ``trained_lengths``: prompt + response tokens of each sample trained on, ``ranks``:
-    :meth:`PolicyGroup.perf_stats`, ``refit_bytes``: :attr:`PolicyGroup.refit_bytes`."""
+    :meth:`PolicyGroup.perf_stats`, ``refit_bytes``: :attr:`PolicyGroup.refit_bytes`, ``projected``: the
+    response tokens among them, the positions the LM head projects (:attr:`PolicyGroup.trained_responses`)."""
     tokens = sum(trained_lengths)
     out = {"perf/trained_tokens_per_s": tokens / max(train_s, 1e-9)}
     if refit_bytes is not None:  # into each engine: the trainable weights (frozen ones never travel)
         out["perf/refit_bytes"] = float(refit_bytes)
     if flops is not None:
-        done = flops.training(trained_lengths, frozen_base=cfg.policy.lora.enabled)
+        done = flops.training(trained_lengths, frozen_base=cfg.policy.lora.enabled, projected=projected)
         out["perf/mfu"] = perf.mfu(done, train_s, sum(r["peak_flops"] for r in ranks))
         out["perf/train_tflops_per_s_per_rank"] = done / max(train_s, 1e-9) / len(ranks) / 1e12
     memory = [r["peak_memory_bytes"] / 2**30 for r in ranks]

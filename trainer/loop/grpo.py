@@ -139,7 +139,13 @@ def grpo_step(
         "step_s": t5 - t0,
     }
     perf_scalars = perf_metrics(
-        cfg, policy.trained_lengths, t4 - t3, policy.perf_stats(), flops, policy.refit_bytes
+        cfg,
+        policy.trained_lengths,
+        t4 - t3,
+        policy.perf_stats(),
+        flops,
+        policy.refit_bytes,
+        policy.trained_responses,
     )
     metrics = step_metrics(
         cfg, rollouts, reward, advantages, overlong, train_metrics, timing, perf_scalars, batch.metrics()
@@ -257,6 +263,7 @@ def run(cfg: Config, state: LoopState) -> list[dict[str, float]]:
                         validate(cfg, step, state.val_examples, state.generator, stream.val_rewards)
                     )
             log.scalars(step, metrics)
+            log.gauges.step(step, metrics)  # the chart's alerts and dashboard (trainer.tracking.ray_gauges)
             log.rollouts(step, rows)
             log.console(step, metrics)
             for row in rows[: cfg.logger.num_console_samples]:

@@ -57,6 +57,7 @@ class PolicyGroup:
         self.trained_lengths: list[
             int
         ] = []  # of the last train(): tokens of each sample trained on (trainer.perf)
+        self.trained_responses = 0  # of the last train(): their response tokens, which the LM head projects
         if wait:
             self.wait_ready()
 
@@ -102,6 +103,7 @@ class PolicyGroup:
         per_rank: list[list[list[Sample]]] = [[] for _ in self.workers]
         counts = []
         self.trained_lengths = []
+        self.trained_responses = 0  # response tokens trained on: the positions the LM head projects
         mb_size = len(samples) // n_mb
         for m in range(n_mb):
             mb = samples[m * mb_size : (m + 1) * mb_size]
@@ -109,6 +111,7 @@ class PolicyGroup:
             if skip:
                 mb = with_policy_gradient(mb, self.dp)
             self.trained_lengths += [s.length for s in mb]
+            self.trained_responses += sum(len(s.response_ids) for s in mb)
             for rank, idx in enumerate(self._per_rank(shard_for_ranks(mb, self.dp))):
                 per_rank[rank].append([mb[i] for i in idx])
         results = ray.get([w.train.remote(per_rank[r], counts) for r, w in enumerate(self.workers)])

@@ -470,14 +470,29 @@ class EndpointConfig:
     # IP address to listen on. null: $POD_IP (the chart's downward API), else 127.0.0.1; 0.0.0.0 only if
     # written here.
     bind: str | None = None
-    # The variable holding the bearer token every request must carry: Ray's own token by default (KubeRay
-    # sets it in every Ray container with auth.mode=token). Empty or unset: the endpoint does not start.
-    token_env: str = "RAY_AUTH_TOKEN"
+    # The variable holding the endpoint's own bearer token (never Ray's: a caller of the endpoint must not be
+    # able to submit Ray jobs). Empty or unset: the driver makes a random one per run and hands it to the
+    # engines and its in-process callers (env.verifiers), as it hands them the endpoint's address.
+    token_env: str = "KUBERL_ENDPOINT_TOKEN"
     # Requests that may wait for the engine at once (it serves one at a time, between the trainer's own
     # calls); one more gets 503.
     max_waiting: int = 16
     wait_timeout_s: float = 300  # how long a request waits for the engine (a refit, a rollout) before a 503
-    record_limit: int = 4096  # requests each actor keeps for drain_requests(); the oldest go first
+    record_limit: int = 1024  # requests each actor keeps for drain_requests(); the oldest go first
+    record_bytes: int = 64 * 2**20  # and at most this many bytes of them (each record's JSON size)
+    # Threads that handle requests (a request waiting for the engine holds one); idle connections hold none.
+    workers: int = 32
+    max_connections: int = 1024  # open connections at once; one more is closed as soon as it is accepted
+    idle_timeout_s: float = 60  # a connection that sends no request for this long is closed
+    header_timeout_s: float = 10  # from a request's first byte to the end of its headers
+    read_timeout_s: float = 60  # to read a request's body, and to send its answer
+    # Per request (each refused with a 4xx naming the key): the body's bytes, samples (n), completion tokens
+    # (max_tokens / max_completion_tokens) and the prompt's tokens.
+    max_body_bytes: int = 16 * 2**20
+    max_n: int = 64
+    max_tokens: int = 8192
+    max_prompt_tokens: int = 32768
+    max_batch_prompts: int = 64  # requests' prompts one engine call takes along, at most
 
     def validate(self) -> None:
         _require(
@@ -508,6 +523,33 @@ class EndpointConfig:
             f"generation.endpoint.wait_timeout_s={self.wait_timeout_s} must be a number of seconds > 0",
         )
         _require(self.record_limit >= 1, f"generation.endpoint.record_limit={self.record_limit} must be >= 1")
+        _require(
+            self.token_env != "RAY_AUTH_TOKEN",
+            "generation.endpoint.token_env=RAY_AUTH_TOKEN: the endpoint has its own token, never Ray's admin "
+            "credential; name another variable (default KUBERL_ENDPOINT_TOKEN)",
+        )
+        for key in (
+            "record_bytes",
+            "max_connections",
+            "max_body_bytes",
+            "max_n",
+            "max_tokens",
+            "max_prompt_tokens",
+            "max_batch_prompts",
+        ):
+            value = getattr(self, key)
+            _require(value >= 1, f"generation.endpoint.{key}={value} must be >= 1")
+        for key in ("idle_timeout_s", "header_timeout_s", "read_timeout_s"):
+            value = getattr(self, key)
+            _require(
+                math.isfinite(value) and value > 0,
+                f"generation.endpoint.{key}={value} must be a number of seconds > 0",
+            )
+        _require(
+            self.workers >= self.max_waiting + 2,
+            f"generation.endpoint.workers={self.workers} must be >= max_waiting + 2 = {self.max_waiting + 2} "
+            "(each request waiting for the engine holds a worker; one more answers the rest)",
+        )
 
 
 @dataclass

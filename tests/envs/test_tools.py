@@ -4,7 +4,10 @@ crash or a hang. The calculator computes exactly and refuses what is not arithme
 
 from __future__ import annotations
 
+import json
+import os
 import time
+from pathlib import Path
 
 import pytest
 
@@ -194,3 +197,54 @@ def test_should_refuse_the_python_tool_when_the_cluster_keeps_code_on_sandbox_no
     with pytest.raises(ConfigError, match="drop the python tool"):
         ToolEnvironment(tools=["calculator", "python"])
     assert ToolEnvironment(tools=["calculator"]).tools()
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` runs (an exited process not yet reaped by whoever adopted it does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+@pytest.mark.parametrize("seconds, says", [(60, "Error: the call timed out after 2s"), (0, "started")])
+def test_should_kill_what_a_tool_started_when_its_call_times_out_or_returns(tmp_path, seconds, says):
+    env = ToolEnvironment(tools=["tests.envs.tool_funcs:background"], tool_timeout_s=2)
+    pid_file = tmp_path / "pid"
+    (message,) = env.episode({}).step(_call("background", path=str(pid_file), seconds=seconds)).messages
+    assert message["content"] == says
+    pid = int(pid_file.read_text())
+    deadline = time.monotonic() + 10  # SIGKILL is delivered at once; the generous wait is for a busy machine
+    while _running(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _running(pid), f"the tool's background sleep (pid {pid}) outlived its call"
+
+
+def test_should_run_a_call_in_its_own_process_group_under_memory_cpu_and_process_limits():
+    env = ToolEnvironment(
+        tools=["tests.envs.tool_funcs:limits"], tool_timeout_s=7.5, tool_memory_mb=600, tool_max_processes=9
+    )
+    (message,) = env.episode({}).step(_call("limits")).messages
+    got = json.loads(message["content"])
+    assert got["pgid"] == got["pid"] == got["sid"] and got["pid"] != os.getpid()
+    assert got["as"] == [600 << 20, 600 << 20]
+    assert got["cpu"] == [8, 9]  # the timeout rounded up, then SIGKILL a second later
+    soft, hard = got["nproc"]
+    assert soft == hard and 9 < soft < 10**6  # what the uid ran at the call's start, and 9 more
+
+
+def test_should_end_a_call_that_computes_past_its_cpu_limit_before_its_timeout():
+    env = ToolEnvironment(tools=["tests.envs.tool_funcs:spin"], tool_timeout_s=120, tool_cpu_s=1)
+    t0 = time.monotonic()
+    (message,) = env.episode({}).step(_call("spin")).messages
+    assert time.monotonic() - t0 < 60
+    assert "process died" in message["content"] and "CPU time (1s)" in message["content"]
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="the kernel does not enforce RLIMIT_NPROC for root")
+def test_should_refuse_a_call_more_threads_than_its_process_limit():
+    env = ToolEnvironment(tools=["tests.envs.tool_funcs:threads"], tool_max_processes=8)
+    (message,) = env.episode({}).step(_call("threads", count=64)).messages
+    assert message["content"].startswith("Error: RuntimeError: can't start new thread")
+    (message,) = env.episode({}).step(_call("threads", count=2)).messages
+    assert message["content"] == "2"

@@ -449,9 +449,9 @@ STEPS = 3
 def test_should_train_a_few_steps_when_the_environment_is_a_verifiers_one(trainer_env, tmp_path):
     from tests.conftest import REPO
 
-    # A Ray instance of the run's own, whose actors inherit the endpoint's token from the driver.
-    env = {k: v for k, v in trainer_env.items() if k != "RAY_ADDRESS"}
-    env["KUBERL_TEST_ENDPOINT_TOKEN"] = TOKEN
+    # A Ray instance of the run's own; no endpoint token in the environment: the driver makes one for the run and
+    # hands it to the generation actors and to the verifiers harness it drives.
+    env = {k: v for k, v in trainer_env.items() if k not in ("RAY_ADDRESS", "KUBERL_ENDPOINT_TOKEN")}
     logs = tmp_path / "logs"
     proc = subprocess.run(
         [
@@ -459,7 +459,7 @@ def test_should_train_a_few_steps_when_the_environment_is_a_verifiers_one(traine
             f"env.verifiers.id={SUMS}", "env.verifiers.args={num_examples: 6}", "data.name=verifiers",
             "env.reward_functions=[{name: environment, weight: 1.0}, {name: arithmetic, weight: 0.5}]",
             "generation.placement=disaggregated", "generation.endpoint.enabled=true",
-            "generation.endpoint.port=0", "generation.endpoint.token_env=KUBERL_TEST_ENDPOINT_TOKEN",
+            "generation.endpoint.port=0",
             # one step stale: the environment runs the next batch in the producer thread while the policy trains
             "grpo.async.max_staleness=1",
             f"grpo.max_num_steps={STEPS}", "grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=4",

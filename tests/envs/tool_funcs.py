@@ -51,3 +51,61 @@ def roll() -> str:
     import random
 
     return str(random.SystemRandom().randrange(10))  # not the fork server's seeded state: every call its own
+
+
+def background(path: str, seconds: float) -> str:
+    """Start `sleep 30` in the background, write its pid to a file, then sleep.
+
+    Args:
+        path: Where to write the background process's pid.
+        seconds: How long to sleep after starting it.
+    """
+    import subprocess
+
+    child = subprocess.Popen(["sleep", "30"])  # on purpose: it must not outlive the call
+    with open(path, "w") as f:
+        f.write(str(child.pid))
+    time.sleep(seconds)
+    return "started"
+
+
+def spin() -> str:
+    """Compute forever."""
+    while True:
+        pass
+
+
+def limits() -> dict:
+    """Report the call's own process group and limits."""
+    import resource
+
+    return {
+        "pid": os.getpid(),
+        "pgid": os.getpgid(0),
+        "sid": os.getsid(0),
+        "as": list(resource.getrlimit(resource.RLIMIT_AS)),
+        "cpu": list(resource.getrlimit(resource.RLIMIT_CPU)),
+        "nproc": list(resource.getrlimit(resource.RLIMIT_NPROC)),
+    }
+
+
+def threads(count: int) -> str:
+    """Start threads that wait.
+
+    Args:
+        count: How many.
+    """
+    import threading
+
+    done = threading.Event()
+    started = []
+    try:
+        for _ in range(count):
+            t = threading.Thread(target=done.wait)
+            t.start()
+            started.append(t)
+    finally:
+        done.set()
+        for t in started:
+            t.join()
+    return str(len(started))

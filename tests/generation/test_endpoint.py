@@ -5,7 +5,9 @@ ring, and a generation actor that serves it and leaves no listener behind."""
 from __future__ import annotations
 
 import json
+import logging
 import socket
+import struct
 import threading
 import time
 import urllib.error
@@ -19,7 +21,15 @@ from openai.types.chat.chat_completion import Choice
 from trainer.config import ConfigError, EndpointConfig, GenerationConfig, load
 from trainer.data.prompts import encode_prompt
 from trainer.generation.base import Completion, SamplingParams
-from trainer.generation.endpoint import ChatEndpoint, Continuations, EndpointError, EngineGate, bind_address
+from trainer.generation.endpoint import (
+    ChatEndpoint,
+    Continuations,
+    EndpointError,
+    EngineGate,
+    RequestLog,
+    bind_address,
+    read_token,
+)
 from trainer.generation.hf import HFGenerationEngine
 from trainer.models import load_model, load_tokenizer
 
@@ -176,14 +186,31 @@ def test_should_refuse_a_request_when_the_token_is_missing_or_wrong(serve):
     assert [m.id for m in _client(ep).models.list()] == ["tiny"]
 
 
-def test_should_refuse_to_start_when_no_token_is_configured(engine, tokenizer, monkeypatch):
+def test_should_make_a_random_token_of_its_own_when_none_is_configured(serve, monkeypatch):
     monkeypatch.delenv("KUBERL_TEST_ENDPOINT_TOKEN", raising=False)
-    ep = ChatEndpoint(engine, tokenizer, _gen(), model_name="tiny")
-    with pytest.raises(EndpointError, match=r"\$KUBERL_TEST_ENDPOINT_TOKEN is unset or empty"):
-        ep.start()
-    monkeypatch.setenv("KUBERL_TEST_ENDPOINT_TOKEN", "")
-    with pytest.raises(EndpointError):
-        ep.start()
+    ep = serve()
+    assert ep.token and ep.token != TOKEN and len(ep.token) >= 32
+    assert read_token("KUBERL_TEST_ENDPOINT_TOKEN") == ep.token  # the driver's callers get the same one
+    with pytest.raises(openai.AuthenticationError):
+        _client(ep).models.list()  # the test's token no longer opens it
+    assert [m.id for m in _client(ep, token=ep.token).models.list()] == ["tiny"]
+
+
+def test_should_refuse_rays_token_and_not_start_with_it(serve, engine, tokenizer, monkeypatch):
+    ray_token = "ray-admin-token-0123456789abcdef"
+    monkeypatch.setenv("RAY_AUTH_TOKEN", ray_token)
+    ep = serve()  # its own token, $KUBERL_TEST_ENDPOINT_TOKEN
+    with pytest.raises(openai.AuthenticationError):
+        _client(ep, token=ray_token).chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2)
+    assert _client(ep).chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2).choices
+    # An endpoint whose token is Ray's, or a short one, does not listen at all.
+    for token, says in ((ray_token, r"is Ray's \(\$RAY_AUTH_TOKEN\)"), ("short", "fewer than 16")):
+        monkeypatch.setenv("KUBERL_TEST_ENDPOINT_TOKEN", token)
+        with pytest.raises(EndpointError, match=says) as e:
+            ChatEndpoint(engine, tokenizer, _gen(), model_name="tiny").start()
+        assert "\n" not in str(e.value)
+        with pytest.raises(EndpointError, match=says):
+            ChatEndpoint(engine, tokenizer, _gen(), model_name="tiny", token=token).start()
 
 
 def test_should_listen_only_on_the_address_asked_and_nowhere_after_shutdown(serve):
@@ -193,7 +220,7 @@ def test_should_listen_only_on_the_address_asked_and_nowhere_after_shutdown(serv
     assert _listening("127.0.0.2", port) and not _listening("127.0.0.1", port)
     ep.shutdown()
     assert not _listening("127.0.0.2", port)
-    assert not any(t.name == "kuberl-endpoint" for t in threading.enumerate())
+    assert not any(t.name.startswith("kuberl-endpoint") for t in threading.enumerate())
     ep.shutdown()  # idempotent
 
 
@@ -370,6 +397,210 @@ def test_should_answer_400_naming_the_field_when_a_request_is_bad(serve):
         assert e.value.code == code
 
 
+def _post(ep: ChatEndpoint, body: bytes, token: str = TOKEN) -> tuple[int, dict]:
+    host, port = ep.address
+    req = urllib.request.Request(
+        f"http://{host}:{port}/v1/chat/completions", data=body, headers={"Authorization": f"Bearer {token}"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_should_refuse_each_limit_with_a_4xx_naming_its_key_when_a_request_is_over_it(serve):
+    ep = serve(_gen(max_body_bytes=4096, max_n=2, max_tokens=4, max_prompt_tokens=40))
+    ask = {"model": "tiny", "messages": MESSAGES}
+    for extra, status, key, param in (
+        ({"n": 3}, 400, "generation.endpoint.max_n", "n"),
+        ({"max_tokens": 5}, 400, "generation.endpoint.max_tokens", "max_tokens"),
+        ({"max_completion_tokens": 5}, 400, "generation.endpoint.max_tokens", "max_completion_tokens"),
+        ({"messages": [{"role": "user", "content": "a b " * 60}]}, 400, "max_prompt_tokens", "messages"),
+        ({"messages": [{"role": "user", "content": "x" * 5000}]}, 413, "max_body_bytes", None),
+    ):
+        status_got, body = _post(ep, json.dumps({**ask, **extra}).encode())
+        assert status_got == status, body
+        assert key in body["error"]["message"] and body["error"]["param"] == param, body
+    assert ep.drain_requests() == []  # nothing over a limit reached the engine
+    # Within every limit: answered, and the default max_tokens is the smaller of the run's and the limit.
+    status, body = _post(ep, json.dumps({**ask, "n": 2}).encode())
+    assert status == 200 and len(body["choices"]) == 2
+    assert all(len(c["token_ids"]) <= 4 for c in body["choices"])
+
+
+def test_should_keep_the_request_log_within_its_bytes_when_records_are_large():
+    log = RequestLog(limit=100, max_bytes=1000)
+    for i in range(10):
+        log.add({"id": i, "prompt_token_ids": [7] * 100})  # about 320 bytes of JSON each
+    assert log.bytes <= 1000 and log.dropped == 7
+    assert [r["id"] for r in log.drain()] == [7, 8, 9] and log.bytes == 0
+    log.add({"id": "huge", "prompt_token_ids": [7] * 1000})  # larger than the whole log: not kept
+    assert log.drain() == [] and log.dropped == 8
+
+
+def _recv_all(sock: socket.socket, timeout: float = 30) -> bytes:
+    """Everything the server sends until it closes the connection (b"" for a silent close)."""
+    sock.settimeout(timeout)
+    out = b""
+    while True:
+        try:
+            data = sock.recv(65536)
+        except ConnectionResetError:
+            return out
+        if not data:
+            return out
+        out += data
+
+
+def test_should_close_an_idle_connection_and_answer_408_to_slow_headers_when_their_timeouts_pass(serve):
+    ep = serve(_gen(idle_timeout_s=1, header_timeout_s=1))
+    host, port = ep.address
+    with socket.create_connection((host, port)) as idle, socket.create_connection((host, port)) as slow:
+        slow.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")  # and never the blank line
+        begin = time.monotonic()
+        assert _recv_all(idle) == b""  # closed without a word: it never sent a request
+        assert _recv_all(slow).startswith(b"HTTP/1.1 408 ")
+        assert time.monotonic() - begin < 30
+    deadline = time.monotonic() + 30
+    while ep._server.open_connections and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert ep._server.open_connections == 0 and ep._server.timed_out == 2
+
+
+def test_should_close_a_connection_past_max_connections_and_serve_again_once_one_closes(serve):
+    ep = serve(_gen(max_connections=3))
+    host, port = ep.address
+    held = [socket.create_connection((host, port)) for _ in range(3)]
+    deadline = time.monotonic() + 30
+    while ep._server.open_connections < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    with socket.create_connection((host, port)) as extra:
+        assert _recv_all(extra) == b""  # closed as soon as it was accepted
+    assert ep._server.refused == 1
+    for s in held:
+        s.close()
+    while ep._server.open_connections and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [m.id for m in _client(ep).models.list()] == ["tiny"]
+
+
+class _Slow:
+    """An engine that takes ``seconds`` per call and writes one token."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def generate(self, prompts, n, params):
+        time.sleep(self.seconds)
+        return [[Completion([5], [-0.5], "a", "stop")] * n for _ in prompts]
+
+
+def test_should_say_nothing_and_serve_on_when_a_client_drops_before_its_answer(serve, capfd, caplog):
+    ep = serve(engine=_Slow(0.5))
+    host, port = ep.address
+    body = json.dumps({"model": "tiny", "messages": MESSAGES}).encode()
+    request = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
+    caplog.set_level(logging.DEBUG, logger="trainer.generation.endpoint")
+    for _ in range(3):
+        sock = socket.create_connection((host, port))
+        sock.sendall(request)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # a reset, not a FIN
+        sock.close()  # gone while the engine samples: the answer meets a reset connection
+    deadline = time.monotonic() + 30
+    ended = []
+    while len(ended) < 3 and time.monotonic() < deadline:
+        time.sleep(0.1)
+        ended = [r for r in caplog.records if "ended" in r.getMessage()]
+    assert len(ended) == 3 and all(r.levelno == logging.DEBUG for r in ended)  # one quiet line each
+    assert _client(ep).chat.completions.create(model="tiny", messages=MESSAGES).choices  # still serving
+    out, err = capfd.readouterr()
+    assert "Traceback" not in out + err and "BrokenPipe" not in out + err
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING and "endpoint" in r.name]
+
+
+def test_should_serve_authenticated_requests_when_idle_connections_a_burst_and_slow_clients_come_at_once(
+    serve, tokenizer
+):
+    """The load test: 300 idle connections that never send a byte, 20 clients dribbling their headers, and a
+    burst of 32 authenticated requests at once, over a pool of 34 workers. Every authenticated request is
+    answered, an unauthenticated one is refused, no connection costs a thread, and the idle and slow ones are
+    closed at their timeouts."""
+    workers, burst, idle_n, slow_n = 34, 32, 300, 20
+    gen = _gen(workers=workers, max_waiting=burst, idle_timeout_s=4, header_timeout_s=5)
+    ep = serve(gen, engine=_Fixed(tokenizer, tokenizer("It is 5.", add_special_tokens=False)["input_ids"]))
+    host, port = ep.address
+    threads_before = threading.active_count()
+    idle = [socket.create_connection((host, port)) for _ in range(idle_n)]
+    slow = [socket.create_connection((host, port)) for _ in range(slow_n)]
+    try:
+        deadline = time.monotonic() + 60
+        while ep._server.open_connections < idle_n + slow_n and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ep._server.open_connections == idle_n + slow_n
+        head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + TOKEN.encode()
+        stop = threading.Event()
+
+        def dribble() -> None:  # a byte of each slow client's headers at a time, never the blank line, and
+            for i in range(
+                30
+            ):  # stopping well before the header timeout (a byte after it would meet a reset)
+                if stop.wait(0.05):
+                    return
+                for s in slow:
+                    try:
+                        s.send(head[i : i + 1])
+                    except OSError:
+                        pass
+
+        dribbler = threading.Thread(target=dribble)
+        dribbler.start()
+        client = _client(ep)
+        answers: dict[int, object] = {}
+        refused: list[int] = []
+
+        def ask(k: int) -> None:
+            try:
+                answers[k] = client.chat.completions.create(
+                    model="tiny", messages=[{"role": "user", "content": f"What is {k} + 2?"}], max_tokens=4
+                )
+            except openai.APIStatusError as e:
+                answers[k] = e.status_code
+
+        def intruder() -> None:
+            try:
+                _client(ep, token="not-the-token-0123456789").models.list()
+            except openai.AuthenticationError:
+                refused.append(401)
+
+        asks = [threading.Thread(target=ask, args=(k,)) for k in range(burst)] + [
+            threading.Thread(target=intruder)
+        ]
+        for t in asks:
+            t.start()
+        # Every connection is held meanwhile, none of them by a thread: only the acceptor and the pool run.
+        assert sum(t.name.startswith("kuberl-endpoint") for t in threading.enumerate()) == workers + 1
+        for t in asks:
+            t.join(120)
+        stop.set()
+        dribbler.join(30)
+        assert sorted(answers) == list(range(burst)) and refused == [401]
+        failed = {k: a for k, a in answers.items() if isinstance(a, int)}
+        assert not failed, failed
+        records = {r["messages"][-1]["content"] for r in ep.drain_requests()}
+        assert records == {f"What is {k} + 2?" for k in range(burst)}
+        # The idle connections are closed without a word and the slow ones with a 408, at their timeouts.
+        assert all(_recv_all(s, 60) == b"" for s in idle)
+        assert all(_recv_all(s, 60).startswith(b"HTTP/1.1 408 ") for s in slow)
+        assert threading.active_count() <= threads_before
+    finally:
+        for s in idle + slow:
+            s.close()
+
+
 def test_should_turn_a_sampled_tool_call_into_openais_shape_when_the_text_has_one(engine, tokenizer):
     ep = ChatEndpoint(engine, tokenizer, _gen(), "tiny")
     text = 'adding.<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
@@ -505,6 +736,14 @@ def test_should_keep_continuations_within_their_budget_and_continue_neither_of_t
         (["generation.endpoint.port=70000"], "must be a TCP port"),
         (["generation.endpoint.token_env="], "must name an environment variable"),
         (["generation.endpoint.record_limit=0"], "record_limit=0 must be >= 1"),
+        (["generation.endpoint.token_env=RAY_AUTH_TOKEN"], "never Ray's admin credential"),
+        (["generation.endpoint.workers=8"], "workers=8 must be >= max_waiting \\+ 2 = 18"),
+        (
+            ["generation.endpoint.header_timeout_s=0"],
+            r"header_timeout_s=0\S* must be a number of seconds > 0",
+        ),
+        (["generation.endpoint.max_n=0"], "max_n=0 must be >= 1"),
+        (["generation.endpoint.record_bytes=0"], "record_bytes=0 must be >= 1"),
     ],
 )
 def test_should_reject_a_bad_endpoint_config_in_one_line(overrides, message):
@@ -531,14 +770,19 @@ def test_should_serve_from_a_generation_actor_and_leave_no_listener_when_it_ends
             "generation.endpoint.token_env=KUBERL_TEST_ENDPOINT_TOKEN",
         ]
     )
+    driver_token = "the-drivers-own-token-0123456789"
     actor = (
         ray.remote(num_cpus=0)(GenerationWorker)
         .options(runtime_env={"env_vars": {"KUBERL_TEST_ENDPOINT_TOKEN": TOKEN}})
-        .remote(cfg, tiny_model_path, 0, 1)
+        .remote(cfg, tiny_model_path, 0, 1, endpoint_token=driver_token)
     )
     try:
         host, port = ray.get(actor.endpoint_address.remote(), timeout=180)
-        client = openai.OpenAI(base_url=f"http://{host}:{port}/v1", api_key=TOKEN, max_retries=0, timeout=120)
+        url = f"http://{host}:{port}/v1"
+        # The token the driver handed it is the one it checks, not one in the actor's environment.
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=url, api_key=TOKEN, max_retries=0, timeout=120).models.list()
+        client = openai.OpenAI(base_url=url, api_key=driver_token, max_retries=0, timeout=120)
         out = client.chat.completions.create(
             model=cfg.model.name, messages=MESSAGES, n=2, max_tokens=4, logprobs=True
         )
@@ -596,10 +840,9 @@ def test_should_serve_during_a_disaggregated_run_and_end_with_it_when_enabled(tr
 
     from ..conftest import REPO
 
-    # A Ray instance of the run's own, whose actors inherit the token's variable from the driver, as Ray
-    # containers inherit it from the pod (the session's instance started without it).
-    env = {k: v for k, v in trainer_env.items() if k != "RAY_ADDRESS"}
-    env["KUBERL_TEST_ENDPOINT_TOKEN"] = TOKEN
+    # A Ray instance of the run's own; no endpoint token in the environment: the driver makes one for the run
+    # and hands it to the generation actors.
+    env = {k: v for k, v in trainer_env.items() if k not in ("RAY_ADDRESS", "KUBERL_ENDPOINT_TOKEN")}
     args = [
         "experiment=tiny",
         f"logger.log_dir={tmp_path / 'logs'}",
@@ -609,7 +852,6 @@ def test_should_serve_during_a_disaggregated_run_and_end_with_it_when_enabled(tr
         "generation.placement=disaggregated",
         "generation.endpoint.enabled=true",
         "generation.endpoint.port=0",
-        "generation.endpoint.token_env=KUBERL_TEST_ENDPOINT_TOKEN",
     ]
     proc = subprocess.run(
         [sys.executable, "-m", "trainer", *args],

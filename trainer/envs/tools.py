@@ -8,7 +8,9 @@
   docstring, by transformers' ``get_json_schema``, and is offered to the model through the chat template's
   own ``tools=`` (:mod:`trainer.data.prompts`).
 - ``max_calls_per_turn`` (4): calls beyond it in one turn are answered with an error, not run.
-- ``tool_timeout_s`` (5): wall-clock seconds per call; ``tool_memory_mb`` (1024): address space per call.
+- ``tool_timeout_s`` (5): wall-clock seconds per call; ``tool_memory_mb`` (1024): address space per call;
+  ``tool_cpu_s`` (null: the timeout, rounded up): CPU seconds per process of a call; ``tool_max_processes``
+  (64): processes and threads a call may add.
 - ``max_result_chars`` (1000): a longer result is cut, and says so.
 
 After each model turn the episode parses its calls, Hermes-style (:mod:`trainer.envs.tool_calls`) unless
@@ -18,8 +20,15 @@ or unknown call included (its error is the message, so the model can fix it). A 
 rollout loop also ends it at ``grpo.max_rollout_turns`` or when the sample's token budget is spent.
 
 Each call runs in a child process forked from a clean server process (multiprocessing's ``forkserver``:
-no threads of the driver come along), under a memory limit, and is killed at its timeout: an argument
-that makes a tool loop, hang or eat memory costs that call an error message, never the run. The
+no threads of the driver come along), in a process group of its own, under memory, CPU-time and
+process-count limits (``RLIMIT_AS``, ``RLIMIT_CPU``, ``RLIMIT_NPROC``), and its whole group is killed when the
+call ends, at its timeout or with its answer: a process the tool started (a ``sleep`` in the background) does
+not outlive the call, and an argument that makes a tool loop, hang, fork or eat memory costs that call an error
+message, never the run. There is no in-process path: a tool always runs in its child. ``RLIMIT_NPROC`` counts
+the threads of the whole uid, so the limit is what the uid runs at the call's start plus
+``tool_max_processes``; the kernel does not enforce it for root (a container running as root bounds a fork bomb
+by the call's timeout and the group kill only). A tool that leaves its process group itself (``setsid``) is not
+followed: tools are the run's own code, only their arguments are the model's. The
 ``python`` tool runs the model's code in the sandbox (:mod:`trainer.sandbox`), isolated like the code
 rewards' programs, on the driver's node: a cluster with a sandbox group (whose code must run on its nodes
 only) refuses it.
@@ -34,6 +43,7 @@ import math
 import multiprocessing
 import operator
 import os
+import signal
 import time
 import traceback
 from collections.abc import Callable
@@ -133,12 +143,30 @@ BUILTIN_TOOLS = {"calculator": f"{__name__}:calculator", "python": f"{__name__}:
 # ----- running a call in a child process --------------------------------------------------------------
 
 
-def _call(target: str, arguments: dict[str, Any], memory_mb: int, conn) -> None:
-    """In the child: limit memory, import and call the tool, send back (ok, text)."""
+def _count_tasks(uid: int) -> int:
+    """Threads of ``uid`` on this machine (what RLIMIT_NPROC counts)."""
+    n = 0
+    for entry in os.scandir("/proc"):
+        try:
+            if entry.name.isdigit() and entry.stat().st_uid == uid:
+                n += len(os.listdir(f"/proc/{entry.name}/task"))
+        except OSError:  # gone meanwhile
+            pass
+    return n
+
+
+def _call(target: str, arguments: dict[str, Any], limits: tuple[int, int, int], conn) -> None:
+    """In the child: a process group of its own, the limits (memory MiB, CPU seconds, processes), then import
+    and call the tool, send back (ok, text)."""
     import resource
 
-    limit = memory_mb << 20
-    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    os.setsid()  # first: whatever the tool starts is in the group the parent kills whole
+    memory_mb, cpu_s, processes = limits
+    resource.setrlimit(resource.RLIMIT_AS, (memory_mb << 20, memory_mb << 20))
+    # The kernel sends SIGXCPU at the soft limit and SIGKILL at the hard one.
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
+    nproc = _count_tasks(os.getuid()) + processes  # per uid: what runs already, and this many more
+    resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
     try:
         module, attr = target.split(":")
         result = getattr(importlib.import_module(module), attr)(**arguments)
@@ -178,11 +206,22 @@ def stop_processes() -> None:
     _CONTEXT = None
 
 
-def run_tool(target: str, arguments: dict[str, Any], timeout_s: float, memory_mb: int) -> tuple[bool, str]:
-    """Call ``target`` (``module:function``) with ``arguments`` in a child process: (ok, result or error)."""
+def run_tool(
+    target: str,
+    arguments: dict[str, Any],
+    timeout_s: float,
+    memory_mb: int,
+    cpu_s: int | None = None,
+    max_processes: int = 64,
+) -> tuple[bool, str]:
+    """Call ``target`` (``module:function``) with ``arguments`` in a child process, its own process group killed
+    whole when the call ends: (ok, result or error). ``cpu_s``: CPU seconds per process (None: the timeout,
+    rounded up); ``max_processes``: processes and threads the call may add (RLIMIT_NPROC, module docstring)."""
+    cpu = cpu_s if cpu_s is not None else max(1, math.ceil(timeout_s))
     ctx = _context()
     recv, send = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_call, args=(target, arguments, memory_mb, send), daemon=True)
+    limits = (memory_mb, cpu, max_processes)
+    proc = ctx.Process(target=_call, args=(target, arguments, limits, send), daemon=True)
     proc.start()
     send.close()
     try:
@@ -191,14 +230,31 @@ def run_tool(target: str, arguments: dict[str, Any], timeout_s: float, memory_mb
                 return recv.recv()
             except (EOFError, OSError):
                 pass  # the child died before it answered
-        elif proc.is_alive():
+        else:
             return False, f"the call timed out after {timeout_s:g}s"
-        return False, f"the tool's process died (exit code {proc.exitcode}); it may have run out of memory"
     finally:
         recv.close()
-        if proc.is_alive():
-            proc.kill()
-        proc.join(timeout=5)
+        _end_group(proc)
+    return False, (
+        f"the tool's process died (exit code {proc.exitcode}); it may have run out of memory, "
+        f"CPU time ({cpu}s) or processes ({max_processes})"
+    )
+
+
+def _end_group(proc) -> None:
+    """Kill the call's process group, then the child itself (in case it had not made its group yet), and the
+    group once more (a process it started in that moment). The group's id stays the child's pid while any
+    member lives, so it names no one else."""
+    for kill in (lambda: os.killpg(proc.pid, signal.SIGKILL), proc.kill):
+        try:
+            kill()
+        except (ProcessLookupError, PermissionError):
+            pass
+    proc.join(timeout=5)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 # ----- the environment --------------------------------------------------------------------------------
@@ -265,7 +321,12 @@ class ToolEpisode:
                 ok, out = False, f"there is no tool {name!r}; the tools are {', '.join(env.targets)}"
             else:
                 ok, out = run_tool(
-                    env.targets[name], call["arguments"], env.tool_timeout_s, env.tool_memory_mb
+                    env.targets[name],
+                    call["arguments"],
+                    env.tool_timeout_s,
+                    env.tool_memory_mb,
+                    env.tool_cpu_s,
+                    env.tool_max_processes,
                 )
             if len(out) > env.max_result_chars:
                 out = out[: env.max_result_chars] + f"... (cut at {env.max_result_chars} characters)"
@@ -292,13 +353,20 @@ class ToolEnvironment:
         tool_timeout_s: float = 5.0,
         tool_memory_mb: int = 1024,
         max_result_chars: int = 1000,
+        tool_cpu_s: int | None = None,
+        tool_max_processes: int = 64,
     ):
         if not tools or not isinstance(tools, (list, tuple)):
             raise ConfigError(
                 "env.environment_kwargs.tools must be a non-empty list of tools "
                 f"({', '.join(BUILTIN_TOOLS)}, module:function or {{function, schema}}), got {tools!r}"
             )
-        for key, value in (("max_calls_per_turn", max_calls_per_turn), ("tool_memory_mb", tool_memory_mb)):
+        for key, value in (
+            ("max_calls_per_turn", max_calls_per_turn),
+            ("tool_memory_mb", tool_memory_mb),
+            ("tool_max_processes", tool_max_processes),
+            ("tool_cpu_s", 1 if tool_cpu_s is None else tool_cpu_s),
+        ):
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"env.environment_kwargs.{key}={value!r} must be an integer >= 1")
         if not isinstance(max_result_chars, int) or max_result_chars < 16:
@@ -332,6 +400,7 @@ class ToolEnvironment:
             )
         self.max_calls_per_turn, self.tool_timeout_s = max_calls_per_turn, float(tool_timeout_s)
         self.tool_memory_mb, self.max_result_chars = tool_memory_mb, max_result_chars
+        self.tool_cpu_s, self.tool_max_processes = tool_cpu_s, tool_max_processes
         self.parser: ToolCallParser = HermesParser()
 
     def use_tool_parser(self, parser: ToolCallParser) -> None:

@@ -25,22 +25,33 @@ rendered whole, and one whose last assistant message was not found is counted (`
 once, with the reason. The match is exact: the tool calls' ids are the endpoint's own, and two samples that
 end the same conversation with the same message but different ids cannot be told apart, so neither is continued.
 
-Safety (STYLE 16): every request carries ``Authorization: Bearer <token>``, the run's own Ray token by
-default (``generation.endpoint.token_env``), compared in constant time; without a token the endpoint
-does not start. It listens on the pod's own address ($POD_IP, from the chart's downward API) or
-127.0.0.1, never on every interface unless ``generation.endpoint.bind`` says so, and the chart's
-NetworkPolicy admits only the release's own pods.
+Safety (STYLE 16): every request carries ``Authorization: Bearer <token>``, compared in constant time, with
+the endpoint's own token: ``$KUBERL_ENDPOINT_TOKEN`` (``generation.endpoint.token_env``), else one the driver
+makes at random for the run and hands to the engines and its in-process callers (:func:`read_token`). Never
+Ray's token (``RAY_AUTH_TOKEN``): a harness that may call the endpoint must not be able to submit Ray jobs, so
+an endpoint whose token is Ray's does not start. It listens on the pod's own address ($POD_IP, from the chart's
+downward API) or 127.0.0.1, never on every interface unless ``generation.endpoint.bind`` says so, and the
+chart's NetworkPolicy admits only the release's own pods.
+
+Bounds: connections are held by one acceptor thread until their headers are whole and only then handed to a
+fixed pool of ``workers`` (:class:`_Server`), so idle connections and slow clients hold a file descriptor each
+(at most ``max_connections``), not a thread, and are closed at their ``idle_timeout_s`` or
+``header_timeout_s``; a body and an answer take at most ``read_timeout_s``; a client that goes away costs a
+debug line, not a traceback. Each request is refused with a 4xx that names the key raising its limit past
+``max_body_bytes``, ``max_n`` samples, ``max_tokens`` and ``max_prompt_tokens``; one engine call carries at
+most ``max_batch_prompts`` requests.
 
 One engine serves both the trainer and the endpoint, one call at a time (:class:`EngineGate`): a request
 waits while the trainer generates or a refit loads weights, at most ``wait_timeout_s``, behind at most
 ``max_waiting`` others, and otherwise gets a 503 that says why; the trainer's calls go first. Requests that
 wait together go to the engine as one call (:meth:`ChatEndpoint.sample`): a harness's concurrent rollouts
 are sampled as a batch, as the trainer's own are. Each
-request's prompt ids, sampled ids and logprobs are kept in a bounded ring (:class:`RequestLog`) that the
-driver drains through the actor, to train on what a harness sampled.
+request's prompt ids, sampled ids and logprobs are kept in a ring bounded in count and bytes
+(:class:`RequestLog`) that the driver may drain through the actor.
 
-The server is the standard library's threaded HTTP server (no dependency, and none on vLLM); its
-owner (:class:`~trainer.generation.worker.GenerationWorker`) starts it and shuts it down with itself.
+The server is the standard library's HTTP request handler behind the acceptor and pool above (no dependency,
+and none on vLLM); its owner (:class:`~trainer.generation.worker.GenerationWorker`) starts it and shuts it down
+with itself.
 """
 
 from __future__ import annotations
@@ -51,6 +62,9 @@ import hmac
 import json
 import logging
 import os
+import queue
+import secrets
+import selectors
 import socket
 import threading
 import time
@@ -59,7 +73,7 @@ from array import array
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 import torch
@@ -69,9 +83,7 @@ from trainer.data.prompts import TurnEncoder, encode_prompt
 from trainer.envs.tool_calls import content_of, offer_tools, parse_tool_calls, takes_tools
 from trainer.generation.base import Completion, GenerationEngine, SamplingParams
 
-MAX_BODY_BYTES = 16 * 2**20  # a chat request with a long conversation and its tools fits many times
-MAX_N = 256  # samples per request: bounds what one request can make the engine do
-MAX_BATCH_PROMPTS = 256  # waiting requests one engine call takes along, at most
+MAX_HEADER_BYTES = 64 * 2**10  # a request's line and headers; more is refused (431) before a worker sees it
 # Token ids the continuations keep (int32: 128 MiB), the least recently used dropped first: a harness's
 # rollouts in flight need only their last turn each (256 rollouts of 32k tokens fill a quarter of it).
 CONTINUATION_TOKENS = 2**25
@@ -95,14 +107,326 @@ class BadRequest(Exception):
         self.param = param
 
 
-class _Server(ThreadingHTTPServer):
+class _Conn:
+    """One client connection: its socket, the bytes read from it and not yet handled, and until when it may
+    stay open without a whole request's headers."""
+
+    __slots__ = ("sock", "addr", "buf", "deadline", "started")
+
+    def __init__(self, sock: socket.socket, addr: Any, buf: bytes, deadline: float, started: bool):
+        self.sock, self.addr, self.buf, self.deadline, self.started = sock, addr, buf, deadline, started
+
+
+def _headers_end(buf: bytes) -> bool:
+    return b"\r\n\r\n" in buf or b"\n\n" in buf  # http.client reads bare newlines too
+
+
+class _Reader:
+    """A request's bytes: those the acceptor read first, then the socket's, all by one ``deadline``
+    (``rfile`` for :class:`~http.server.BaseHTTPRequestHandler`: ``readline`` and ``read``). What is left after
+    a request (a pipelined next one) goes back to the acceptor with the connection."""
+
+    def __init__(self, sock: socket.socket, buf: bytes, deadline: float):
+        self.sock, self.buf, self.deadline = sock, bytearray(buf), deadline
+
+    def _fill(self) -> bool:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the request was not read within its timeout")
+        self.sock.settimeout(left)
+        data = self.sock.recv(1 << 16)  # socket.timeout is a TimeoutError: the handler closes the connection
+        self.buf += data
+        return bool(data)
+
+    def readline(self, limit: int = -1) -> bytes:
+        while True:
+            end = self.buf.find(b"\n") + 1
+            if end and (limit < 0 or end <= limit):
+                break
+            if 0 <= limit <= len(self.buf):
+                end = limit
+                break
+            if not self._fill():
+                end = len(self.buf)
+                break
+        out = bytes(self.buf[:end])
+        del self.buf[:end]
+        return out
+
+    def read(self, n: int) -> bytes:
+        while len(self.buf) < n and self._fill():
+            pass
+        out = bytes(self.buf[:n])
+        del self.buf[:n]
+        return out
+
+
+class _Writer:
+    """``wfile``: unbuffered, every write sent whole (the socket's timeout bounds a client that never reads)."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+
+    def write(self, data: bytes) -> int:
+        self.sock.sendall(data)
+        return len(data)
+
+    def flush(self) -> None:
+        pass
+
+
+class _Server:
+    """The endpoint's HTTP server: one acceptor thread and a fixed pool of workers, instead of the standard
+    library's thread per connection. The acceptor holds every connection that has no whole request yet (a new
+    one, a kept-alive one between requests, a slow client still sending its headers) in a selector, at the cost
+    of a file descriptor and its bytes so far, and closes it at its deadline: ``idle_timeout_s`` without a byte,
+    ``header_timeout_s`` from the first byte to the end of the headers. Only a connection whose headers have all
+    arrived goes to a worker, which reads its body and answers within ``read_timeout_s``, then hands a
+    kept-alive connection back. So idle and slow clients cannot hold the workers, and connections past
+    ``max_connections`` are closed as soon as they are accepted."""
+
     # The listen backlog: the standard library's 5 overflows when a harness opens dozens of connections at
     # once, and a connection the kernel drops waits a second for its retried SYN.
     request_queue_size = 1024
 
+    def __init__(self, host: str, port: int, handler: type[BaseHTTPRequestHandler], cfg: EndpointConfig):
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET  # a pod IP (or bind) in an IPv6 cluster
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+            sock.listen(self.request_queue_size)
+            sock.setblocking(False)
+        except BaseException:
+            sock.close()
+            raise
+        self.socket, self.handler, self.cfg = sock, handler, cfg
+        self.server_address = sock.getsockname()
+        self.refused = 0  # connections closed on accepting: max_connections were open
+        self.timed_out = 0  # connections closed at their idle or header deadline
+        self._selector = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()  # a worker hands a connection back; shutdown
+        self._wake_r.setblocking(False)
+        self._returned: collections.deque[_Conn] = collections.deque()
+        self._ready: queue.SimpleQueue[_Conn | None] = queue.SimpleQueue()  # whole headers, for a worker
+        self._lock = threading.Lock()
+        self._open = 0
+        self._active: set[_Conn] = set()  # connections a worker holds
+        self._stopping = False
+        self._threads: list[threading.Thread] = []
 
-class _Server6(_Server):
-    address_family = socket.AF_INET6  # a pod IP (or bind) in an IPv6 cluster
+    def start(self) -> None:
+        self._selector.register(self.socket, selectors.EVENT_READ, "accept")
+        self._selector.register(self._wake_r, selectors.EVENT_READ, "wake")
+        self._threads = [threading.Thread(target=self._accept_loop, name="kuberl-endpoint", daemon=True)]
+        self._threads += [
+            threading.Thread(target=self._work, name=f"kuberl-endpoint-worker-{i}", daemon=True)
+            for i in range(self.cfg.workers)
+        ]
+        for t in self._threads:
+            t.start()
+
+    def shutdown(self, grace_s: float = 5.0) -> None:
+        """Stop accepting, close every connection, end the threads (a worker still in the engine ends when its
+        call does: it is a daemon, and the gate is already closed to whatever would follow)."""
+        with self._lock:
+            self._stopping = True
+            active = list(self._active)
+        self._wake()
+        for conn in active:  # a worker reading or writing returns at once
+            try:
+                conn.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        for _ in range(self.cfg.workers):
+            self._ready.put(None)
+        deadline = time.monotonic() + grace_s
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        # What no thread took any more: handed back, or queued for a worker as the pool ended.
+        left = list(self._returned)
+        self._returned.clear()
+        while not self._ready.empty():
+            queued = self._ready.get_nowait()
+            if queued is not None:
+                left.append(queued)
+        for conn in left:
+            self._close(conn)
+        self._wake_r.close()
+        self._wake_w.close()
+
+    @property
+    def open_connections(self) -> int:
+        with self._lock:
+            return self._open
+
+    # -- the acceptor ----------------------------------------------------------------------------------
+
+    def _wake(self) -> None:
+        try:
+            self._wake_w.send(b"x")
+        except OSError:  # its buffer is full: a wake-up is pending anyway
+            pass
+
+    def _accept_loop(self) -> None:
+        sweep = time.monotonic()
+        try:
+            while not self._stopping:
+                for key, _ in self._selector.select(timeout=0.25):
+                    if key.data == "accept":
+                        self._accept()
+                    elif key.data == "wake":
+                        self._take_back()
+                    else:
+                        self._receive(key.data)
+                now = time.monotonic()
+                if now - sweep >= 0.25:
+                    sweep = now
+                    self._expire(now)
+        finally:
+            for key in list(self._selector.get_map().values()):
+                if isinstance(key.data, _Conn):
+                    self._close(key.data)
+            self._selector.close()
+            self.socket.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, addr = self.socket.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:  # out of file descriptors, or the client reset it already
+                log.debug("generation.endpoint: accept failed: %s", e)
+                return
+            with self._lock:
+                full = self._open >= self.cfg.max_connections
+                if not full:
+                    self._open += 1
+            if full:
+                self.refused += 1
+                sock.close()
+                continue
+            sock.setblocking(False)
+            conn = _Conn(sock, addr, b"", time.monotonic() + self.cfg.idle_timeout_s, started=False)
+            self._selector.register(sock, selectors.EVENT_READ, conn)
+
+    def _receive(self, conn: _Conn) -> None:
+        try:
+            data = conn.sock.recv(1 << 16)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:  # the client went away
+            self._selector.unregister(conn.sock)
+            self._close(conn)
+            return
+        conn.buf += data
+        self._check(conn, registered=True)
+
+    def _check(self, conn: _Conn, registered: bool) -> None:
+        """A connection with bytes: to a worker once its headers are whole; refused once they are too long."""
+        if conn.buf and not conn.started:
+            conn.started = True
+            conn.deadline = time.monotonic() + self.cfg.header_timeout_s
+        if _headers_end(conn.buf[: MAX_HEADER_BYTES + 2]):
+            if registered:
+                self._selector.unregister(conn.sock)
+            self._ready.put(conn)
+        elif len(conn.buf) > MAX_HEADER_BYTES:
+            if registered:
+                self._selector.unregister(conn.sock)
+            self._reply_and_close(conn, 431, f"the request's headers are over {MAX_HEADER_BYTES} bytes")
+        elif not registered:
+            self._selector.register(conn.sock, selectors.EVENT_READ, conn)
+
+    def _take_back(self) -> None:
+        try:
+            while self._wake_r.recv(4096):
+                pass
+        except (BlockingIOError, InterruptedError):
+            pass
+        while self._returned:
+            conn = self._returned.popleft()
+            conn.sock.setblocking(False)
+            conn.started = False
+            conn.deadline = time.monotonic() + self.cfg.idle_timeout_s
+            self._check(conn, registered=False)
+
+    def _expire(self, now: float) -> None:
+        for key in list(self._selector.get_map().values()):
+            conn = key.data
+            if isinstance(conn, _Conn) and conn.deadline <= now:
+                self._selector.unregister(conn.sock)
+                self.timed_out += 1
+                if conn.started:  # headers begun and not finished in time: say so
+                    self._reply_and_close(
+                        conn,
+                        408,
+                        "the request's headers did not arrive within "
+                        f"generation.endpoint.header_timeout_s={self.cfg.header_timeout_s:g}s",
+                    )
+                else:
+                    self._close(conn)
+
+    def _reply_and_close(self, conn: _Conn, status: int, message: str) -> None:
+        """A last answer, sent only as far as the socket takes it at once (the client may not be reading)."""
+        body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "code": None}})
+        reason = {408: "Request Timeout", 431: "Request Header Fields Too Large"}[status]
+        data = (
+            f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n{body}"
+        ).encode()
+        try:
+            conn.sock.send(data)
+        except OSError:
+            pass
+        self._close(conn)
+
+    def _close(self, conn: _Conn) -> None:
+        try:
+            conn.sock.close()
+        finally:
+            with self._lock:
+                self._open -= 1
+
+    # -- the workers -----------------------------------------------------------------------------------
+
+    def _work(self) -> None:
+        while True:
+            conn = self._ready.get()
+            if conn is None:
+                return
+            with self._lock:
+                if self._stopping:
+                    conn.sock.close()
+                    self._open -= 1
+                    continue
+                self._active.add(conn)
+            keep = False
+            try:
+                keep = self._serve(conn)
+            except OSError as e:  # the client went away (a broken pipe, a reset) or stopped sending: one line
+                log.debug("generation.endpoint: connection from %s ended: %s", conn.addr, e)
+            except Exception as e:  # a fault of ours: one line, and the worker lives on
+                log.warning("generation.endpoint: a request failed: %s: %s", type(e).__name__, e)
+            with self._lock:
+                self._active.discard(conn)
+                keep = keep and not self._stopping
+                if keep:
+                    self._returned.append(conn)
+            if keep:
+                self._wake()
+            else:
+                self._close(conn)
+
+    def _serve(self, conn: _Conn) -> bool:
+        """One request on ``conn``; whether the connection stays open for another."""
+        conn.sock.setblocking(True)
+        handler = self.handler(conn, conn.addr, self)  # type: ignore[arg-type]  # serves it in its constructor
+        conn.buf = bytes(handler.rfile.buf)  # type: ignore[attr-defined]  # a _Reader (_handler's setup)
+        return not handler.close_connection
 
 
 class EngineGate:
@@ -206,23 +530,36 @@ class _Job:
 
 
 class RequestLog:
-    """The last ``limit`` requests' tokens, oldest dropped first, for the driver to train on."""
+    """The last ``limit`` requests' tokens, at most ``max_bytes`` of them (each record's JSON size), oldest
+    dropped first, for the driver to drain (:meth:`ChatEndpoint.drain_requests`). Nothing in the training loop
+    drains it today (env.verifiers trains on the answers its harness kept), so the bounds are what keeps it
+    from growing with every request a harness sends."""
 
-    def __init__(self, limit: int):
-        self._records: collections.deque[dict] = collections.deque(maxlen=limit)
+    def __init__(self, limit: int, max_bytes: int):
+        self.limit, self.max_bytes = limit, max_bytes
+        self._records: collections.deque[tuple[dict, int]] = collections.deque()
         self._lock = threading.Lock()
-        self.dropped = 0  # records pushed out before anyone drained them
+        self.bytes = 0  # the records' JSON size, now
+        self.dropped = 0  # records pushed out (or too large to keep) before anyone drained them
 
     def add(self, record: dict) -> None:
+        size = len(json.dumps(record, default=str))
         with self._lock:
-            if len(self._records) == self._records.maxlen:
+            if size > self.max_bytes:
                 self.dropped += 1
-            self._records.append(record)
+                return
+            self._records.append((record, size))
+            self.bytes += size
+            while len(self._records) > self.limit or self.bytes > self.max_bytes:
+                _, gone = self._records.popleft()
+                self.bytes -= gone
+                self.dropped += 1
 
     def drain(self) -> list[dict]:
         with self._lock:
-            out = list(self._records)
+            out = [record for record, _ in self._records]
             self._records.clear()
+            self.bytes = 0
             return out
 
 
@@ -312,15 +649,41 @@ def _conversation_key(tools: list | None, history: list[dict], answer: dict) -> 
     return h.digest()
 
 
+MIN_TOKEN_CHARS = 16
+_generated: str | None = None  # this process's own token, when $token_env holds none
+_generated_lock = threading.Lock()
+
+
 def read_token(env: str) -> str:
-    """The bearer token every request must carry, from ``$env``; none there: the endpoint refuses to start."""
+    """The endpoint's bearer token: ``$env`` (``generation.endpoint.token_env``), else one made at random
+    once per process. The driver calls it before it starts the generation actors and hands them the same
+    token with their arguments (:class:`~trainer.generation.placement.DisaggregatedGenerator`), as it reads
+    their addresses back, so its in-process callers (env.verifiers) hold it and nobody else does. Never Ray's
+    token: whoever may call the endpoint must not be able to submit Ray jobs (EndpointError otherwise)."""
+    global _generated
     token = os.environ.get(env, "")
     if not token:
-        raise EndpointError(
-            f"generation.endpoint needs a token: ${env} is unset or empty (the chart's auth.mode=token sets "
-            "RAY_AUTH_TOKEN in every Ray container; or point generation.endpoint.token_env at another variable)"
-        )
+        with _generated_lock:
+            if _generated is None:
+                _generated = secrets.token_urlsafe(32)
+            token = _generated
+    check_token(token, f"${env}")
     return token
+
+
+def check_token(token: str, where: str) -> None:
+    """EndpointError unless ``token`` is long enough and is not Ray's (``$RAY_AUTH_TOKEN``)."""
+    if len(token) < MIN_TOKEN_CHARS:
+        raise EndpointError(
+            f"generation.endpoint: the token in {where} has {len(token)} characters, fewer than "
+            f"{MIN_TOKEN_CHARS}; set a random one (python -c 'import secrets; print(secrets.token_urlsafe(32))')"
+        )
+    ray_token = os.environ.get("RAY_AUTH_TOKEN", "")
+    if ray_token and hmac.compare_digest(token.encode(), ray_token.encode()):
+        raise EndpointError(
+            f"generation.endpoint: the token in {where} is Ray's ($RAY_AUTH_TOKEN); the endpoint needs a token "
+            "of its own (unset it for a random one per run, or set another in generation.endpoint.token_env)"
+        )
 
 
 def bind_address(bind: str | None) -> str:
@@ -402,12 +765,16 @@ class ChatEndpoint:
         model_name: str,
         max_model_len: int | None = None,
         gate: EngineGate | None = None,
+        token: str | None = None,
     ):
+        """``token``: the bearer token requests must carry (the driver's, handed to the actor); None: the
+        endpoint's own, from :func:`read_token`."""
         cfg: EndpointConfig = gen.endpoint
+        self._token = token
         self.engine, self.tokenizer, self.gen, self.cfg = engine, tokenizer, gen, cfg
         self.model_name, self.max_model_len = model_name, max_model_len
         self.gate = gate or EngineGate(cfg.max_waiting, cfg.wait_timeout_s)
-        self.log = RequestLog(cfg.record_limit)
+        self.log = RequestLog(cfg.record_limit, cfg.record_bytes)
         self.continuations = Continuations()
         self.continued = 0  # requests prompted from the ids sampled for an earlier one
         self.unmatched = 0  # requests whose last assistant message no sample here ended: rendered whole
@@ -418,8 +785,7 @@ class ChatEndpoint:
         # The owner's intra-op threads: a request runs the engine from a server thread, whose OpenMP
         # team would otherwise take every core (and vLLM's CPU attention checks it against its plan).
         self.threads = torch.get_num_threads()
-        self._server: ThreadingHTTPServer | None = None
-        self._thread: threading.Thread | None = None
+        self._server: _Server | None = None
         self._jobs: list[_Job] = []  # requests waiting for the engine, oldest first
         self._jobs_lock = threading.Lock()
 
@@ -428,15 +794,18 @@ class ChatEndpoint:
     def start(self, port: int | None = None) -> tuple[str, int]:
         """Listen on ``bind_address`` at the first free port of ``port`` (default ``cfg.port``) ..
         ``port + cfg.ports - 1`` (the engines of one pod take consecutive ports); returns (host, port)."""
-        token = read_token(self.cfg.token_env)  # before binding: without a token nothing listens
+        if self._token is None:
+            self._token = read_token(self.cfg.token_env)
+        check_token(
+            self._token, "the token handed to the endpoint"
+        )  # before binding: nothing listens without
         host = bind_address(self.cfg.bind)
         first = self.cfg.port if port is None else port
         candidates = [0] if first == 0 else list(range(first, first + self.cfg.ports))
-        handler = _handler(self, token.encode())
-        server_class = _Server6 if ":" in host else _Server
+        handler = _handler(self, self._token.encode())
         for p in candidates:
             try:
-                server = server_class((host, p), handler)
+                server = _Server(host, p, handler, self.cfg)
                 break
             except OSError as e:
                 last = e
@@ -445,11 +814,14 @@ class ChatEndpoint:
                 f"generation.endpoint: no free port on {host} in {first}-{candidates[-1]} ({last.strerror}); "
                 "raise generation.endpoint.ports or choose another generation.endpoint.port"
             )
-        server.daemon_threads = True  # a request still in the engine does not hold up shutdown
         self._server = server
-        self._thread = threading.Thread(target=server.serve_forever, name="kuberl-endpoint", daemon=True)
-        self._thread.start()
+        server.start()
         return self.address
+
+    @property
+    def token(self) -> str | None:
+        """The bearer token requests must carry (set by :meth:`start`), for in-process callers."""
+        return self._token
 
     @property
     def address(self) -> tuple[str, int]:
@@ -463,10 +835,6 @@ class ChatEndpoint:
         server, self._server = self._server, None
         if server is not None:
             server.shutdown()
-            server.server_close()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
 
     def drain_requests(self) -> list[dict]:
         """Every request recorded since the last drain: ``prompt_token_ids`` and per choice ``token_ids``,
@@ -495,6 +863,12 @@ class ChatEndpoint:
             raise BadRequest("tools must be a list", "tools")
         params, n = self._params(body)
         prompt, extends = self._prompt(messages, tools)
+        if len(prompt) > self.cfg.max_prompt_tokens:
+            raise BadRequest(
+                f"the prompt's {len(prompt)} tokens are over the limit of {self.cfg.max_prompt_tokens} a request "
+                "(generation.endpoint.max_prompt_tokens)",
+                "messages",
+            )
         if self.max_model_len is not None and len(prompt) + params.max_new_tokens > self.max_model_len:
             raise BadRequest(
                 f"the prompt ({len(prompt)} tokens) plus max_tokens ({params.max_new_tokens}) is over the "
@@ -594,7 +968,7 @@ class ChatEndpoint:
     def sample(self, prompt: list[int], n: int, params: SamplingParams) -> list[Completion]:
         """``n`` samples of ``prompt``. Requests that wait for the engine together go to it as one call: the
         request that gets the engine takes along every waiting request its call can carry (:meth:`_Job.joins`,
-        at most MAX_BATCH_PROMPTS prompts), so a harness's concurrent rollouts are sampled as one batch, as the
+        at most ``generation.endpoint.max_batch_prompts`` prompts), so a harness's concurrent rollouts are sampled as one batch, as the
         trainer's own are, instead of one after another. A batch's seeded requests draw from their own seeds
         (``SamplingParams.seeds``), so on vLLM a request draws alike alone or batched."""
         job = _Job(prompt, n, params)
@@ -620,7 +994,7 @@ class ChatEndpoint:
         with self._jobs_lock:
             batch = [job]
             for other in self._jobs:
-                if len(batch) == MAX_BATCH_PROMPTS:
+                if len(batch) == self.cfg.max_batch_prompts:
                     break
                 if other is not job and other.joins(job):
                     batch.append(other)
@@ -650,10 +1024,20 @@ class ChatEndpoint:
 
     def _params(self, body: dict) -> tuple[SamplingParams, int]:
         gen = self.gen
-        n = _int(body, "n", 1, MAX_N) or 1
-        max_tokens = _int(body, "max_completion_tokens", 1)
-        if max_tokens is None:
-            max_tokens = _int(body, "max_tokens", 1)
+        cfg = self.cfg
+        n = _int(body, "n", 1) or 1
+        if n > cfg.max_n:
+            raise BadRequest(
+                f"n={n} is over the limit of {cfg.max_n} samples a request (generation.endpoint.max_n)", "n"
+            )
+        key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+        max_tokens = _int(body, key, 1)
+        if max_tokens is not None and max_tokens > cfg.max_tokens:
+            raise BadRequest(
+                f"{key}={max_tokens} is over the limit of {cfg.max_tokens} tokens a request "
+                "(generation.endpoint.max_tokens)",
+                key,
+            )
         temperature = _float(body, "temperature", 0.0, 2.0)
         top_p = _float(body, "top_p", 0.0, 1.0)
         if top_p == 0.0:
@@ -667,7 +1051,7 @@ class ChatEndpoint:
         if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) and s for s in stop)):
             raise BadRequest("stop must be a string or a list of non-empty strings", "stop")
         params = SamplingParams(
-            max_new_tokens=max_tokens or gen.max_new_tokens,
+            max_new_tokens=max_tokens or min(gen.max_new_tokens, cfg.max_tokens),
             temperature=gen.temperature if temperature is None else temperature,
             top_p=gen.top_p if top_p is None else top_p,
             top_k=gen.top_k,
@@ -716,15 +1100,35 @@ class ChatEndpoint:
 def _handler(endpoint: ChatEndpoint, token: bytes) -> type[BaseHTTPRequestHandler]:
     expected = b"Bearer " + token
 
+    cfg = endpoint.cfg
+
     class Handler(BaseHTTPRequestHandler):
+        """One request on a connection :class:`_Server` hands it (headers whole), read and answered within
+        ``read_timeout_s``; the connection goes back to the acceptor after, unless it is to close."""
+
         protocol_version = "HTTP/1.1"  # keep-alive: an OpenAI client reuses its connection
         server_version = "kuberl"
+
+        def setup(self) -> None:
+            conn: _Conn = self.request  # _Server passes its _Conn
+            self.connection = conn.sock
+            deadline = time.monotonic() + cfg.read_timeout_s
+            self.rfile = _Reader(conn.sock, conn.buf, deadline)  # type: ignore[assignment]  # readline, read
+            self.wfile = _Writer(conn.sock)  # type: ignore[assignment]  # write, flush
+
+        def handle(self) -> None:
+            self.close_connection = True
+            self.handle_one_request()
+
+        def finish(self) -> None:
+            pass  # the server closes the connection, or keeps it for the next request
 
         def log_message(self, format: str, *args: Any) -> None:
             pass  # a harness sends thousands of requests; the request log is what the driver reads
 
         def _send(self, status: int, payload: dict, headers: dict[str, str] | None = None) -> None:
             data = json.dumps(payload).encode()
+            self.connection.settimeout(cfg.read_timeout_s)  # a client that never reads its answer
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
@@ -771,12 +1175,25 @@ def _handler(endpoint: ChatEndpoint, token: bytes) -> type[BaseHTTPRequestHandle
                 self.close_connection = True
                 self._error(404, "not_found", f"no route POST {self.path}")
                 return
-            if not 0 <= length <= MAX_BODY_BYTES:
+            if length < 0:
                 self.close_connection = True
-                self._error(413, "invalid_request_error", f"a body of 0 to {MAX_BODY_BYTES} bytes is needed")
+                self._error(400, "invalid_request_error", "Content-Length must be a number of bytes")
+                return
+            if length > cfg.max_body_bytes:
+                self.close_connection = True  # the body is not read
+                self._error(
+                    413,
+                    "invalid_request_error",
+                    f"the body's {length} bytes are over the limit of {cfg.max_body_bytes} "
+                    "(generation.endpoint.max_body_bytes)",
+                )
+                return
+            data = self.rfile.read(length)
+            if len(data) < length:  # the client closed before its whole body
+                self.close_connection = True
                 return
             try:
-                body = json.loads(self.rfile.read(length) or b"null")
+                body = json.loads(data or b"null")
             except ValueError as e:
                 self._error(400, "invalid_request_error", f"the body is not JSON: {e}")
                 return

@@ -33,8 +33,9 @@ from ray.exceptions import RayActorError
 
 from trainer import watchdog
 from trainer.cluster import in_bundle, reserve, split
-from trainer.config import Config
+from trainer.config import Config, ConfigError
 from trainer.generation.base import SamplingParams
+from trainer.generation.endpoint import EndpointError, read_token
 from trainer.generation.refit.transport import init_info
 
 
@@ -133,6 +134,14 @@ class DisaggregatedGenerator:
         from trainer.generation.worker import GenerationWorker
 
         self.policy = policy
+        # generation.endpoint's own token (never Ray's), made here when $token_env holds none, so that the
+        # driver's callers (env.verifiers) hold the one the actors check: handed to them with their arguments.
+        token = None
+        if cfg.generation.endpoint.enabled:
+            try:
+                token = read_token(cfg.generation.endpoint.token_env)
+            except EndpointError as e:  # one line at start, before any actor
+                raise ConfigError(str(e)) from None
         n = cfg.num_generation_workers
         gpus = cfg.cluster.use_gpus
         tp = cfg.generation.tensor_parallel_size
@@ -142,7 +151,9 @@ class DisaggregatedGenerator:
         )
         actor = ray.remote(num_cpus=1, num_gpus=tp if gpus else 0)(GenerationWorker)
         self.workers = [
-            actor.options(scheduling_strategy=in_bundle(self.pg, r)).remote(cfg, model_path, r)
+            actor.options(scheduling_strategy=in_bundle(self.pg, r)).remote(
+                cfg, model_path, r, endpoint_token=token
+            )
             for r in range(n)
         ]
         for r, w in enumerate(self.workers):

@@ -30,8 +30,18 @@ from trainer.generation.factory import EngineSpec, build_engine
 class GenerationWorker:
     """Wrapped with ``ray.remote`` by :class:`~trainer.generation.placement.DisaggregatedGenerator`."""
 
-    def __init__(self, cfg: Config, model_path: str, rank: int, threads: int | None = None):
+    def __init__(
+        self,
+        cfg: Config,
+        model_path: str,
+        rank: int,
+        threads: int | None = None,
+        endpoint_token: str | None = None,
+    ):
+        """``endpoint_token``: the driver's token for generation.endpoint (:func:`~trainer.generation.endpoint.
+        read_token`); None: the actor's own ``$token_env``."""
         self.cfg, self.rank, self.model_path = cfg, rank, model_path
+        self._endpoint_token = endpoint_token
         self.device = torch.device("cuda", 0) if cfg.cluster.use_gpus else torch.device("cpu")
         if not cfg.cluster.use_gpus:
             threads = threads or (os.cpu_count() or 1)
@@ -72,6 +82,7 @@ class GenerationWorker:
             model_name=cfg.model.name,
             max_model_len=spec.max_model_len,
             gate=self.gate,
+            token=self._endpoint_token,
         )
         try:
             self.endpoint.start()

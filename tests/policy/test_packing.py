@@ -182,3 +182,53 @@ def test_should_give_the_padded_loss_and_gradients_when_each_micro_batch_takes_t
         del worker._batch
     assert layouts == [PrefixBatch, PackedBatch]
     _assert_same(mixed, _step(worker, samples, micro_batch_size=4, **PADDED))
+
+
+def test_should_read_no_scalar_back_from_the_device_per_micro_batch_when_training(worker):
+    """A scalar read (``.item()``, ``float(t)``: ``aten._local_scalar_dense``) waits for the device: in the
+    micro-batch loop it idles a GPU between micro-batches. kuberl's own code reads none per micro-batch: the
+    metric sums stay on the device and are read once per step, after the all-reduce. What is left per
+    forward is transformers' own: its mask code looks for packed sequences in the position ids
+    (masking_utils.find_packed_sequence_indices), which a Llama forward runs on every packed row."""
+    import traceback
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Reads(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.where: Counter[str] = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._local_scalar_dense.default:
+                frames = [f for f in traceback.extract_stack()[:-1] if "/torch/" not in f.filename]
+                caller = frames[-1] if frames else None
+                self.where["transformers" if caller and "/transformers/" in caller.filename
+                           else f"{caller.filename}:{caller.lineno}" if caller else "?"] += 1  # fmt: skip
+            return func(*args, **(kwargs or {}))
+
+    def reads(micro_batch_size: int) -> tuple[Counter[str], int]:
+        samples = skewed_samples()
+        saved = worker.cfg.policy.micro_batch_size, worker.cfg.policy.max_tokens_per_microbatch
+        worker.cfg.policy.micro_batch_size, worker.cfg.policy.max_tokens_per_microbatch = (
+            micro_batch_size,
+            None,
+        )
+        try:
+            mbs = len(worker._micro_batches(samples, micro_batch_size, None))
+            tokens = float(sum(sum(s.response_mask) for s in samples))
+            with Reads() as mode:
+                worker.train([samples], [{"tokens": tokens, "seqs": float(len(samples))}])
+        finally:
+            worker.cfg.policy.micro_batch_size, worker.cfg.policy.max_tokens_per_microbatch = saved
+        return mode.where, mbs
+
+    few, n_few = reads(6)
+    many, n_many = reads(2)
+    assert n_many > n_few
+    ours_few = {k: v for k, v in few.items() if k != "transformers"}
+    ours_many = {k: v for k, v in many.items() if k != "transformers"}
+    assert ours_few == ours_many, (ours_few, ours_many)  # per step, not per micro-batch
+    assert sum(ours_many.values()) <= 2, ours_many  # the summed metrics, once
+    assert many["transformers"] <= n_many, many  # one per packed forward, theirs

@@ -330,10 +330,12 @@ class PackedBatch:
         if sp is not None:
             assert attention is not None
             row, input_ids, position_ids, predict = sp.split(self)
-            keywords = {"packed_row": attention.row(row.cu_seqlens, row.max_seqlen)}
+            keywords = {"packed_row": attention.row(row.cu_seqlens, row.max_seqlen, row.tokens)}
             labels = labels[:, sp.first : sp.first + predict.numel()]  # (1, M of this slice)
         elif attention is not None:
-            keywords = {"packed_row": attention.row(self.cu_seqlens, self.max_seqlen)}
+            keywords = {
+                "packed_row": attention.row(self.cu_seqlens, self.max_seqlen, self.input_ids.shape[1])
+            }
         part, _ = head.project(
             model,
             labels,

@@ -53,8 +53,8 @@ class PackedAttention:
         self.sp = sp  # trainer.policy.ulysses.SequenceParallelGroup (not imported: ulysses imports Row)
         self.refused: dict[tuple, str] = {}  # (dtype, head dim, heads, kv heads, window) -> why
 
-    def row(self, cu_seqlens: torch.Tensor, max_seqlen: int) -> Row:
-        return Row(cu_seqlens, max_seqlen, self)
+    def row(self, cu_seqlens: torch.Tensor, max_seqlen: int, tokens: int | None = None) -> Row:
+        return Row(cu_seqlens, max_seqlen, self, tokens)
 
 
 class Row:
@@ -62,8 +62,17 @@ class Row:
     ``packed_row`` keyword of a packed forward. A plain class, not a dataclass: FSDP2 rebuilds the
     dataclasses among a forward's keywords (to cast their tensors), which would drop the device copies."""
 
-    def __init__(self, cu_seqlens: torch.Tensor, max_seqlen: int, attention: PackedAttention | None = None):
+    def __init__(
+        self,
+        cu_seqlens: torch.Tensor,
+        max_seqlen: int,
+        attention: PackedAttention | None = None,
+        tokens: int | None = None,
+    ):
+        """``tokens``: the row's length (cu_seqlens[-1]) when the caller knows it as a number, so that no
+        layer reads it back from a tensor (a scalar read per layer is a host sync on a GPU)."""
         self.cu_seqlens, self.max_seqlen = cu_seqlens, max_seqlen
+        self.tokens = int(cu_seqlens[-1]) if tokens is None else tokens
         self.attention = attention if attention is not None else PackedAttention()
         self._on: dict[torch.device, torch.Tensor] = {}  # device -> int32 copy
 
@@ -107,10 +116,10 @@ def attention(
                                       sliding_window=sliding_window, **kwargs)  # fmt: skip
     row, sp = packed_row, packed_row.attention.sp
     tokens = query.shape[2] * (sp.size if sp is not None else 1)
-    if query.shape[0] != 1 or tokens != int(row.cu_seqlens[-1]):
+    if query.shape[0] != 1 or tokens != row.tokens:
         raise RuntimeError(
             f"packed attention: a ({query.shape[0]}, {tokens})-token input is not the row passed to "
-            f"this forward ({int(row.cu_seqlens[-1])} tokens)"
+            f"this forward ({row.tokens} tokens)"
         )
     dropout = dropout if module.training else 0.0
     inner = row.attention.inner

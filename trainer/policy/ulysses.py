@@ -93,7 +93,7 @@ def slice_row(batch, size: int, rank: int) -> tuple[Row, torch.Tensor, torch.Ten
         pos = torch.cat([pos, torch.arange(pad, dtype=pos.dtype)])
         cu = torch.cat([cu, cu.new_tensor([total + pad])])
     n = (total + pad) // size
-    row = Row(cu_seqlens=cu, max_seqlen=max(batch.max_seqlen, pad))
+    row = Row(cu_seqlens=cu, max_seqlen=max(batch.max_seqlen, pad), tokens=total + pad)
     lo, predict = rank * n, batch.predict
     counts = torch.bincount(predict // n, minlength=size).tolist()  # predict ascends: slices in order
     mine = predict[(predict >= lo) & (predict < lo + n)] - lo

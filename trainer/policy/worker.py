@@ -504,13 +504,15 @@ class PolicyWorker:
         self._engine_to_sleep()  # when no logprob pass came first
         self.model.train()
         # The same keys on every rank, and present when a step trained on nothing (all skipped); sums
-        # (trainer.algorithms.objective), normalised by the objective after the all-reduce below.
-        sums: dict[str, float] = dict.fromkeys(objective.metric_keys(), 0.0)
-        if cfg.policy.compute_entropy:
-            sums["entropy"] = 0.0
+        # (trainer.algorithms.objective), normalised by the objective after the all-reduce below. They stay
+        # on the device, in float64, and are read once, after it: no micro-batch waits for the host.
+        keys = [*objective.metric_keys(), "grad_norm"] + (["entropy"] if cfg.policy.compute_entropy else [])
+        sums: dict[str, torch.Tensor] = {
+            k: torch.zeros((), dtype=torch.float64, device=self.device) for k in keys
+        }
 
-        def add(key: str, value: float) -> None:
-            sums[key] = sums.get(key, 0.0) + float(value)
+        def add(key: str, value: torch.Tensor) -> None:
+            sums[key] += torch.as_tensor(value).detach().to(self.device, torch.float64)
 
         def on_device(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.to(self.device)
@@ -560,9 +562,9 @@ class PolicyWorker:
         self.model.set_requires_gradient_sync(True)
         # Sum over ranks, then normalise (Objective.metrics).
         if self.sp is not None and not self.sp.leader:  # a group's sums once: its ranks computed the same
-            sums = {k: (v if k == "grad_norm" else 0.0) for k, v in sums.items()}
+            sums = {k: (v if k == "grad_norm" else torch.zeros_like(v)) for k, v in sums.items()}
         keys = sorted(sums)
-        totals = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=self.device)
+        totals = torch.stack([sums[k] for k in keys])
         dist.all_reduce(totals)
         out = objective.metrics(dict(zip(keys, totals.tolist())), steps=len(minibatches))
         out["lr"] = self.scheduler.get_last_lr()[0]

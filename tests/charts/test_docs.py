@@ -155,3 +155,19 @@ def test_should_submit_the_27b_experiment_when_the_runbook_ends_a_run() -> None:
 def test_should_state_the_spot_notice_honestly_when_the_docs_speak_of_preemption() -> None:
     assert "120 s" not in DOC and "about 15 s" in DOC
     assert "about 15 s" in (REPO / "README.md").read_text()
+
+
+def test_should_call_the_ray_pods_pod_security_level_baseline_when_the_docs_name_it() -> None:
+    """The job image runs as root, so the head and the GPU workers meet Pod Security `baseline`, not
+    `restricted` (which requires runAsNonRoot): the docs and values say which, and never the other."""
+    paths = [REPO / "docs" / "cluster.md", REPO / "README.md", CHART / "values.yaml"]
+    paths += sorted((REPO / "values").glob("*.yaml")) + sorted(
+        p for p in (CHART / "templates").iterdir() if p.is_file()
+    )
+    texts = {p.relative_to(REPO): p.read_text() for p in paths}
+    for name, text in texts.items():
+        for m in re.finditer(r"restricted", text, flags=re.I):
+            assert text[: m.start()].endswith("not `"), (
+                f"{name}: {text[max(0, m.start() - 80) : m.end() + 20]!r}"
+            )
+    assert "Pod Security `baseline` (not `restricted`: the" in DOC

@@ -7,7 +7,18 @@ from __future__ import annotations
 
 import pytest
 import yaml
-from chartlib import BASE, CHART, env_of, groups, head_template, one, render, run_helm, schema_errors
+from chartlib import (
+    BASE,
+    CHART,
+    env_of,
+    gpu_group,
+    groups,
+    head_template,
+    one,
+    render,
+    run_helm,
+    schema_errors,
+)
 
 from trainer.config import EndpointConfig
 
@@ -51,9 +62,7 @@ def _fails(*sets: str) -> str:
 
 
 def test_should_list_the_ports_and_pod_ip_on_every_ray_pod_but_the_sandbox_when_enabled() -> None:
-    docs = _valid(
-        render(*ON, *SANDBOX, "workerGroups.generation.replicas=1", "workerGroups.generation.gpus=8")
-    )
+    docs = _valid(render(*ON, *SANDBOX, *gpu_group("generation")))
     templates = _templates(docs)
     assert set(templates) == {"head", "train", "generation", "sandbox"}
     for name, template in templates.items():

@@ -1,8 +1,8 @@
 """A worker group that serves reward models: it offers the custom Ray resource the reward model's replicas
 ask for (`workerGroups.<name>.rayResources`, the mechanism the sandbox group's resource goes through),
-and is otherwise a GPU worker like the training ones: the same image, shared storage, the restricted
-profile, the release's NetworkPolicy and disruption budget. Rendered by a real `helm` binary and checked
-against the strict KubeRay and Kubernetes schemas in ../shared/schemas."""
+and is otherwise a GPU worker like the training ones: the same image, shared storage, the Pod Security
+`baseline` context, the release's NetworkPolicy and disruption budget. Rendered by a real `helm` binary
+and checked against the strict KubeRay and Kubernetes schemas in ../shared/schemas."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from chartlib import (
     CHART,
     JOB_SETS,
     VALUES,
+    gpu_group,
     groups,
     lint_failure,
     one,
@@ -20,11 +21,7 @@ from chartlib import (
     schema_errors,
 )
 
-RM = (
-    "workerGroups.rm.replicas=1",
-    "workerGroups.rm.gpus=1",
-    "workerGroups.rm.rayResources.kuberl_reward_model=1",
-)
+RM = (*gpu_group("rm", gpus=1), "workerGroups.rm.rayResources.kuberl_reward_model=1")
 PRESET = VALUES / "qwen2.5-coder-7b-code-rm-b200.yaml"
 JOB = (*JOB_SETS, "experiment=qwen2.5-coder-7b-code-rm")  # a RayJob runs a named experiment
 
@@ -85,7 +82,7 @@ def test_should_write_every_resource_in_order_when_a_group_offers_several() -> N
 
 
 def test_should_offer_no_custom_resource_when_no_group_declares_one() -> None:
-    for docs in (render(), render("workerGroups.rm.replicas=1", "workerGroups.rm.gpus=1")):
+    for docs in (render(), render(*gpu_group("rm", gpus=1))):
         assert all("resources" not in g["rayStartParams"] for g in groups(docs).values())
 
 
@@ -122,7 +119,7 @@ def test_should_fail_naming_both_keys_when_ray_start_params_also_set_resources()
 def test_should_refuse_a_group_that_offers_the_sandbox_resource_when_rendered(enabled) -> None:
     # code rewards run where that resource is: never on a node with GPUs, storage or Secrets
     err = _template_failure(
-        "workerGroups.rm.replicas=1", "workerGroups.rm.gpus=1", "workerGroups.rm.rayResources.kuberl_sandbox=8",
+        *gpu_group("rm", gpus=1), "workerGroups.rm.rayResources.kuberl_sandbox=8",
         f"sandbox.enabled={str(enabled).lower()}",
     )  # fmt: skip
     assert (

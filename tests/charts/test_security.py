@@ -9,7 +9,19 @@ import re
 
 import pytest
 import yaml
-from chartlib import CHART, RDMA, env_of, groups, head_template, one, render, run_helm, schema_errors
+from chartlib import (
+    CHART,
+    RDMA,
+    env_of,
+    groups,
+    head_template,
+    one,
+    pod_labels,
+    render,
+    run_helm,
+    schema_errors,
+    selects,
+)
 
 JOB = ("job.enabled=true", "experiment=tiny")
 
@@ -176,26 +188,60 @@ def test_should_render_no_policy_when_network_policy_is_disabled() -> None:
 # ----- PodDisruptionBudget ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("sets", [(), JOB], ids=["raycluster", "rayjob"])
-def test_should_hold_a_drain_of_any_healthy_ray_pod_when_rendered_by_default(sets) -> None:
+@pytest.mark.parametrize(
+    "sets, mode, min_available",
+    [((), "protect", 4), (JOB, "yield", 3), (("podDisruptionBudget.mode=yield",), "yield", 3),
+     ((*JOB, "podDisruptionBudget.mode=protect"), "protect", 4)],
+    ids=["raycluster-auto", "rayjob-auto", "raycluster-yield", "rayjob-protect"],
+)  # fmt: skip
+def test_should_hold_every_healthy_ray_pod_or_yield_one_at_a_time_as_the_mode_says_when_rendered(
+    sets, mode, min_available
+) -> None:
+    """`auto` protects a bare RayCluster (an evicted pod ends its jobs) and yields for a RayJob (its next
+    attempt resumes from the checkpoint the trainer commits within the pod's grace)."""
     docs = _valid(render("workerGroups.train.replicas=3", *sets))
     pdb = one(docs, "PodDisruptionBudget")
-    # the head and the three workers: an integer, which the disruption controller needs no /scale for
-    assert pdb["spec"]["minAvailable"] == 4 and "maxUnavailable" not in pdb["spec"]
+    # the head and the three workers, less one under yield: an integer, which the disruption controller
+    # needs no /scale for
+    assert pdb["spec"]["minAvailable"] == min_available and "maxUnavailable" not in pdb["spec"]
+    assert pdb["metadata"]["annotations"]["kuberl.dev/disruption-mode"] == mode
     assert pdb["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
-    selector = pdb["spec"]["selector"]
-    assert selector["matchExpressions"] == [
-        {"key": "ray.io/node-type", "operator": "In", "values": ["head", "worker"]}
-    ]
-    # KubeRay labels the head and worker pods from these templates
-    spec = _cluster_spec(docs)
-    for template in [spec["headGroupSpec"]["template"], *(g["template"] for g in spec["workerGroupSpecs"])]:
-        assert selector["matchLabels"].items() <= template["metadata"]["labels"].items()
+    # it counts exactly the pods it selects: the Ray pods KubeRay makes from these templates
+    selected = [role for role, labels in pod_labels(docs).items() if selects(pdb["spec"]["selector"], labels)]
+    assert sorted(selected) == ["head", "train"]
+    assert 1 + 3 - pdb["spec"]["minAvailable"] == (
+        1 if mode == "yield" else 0
+    )  # evictions allowed when healthy
 
 
-def test_should_count_the_sandbox_pods_in_the_budget_when_sandbox_enabled() -> None:
-    pdb = one(render("sandbox.enabled=true", "sandbox.replicas=2"), "PodDisruptionBudget")
-    assert pdb["spec"]["minAvailable"] == 1 + 1 + 2
+@pytest.mark.parametrize("sets", [(), JOB], ids=["raycluster", "rayjob"])
+def test_should_leave_the_sandbox_pods_out_of_the_budget_when_sandbox_enabled(sets) -> None:
+    """Sandbox pods hold no run state: they never hold a drain of the CPU pool, in either mode."""
+    docs = _valid(render("sandbox.enabled=true", "sandbox.replicas=2", *sets))
+    pdb = one(docs, "PodDisruptionBudget")
+    assert (
+        pdb["spec"]["minAvailable"]
+        == one(_valid(render(*sets)), "PodDisruptionBudget")["spec"]["minAvailable"]
+    )
+    labels = pod_labels(docs)
+    assert not selects(pdb["spec"]["selector"], labels["sandbox"])
+    assert selects(pdb["spec"]["selector"], labels["head"]) and selects(
+        pdb["spec"]["selector"], labels["train"]
+    )
+
+
+def test_should_select_no_submitter_or_test_pod_when_the_budget_counts_ray_pods() -> None:
+    for sets in ((), JOB):
+        docs = render(*sets)
+        pdb = one(docs, "PodDisruptionBudget")
+        others = [r for r in pod_labels(docs) if r == "submitter" or r.startswith("test:")]
+        assert others and not [r for r in others if selects(pdb["spec"]["selector"], pod_labels(docs)[r])]
+
+
+def test_should_refuse_a_mode_it_does_not_know_when_linting() -> None:
+    out = run_helm("lint", "--strict", str(CHART), "--set", "storage.gcsfuse.bucketName=b",
+                   "--set", "podDisruptionBudget.mode=never")  # fmt: skip
+    assert out.returncode != 0 and "/podDisruptionBudget/mode" in out.stdout + out.stderr
 
 
 def test_should_not_use_max_unavailable_because_the_raycluster_crd_has_no_scale_subresource() -> None:

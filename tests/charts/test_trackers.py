@@ -5,7 +5,19 @@ from __future__ import annotations
 
 import jsonschema
 import pytest
-from chartlib import BASE, CHART, env_of, groups, head_template, one, render, run_helm, schema_errors
+from chartlib import (
+    BASE,
+    CHART,
+    env_of,
+    groups,
+    head_template,
+    one,
+    pod_labels,
+    render,
+    run_helm,
+    schema_errors,
+    selects,
+)
 
 WANDB = ("logger.backends={tensorboard,wandb}", "secrets.wandbApiKey.secretName=wandb")
 MLFLOW = ("logger.backends={tensorboard,mlflow}", "logger.mlflow.trackingUri=http://mlflow.mlflow.svc:5000")
@@ -32,7 +44,11 @@ PODMONITORING = {
                     "properties": {"port": {"type": ["integer", "string"]},
                                    "interval": {"type": "string", "pattern": r"^([0-9]+(ms|s|m|h))+$"}}}},
                 "selector": {"type": "object", "additionalProperties": False, "properties": {
-                    "matchLabels": {"type": "object", "additionalProperties": {"type": "string"}}}},
+                    "matchLabels": {"type": "object", "additionalProperties": {"type": "string"}},
+                    "matchExpressions": {"type": "array", "items": {
+                        "type": "object", "required": ["key", "operator"], "additionalProperties": False,
+                        "properties": {"key": {"type": "string"}, "operator": {"type": "string"},
+                                       "values": {"type": "array", "items": {"type": "string"}}}}}}},
                 "targetLabels": {"type": "object", "additionalProperties": False, "properties": {
                     "metadata": {"type": "array", "uniqueItems": True, "items": {
                         "enum": ["container", "node", "pod", "top_level_controller_name", "top_level_controller_type"]}},
@@ -128,15 +144,24 @@ def test_should_render_no_podmonitoring_when_it_is_disabled() -> None:
     assert not [d for d in render() if d["kind"] == "PodMonitoring"]
 
 
-def test_should_scrape_the_metrics_port_of_the_head_and_every_worker_when_podmonitoring_is_enabled() -> None:
-    docs = render("podMonitoring.enabled=true", "podMonitoring.interval=15s")
+@pytest.mark.parametrize("sets", [(), ("job.enabled=true", "experiment=tiny")], ids=["raycluster", "rayjob"])
+def test_should_scrape_the_metrics_port_of_the_head_and_every_worker_when_podmonitoring_is_enabled(
+    sets,
+) -> None:
+    """By the release's labels, which KubeRay keeps from the pod templates, and its own ray.io/node-type: a
+    RayJob's cluster is named `<name>-<random>`, so `ray.io/cluster=<name>` selected nothing there."""
+    docs = render("podMonitoring.enabled=true", "podMonitoring.interval=15s", "sandbox.enabled=true", *sets)
     pm = one(docs, "PodMonitoring")
     assert not list(jsonschema.Draft202012Validator(PODMONITORING).iter_errors(pm))
-    assert pm["spec"]["selector"]["matchLabels"] == {"ray.io/cluster": "exp1"}
+    scraped = {role for role, labels in pod_labels(docs).items() if selects(pm["spec"]["selector"], labels)}
+    # not the sandbox (its policy admits no scraper), the submitter nor the helm test pods: no metrics port
+    assert scraped == {"head", "train"}
+    assert "ray.io/cluster" not in str(pm["spec"]["selector"])
     (endpoint,) = pm["spec"]["endpoints"]
     assert endpoint == {"port": "metrics", "interval": "15s"}
     # The port it names is declared by every Ray container of the cluster: the head and each worker group.
-    for template in [head_template(docs), *(g["template"] for g in groups(docs).values())]:
+    spec = one(docs, "RayJob")["spec"]["rayClusterSpec"] if sets else one(docs, "RayCluster")["spec"]
+    for template in [spec["headGroupSpec"]["template"], *(g["template"] for g in spec["workerGroupSpecs"])]:
         ports = {p["name"]: p["containerPort"] for p in template["spec"]["containers"][0]["ports"]}
         assert ports["metrics"] == 8080
     assert not [e for d in docs if d["kind"] != "PodMonitoring" for e in schema_errors(d)]

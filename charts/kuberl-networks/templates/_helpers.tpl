@@ -17,3 +17,12 @@ app.kubernetes.io/name: {{ .Chart.Name }}
 app.kubernetes.io/instance: {{ .Release.Name }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
+
+{{/*
+Kept by `helm uninstall` (and by an upgrade that would drop one): running RDMA pods use these networks,
+and deleting one under them cuts their NICs. A platform that means to remove them deletes them with
+kubectl once no pod uses them.
+*/}}
+{{- define "kuberl-networks.annotations" -}}
+helm.sh/resource-policy: keep
+{{- end }}

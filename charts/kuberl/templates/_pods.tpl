@@ -32,6 +32,12 @@ secretKeyRefs).
 {{- $v := .root.Values -}}
 - name: KUBERL_EXPERIMENT
   value: {{ $v.experiment | quote }}
+{{- /* The owner of the release's checkpoint lineage: the trainer's lease on its run directory names it. */}}
+- name: KUBERL_RELEASE
+  value: {{ include "kuberl.release" .root | quote }}
+{{- /* The image the run's checkpoints record (trainer/checkpoint.py): a resume under another one says so. */}}
+- name: KUBERL_IMAGE
+  value: {{ include "kuberl.image" .root | quote }}
 {{- /* Code rewards run only under this isolation: with bwrap, a pod where bubblewrap cannot start
 refuses the run in one line rather than falling back (trainer/sandbox/backends.py). */}}
 - name: KUBERL_SANDBOX
@@ -189,13 +195,14 @@ containers or sidecars, and its own NetworkPolicy (networkpolicy.yaml).
 {{- $sandbox := default false .sandbox }}
 {{- $ctx := dict "root" .root "gpu" $gpu "head" .head "sandbox" $sandbox -}}
 metadata:
+  {{- /* Only what the pod needs: KubeRay hashes the whole RayCluster spec, pod metadata included, and
+  recreates every pod when it changes, so chart text (checkov's skips: charts/kuberl/checkov/) stays out. */}}
+  {{- if not $sandbox }}
+  {{- with include "kuberl.podAnnotations" (dict "root" .root "gpu" $gpu "extra" .group.annotations) }}
   annotations:
-    {{- if not $sandbox }}
-    {{- with include "kuberl.podAnnotations" (dict "root" .root "gpu" $gpu "extra" .group.annotations) }}
     {{- . | nindent 4 }}
-    {{- end }}
-    {{- end }}
-    {{- include "kuberl.checkovSkips" (dict "root" .root "ctx" $ctx "group" .group) | nindent 4 }}
+  {{- end }}
+  {{- end }}
   labels:
     {{- include "kuberl.podLabels" (dict "root" .root "extra" .group.labels) | nindent 4 }}
     {{- if $sandbox }}

@@ -3,9 +3,26 @@ Shared storage: the paths under storage.mountPath, the gcsfuse and Lustre volume
 and the Lustre PV/PVC names.
 */}}
 
-{{/* Directories on shared storage. */}}
+{{/*
+Directories on shared storage: `<mountPath>/<paths.KEY>`, and for logs and checkpoints then
+`/<namespace>/<release>` (storage.perRelease), so each release has a checkpoint lineage of its own: a
+second release of the same experiment never resumes from, prunes or cleans up the first one's
+checkpoints (the trainer appends `/<experiment>`). The HF and model caches stay shared: they are caches.
+Args: dict root, key (a key of storage.paths).
+*/}}
 {{- define "kuberl.path" -}}
-{{- printf "%s/%s" (.root.Values.storage.mountPath | trimSuffix "/") (get .root.Values.storage.paths .key) }}
+{{- $s := .root.Values.storage }}
+{{- $path := printf "%s/%s" ($s.mountPath | trimSuffix "/") (get $s.paths .key | trimSuffix "/") }}
+{{- if and $s.perRelease (has .key (list "logs" "checkpoints")) }}
+{{- $path = printf "%s/%s/%s" $path .root.Release.Namespace .root.Release.Name }}
+{{- end }}
+{{- $path }}
+{{- end }}
+
+{{/* Who owns the release's lineage (KUBERL_RELEASE): `<namespace>/<release>`, the same for every attempt
+of a RayJob, so a retry recognises the checkpoint lease its earlier attempt held. */}}
+{{- define "kuberl.release" -}}
+{{- printf "%s/%s" .Release.Namespace .Release.Name }}
 {{- end }}
 
 {{/*

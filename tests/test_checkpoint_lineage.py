@@ -138,7 +138,7 @@ def test_should_let_exactly_one_of_two_processes_racing_for_a_free_directory_hol
     """Two processes that both find the directory free write the lease at once and read it back after
     the real settle time: the later write wins and the other refuses. Five races, each one winner."""
     script = textwrap.dedent(
-        f"""
+        """
         import sys, time
         from pathlib import Path
         from trainer.lease import Lease, LeaseError

@@ -57,7 +57,9 @@ def test_should_count_the_lm_head_only_on_the_positions_it_projects() -> None:
     assert m.head_params == head
     assert m.training([64], projected=16) == SMOLLM2_64_TOKENS - 6 * head * 48
     assert m.training([64], projected=64) == m.training([64])
-    assert m.training([64], frozen_base=True, projected=16) == 4 * SMOLLM2_N * 64 + 431_308_800 - 4 * head * 48
+    assert (
+        m.training([64], frozen_base=True, projected=16) == 4 * SMOLLM2_N * 64 + 431_308_800 - 4 * head * 48
+    )
 
 
 def test_should_count_the_matmul_parameters_of_every_linear_when_the_shape_comes_from_the_model(

@@ -513,8 +513,9 @@ class TrainState:
                     log.warning("shutdown: %s", e)
             if getattr(self, "logger", None) is not None:
                 self.logger.close(failed)
-        if getattr(self, "lease", None) is not None:  # last: the directory is free once nothing writes to it
-            self.lease.release()
+        lease = getattr(self, "lease", None)
+        if lease is not None:  # last: the directory is free once nothing writes to it
+            lease.release()
         if (
             not failed
         ):  # after a failure it keeps watching: the way out (ray.shutdown) may hang on a lost cluster

@@ -7,7 +7,8 @@ BENCH_REWARDS_ARGS ?=
 BENCH_REWARDS_CROSSCHECK_ARGS ?= --n 36 --seed 47
 
 # bubblewrap is the sandbox (the job image installs it too); where it cannot be installed the code
-# rewards and their tests use the rlimit fallback instead, so a failed install is not an error.
+# rewards refuse to run model code unless KUBERL_SANDBOX=rlimit-without-isolation says to run it without
+# bubblewrap (trainer/sandbox/backends.py), and the tests of bubblewrap skip, so a failed install is not an error.
 sandbox-deps: ## Install bubblewrap and g++ for the code sandbox when missing (apt; tolerated if it fails)
 	@missing=""; command -v bwrap >/dev/null || missing="$$missing bubblewrap"; \
 	command -v g++ >/dev/null || missing="$$missing g++"; \
@@ -15,7 +16,7 @@ sandbox-deps: ## Install bubblewrap and g++ for the code sandbox when missing (a
 	  echo "==> installing$$missing"; \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing) >/dev/null 2>&1 \
-	      || echo "sandbox-deps: could not install$$missing; code sandbox tests use the rlimit fallback"; \
+	      || echo "sandbox-deps: could not install$$missing; code rewards need KUBERL_SANDBOX=rlimit-without-isolation"; \
 	  else echo "sandbox-deps: not root or no apt-get; install$$missing yourself for the bubblewrap sandbox"; fi; \
 	fi
 

@@ -1,8 +1,10 @@
-"""Fixtures for the sandbox tests: every test runs once per backend (bubblewrap, and the fallback)."""
+"""Fixtures for the sandbox tests: every test runs once per backend (bubblewrap, and the fallback, asked for by
+its opt-in name ``rlimit-without-isolation``)."""
 
 from __future__ import annotations
 
 import os
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -22,13 +24,19 @@ def _bwrap_problem() -> str | None:
     return None
 
 
-@pytest.fixture(params=[backends.BWRAP, backends.RLIMIT])
+@pytest.fixture(params=[backends.BWRAP, backends.UNISOLATED])
 def backend(request) -> str:
+    """What a test asks for: ``bwrap``, or the fallback by its opt-in name (plain ``rlimit`` is refused)."""
     if request.param == backends.BWRAP:
         why = _bwrap_problem()
         if why:
             pytest.skip(f"bubblewrap unavailable here ({why}); the fallback is tested instead")
     return request.param
+
+
+def kind_of(requested: str) -> str:
+    """The Backend.kind a request resolves to (the opt-in name resolves to the ``rlimit`` fallback)."""
+    return backends.RLIMIT if requested == backends.UNISOLATED else requested
 
 
 def ours() -> set[int]:
@@ -106,3 +114,14 @@ def no_leftovers():
             return
         time.sleep(0.1)
     pytest.fail(f"sandbox processes outlived the call: {left[:10]}")
+
+
+@pytest.fixture
+def canary():
+    """A process of ours that hostile code would love to kill."""
+    p = subprocess.Popen(["sleep", "120"])
+    yield p
+    alive = p.poll() is None
+    p.kill()
+    p.wait()
+    assert alive, "sandboxed code killed a process outside the sandbox"

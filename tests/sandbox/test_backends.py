@@ -31,15 +31,84 @@ def test_should_hand_out_distinct_unprivileged_uids_when_called_repeatedly():
 
 
 def test_should_name_the_valid_backends_when_given_an_unknown_one():
-    with pytest.raises(ValueError, match="expected one of bwrap, rlimit, auto"):
+    with pytest.raises(ValueError, match="expected one of bwrap, auto, rlimit-without-isolation"):
         backends.resolve("docker")
 
 
-def test_should_use_the_fallback_when_the_environment_forces_it(monkeypatch):
-    monkeypatch.setenv("KUBERL_SANDBOX", "rlimit")
+def test_should_use_the_fallback_when_the_environment_opts_in_by_name(monkeypatch):
+    monkeypatch.setenv("KUBERL_SANDBOX", backends.UNISOLATED)
     b = backends.resolve()
-    assert b.kind == backends.RLIMIT and b.reason
+    assert b.kind == backends.RLIMIT and backends.UNISOLATED in b.reason
     assert b.switch_uid == (os.geteuid() == 0)
+
+
+@pytest.mark.parametrize("how", ["argument", "environment"])
+def test_should_refuse_plain_rlimit_in_one_line_naming_the_opt_in_when_asked_for_it(monkeypatch, how):
+    monkeypatch.setattr(backends, "_cache", {})
+    if how == "environment":
+        monkeypatch.setenv("KUBERL_SANDBOX", "rlimit")
+    with pytest.raises(backends.SandboxUnavailable) as e:
+        backends.resolve("rlimit" if how == "argument" else None)
+    line = str(e.value)
+    assert "\n" not in line and f"KUBERL_SANDBOX={backends.UNISOLATED}" in line
+    assert isinstance(e.value, ConfigError)
+
+
+def test_should_refuse_without_falling_back_when_bubblewrap_cannot_start_under_auto(monkeypatch):
+    """No unisolated fallback by default: ``auto`` is bubblewrap or one line naming the opt-in."""
+    monkeypatch.setattr(backends, "_cache", {})
+    monkeypatch.delenv("KUBERL_SANDBOX", raising=False)
+    monkeypatch.setattr(
+        backends, "_bwrap_backend", lambda need_world: (_ for _ in ()).throw(RuntimeError("no bwrap"))
+    )
+    with pytest.raises(backends.SandboxUnavailable) as e:
+        backends.resolve()
+    line = str(e.value)
+    assert "\n" not in line and "bubblewrap cannot start here (no bwrap)" in line
+    assert f"KUBERL_SANDBOX={backends.UNISOLATED}" in line
+
+
+def test_should_refuse_bubblewrap_without_seccomp_unless_opted_out_when_libseccomp_is_missing(monkeypatch):
+    from trainer.sandbox import seccomp
+
+    def missing():
+        raise seccomp.SeccompUnavailable("libseccomp.so.2 (libseccomp) is not installed")
+
+    monkeypatch.setattr(seccomp, "bpf", missing)
+    monkeypatch.setattr(backends, "_cache", {})
+    monkeypatch.delenv(backends.WITHOUT_SECCOMP_ENV, raising=False)
+    with pytest.raises(backends.SandboxUnavailable) as e:
+        backends.resolve("bwrap")
+    line = str(e.value)
+    assert "\n" not in line and "libseccomp" in line and f"{backends.WITHOUT_SECCOMP_ENV}=1" in line
+    if _bwrap_works():
+        monkeypatch.setenv(backends.WITHOUT_SECCOMP_ENV, "1")
+        b = backends.resolve("bwrap")
+        assert b.kind == backends.BWRAP and b.seccomp is None
+        argv = backends.bwrap_argv(b, ["python3"], seccomp_fd=backends.seccomp_fd(b))
+        assert "--seccomp" not in argv
+
+
+def test_should_load_the_seccomp_filter_into_bubblewrap_when_it_resolves():
+    if not _bwrap_works():
+        pytest.skip("bubblewrap unavailable here")
+    b = backends.resolve("bwrap")
+    assert b.seccomp and len(b.seccomp) % 8 == 0
+    fd = backends.seccomp_fd(b)
+    try:
+        argv = backends.bwrap_argv(b, ["python3"], seccomp_fd=fd)
+        assert argv[argv.index("--seccomp") + 1] == str(fd) and argv.index("--seccomp") < argv.index("--")
+        assert os.read(fd, len(b.seccomp) + 1) == b.seccomp  # at offset 0: bubblewrap reads it whole
+    finally:
+        os.close(fd)
+
+
+def _bwrap_works() -> bool:
+    try:
+        backends.resolve("bwrap")
+    except backends.SandboxUnavailable:
+        return False
+    return True
 
 
 def test_should_refuse_in_one_line_when_bwrap_is_forced_and_cannot_start(monkeypatch):
@@ -53,7 +122,7 @@ def test_should_refuse_in_one_line_when_bwrap_is_forced_and_cannot_start(monkeyp
     assert isinstance(e.value, ConfigError)  # python -m trainer prints it as one line and exits 2
 
 
-@pytest.mark.parametrize("requested", ["rlimit", "auto"])
+@pytest.mark.parametrize("requested", [backends.UNISOLATED])
 def test_should_refuse_the_fallback_when_it_cannot_take_the_network_away(monkeypatch, requested):
     monkeypatch.setattr(backends, "_cache", {})
     monkeypatch.setattr(
@@ -67,7 +136,7 @@ def test_should_refuse_the_fallback_when_it_cannot_take_the_network_away(monkeyp
 
 def test_should_give_the_fallback_its_own_network_namespace_when_it_resolves(monkeypatch):
     monkeypatch.setattr(backends, "_cache", {})
-    b = backends.resolve("rlimit")
+    b = backends.resolve(backends.UNISOLATED)
     assert b.netns in (backends.NETNS_ROOT, backends.NETNS_USER)
 
 
@@ -76,7 +145,7 @@ def test_should_exit_before_running_anything_when_the_runner_cannot_unshare_the_
     from trainer.sandbox import executor
 
     monkeypatch.setattr(backends, "_cache", {})
-    real = backends.resolve("rlimit")
+    real = backends.resolve(backends.UNISOLATED)
     # A flag the kernel rejects (EINVAL) stands in for a refused unshare.
     monkeypatch.setattr(
         executor.backends, "resolve", lambda backend=None: dataclasses.replace(real, netns="user")
@@ -165,8 +234,8 @@ def test_should_work_without_root_when_the_trainer_is_unprivileged():
     readable = os.stat(REPO / "trainer" / "__init__.py").st_mode & stat.S_IROTH
     if not (readable and backends._world_usable(str(REPO / "trainer"))) or not shutil.which("setpriv"):
         pytest.skip("the checkout is not readable by other uids here")
-    python = backends.resolve().python
-    kinds = [backends.RLIMIT]
+    python = backends.resolve(backends.UNISOLATED).python
+    kinds = [backends.UNISOLATED]
     try:
         backends.resolve(backends.BWRAP)
         kinds.append(backends.BWRAP)
@@ -196,7 +265,7 @@ def test_should_work_without_root_when_the_trainer_is_unprivileged():
     results = json.loads(p.stdout.strip().splitlines()[-1])
     for kind in kinds:
         assert results[kind] == ["3\n", "7\n", "timeout", None, None, "False\n"], (kind, p.stderr[-1000:])
-    if backends.RLIMIT in kinds:
+    if backends.UNISOLATED in kinds:
         assert "as the trainer's own uid" in p.stderr  # the one warning says what the fallback cannot do
     left = [d for d in Path("/tmp").glob("kuberl-sandbox-*") if d.stat().st_uid == NON_ROOT_UID]
     assert not left, f"the fallback left its directories behind: {left}"

@@ -3,12 +3,17 @@
 Each must score low, finish in seconds, and leave intact: this test process (the trainer's stand-in),
 a canary process of ours, a well-behaved sample scored at the same time, and the machine (no
 sandbox process outlives the call). Limits are small so that the whole file stays quick on 2 cores.
+The syscalls the seccomp filter denies (ptrace, unshare, mount, keyctl, bpf, ...) fail with EPERM, under
+both. ``test_server.py`` runs the same tables through the sandbox service.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
 import os
+import platform
 import socket
 import subprocess
 import threading
@@ -37,17 +42,6 @@ def cpp(code: str) -> str:
 
 def score(name, response, backend, **kw):
     return rewards.get(name)(GT, response, backend=backend, **kw)
-
-
-@pytest.fixture
-def canary():
-    """A process of ours that hostile code would love to kill."""
-    p = subprocess.Popen(["sleep", "120"])
-    yield p
-    alive = p.poll() is None
-    p.kill()
-    p.wait()
-    assert alive, "sandboxed code killed a process outside the sandbox"
 
 
 def while_hostile_runs(fn, backend):
@@ -227,6 +221,77 @@ CPP_HOSTILE = {
         -1.0,
     ),
 }
+
+
+# Syscalls the seccomp filter denies, each made by C++ that prints 42 only if the call went through (else the
+# errno it got: 1, EPERM). Without the filter ptrace(TRACEME) and keyctl succeed in the sandbox.
+CPP_SYSCALLS = {
+    "ptrace": "#include <sys/ptrace.h>\nint main(){ long r = ptrace(PTRACE_TRACEME, 0, 0, 0);",
+    "unshare": "#include <sched.h>\nint main(){ long r = unshare(CLONE_NEWUSER | CLONE_NEWNS);",
+    "mount": '#include <sys/mount.h>\nint main(){ long r = mount("none", "/tmp", "tmpfs", 0, 0);',
+    "keyctl": "#include <sys/syscall.h>\nint main(){ long r = syscall(SYS_keyctl, 0, -3, 0);",  # session keyring id
+    "bpf": "#include <sys/syscall.h>\nint main(){ long r = syscall(SYS_bpf, 0, 0, 0);",
+}
+for _name, _head in CPP_SYSCALLS.items():
+    CPP_HOSTILE[f"syscall_{_name}"] = (
+        f'{_head} if (r >= 0) puts("42"); else printf("%d\\n", errno); }}',
+        0.0,
+    )
+
+# The same calls and more, from Python through ctypes (x86_64 numbers): the errno each got, 0 if it went through.
+SYSCALL_PROBE = """
+import ctypes, json, os
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+def call(nr, *args):
+    r = libc.syscall(ctypes.c_long(nr), *[ctypes.c_long(a) for a in args])
+    return 0 if r >= 0 else ctypes.get_errno()
+got = {
+    "ptrace": call(101, 0, 0, 0, 0),
+    "unshare": call(272, 0x10000000),
+    "mount": call(165, 0, 0, 0, 0, 0),
+    "keyctl": call(250, 0, -3, 0),
+    "bpf": call(321, 0, 0, 0),
+    "perf_event_open": call(298, 0, 0, -1, -1, 0),
+    "userfaultfd": call(323, 0),
+    "setns": call(308, 0, 0),
+    "process_vm_readv": call(310, os.getppid(), 0, 0, 0, 0, 0),
+}
+pid = libc.syscall(ctypes.c_long(56), ctypes.c_long(0x10000000 | 17), *[ctypes.c_long(0)] * 4)  # clone(NEWUSER)
+if pid == 0:
+    os._exit(0)
+got["clone_newuser"] = ctypes.get_errno() if pid < 0 else 0
+if pid > 0:
+    os.waitpid(pid, 0)
+print(json.dumps(got))
+"""
+# 42 (the right answer) only if one of them went through
+PY_HOSTILE["syscalls_it_has_no_business_making"] = SYSCALL_PROBE.replace(
+    "print(json.dumps(got))", "print(42 if 0 in got.values() else 0)"
+)
+x86_64 = pytest.mark.skipif(platform.machine() != "x86_64", reason="syscall numbers of x86_64")
+
+
+@x86_64
+def test_should_deny_with_eperm_when_code_makes_syscalls_it_has_no_business_making(backend, no_leftovers):
+    r = run_tests("python", SYSCALL_PROBE, [""], backend=backend)
+    assert r.runs[0].status == "ok", r
+    got = json.loads(r.runs[0].stdout)
+    assert got == dict.fromkeys(got, 1), got  # every one EPERM
+
+
+@x86_64
+def test_should_owe_the_denials_to_the_filter_when_bubblewrap_runs_without_it(monkeypatch, no_leftovers):
+    """The control: the same sandbox without the filter lets ptrace(TRACEME) and keyctl through, so the EPERMs
+    above are the filter's doing, not a side effect of bubblewrap's namespaces."""
+    try:
+        b = backends.resolve(backends.BWRAP)
+    except backends.SandboxUnavailable as e:
+        pytest.skip(f"bubblewrap unavailable here ({e})")
+    monkeypatch.setattr(backends, "resolve", lambda requested=None: dataclasses.replace(b, seccomp=None))
+    r = run_tests("python", SYSCALL_PROBE, [""], backend=backends.BWRAP)
+    got = json.loads(r.runs[0].stdout)
+    assert got["ptrace"] == 0 and got["keyctl"] == 0, got
 
 
 @pytest.mark.parametrize("case", sorted(CPP_HOSTILE))

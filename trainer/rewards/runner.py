@@ -34,7 +34,11 @@ every task of a run with a code reward asks for one unit of it, so the programs 
 sandbox nodes, never beside the GPUs, and compile in parallel over that group's CPUs. A run whose
 cluster has no node with the resource (after :data:`SANDBOX_WAIT_S` for one to join; at once on a
 private local instance, which can gain none) stops with one line. Without the variable (``make up``,
-tests) nothing changes.
+tests) nothing changes. With the release's sandbox service (``KUBERL_SANDBOX_URL``, :mod:`trainer.sandbox.remote`)
+the programs run there instead, in a pod without the Ray token: the tasks then ask for no sandbox resource (they
+only wait on the service), the driver checks at start that the service answers its token (one line if not), and a
+task of code rewards scores its samples on threads, so that their programs go to the service in shared requests;
+such a task carries at least :data:`trainer.sandbox.remote.MAX_BATCH` samples once a cost is measured.
 
 A ``reward_model`` entry (:mod:`trainer.rewards.reward_model`) or an ``llm_judge`` entry
 (:mod:`trainer.rewards.judge`) is not scored in these tasks: each chunk of samples also goes, split over
@@ -64,6 +68,7 @@ from trainer.config import ConfigError, EnvConfig, RewardSpec, check_name
 from trainer.rewards import judge, registry
 from trainer.rewards import reward_model as rm
 from trainer.rewards.actors import ModelPool
+from trainer.sandbox import remote
 
 log = logging.getLogger(__name__)
 
@@ -162,9 +167,26 @@ SANDBOX_WAIT_S = 600.0
 
 def sandbox_resource(names: list[str]) -> str | None:
     """The Ray resource the tasks of rewards ``names`` must ask for: the sandbox group's, when one of them
-    runs code and the cluster has such a group; else None (any CPU will do)."""
+    runs code here (no sandbox service) and the cluster has such a group; else None (any CPU will do)."""
     resource = os.environ.get(SANDBOX_RESOURCE_ENV, "").strip()
-    return resource if resource and CODE_REWARDS.intersection(names) else None
+    return resource if resource and CODE_REWARDS.intersection(names) and not remote.configured() else None
+
+
+def _in_service(names: list[str]) -> bool:
+    """Rewards ``names`` all run code, in the sandbox service: their samples may be scored on threads, and
+    should be, so that their programs share requests. (Not beside other rewards: the math rewards' time limit
+    is a timer signal, which only reaches the main thread.)"""
+    return bool(names) and set(names) <= CODE_REWARDS and remote.concurrency() > 1
+
+
+def _each(fn, items: list, names: list[str]) -> list:
+    """``[fn(item) for item in items]``, on threads when the items' programs go to the sandbox service."""
+    if len(items) < 2 or not _in_service(names):
+        return [fn(item) for item in items]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(min(len(items), remote.concurrency()), thread_name_prefix="reward") as pool:
+        return list(pool.map(fn, items))
 
 
 def check_sandbox_nodes(resource: str, private: bool) -> None:
@@ -194,7 +216,10 @@ def _score_task(specs: list[RewardSpec], items: list[tuple]):
         except Exception:  # noqa: S110  (score_one says why, per sample)
             pass
     start = time.monotonic()
-    yield [score_one(specs, *item) for item in items], time.monotonic() - start
+    yield (
+        _each(lambda item: score_one(specs, *item), items, [s.name for s in specs]),
+        time.monotonic() - start,
+    )
 
 
 @ray.remote(num_cpus=1, max_retries=0)
@@ -204,7 +229,8 @@ def _feedback_task(name: str, kwargs: dict, items: list[tuple]):
     import trainer.rewards.feedback  # noqa: F401
 
     start = time.monotonic()
-    yield [feedback_one(name, kwargs, gt, response) for gt, response, *_ in items], time.monotonic() - start
+    scored = _each(lambda item: feedback_one(name, kwargs, item[0], item[1]), items, [name])
+    yield scored, time.monotonic() - start
 
 
 @dataclass
@@ -258,6 +284,10 @@ class RewardRunner:
         feedback_name = env.feedback if feedback else None
         names = [feedback_name] if feedback_name is not None else [spec.name for spec in self.specs]
         self.resource = sandbox_resource(names)
+        # A task's samples share the service's requests: at least a batch of them per task, once measured.
+        self.min_task_items = remote.MAX_BATCH if _in_service(names) else 1
+        if remote.configured() and CODE_REWARDS.intersection(names):
+            remote.check(wait_s=0.0 if not os.environ.get("RAY_ADDRESS") else SANDBOX_WAIT_S)
         score, feedback_task = _score_task, _feedback_task
         if self.resource:
             check_sandbox_nodes(self.resource, private=not os.environ.get("RAY_ADDRESS"))
@@ -310,7 +340,7 @@ class RewardRunner:
         """How many samples the next task carries: about TASK_TARGET_S of measured scoring, 1 before any."""
         if not self.item_s:
             return 1 if self.item_s is None else MAX_TASK_ITEMS
-        return max(1, min(MAX_TASK_ITEMS, int(TASK_TARGET_S / self.item_s)))
+        return max(self.min_task_items, min(MAX_TASK_ITEMS, int(TASK_TARGET_S / self.item_s)))
 
     def _pump(self) -> None:
         now = time.monotonic()

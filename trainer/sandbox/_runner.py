@@ -14,7 +14,8 @@ argv per test instead (C++ binaries, or Python when fidelity matters more than s
 Every test child: its own process group and fresh working directory, stdin and stdout on memfds
 (reachable by no path; stdout capped by the file-size limit), stderr on a pipe the runner drains
 (debug output is not capped, only the first bytes kept), resource limits (CPU seconds, address space, file size = the output cap,
-processes, open files, no core), default SIGPIPE/SIGXFSZ. After each test every other process the
+processes, open files, no core), default SIGPIPE/SIGXFSZ, and in the rlimit fallback the seccomp filter
+(``seccomp.py``; bubblewrap loads it for the whole sandbox). After each test every other process the
 runner can signal is killed (``kill(-1)``: the whole sandbox under bubblewrap's PID namespace, or
 the sandbox's own uid in the fallback), so nothing a test leaves behind reaches the next one. The
 runner is non-dumpable, so a test cannot open its result pipe through ``/proc/<ppid>/fd`` or trace it.
@@ -31,9 +32,15 @@ import time
 PR_SET_PDEATHSIG = 1
 PR_SET_DUMPABLE = 4
 PR_SET_CHILD_SUBREAPER = 36
+PR_SET_NO_NEW_PRIVS = 38
+PR_SET_SECCOMP = 22
+SECCOMP_MODE_FILTER = 2
 CLONE_NEWNET = 0x40000000
 CLONE_NEWUSER = 0x10000000
 _libc = None  # ctypes' libc, loaded by main()
+_fprog = (
+    None  # the fallback's seccomp filter (a struct sock_fprog, built by main()); bubblewrap loads its own
+)
 ERR_BYTES = 4096  # stderr bytes kept per step: enough for a traceback or a compiler's first errors
 
 
@@ -242,6 +249,13 @@ def _child(spec, argv, fds, cwd, fsize, lim):
         _signal.signal(_signal.SIGPIPE, _signal.SIG_DFL)
         _signal.signal(_signal.SIGXFSZ, _signal.SIG_DFL)
         _set_limits(lim, fsize)
+        if _fprog is not None:
+            import ctypes
+
+            if _libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0 or _libc.prctl(
+                PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(_fprog), 0, 0
+            ):
+                raise OSError(ctypes.get_errno(), "cannot load the seccomp filter")
         if argv is None:
             _run_python(spec["source"], spec["filename"])
         os.execve(argv[0], argv, spec["env"])
@@ -413,8 +427,18 @@ def main():
 
     import ctypes
 
-    global _libc
+    global _libc, _fprog
     _libc = libc = ctypes.CDLL(None, use_errno=True)
+    if spec.get(
+        "seccomp"
+    ):  # the rlimit fallback: each test child loads it (the filter's docstring: seccomp.py)
+
+        class _SockFprog(ctypes.Structure):
+            _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+        program = ctypes.create_string_buffer(spec["seccomp"], len(spec["seccomp"]))
+        _fprog = _SockFprog(len(spec["seccomp"]) // 8, ctypes.addressof(program))
+        _fprog._program = program  # keep the instructions alive as long as the struct
     # The fallback never keeps the network: a namespace of its own (while still root, before the uid
     # drop, or as any uid inside a new user namespace), or the runner exits before running anything.
     netns = spec.get("netns")

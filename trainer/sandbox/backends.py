@@ -4,24 +4,27 @@
 read-only view of ``/usr`` (plus the interpreter's prefix) and nothing else of the host: no ``/etc``,
 no home directories, no ``/proc`` of the host, no network. Its writable places are two size-capped
 tmpfs (``/box`` and ``/tmp``) that vanish with it. Killing the outer bwrap tears the PID namespace
-down, and with it everything the program started.
+down, and with it everything the program started. Inside, a seccomp filter (``seccomp``) makes the
+syscalls a program has no business making (ptrace, mount, unshare, keyctl, bpf, ...) fail with EPERM.
+Where libseccomp is missing bubblewrap is refused too, unless ``KUBERL_SANDBOX_WITHOUT_SECCOMP=1`` accepts
+running without the filter.
 
-``rlimit``: where the kernel or the pod's security settings refuse bubblewrap, the runner runs on
-the host with the same per-test rlimits, in a fresh 0700 directory, with a scrubbed environment,
-and (when we are root) as its own unprivileged uid, so that it cannot read root's files, signal the
-trainer or read its ``/proc/<pid>/environ``, and so that ``kill(-1)`` from that uid reaches exactly the
-sandbox's processes. It never keeps the network: the runner enters a network namespace of its own
-(``unshare(CLONE_NEWNET)`` while it is still root, else a user namespace with it) before it runs
-anything, and a machine where neither works gets no fallback at all: :func:`resolve` raises
-:class:`SandboxUnavailable`, whose one line the run stops with. It still sees world-readable files
-and can write to world-writable directories: one warning says so at start-up.
+``rlimit``: no namespaces but the network's. The runner runs on the host with the same per-test rlimits and
+seccomp filter, in a fresh 0700 directory, with a scrubbed environment, and (when we are root) as its own
+unprivileged uid, so that it cannot read root's files, signal the trainer or read its ``/proc/<pid>/environ``,
+and so that ``kill(-1)`` from that uid reaches exactly the sandbox's processes. It never keeps the network:
+the runner enters a network namespace of its own (``unshare(CLONE_NEWNET)`` while it is still root, else a
+user namespace with it) before it runs anything, and a machine where neither works gets no fallback at all.
+It still sees the host's files: it can read world-readable ones and write world-writable directories (a
+hostile program did, in 1 of 16 tries). So model code never runs under it unless the user says so by name:
+``KUBERL_SANDBOX=rlimit-without-isolation`` (or ``backend="rlimit-without-isolation"``); ``rlimit`` alone, and
+``auto`` where bubblewrap cannot start, are refused with one line (:class:`SandboxUnavailable`) naming that key.
 
 Both give every sandbox its own unprivileged uid when the trainer runs as root, because the kernel
 counts RLIMIT_NPROC per uid and does not enforce it for root at all: a shared uid would let one fork
-bomb starve every other sample's sandbox. ``KUBERL_SANDBOX=bwrap|rlimit`` forces a backend (``auto``,
-the default, probes bwrap and falls back); the chart sets ``bwrap`` on every Ray pod, so a pod whose
-security context does not let bubblewrap start refuses code rewards instead of falling back.
-``KUBERL_SANDBOX_PYTHON`` names the interpreter.
+bomb starve every other sample's sandbox. ``KUBERL_SANDBOX`` picks the backend: ``auto`` (the default) and
+``bwrap`` both mean bubblewrap or nothing, and differ only in the refusal's wording; the chart sets ``bwrap``
+on every Ray pod. ``KUBERL_SANDBOX_PYTHON`` names the interpreter.
 """
 
 from __future__ import annotations
@@ -37,13 +40,19 @@ import sys
 import threading
 from dataclasses import dataclass, field
 
+import trainer.sandbox.seccomp as seccomp
 from trainer.config import ConfigError
 
 log = logging.getLogger(__name__)
 
 BWRAP = "bwrap"
-RLIMIT = "rlimit"
+RLIMIT = "rlimit"  # the Backend.kind of the fallback; asking for it takes UNISOLATED, by name
 BACKENDS = (BWRAP, RLIMIT)
+# The opt-in that runs model code under the fallback: its name says what is given up.
+UNISOLATED = "rlimit-without-isolation"
+REQUESTS = (BWRAP, "auto", UNISOLATED)
+# The opt-out of the seccomp filter where libseccomp is missing ("1"); its name says what is given up.
+WITHOUT_SECCOMP_ENV = "KUBERL_SANDBOX_WITHOUT_SECCOMP"
 
 # How the fallback's runner gets its network namespace (_runner.py): unshare it while still root
 # (then drop to the sandbox uid), or as any uid inside a new user namespace.
@@ -65,6 +74,7 @@ class Backend:
     netns: str = ""  # the fallback: NETNS_ROOT or NETNS_USER, never "" (bubblewrap unshares its own)
     proc: bool = True  # bwrap mounts a /proc of the sandbox's PID namespace (not where /proc is masked)
     reason: str = ""  # why this backend (a fallback says what failed)
+    seccomp: bytes | None = field(default=None, repr=False)  # the filter's BPF (None: opted out of it)
     notes: list[str] = field(default_factory=list, compare=False)
 
 
@@ -162,7 +172,13 @@ def as_uid(argv: list[str], uid: int) -> tuple[list[str], dict]:
 # --- bwrap ---------------------------------------------------------------------------------------
 
 
-def bwrap_argv(b: Backend, python_argv: list[str], extra_ro: list[str] | tuple[str, ...] = ()) -> list[str]:
+def bwrap_argv(
+    b: Backend,
+    python_argv: list[str],
+    extra_ro: list[str] | tuple[str, ...] = (),
+    seccomp_fd: int | None = None,
+) -> list[str]:
+    """bubblewrap's command line; ``seccomp_fd`` (from :func:`seccomp_fd`) must be passed to it (``pass_fds``)."""
     argv = [
         b.bwrap,
         "--unshare-all",
@@ -191,8 +207,15 @@ def bwrap_argv(b: Backend, python_argv: list[str], extra_ro: list[str] | tuple[s
         argv += ["--perms", "0700", "--tmpfs", mount] if "--perms" in b.bwrap_flags else ["--tmpfs", mount]
     for d in extra_ro:  # after the tmpfs mounts, which would hide them
         argv += ["--ro-bind", d, d]
+    if seccomp_fd is not None:  # loaded after bubblewrap's own set-up: it binds the runner, not bubblewrap
+        argv += ["--seccomp", str(seccomp_fd)]
     argv += ["--chdir", BOX, "--"]
     return argv + python_argv
+
+
+def seccomp_fd(b: Backend) -> int | None:
+    """A fresh descriptor of ``b``'s filter for one bubblewrap (it reads it whole); None without a filter."""
+    return None if b.seccomp is None else seccomp.memfd(b.seccomp)
 
 
 def _bwrap_backend(need_world: bool) -> Backend:
@@ -211,14 +234,19 @@ def _bwrap_backend(need_world: bool) -> Backend:
 
 def _probe(b: Backend) -> str | None:
     """Run ``print(42)`` the way real runs will; None when it works, else why not."""
-    argv = bwrap_argv(b, [b.python, "-I", "-S", "-c", "print(6 * 7)"])
-    kw = {}
+    fd = seccomp_fd(b)
+    argv = bwrap_argv(b, [b.python, "-I", "-S", "-c", "print(6 * 7)"], seccomp_fd=fd)
+    kw: dict = {"pass_fds": (fd,)} if fd is not None else {}
     if b.switch_uid:
-        argv, kw = as_uid(argv, allocate_uid())
+        argv, more = as_uid(argv, allocate_uid())
+        kw.update(more)
     try:
         p = subprocess.run(argv, capture_output=True, timeout=30, env={"PATH": "/usr/bin:/bin"}, **kw)
     except (OSError, subprocess.SubprocessError) as e:
         return f"{type(e).__name__}: {e}"
+    finally:
+        if fd is not None:
+            os.close(fd)
     if p.returncode == 0 and p.stdout.strip() == b"42":
         return None
     err = p.stderr.decode(errors="replace").strip().splitlines()
@@ -255,23 +283,43 @@ _lock = threading.Lock()
 _cache: dict[str, Backend] = {}
 
 
-def resolve(requested: str | None = None) -> Backend:
-    """The backend for ``requested`` (``bwrap``, ``rlimit`` or ``auto``), probed once per process.
+def _filter(required: bool) -> bytes | None:
+    """The seccomp filter's BPF; without libseccomp, SandboxUnavailable when ``required`` unless opted out."""
+    try:
+        return seccomp.bpf()
+    except seccomp.SeccompUnavailable as e:
+        if required and os.environ.get(WITHOUT_SECCOMP_ENV, "") != "1":
+            raise SandboxUnavailable(
+                f"sandbox: {e}; bubblewrap without it leaves the kernel's whole syscall surface to model code: "
+                f"install it, or set {WITHOUT_SECCOMP_ENV}=1 to run without the filter"
+            ) from None
+        log.warning("sandbox: %s; sandboxed programs run without a seccomp filter", e)
+        return None
 
-    Raises :class:`SandboxUnavailable` when ``bwrap`` is asked for by name and does not work here, or
-    when it does not and the fallback could not take the network away either.
+
+def resolve(requested: str | None = None) -> Backend:
+    """The backend for ``requested`` (``bwrap``, ``auto`` or ``rlimit-without-isolation``), probed once per process.
+
+    Raises :class:`SandboxUnavailable` (one line) when bubblewrap is asked for (``bwrap``, ``auto``) and does not
+    work here or has no seccomp filter, when the fallback is asked for as plain ``rlimit`` (not by its opt-in
+    name), and when the fallback could not take the network away either.
     """
     requested = (requested or os.environ.get("KUBERL_SANDBOX") or "auto").lower()
-    if requested not in (*BACKENDS, "auto"):
-        raise ValueError(f"sandbox backend {requested!r}: expected one of bwrap, rlimit, auto")
+    if requested == RLIMIT:
+        raise SandboxUnavailable(
+            f"sandbox backend {RLIMIT!r} runs model code without bubblewrap's isolation (it can read world-readable "
+            f"files and write world-writable directories); to accept that, name it: KUBERL_SANDBOX={UNISOLATED}"
+        )
+    if requested not in REQUESTS:
+        raise ValueError(f"sandbox backend {requested!r}: expected one of {', '.join(REQUESTS)}")
     with _lock:
         if requested in _cache:
             return _cache[requested]
         root = os.geteuid() == 0
-        reason = ""
-        if requested in (BWRAP, "auto"):
+        if requested != UNISOLATED:
+            program = _filter(required=True)
             try:
-                b = _bwrap_backend(need_world=root)
+                b = dataclasses.replace(_bwrap_backend(need_world=root), seccomp=program)
                 why = _probe(b)
                 if why and "proc" in why:
                     # A container runtime masks parts of /proc (procMount: Default), and the kernel then
@@ -281,7 +329,12 @@ def resolve(requested: str | None = None) -> Backend:
             except (RuntimeError, OSError, subprocess.SubprocessError) as e:
                 why = str(e)
             if why is None:
-                log.info("sandbox: bubblewrap (%s), uid per sandbox: %s", b.bwrap, b.switch_uid)
+                log.info(
+                    "sandbox: bubblewrap (%s), seccomp filter: %s, uid per sandbox: %s",
+                    b.bwrap,
+                    b.seccomp is not None,
+                    b.switch_uid,
+                )
                 _cache[requested] = b
                 return b
             if requested == BWRAP:
@@ -290,17 +343,28 @@ def resolve(requested: str | None = None) -> Backend:
                     "isolated: on GKE give the pods sandbox.enabled=true in the chart's values (docs/cluster.md), "
                     "elsewhere allow unprivileged user namespaces"
                 )
-            reason = f"bubblewrap unavailable ({why})"
-        else:
-            reason = "rlimit backend requested"
+            raise SandboxUnavailable(
+                f"sandbox: bubblewrap cannot start here ({why}), and model code runs isolated or not at all: install "
+                "bubblewrap and allow unprivileged user namespaces, or set "
+                f"KUBERL_SANDBOX={UNISOLATED} to run it with rlimits only (it can read world-readable files and "
+                "write world-writable directories)"
+            )
+        reason = f"KUBERL_SANDBOX={UNISOLATED}"
         netns = netns_mode(root)
         if netns is None:
             raise SandboxUnavailable(
-                f"sandbox: {reason}, and the rlimit fallback cannot unshare a network namespace here, so "
+                f"sandbox: {reason}, but the rlimit fallback cannot unshare a network namespace here, so "
                 "code from the model would keep this machine's network: install bubblewrap and allow "
                 "user namespaces (KUBERL_SANDBOX=bwrap), or run the trainer as root with CAP_SYS_ADMIN"
             )
-        b = Backend(RLIMIT, _find_python(need_world=root), switch_uid=root, netns=netns, reason=reason)
+        b = Backend(
+            RLIMIT,
+            _find_python(need_world=root),
+            switch_uid=root,
+            netns=netns,
+            reason=reason,
+            seccomp=_filter(required=False),
+        )
         if root:
             isolation = (
                 "each sandbox as its own unprivileged uid, no network; it can read world-readable files"

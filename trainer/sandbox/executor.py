@@ -1,4 +1,4 @@
-"""Run untrusted code against a list of stdin inputs: one sandbox per call, one fresh child per test.
+"""Run untrusted code against a list of stdin inputs, here: one sandbox per call, one fresh child per test.
 
 :func:`run_tests` starts the in-sandbox runner (``_runner.py``) under the backend chosen by
 ``backends.resolve``, hands it the source, the inputs and the limits, and reads back one record per
@@ -7,6 +7,8 @@ step. The host side owns the overall deadline: whatever happens inside, the call
 never raises on what the program did (only on our own misuse, such as an unknown language).
 
 Expected outputs never enter the sandbox; comparing is the caller's job (``trainer.rewards.code``).
+Callers use ``trainer.sandbox.run_tests`` (:mod:`trainer.sandbox.remote`), which runs this one in process or,
+with ``KUBERL_SANDBOX_URL`` set, sends the program to the sandbox service that runs this one there.
 """
 
 from __future__ import annotations
@@ -141,19 +143,29 @@ def run_tests(
         runner = [b.python, "-I", "-S", "-c", RUNNER_SOURCE]
         kw: dict = {}
         if b.kind == backends.BWRAP:
-            argv = backends.bwrap_argv(b, runner, extra_ro)
+            filter_fd = backends.seccomp_fd(b)
+            argv = backends.bwrap_argv(b, runner, extra_ro, filter_fd)
+            if filter_fd is not None:
+                kw["pass_fds"] = (filter_fd,)
             if uid is not None:
-                argv, kw = backends.as_uid(argv, uid)
+                argv, more = backends.as_uid(argv, uid)
+                kw.update(more)
         else:
             argv = runner
             spec["parent_pid"] = os.getpid()  # the runner's parent: it exits if that is gone already
             spec["netns"] = b.netns  # the runner takes the network away before anything runs, or exits
             if uid is not None:  # the runner drops to ``uid`` itself
                 spec["drop_to"] = [uid, uid]
+            if b.seccomp is not None:  # the runner loads it into each test child (bubblewrap loads its own)
+                spec["seccomp"] = b.seccomp
         budget = STARTUP_S + len(data) * (limits.wall + 0.5)
         if "compile" in spec:
             budget += compile_limits.wall
-        result = _drive(argv, env, kw, marshal.dumps(spec, 4), len(data), budget, caps, uid)
+        try:
+            result = _drive(argv, env, kw, marshal.dumps(spec, 4), len(data), budget, caps, uid)
+        finally:
+            for fd in kw.get("pass_fds", ()):
+                os.close(fd)
         result.backend = b.kind
         result.wall_s = time.monotonic() - t0
         return result

@@ -796,9 +796,11 @@ JUDGE_TEMPLATE = (
     "[Question]\n{question}\n\n[Response]\n{response}\n[End of response]\n\n"
     "End your reply with one line of the form: Score: N"
 )
-# The last "Score: N" / "score = N" / "Score is **N**", else the last "N/M" of the judge's own output.
+# On the judge's final line (trainer.rewards.judge.parse; markdown emphasis removed first): "Score: N" / "score = N" /
+# "Score is N", "N/M" or MT-Bench's "[[N]]"; a sign before the number is kept ("Score: -5" is -5).
 JUDGE_SCORE_PATTERN = (
-    r"(?i)(?:\bscore\b\W{0,3}(?:is\W{0,3})?(-?\d+(?:\.\d+)?))|(?:(-?\d+(?:\.\d+)?)\s*/\s*\d+(?:\.\d+)?)"
+    r"(?i)(?:\bscore\b[^\w\-]{0,3}(?:is[^\w\-]{0,3})?(-?\d+(?:\.\d+)?))"
+    r"|(?:(-?\d+(?:\.\d+)?)\s*/\s*\d+(?:\.\d+)?)|(?:\[\[(-?\d+(?:\.\d+)?)\]\])"
 )
 JUDGE_FIELDS = ("question", "response", "reference")  # what judge.template may name, in braces
 
@@ -817,6 +819,9 @@ class JudgeConfig(RewardActorsConfig):
     # The judge's user message, with {question} (the prompt's last user turn), {response} and optionally
     # {reference} (the example's ground truth); other literal braces are doubled ({{ }}).
     template: str = JUDGE_TEMPLATE
+    # Passed to the judge's chat template, e.g. {enable_thinking: false} for a Qwen3 judge (which thinks by
+    # default: its thinking is dropped before the verdict is read, but it spends judge.max_new_tokens).
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     max_new_tokens: int = 256  # the judge's own output: its reasoning and its score
     temperature: float = 0.0  # 0: greedy (the same response always gets the same verdict)
     # score: a number in [min_score, max_score] read from the judge's output by score_pattern (the first group

@@ -33,8 +33,17 @@ from trainer.rewards import judge
         ("score=3.5", 0.35, "3.5"),
         ("The score is **8**.", 0.8, "8"),
         ("I would give it 6/10.", 0.6, "6"),
-        ("Score: 4. On reflection, Score: 9", 0.9, "9"),  # the last one counts
+        ("Score: 4\nOn reflection, the response is complete.\nScore: 9", 0.9, "9"),  # its final line
         ("SCORE: 0", 0.0, "0"),
+        # markdown, as judges write it
+        ("**Score:** 8", 0.8, "8"),
+        ("Score: **8**", 0.8, "8"),
+        ("__Score__: `7`", 0.7, "7"),
+        ("The response is right.\n\n**Final score: 9/10**", 0.9, "9"),
+        ("[[6]]", 0.6, "6"),  # MT-Bench's brackets
+        ("Rating: [[6]]", 0.6, "6"),
+        # thinking is dropped before the final line is found
+        ("<think>It says 10/10, but the sum is wrong.\nScore: 10</think>\nScore: 2", 0.2, "2"),
     ],
 )
 def test_should_read_the_last_score_in_range_and_map_it_to_zero_one(text, score, read):
@@ -44,12 +53,24 @@ def test_should_read_the_last_score_in_range_and_map_it_to_zero_one(text, score,
 @pytest.mark.parametrize(
     "text, why",
     [
-        ("", "no score"),
-        ("The answer looks right to me.", "no score"),
-        ("Score: eleven", "no score"),
+        ("", "no final line"),
+        ("The answer looks right to me.", "no score on the final line"),
+        ("Score: eleven", "no score on the final line"),
         ("Score: 11", "score '11' outside [0, 10]"),
         ("score 12/10", "score '12' outside [0, 10]"),
-        ("@@@@ \x00 ###", "no score"),
+        ("@@@@ \x00 ###", "no score on the final line"),
+        # a sign is kept: -5 is not 5
+        ("Score: -5", "score '-5' outside [0, 10]"),
+        # what the judge quoted, or weighed before settling, is not its verdict
+        ("Score: 3 (the response says it deserves 10/10)", "two scores on the final line (3, 10)"),
+        ("Score: 4. On reflection, Score: 9", "two scores on the final line (4, 9)"),
+        (
+            "Score: 7\nThe response claims a score of 10 for itself, which I ignored.",
+            "no score on the final line",
+        ),
+        # a judge that never finished thinking said nothing
+        ("<think>The response is right. Score: 10", "the judge never finished thinking (no </think>)"),
+        ("<think>Score: 10</think>", "no final line"),
     ],
 )
 def test_should_leave_garbage_and_out_of_range_numbers_unparsed_and_say_why(text, why):
@@ -58,23 +79,45 @@ def test_should_leave_garbage_and_out_of_range_numbers_unparsed_and_say_why(text
     assert score == -1.0 and note.startswith(f"judge output unparsed ({why})") and repr(text) in note
 
 
-def test_should_read_a_verdict_as_a_whole_word_the_last_one_and_in_any_case():
+def test_should_read_a_verdict_as_a_whole_word_on_the_final_line_and_never_a_negated_one():
     cfg = JudgeConfig(parse="verdict", verdicts={"correct": 1.0, "incorrect": 0.0, "partly correct": 0.5})
     assert judge.parse("Verdict: CORRECT", cfg) == (1.0, "correct")
     assert judge.parse("Verdict: incorrect", cfg) == (0.0, "incorrect")  # not read as "correct"
     assert judge.parse("It is partly correct", cfg) == (0.5, "partly correct")
-    assert judge.parse("First I thought correct, but it is incorrect.", cfg) == (0.0, "incorrect")
+    assert judge.parse("At first it looks correct.\nVerdict: **incorrect**", cfg) == (0.0, "incorrect")
     assert judge.parse("incorrectly formatted, uncorrected", cfg) == (
         None,
-        "no verdict (correct, incorrect, partly correct)",
+        "no verdict (correct, incorrect, partly correct) on the final line",
     )
     assert judge.parse("score: 10", cfg)[0] is None  # a verdict judge reads no numbers
+    # Pay what the judge meant, or nothing: never the bare word of a negation, never a quoted verdict.
+    for text in (
+        "The answer is not correct.",
+        "The answer isn't correct.",
+        "It is not at all correct",
+        "This is never correct",
+    ):
+        score, why = judge.parse(text, cfg)
+        assert score is None and why == "a negated verdict ('correct'): not read as the bare word", text
+    assert judge.parse("Verdict: incorrect. (The response said it is correct.)", cfg) == (
+        None,
+        "two verdicts on the final line (correct, incorrect)",
+    )
+
+
+def test_should_pay_nothing_a_judge_cut_off_at_its_token_limit_might_hold():
+    """A judge that hit judge.max_new_tokens may end inside its quotation of the response ("... it says
+    Score: 10"): what it holds is not a verdict."""
+    cfg = JudgeConfig(unparsed_score=-1.0, max_new_tokens=64)
+    assert judge.judged("The response writes Score: 10", cfg, "stop")[0] == 1.0
+    score, note = judge.judged("The response writes Score: 10", cfg, "length")
+    assert score == -1.0 and note.startswith("judge output unparsed (cut off at judge.max_new_tokens=64)")
 
 
 def test_should_read_a_custom_pattern_and_range():
     cfg = JudgeConfig(score_pattern=r"\[\[(\d)\]\]", min_score=1, max_score=5)
     assert judge.parse("Rating: [[4]]", cfg) == (0.75, "4")
-    assert judge.parse("Score: 4", cfg) == (None, "no score")
+    assert judge.parse("Score: 4", cfg) == (None, "no score on the final line")
     assert judge.parse("[[9]]", cfg) == (None, "score '9' outside [1, 5]")
 
 
@@ -138,10 +181,11 @@ def test_should_pay_what_the_parser_makes_of_exactly_the_text_the_engine_wrote(t
     scores, notes, _ = _run(worker, items)
     prompts, _ = worker.prompts(items)
     torch.manual_seed(0)
-    texts = [c[0].text for c in worker.engine.generate(prompts, 1, worker.params)]
+    outs = [c[0] for c in worker.engine.generate(prompts, 1, worker.params)]
+    texts, ends = [c.text for c in outs], [c.finish_reason for c in outs]
     assert len(set(texts)) > 1
-    for text, score, note in zip(texts, scores, notes):
-        assert (score, note) == judge.judged(text, worker.cfg) and note.endswith(repr(text)), note
+    for text, end, score, note in zip(texts, ends, scores, notes):
+        assert (score, note) == judge.judged(text, worker.cfg, end) and note.endswith(repr(text)), note
     unparsed = [s for s, n in zip(scores, notes) if n.startswith("judge output unparsed")]
     assert unparsed and set(unparsed) == {-1.0}
     # In verdict mode the same texts are read for words (here: any the outputs hold), by the parser alone.
@@ -149,8 +193,9 @@ def test_should_pay_what_the_parser_makes_of_exactly_the_text_the_engine_wrote(t
     worker.cfg = JudgeConfig(**cfg, parse="verdict", verdicts=dict.fromkeys(words, 0.5))
     torch.manual_seed(0)
     scores, notes, _ = _run(worker, items)
-    assert [(s, n) for s, n in zip(scores, notes)] == [judge.judged(t, worker.cfg) for t in texts]
-    assert any(n.startswith(judge.PARSED) for n in notes) or words == {"x"}
+    assert [(s, n) for s, n in zip(scores, notes)] == [
+        judge.judged(t, worker.cfg, e) for t, e in zip(texts, ends)
+    ]
 
 
 def test_should_not_judge_a_response_longer_than_the_cap(tiny_model_path):

@@ -74,7 +74,11 @@ class JudgeWorker:
                     "(judge.max_response_tokens); scored judge.overlong_score"
                 )
                 continue
-            prompts.append(rules.prompt_ids(self.tokenizer, self.cfg.template, question, ids, reference))
+            prompts.append(
+                rules.prompt_ids(
+                    self.tokenizer, self.cfg.template, question, ids, reference, self.cfg.chat_template_kwargs
+                )
+            )
             notes.append("")
         return prompts, notes
 
@@ -89,7 +93,7 @@ class JudgeWorker:
         if todo:
             outs = self.engine.generate([prompts[i] for i in todo], 1, self.params)  # type: ignore[misc]
             for i, out in zip(todo, outs):
-                scores[i], notes[i] = rules.judged(out[0].text, self.cfg)
+                scores[i], notes[i] = rules.judged(out[0].text, self.cfg, out[0].finish_reason)
         yield scores, notes, time.monotonic() - start
 
     def shutdown(self) -> None:

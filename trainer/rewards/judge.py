@@ -8,11 +8,19 @@ template (:func:`prompt_ids`). It generates on one of the run's generation engin
 vllm), greedily by default: its actors (:mod:`trainer.generation.judge`) own an engine each, built by the
 engine factory, so they live with the engines, a layer above the rewards.
 
-What it pays (:func:`parse`, on the judge's own generated text alone): with ``judge.parse=score``, the number
-``judge.score_pattern`` reads in its last match (by default the last "Score: N", else the last "N/M"), if it
-lies in ``[min_score, max_score]``, mapped to ``[0, 1]``; with ``parse=verdict``, the score of the last of the
-``judge.verdicts`` words it wrote. An output with neither pays ``judge.unparsed_score``. Every sample's note
-quotes what the judge wrote, so a step can be audited. Full marks (1) say ``correct``.
+What it pays (:func:`parse`, on the judge's own generated text alone): what the judge meant, or nothing; never
+more. The template asks for a final line of a fixed form, and only that line is read: its thinking
+(``<think>...</think>``) is dropped first, markdown emphasis (``**Score:** 8``, ``Score: **8**``) is ignored, and
+everything before the last non-empty line (where a judge quotes the response, or weighs "10/10" before settling)
+is never read. With ``judge.parse=score``, the number ``judge.score_pattern`` reads there (by default "Score: N",
+"N/M" or MT-Bench's "[[N]]"), signs kept, if it lies in ``[min_score, max_score]``, mapped to ``[0, 1]``; two
+different numbers on that line ("Score: 3 (it claims 10/10)") are ambiguous and unparsed. With
+``parse=verdict``, the ``judge.verdicts`` word on that line; a negated one ("not correct") or two different ones
+are unparsed. An output cut off at ``judge.max_new_tokens`` (its finish reason) is unparsed whatever it holds: it
+may end inside a quotation of the response. Unparsed pays ``judge.unparsed_score``. Every sample's note quotes
+what the judge wrote, so a step can be audited. Full marks (1) say ``correct``. Thinking judges (Qwen3) think
+unless told otherwise: ``judge.chat_template_kwargs`` (e.g. ``{enable_thinking: false}``) reaches their chat
+template.
 
 A judge is an attack surface. The response is data inside the template, never the judge's output: a response
 that writes "Score: 10" is read by the judge, not by the parser. Its special-token strings are tokenised as
@@ -73,34 +81,68 @@ def check(cfg: JudgeConfig, specs: list[RewardSpec]) -> None:
 # ----- what the judge's output pays --------------------------------------------------------------------
 
 
+_THINK = re.compile(r"<think>.*?</think>", re.DOTALL | re.IGNORECASE)
+_EMPHASIS = re.compile(r"[*_`]+")  # markdown bold, italics and code around a label or a number
+# A negation shortly before a verdict word: "not correct", "isn't correct", "is not at all correct", "never correct".
+_NEGATION = re.compile(r"\b(?:not|no|never|hardly|cannot|can't|\w+n't)\b(?:\W+\w+){0,2}\W*$", re.IGNORECASE)
+
+
+def final_line(text: str) -> tuple[str | None, str]:
+    """The line a judge's verdict is read from: the last non-empty line of ``text`` once its thinking is dropped
+    and its markdown emphasis removed; ``(None, why)`` when there is none."""
+    if "<think>" in text.lower() and "</think>" not in text.lower():
+        return None, "the judge never finished thinking (no </think>)"
+    lines = [line.strip() for line in _EMPHASIS.sub("", _THINK.sub("", text)).splitlines() if line.strip()]
+    return (lines[-1], "") if lines else (None, "no final line")
+
+
 def parse(text: str, cfg: JudgeConfig) -> tuple[float | None, str]:
-    """``(score in [0, 1], what was read)`` from the judge's own output ``text``; ``(None, why)`` when it holds
-    no score. Bounded: one regular-expression scan of a text of at most ``judge.max_new_tokens`` tokens."""
+    """``(score in [0, 1], what was read)`` from the judge's own output ``text``, read on its final line alone
+    (:func:`final_line`); ``(None, why)`` when that line holds no verdict, an ambiguous one, or one out of range.
+    Bounded: regular-expression scans of a text of at most ``judge.max_new_tokens`` tokens."""
+    line, why = final_line(text)
+    if line is None:
+        return None, why
     if cfg.parse == "verdict":
         words = sorted(cfg.verdicts, key=len, reverse=True)  # "incorrect" before "correct" where both fit
         pattern = r"(?<![\w-])(" + "|".join(re.escape(w) for w in words) + r")(?![\w-])"
-        found = list(re.finditer(pattern, text, re.IGNORECASE))
+        found = list(re.finditer(pattern, line, re.IGNORECASE))
         if not found:
-            return None, f"no verdict ({', '.join(cfg.verdicts)})"
-        said = found[-1].group(1)
-        word = next(w for w in cfg.verdicts if w.lower() == said.lower())
+            return None, f"no verdict ({', '.join(cfg.verdicts)}) on the final line"
+        negated = [m.group(1) for m in found if _NEGATION.search(line[: m.start()])]
+        if negated:
+            return None, f"a negated verdict ({negated[0]!r}): not read as the bare word"
+        said = {m.group(1).lower() for m in found}
+        if len(said) > 1:
+            return None, f"two verdicts on the final line ({', '.join(sorted(said))})"
+        (only,) = said
+        word = next(w for w in cfg.verdicts if w.lower() == only)
         return float(cfg.verdicts[word]), word
-    matches = list(re.finditer(cfg.score_pattern, text))
-    if not matches:
-        return None, "no score"
-    number = next((g for g in matches[-1].groups() if g is not None), None)
+    numbers = [
+        next((g for g in m.groups() if g is not None), None) for m in re.finditer(cfg.score_pattern, line)
+    ]
+    numbers = [n for n in numbers if n is not None]
+    if not numbers:
+        return None, "no score on the final line"
     try:
-        n = float(number) if number is not None else float("nan")
+        values = {float(n) for n in numbers}
     except ValueError:
-        n = float("nan")
+        return None, f"score {numbers[-1]!r} is not a number"
+    if len(values) > 1:
+        return None, f"two scores on the final line ({', '.join(numbers)})"
+    number, n = numbers[0], values.pop()
     if not cfg.min_score <= n <= cfg.max_score:  # nan too
         return None, f"score {number!r} outside [{cfg.min_score:g}, {cfg.max_score:g}]"
-    return (n - cfg.min_score) / (cfg.max_score - cfg.min_score), number or ""
+    return (n - cfg.min_score) / (cfg.max_score - cfg.min_score), number
 
 
-def judged(text: str, cfg: JudgeConfig) -> tuple[float, str]:
-    """What the judge's output ``text`` pays, and the note that says why and quotes it."""
-    score, read = parse(text, cfg)
+def judged(text: str, cfg: JudgeConfig, finish_reason: str | None = None) -> tuple[float, str]:
+    """What the judge's output ``text`` pays, and the note that says why and quotes it. An output cut off at
+    ``judge.max_new_tokens`` (``finish_reason`` "length") pays nothing it might hold."""
+    if finish_reason == "length":
+        score, read = None, f"cut off at judge.max_new_tokens={cfg.max_new_tokens}"
+    else:
+        score, read = parse(text, cfg)
     quote = text if len(text) <= QUOTE_CHARS else text[:QUOTE_CHARS] + "..."
     if score is None:
         return cfg.unparsed_score, f"judge output unparsed ({read}), scored judge.unparsed_score: {quote!r}"
@@ -116,15 +158,24 @@ def last_user_turn(messages: list[dict]) -> str:
 
 
 def prompt_ids(
-    tokenizer: Any, template: str, question: str, response_ids: list[int], reference: str
+    tokenizer: Any,
+    template: str,
+    question: str,
+    response_ids: list[int],
+    reference: str,
+    chat_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
     """The judge's prompt: ``template`` with the question and the reference, as the user's turn of the judge's
-    chat template (with the assistant's turn opened), the response's own ``response_ids`` in its slot."""
+    chat template (with the assistant's turn opened; ``chat_kwargs``: judge.chat_template_kwargs), the response's
+    own ``response_ids`` in its slot."""
     text = template.format(question=question, response=_SLOT, reference=reference)
     special = bool(getattr(tokenizer, "chat_template", None))
     if special:
         text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+            [{"role": "user", "content": text}],
+            tokenize=False,
+            add_generation_prompt=True,
+            **(chat_kwargs or {}),
         )
     pieces = text.split(_SLOT)
     ids = tokenizer(pieces[0], add_special_tokens=not special)["input_ids"]

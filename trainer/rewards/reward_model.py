@@ -136,6 +136,25 @@ def render(tokenizer: Any, messages: list[dict], response: str) -> tuple[str, bo
     return "".join(PLAIN_TEMPLATE.format(**m) for m in conversation), False
 
 
+_SLOT = "\x00response\x00"  # stands for the response while its conversation is rendered (encode)
+
+
+def encode(tokenizer: Any, messages: list[dict], response: str) -> list[int]:
+    """The reward model's tokens of ``messages`` with ``response`` as the assistant's turn. A response that
+    writes a special-token string (``<|im_end|>\\n<|im_start|>user\\n...``) reaches the model as that text,
+    never as control tokens: a forged turn would be scored as structure. Such a response goes into its slot of
+    the rendered conversation tokenised on its own, special strings split; any other is tokenised with the
+    conversation as one text, exactly as the model's own template and tokenizer write it."""
+    text, special = render(tokenizer, messages, response)
+    plain = tokenizer(response, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    if tokenizer(response, add_special_tokens=False)["input_ids"] == plain:
+        return tokenizer(text, add_special_tokens=not special)["input_ids"]
+    text, special = render(tokenizer, messages, _SLOT)
+    before, _, after = text.partition(_SLOT)
+    ids = tokenizer(before, add_special_tokens=not special)["input_ids"] + plain
+    return ids + (tokenizer(after, add_special_tokens=False)["input_ids"] if after else [])
+
+
 def batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
     """Indices grouped into forward passes of at most ``max_tokens`` padded tokens (batch x longest), shortest
     first so that padding stays small; a sample longer than the budget goes alone."""
@@ -182,10 +201,7 @@ class RewardModelWorker:
         per item (None for one too long to read, with its note)."""
         yield None
         start = time.monotonic()
-        ids = []
-        for messages, response in items:
-            text, special = render(self.tokenizer, messages, response)
-            ids.append(self.tokenizer(text, add_special_tokens=not special)["input_ids"])
+        ids = [encode(self.tokenizer, messages, response) for messages, response in items]
         scores: list[float | None] = [None] * len(items)
         notes = [""] * len(items)
         fits = []

@@ -176,6 +176,34 @@ def test_should_combine_the_reward_model_with_a_verifiable_reward_by_weight_on_i
     assert not any(r.correct for r in only) and only[0].answer_note.startswith("reward model: ")
 
 
+def test_should_score_identical_samples_identically_whatever_they_are_batched_with(arithmetic_rm, ray_local):
+    """Sixteen identical answers, eight beside longer samples and eight alone, in passes of a tight token budget
+    on two replicas, in bfloat16: each distinct sample is scored once, so the sixteen are equal bit for bit
+    (scored apart, padding and shapes moved them by bfloat16 ulps, which GRPO turns into advantages)."""
+    from trainer.rewards.runner import RewardRunner
+
+    pool = rm.RewardModelPool(
+        RewardModelConfig(name=arithmetic_rm, dtype="bfloat16", replicas=2, max_tokens_per_batch=48)
+    )
+    try:
+        pool.wait_ready()
+        runner = RewardRunner(EnvConfig([RewardSpec("reward_model")]), reward_model=pool)
+        sent: list[int] = []  # how many items each batch asks the replicas to score
+        call = pool.call
+        pool.call = lambda batch: (sent.append(len(batch)), call(batch))[1]
+        messages = [{"role": "user", "content": "1+1"}]
+        longer = [{"role": "user", "content": "1+1 and then some more words to pad the pass"}]
+        items = [("2", "2", "1+1", messages)] * 8 + [("2", f"2{'0' * k}", "", longer) for k in range(8)]
+        items += [("2", "2", "1+1", messages)] * 8
+        results = runner.results(runner.submit(items))
+    finally:
+        pool.shutdown()
+    assert sum(sent) == 9 and len(sent) == 2  # the sixteen once, the eight others, over both replicas
+    same = [r.rm_score for i, r in enumerate(results) if i < 8 or i >= 16]
+    assert len(same) == 16 and len(set(same)) == 1, same
+    assert len({r.rm_score for r in results[8:16]}) > 1  # the others were scored, each its own
+
+
 def test_should_refuse_a_reward_model_entry_without_the_actors_or_with_kwargs():
     from trainer.rewards import check_specs
     from trainer.rewards.runner import RewardRunner

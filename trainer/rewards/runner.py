@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import json
 import logging
 import os
 import time
@@ -279,6 +280,10 @@ class RewardRunner:
         self._rm_running: dict[ray.ObjectRefGenerator, _Task] = {}
         # entry name -> id -> (score, raw score, note)
         self._rm_results: dict[str, dict[int, tuple[float, float | None, str]]] = {n: {} for n in self.pools}
+        # Each distinct item a model reads is scored once: the id sent -> the ids of the same item left home,
+        # which get its score, bit for bit (identical samples scored in different passes would differ by the
+        # passes' padding and shapes, and GRPO would turn that rounding into advantages).
+        self._rm_copies: dict[str, dict[int, list[int]]] = {n: {} for n in self.pools}
         self._rm_moved = 0.0
         # A feedback runner's one name (check_name above refused a null env.feedback); None for a scoring one.
         feedback_name = env.feedback if feedback else None
@@ -323,10 +328,20 @@ class RewardRunner:
         else:  # the reward model alone: no task to run
             self._results.update((i, RewardResult(0.0, True)) for i in ids)
         for name, pool in self.pools.items():
-            # What the model reads, from the prompt's messages (or its question) and the response.
+            # What the model reads, from the prompt's messages (or its question) and the response; once per
+            # distinct item, in the order they came (a group's samples stay together).
             read = [pool.item(gt, resp, _conversation(rest)) for gt, resp, *rest in items]
-            for part in pool.shares(len(items)):
-                self._rm_running[pool.call(read[part])] = _Task(ids[part], read[part], now, pool=name)
+            first: dict[str, int] = {}
+            for i, item in zip(ids, read):
+                key = json.dumps(item, sort_keys=True, default=str)
+                if key in first:
+                    self._rm_copies[name].setdefault(first[key], []).append(i)
+                else:
+                    first[key] = i
+            sent = list(first.values())
+            unique = [read[i - ids[0]] for i in sent]
+            for part in pool.shares(len(unique)):
+                self._rm_running[pool.call(unique[part])] = _Task(sent[part], unique[part], now, pool=name)
         self._pump()
         return ids
 
@@ -372,6 +387,12 @@ class RewardRunner:
             now = time.monotonic()
             self._pending.extendleft((i, item, True, now) for i, item in reversed(list(zip(ids, items))))
 
+    def _rm_set(self, pool: str, ids: list[int], result: tuple[float, float | None, str]) -> None:
+        """``result`` for each of ``ids`` and for every id of the same item that was not sent (``_rm_copies``)."""
+        for i in ids:
+            for j in (i, *self._rm_copies[pool].pop(i, ())):
+                self._rm_results[pool][j] = result
+
     def _poll_reward_model(self, timeout: float) -> None:
         """Collect the models' finished batches and note started ones; a late batch's samples score 0.
         A replica that died raises (the run ends naming it)."""
@@ -392,7 +413,7 @@ class RewardRunner:
                 self._rm_running.pop(gen)
                 tail = traceback.format_exception_only(type(e), e)[-1].strip()[:300]
                 why = f"{self.pools[task.pool].WHAT} raised {tail}"
-                self._rm_results[task.pool].update((i, (0.0, None, why)) for i in task.ids)
+                self._rm_set(task.pool, task.ids, (0.0, None, why))
                 continue
             if task.started is None:
                 task.started = now
@@ -401,7 +422,7 @@ class RewardRunner:
             scores, notes, _ = out
             pool = self.pools[task.pool]
             for i, raw, note in zip(task.ids, scores, notes):
-                self._rm_results[task.pool][i] = pool.finish(raw, note)
+                self._rm_set(task.pool, [i], pool.finish(raw, note))
         busy = any(task.started is not None for task in self._rm_running.values())
         for gen, task in list(self._rm_running.items()):
             if task.started is not None and now - task.started > self.env.reward_timeout_s:
@@ -409,7 +430,7 @@ class RewardRunner:
                 self._rm_running.pop(gen)
                 self._rm_moved = now
                 why = f"{self.pools[task.pool].WHAT} timed out after {self.env.reward_timeout_s:g}s"
-                self._rm_results[task.pool].update((i, (0.0, None, why)) for i in task.ids)
+                self._rm_set(task.pool, task.ids, (0.0, None, why))
             elif (
                 not busy
                 and task.started is None

@@ -680,20 +680,30 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     results = {}
-    try:
-        for row in rows if args.only != "trl" else []:
-            print(
-                f"bench: {row} (python -m trainer, .venv): {' '.join(row_overrides[row]) or 'cpu-demo as it ships'}",
-                flush=True,
-            )
+    # A row that cannot run is a row of the table that says why; the others still run and print.
+    failed: dict[str, str] = {}
+    for row in rows if args.only != "trl" else []:
+        print(
+            f"bench: {row} (python -m trainer, .venv): {' '.join(row_overrides[row]) or 'cpu-demo as it ships'}",
+            flush=True,
+        )
+        try:
             results[row] = run_kuberl(args, run_dir, row, row_overrides[row])
-        for name in trl_runs if args.only != "kuberl" else []:
-            what = {TRL_LORA: " with peft_config", TRL_VLLM: " with its own vLLM (colocate)"}.get(name, "")
-            print(f"bench: TRL GRPOTrainer (.venv-bench){what}", flush=True)
+        except RuntimeError as e:
+            print(f"bench: {e}", flush=True)
+            failed[row] = why_failed(e)
+    for name in trl_runs if args.only != "kuberl" else []:
+        what = {TRL_LORA: " with peft_config", TRL_VLLM: " with its own vLLM (colocate)"}.get(name, "")
+        print(f"bench: TRL GRPOTrainer (.venv-bench){what}", flush=True)
+        try:
             results[name] = run_trl(args, trl_specs[name], run_dir, name)
-    except RuntimeError as e:
-        return fail(str(e), 1)
-    summary = report(spec, results, args.warmup)
+        except RuntimeError as e:
+            print(f"bench: {e}", flush=True)
+            failed[name] = why_failed(e)
+    summary = report(spec, results, args.warmup) if results else {}
+    for name, why in failed.items():
+        print(f"{name:<14} did not run: {why}")
+    summary["failed"] = failed
     total = time.monotonic() - t0
     print(f"bench: done in {total:.0f}s; numbers in {out}")
     out.write_text(
@@ -708,7 +718,15 @@ def main(argv: list[str] | None = None) -> int:
             indent=2,
         )
     )
-    return 0
+    return 1 if failed else 0
+
+
+def why_failed(error: RuntimeError) -> str:
+    """One line for a row that did not run: how it exited, and the last line of its log (the error itself,
+    e.g. TRL's ``AttributeError: 'Parameter' object has no attribute 'weight_loader'`` on vLLM's CPU build)."""
+    lines = [ln.strip() for ln in str(error).splitlines() if ln.strip()]
+    head = lines[0].split(";")[0] if lines else "failed"
+    return f"{head}: {lines[-1]}" if len(lines) > 1 else head
 
 
 # ----- the TRL side (.venv-bench, a process of its own) ----------------------------------------------

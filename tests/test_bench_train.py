@@ -25,3 +25,22 @@ def test_should_run_bench_train_with_its_memory_pass_and_print_the_table() -> No
     lines = out.stdout.splitlines()
     assert any(line.startswith("packed ") and "%" in line for line in lines), out.stdout  # tokens/s, MFU
     assert any("peak of live tensors in a step" in line for line in lines), out.stdout
+
+
+def test_should_turn_a_bench_row_that_did_not_run_into_one_line_naming_its_error() -> None:
+    """`make bench BENCH_VLLM=1`: TRL's own vLLM crashed at its first weight sync on vLLM's CPU build and the
+    whole bench exited before its table; now that row is one line of the table and the others print."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_grpo", REPO / "bench" / "bench_grpo.py")
+    bench_grpo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_grpo)
+    error = RuntimeError(
+        "trl+vllm exited with 1; its log (/tmp/run/trl+vllm.log) ends:\n"
+        '    File "trl/trainer/grpo_trainer.py", line 1234, in _move_model_to_vllm\n'
+        "    AttributeError: 'Parameter' object has no attribute 'weight_loader'"
+    )
+    assert bench_grpo.why_failed(error) == (
+        "trl+vllm exited with 1: AttributeError: 'Parameter' object has no attribute 'weight_loader'"
+    )
+    assert bench_grpo.why_failed(RuntimeError("kuberl exited with 3")) == "kuberl exited with 3"

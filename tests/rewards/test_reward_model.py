@@ -234,6 +234,15 @@ RM_ONLY = "env.reward_functions=[{name: reward_model, weight: 1.0}]"
         ("zero_budget", r"^kuberl: error: reward_model.max_tokens_per_batch=0 must be >= 1"),
         ("unset", r"^kuberl: error: env.reward_functions names reward_model, but reward_model.name is null"),
         ("two_labels", r"^kuberl: error: reward_model.name=\S+: a sequence classifier with 2 labels; "),
+        # a config.json and no weights used to pass here and fail on the actors (exit 4, "resubmit")
+        (
+            "no_weights",
+            r"^kuberl: error: reward_model.name=\S+: the directory holds no weights \(model.safetensors",
+        ),
+        (
+            "cut_weights",
+            r"^kuberl: error: reward_model.name=\S+: the directory holds model.safetensors is cut short",
+        ),
     ],
     ids=lambda v: v if v.isidentifier() else "",
 )
@@ -243,14 +252,20 @@ def test_should_stop_in_one_line_at_start_when_the_reward_model_is_wrong(
     from trainer.__main__ import main
 
     name = {"causal": tiny_model_path, "missing": "/no/such/rm"}.get(case, arithmetic_rm)
-    if case == "two_labels":
+    if case in ("two_labels", "no_weights", "cut_weights"):
         import shutil
 
-        name = str(tmp_path / "two")
+        name = str(tmp_path / case)
         shutil.copytree(arithmetic_rm, name)
-        config = json.loads((Path(name) / "config.json").read_text())
-        config["id2label"] = {"0": "LABEL_0", "1": "LABEL_1"}
-        (Path(name) / "config.json").write_text(json.dumps(config))
+        weights = Path(name) / "model.safetensors"
+        if case == "two_labels":
+            config = json.loads((Path(name) / "config.json").read_text())
+            config["id2label"] = {"0": "LABEL_0", "1": "LABEL_1"}
+            (Path(name) / "config.json").write_text(json.dumps(config))
+        elif case == "no_weights":
+            weights.unlink()
+        else:  # a copy cut off halfway
+            weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
     extra = {"zero_budget": ["reward_model.max_tokens_per_batch=0"], "unset": []}.get(
         case, [f"reward_model.name={name}"]
     )

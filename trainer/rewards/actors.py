@@ -19,6 +19,7 @@ the other rewards' by weight.
 from __future__ import annotations
 
 import itertools
+import os
 from typing import Any, ClassVar
 
 from trainer.config import ConfigError, RewardSpec
@@ -63,6 +64,75 @@ def model_config(name: str, key: str, trust_remote_code: bool) -> Any:
             return known
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConfigError(f"{key}={name}: cannot read its config: {first}") from None
+
+
+def _safetensors_problem(path: str) -> str | None:
+    """Why ``path`` is not a readable safetensors file (its 8-byte length and JSON header), or None."""
+    import json
+    import struct
+
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) != 8:
+                return "is shorter than a safetensors header"
+            (n,) = struct.unpack("<Q", head)
+            if n > 100 * 2**20:
+                return "has no safetensors header (its length field is not one)"
+            header = json.loads(f.read(n))
+        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+        if os.path.getsize(path) < 8 + n + end:
+            return f"is cut short ({os.path.getsize(path)} bytes; its header describes {8 + n + end})"
+    except FileNotFoundError:
+        return "is missing"
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
+        return f"has no readable safetensors header ({type(e).__name__})"
+    return None
+
+
+def check_weights(name: str, key: str) -> None:
+    """A model directory holds its weights, whole: ``model.safetensors`` (its header read, its size checked)
+    or every shard its index names, else ``pytorch_model.bin`` (or its shards); else a ConfigError naming the
+    key. A directory with a config.json and no weights otherwise passes every check at start and fails on the
+    actors, as an error a RayJob would retry for ever. A hub id is not checked here (the replicas download it)."""
+    import json
+
+    from trainer.models import ModelNotFoundError, hub_id_or_directory
+
+    try:
+        path = hub_id_or_directory(name, key)
+    except ModelNotFoundError:
+        return  # model_config said so already
+    if not os.path.isdir(path):
+        return
+    problems = []
+    for index, single in (("model.safetensors.index.json", "model.safetensors"),
+                          ("pytorch_model.bin.index.json", "pytorch_model.bin")):  # fmt: skip
+        index_path = os.path.join(path, index)
+        if os.path.isfile(index_path):
+            try:
+                shards = sorted(set(json.loads(open(index_path).read())["weight_map"].values()))
+            except (OSError, ValueError, KeyError, AttributeError) as e:
+                raise ConfigError(f"{key}={name}: {index} cannot be read ({type(e).__name__})") from None
+        elif os.path.isfile(os.path.join(path, single)):
+            shards = [single]
+        else:
+            continue
+        for shard in shards:
+            full = os.path.join(path, shard)
+            why = _safetensors_problem(full) if shard.endswith(".safetensors") else (
+                None if os.path.isfile(full) else "is missing")  # fmt: skip
+            if why:
+                problems.append(f"{shard} {why}")
+        if not problems:
+            return
+        break
+    detail = "; ".join(problems[:3]) if problems else (
+        "no weights (model.safetensors, its index, or pytorch_model.bin)")  # fmt: skip
+    raise ConfigError(
+        f"{key}={name}: the directory holds {detail}; copy the model's weights in whole, or point {key} at a "
+        "directory that has them"
+    )
 
 
 def device_and_dtype(num_gpus: float, dtype: str) -> tuple[str, str]:

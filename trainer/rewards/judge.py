@@ -76,6 +76,7 @@ def check(cfg: JudgeConfig, specs: list[RewardSpec]) -> None:
             f"judge.model={cfg.model}: it is a {arch or config.model_type}, not a causal LM; a judge writes its "
             "verdict (a sequence classifier is a reward model: reward_model.name)"
         )
+    actors.check_weights(model_name(cfg), "judge.model")
 
 
 # ----- what the judge's output pays --------------------------------------------------------------------

@@ -8,10 +8,11 @@ KUBERL_CHART=DIR lifts from another copy of the chart (an older commit's, to com
 Each values file is rendered twice, as the RayCluster and as the RayJob (`job.enabled=true`), and each
 pod template becomes `OUT_DIR/<kind>/<values>[-job]-<group>.yaml`: a Pod in the release's namespace with
 the template's metadata and spec. `<kind>` is the checkov config that judges it
-(charts/kuberl/checkov/<kind>.yaml): `ray` (the head and the worker groups), `sandbox` (the sandbox
-group, which runs model-written code) or `submitter` (the RayJob's submitter). The release's
-NetworkPolicies come along into every kind's directory, as checkov asks every pod to have one. `make
-checkov` runs checkov over them; bench/README.md has the figures.
+(charts/kuberl/checkov/<kind>.yaml): `ray` (the head and the worker groups) or `submitter` (the RayJob's
+submitter). The sandbox service's Deployment (sandbox.enabled), a kind checkov knows, goes as rendered to
+`OUT_DIR/sandbox/<values>[-job]-sandbox.yaml`, judged by `sandbox.yaml`. The release's NetworkPolicies
+come along into every kind's directory, as checkov asks every pod to have one. `make checkov` runs checkov
+over them; bench/README.md has the figures.
 """
 
 from __future__ import annotations
@@ -39,8 +40,7 @@ def templates(doc: dict) -> list[tuple[str, str, dict]]:
         spec = spec["rayClusterSpec"]
     found.append(("ray", "head", spec["headGroupSpec"]["template"]))
     for g in spec.get("workerGroupSpecs", []):
-        role = (g["template"].get("metadata") or {}).get("labels", {}).get("kuberl.dev/role")
-        found.append(("sandbox" if role == "sandbox" else "ray", g["groupName"], g["template"]))
+        found.append(("ray", g["groupName"], g["template"]))
     return found
 
 
@@ -66,6 +66,9 @@ def lift(values: Path, out: Path) -> list[Path]:
                 doc["metadata"].update(name=f"{doc['metadata']['name']}{suffix}", namespace=NAMESPACE)
                 for kind in KINDS:
                     written.append(_write(out / kind / f"{name}-{doc['metadata']['name']}-policy.yaml", doc))
+            if doc and doc.get("kind") == "Deployment":  # the sandbox service: checkov judges it as it is
+                doc["metadata"]["namespace"] = NAMESPACE
+                written.append(_write(out / "sandbox" / f"{name}-sandbox.yaml", doc))
             if not doc or doc.get("kind") not in ("RayCluster", "RayJob"):
                 continue
             for kind, group, template in templates(doc):

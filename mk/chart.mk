@@ -82,14 +82,14 @@ $(CHECKOV):
 	@test -x $(CHECKOV) || { echo "checkov did not install: see the pip output above"; exit 2; }
 
 # Every values file's pod templates, rendered as the RayCluster and as the RayJob, lifted out as plain Pods
-# (bench/lift_pods.py: checkov knows no KubeRay CRD) and judged by the checkov config of their kind
-# (charts/kuberl/checkov/: the Ray pods, the sandbox group, the RayJob's submitter), where every skip
-# has its reason. Fails on any failed check.
+# (bench/lift_pods.py: checkov knows no KubeRay CRD), and the sandbox service's Deployment as rendered,
+# judged by the checkov config of their kind (charts/kuberl/checkov/: the Ray pods, the sandbox service,
+# the RayJob's submitter), where every skip has its reason. Fails on any failed check.
 checkov: $(HELM) $(CHECKOV) ## checkov over every values file's pods (RayCluster and RayJob) with charts/kuberl/checkov/, 0 failures or it fails
 	@$(CHART_PY); tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && \
 	  "$$py" bench/lift_pods.py "$$tmp" values/*.yaml >/dev/null && \
 	  for kind in ray sandbox submitter; do \
-	    echo "==> $$kind: $$(ls "$$tmp/$$kind" | grep -vc -- '-policy.yaml$$') pods"; \
+	    echo "==> $$kind: $$(ls "$$tmp/$$kind" | grep -vc -- '-policy.yaml$$') $$([ $$kind = sandbox ] && echo deployments || echo pods)"; \
 	    $(CHECKOV) --config-file $(CHART)/checkov/$$kind.yaml -d "$$tmp/$$kind" || exit 1; \
 	  done
 

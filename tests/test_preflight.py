@@ -577,13 +577,13 @@ def test_should_need_privileged_for_the_rdma_workers_host_paths_when_planning() 
                for w in plan.privileged_because), plan.privileged_because  # fmt: skip
 
 
-def test_should_need_privileged_for_the_sandbox_group_alone_and_baseline_otherwise_when_planning() -> None:
+def test_should_need_privileged_for_the_sandbox_service_alone_and_baseline_otherwise_when_planning() -> None:
     code = _plan("qwen2.5-coder-7b-code-b200.yaml")
     assert code.pod_security == "privileged"
-    # only the sandbox group is loosened: the head and the GPU workers are not named
+    # only the sandbox service is loosened: the head and the GPU workers are not named
     assert [w for w in code.privileged_because if "Unconfined" in w] == [
-        "seccompProfile Unconfined on workerGroups.sandbox",
-        "appArmorProfile Unconfined on workerGroups.sandbox",
+        "seccompProfile Unconfined on Deployment qwen2-5-coder-7b-code-b200-sandbox",
+        "appArmorProfile Unconfined on Deployment qwen2-5-coder-7b-code-b200-sandbox",
     ]
     assert _plan("gemma3-1b-math-b200.yaml").pod_security == "baseline"
     # under GKE Sandbox the group keeps its default profiles: baseline

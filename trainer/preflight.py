@@ -409,6 +409,10 @@ def plan(docs: list[dict]) -> Plan:
     named += [(f"Pod {d['metadata']['name']}", d) for d in by_kind.get("Pod", [])]
     named += [("the RayJob submitter", d["spec"]["submitterPodTemplate"]) for d in by_kind.get("RayJob", [])
               if d["spec"].get("submitterPodTemplate")]  # fmt: skip
+    # the sandbox service (sandbox.enabled): a Deployment, whose container is loosened for bubblewrap
+    named += [
+        (f"Deployment {d['metadata']['name']}", d["spec"]["template"]) for d in by_kind.get("Deployment", [])
+    ]
     where: dict[str, list[str]] = {}  # what baseline forbids -> the pods that have it
     for name, t in named:
         for why in _privileged_because(t["spec"]):

@@ -1,5 +1,6 @@
 """Chart test helpers: a real `helm` binary (bin/helm, `make helm`) and the strict schemas in
-../shared/schemas (KubeRay RayCluster, GKE multi-networking, Kubernetes 1.33 core kinds)."""
+../shared/schemas (KubeRay RayCluster, GKE multi-networking, Kubernetes 1.33 core kinds), with the
+Deployment's from the kubernetes-validate package."""
 
 from __future__ import annotations
 
@@ -28,9 +29,14 @@ SCHEMA_FILES = {
     ("v1", "PersistentVolume"): "k8s/persistentvolume-v1.json",
     ("v1", "PersistentVolumeClaim"): "k8s/persistentvolumeclaim-v1.json",
     ("v1", "Secret"): "k8s/secret-v1.json",
+    ("v1", "Service"): "k8s/service-v1.json",
     ("networking.k8s.io/v1", "NetworkPolicy"): "k8s/networkpolicy-v1.json",
     ("policy/v1", "PodDisruptionBudget"): "k8s/poddisruptionbudget-v1.json",
 }
+# Kinds ../shared/schemas has no file for: the same Kubernetes 1.33 strict schemas, from the PyPI package
+# kubernetes-validate that SOURCES.md names (its $refs resolve into the package's _definitions.json).
+PACKAGED_SCHEMAS = {("apps/v1", "Deployment"): "deployment-apps-v1.json"}
+PACKAGED_VERSION = "v1.33.0-local-strict"
 
 # What most behaviour tests start from: a renderable chart with nothing else changed.
 BASE = ("storage.gcsfuse.bucketName=test-bucket",)
@@ -123,11 +129,13 @@ def pod_labels(docs: list[dict], cluster: str = "exp1-x7k2p") -> dict[str, dict[
     from the RayCluster's (or the RayJob's) templates (common/pod.go `labelPod`: its own labels, then the
     template's over them, but for ray.io/node-type, ray.io/group and ray.io/cluster, which it keeps; a
     RayJob's cluster is named `<name>-<random>`, `cluster` here), the RayJob's submitter and the `helm test`
-    pods as rendered."""
+    pods as rendered, and the sandbox service's pods (`sandbox`) as its Deployment's template labels them."""
     found: dict[str, dict[str, str]] = {}
     for doc in docs:
         if doc["kind"] == "Pod":
             found[f"test:{doc['metadata']['name']}"] = dict(doc["metadata"].get("labels") or {})
+        if doc["kind"] == "Deployment":
+            found["sandbox"] = dict(doc["spec"]["template"]["metadata"].get("labels") or {})
         if doc["kind"] not in ("RayCluster", "RayJob"):
             continue
         spec = doc["spec"]
@@ -147,6 +155,11 @@ def pod_labels(docs: list[dict], cluster: str = "exp1-x7k2p") -> dict[str, dict[
     return found
 
 
+def sandbox_pod(docs: list[dict]) -> dict:
+    """The sandbox service's pod template (its Deployment's)."""
+    return one(docs, "Deployment")["spec"]["template"]
+
+
 def head_template(docs: list[dict]) -> dict:
     return one(docs, "RayCluster")["spec"]["headGroupSpec"]["template"]
 
@@ -161,10 +174,23 @@ def validator(api_version: str, kind: str):
         pytest.skip(f"schemas not found at {SCHEMAS} (CI has them in ../shared/schemas)")
     import jsonschema
 
+    if (api_version, kind) in PACKAGED_SCHEMAS:
+        return _packaged_validator(PACKAGED_SCHEMAS[(api_version, kind)])
     name = SCHEMA_FILES.get((api_version, kind))
     assert name, f"no schema known for {api_version} {kind}: add it to SCHEMA_FILES"
     schema = json.loads((SCHEMAS / name).read_text())
     return jsonschema.Draft202012Validator(schema)
+
+
+def _packaged_validator(name: str):
+    import jsonschema
+    import kubernetes_validate
+    from referencing import Registry, Resource
+
+    root = Path(kubernetes_validate.__file__).parent / "kubernetes-json-schema" / PACKAGED_VERSION
+    definitions = json.loads((root / "_definitions.json").read_text())
+    registry = Registry().with_resource(definitions["$id"], Resource.from_contents(definitions))
+    return jsonschema.Draft202012Validator(json.loads((root / name).read_text()), registry=registry)
 
 
 def schema_errors(doc: dict) -> list[str]:

@@ -47,9 +47,11 @@ def _template(chart: Path, values: Path, *sets: str) -> str:
 
 
 def _pod_templates(rendered: str) -> dict[str, dict]:
-    """Each group's pod template, and the RayJob's submitter's."""
+    """Each group's pod template, the RayJob's submitter's and the sandbox service's (its Deployment's)."""
     found = {}
     for doc in yaml.safe_load_all(rendered):
+        if doc and doc["kind"] == "Deployment":
+            found["sandbox"] = doc["spec"]["template"]
         if not doc or doc["kind"] not in ("RayCluster", "RayJob"):
             continue
         spec = doc["spec"].get("rayClusterSpec", doc["spec"])
@@ -60,11 +62,26 @@ def _pod_templates(rendered: str) -> dict[str, dict]:
     return found
 
 
+def _without_generated_tokens(rendered: str) -> tuple[str, int]:
+    """The render with the random token of each Secret the chart generates (kuberl.generatedToken: `helm
+    template` sees no live Secret to read back) blanked, and how many it blanked."""
+    return re.subn(
+        r"(?m)^(# Source: kuberl/templates/secret\.yaml\n(?:.*\n)*?  token: )\S+$", r"\1<random>", rendered
+    )
+
+
 @pytest.mark.parametrize("values", VALUES)
 @pytest.mark.parametrize("sets", [(), JOB_SETS], ids=["raycluster", "rayjob"])
 def test_should_render_byte_identical_output_when_templated_twice_with_the_same_values(values, sets) -> None:
-    first = _template(CHART, values, *sets)
-    assert _template(CHART, values, *sets) == first
+    """But for the release's own random tokens, which `helm upgrade` reads back from the cluster: a GitOps
+    tool names an existing Secret instead, and then the renders are byte-identical."""
+    first, second = _template(CHART, values, *sets), _template(CHART, values, *sets)
+    sandbox = bool((yaml.safe_load(values.read_text()).get("sandbox") or {}).get("enabled"))
+    (a, generated), (b, _) = _without_generated_tokens(first), _without_generated_tokens(second)
+    assert a == b and generated == int(sandbox)
+    assert (first == second) == (not sandbox)  # a token is random, not derived from the values
+    gitops = ("sandbox.existingSecret=team-sandbox-token",)
+    assert _template(CHART, values, *sets, *gitops) == _template(CHART, values, *sets, *gitops)
 
 
 @pytest.mark.parametrize("values", VALUES)
@@ -187,15 +204,10 @@ def test_should_change_kuberays_spec_hash_only_where_kuberay_recreates_the_pods_
 
 CHECKOV_CONFIGS = CHART / "checkov"
 CHECKOV = REPO / ".venv-checkov" / "bin" / "checkov"
-ALWAYS_SKIPPED = {
-    "CKV_K8S_8",
-    "CKV_K8S_9",
-    "CKV_K8S_22",
-    "CKV_K8S_43",
-    "CKV_K8S_15",
-    "CKV_K8S_23",
-    "CKV_K8S_40",
-}
+# Skipped for every kind: the image (a tag, IfNotPresent) and its root user. The Ray pods and the submitter
+# skip the probes (KubeRay's own; a Job's pod) and the read-only root; the sandbox has probes and a read-only root.
+ALWAYS_SKIPPED = {"CKV_K8S_43", "CKV_K8S_15", "CKV_K8S_23", "CKV_K8S_40"}
+PROBES_AND_ROOT = {"CKV_K8S_8", "CKV_K8S_9", "CKV_K8S_22"}
 
 
 def _kind(name: str) -> str:
@@ -227,6 +239,7 @@ def _checkov_skips(kind: str) -> dict[str, str]:
 def test_should_give_every_checkov_skip_its_reason_when_the_config_lists_it(kind) -> None:
     skips = _checkov_skips(kind)
     assert ALWAYS_SKIPPED <= set(skips) and all(len(reason) > 30 for reason in skips.values())
+    assert PROBES_AND_ROOT & set(skips) == (set() if kind == "sandbox" else PROBES_AND_ROOT)
     # each privilege only where it is kept: capabilities on the sandbox alone, Secrets in the environment
     # never there, no CPU limit only on the head and GPU workers
     assert ("CKV_K8S_25" in skips) == (kind == "sandbox")
@@ -271,7 +284,9 @@ def test_should_keep_only_the_privileges_it_names_a_reason_for_when_rendered(val
         assert not [p for p in ray.get("ports", []) if "hostPort" in p], name
         if name == "sandbox":
             assert sc["seccompProfile"] == {"type": "Unconfined"} and "CKV_K8S_25" in skips
-            assert not [e for e in ray["env"] if "valueFrom" in e]  # CKV_K8S_35 is not skipped there
+            assert sc["readOnlyRootFilesystem"] is True and "CKV_K8S_22" not in skips
+            # CKV_K8S_35 is not skipped there: no Secret in its environment, only the downward API's address
+            assert not [e for e in ray["env"] if "secretKeyRef" in (e.get("valueFrom") or {})]
         else:
             assert (
                 pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
@@ -320,7 +335,7 @@ def test_should_pass_checkov_with_only_its_kinds_skips_when_every_values_file_re
     kind, lifted
 ) -> None:
     pods = [p for p in (lifted / kind).glob("*.yaml") if not p.name.endswith("-policy.yaml")]
-    # every values file in both modes: a submitter per values file, sandboxes where a values file has them
+    # every values file in both modes: a submitter per values file, a sandbox Deployment where a values file has one
     expected = {"submitter": len(values_files())}.get(kind)
     assert pods and (expected is None or len(pods) == expected)
     assert any("-job-" in p.name for p in pods) and (
@@ -407,12 +422,10 @@ def test_should_give_each_release_its_own_logs_and_checkpoints_and_share_the_cac
 ) -> None:
     """The trainer adds `<experiment>`: two releases of one experiment on one storage keep two lineages."""
     envs, job = _ray_envs("team-a", "gemma", "sandbox.enabled=true", *sets)
+    assert set(envs) == {"head", "train"}  # the sandbox service is no Ray pod, and holds no storage
     for name, env in envs.items():
-        # the lineage's owner, the same for every attempt of a RayJob, the sandbox's included
+        # the lineage's owner, the same for every attempt of a RayJob
         assert env["KUBERL_RELEASE"] == "team-a/gemma", name
-        if name == "sandbox":  # no storage there
-            assert "KUBERL_CHECKPOINT_DIR" not in env and "KUBERL_LOG_DIR" not in env
-            continue
         assert env["KUBERL_LOG_DIR"] == "/data/logs/team-a/gemma", name
         assert env["KUBERL_CHECKPOINT_DIR"] == "/data/checkpoints/team-a/gemma", name
         assert (env["HF_HOME"], env["KUBERL_CACHE"]) == ("/data/hf-cache", "/data/cache"), name

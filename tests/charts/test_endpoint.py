@@ -1,7 +1,7 @@
 """The generation endpoint on the chart (generationEndpoint): its ports and POD_IP on the pods that serve it,
-only the release's own pods admitted to those ports, and a render that refuses to open it without Ray's
-token auth or the NetworkPolicy. Rendered by a real `helm` binary; every object checked against the strict
-schemas."""
+its own token (never Ray's) in every Ray container, only the release's own pods admitted to those ports (not
+the sandbox service's), and a render that refuses to open it without the NetworkPolicy. Rendered by a real
+`helm` binary; every object checked against the strict schemas."""
 
 from __future__ import annotations
 
@@ -61,22 +61,30 @@ def _fails(*sets: str) -> str:
     return out.stderr
 
 
-def test_should_list_the_ports_and_pod_ip_on_every_ray_pod_but_the_sandbox_when_enabled() -> None:
+def test_should_list_the_ports_pod_ip_and_token_on_every_ray_pod_but_not_the_sandbox_when_enabled() -> None:
     docs = _valid(render(*ON, *SANDBOX, *gpu_group("generation")))
     templates = _templates(docs)
-    assert set(templates) == {"head", "train", "generation", "sandbox"}
+    assert set(templates) == {"head", "train", "generation"}
     for name, template in templates.items():
         env = env_of(template)
-        if name == "sandbox":  # model-written code serves nothing and needs no address
-            assert _endpoint_ports(template) == [] and "POD_IP" not in env
-            continue
         assert _endpoint_ports(template) == list(range(8000, 8008)), name
         assert env["POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}, name
+        assert env["KUBERL_ENDPOINT_TOKEN"]["valueFrom"]["secretKeyRef"] == {
+            "name": "exp1-endpoint",
+            "key": "token",
+        }
+    # model-written code serves nothing and holds no token of the endpoint's
+    sandbox = one(docs, "Deployment")["spec"]["template"]
+    assert "KUBERL_ENDPOINT_TOKEN" not in env_of(sandbox)
+    assert [p["containerPort"] for p in sandbox["spec"]["containers"][0]["ports"]] == [8090]
 
 
-def test_should_render_no_endpoint_port_or_pod_ip_when_disabled() -> None:
-    for name, template in _templates(render(*SANDBOX)).items():
+def test_should_render_no_endpoint_port_pod_ip_or_token_when_disabled() -> None:
+    docs = render(*SANDBOX)
+    for name, template in _templates(docs).items():
         assert _endpoint_ports(template) == [] and "POD_IP" not in env_of(template), name
+        assert "KUBERL_ENDPOINT_TOKEN" not in env_of(template), name
+    assert [d["metadata"]["name"] for d in docs if d["kind"] == "Secret"] == ["exp1-sandbox"]
 
 
 @pytest.mark.parametrize(
@@ -104,23 +112,21 @@ def test_should_admit_only_the_releases_own_pods_to_the_endpoint_when_enabled(se
                 ]
 
 
-def test_should_keep_every_other_port_open_to_the_sandbox_when_the_endpoint_is_enabled() -> None:
-    # The sandbox's raylet still reaches the head's GCS and the workers' object managers.
+def test_should_let_the_sandbox_reach_no_port_of_the_ray_pods_when_the_endpoint_is_enabled() -> None:
+    # The sandbox service is no Ray node: it reaches nothing, the endpoint included (its own policy has no egress).
     docs = _valid(render(*ON, *SANDBOX))
-    main = next(d["spec"] for d in docs if d["kind"] == "NetworkPolicy" and d["metadata"]["name"] == "exp1")
-    (rule,) = [
-        r for r in main["ingress"] if r["from"][0]["podSelector"]["matchLabels"].get("kuberl.dev/role")
-    ]
-    for port in (6379, 8080, 8265, 10001, 10002, 19999, 7999, 8008, 65535):
-        assert _covers(rule, port), port
-    for port in range(8000, 8008):
-        assert not _covers(rule, port), port
+    policies = {d["metadata"]["name"]: d["spec"] for d in docs if d["kind"] == "NetworkPolicy"}
+    assert policies["exp1-sandbox"]["egress"] == []
+    for rule in policies["exp1"]["ingress"]:
+        for peer in rule["from"]:
+            if "namespaceSelector" not in peer:
+                assert {"key": "kuberl.dev/role", "operator": "NotIn", "values": ["sandbox"]} in peer[
+                    "podSelector"]["matchExpressions"]  # fmt: skip
 
 
 @pytest.mark.parametrize(
     "sets, message",
     [
-        (("auth.mode=disabled",), "generationEndpoint.enabled needs auth.mode=token"),
         (("networkPolicy.enabled=false",), "generationEndpoint.enabled needs networkPolicy.enabled=true"),
         (("generationEndpoint.port=8075",), "generationEndpoint ports 8075-8082 take port 8080"),
         (("tensorboard.port=8003",), "take port 8003"),

@@ -1,5 +1,5 @@
 """A worker group that serves reward models: it offers the custom Ray resource the reward model's replicas
-ask for (`workerGroups.<name>.rayResources`, the mechanism the sandbox group's resource goes through),
+ask for (`workerGroups.<name>.rayResources`),
 and is otherwise a GPU worker like the training ones: the same image, shared storage, the Pod Security
 `baseline` context, the release's NetworkPolicy and disruption budget. Rendered by a real `helm` binary
 and checked against the strict KubeRay and Kubernetes schemas in ../shared/schemas."""
@@ -86,9 +86,11 @@ def test_should_offer_no_custom_resource_when_no_group_declares_one() -> None:
         assert all("resources" not in g["rayStartParams"] for g in groups(docs).values())
 
 
-def test_should_keep_the_sandbox_groups_resource_as_before_when_it_goes_through_the_same_helper() -> None:
-    sandbox = groups(render("sandbox.enabled=true", "sandbox.cpus=7", *RM))["sandbox"]
-    assert sandbox["rayStartParams"]["resources"] == "'{\"kuberl_sandbox\": 7}'"
+def test_should_offer_no_sandbox_resource_when_the_sandbox_is_a_service_of_its_own() -> None:
+    # code rewards call the sandbox service (KUBERL_SANDBOX_URL): no Ray group, no resource to ask for
+    found = groups(render("sandbox.enabled=true", "sandbox.cpus=7", *RM))
+    assert set(found) == {"train", "rm"}
+    assert ray_resources(found["rm"]) == {"kuberl_reward_model": 1} and ray_resources(found["train"]) == {}
 
 
 @pytest.mark.parametrize(
@@ -113,18 +115,6 @@ def test_should_refuse_in_lint_naming_the_key_when_the_schema_rejects_a_group_re
 def test_should_fail_naming_both_keys_when_ray_start_params_also_set_resources() -> None:
     err = _template_failure(*RM, "workerGroups.rm.rayStartParams.resources='{\"x\": 1}'")
     assert "workerGroups.rm: rayStartParams.resources and rayResources both set: keep rayResources" in err
-
-
-@pytest.mark.parametrize("enabled", [True, False])
-def test_should_refuse_a_group_that_offers_the_sandbox_resource_when_rendered(enabled) -> None:
-    # code rewards run where that resource is: never on a node with GPUs, storage or Secrets
-    err = _template_failure(
-        *gpu_group("rm", gpus=1), "workerGroups.rm.rayResources.kuberl_sandbox=8",
-        f"sandbox.enabled={str(enabled).lower()}",
-    )  # fmt: skip
-    assert (
-        "workerGroups.rm.rayResources.kuberl_sandbox: the sandbox group's resource (sandbox.resource)" in err
-    )
 
 
 def test_should_run_the_reward_model_group_as_the_training_group_runs_when_rendered() -> None:

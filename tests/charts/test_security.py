@@ -15,10 +15,12 @@ from chartlib import (
     env_of,
     groups,
     head_template,
+    lint_failure,
     one,
     pod_labels,
     render,
     run_helm,
+    sandbox_pod,
     schema_errors,
     selects,
 )
@@ -305,84 +307,287 @@ def test_should_force_bubblewrap_and_restrict_every_ray_container_when_rendered_
         assert template["spec"]["automountServiceAccountToken"] is False
 
 
+SANDBOX = ("sandbox.enabled=true",)
+LOOSENED = {
+    "allowPrivilegeEscalation": False,
+    "capabilities": {"drop": ["ALL"], "add": ["SETFCAP", "SETGID", "SETUID"]},
+    "readOnlyRootFilesystem": True,
+    "seccompProfile": {"type": "Unconfined"},
+    "appArmorProfile": {"type": "Unconfined"},
+}
+
+
+def _others(docs: list[dict]) -> dict[str, dict]:
+    """The pod specs of the `helm test` pods and the RayJob's submitter: they hold the Ray token."""
+    found = {f"test:{d['metadata']['name']}": d["spec"] for d in docs if d["kind"] == "Pod"}
+    for d in docs:
+        if d["kind"] == "RayJob":
+            found["submitter"] = d["spec"]["submitterPodTemplate"]["spec"]
+    return found
+
+
 @pytest.mark.parametrize("sets", [(), JOB], ids=["raycluster", "rayjob"])
-def test_should_loosen_only_the_sandbox_groups_pods_when_sandbox_enabled(sets) -> None:
-    docs = _valid(render("sandbox.enabled=true", *sets))
-    templates = _templates(docs)
-    assert set(templates) == {"head", "train", "sandbox"}
-    sandbox = templates.pop("sandbox")
-    assert sandbox["spec"]["containers"][0]["securityContext"] == {
-        "allowPrivilegeEscalation": False,
-        "capabilities": {"drop": ["ALL"], "add": ["SETFCAP", "SETGID", "SETUID"]},
-        "seccompProfile": {"type": "Unconfined"},
-        "appArmorProfile": {"type": "Unconfined"},
-    }
-    for template in templates.values():  # the head and the GPU workers keep the restricted profile
-        assert template["spec"]["containers"][0]["securityContext"] == RESTRICTED
-    others = [d for d in docs if d["kind"] == "Pod"] + [
-        {"spec": d["spec"]["submitterPodTemplate"]["spec"]} for d in docs if d["kind"] == "RayJob"
+def test_should_run_model_code_in_a_deployment_and_in_no_ray_group_when_sandbox_enabled(sets) -> None:
+    docs = _valid(render(*SANDBOX, *sets))
+    assert set(_templates(docs)) == {"head", "train"}  # no Ray worker group for the sandbox
+    deployment, service = one(docs, "Deployment"), one(docs, "Service")
+    assert deployment["metadata"]["name"] == service["metadata"]["name"] == "exp1-sandbox"
+    assert deployment["spec"]["replicas"] == 1
+    pod = deployment["spec"]["template"]
+    assert selects(deployment["spec"]["selector"], pod["metadata"]["labels"])
+    assert selects({"matchLabels": service["spec"]["selector"]}, pod["metadata"]["labels"])
+    assert service["spec"]["ports"] == [
+        {"name": "sandbox", "port": 8090, "targetPort": "sandbox", "protocol": "TCP"}
     ]
-    for pod in others:  # the test pod and the submitter run no model code
-        assert pod["spec"]["containers"][0]["securityContext"] == RESTRICTED
+    container = pod["spec"]["containers"][0]
+    assert container["args"] == ["python", "-m", "trainer.sandbox.server"] and "command" not in container
+    assert container["ports"] == [{"name": "sandbox", "containerPort": 8090, "protocol": "TCP"}]
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert container[probe]["httpGet"] == {"path": "/healthz", "port": "sandbox"}
+    env = env_of(pod)
+    assert env["POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    assert env["KUBERL_SANDBOX"]["value"] == "bwrap" and env["KUBERL_SANDBOX_PORT"]["value"] == "8090"
+    assert env["KUBERL_SANDBOX_TOKEN_FILE"]["value"] == "/var/run/secrets/kuberl/sandbox/token"
+    # longer than the longest batch of programs, which SIGTERM lets the server finish
+    assert pod["spec"]["terminationGracePeriodSeconds"] == 120
+    assert container["resources"] == {"requests": {"cpu": "15", "memory": "56Gi"},
+                                      "limits": {"cpu": "15", "memory": "56Gi"}}  # fmt: skip
 
 
-def test_should_keep_the_default_profiles_of_the_sandbox_group_when_it_runs_under_gvisor() -> None:
-    sandbox = _templates(_valid(render("sandbox.enabled=true", "sandbox.runtimeClassName=gvisor")))["sandbox"]
+@pytest.mark.parametrize("sets", [(), JOB], ids=["raycluster", "rayjob"])
+def test_should_loosen_only_the_sandbox_services_container_when_sandbox_enabled(sets) -> None:
+    docs = _valid(render(*SANDBOX, *sets))
+    assert sandbox_pod(docs)["spec"]["containers"][0]["securityContext"] == LOOSENED
+    assert sandbox_pod(docs)["spec"]["securityContext"] == {"seccompProfile": {"type": "RuntimeDefault"}}
+    for template in _templates(docs).values():  # the head and the GPU workers keep the restricted profile
+        assert template["spec"]["containers"][0]["securityContext"] == RESTRICTED
+        assert {"name": "KUBERL_SANDBOX", "value": "bwrap"} in template["spec"]["containers"][0]["env"]
+    for pod in _others(docs).values():  # the test pod and the submitter run no model code
+        assert pod["containers"][0]["securityContext"] == RESTRICTED
+
+
+def test_should_keep_the_default_profiles_of_the_sandbox_service_when_it_runs_under_gvisor() -> None:
+    sandbox = sandbox_pod(_valid(render(*SANDBOX, "sandbox.runtimeClassName=gvisor")))
     assert sandbox["spec"]["runtimeClassName"] == "gvisor"
     sc = sandbox["spec"]["containers"][0]["securityContext"]
     assert "seccompProfile" not in sc and "appArmorProfile" not in sc  # the pod's RuntimeDefault holds
     assert sandbox["spec"]["securityContext"] == {"seccompProfile": {"type": "RuntimeDefault"}}
 
 
-def test_should_give_the_sandbox_group_no_secret_storage_identity_or_egress_when_sandbox_enabled() -> None:
-    docs = _valid(render("sandbox.enabled=true", "secrets.wandbApiKey.secretName=wandb", "logger.backends={wandb}",
-                         "serviceAccount.gcpServiceAccount=rl@p.iam.gserviceaccount.com", *HOOKS))  # fmt: skip
-    group = groups(docs)["sandbox"]
-    pod = group["template"]["spec"]
-    ray = pod["containers"][0]
-    assert [c["name"] for c in pod["containers"]] == ["ray-worker"] and "initContainers" not in pod
-    assert not [e for e in ray["env"] if "valueFrom" in e] and "envFrom" not in ray
-    assert [v["name"] for v in pod["volumes"]] == ["dshm"] and [m["name"] for m in ray["volumeMounts"]] == [
-        "dshm"
+@pytest.mark.parametrize("sets", [(), JOB], ids=["raycluster", "rayjob"])
+def test_should_give_the_sandbox_no_ray_env_secret_storage_or_identity_when_sandbox_enabled(sets) -> None:
+    """Nothing in the pod that runs model code is worth taking: no Ray token or Ray env, no other Secret, no
+    shared storage, no service-account token, no Google identity; only its own token's file."""
+    docs = _valid(render(*SANDBOX, "secrets.wandbApiKey.secretName=wandb", "logger.backends={wandb}",
+                         "serviceAccount.gcpServiceAccount=rl@p.iam.gserviceaccount.com", "auth.existingSecret=ray",
+                         "generationEndpoint.enabled=true", "storage.models.enabled=true", *HOOKS, *sets))  # fmt: skip
+    template = sandbox_pod(docs)
+    pod = template["spec"]
+    assert [c["name"] for c in pod["containers"]] == ["sandbox"] and "initContainers" not in pod
+    container = pod["containers"][0]
+    names = [e["name"] for e in container["env"]]
+    assert not [n for n in names if n.startswith("RAY_")], names
+    assert not {"HF_TOKEN", "WANDB_API_KEY", "KUBERL_ENDPOINT_TOKEN", "KUBERL_CHECKPOINT_DIR"} & set(names)
+    assert [e["name"] for e in container["env"] if "valueFrom" in e] == ["POD_IP"]  # the downward API only
+    assert "envFrom" not in container and pod["enableServiceLinks"] is False
+    assert pod["volumes"] == [
+        {"name": "sandbox-token", "secret": {"secretName": "exp1-sandbox", "defaultMode": 0o440,
+                                             "items": [{"key": "token", "path": "token"}]}},
+        {"name": "scratch", "emptyDir": {"sizeLimit": "2Gi"}},
+    ]  # fmt: skip
+    assert container["volumeMounts"] == [
+        {"name": "sandbox-token", "mountPath": "/var/run/secrets/kuberl/sandbox", "readOnly": True},
+        {"name": "scratch", "mountPath": "/tmp"},
     ]
-    assert "annotations" not in group["template"]["metadata"] or not [
-        k for k in group["template"]["metadata"]["annotations"] if not k.startswith("checkov.io/")]  # fmt: skip
+    assert "annotations" not in template["metadata"]  # no gcsfuse sidecar, no multi-network
     assert pod["automountServiceAccountToken"] is False
     sas = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ServiceAccount"}
     assert (
         pod["serviceAccountName"] == "exp1-sandbox" and "annotations" not in sas["exp1-sandbox"]["metadata"]
     )
     assert all(sa["automountServiceAccountToken"] is False for sa in sas.values())
-    # a Ray resource of its own, one unit per CPU; no GPU
-    params = group["rayStartParams"]
-    assert params["resources"] == "'{\"kuberl_sandbox\": 15}'" and params["num-gpus"] == "0"
-    assert ray["resources"]["limits"] == {"cpu": "15", "memory": "56Gi"}
-    # its own policy: the release's pods and DNS; the main policy leaves it out
+    # not KubeRay's: no Ray container, no Ray start, no Ray labels
+    assert not [k for k in template["metadata"]["labels"] if k.startswith("ray.io/")]
+    assert "ray" not in " ".join(container["args"])
+
+
+@pytest.mark.parametrize(
+    "sets", [(), JOB, ("networkPolicy.enabled=false",)], ids=["raycluster", "rayjob", "nopolicy"]
+)
+def test_should_admit_only_the_ray_pods_on_8090_and_let_nothing_out_when_sandbox_enabled(sets) -> None:
+    docs = _valid(render(*SANDBOX, *sets))
     policies = {p["metadata"]["name"]: p["spec"] for p in docs if p["kind"] == "NetworkPolicy"}
-    main, own = policies["exp1"], policies["exp1-sandbox"]
-    assert main["podSelector"]["matchExpressions"] == [
-        {"key": "kuberl.dev/role", "operator": "NotIn", "values": ["sandbox"]}
-    ]
-    assert own["podSelector"]["matchLabels"]["kuberl.dev/role"] == "sandbox"
-    assert group["template"]["metadata"]["labels"]["kuberl.dev/role"] == "sandbox"
-    for rule in own["egress"]:
-        assert all("ipBlock" not in peer for peer in rule.get("to", []))
-        assert rule.get("to") or {p["port"] for p in rule["ports"]} == {53}
-    # every other Ray container is told where the sandboxes are
+    own = policies["exp1-sandbox"]  # whatever networkPolicy.enabled says
+    labels = pod_labels(docs)
+    assert selects(own["podSelector"], labels["sandbox"])
+    assert set(own["policyTypes"]) == {"Ingress", "Egress"} and own["egress"] == []  # not even DNS
+    (rule,) = own["ingress"]
+    assert rule["ports"] == [{"protocol": "TCP", "port": 8090}] and len(rule["from"]) == 1
+    peer = rule["from"][0]
+    assert set(peer) == {"podSelector"}  # this namespace, no ipBlock
+    callers = {r for r, pod in labels.items() if selects(peer["podSelector"], pod)}
+    assert callers == {"head", "train"}  # not the submitter, the test pods or the sandbox itself
+    if "exp1" in policies:  # the release's policy neither selects nor admits the sandbox
+        main = policies["exp1"]
+        assert not selects(main["podSelector"], labels["sandbox"])
+        for rule in main["ingress"]:
+            for peer in rule.get("from", []):
+                if "podSelector" in peer and "namespaceSelector" not in peer:
+                    assert not selects(peer["podSelector"], labels["sandbox"])
+                    assert selects(peer["podSelector"], labels["head"])
+
+
+@pytest.mark.parametrize("sets", [(), JOB], ids=["raycluster", "rayjob"])
+def test_should_give_only_the_ray_pods_the_sandbox_url_and_token_file_when_sandbox_enabled(sets) -> None:
+    docs = _valid(
+        render(*SANDBOX, "logger.backends={mlflow}", "logger.mlflow.trackingUri=http://m:5000", *sets)
+    )
     for name, template in _templates(docs).items():
-        assert env_of(template)["KUBERL_SANDBOX_RESOURCE"]["value"] == "kuberl_sandbox", name
+        env = env_of(template)
+        assert env["KUBERL_SANDBOX_URL"]["value"] == "http://exp1-sandbox.exp.svc:8090", name
+        assert env["KUBERL_SANDBOX_TOKEN_FILE"]["value"] == "/var/run/secrets/kuberl/sandbox/token", name
+        assert "KUBERL_SANDBOX_RESOURCE" not in env and "KUBERL_SANDBOX_TOKEN" not in env, name
+        pod = template["spec"]
+        assert {"name": "sandbox-token", "mountPath": "/var/run/secrets/kuberl/sandbox", "readOnly": True} in pod[
+            "containers"][0]["volumeMounts"], name  # fmt: skip
+        (volume,) = [v for v in pod["volumes"] if v["name"] == "sandbox-token"]
+        assert volume["secret"]["secretName"] == "exp1-sandbox" and volume["secret"]["items"] == [
+            {"key": "token", "path": "token"}]  # fmt: skip
+    others = _others(docs)
+    assert others
+    for name, pod in others.items():  # they never call it: no URL, no token
+        assert not [e for c in pod["containers"] for e in c.get("env", []) if "SANDBOX" in e["name"]], name
+        assert not [v for v in pod.get("volumes", []) if v["name"] == "sandbox-token"], name
 
 
-def test_should_refuse_a_worker_group_named_sandbox_when_sandbox_enabled() -> None:
-    out = run_helm("template", "x", str(CHART), "--set", "storage.gcsfuse.bucketName=b", "--set", "sandbox.enabled=true",
-                   "--set", "workerGroups.sandbox.replicas=1")  # fmt: skip
-    assert out.returncode != 0 and "workerGroups.sandbox: the name is the sandbox group's" in out.stderr
+def test_should_give_no_pod_the_sandbox_url_or_token_when_sandbox_disabled() -> None:
+    docs = _valid(render())
+    assert not [d for d in docs if d["kind"] in ("Deployment", "Service", "Secret")]
+    for template in _templates(docs).values():
+        assert not {"KUBERL_SANDBOX_URL", "KUBERL_SANDBOX_TOKEN_FILE"} & set(env_of(template))
+        assert not [v for v in template["spec"]["volumes"] if v["name"] == "sandbox-token"]
+        assert "podAntiAffinity" not in (template["spec"].get("affinity") or {})
+
+
+def _anti_terms(spec: dict) -> list[dict]:
+    return (
+        (spec.get("affinity") or {})
+        .get("podAntiAffinity", {})
+        .get("requiredDuringSchedulingIgnoredDuringExecution", [])
+    )
+
+
+@pytest.mark.parametrize("sets", [(), JOB], ids=["raycluster", "rayjob"])
+def test_should_keep_every_pod_that_holds_a_token_off_the_sandbox_nodes_both_ways_when_sandbox_enabled(
+    sets,
+) -> None:
+    docs = _valid(render(*SANDBOX, "logger.backends={mlflow}", "logger.mlflow.trackingUri=http://m:5000",
+                         "head.affinity.podAntiAffinity.requiredDuringSchedulingIgnoredDuringExecution[0].topologyKey=zone",
+                         "head.affinity.podAntiAffinity.requiredDuringSchedulingIgnoredDuringExecution[0].labelSelector.matchLabels.x=y",
+                         *sets))  # fmt: skip
+    labels = pod_labels(docs)
+    holders = {**{n: t["spec"] for n, t in _templates(docs).items()}, **_others(docs)}
+    assert len(holders) >= 3 and "head" in holders
+    for name, spec in holders.items():
+        terms = [t for t in _anti_terms(spec) if t["topologyKey"] == "kubernetes.io/hostname"]
+        assert len(terms) == 1, name
+        (term,) = terms
+        assert selects(term["labelSelector"], labels["sandbox"]), name
+        assert term["namespaceSelector"] == {}, name  # a sandbox of any release, in any namespace
+        assert not selects(term["labelSelector"], labels[name if name in labels else "head"]), name
+    # the head's own term is kept beside it
+    assert [t["topologyKey"] for t in _anti_terms(holders["head"])] == ["zone", "kubernetes.io/hostname"]
+    # the other way: the sandbox pods keep off every kuberl pod but sandboxes, in every namespace
+    (term,) = _anti_terms(sandbox_pod(docs)["spec"])
+    assert term["topologyKey"] == "kubernetes.io/hostname" and term["namespaceSelector"] == {}
+    assert not selects(term["labelSelector"], labels["sandbox"])
+    for role, pod in labels.items():
+        if role != "sandbox":
+            assert selects(term["labelSelector"], pod), role
+    if not sets:  # the helm test pod still runs beside the head
+        status = next(p for n, p in _others(docs).items() if n.endswith("test-ray-status"))
+        assert status["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0][
+            "labelSelector"]["matchLabels"]["ray.io/node-type"] == "head"  # fmt: skip
+
+
+def test_should_put_the_sandbox_on_its_pool_with_its_own_tolerations_and_affinity_when_given() -> None:
+    pod = sandbox_pod(_valid(render(*SANDBOX, "sandbox.replicas=3", "sandbox.cpus=7", "sandbox.memory=20Gi",
+                                    "sandbox.workers=5", "sandbox.nodeSelector.pool=sandbox",
+                                    "sandbox.tolerations[0].key=kuberl.dev/sandbox",
+                                    "sandbox.tolerations[0].operator=Exists",
+                                    "sandbox.affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution.nodeSelectorTerms[0].matchExpressions[0].key=z",
+                                    "sandbox.affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution.nodeSelectorTerms[0].matchExpressions[0].operator=Exists",
+                                    "priorityClassName=high")))["spec"]  # fmt: skip
+    assert pod["nodeSelector"] == {"pool": "sandbox"}
+    assert pod["tolerations"] == [{"key": "kuberl.dev/sandbox", "operator": "Exists"}]
+    assert "nodeAffinity" in pod["affinity"] and len(_anti_terms(pod)) == 1
+    assert pod["priorityClassName"] == "high"
+    assert pod["containers"][0]["resources"]["limits"] == {"cpu": "7", "memory": "20Gi"}
+    assert env_of({"spec": pod})["KUBERL_SANDBOX_WORKERS"]["value"] == "5"
+
+
+def test_should_name_the_unisolated_fallback_for_the_sandbox_pod_alone_when_backend_gives_isolation_up() -> (
+    None
+):
+    docs = _valid(render(*SANDBOX, "sandbox.backend=rlimit-without-isolation"))
+    assert env_of(sandbox_pod(docs))["KUBERL_SANDBOX"]["value"] == "rlimit-without-isolation"
+    for template in _templates(docs).values():  # beside the Ray token, model code stays under bubblewrap
+        assert env_of(template)["KUBERL_SANDBOX"]["value"] == "bwrap"
+    # without the service the Ray pods run model code themselves, under the isolation the user named
+    head = head_template(_valid(render("sandbox.backend=rlimit-without-isolation")))
+    assert env_of(head)["KUBERL_SANDBOX"]["value"] == "rlimit-without-isolation"
+    assert "/sandbox/backend" in lint_failure(
+        "sandbox.backend=rlimit"
+    )  # the old name says nothing of what it gives up
+
+
+@pytest.mark.parametrize(
+    "component, sets", [("sandbox", SANDBOX), ("endpoint", ("generationEndpoint.enabled=true",))]
+)
+def test_should_make_a_random_token_secret_of_its_own_when_the_service_is_enabled(component, sets) -> None:
+    import base64
+
+    docs = _valid(render(*sets))
+    (secret,) = [d for d in docs if d["kind"] == "Secret"]
+    assert secret["metadata"]["name"] == f"exp1-{component}" and secret["type"] == "Opaque"
+    assert secret["metadata"]["labels"]["app.kubernetes.io/component"] == component
+    token = base64.b64decode(secret["data"]["token"]).decode()
+    assert len(token) >= 32 and token.isalnum()  # the server wants >= 16 characters
+    other = [d for d in render(*sets, release="exp2") if d["kind"] == "Secret"][0]
+    assert other["data"]["token"] != secret["data"]["token"]  # random, not derived from the values
+    assert secret["metadata"]["name"] != "exp1"  # never the Secret KubeRay adopts for the Ray token
+    # an existing Secret (GitOps): none rendered, that one used
+    key = "sandbox.existingSecret" if component == "sandbox" else "generationEndpoint.existingSecret"
+    docs = _valid(render(*sets, f"{key}=team-{component}-token"))
+    assert not [d for d in docs if d["kind"] == "Secret"]
+    head = head_template(docs)
+    if component == "sandbox":
+        pods = [head["spec"], sandbox_pod(docs)["spec"]]
+        assert [v["secret"]["secretName"] for p in pods for v in p["volumes"] if v["name"] == "sandbox-token"] == [
+            "team-sandbox-token"] * 2  # fmt: skip
+    else:
+        assert (
+            env_of(head)["KUBERL_ENDPOINT_TOKEN"]["valueFrom"]["secretKeyRef"]["name"]
+            == "team-endpoint-token"
+        )
+
+
+def test_should_give_every_ray_container_the_endpoints_own_token_when_the_endpoint_is_enabled() -> None:
+    docs = _valid(render("generationEndpoint.enabled=true", "auth.mode=disabled"))  # Ray's auth is not needed
+    for name, template in _templates(docs).items():
+        ref = env_of(template)["KUBERL_ENDPOINT_TOKEN"]["valueFrom"]["secretKeyRef"]
+        assert ref == {"name": "exp1-endpoint", "key": "token"}, name
+    for pod in _others(docs).values():
+        assert not [
+            e for c in pod["containers"] for e in c.get("env", []) if e["name"] == "KUBERL_ENDPOINT_TOKEN"
+        ]
+    assert "KUBERL_ENDPOINT_TOKEN" not in env_of(head_template(_valid(render())))
 
 
 def test_should_let_container_security_context_win_when_set() -> None:
-    docs = render("sandbox.enabled=true", "containerSecurityContext.seccompProfile.type=Localhost",
+    docs = render(*SANDBOX, "containerSecurityContext.seccompProfile.type=Localhost",
                   "containerSecurityContext.seccompProfile.localhostProfile=profiles/bwrap.json")  # fmt: skip
-    sc = _templates(docs)["sandbox"]["spec"]["containers"][0]["securityContext"]
+    sc = sandbox_pod(docs)["spec"]["containers"][0]["securityContext"]
     assert sc["seccompProfile"] == {"type": "Localhost", "localhostProfile": "profiles/bwrap.json"}
     assert sc["appArmorProfile"] == {"type": "Unconfined"}
     assert _templates(docs)["train"]["spec"]["containers"][0]["securityContext"]["capabilities"] == {
@@ -439,12 +644,13 @@ def test_should_keep_a_volume_made_before_when_volume_name_is_set() -> None:
 
 
 NAMESPACED = {"RayCluster", "RayJob", "Pod", "ServiceAccount", "Secret", "NetworkPolicy", "PodDisruptionBudget",
-              "PersistentVolumeClaim"}  # fmt: skip
+              "PersistentVolumeClaim", "Deployment", "Service"}  # fmt: skip
 
 
 @pytest.mark.parametrize("sets", [(), JOB], ids=["raycluster", "rayjob"])
 def test_should_render_only_namespaced_objects_when_installed_with_namespace_rights_only(sets) -> None:
-    docs = _valid(render("storage.type=lustre", "storage.lustre.existingClaim=team-lustre", *RDMA, *sets))
+    docs = _valid(render("storage.type=lustre", "storage.lustre.existingClaim=team-lustre", *RDMA, *SANDBOX,
+                         "generationEndpoint.enabled=true", *sets))  # fmt: skip
     assert {d["kind"] for d in docs} <= NAMESPACED
     spec = _cluster_spec(docs)
     claims = {v["persistentVolumeClaim"]["claimName"] for g in spec["workerGroupSpecs"]
@@ -452,16 +658,21 @@ def test_should_render_only_namespaced_objects_when_installed_with_namespace_rig
     assert claims == {"team-lustre"}
 
 
-def test_should_look_nothing_up_so_two_renders_agree_when_rendered() -> None:
-    """`lookup` is empty under `helm template` (CI, Argo CD, Flux) and forbidden cluster-wide to a tenant:
-    no template may depend on it, nor on anything random or timed."""
+def test_should_look_up_and_draw_only_the_releases_own_tokens_so_other_renders_agree_when_rendered() -> None:
+    """`lookup` is empty under `helm template` (CI, Argo CD, Flux) and forbidden cluster-wide to a tenant: no
+    template may depend on it, nor on anything random or timed, but the one helper that makes the release's
+    own tokens (kuberl.generatedToken: a Secret of the release's namespace, random once, then read back)."""
+    pattern = r"\b(lookup|randAlphaNum|randAlpha|randNumeric|randAscii|uuidv4|now|genPrivateKey|genCA)\b"
     for p in (CHART / "templates").rglob("*"):
         if p.is_file():
-            found = re.findall(
-                r"\b(lookup|randAlphaNum|randAlpha|randNumeric|randAscii|uuidv4|now|genPrivateKey|genCA)\b",
-                p.read_text(),
-            )
-            assert not found, (p.name, found)
+            text = p.read_text()
+            if p.name == "_auth.tpl":
+                start = text.index('{{- define "kuberl.generatedToken" -}}')
+                body = text[start : text.index("{{- end }}\n\n", start)]
+                assert sorted(re.findall(pattern, body)) == ["lookup", "randAlphaNum"]
+                assert 'lookup "v1" "Secret" .root.Release.Namespace .name' in body
+                text = text.replace(body, "")
+            assert not re.findall(pattern, text), p.name
 
 
 # ----- what a platform adds -----------------------------------------------------------------------

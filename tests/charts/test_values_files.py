@@ -1,6 +1,7 @@
 """Every values/*.yaml: `helm lint --strict` passes, every rendered object validates against the
-strict schemas in ../shared/schemas, and its worker groups supply exactly the nodes and GPUs that
-its Hydra experiment's cluster config asks for (the reward model's group: its replicas' GPUs)."""
+strict schemas in ../shared/schemas, its worker groups supply exactly the nodes and GPUs that
+its Hydra experiment's cluster config asks for (the reward model's group: its replicas' GPUs), and every
+pod it renders fits the node pool it selects (GKE's allocatable of the machine type)."""
 
 from __future__ import annotations
 
@@ -40,11 +41,11 @@ def test_should_supply_the_nodes_and_gpus_of_its_experiment_when_rendered(values
     assert experiment, f"{values_file.name} names no Hydra experiment (experiment: NAME)"
     cfg = load([f"experiment={experiment}"])
     rendered = groups(render(values=(str(values_file),)))
-    # the sandbox group (sandbox.enabled) is CPU nodes for code rewards, outside the experiment's GPU
-    # layout; so are the groups that offer the reward model's resource (checked below)
+    # the groups that offer the reward model's resource are outside the experiment's GPU layout (checked
+    # below); the sandbox service (sandbox.enabled) is no Ray group at all
     rm = cfg.reward_model
     serving = {n: g for n, g in rendered.items() if rm.resource and rm.resource in ray_resources(g)}
-    workers = {n: g for n, g in rendered.items() if n != "sandbox" and n not in serving}
+    workers = {n: g for n, g in rendered.items() if n not in serving}
     per_pod = {name: _gpus(g) for name, g in workers.items()}
     nodes = {name: g["replicas"] for name, g in workers.items()}
     assert sum(nodes.values()) == cfg.cluster.num_nodes, (
@@ -152,3 +153,127 @@ def test_should_give_code_rewards_a_sandbox_that_starts_when_its_experiment_runs
     )
     assert sandbox.get("backend", "bwrap") == "bwrap", "code rewards never fall back on the cluster"
     assert "containerSecurityContext" not in values, "sandbox.enabled sets what bubblewrap needs"
+
+
+# ----- pods and the pools they select -------------------------------------------------------------------
+# (vCPUs, memory in GiB) of the machine types the values files select (Compute Engine's machine families).
+MACHINES = {"n2-standard-16": (16, 64), "a4-highgpu-8g": (224, 3968), "a3-ultragpu-8g": (224, 2952)}
+# What GKE's own DaemonSets ask of every node (kube-proxy, fluentbit, gke-metadata-server, CSI nodes, netd):
+# about half a CPU and 1 GiB, more than they ask on GKE 1.33's n2 and GPU nodes.
+DAEMONSETS = (0.5, 1.0)
+
+
+def gke_allocatable(vcpus: int, gib: float) -> tuple[float, float]:
+    """A GKE Standard node's allocatable CPU and memory (GiB), as GKE documents its reservation: CPU 6% of
+    the first core, 1% of the second, 0.5% of the next two, 0.25% of the rest; memory 25% of the first 4 GiB,
+    20% of the next 4, 10% of the next 8, 6% of the next 112, 2% of the rest, and 100 MiB for eviction."""
+    cpu = 0.06 * min(vcpus, 1) + 0.01 * min(max(vcpus - 1, 0), 1) + 0.005 * min(max(vcpus - 2, 0), 2)
+    cpu += 0.0025 * max(vcpus - 4, 0)
+    mem, rest = 0.0, gib
+    for size, share in ((4, 0.25), (4, 0.20), (8, 0.10), (112, 0.06), (float("inf"), 0.02)):
+        mem += share * min(rest, size)
+        rest = max(rest - size, 0)
+    return vcpus - cpu, gib - mem - 100 / 1024
+
+
+def _cpu(q) -> float:
+    q = str(q)
+    return float(q[:-1]) / 1000 if q.endswith("m") else float(q)
+
+
+def _gib(q) -> float:
+    q = str(q)
+    units = {"Ki": 2**-20, "Mi": 2**-10, "Gi": 1, "Ti": 2**10}
+    return float(q[:-2]) * units[q[-2:]] if q[-2:] in units else float(q) / 2**30
+
+
+def _pods(values_file: Path, *sets: str) -> list[tuple[str, dict]]:
+    """(role, pod spec) of every pod the values file makes, each replica once: the Ray pods and `helm test`
+    pods of the RayCluster, the RayJob's submitter, and the sandbox service's pods."""
+    pods = []
+    for job in (False, True):
+        docs = render(*sets, *(["job.enabled=true"] if job else []), values=(str(values_file),))
+        for d in docs:
+            if d["kind"] == "RayCluster":
+                spec = d["spec"]
+                pods.append(("head", spec["headGroupSpec"]["template"]["spec"]))
+                for g in spec["workerGroupSpecs"]:
+                    pods += [(g["groupName"], g["template"]["spec"])] * g["replicas"]
+            if d["kind"] == "RayJob":
+                pods.append(("submitter", d["spec"]["submitterPodTemplate"]["spec"]))
+            if d["kind"] == "Pod":
+                pods.append((d["metadata"]["name"], d["spec"]))
+            if d["kind"] == "Deployment" and not job:
+                pods += [("sandbox", d["spec"]["template"]["spec"])] * d["spec"]["replicas"]
+    return pods
+
+
+def _requests(spec: dict) -> tuple[float, float]:
+    cpu = mem = 0.0
+    for c in spec["containers"]:
+        r = (c.get("resources") or {}).get("requests") or {}
+        cpu, mem = cpu + _cpu(r.get("cpu", 0)), mem + _gib(r.get("memory", 0))
+    return cpu, mem
+
+
+def _misfits(values_file: Path, *sets: str) -> list[str]:
+    """Why the pods of a values file would stay Pending: a pod larger than a node of the machine type it
+    selects; more than one node's worth on the head's pool, which is one node (docs/cluster.md step 4:
+    `--num-nodes=1`; the head, the submitter and the `helm test` pods select it); a sandbox pod that selects
+    the head's pool, whose one node it may not share with the head (their anti-affinity)."""
+    pods = _pods(values_file, *sets)
+    head_pool = next(spec for role, spec in pods if role == "head").get("nodeSelector") or {}
+    found, on_head_node = [], [0.0, 0.0]
+    for role, spec in pods:
+        selector = spec.get("nodeSelector") or {}
+        machine = selector.get("node.kubernetes.io/instance-type")
+        if machine not in MACHINES:
+            found.append(f"{role} selects no machine type this test knows ({machine})")
+            continue
+        cpu, mem = _requests(spec)
+        alloc_cpu, alloc_mem = gke_allocatable(*MACHINES[machine])
+        free = (alloc_cpu - DAEMONSETS[0], alloc_mem - DAEMONSETS[1])
+        if cpu > free[0] or mem > free[1]:
+            found.append(f"{role} asks for {cpu:g} CPU and {mem:g} GiB; a {machine} node leaves "
+                         f"{free[0]:.2f} CPU and {free[1]:.1f} GiB")  # fmt: skip
+        if role == "sandbox" and selector.items() <= head_pool.items():
+            found.append(f"the sandbox's nodeSelector {selector} selects the head's one-node pool")
+        elif role != "sandbox" and selector == head_pool:
+            on_head_node = [on_head_node[0] + cpu, on_head_node[1] + mem]
+    alloc_cpu, alloc_mem = gke_allocatable(
+        *MACHINES[head_pool.get("node.kubernetes.io/instance-type", "n2-standard-16")]
+    )
+    if on_head_node[0] > alloc_cpu - DAEMONSETS[0] or on_head_node[1] > alloc_mem - DAEMONSETS[1]:
+        found.append(f"the head's node gets {on_head_node[0]:g} CPU and {on_head_node[1]:g} GiB of requests")
+    return found
+
+
+def test_should_fit_every_pod_on_the_pool_it_selects_when_rendering_each_values_file(
+    values_file: Path,
+) -> None:
+    if (yaml.safe_load(values_file.read_text()).get("gpu") or {}).get("type") == "none":
+        pytest.skip("a CPU-only cluster on one machine: no machine type")
+    assert not _misfits(values_file), values_file.name
+
+
+def test_should_find_the_sandbox_pending_when_it_selects_the_heads_pool_as_the_code_values_once_did(
+    tmp_path,
+) -> None:
+    """Issue 63: two 15-CPU sandbox pods on the head's one-node n2-standard-16 pool stayed Pending."""
+    code = next(p for p in FILES if p.stem == "qwen2.5-coder-7b-code-b200")
+    values = yaml.safe_load(code.read_text())
+    values["sandbox"]["nodeSelector"] = {"node.kubernetes.io/instance-type": "n2-standard-16"}  # as it was
+    before = tmp_path / code.name
+    before.write_text(yaml.safe_dump(values))
+    assert _misfits(before) == [
+        "the sandbox's nodeSelector {'node.kubernetes.io/instance-type': 'n2-standard-16'} selects the head's "
+        "one-node pool"] * 2  # fmt: skip
+    assert "the head's node gets" in " ".join(
+        _misfits(code, "sandbox.cpus=15", "head.resources.requests.cpu=15.5")
+    )
+
+
+def test_should_compute_gkes_allocatable_as_gke_documents_it() -> None:
+    # GKE's own figure for n2-standard-16 (16 vCPUs, 64 GiB): 15.89 CPU
+    cpu, mem = gke_allocatable(16, 64)
+    assert round(cpu, 2) == 15.89 and 58.2 < mem < 58.5

@@ -30,8 +30,9 @@ the threads of the whole uid, so the limit is what the uid runs at the call's st
 by the call's timeout and the group kill only). A tool that leaves its process group itself (``setsid``) is not
 followed: tools are the run's own code, only their arguments are the model's. The
 ``python`` tool runs the model's code in the sandbox (:mod:`trainer.sandbox`), isolated like the code
-rewards' programs, on the driver's node: a cluster with a sandbox group (whose code must run on its nodes
-only) refuses it.
+rewards' programs: in the release's sandbox service when the chart gives one (``KUBERL_SANDBOX_URL``, in a pod
+without the Ray token), else on the driver's node; a cluster of the earlier chart, with a sandbox group of Ray
+workers (``KUBERL_SANDBOX_RESOURCE``: code must run on its nodes only), refuses it.
 """
 
 from __future__ import annotations

@@ -28,8 +28,9 @@ correct answer must not score 0 for that. When tasks wait, none runs, and none h
 for :data:`START_TIMEOUT_S`, the run stops with one line: no reward can be computed on such a cluster.
 (A long queue behind busy CPUs is not that: its tasks start as others end.)
 
-Code rewards run model-written programs. On a cluster with a sandbox group (the chart's
-``sandbox.enabled`` sets ``KUBERL_SANDBOX_RESOURCE`` on every Ray container to the group's Ray resource),
+Code rewards run model-written programs. The chart's ``sandbox.enabled`` gives the release a sandbox service (below);
+on a cluster of the earlier chart, with a sandbox group of Ray workers (``KUBERL_SANDBOX_RESOURCE`` on every Ray
+container names the group's Ray resource),
 every task of a run with a code reward asks for one unit of it, so the programs run only on the
 sandbox nodes, never beside the GPUs, and compile in parallel over that group's CPUs. A run whose
 cluster has no node with the resource (after :data:`SANDBOX_WAIT_S` for one to join; at once on a

@@ -1,14 +1,12 @@
 {{- /*
 The Ray container's start-up script, a template rendered by `kuberl.startScript` (_pods.tpl) with
-dict root, head, gpu, sandbox; `make check-chart` runs shellcheck on it as rendered for every values file.
+dict root, head, gpu; `make check-chart` runs shellcheck on it as rendered for every values file.
 Comments are template comments: the script is part of the pod template, which KubeRay hashes, so a
 reworded shell comment would recreate every pod of a running RayCluster.
 */ -}}
 {{- $v := .root.Values -}}
 ulimit -n 65536 2>/dev/null || true
-{{- if not .sandbox }}
 mkdir -p "$KUBERL_LOG_DIR" "$KUBERL_CHECKPOINT_DIR" "$HF_HOME" "$KUBERL_CACHE"
-{{- end }}
 {{- if .gpu }}
 {{- $min := index .root.Chart.Annotations "kuberl.dev/min-nvidia-driver" }}
 {{- /* The image's CUDA 13 wheels need an R<min>+ driver (Chart.yaml); GKE mounts the node's nvidia-smi under

@@ -49,3 +49,58 @@ containers (the `helm test` pod, the RayJob submitter): KubeRay injects them int
       key: auth_token
 {{- end }}
 {{- end }}
+
+{{/*
+The release's own bearer tokens, never Ray's: the sandbox service's (sandbox.enabled) and the generation
+endpoint's (generationEndpoint.enabled), each in a Secret of the release (secret.yaml) under key `token`,
+or in the existing Secret the values name (GitOps). A harness or a sandbox escape that holds one of them
+can call that service and nothing else: no Ray job, no Ray dashboard.
+*/}}
+{{- define "kuberl.sandboxSecret" -}}
+{{- .Values.sandbox.existingSecret | default (printf "%s-sandbox" (include "kuberl.fullname" .)) }}
+{{- end }}
+
+{{- define "kuberl.endpointSecret" -}}
+{{- .Values.generationEndpoint.existingSecret | default (printf "%s-endpoint" (include "kuberl.fullname" .)) }}
+{{- end }}
+
+{{/*
+A generated token's value, base64 as a Secret's data holds it: the live Secret's, when `helm upgrade` or
+`helm install` finds one (read back from the cluster), so that the token stays what the running pods read; else 48 random
+characters, once. `helm template` and `--dry-run=client` see no cluster and render a new one each time: a
+GitOps tool names an existing Secret instead (sandbox.existingSecret, generationEndpoint.existingSecret).
+Args: dict root, name (the Secret's).
+*/}}
+{{- define "kuberl.generatedToken" -}}
+{{- $live := lookup "v1" "Secret" .root.Release.Namespace .name }}
+{{- $token := "" }}
+{{- if $live }}{{ $token = index (default dict $live.data) "token" | default "" }}{{ end }}
+{{- $token | default (randAlphaNum 48 | b64enc) }}
+{{- end }}
+
+{{/* Where the Ray containers read the sandbox service's token: its Secret's file, mounted read-only. */}}
+{{- define "kuberl.sandboxTokenDir" -}}
+/var/run/secrets/kuberl/sandbox
+{{- end }}
+
+{{- define "kuberl.sandboxTokenPath" -}}
+{{ include "kuberl.sandboxTokenDir" . }}/token
+{{- end }}
+
+{{/*
+The sandbox token's volume, in the sandbox pods and in the Ray pods (its callers) alone: key `token`
+only, readable by root and the pod's fsGroup only.
+*/}}
+{{- define "kuberl.sandboxTokenVolume" -}}
+- name: sandbox-token
+  secret:
+    secretName: {{ include "kuberl.sandboxSecret" . }}
+    defaultMode: 0440
+    items:
+      - {key: token, path: token}
+{{- end }}
+
+{{/* The sandbox service's address as the Ray pods call it (trainer/sandbox/remote.py). */}}
+{{- define "kuberl.sandboxUrl" -}}
+http://{{ include "kuberl.fullname" . }}-sandbox.{{ .Release.Namespace }}.svc:8090
+{{- end }}

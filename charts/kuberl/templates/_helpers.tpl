@@ -76,7 +76,7 @@ annotations:
 {{- end }}
 
 {{/*
-The sandbox group's service account: one of its own, with no Workload Identity annotation, so the
+The sandbox service's service account: one of its own, with no Workload Identity annotation, so the
 pods that run model-written code hold no Google identity (the metadata server maps a pod's service
 account to its Google one); `default` when the chart creates no service account.
 */}}
@@ -122,8 +122,8 @@ a digest (`@sha256:...`) or both (`0.2.0@sha256:...`); a digest pins the image w
 {{/*
 Custom Ray resources a worker group offers (`ray start --resources`), from a map {NAME: units}: as
 KubeRay writes it itself, JSON in single quotes for the shell that runs `ray start`, keys in order so
-that two renders agree. Tasks and actors that ask for a unit of NAME run only on that group's pods: the
-sandbox group's `sandbox.resource` (code rewards), a reward-model group's `reward_model.resource`.
+that two renders agree. Tasks and actors that ask for a unit of NAME run only on that group's pods: a
+reward-model group's `reward_model.resource`.
 */}}
 {{- define "kuberl.rayResources" -}}
 {{- $parts := list }}
@@ -173,11 +173,6 @@ workerGroupSpecs:
       {{- if hasKey (default dict $g.rayStartParams) "resources" }}
       {{- fail (printf "workerGroups.%s: rayStartParams.resources and rayResources both set: keep rayResources" $name) }}
       {{- end }}
-      {{- /* Only the sandbox group may hold the code rewards' resource: model-written code never runs
-      on a node that holds GPUs, storage or Secrets. */}}
-      {{- if hasKey . $.Values.sandbox.resource }}
-      {{- fail (printf "workerGroups.%s.rayResources.%s: the sandbox group's resource (sandbox.resource), which code rewards run on; name another resource, or use sandbox.enabled" $name $.Values.sandbox.resource) }}
-      {{- end }}
       {{- $_ := set $worker "resources" (include "kuberl.rayResources" .) }}
       {{- end }}
       {{- range $k, $val := merge (deepCopy (default dict $g.rayStartParams)) $worker }}
@@ -186,26 +181,6 @@ workerGroupSpecs:
     template:
       {{- include "kuberl.podTemplate" (dict "root" $ "name" $name "head" false "group" $g) | nindent 6 }}
 {{- end }}
-{{- with .Values.sandbox }}{{ if .enabled }}
-{{- if hasKey $.Values.workerGroups "sandbox" }}
-{{- fail "workerGroups.sandbox: the name is the sandbox group's (sandbox.enabled): rename the group" }}
-{{- end }}
-  {{- /* Code rewards ask for one unit of the custom resource per task (trainer/rewards/runner.py), so
-  parallel compilation and test runs scale with this group's CPUs and never land on a GPU node. */}}
-  - groupName: sandbox
-    replicas: {{ .replicas }}
-    minReplicas: {{ .replicas }}
-    maxReplicas: {{ .replicas }}
-    rayStartParams:
-      block: "true"
-      metrics-export-port: "8080"
-      num-cpus: {{ .cpus | quote }}
-      num-gpus: "0"
-      resources: {{ include "kuberl.rayResources" (dict .resource .cpus) | quote }}
-    template:
-      {{- $group := dict "resources" (dict "requests" (dict "cpu" (.cpus | toString) "memory" .memory) "limits" (dict "cpu" (.cpus | toString) "memory" .memory)) "nodeSelector" .nodeSelector "tolerations" .tolerations "affinity" .affinity "shmSize" .shmSize }}
-      {{- include "kuberl.podTemplate" (dict "root" $ "name" "sandbox" "head" false "group" $group "sandbox" true) | nindent 6 }}
-{{- end }}{{ end }}
 {{- end }}
 
 {{/*
@@ -229,4 +204,10 @@ shared directories, then job.overrides (each single-quoted).
 {{- $parts = append $parts (squote .) }}
 {{- end }}
 {{- join " " $parts }}
+{{- end }}
+
+{{/* The labels that select the sandbox service's pods (its Deployment, Service and NetworkPolicy). */}}
+{{- define "kuberl.sandboxSelectorLabels" -}}
+{{ include "kuberl.selectorLabels" . }}
+kuberl.dev/role: sandbox
 {{- end }}

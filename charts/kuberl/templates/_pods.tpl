@@ -17,16 +17,14 @@ Start-up, run by bash under tini (the container's PID 1, which reaps the orphans
 Ray leave behind; see kuberl.command). The RayCluster carries `ray.io/overwrite-container-cmd: "true"`,
 so KubeRay leaves the command alone and hands over the `ray start` it generated in
 KUBERAY_GEN_RAY_START_CMD; we `exec` it, so Ray is tini's child and gets its signals.
-Args: dict root, head (bool), gpu (bool), sandbox (bool: the sandbox group, which mounts no storage).
+Args: dict root, head (bool), gpu (bool).
 */}}
 {{- define "kuberl.startScript" -}}
 {{- tpl (.root.Files.Get "files/ray-start.sh.tpl") . | trimSuffix "\n" }}
 {{- end }}
 
 {{/*
-Environment of every Ray container. Args: dict root, gpu (bool: a GPU worker), sandbox (bool: the
-sandbox group, which gets no Secret, no storage path and none of `env`, where a platform may put
-secretKeyRefs).
+Environment of every Ray container. Args: dict root, gpu (bool: a GPU worker).
 */}}
 {{- define "kuberl.env" -}}
 {{- $v := .root.Values -}}
@@ -38,16 +36,28 @@ secretKeyRefs).
 {{- /* The image the run's checkpoints record (trainer/checkpoint.py): a resume under another one says so. */}}
 - name: KUBERL_IMAGE
   value: {{ include "kuberl.image" .root | quote }}
-{{- /* Code rewards run only under this isolation: with bwrap, a pod where bubblewrap cannot start
-refuses the run in one line rather than falling back (trainer/sandbox/backends.py). */}}
+{{- /* Model code runs only under this isolation: with bwrap, a pod where bubblewrap cannot start refuses
+the run in one line rather than falling back (trainer/sandbox/backends.py). With the sandbox service no model
+code runs here, and what would (a tool's code) never runs unisolated beside the Ray token: sandbox.backend's
+opt-out applies to the service's pod alone. */}}
 - name: KUBERL_SANDBOX
-  value: {{ $v.sandbox.backend | quote }}
+  value: {{ ternary "bwrap" $v.sandbox.backend $v.sandbox.enabled | quote }}
 {{- if $v.sandbox.enabled }}
-{{- /* The driver sends code reward tasks to the nodes that hold this Ray resource: the sandbox group. */}}
-- name: KUBERL_SANDBOX_RESOURCE
-  value: {{ $v.sandbox.resource | quote }}
+{{- /* The callers of the sandbox service (trainer/sandbox/remote.py): the reward tasks and the driver run
+here. Its token is a file of the Secret's volume (kuberl.sandboxTokenVolume), never Ray's. */}}
+- name: KUBERL_SANDBOX_URL
+  value: {{ include "kuberl.sandboxUrl" .root | quote }}
+- name: KUBERL_SANDBOX_TOKEN_FILE
+  value: {{ include "kuberl.sandboxTokenPath" .root | quote }}
 {{- end }}
-{{- if not .sandbox }}
+{{- if $v.generationEndpoint.enabled }}
+{{- /* The generation endpoint's own bearer token (trainer/generation/endpoint.py), never Ray's. */}}
+- name: KUBERL_ENDPOINT_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "kuberl.endpointSecret" .root }}
+      key: token
+{{- end }}
 - name: KUBERL_LOG_DIR
   value: {{ include "kuberl.path" (dict "root" .root "key" "logs") | quote }}
 - name: KUBERL_CHECKPOINT_DIR
@@ -86,7 +96,6 @@ entrypoint, which would add it: without this no GPU container loads libcuda. */}
 {{- end }}{{ end }}
 {{- with $v.env }}
 {{ toYaml . }}
-{{- end }}
 {{- end }}
 {{- end }}
 
@@ -154,15 +163,12 @@ it. Args: dict group, gpus.
 
 {{/*
 The generation endpoint's container ports (generationEndpoint): `port` and the ones after it, one per
-engine of a pod. Fails closed: the endpoint authenticates with the run's Ray token (auth.mode=token) and
-is reachable only from the release's own pods (networkPolicy.enabled), and takes no port a pod uses.
-Args: the chart root.
+engine of a pod. Fails closed: the endpoint is reachable only from the release's own pods
+(networkPolicy.enabled; it authenticates with a token of its own, kuberl.endpointSecret), and takes no
+port a pod uses. Args: the chart root.
 */}}
 {{- define "kuberl.endpointPorts" -}}
 {{- $e := .Values.generationEndpoint }}
-{{- if ne .Values.auth.mode "token" }}
-{{- fail "generationEndpoint.enabled needs auth.mode=token: every request to the endpoint carries the run's Ray token" }}
-{{- end }}
 {{- if not .Values.networkPolicy.enabled }}
 {{- fail "generationEndpoint.enabled needs networkPolicy.enabled=true: only the release's own pods may reach the endpoint" }}
 {{- end }}
@@ -180,42 +186,34 @@ Args: the chart root.
 {{- end }}
 
 {{/*
-One Ray pod template. Args: dict root, name (group), head (bool), group (values of the group), sandbox
-(bool: the sandbox group, sandbox.enabled). No Ray pod calls the Kubernetes API, so none mounts a
-service-account token (gcsfuse's CSI driver asks for its own token; Workload Identity goes through the
-metadata server). The sandbox group runs model-written code: it gets no Secret, no shared storage, no
-Google identity (a service account of its own), none of the platform's extra volumes, envFrom, init
-containers or sidecars, and its own NetworkPolicy (networkpolicy.yaml).
+One Ray pod template. Args: dict root, name (group), head (bool), group (values of the group). No Ray pod
+calls the Kubernetes API, so none mounts a service-account token (gcsfuse's CSI driver asks for its own
+token; Workload Identity goes through the metadata server). Model-written code runs in none of them with
+sandbox.enabled, but in the sandbox service (sandbox-deployment.yaml), whose nodes they keep off.
 */}}
 {{- define "kuberl.podTemplate" -}}
 {{- $v := .root.Values -}}
 {{- $gpus := 0 }}
 {{- if not .head }}{{ $gpus = int (default 0 .group.gpus) }}{{ end }}
 {{- $gpu := gt $gpus 0 }}
-{{- $sandbox := default false .sandbox }}
-{{- $ctx := dict "root" .root "gpu" $gpu "head" .head "sandbox" $sandbox -}}
+{{- $ctx := dict "root" .root "gpu" $gpu "head" .head -}}
 metadata:
   {{- /* Only what the pod needs: KubeRay hashes the whole RayCluster spec, pod metadata included, and
   recreates every pod when it changes, so chart text (checkov's skips: charts/kuberl/checkov/) stays out. */}}
-  {{- if not $sandbox }}
   {{- with include "kuberl.podAnnotations" (dict "root" .root "gpu" $gpu "extra" .group.annotations) }}
   annotations:
     {{- . | nindent 4 }}
   {{- end }}
-  {{- end }}
   labels:
     {{- include "kuberl.podLabels" (dict "root" .root "extra" .group.labels) | nindent 4 }}
-    {{- if $sandbox }}
-    kuberl.dev/role: sandbox
-    {{- end }}
 spec:
-  serviceAccountName: {{ ternary (include "kuberl.sandboxServiceAccountName" .root) (include "kuberl.serviceAccountName" .root) $sandbox }}
+  serviceAccountName: {{ include "kuberl.serviceAccountName" .root }}
   automountServiceAccountToken: false
   terminationGracePeriodSeconds: {{ $v.terminationGracePeriodSeconds }}
   {{- with $v.priorityClassName }}
   priorityClassName: {{ . }}
   {{- end }}
-  {{- with ternary $v.sandbox.runtimeClassName $v.runtimeClassName $sandbox }}
+  {{- with $v.runtimeClassName }}
   runtimeClassName: {{ . }}
   {{- end }}
   securityContext:
@@ -224,7 +222,7 @@ spec:
   imagePullSecrets:
     {{- toYaml . | nindent 4 }}
   {{- end }}
-  {{- with include "kuberl.nodeSelector" (dict "root" .root "gpu" $gpu "head" (or .head $sandbox) "extra" .group.nodeSelector) }}
+  {{- with include "kuberl.nodeSelector" (dict "root" .root "gpu" $gpu "head" .head "extra" .group.nodeSelector) }}
   nodeSelector:
     {{- . | nindent 4 }}
   {{- end }}
@@ -236,11 +234,9 @@ spec:
   affinity:
     {{- . | nindent 4 }}
   {{- end }}
-  {{- if not $sandbox }}
   {{- with $v.initContainers }}
   initContainers:
     {{- toYaml . | nindent 4 }}
-  {{- end }}
   {{- end }}
   containers:
     {{- /* KubeRay finds the Ray container at index 0: sidecars come after it. */}}
@@ -248,7 +244,7 @@ spec:
       image: {{ include "kuberl.image" .root }}
       imagePullPolicy: {{ $v.image.pullPolicy }}
       securityContext:
-        {{- include "kuberl.containerSecurityContext" (dict "root" .root "sandbox" $sandbox) | nindent 8 }}
+        {{- include "kuberl.containerSecurityContext" (dict "root" .root "sandbox" false) | nindent 8 }}
       command: {{ include "kuberl.command" . }}
       args:
         - |
@@ -268,17 +264,15 @@ spec:
       {{- else }}
       ports:
         - {name: metrics, containerPort: 8080}
-        {{- if and $v.generationEndpoint.enabled (not $sandbox) }}
+        {{- if $v.generationEndpoint.enabled }}
         {{- include "kuberl.endpointPorts" .root | nindent 8 }}
         {{- end }}
       {{- end }}
       env:
         {{- include "kuberl.env" $ctx | nindent 8 }}
-      {{- if not $sandbox }}
       {{- with $v.envFrom }}
       envFrom:
         {{- toYaml . | nindent 8 }}
-      {{- end }}
       {{- end }}
       resources:
         {{- if .head }}
@@ -287,30 +281,22 @@ spec:
         {{- include "kuberl.workerResources" (dict "group" .group "gpus" $gpus) | nindent 8 }}
         {{- end }}
       volumeMounts:
-        {{- if $sandbox }}
-        - name: dshm
-          mountPath: /dev/shm
-        {{- else }}
         {{- include "kuberl.volumeMounts" $ctx | nindent 8 }}
+        {{- if $v.sandbox.enabled }}
+        - {name: sandbox-token, mountPath: {{ include "kuberl.sandboxTokenDir" .root }}, readOnly: true}
+        {{- end }}
         {{- with $v.extraVolumeMounts }}
         {{- toYaml . | nindent 8 }}
         {{- end }}
-        {{- end }}
-    {{- if not $sandbox }}
     {{- with $v.sidecars }}
     {{- toYaml . | nindent 4 }}
     {{- end }}
-    {{- end }}
   volumes:
-    {{- if $sandbox }}
-    - name: dshm
-      emptyDir:
-        medium: Memory
-        sizeLimit: {{ .group.shmSize }}
-    {{- else }}
     {{- include "kuberl.volumes" $ctx | nindent 4 }}
+    {{- if $v.sandbox.enabled }}
+    {{- include "kuberl.sandboxTokenVolume" .root | nindent 4 }}
+    {{- end }}
     {{- with $v.extraVolumes }}
     {{- toYaml . | nindent 4 }}
-    {{- end }}
     {{- end }}
 {{- end }}

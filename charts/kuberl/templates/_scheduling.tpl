@@ -51,8 +51,8 @@ local SSD only on pools created with --ephemeral-storage-local-ssd, which GKE la
 {{/*
 Affinity: the group's, and for GPU pods with capacity.type=onDemand a required node affinity that
 keeps them off spot and flex-start nodes (a node selector cannot say "not"; GKE labels those nodes
-and need not taint them), added to every node selector term the group gives.
-Args: dict root, gpu (bool), extra (map).
+and need not taint them), added to every node selector term the group gives; then the sandbox
+service's pod anti-affinity (kuberl.apartFromSandboxes). Args: dict root, gpu (bool), extra (map).
 */}}
 {{- define "kuberl.affinity" -}}
 {{- $a := deepCopy (default dict .extra) }}
@@ -69,6 +69,32 @@ Args: dict root, gpu (bool), extra (map).
 {{- $_ := set $req "nodeSelectorTerms" $terms }}
 {{- $_ := set $na "requiredDuringSchedulingIgnoredDuringExecution" $req }}
 {{- $_ := set $a "nodeAffinity" $na }}
+{{- end }}
+{{- include "kuberl.apartFromSandboxes" (dict "root" .root "affinity" $a) }}
+{{- end }}
+
+{{/*
+An affinity (`affinity`, a map) with the term that keeps model code's nodes apart from every pod that
+holds a token, added to its required pod anti-affinity, when sandbox.enabled; YAML, or nothing when
+empty. `sandbox` true: the sandbox service's pods keep off every node that runs a kuberl pod other than a
+sandbox (Ray pods, RayJob submitters, `helm test` pods); false (every other pod of the release): off every
+node that runs a kuberl sandbox pod. Per node (kubernetes.io/hostname), in every namespace (an empty
+namespaceSelector), so another release's token keeps off them too. The scheduler applies a required anti-
+affinity both ways (an existing pod's term keeps a new pod out), so either term alone would do; both are
+rendered so that each pod says what it keeps off. Args: dict root, affinity (map), sandbox (bool).
+*/}}
+{{- define "kuberl.apartFromSandboxes" -}}
+{{- $a := deepCopy (default dict .affinity) }}
+{{- if .root.Values.sandbox.enabled }}
+{{- $selector := dict "matchLabels" (dict "app.kubernetes.io/name" (include "kuberl.name" .root) "kuberl.dev/role" "sandbox") }}
+{{- if .sandbox }}
+{{- $selector = dict "matchLabels" (dict "app.kubernetes.io/name" (include "kuberl.name" .root)) "matchExpressions" (list (dict "key" "kuberl.dev/role" "operator" "NotIn" "values" (list "sandbox"))) }}
+{{- end }}
+{{- $term := dict "labelSelector" $selector "namespaceSelector" (dict) "topologyKey" "kubernetes.io/hostname" }}
+{{- $paa := default dict $a.podAntiAffinity }}
+{{- $req := default list (get $paa "requiredDuringSchedulingIgnoredDuringExecution") }}
+{{- $_ := set $paa "requiredDuringSchedulingIgnoredDuringExecution" (append $req $term) }}
+{{- $_ := set $a "podAntiAffinity" $paa }}
 {{- end }}
 {{- if $a }}
 {{- toYaml $a }}

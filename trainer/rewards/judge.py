@@ -119,10 +119,10 @@ def parse(text: str, cfg: JudgeConfig) -> tuple[float | None, str]:
         (only,) = said
         word = next(w for w in cfg.verdicts if w.lower() == only)
         return float(cfg.verdicts[word]), word
-    numbers = [
+    captured = [
         next((g for g in m.groups() if g is not None), None) for m in re.finditer(cfg.score_pattern, line)
     ]
-    numbers = [n for n in numbers if n is not None]
+    numbers: list[str] = [str(n) for n in captured if n is not None]
     if not numbers:
         return None, "no score on the final line"
     try:

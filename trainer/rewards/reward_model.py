@@ -97,7 +97,7 @@ def check(cfg: RewardModelConfig, specs: list[RewardSpec]) -> None:
             f"reward_model.name={cfg.name}: a sequence classifier with {config.num_labels} labels; a reward model "
             "has one (its score), e.g. a Bradley-Terry model trained on preference pairs"
         )
-    actors.check_weights(cfg.name, "reward_model.name")
+    actors.check_weights(_model_name(cfg), "reward_model.name")
     if cfg.normalize == "config":
         stats(cfg, config)
 

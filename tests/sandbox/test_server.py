@@ -400,6 +400,7 @@ def test_should_refuse_a_body_over_the_limit_before_reading_it(server):
         ("POST /v1/other HTTP/1.1\r\nContent-Length: 0\r\n\r\n", 404, "no route /v1/other"),
         ("DELETE /v1/run HTTP/1.1\r\n\r\n", 501, "Unsupported method"),
     ],
+    ids=["no-length", "not-json", "no-route", "bad-method"],  # the token is random: no id may hold it (xdist)
 )
 def test_should_answer_malformed_requests_in_one_json_line(server, raw, status, says):
     sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)

@@ -420,6 +420,7 @@ MAPPING_KEYS = [
     "env.reward_functions.0.kwargs",
     "env.feedback_kwargs",
     "judge.verdicts",
+    "judge.chat_template_kwargs",
     "env.environment_kwargs",
     "env.verifiers.args",
 ]

@@ -21,6 +21,9 @@ TOOLS_RUN = (
     "grpo.num_prompts_per_step=4",
     "grpo.num_generations_per_prompt=4",
     "grpo.max_num_steps=2",
+    # Every sample trained on, whatever its advantage: the engine-trainer gap below is measured on the trained
+    # tokens, and groups that all scored alike would otherwise leave none (the gap then goes unreported).
+    "policy.skip_zero_advantage=false",
 )
 
 

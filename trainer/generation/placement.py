@@ -152,7 +152,7 @@ class DisaggregatedGenerator:
         actor = ray.remote(num_cpus=1, num_gpus=tp if gpus else 0)(GenerationWorker)
         self.workers = [
             actor.options(scheduling_strategy=in_bundle(self.pg, r)).remote(
-                cfg, model_path, r, endpoint_token=token
+                cfg, model_path, r, **({"endpoint_token": token} if token is not None else {})
             )
             for r in range(n)
         ]

@@ -11,6 +11,11 @@ over the train time and the devices' peak. The model's FLOPs, per token trained:
   projects to the vocabulary, those that predict a response token: the prompt's positions go through
   the decoder and stop there (:class:`trainer.policy.batch.PackedBatch`). Counting the head on every
   token overstated MFU by about 5 % for a 1.5B model on long prompts, more for a large vocabulary.
+  In a mixture of experts N counts the parameters a token is routed through: in each MoE layer the
+  router (hidden x experts) and its top-k experts (and a shared expert), not the experts it skips,
+  which the model holds and trains but the token never multiplies by. Qwen3-30B-A3B: 3.0B matmul
+  parameters of its 30.2B (3.35B of 30.5B parameters in all); counting every expert would overstate
+  its linear layers' FLOPs nearly 10-fold.
 - **attention**: per layer and head, QK^T and AV cost 2 x head_dim FLOPs each per (query, key) pair
   forward, three times that forward and backward: 12 x layers x heads x head_dim x pairs, where a
   causal sample of L tokens has L (L + 1) / 2 pairs. (PaLM's appendix and verl's counter take L^2,
@@ -61,19 +66,51 @@ class ModelFlops:
     heads: int
     head_dim: int
     head_params: int = 0  # of matmul_params, the LM head's (hidden x vocab): only projected positions pay it
+    # A mixture of experts' matmul weights a token is not routed to (experts - top_k of each MoE layer's
+    # experts): held and trained, outside matmul_params. 0 for a dense model.
+    unrouted_params: int = 0
+
+    @property
+    def total_matmul_params(self) -> int:
+        """Every matmul weight the model holds (every expert), the LM head included."""
+        return self.matmul_params + self.unrouted_params
 
     @classmethod
     def of(
-        cls, hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, head_dim: int, vocab: int
+        cls,
+        hidden: int,
+        intermediate: int,
+        layers: int,
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        vocab: int,
+        moe=None,
     ) -> ModelFlops:
-        """A Llama-style decoder (q, k, v, o projections; gated MLP of three matrices; LM head)."""
+        """A Llama-style decoder (q, k, v, o projections; gated MLP of three matrices; LM head). ``moe``: a
+        mixture of experts' routing (:class:`trainer.models.shape.MoE`, or anything with its fields): its
+        ``layers`` MoE layers have, in place of the dense MLP, a router (hidden x experts), ``experts`` gated
+        MLPs of width ``intermediate`` of which a token goes through ``top_k``, and a shared expert of
+        width ``shared_intermediate`` with its one-output gate (Qwen2-MoE; 0: none)."""
         attention = hidden * head_dim * (2 * heads + 2 * kv_heads)  # q and o: heads; k and v: kv_heads
         mlp = 3 * hidden * intermediate  # gate, up, down
-        return cls(layers * (attention + mlp) + hidden * vocab, layers, heads, head_dim, hidden * vocab)
+        head = hidden * vocab
+        if moe is None:
+            return cls(layers * (attention + mlp) + head, layers, heads, head_dim, head)
+        expert = 3 * hidden * moe.intermediate
+        shared = 3 * hidden * moe.shared_intermediate + (hidden if moe.shared_intermediate else 0)
+        routed = hidden * moe.experts + moe.top_k * expert + shared  # what one token multiplies by
+        active = layers * attention + (layers - moe.layers) * mlp + moe.layers * routed + head
+        unrouted = moe.layers * (moe.experts - moe.top_k) * expert
+        return cls(active, layers, heads, head_dim, head, unrouted)
 
     @classmethod
     def from_shape(cls, shape) -> ModelFlops:
-        """From :class:`trainer.models.shape.Shape` (the text decoder's dimensions)."""
+        """From :class:`trainer.models.shape.Shape` (the text decoder's dimensions, its experts' routing).
+        Raises ValueError for a mixture of experts whose routing the shape could not read (``moe_error``):
+        no MFU rather than one counted as if every expert ran."""
+        if getattr(shape, "moe_error", ""):
+            raise ValueError(shape.moe_error)
         return cls.of(
             shape.hidden,
             shape.intermediate,
@@ -82,6 +119,7 @@ class ModelFlops:
             shape.kv_heads,
             shape.head_dim,
             shape.vocab,
+            getattr(shape, "moe", None),
         )
 
     def training(

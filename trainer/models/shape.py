@@ -1,7 +1,13 @@
 """A model's shape without its weights: instantiated on the ``meta`` device from its config (exact
 parameter counts for any architecture), for the memory plan (:mod:`trainer.plan`) and the training
 FLOPs (:mod:`trainer.perf`). The experiments' hub models have their config here too, so neither needs
-a download."""
+a download.
+
+A mixture-of-experts model (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE) also has its routing read from the config
+(:class:`MoE`): each token multiplies by its router and its top-k experts only, what MFU counts
+(:mod:`trainer.perf`), while every expert is stored, trained and refitted, what the plan counts. The
+config's reading is checked against the model it instantiates (the experts' parameters it holds); a
+family whose routing is not read here is named on the shape (``moe_error``), never counted as dense."""
 
 from __future__ import annotations
 
@@ -48,11 +54,94 @@ KNOWN_CONFIGS: dict[str, dict] = {
         "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "tie_word_embeddings": True,
         "max_position_embeddings": 40960,
     },
+    # 128 experts, 8 routed per token, in all 48 layers: 30.5B parameters, 3.3B of them active per token.
+    "Qwen/Qwen3-30B-A3B": {
+        "model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 48,
+        "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 151936,
+        "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768, "decoder_sparse_step": 1,
+        "mlp_only_layers": [], "norm_topk_prob": True, "tie_word_embeddings": False,
+        "max_position_embeddings": 40960,
+    },
     "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B": {
         "model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
         "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064, "tie_word_embeddings": False,
     },
 }  # fmt: skip
+
+
+# Mixture-of-experts families whose routing is read from the config: model_type -> (the expert count's
+# field, one expert's MLP width's field). Their decoder layers route by transformers' rule for the family
+# (:func:`moe_of`); Qwen2-MoE adds a shared expert every token goes through.
+MOE_FAMILIES = {
+    "qwen3_moe": ("num_experts", "moe_intermediate_size"),
+    "qwen2_moe": ("num_experts", "moe_intermediate_size"),
+    "mixtral": ("num_local_experts", "intermediate_size"),
+    "olmoe": ("num_experts", "intermediate_size"),
+}
+# How other families' configs name their expert count: a config with one of these > 0 is a mixture of experts.
+EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
+@dataclass(frozen=True)
+class MoE:
+    """A mixture-of-experts decoder's routing, as its config says. Each MoE layer holds ``experts`` gated
+    MLPs of width ``intermediate`` and a router (hidden x experts); a token goes through the router, its
+    ``top_k`` experts and the shared expert, if any. The other layers have a dense MLP of the config's
+    ``intermediate_size``."""
+
+    family: str  # the config's model_type
+    experts: int  # routed experts per MoE layer (num_experts; Mixtral's num_local_experts)
+    top_k: int  # experts a token is routed to (num_experts_per_tok)
+    intermediate: int  # one expert's MLP width (moe_intermediate_size; Mixtral's intermediate_size)
+    layers: int  # decoder layers with routed experts
+    shared_intermediate: int = 0  # Qwen2-MoE's shared expert (with its one-output sigmoid gate); 0: none
+
+
+def moe_of(text) -> MoE | None:
+    """The routing of a text config of a family in :data:`MOE_FAMILIES`; None for a dense model. Raises
+    ShapeError for a mixture of experts of another family (what it routes is not read here)."""
+    family = getattr(text, "model_type", "")
+    if family not in MOE_FAMILIES:
+        if any((getattr(text, f, 0) or 0) > 0 for f in EXPERT_COUNT_FIELDS):
+            raise ShapeError(
+                f"model_type {family} is a mixture of experts whose routing kuberl does not read "
+                f"(read: {', '.join(sorted(MOE_FAMILIES))}): its active parameters are not counted"
+            )
+        return None
+    count_field, width_field = MOE_FAMILIES[family]
+    experts = getattr(text, count_field, 0) or 0
+    if experts <= 0:
+        return None  # Qwen-MoE configs with num_experts 0: every layer dense
+    n = text.num_hidden_layers
+    if family in ("mixtral", "olmoe"):  # every layer routes
+        layers = n
+    else:  # transformers' Qwen2MoeDecoderLayer / Qwen3MoeDecoderLayer
+        dense = set(getattr(text, "mlp_only_layers", None) or [])
+        step = getattr(text, "decoder_sparse_step", 1) or 1
+        layers = sum(1 for i in range(n) if i not in dense and (i + 1) % step == 0)
+    return MoE(
+        family=family,
+        experts=experts,
+        top_k=text.num_experts_per_tok,
+        intermediate=getattr(text, width_field),
+        layers=layers,
+        shared_intermediate=getattr(text, "shared_expert_intermediate_size", 0) or 0,
+    )
+
+
+def _check_moe(moe: MoE, model, hidden: int) -> None:
+    """The config's reading against the instantiated model: the routed experts' parameters it holds (and the
+    shared experts'), so that a family whose layout moved in transformers is refused, not miscounted."""
+    held = sum(p.numel() for n, p in model.named_parameters() if ".experts." in f".{n}")
+    expected = moe.layers * moe.experts * 3 * hidden * moe.intermediate
+    shared = sum(p.numel() for n, p in model.named_parameters() if ".shared_expert." in f".{n}")
+    expected_shared = moe.layers * 3 * hidden * moe.shared_intermediate
+    if held != expected or shared != expected_shared:
+        raise ShapeError(
+            f"model_type {moe.family}: the model holds {held + shared} expert parameters where its config reads "
+            f"{expected + expected_shared} ({moe.layers} MoE layers x {moe.experts} experts of width "
+            f"{moe.intermediate}): its active parameters are not counted (a layout kuberl does not read)"
+        )
 
 
 @dataclass(frozen=True)
@@ -75,6 +164,8 @@ class Shape:
     # ...): LoRA's targets (trainer.models.lora adapts the language model alone, not a vision tower)
     linears: dict[str, tuple[tuple[int, int], ...]] = field(default_factory=dict)
     largest: tuple[str, int] = ("", 0)  # the parameter with the most elements: (name, elements)
+    moe: MoE | None = None  # a mixture of experts' routing (None: dense, or moe_error)
+    moe_error: str = ""  # a mixture of experts whose routing is not read: why (active parameters unknown)
 
     def adapter_params(self, rank: int, targets: list[str]) -> int:
         """Parameters of rank-``rank`` LoRA adapters (A: in x r, B: r x out) on every linear named in ``targets``."""
@@ -147,6 +238,13 @@ def model_shape(
     largest = max(((n, p.numel()) for n, p in model.named_parameters()), key=lambda kv: kv[1])
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = text.num_attention_heads
+    moe, moe_error = None, ""
+    try:
+        moe = moe_of(text)
+        if moe is not None:
+            _check_moe(moe, model, text.hidden_size)
+    except ShapeError as e:  # the shape still holds: only what a token multiplies by is unknown
+        moe, moe_error = None, str(e)
     return Shape(
         params=total,
         block_params=max((sum(p.numel() for p in b.parameters()) for b in decoder), default=0),
@@ -162,4 +260,6 @@ def model_shape(
         context=getattr(text, "max_position_embeddings", None),
         linears={k: tuple(v) for k, v in linears.items()},
         largest=largest,
+        moe=moe,
+        moe_error=moe_error,
     )

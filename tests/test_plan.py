@@ -30,6 +30,7 @@ def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedP
         ("google/gemma-3-27b-it", 27.4),
         ("Qwen/Qwen2.5-Coder-7B-Instruct", 7.62),
         ("google/gemma-3-1b-it", 1.0),
+        ("Qwen/Qwen3-30B-A3B", 30.5),  # every expert: what is stored, trained and refitted
     ],
 )
 def test_should_count_the_published_parameters_when_a_hub_model_is_planned_offline(name, billions) -> None:
@@ -170,6 +171,83 @@ def test_should_count_one_tile_of_logits_not_the_whole_micro_batchs_when_the_log
     tile = linear_logprobs.tile_elements(torch.device("cuda")) * linear_logprobs.TILE_BYTES
     assert term == tile + rows * shape.hidden * (4 + 2)
     assert term < whole / 4
+
+
+# ----- a mixture of experts: Qwen3-30B-A3B ------------------------------------------------------------
+
+MOE = "Qwen/Qwen3-30B-A3B"
+MOE_VALUES = ["qwen3-30b-a3b-math-h200", "qwen3-30b-a3b-math-b200"]
+
+
+def test_should_count_the_published_active_parameters_when_qwen3_30b_a3b_is_planned() -> None:
+    """Qwen's model card: 30.5B parameters, 3.3B activated. Active: the attention, the router and 8 of the
+    128 experts of each of the 48 layers, the embeddings and the LM head."""
+    shape = plan.model_shape(MOE)
+    assert shape.moe is not None and (shape.moe.experts, shape.moe.top_k, shape.moe.layers) == (128, 8, 48)
+    assert plan.active_params(shape) / 1e9 == pytest.approx(3.3, rel=0.02)
+    expert = 3 * 2048 * 768  # gate, up, down of one expert
+    assert shape.params - plan.active_params(shape) == 48 * (128 - 8) * expert
+    assert shape.block_params > 128 * expert  # FSDP gathers a block with all its experts
+
+
+@pytest.mark.parametrize("stem", MOE_VALUES)
+def test_should_fit_and_size_state_refits_and_routes_on_every_expert_when_the_moe_preset_is_planned(
+    stem,
+) -> None:
+    result = plan.plan_for(stem, [])
+    assert result.fits, plan.render(result)
+    cfg = config.load(["experiment=qwen3-30b-a3b-math"])
+    assert cfg.policy.moe.router_replay and cfg.generation.backend == "vllm" and cfg.train_world_size == 8
+    shape = result.shape
+    train = next(d for d in result.devices if d.role == "training GPU")
+    # float32 master weights, gradients and both AdamW moments of all 30.5B parameters, over 8 ranks
+    assert train.terms["optimizer (AdamW, sharded)"] == 2 * shape.params * 4 / 8
+    assert train.terms["gradients (sharded)"] == shape.params * 4 / 8
+    # the routes of one micro-batch of 8192 tokens: 48 layers x 8 ids, as int64 at most
+    assert train.terms[plan.ROUTES_TERM] == 8192 * 48 * 8 * 8
+    share = next(d for d in result.devices if d.role == "engine's share")
+    assert share.terms[plan.CAPTURE_TERM] == 16384 * 48 * 8 * 4  # vLLM's int32 capture buffer
+    out = plan.render(result)
+    assert "3.35B of the 30.53B parameters active per token" in out
+    # every weight in bf16 (56.87 GiB) to each of the 8 colocated engines, each step
+    assert plan.refit_bytes(cfg, shape) == shape.params * 2
+    assert f"{shape.params * 2 / 2**30:.2f} GiB of bfloat16 per engine, x 8 engines" in out
+    # 32 prompts x 16 samples x 4096 tokens, 384 bytes each
+    assert plan.step_tokens(cfg) == 32 * 16 * 4096
+    assert "routes of 384 B per token (48 layers x top 8 x uint8)" in out and "carries 0.75 GiB" in out
+    assert out.splitlines()[-1].startswith("plan: fits")
+
+
+def test_should_size_the_routes_by_layers_top_k_and_the_width_of_an_expert_id() -> None:
+    import dataclasses
+
+    shape = plan.model_shape(MOE)
+    assert plan.routes_bytes_per_token(shape) == 48 * 8  # uint8: 128 experts
+    wide = dataclasses.replace(shape, moe=dataclasses.replace(shape.moe, experts=512))
+    assert plan.routes_bytes_per_token(wide) == 48 * 8 * 2  # uint16 beyond 256 experts
+    small = config.load(
+        ["experiment=qwen3-30b-a3b-math", "generation.vllm_kwargs={max_num_batched_tokens: 8192}"]
+    )
+    assert plan.capture_bytes(small, shape) == 8192 * 48 * 8 * 4
+
+
+def test_should_carry_no_routes_when_router_replay_is_off() -> None:
+    cfg = config.load(["experiment=qwen3-30b-a3b-math", "policy.moe.router_replay=false"])
+    result = plan.plan(cfg, "h200", "x")
+    assert all(plan.ROUTES_TERM not in d.terms and plan.CAPTURE_TERM not in d.terms for d in result.devices)
+    out = plan.render(result)
+    assert "router replay" not in out and "active per token" in out and "x 8 engines" in out
+
+
+def test_should_keep_each_routed_copys_intermediates_when_a_moe_block_is_planned() -> None:
+    """Per token and MoE layer: 8 routed copies, each its input, gate and up, act(gate), their product and the
+    expert's output (2 x 2048 + 4 x 768), and the router's 128 logits with their float32 softmax."""
+    shape = plan.model_shape(MOE)
+    assert plan.moe_mlp_per_token(shape) == 8 * (2 * 2048 + 4 * 768) + 3 * 128
+    dense = plan.block_activation_bytes(plan.model_shape("Qwen/Qwen2.5-Coder-7B-Instruct"), 1, 1)
+    assert (
+        dense == 4 * 3584 + (3584 + 2 * 512) + (3584 + 512) + 3584 + 4 * 18944
+    )  # unchanged for a dense model
 
 
 # ----- the reward model -----------------------------------------------------------------------------

@@ -37,6 +37,16 @@ plan adds up what one device holds at its peak:
   read, so the whole model is never on a GPU); then the units FSDP gathers in training and refits. The
   plan names the largest.
 
+A **mixture of experts** (:class:`trainer.models.shape.MoE`) is planned on its total parameters: every
+expert is stored, gets gradients and AdamW's moments, is gathered with its block and is sent at every
+refit; only activations follow the routing (each token's ``top_k`` routed copies through its experts).
+The plan reports the parameters active per token (what MFU counts, :mod:`trainer.perf`), the bytes each
+engine receives per refit, and with ``policy.moe.router_replay`` the routes that travel with a step's
+batch (vLLM returns ``routed_experts`` per sampled sequence, ``[tokens, layers, top_k]`` in uint8 up to
+256 experts, else uint16) and the capture buffer each engine keeps on its GPU
+(``max_num_batched_tokens x layers x top_k`` int32: vLLM 0.32's
+``model_executor/layers/fused_moe/routed_experts_capturer.py``).
+
 It says ``fits`` or ``does not fit``, which term dominates, and the key to change. The model's shape
 comes from instantiating it on the ``meta`` device (exact parameter counts for any architecture,
 no memory): from its local directory, the hub cache, or, offline, the public ``config.json`` values of
@@ -57,6 +67,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from trainer.models.shape import KNOWN_CONFIGS, Shape, ShapeError, model_shape  # noqa: F401 (plan.model_shape)
+from trainer.perf import ModelFlops
 
 GiB = 2**30
 # Memory per GPU as `nvidia-smi --query-gpu=memory.total` reports it (MiB): what CUDA can allocate from.
@@ -139,13 +150,29 @@ def block_activation_bytes(
     embedding, attention's output, and the gated MLP's four intermediates (gate, up, act(gate),
     act(gate)*up). Attention itself keeps O(tokens) (flash / memory-efficient kernels). Sequence
     parallel, attention's q/k/v and output also exist in the other layout (heads / S over the whole
-    row: as many elements as a rank's slice with every head), for the all-to-alls' backward."""
+    row: as many elements as a rank's slice with every head), for the all-to-alls' backward. A MoE
+    block (:func:`moe_mlp_per_token`) keeps its experts' intermediates for each routed copy of a token."""
     h, i, hd = shape.hidden, shape.intermediate, shape.head_dim
     q, kv = shape.heads * hd, shape.kv_heads * hd
-    per_token = 4 * h + (q + 2 * kv) + (q + kv) + q + 4 * i
+    mlp = 4 * i if shape.moe is None else moe_mlp_per_token(shape)
+    per_token = 4 * h + (q + 2 * kv) + (q + kv) + q + mlp
     if sequence_parallel:
         per_token += (q + 2 * kv) + q
     return tokens * per_token * dtype_bytes
+
+
+def moe_mlp_per_token(shape: Shape) -> int:
+    """Elements a MoE block's MLP keeps per token for its backward: for each of the token's ``top_k``
+    routed copies, the gathered input, gate and up, act(gate), act(gate)*up and the expert's output before
+    its gate weight scales it (transformers' grouped-GEMM experts, its default, as a saved-tensors hook
+    counts them; its experts loop, ``experts_implementation=eager``, keeps each weighted output too: one
+    hidden more per copy); a shared expert's four intermediates; the router's logits and their float32
+    softmax (three 16-bit elements per expert). A model with dense layers too: the larger of a MoE and a
+    dense block's."""
+    m = shape.moe
+    assert m is not None
+    routed = m.top_k * (2 * shape.hidden + 4 * m.intermediate) + 4 * m.shared_intermediate + 3 * m.experts
+    return routed if m.layers == shape.layers else max(routed, 4 * shape.intermediate)
 
 
 # Activations and logits peak as backward starts, when almost no gradient exists yet; at its end the
@@ -192,6 +219,10 @@ def training_terms(cfg, shape: Shape, world: int) -> dict[str, float]:
         saved = shape.layers * block_activation_bytes(shape, mb.tokens, compute, sp)
     terms["activations"] = saved
     terms["logits"] = logit_bytes(shape, mb.logit_rows, compute, cfg.cluster.use_gpus)
+    if replays_routes(cfg, shape):
+        # The engine's expert ids for the micro-batch's tokens, as int64 indices at most (what gathers take).
+        assert shape.moe is not None
+        terms[ROUTES_TERM] = mb.tokens * shape.layers * shape.moe.top_k * 8
     return terms
 
 
@@ -245,13 +276,105 @@ def engine_device(cfg, shape: Shape, capacity: float, role: str) -> Device:
     seq = cfg.policy.max_total_sequence_length
     per_seq = kv_bytes_per_token(shape, gen, tp) * seq
     dev = Device(role, share, {"engine weights": weights, "KV cache (one sequence)": per_seq})
-    left = share - weights
+    if replays_routes(cfg, shape):
+        dev.terms[CAPTURE_TERM] = capture_bytes(cfg, shape)
+    left = share - sum(v for k, v in dev.terms.items() if k != "KV cache (one sequence)")
     sequences = int(left // per_seq) if per_seq else 0
     dev.notes.append(
         f"KV cache for {max(0, sequences)} sequences of {seq} tokens in the engine's "
         f"{engine_utilization(cfg):g} share ({share / GiB:.1f} GiB)"
     )
     return dev
+
+
+# ----- a mixture of experts: active parameters, refits, routes ------------------------------------
+
+ROUTES_TERM = "routes (one micro-batch)"
+CAPTURE_TERM = "routed-experts capture"
+# vLLM 0.32's max_num_batched_tokens for its LLM class on a GPU of 70 GiB or more (not an A100): H100,
+# H200, B200 (vllm/engine/arg_utils.py, get_batch_defaults); generation.vllm_kwargs may set it.
+VLLM_BATCHED_TOKENS = 16384
+
+
+def active_params(shape: Shape) -> int:
+    """Parameters one token goes through: all of a dense model's; a mixture of experts' without the experts
+    it is not routed to (:class:`trainer.perf.ModelFlops`'s count)."""
+    if shape.moe is None:
+        return shape.params
+    return shape.params - ModelFlops.from_shape(shape).unrouted_params
+
+
+def replays_routes(cfg, shape: Shape) -> bool:
+    return shape.moe is not None and cfg.policy.moe.router_replay
+
+
+def routes_bytes_per_token(shape: Shape) -> int:
+    """Bytes of one token's routes as vLLM returns them: every hidden layer's top-k expert ids
+    (``[layers, top_k]``), uint8 up to 256 experts, else uint16."""
+    assert shape.moe is not None
+    return shape.layers * shape.moe.top_k * (1 if shape.moe.experts <= 256 else 2)
+
+
+def step_tokens(cfg) -> int:
+    """The most tokens a step's batch holds: every sample a whole ``policy.max_total_sequence_length``."""
+    g = cfg.grpo
+    return g.num_prompts_per_step * g.num_generations_per_prompt * cfg.policy.max_total_sequence_length
+
+
+def capture_bytes(cfg, shape: Shape) -> int:
+    """The device buffer a vLLM engine fills with the routes of each forward pass (int32, one row per
+    token its scheduler batches: ``max_num_batched_tokens x layers x top_k``)."""
+    assert shape.moe is not None
+    tokens = cfg.generation.vllm_kwargs.get("max_num_batched_tokens") or VLLM_BATCHED_TOKENS
+    return tokens * shape.layers * shape.moe.top_k * 4
+
+
+def refit_engines(cfg) -> int:
+    """Engines a refit sends the weights to: one per policy rank colocated, one per tensor-parallel
+    group disaggregated."""
+    return cfg.num_generation_workers if cfg.disaggregated else cfg.train_world_size
+
+
+def refit_bytes(cfg, shape: Shape) -> float:
+    """Bytes one engine receives per step in a full-weight refit: every parameter in the engine's dtype."""
+    return shape.params * BYTES[cfg.engine_dtype]
+
+
+def moe_lines(cfg, shape: Shape) -> list[str]:
+    """What a mixture of experts adds to the plan, in words: active and total parameters, the refit, the
+    routes that travel with a batch."""
+    m = shape.moe
+    if m is None:
+        return [f"  active parameters: not counted ({shape.moe_error})"] if shape.moe_error else []
+    active = active_params(shape)
+    shared = f" and a shared expert of width {m.shared_intermediate}" if m.shared_intermediate else ""
+    lines = [
+        f"  mixture of experts: {m.experts} experts of width {m.intermediate} in {m.layers} of {shape.layers} "
+        f"layers, {m.top_k} routed per token{shared}: {active / 1e9:.2f}B of the {shape.params / 1e9:.2f}B "
+        "parameters active per token (what MFU counts); every expert trains: gradients and optimizer "
+        f"state on all {shape.params / 1e9:.2f}B"
+    ]
+    if cfg.generation.backend == "vllm":
+        if cfg.policy.lora.enabled:
+            lines.append("  refit: the LoRA adapters only")
+        else:
+            engines = refit_engines(cfg)
+            frozen = ", less policy.freeze's parameters" if cfg.policy.freeze else ""
+            lines.append(
+                f"  refit: every weight after each step, experts included{frozen}: "
+                f"{refit_bytes(cfg, shape) / GiB:.2f} GiB of {cfg.engine_dtype} per engine, x {engines} engines"
+            )
+    if replays_routes(cfg, shape):
+        per_token = routes_bytes_per_token(shape)
+        width = "uint8" if m.experts <= 256 else "uint16"
+        tokens = step_tokens(cfg)
+        lines.append(
+            f"  router replay (policy.moe.router_replay): routes of {per_token} B per token ({shape.layers} "
+            f"layers x top {m.top_k} x {width}); a step's batch of at most {tokens} tokens carries "
+            f"{per_token * tokens / GiB:.2f} GiB of them; each engine captures into "
+            f"{capture_bytes(cfg, shape) / 2**20:.0f} MiB of int32 on its GPU"
+        )
+    return lines
 
 
 # ----- the model-scored rewards: the reward model and the judge -----------------------------------
@@ -490,6 +613,7 @@ class Plan:
     rm_shape: Shape | None = None
     judge_shape: Shape | None = None
     notes: list[str] = field(default_factory=list)
+    model_lines: list[str] = field(default_factory=list)  # below the model's line: a mixture of experts'
 
     @property
     def fits(self) -> bool:
@@ -538,6 +662,8 @@ ADVICE = {
     "judge attention mask": "a smaller judge.batch_size or judge.max_response_tokens",
     "judge logits": "a smaller judge.batch_size",
     SLEEPING_TERM: "a larger workerGroups.train.resources.requests.memory in the values file",
+    ROUTES_TERM: "a smaller policy.max_tokens_per_microbatch",
+    CAPTURE_TERM: "a smaller generation.vllm_kwargs.max_num_batched_tokens",
 }
 LOADING_TERM = "one full tensor, loading"
 CHART_VALUES = Path(__file__).resolve().parents[1] / "charts" / "kuberl" / "values.yaml"
@@ -657,6 +783,7 @@ def plan(cfg, gpu: str | None, experiment: str, host_bytes: float = float("inf")
         devices.append(engine_device(cfg, shape, capacity, "generation GPU (engine's share)"))
     per_node = cfg.cluster.gpus_per_node
     result = Plan(experiment, f"{per_node} x {GPU_NAMES[gpu]} per node", shape, devices)
+    result.model_lines = moe_lines(cfg, shape)
     policy = [d for d in devices if d.role.startswith("training GPU")]
     for scorer in scorers(cfg):
         _shaped(result, scorer)
@@ -687,7 +814,7 @@ def _cpu_plan(cfg, shape: Shape, terms: dict[str, float], experiment: str) -> Pl
     )
     engines = ranks if not cfg.disaggregated else cfg.num_generation_workers
     node.terms[f"engine weights x {engines}"] = shape.params * BYTES[cfg.engine_dtype] * engines
-    result = Plan(experiment, "CPU", shape, [node])
+    result = Plan(experiment, "CPU", shape, [node], model_lines=moe_lines(cfg, shape))
     for scorer in scorers(cfg):  # CPU replicas on the same machine, all scoring at once at worst
         _shaped(result, scorer)
         replicas = getattr(cfg, scorer.section).replicas
@@ -716,6 +843,7 @@ def render(p: Plan) -> str:
         f"{p.experiment} on {p.target}: {s.params / 1e9:.2f}B parameters ({s.layers} layers, hidden {s.hidden}, "
         f"vocab {s.vocab}; config from {s.source})"
     ]
+    lines += p.model_lines
     if p.rm_shape is not None:
         r = p.rm_shape
         lines.append(

@@ -352,6 +352,29 @@ class LoRAConfig:
 
 
 @dataclass
+class MoEConfig:
+    # Mixture-of-experts policies (trainer.models.moe); nothing here touches a dense model.
+    # Router replay (R3): in the training and logprob forwards every token goes to the experts the engine
+    # routed it to when it sampled, with gate weights from the trainer's own router over those experts. The
+    # engines return their routes (vLLM's enable_return_routed_experts on GPUs, the hf engine anywhere);
+    # single-turn samples only (a multi-turn episode's later turns route freely: train/routing_replayed_frac).
+    router_replay: bool = False
+    # The router's auxiliary losses, added to the policy loss: Switch-style load balancing
+    # (num_experts x sum over experts of token share x mean router probability, per MoE layer) and the
+    # router z-loss (mean squared logsumexp of the router logits). Off by default, as the peers run RL.
+    load_balance_coef: float = 0.0
+    z_loss_coef: float = 0.0
+
+    def validate(self) -> None:
+        for key in ("load_balance_coef", "z_loss_coef"):
+            value = getattr(self, key)
+            _require(
+                isinstance(value, (int, float)) and value >= 0,
+                f"policy.moe.{key}={value} must be a number >= 0 (0 turns it off)",
+            )
+
+
+@dataclass
 class PolicyConfig:
     learning_rate: float = 1e-6
     weight_decay: float = 0.01
@@ -402,6 +425,7 @@ class PolicyConfig:
     # was built with). Each pattern must match a parameter.
     freeze: list[str] = field(default_factory=list)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
 
     def __post_init__(self) -> None:
         # Composed, a pair arrives as a list (OmegaConf has no tuples); validate() refuses what is not a pair.
@@ -445,6 +469,7 @@ class PolicyConfig:
             f"policy.freeze={list(self.freeze)} must list parameter-name patterns, e.g. [model.vision_tower.*]",
         )
         self.lora.validate()
+        self.moe.validate()
 
 
 @dataclass
@@ -1154,6 +1179,17 @@ def _validate_across(c: Config) -> None:
         f"policy.max_total_sequence_length={p.max_total_sequence_length} must exceed "
         f"generation.max_new_tokens={gen.max_new_tokens} to leave room for the prompt",
     )
+    if p.moe.router_replay and gen.backend == "vllm":
+        _require(
+            cl.use_gpus,
+            "policy.moe.router_replay=true needs the engine's routes, and vLLM's CPU build returns none (its V2 "
+            "model runner, which returns them, needs Triton): on CPU use generation.backend=hf, or set "
+            "policy.moe.router_replay=false",
+        )
+        _require(
+            "enable_return_routed_experts" not in gen.vllm_kwargs,
+            "generation.vllm_kwargs.enable_return_routed_experts: set by kuberl from policy.moe.router_replay; remove it",
+        )
     if p.lora.rank is not None and gen.backend == "vllm":  # lora.enabled
         _require(
             p.lora.rank <= VLLM_LORA_RANKS[-1],

@@ -12,6 +12,11 @@ import torch
 from trainer import perf
 from trainer.config import Config
 
+# The routing statistics the policy reports (trainer.models.moe) under the names the run logs.
+ROUTING_METRICS = {
+    "moe/routing_mismatch": "train/routing_mismatch",
+    "moe/routing_replayed": "train/routing_replayed_frac",
+}
 # What each importance-sampling mode flags, as a share of the response tokens trained on.
 IS_METRICS = {
     "tis": "train/tis_truncated_frac",  # ratio above tis_cap, truncated
@@ -70,6 +75,11 @@ def step_metrics(
         metrics[IS_METRICS.get(loss_cfg.importance_sampling, "train/is_flagged_frac")] = train_metrics[
             "is_flagged"
         ]
+    # An MoE policy's routing (trainer.models.moe.STAT_KEYS, moe/aux_loss): the engine-trainer agreement under
+    # train/, the routers' own health under moe/; each absent where nothing measured it.
+    for key, value in train_metrics.items():
+        if key.startswith("moe/"):
+            metrics[ROUTING_METRICS.get(key, key)] = value
     if cfg.grpo.max_rollout_turns > 1:
         metrics["train/mean_turns"] = sum(r.turns for r in rollouts) / len(rollouts)
         metrics["train/turns_mean"] = metrics["train/mean_turns"]

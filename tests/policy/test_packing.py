@@ -175,7 +175,9 @@ def test_should_give_the_padded_loss_and_gradients_when_each_micro_batch_takes_t
     samples = even + skewed_samples()[:4]  # the second group: responses of 1, 23, 6 and 14 tokens
     layouts = []
     build = worker._batch
-    worker._batch = lambda chunk, prefix: layouts.append(type(build(chunk, prefix))) or build(chunk, prefix)
+    worker._batch = lambda chunk, prefix, mode=None: (
+        layouts.append(type(build(chunk, prefix))) or build(chunk, prefix, mode)
+    )
     try:
         mixed = _step(worker, samples, sequence_packing=True, shared_prefix=True, micro_batch_size=4)
     finally:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -37,6 +37,9 @@ class SamplingParams:
     # One seed per prompt of the call instead (not both): sample j of prompt i draws from seeds[i] + j alone,
     # whatever else the call holds, so a prompt's draws do not depend on the prompts batched beside it.
     seeds: list[int] | None = None
+    # Return each sample's routes when the model is a mixture of experts (Completion.routes); a dense model's
+    # engine returns none.
+    routes: bool = False
 
     @property
     def greedy(self) -> bool:
@@ -69,6 +72,10 @@ class Completion:
     # Decoded with special tokens kept, the turn-ending token left out: what a tool parser reads, as some
     # families' call markers are special tokens (trainer.generation.tool_parsers.parser_text). None: not decoded.
     raw_text: str | None = None
+    # An MoE model's routes when asked (SamplingParams.routes): a (prompt + L - 1, layers, k) array of the expert
+    # ids each layer routed each computed position to (the last sampled token is never fed back), uint8 (uint16
+    # past 256 experts); vLLM's ``routed_experts`` and the hf engine's alike. None: not asked, or a dense model.
+    routes: Any = None
 
 
 class GenerationEngine(Protocol):

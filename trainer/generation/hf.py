@@ -31,11 +31,13 @@ from __future__ import annotations
 import inspect
 from collections.abc import Iterable
 
+import numpy as np
 import torch
 
 from trainer.generation import onednn_linear
 from trainer.generation.base import Completion, SamplingParams
 from trainer.generation.tool_parsers import parser_text
+from trainer.models import moe
 from trainer.models.prompts import distinct_prompts
 
 # Attention implementations known to work with a StaticCache and a padded 2D attention mask.
@@ -168,6 +170,11 @@ class HFGenerationEngine:
         # Whether the static-cache path works for this model: None until the first batch has tried it.
         attn = getattr(self.model.config, "_attn_implementation", None)
         self._static_cache: bool | None = None if attn in _STATIC_CACHE_ATTN else False
+        # An MoE model's routers, recorded when a call asks for its routes (SamplingParams.routes); None: dense.
+        self._routing = moe.install(self.model)
+        self._prefilled_every_row = (
+            False  # whether the last prefill ran every sample row (not distinct prompts)
+        )
 
     @property
     def device(self) -> torch.device:
@@ -196,7 +203,15 @@ class HFGenerationEngine:
         for start in range(0, len(order), self.batch_size):
             idx = order[start : start + self.batch_size]
             batch_seeds = None if row_seeds is None else [row_seeds[i] for i in idx]
-            batch = self._generate_batch([flat[i] for i in idx], params, generator, batch_seeds)
+            routing = self._routing if params.routes else None
+            try:
+                with moe.calling(self.model, moe.Call(record=routing is not None)):
+                    batch = self._generate_batch(
+                        [flat[i] for i in idx], params, generator, batch_seeds, routing
+                    )
+            finally:
+                with moe.calling(self.model, moe.Call()):  # later forwards record nothing
+                    moe.begin(self.model)
             done.update(zip(idx, batch))
         out = [done[i] for i in range(len(flat))]
         return [out[i * n : (i + 1) * n] for i in range(len(prompts))]
@@ -207,8 +222,11 @@ class HFGenerationEngine:
         params: SamplingParams,
         generator: torch.Generator | None = None,
         row_seeds: list[int] | None = None,
+        routing: moe.Routing | None = None,
     ) -> list[Completion]:
-        """Completions of ``prompts`` (one row each), drawn from ``generator``, or each row from its own seed."""
+        """Completions of ``prompts`` (one row each), drawn from ``generator``, or each row from its own seed;
+        with ``routing`` (an MoE model's, recording), each with its routes: the prefill's over the prompt, then
+        each decode step's over the token it fed (:attr:`Completion.routes`)."""
         if params.max_new_tokens <= 0:
             return [Completion([], [], "", "length") for _ in prompts]
         device, batch, max_new = self.device, len(prompts), params.max_new_tokens
@@ -224,7 +242,19 @@ class HFGenerationEngine:
         # The last sampled token is never fed back, so the cache needs width + max_new - 1 columns.
         cache_len = width + max_new - 1
         capacity = min(width + _CACHE_CHUNK, cache_len)  # columns allocated in a static cache
+        if routing is not None:
+            moe.begin(self.model)
         logits, cache = self._prefill(input_ids, prompt_mask, position_ids, rows, capacity)  # (B, V)
+        prompt_routes = None  # (B, W, layers, k)
+        if routing is not None:
+            routes = moe.take_routes(routing)
+            every = self._prefilled_every_row
+            prompt_routes = routes.reshape(
+                len(rows) if every else input_ids.shape[0], width, *routes.shape[1:]
+            )
+            if not every:
+                prompt_routes = prompt_routes[rows.cpu().numpy()]
+        step_routes: list[np.ndarray] = []  # (B, layers, k): the token each decode step fed
         static = bool(self._static_cache)
 
         attention_mask = torch.zeros((batch, cache_len), dtype=torch.long, device=device)
@@ -249,6 +279,8 @@ class HFGenerationEngine:
                 mask = attention_mask[:, : column + 1]  # (B, W + step): prompt and generated columns
                 out = self._forward(tokens[-1][:, None], mask, position, cache, column)
                 logits = out.logits[:, -1].float()  # (B, V)
+                if routing is not None:
+                    step_routes.append(moe.take_routes(routing))
             uniform = None if uniforms is None else uniforms[:, step : step + 1]  # (B, 1)
             token, logprob = _sample(logits, params, generator, uniform)
             # Finished rows are fed a pad token; what they sample is ignored.
@@ -274,6 +306,12 @@ class HFGenerationEngine:
             raw = parser_text(self.tokenizer, ids, stop and bool(ids) and ids[-1] in self.eos_ids)
             reason = "stop" if stop else "length"
             completions.append(Completion(ids, new_logprobs[row, :length].tolist(), text, reason, raw))
+        if (
+            prompt_routes is not None
+        ):  # the prompt's real columns (left-padded), then every token fed but the last
+            for row, c in enumerate(completions):
+                p, fed = int(prompt_mask[rows[row]].sum()), step_routes[: max(len(c.token_ids) - 1, 0)]
+                c.routes = np.concatenate([prompt_routes[row, width - p :], *(s[row][None] for s in fed)])
         return completions
 
     def _stop_string_rows(
@@ -328,6 +366,7 @@ class HFGenerationEngine:
         could be expanded; if not, later batches go straight to a DynamicCache, whose layers know how
         to select batch rows.
         """
+        self._prefilled_every_row = False
         if self._static_cache is not False:
             try:
                 from transformers import StaticCache
@@ -352,6 +391,7 @@ class HFGenerationEngine:
             return out.logits[:, -1].float()[rows], cache
         except (AttributeError, NotImplementedError, TypeError):
             # A cache that cannot select rows: prefill every row, shared prompts included.
+            self._prefilled_every_row = True
             out = self._forward(input_ids[rows], attention_mask[rows], position_ids[rows], None, 0)
             if out.past_key_values is None:
                 raise RuntimeError(f"{type(self.model).__name__} returned no KV cache") from None

@@ -78,6 +78,7 @@ from trainer.generation import vllm_cpu, vllm_lifetime, vllm_patches
 from trainer.generation.base import Completion, SamplingParams
 from trainer.generation.refit.transport import vllm_transfer_backend
 from trainer.generation.tool_parsers import parser_text
+from trainer.models import moe
 
 if TYPE_CHECKING:  # annotations only: vLLM is imported when an engine is built
     from vllm import LLM
@@ -127,6 +128,20 @@ EXPERTS_AFTER_DENSE = (
     "vLLM made its parallel groups then, without the expert-parallel one; start the MoE engine in a process "
     "of its own, or before the dense one"
 )
+
+
+def returns_routes(model_path: str, on_cpu: bool) -> bool:
+    """Whether the engine returns each sample's routes: an MoE model (trainer.models.moe) on GPUs. vLLM returns
+    them only from its V2 model runner, which needs Triton, absent from its CPU build: there the engine returns
+    none, and config validation refuses policy.moe.router_replay with it."""
+    if on_cpu:
+        return False
+    from transformers import AutoConfig
+
+    try:
+        return moe.is_moe(AutoConfig.from_pretrained(model_path))
+    except (OSError, ValueError):
+        return False
 
 
 def head_dim_of(model_path: str) -> int | None:
@@ -219,9 +234,11 @@ def llm_kwargs(
     weight_transfer,
     colocated: bool = False,
     lora: LoRAConfig | None = None,
+    routes: bool = False,
 ) -> dict:
     """The arguments of the engine's ``vllm.LLM``: the engine's own settings, then ``generation.vllm_kwargs``.
-    ``colocated``: the engine shares its GPU with a policy rank (sleep mode, the colocated utilization)."""
+    ``colocated``: the engine shares its GPU with a policy rank (sleep mode, the colocated utilization).
+    ``routes``: return each sample's routed experts (an MoE model on GPUs, :func:`returns_routes`)."""
     kwargs = dict(
         model=model_path,
         dtype=dtype,
@@ -248,6 +265,8 @@ def llm_kwargs(
         )
     if gen.quantization is not None:  # online: vLLM quantizes the bf16 weights at start and at each refit
         kwargs["quantization"] = gen.quantization
+    if routes:  # vLLM's routed-experts capture (its V2 model runner, the default where Triton is)
+        kwargs["enable_return_routed_experts"] = True
     kwargs.update(gen.vllm_kwargs)  # the user's word is last
     if gen.tensor_parallel_size > 1:
         kwargs["distributed_executor_backend"] = gen.vllm_kwargs.get("distributed_executor_backend", "mp")
@@ -359,6 +378,7 @@ class VLLMGenerationEngine:
             weight_transfer_enabled,
             colocated=self.colocated,
             lora=self.lora,
+            routes=returns_routes(model_path, self.on_cpu),
         )
         self._owns_dist = not (torch.distributed.is_available() and torch.distributed.is_initialized())
         # vLLM's CPU worker drops torch to 1 thread "for serving" and replaces torch.set_num_threads with a
@@ -591,7 +611,13 @@ class VLLMGenerationEngine:
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
         # stop_reason: None for an EOS, the id for a stop token id, the string for a stop string (whose tokens stay)
         by_token = out.finish_reason == "stop" and not isinstance(out.stop_reason, str)
-        return Completion(ids, logprobs, text, out.finish_reason, parser_text(self.tokenizer, ids, by_token))
+        completion = Completion(
+            ids, logprobs, text, out.finish_reason, parser_text(self.tokenizer, ids, by_token)
+        )
+        # [positions, layers, k] over the prompt and every sampled token but the last (routed_experts_prompt_start
+        # left at 0), uint8 or uint16 as vLLM narrows them; only from an engine started to return them.
+        completion.routes = getattr(out, "routed_experts", None)
+        return completion
 
     # ----- weights ---------------------------------------------------------------------------------
 

@@ -51,6 +51,7 @@ def sampling_params(cfg: Config, seed: int, greedy: bool = False) -> SamplingPar
         top_k=g.top_k,
         stop_strings=list(g.stop_strings),
         seed=seed,
+        routes=not greedy,  # an MoE engine's routes, for replay and train/routing_mismatch (a dense one: none)
     )
 
 
@@ -68,7 +69,9 @@ def grpo_step(
     batch = stream.next(step)
     pending = batch.pending
     samples = [
-        Sample(r.prompt_ids, r.tokens, response_mask=r.response_mask, gen_logprobs=r.logprobs)
+        Sample(
+            r.prompt_ids, r.tokens, response_mask=r.response_mask, gen_logprobs=r.logprobs, routes=r.routes
+        )
         for r in pending.rollouts
     ]
 

@@ -21,6 +21,7 @@ from trainer.data.prompts import TurnEncoder
 from trainer.envs.base import Environment, Episode, RolloutDriver, chain
 from trainer.generation.base import Completion, SamplingParams
 from trainer.generation.placement import Generator
+from trainer.models import moe
 from trainer.rewards.runner import RewardResult, RewardRunner, question_of
 
 log = logging.getLogger(__name__)
@@ -57,6 +58,16 @@ class Rollout:
     def logprobs(self) -> list[float]:
         """(L,) the engine's logprob of each token of :attr:`tokens` (the behaviour policy)."""
         return self.response_logprobs
+
+    @property
+    def routes(self) -> Any:
+        """An MoE engine's routes over the sample's positions (:attr:`Completion.routes`) when one engine call
+        computed all of them: a single turn. A multi-turn episode's later turns were routed by calls of their own
+        over a longer context, so it has none (trained with the trainer's own routing)."""
+        c = self.completion
+        if c.routes is None or self.turns != 1 or self.response_ids != list(c.token_ids):
+            return None
+        return moe.sample_routes(c.routes, len(self.prompt_ids), len(self.response_ids))
 
     @property
     def model_tokens(self) -> int:

@@ -25,7 +25,15 @@ TINY_VERSION = 2
 
 EMBEDDED = {"smollm2-135m-instruct", "gemma3-270m"}
 BUILTIN = {"tiny"}
-_TINY_PARAMS = {"hidden_size", "num_layers", "num_heads", "intermediate_size", "seed", "embed_scale"}
+_TINY_PARAMS = {
+    "hidden_size",
+    "num_layers",
+    "num_heads",
+    "intermediate_size",
+    "seed",
+    "embed_scale",
+    "experts",
+}
 
 
 def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:

@@ -54,6 +54,7 @@ def build_tiny_model(
     seed: int = 0,
     vocab_chars: str = DEFAULT_VOCAB_CHARS,
     embed_scale: int = 1,
+    experts: int = 0,
 ) -> str:
     """Write a tiny Llama (safetensors, config, generation config) and its tokenizer to ``out_dir``.
 
@@ -64,6 +65,10 @@ def build_tiny_model(
     so a policy that cannot change the embeddings, the final norm or lm_head (LoRA on the linear layers)
     tops out near p = 0.07 for any token; at 3 it can reach p ~ 0.5 while the start stays near uniform
     (at 12 the random model is confidently wrong on every prompt and never earns a reward).
+
+    ``experts`` > 0 builds a mixture of experts instead (``builtin:tiny?experts=4``): a Qwen3-MoE of the same
+    sizes whose every layer routes each token to 2 of ``experts`` experts of ``intermediate_size`` (Qwen3's
+    q/k norms too), the class vLLM and the trainer both run.
     """
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
@@ -71,7 +76,7 @@ def build_tiny_model(
     if hidden_size % num_heads:
         raise ValueError(f"hidden_size={hidden_size} must be a multiple of num_heads={num_heads}")
     tokenizer = build_tiny_tokenizer(vocab_chars)
-    config = LlamaConfig(
+    common = dict(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
         intermediate_size=intermediate_size or 2 * hidden_size,
@@ -84,9 +89,27 @@ def build_tiny_model(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
     )
+    if experts < 0 or experts == 1:
+        raise ValueError(f"experts={experts} must be 0 (a dense Llama) or at least 2")
+    if experts:
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+        config = Qwen3MoeConfig(
+            **common,
+            head_dim=hidden_size // num_heads,
+            num_experts=experts,
+            num_experts_per_tok=2,
+            moe_intermediate_size=intermediate_size or 2 * hidden_size,
+            decoder_sparse_step=1,
+            norm_topk_prob=True,
+        )
+        model_class = Qwen3MoeForCausalLM
+    else:
+        config = LlamaConfig(**common)
+        model_class = LlamaForCausalLM
     with torch.random.fork_rng(devices=[]):  # leave the caller's RNG stream untouched
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config).to(torch.float32)
+        model = model_class(config).to(torch.float32)
         if embed_scale != 1:
             with torch.no_grad():
                 model.model.embed_tokens.weight.mul_(embed_scale)

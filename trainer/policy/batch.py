@@ -30,6 +30,7 @@ from typing import Any, Protocol
 
 import torch
 
+from trainer.models import moe
 from trainer.models.prompts import distinct_prompts
 from trainer.policy.packed_attention import PackedAttention
 
@@ -43,6 +44,8 @@ class Sample:
     ref_logprobs: list[float] | None = None  # (L,) reference-policy logprobs (KL penalty)
     response_mask: list[int] | None = None  # (L,) 0 marks tokens the model did not write (multi-turn)
     gen_logprobs: list[float] | None = None  # (L,) the engine's logprobs when it sampled (behaviour policy)
+    # An MoE engine's routes (prompt + L - 1, layers, k) expert ids: trainer.models.moe (None: none returned)
+    routes: Any = None
     extra: dict = field(default_factory=dict)
 
     @property
@@ -76,6 +79,7 @@ class Batch(Protocol):
     old_logprobs: torch.Tensor | None  # (B, K)
     ref_logprobs: torch.Tensor | None  # (B, K)
     gen_logprobs: torch.Tensor | None  # (B, K)
+    routing: moe.Mode  # what an MoE model's routers do in this batch's calls (replay, record)
 
     @property
     def positions(self) -> int:
@@ -112,6 +116,8 @@ class PaddedBatch:
     old_logprobs: torch.Tensor | None  # (B, K), aligned with labels
     ref_logprobs: torch.Tensor | None  # (B, K)
     gen_logprobs: torch.Tensor | None  # (B, K)
+    routes: torch.Tensor | None = None  # (B, T, layers, k) the engine's expert ids, moe.FREE where none
+    routing: moe.Mode = field(default_factory=moe.Mode)
 
     @property
     def positions(self) -> int:
@@ -121,15 +127,16 @@ class PaddedBatch:
         self, model: Any, head: Head, device: torch.device, attention: PackedAttention | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         width = self.input_ids.shape[1]
-        part, _ = head.project(
-            model,
-            self.labels,
-            lambda x: x[:, :-1],  # the last position predicts past the end
-            input_ids=self.input_ids.to(device),
-            attention_mask=self.attention_mask.to(device),
-            logits_to_keep=width - self.start,  # project only the positions that predict responses
-            use_cache=False,
-        )
+        with moe.calling(model, self.routing.call(self.routes, _but_last(self.attention_mask))):
+            part, _ = head.project(
+                model,
+                self.labels,
+                lambda x: x[:, :-1],  # the last position predicts past the end
+                input_ids=self.input_ids.to(device),
+                attention_mask=self.attention_mask.to(device),
+                logits_to_keep=width - self.start,  # project only the positions that predict responses
+                use_cache=False,
+            )
         return head.join([part], self.labels, device)
 
     def unpad(self, samples: list[Sample], logprobs: torch.Tensor) -> list[list[float]]:
@@ -138,6 +145,17 @@ class PaddedBatch:
             first = len(s.prompt_ids) - 1 - self.start
             out.append(logprobs[row, first : first + len(s.response_ids)].tolist())
         return out
+
+
+def _but_last(mask: torch.Tensor) -> torch.Tensor:
+    """A right-padded (B, T) token mask without each row's last token: the positions an MoE engine routed (the
+    last sampled token is never fed back, and its output predicts nothing), which the routing statistics count
+    (trainer.models.moe.stat_sums)."""
+    out = mask.clone()
+    lengths = mask.sum(1)
+    rows = torch.nonzero(lengths > 0).flatten()
+    out[rows, lengths[rows] - 1] = 0
+    return out
 
 
 def _scatter(
@@ -177,7 +195,28 @@ def pad_batch(samples: list[Sample], pad_id: int) -> PaddedBatch:
         old_logprobs=_scatter(samples, "old_logprobs", shape, firsts),
         ref_logprobs=_scatter(samples, "ref_logprobs", shape, firsts),
         gen_logprobs=_scatter(samples, "gen_logprobs", shape, firsts),
+        routes=_padded_routes(samples, width),
     )
+
+
+def _sample_routes(samples: list[Sample]) -> list[torch.Tensor] | None:
+    """Each sample's routes over its positions (:func:`trainer.models.moe.positions`), or None when no sample of
+    the batch carries any."""
+    present = [s.routes for s in samples if s.routes is not None]
+    if not present:
+        return None
+    _, layers, k = present[0].shape
+    return moe.positions([s.routes for s in samples], [s.length for s in samples], layers, k)
+
+
+def _padded_routes(samples: list[Sample], width: int) -> torch.Tensor | None:
+    per = _sample_routes(samples)
+    if per is None:
+        return None
+    out = torch.full((len(samples), width, *per[0].shape[1:]), moe.FREE, dtype=torch.int64)
+    for row, r in enumerate(per):
+        out[row, : r.shape[0]] = r
+    return out
 
 
 @dataclass
@@ -198,6 +237,9 @@ class PrefixBatch:
     old_logprobs: torch.Tensor | None  # (B, C)
     ref_logprobs: torch.Tensor | None  # (B, C)
     gen_logprobs: torch.Tensor | None  # (B, C)
+    prompt_routes: torch.Tensor | None = None  # (U, P, layers, k), left-padded as prompt_ids
+    response_routes: torch.Tensor | None = None  # (B, C, layers, k)
+    routing: moe.Mode = field(default_factory=moe.Mode)
 
     @property
     def labels(self) -> torch.Tensor:
@@ -217,31 +259,33 @@ class PrefixBatch:
         # position predicts response token 0, for each sample of the prompt (rows).
         prompt_mask = self.prompt_mask.to(device)
         rows = self.rows.to(device)
-        first, cache = head.project(
-            model,
-            self.labels[:, :1],
-            lambda x: x[rows],  # (B, 1, .)
-            input_ids=self.prompt_ids.to(device),
-            attention_mask=prompt_mask,
-            position_ids=(prompt_mask.cumsum(1) - 1).clamp(min=0),
-            past_key_values=DynamicCache(config=getattr(model, "config", None)),
-            use_cache=True,
-            logits_to_keep=1,
-        )
+        with moe.calling(model, self.routing.call(self.prompt_routes, self.prompt_mask)):
+            first, cache = head.project(
+                model,
+                self.labels[:, :1],
+                lambda x: x[rows],  # (B, 1, .)
+                input_ids=self.prompt_ids.to(device),
+                attention_mask=prompt_mask,
+                position_ids=(prompt_mask.cumsum(1) - 1).clamp(min=0),
+                past_key_values=DynamicCache(config=getattr(model, "config", None)),
+                use_cache=True,
+                logits_to_keep=1,
+            )
         cache.batch_select_indices(rows)
         lengths = prompt_mask.sum(1)[rows]  # (B,)
         width = self.response_ids.shape[1]
-        rest, _ = head.project(
-            model,
-            self.labels[:, 1:],
-            lambda x: x[:, :-1],  # the last predicts past the end
-            input_ids=self.response_ids.to(device),
-            attention_mask=torch.cat([prompt_mask[rows], self.response_mask.to(device)], dim=1),
-            position_ids=lengths[:, None] + torch.arange(width, device=device),
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=width,
-        )
+        with moe.calling(model, self.routing.call(self.response_routes, _but_last(self.response_mask))):
+            rest, _ = head.project(
+                model,
+                self.labels[:, 1:],
+                lambda x: x[:, :-1],  # the last predicts past the end
+                input_ids=self.response_ids.to(device),
+                attention_mask=torch.cat([prompt_mask[rows], self.response_mask.to(device)], dim=1),
+                position_ids=lengths[:, None] + torch.arange(width, device=device),
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=width,
+            )
         return head.join([first, rest], self.labels, device)
 
     def unpad(self, samples: list[Sample], logprobs: torch.Tensor) -> list[list[float]]:
@@ -260,6 +304,7 @@ def prefix_batch(samples: list[Sample], pad_id: int) -> PrefixBatch:
         response_mask[row, :n] = 1
         mask = s.response_mask if s.response_mask is not None else [1] * n
         loss_mask[row, :n] = torch.tensor(mask, dtype=torch.float32)
+    prompt_routes, response_routes = _prefix_routes(samples, rows, prompt_ids.shape[1], c)
     return PrefixBatch(
         prompt_ids=prompt_ids,
         prompt_mask=prompt_mask,
@@ -271,7 +316,31 @@ def prefix_batch(samples: list[Sample], pad_id: int) -> PrefixBatch:
         old_logprobs=_scatter(samples, "old_logprobs", loss_mask.shape, [0] * len(samples)),
         ref_logprobs=_scatter(samples, "ref_logprobs", loss_mask.shape, [0] * len(samples)),
         gen_logprobs=_scatter(samples, "gen_logprobs", loss_mask.shape, [0] * len(samples)),
+        prompt_routes=prompt_routes,
+        response_routes=response_routes,
     )
+
+
+def _prefix_routes(
+    samples: list[Sample], rows: list[int], width: int, c: int
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The shared-prompt layout's routes: each distinct prompt's from its first sample (left-padded), and
+    each sample's response positions."""
+    per = _sample_routes(samples)
+    if per is None:
+        return None, None
+    shape = per[0].shape[1:]
+    prompts = torch.full((max(rows) + 1, width, *shape), moe.FREE, dtype=torch.int64)
+    responses = torch.full((len(samples), c, *shape), moe.FREE, dtype=torch.int64)
+    seen: set[int] = set()
+    for s, row, r in zip(samples, rows, per):
+        if row not in seen:
+            seen.add(row)
+            prompts[row, width - len(s.prompt_ids) :] = r[: len(s.prompt_ids)]
+    for i, (s, r) in enumerate(zip(samples, per)):
+        p = len(s.prompt_ids)
+        responses[i, : r.shape[0] - p] = r[p:]
+    return prompts, responses
 
 
 @dataclass
@@ -299,6 +368,8 @@ class PackedBatch:
     old_logprobs: torch.Tensor | None  # (B, C)
     ref_logprobs: torch.Tensor | None  # (B, C)
     gen_logprobs: torch.Tensor | None  # (B, C)
+    routes: torch.Tensor | None = None  # (N, layers, k) the engine's expert ids per packed position
+    routing: moe.Mode = field(default_factory=moe.Mode)
 
     @property
     def flat_labels(self) -> torch.Tensor:
@@ -327,25 +398,35 @@ class PackedBatch:
         input_ids, position_ids, predict = self.input_ids, self.position_ids, self.predict
         labels = self.flat_labels[None]
         keywords: dict[str, Any] = self._flash_boundaries(model, device)
+        routes, counted = self.routes, torch.ones(self.input_ids.shape[1], dtype=torch.long)
+        counted[self.cu_seqlens[1:].long() - 1] = 0  # each sample's last position (_but_last)
         if sp is not None:
             assert attention is not None
             row, input_ids, position_ids, predict = sp.split(self)
+            # this rank's slice of the routes, the row padded as slice_row pads it (no routes there)
+            n = input_ids.shape[1]
+            lo = sp.rank_in_group * n
+            if routes is not None:
+                pad = routes.new_full((n * sp.size - routes.shape[0], *routes.shape[1:]), moe.FREE)
+                routes = torch.cat([routes, pad])[lo : lo + n]
+            counted = torch.cat([counted, counted.new_zeros(n * sp.size - counted.numel())])[lo : lo + n]
             keywords = {"packed_row": attention.row(row.cu_seqlens, row.max_seqlen, row.tokens)}
             labels = labels[:, sp.first : sp.first + predict.numel()]  # (1, M of this slice)
         elif attention is not None:
             keywords = {
                 "packed_row": attention.row(self.cu_seqlens, self.max_seqlen, self.input_ids.shape[1])
             }
-        part, _ = head.project(
-            model,
-            labels,
-            lambda x: x,
-            input_ids=input_ids.to(device),
-            position_ids=position_ids.to(device),
-            logits_to_keep=predict.to(device),  # project only the positions that predict responses
-            use_cache=False,
-            **keywords,
-        )
+        with moe.calling(model, self.routing.call(routes, counted)):
+            part, _ = head.project(
+                model,
+                labels,
+                lambda x: x,
+                input_ids=input_ids.to(device),
+                position_ids=position_ids.to(device),
+                logits_to_keep=predict.to(device),  # project only the positions that predict responses
+                use_cache=False,
+                **keywords,
+            )
         logprobs, entropy = head.join([part], labels, device)  # (1, M), of this rank's slice with SP
         if sp is not None:  # every slice's tokens, so each rank of the group has them all
             from trainer.policy.ulysses import gather_slices
@@ -404,7 +485,13 @@ def pack_batch(samples: list[Sample], pad_id: int) -> PackedBatch:
         old_logprobs=_scatter(samples, "old_logprobs", loss_mask.shape, [0] * len(samples)),
         ref_logprobs=_scatter(samples, "ref_logprobs", loss_mask.shape, [0] * len(samples)),
         gen_logprobs=_scatter(samples, "gen_logprobs", loss_mask.shape, [0] * len(samples)),
+        routes=_packed_routes(samples),
     )
+
+
+def _packed_routes(samples: list[Sample]) -> torch.Tensor | None:
+    per = _sample_routes(samples)
+    return None if per is None else torch.cat(per)
 
 
 def layout(samples: list[Sample], pad_id: int, prefix: bool, packed: bool) -> Batch:

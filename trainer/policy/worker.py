@@ -56,7 +56,7 @@ import torch.distributed as dist
 from trainer.algorithms.objective import LossInputs, Objective
 from trainer.config import Config
 from trainer.generation.base import Completion, SamplingParams
-from trainer.models import DTYPES, build_empty_model, load_model, load_tokenizer
+from trainer.models import DTYPES, build_empty_model, load_model, load_tokenizer, moe
 from trainer.policy import colocated, dcp, forward, gather, streams
 from trainer.policy.batch import (
     Batch,
@@ -130,6 +130,7 @@ class PolicyWorker:
         # The policy's attention when it is trainer.policy.packed_attention's (set in setup), else None.
         self.attention: PackedAttention | None = None
         self._fused_rows = False  # whether packed rows run one fused varlen call (set in setup)
+        self.routing: moe.Routing | None = None  # an MoE policy's routers (trainer.models.moe), set in setup
         self._engine_awake = False  # whether the colocated engine may hold device memory (steps 1-3 above)
         self.device = torch.device("cuda", 0) if cfg.cluster.use_gpus else torch.device("cpu")
         if not cfg.cluster.use_gpus:
@@ -222,6 +223,7 @@ class PolicyWorker:
             host = None  # a colocated hf engine's copy is made; only rank 0's feeds the shards
         load_shards(model, host, self.device)
         self.model = model
+        self.routing = moe.install(model)  # None for a dense model
         self.ref_model = None  # with LoRA the reference is self.model with its adapters off
         if cfg.grpo.loss.reference_policy_kl_penalty > 0 and self.lora is None:
             # The same weights as the policy's start (host has no adapters without LoRA): no second read.
@@ -236,6 +238,7 @@ class PolicyWorker:
             self.ref_model = ref.eval()
         del host
         head_check = self._check_head(compute)
+        replay_check = self._check_replay()
         p = cfg.policy
         self.optimizer = adamw(
             self._trainable(),
@@ -257,6 +260,7 @@ class PolicyWorker:
             # What each refit moves into each engine: the trainable parameters, at the engine's dtype.
             "refit_bytes": n_trainable * self.engine_dtype.itemsize,
             "head_check": head_check,
+            "replay_check": replay_check,
         }
 
     def _check_head(self, compute: torch.dtype) -> str:
@@ -276,6 +280,25 @@ class PolicyWorker:
         # Its forwards ran without a backward: with reshard_after_forward=false the root (and every unit) would
         # stay gathered, and the first training forward would reuse those weights past the optimizer's step.
         self._reshard()
+        if self.rank == 0:
+            print(f"kuberl: {line}", flush=True)
+        return line
+
+    def _check_replay(self) -> str | None:
+        """With ``policy.moe.router_replay`` on an MoE policy: replaying the policy's own routes gives its own
+        logprobs exactly (:func:`trainer.models.moe.check_replay`, two forwards on every rank), else one line."""
+        if self.routing is None or not self.cfg.policy.moe.router_replay:
+            return None
+        ids = self.tokenizer("The quick brown fox jumps over the lazy dog. 2 + 3 = 5")["input_ids"]
+
+        def run(mode: moe.Mode, routes) -> torch.Tensor:
+            batch = self._batch(
+                [Sample(prompt_ids=ids[:1], response_ids=ids[1:], routes=routes)], prefix=False, mode=mode
+            )
+            return self._forward_logprobs(self.model, batch)[0]
+
+        line = moe.check_replay(self.model, run)
+        self._reshard()  # forwards without a backward (_check_head says why)
         if self.rank == 0:
             print(f"kuberl: {line}", flush=True)
         return line
@@ -442,8 +465,11 @@ class PolicyWorker:
             dist.all_reduce(wants, op=dist.ReduceOp.MIN)
         return [bool(w) for w in wants.tolist()]
 
-    def _batch(self, samples: list[Sample], prefix: bool) -> Batch:
-        return layout(samples, self.tokenizer.pad_token_id, prefix, self.cfg.policy.sequence_packing)
+    def _batch(self, samples: list[Sample], prefix: bool, mode: moe.Mode | None = None) -> Batch:
+        batch = layout(samples, self.tokenizer.pad_token_id, prefix, self.cfg.policy.sequence_packing)
+        if mode is not None:
+            batch.routing = mode
+        return batch
 
     def _micro_batches(self, samples: list[Sample], size: int, max_tokens: int | None) -> list[list[int]]:
         """Indices of ``samples`` per micro-batch: ``size`` at a time, or by the token budget (collective:
@@ -468,8 +494,10 @@ class PolicyWorker:
                 samples, p.logprob_micro_batch_size, p.logprob_max_tokens_per_microbatch
             )
             mbs = [[samples[i] for i in idx] for idx in indices]
+            # The policy's old logprobs replay the engine's routes as training will; the reference routes freely.
+            mode = moe.Mode(replay=self.cfg.policy.moe.router_replay and not reference)
             for idx, mb, prefix in zip(indices, mbs, self._prefix_layouts(mbs)):
-                batch = self._batch(mb, prefix)
+                batch = self._batch(mb, prefix, mode)
                 logprobs, _ = self._forward_logprobs(model, batch)
                 for i, lp in zip(idx, batch.unpad(mb, logprobs.cpu())):
                     result[i] = lp
@@ -507,6 +535,11 @@ class PolicyWorker:
         # (trainer.algorithms.objective), normalised by the objective after the all-reduce below. They stay
         # on the device, in float64, and are read once, after it: no micro-batch waits for the host.
         keys = [*objective.metric_keys(), "grad_norm"] + (["entropy"] if cfg.policy.compute_entropy else [])
+        moe_cfg = cfg.policy.moe
+        aux = self.routing is not None and bool(moe_cfg.load_balance_coef or moe_cfg.z_loss_coef)
+        mode = moe.Mode(replay=moe_cfg.router_replay, record=self.routing is not None, keep_grad=aux)
+        if self.routing is not None:  # every rank the same keys (the all-reduce below)
+            keys += [*moe.STAT_KEYS, *(f"{k}/den" for k in moe.STAT_KEYS)] + (["moe/aux_loss"] if aux else [])
         sums: dict[str, torch.Tensor] = {
             k: torch.zeros((), dtype=torch.float64, device=self.device) for k in keys
         }
@@ -528,7 +561,8 @@ class PolicyWorker:
             for i, (mb, prefix) in enumerate(zip(mbs, self._prefix_layouts(mbs))):
                 # Reduce-scatter gradients once per optimizer step, not once per micro-batch.
                 self.model.set_requires_gradient_sync(i == len(mbs) - 1)
-                batch = self._batch(mb, prefix)
+                batch = self._batch(mb, prefix, mode)
+                moe.begin(self.model)
                 logprobs, entropy = self._forward_logprobs(self.model, batch, cfg.policy.compute_entropy)
                 mask = batch.loss_mask.to(self.device)
                 loss, metric_sums = objective(
@@ -543,6 +577,16 @@ class PolicyWorker:
                         ref_logprobs=on_device(batch.ref_logprobs) if objective.kl is not None else None,
                     )
                 )
+                if self.routing is not None:
+                    for key, value in moe.stat_sums(self.routing).items():
+                        add(key, value)
+                    router_loss = moe.aux_loss(self.routing, moe_cfg.load_balance_coef, moe_cfg.z_loss_coef)
+                    if router_loss is not None:
+                        # The micro-batch's share of the mini-batch's tokens, so the shares sum to the mean over
+                        # it; times the ranks, whose gradients FSDP averages (as the objective's scalar).
+                        share = mask.sum() / max(counts["tokens"], 1.0)
+                        loss = loss + router_loss * share * self.world_size
+                        add("moe/aux_loss", router_loss.detach() * share)
                 loss.backward()
                 for key, value in metric_sums.items():
                     add(key, value)
@@ -566,7 +610,12 @@ class PolicyWorker:
         keys = sorted(sums)
         totals = torch.stack([sums[k] for k in keys])
         dist.all_reduce(totals)
-        out = objective.metrics(dict(zip(keys, totals.tolist())), steps=len(minibatches))
+        reduced = dict(zip(keys, totals.tolist()))
+        routing = moe.finish_stats(reduced) if self.routing is not None else {}
+        if "moe/aux_loss" in reduced:
+            routing["moe/aux_loss"] = reduced.pop("moe/aux_loss") / max(len(minibatches), 1)
+        out = objective.metrics(reduced, steps=len(minibatches))
+        out.update(routing)
         out["lr"] = self.scheduler.get_last_lr()[0]
         return out
 

@@ -35,3 +35,17 @@ def test_should_learn_when_vllm_samples_a_tiny_moe_and_report_no_mismatch_it_did
     assert_learned(scalars["train/reward_mean"])
     assert "moe/router_entropy" in scalars and "moe/load_imbalance" in scalars
     assert "train/routing_mismatch" not in scalars and "train/routing_replayed_frac" not in scalars
+
+
+def test_should_replay_the_sampling_policys_routes_when_rollouts_are_a_step_stale(trainer_env, tmp_path):
+    # Disaggregated and asynchronous: each step trains on samples drawn by the weights of the step before, whose
+    # routers (at this learning rate) disagree with the trainer's on a large share of the decisions. The routes
+    # are the sampler's, carried with its samples: replayed on every position it routed, the mismatch reported.
+    _, run_dir = train_tiny(
+        trainer_env, tmp_path, MOE, "policy.moe.router_replay=true", "generation.placement=disaggregated",
+        "grpo.async.max_staleness=1", "grpo.max_num_steps=6", "cluster.cpu_workers_per_node=2",
+    )  # fmt: skip
+    scalars = read_scalars(run_dir)
+    assert set(scalars["train/routing_replayed_frac"]) == {1.0}
+    stale = [m for m, s in zip(scalars["train/routing_mismatch"], scalars["train/staleness_mean"]) if s > 0]
+    assert stale and max(stale) > 0.05

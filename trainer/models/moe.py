@@ -374,7 +374,7 @@ def check_replay(model: torch.nn.Module, run: Callable[[Mode, np.ndarray | None]
     ``self-check:`` line, or :class:`MoEError` naming the router classes without a rule or the gap."""
     refuse_unknown(model)
     state = install(model)
-    name = type(model).__name__
+    name = type(model).__name__.removeprefix("FSDP")  # FSDP2's class of the sharded root: its own name
     if state is None:
         return "self-check: router replay: a dense model, nothing to replay"
     training = model.training

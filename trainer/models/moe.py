@@ -37,6 +37,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from trainer.models.shape import EXPERT_COUNT_FIELDS
+
 FREE = -1  # a position with no route to replay: the trainer's router picks its experts
 
 
@@ -70,8 +72,7 @@ def is_moe(config: Any) -> bool:
     """Whether a transformers config (or a model's) describes a mixture of experts."""
     config = getattr(config, "config", config)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    experts = getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None)
-    return bool(experts) and bool(getattr(text, "num_experts_per_tok", None))
+    return any((getattr(text, f, 0) or 0) > 0 for f in EXPERT_COUNT_FIELDS)
 
 
 @dataclass

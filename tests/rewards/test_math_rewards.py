@@ -452,3 +452,60 @@ def test_exact_alnum(gt, response, score):
 
 def test_exact_alnum_custom_tag():
     assert exact_alnum("x", "<final>X</final>", answer_tag="final") == (1.0, True)
+
+
+# An interval answers its inequality and the other way round, however each is written (the fairness set's
+# rule); each case in a process of its own, as the first answer a reward process checks.
+INTERVALS = [
+    ("x > 2", r"\boxed{(2, \infty)}"),
+    ("2 < x", r"\boxed{(2, \infty)}"),
+    (r"(2, \infty)", r"\boxed{2 < x}"),
+    (r"x \in (2, \infty)", r"\boxed{x > 2}"),
+    (r"\left(2, \infty\right)", r"\boxed{x > 2}"),
+    (r"x \ge 3", r"\boxed{[3, \infty)}"),
+    (r"[3,\infty)", r"\boxed{x \geq 3}"),
+    ("-1 < x < 4", r"\boxed{(-1, 4)}"),
+    ("(-1,4)", r"\boxed{-1<x<4}"),
+    (r"-2 \leq x \leq 5", r"\boxed{[-2,5]}"),
+    ("(1, 3]", r"\boxed{1 < x \le 3}"),
+    ("t > 2", r"\boxed{(2, \infty)}"),
+]
+
+
+def _in_a_fresh_process(script: str, *args: str) -> str:
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-1500:]
+    return out.stdout.strip().splitlines()[-1]
+
+
+def test_should_start_math_verifys_parser_outside_the_first_answers_time_limit():
+    # A process's first parse builds math-verify's LaTeX parser (0.35-0.7 s of CPU on a 2-core EPYC): charged to
+    # the first answer's 0.5 s, it scored an honest interval 0. Every limit must find the parser started.
+    script = (
+        "import contextlib\n"
+        "from trainer.rewards import math_rewards as m\n"
+        "seen, inner = [], m._time_limit\n"
+        "@contextlib.contextmanager\n"
+        "def spy(seconds):\n"
+        "    seen.append(m._warmed)\n"
+        "    with inner(seconds):\n"
+        "        yield\n"
+        "m._time_limit = spy\n"
+        "print(m.math_reward('2 < x', r'\\boxed{(2, \\infty)}')[0], seen)\n"
+    )
+    assert _in_a_fresh_process(script) == "1.0 [True]"
+
+
+def test_should_pay_an_interval_for_its_inequality_and_back_when_it_is_among_the_first_answers_checked():
+    import json
+
+    script = (
+        "import json, sys\n"
+        "from trainer.rewards.math_rewards import math_reward\n"
+        "print(json.dumps([math_reward(gt, r)[0] for gt, r in json.loads(sys.argv[1])]))\n"
+    )
+    paid = json.loads(_in_a_fresh_process(script, json.dumps(INTERVALS)))
+    assert paid == [1.0] * len(INTERVALS), [case for case, p in zip(INTERVALS, paid) if p != 1.0]

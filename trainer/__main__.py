@@ -1,7 +1,8 @@
 """``python -m trainer experiment=NAME key=value ...``: compose the config with Hydra, validate it
 once, and train. Bad input ends in one line naming the problem and the fix, never a traceback.
 
-``--cfg`` prints the composed config instead of training; ``--help`` lists the experiments.
+``--cfg`` prints the composed config instead of training; ``--help`` lists the experiments and the sections,
+``--help SECTION`` (``grpo.loss``) every key of a section with its type, default and doc.
 """
 
 from __future__ import annotations
@@ -16,10 +17,24 @@ from trainer import heap
 DRIVER_IMPORTS = ("torch", "ray", "transformers.models.auto.tokenization_auto", "trainer.loop.grpo")
 
 USAGE = """usage: python -m trainer [--cfg] experiment=NAME [key=value ...]
+       python -m trainer --help SECTION
 
 Hydra overrides, e.g. grpo.max_num_steps=50 generation.placement=disaggregated logger.log_dir=/data/logs
-  --cfg   print the composed config and exit
-experiments: {experiments}"""
+  --cfg           print the composed config and exit
+  --help SECTION  print every key of a section (e.g. grpo.loss, policy.moe) with its type, default and doc
+experiments: {experiments}
+sections: {sections}"""
+
+
+def _help_topic(argv: list[str]) -> str | None:
+    """The SECTION of ``--help SECTION`` (or ``--help=SECTION``); None for a plain ``--help``."""
+    for i, arg in enumerate(argv):
+        if arg.startswith("--help="):
+            return arg.removeprefix("--help=")
+        following = argv[i + 1] if i + 1 < len(argv) else ""
+        if arg in ("-h", "--help") and following and not following.startswith("-") and "=" not in following:
+            return following
+    return None
 
 
 def _fail(message: str, code: int = 2) -> int:
@@ -32,10 +47,17 @@ def main(argv: list[str] | None = None) -> int:
 
     quiet()
     argv = list(sys.argv[1:] if argv is None else argv)
-    from trainer.config import ConfigError, experiments, load
+    from trainer.config import ConfigError, describe, experiments, load, sections
 
-    if {"-h", "--help"} & set(argv):
-        print(USAGE.format(experiments=", ".join(experiments())))
+    if {"-h", "--help"} & set(argv) or any(a.startswith("--help=") for a in argv):
+        topic = _help_topic(argv)
+        if topic is None:
+            print(USAGE.format(experiments=", ".join(experiments()), sections=", ".join(sections())))
+            return 0
+        try:
+            print(describe(topic))
+        except ConfigError as e:
+            return _fail(str(e))
         return 0
     show = "--cfg" in argv
     flags = [a for a in argv if a.startswith("-") and a != "--cfg"]

@@ -11,8 +11,10 @@ defaults that depend on other keys, and :meth:`Config.validate` runs each sectio
 a :class:`ConfigError` whose message names the key, the bad value and what is allowed, so the entry
 point can print one line. Each component then receives only its own sub-config.
 
-Adding a key is one line in its dataclass (type, default, a comment saying what it does), plus its
-check in that section's ``validate`` if it has one.
+Adding a key is one field in its dataclass: its type and ``doc(default, "what it does")``, the doc as data
+(field metadata) that ``python -m trainer --help SECTION`` prints and ``tests/test_config_docs.py`` requires;
+a section is ``section(ItsConfig)``, documented by its class docstring. Plus its check in that section's
+``validate`` if it has one.
 
 This module is the ground floor: it imports no registry. A name chosen from one (a loss, a dataset,
 a reward) is checked by that registry when its component is built, through :func:`check_name`, with
@@ -27,7 +29,7 @@ import functools
 import ipaddress
 import math
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,8 +38,34 @@ CONF_DIR = Path(__file__).parent / "conf"
 SCHEMA = "kuberl_schema"  # the ConfigStore entry conf/config.yaml starts from
 
 # A field whose composed value is an interpolation (Hydra resolves it) while Python's default, for a
-# dataclass built directly, stays a plain value: field(default=42, metadata={COMPOSED: "${seed}"}).
+# dataclass built directly, stays a plain value: doc(42, "...", composed="${seed}").
 COMPOSED = "composed"
+DOC = "doc"  # a field's metadata: its one-line doc, what `python -m trainer --help SECTION` prints
+
+
+def doc(
+    default: Any = dataclasses.MISSING,
+    text: str = "",
+    *,
+    factory: Callable[[], Any] | None = None,
+    composed: str | None = None,
+) -> Any:
+    """A config key: its default (or ``factory`` for a mutable one) and its doc, one or two sentences that
+    keep its units, what null means and its bounds. ``composed``: the interpolation Hydra composes instead."""
+    metadata = {DOC: text, **({COMPOSED: composed} if composed is not None else {})}
+    if factory is not None:
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def section(cls: type, *, key: str | None = None) -> Any:
+    """A section (a dataclass of keys) under its parent: its doc is the class's docstring. ``key``: the key
+    it is written as when its field name cannot be (``grpo.async``: ``async`` is a Python keyword)."""
+    text = " ".join((cls.__doc__ or "").split())
+    if text.startswith(f"{cls.__name__}("):  # dataclasses' signature, for a class without a docstring
+        text = ""
+    return field(default_factory=cls, metadata={DOC: text, **({"key": key} if key else {})})
+
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -87,17 +115,25 @@ def vllm_max_lora_rank(rank: int) -> int:
 
 @dataclass
 class ModelConfig:
-    # A hub id, a local directory, embedded:NAME (a model shipped inside a PyPI package) or builtin:tiny
-    # (a tiny random Llama built locally, for tests).
-    name: str = "builtin:tiny"
-    tokenizer: str | None = None  # null: the model's own
-    # The master weights and optimizer state: float32 | bfloat16 | float16 | auto (float32 everywhere:
-    # bfloat16 masters round away small updates; compute precision is policy.param_dtype's).
-    dtype: str = "float32"
-    trust_remote_code: bool = False
-    # The policy's attention: eager | sdpa | flash_attention_2 | flash_attention_3 | flex_attention;
-    # null: transformers' default.
-    attn_implementation: str | None = None
+    """The policy model: where its weights and tokenizer come from, and the dtype of its master weights."""
+
+    name: str = doc(
+        "builtin:tiny",
+        "A hub id, a local directory, embedded:NAME (a model shipped inside a PyPI package) or builtin:tiny "
+        "(a tiny random Llama built locally, for tests).",
+    )
+    tokenizer: str | None = doc(None, "The tokenizer's hub id or directory; null: the model's own.")
+    dtype: str = doc(
+        "float32",
+        "The master weights and optimizer state: float32 | bfloat16 | float16 | auto (float32 everywhere: "
+        "bfloat16 masters round away small updates; compute precision is policy.param_dtype's).",
+    )
+    trust_remote_code: bool = doc(False, "Run the model repository's own Python code (transformers' flag).")
+    attn_implementation: str | None = doc(
+        None,
+        "The policy's attention: eager | sdpa | flash_attention_2 | flash_attention_3 | flex_attention; "
+        "null: transformers' default.",
+    )
 
     def validate(self) -> None:
         _one_of("model.dtype", self.dtype, (*DTYPES, "auto"))
@@ -111,25 +147,37 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    name: str = "arithmetic"  # a registered dataset (trainer.data), or local (data.path)
-    path: str | None = None  # a local copy (.jsonl/.parquet file or directory) instead of the hub
-    hf_name: str | None = None  # the hub dataset, instead of the registered one's
-    hf_config: str | None = None
-    split: str = "train"
-    val_name: str | None = None  # dataset for periodic validation (grpo.val_period); null: same as name
-    val_split: str = "validation"
-    prompt_key: str = "question"
-    answer_key: str = "answer"
-    system_prompt: str | None = None
-    prompt_template: str = "{question}"  # {question}: the prompt_key column; {{ }}: literal braces
-    # Worked examples as earlier turns of the conversation, each {question, answer}: a user turn (the
-    # prompt_template on its question) and the assistant's answer, after the system prompt
-    few_shot: list[dict[str, str]] = field(default_factory=list)
-    max_examples: int | None = None  # null: all
-    max_val_examples: int | None = 64
-    shuffle: bool = True
-    seed: int = field(default=42, metadata={COMPOSED: "${seed}"})  # composed: the root seed
-    options: dict[str, Any] = field(default_factory=dict)  # the dataset's own options (trainer/data)
+    """The prompts: which dataset, its splits and columns, and how a prompt is built from an example."""
+
+    name: str = doc("arithmetic", "A registered dataset (trainer.data), or local (data.path).")
+    path: str | None = doc(
+        None, "A local copy (.jsonl/.parquet file or directory) instead of the hub; null: the hub's."
+    )
+    hf_name: str | None = doc(
+        None, "The hub dataset, instead of the registered one's; null: the registered one's."
+    )
+    hf_config: str | None = doc(None, "The hub dataset's configuration (its subset); null: its default.")
+    split: str = doc("train", "The split the run trains on.")
+    val_name: str | None = doc(
+        None, "The dataset for periodic validation (grpo.val_period); null: the same as data.name."
+    )
+    val_split: str = doc("validation", "The split validation reads.")
+    prompt_key: str = doc("question", "Local data: the column holding the question ({question}).")
+    answer_key: str = doc("answer", "Local data: the column holding the ground truth the rewards read.")
+    system_prompt: str | None = doc(None, "A system turn before every prompt; null: none.")
+    prompt_template: str = doc(
+        "{question}", "The user turn: {question} is the prompt_key column; {{ }} are literal braces."
+    )
+    few_shot: list[dict[str, str]] = doc(
+        factory=list,
+        text="Worked examples as earlier turns of the conversation, each {question, answer}: a user turn (the "
+        "prompt_template on its question) and the assistant's answer, after the system prompt.",
+    )
+    max_examples: int | None = doc(None, "Keep the first this many rows (after shuffling); null: all.")
+    max_val_examples: int | None = doc(64, "The same for validation (data.val_name); null: all.")
+    shuffle: bool = doc(True, "Shuffle the rows with data.seed (before max_examples keeps the first ones).")
+    seed: int = doc(42, "The shuffling seed; composed: the root seed.", composed="${seed}")
+    options: dict[str, Any] = doc(factory=dict, text="The dataset's own options (trainer/data).")
 
     def validate(self) -> None:
         for i, shot in enumerate(self.few_shot):
@@ -142,30 +190,45 @@ class DataConfig:
 
 @dataclass
 class LossConfig:
-    policy_loss: str = "clipped"  # a registered policy loss (trainer.algorithms.core_algos)
-    ratio_clip_min: float = 0.2
-    ratio_clip_max: float = 0.2
-    ratio_clip_c: float | None = None  # dual clip (> 1) for negative advantages; null: off
-    reference_policy_kl_penalty: float = 0.0  # 0: no reference model is loaded at all
-    kl_estimator: str = "k3"  # a registered KL estimator (trainer.algorithms.core_algos)
-    aggregation: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum-norm
-    # The engine samples from its own copy of the policy (vLLM kernels, bf16 weights), never bit for bit
-    # the FSDP policy: train/gen_logprob_abs_diff and train/gen_train_kl say how far. Correction:
-    # none | tis (weight each token by pi/pi_engine, truncated at tis_cap) | mis (drop tokens whose
-    # ratio leaves [mis_low, mis_high]) | seq_mis (drop sequences whose geometric-mean ratio leaves it).
-    # null: tis when grpo.async.max_staleness >= 1 (the engine's weights are then older than the
-    # policy's) or generation.quantization is set, else none.
-    importance_sampling: str | None = None
-    tis_cap: float = 2.0
-    mis_low: float = 0.5
-    mis_high: float = 2.0
-    # Bound on the per-token KL estimate in the penalty, [-kl_clamp, kl_clamp] (verl, NeMo-RL: 10);
-    # null: unbounded (k3 is then only kept finite, up to e^20).
-    kl_clamp: float | None = 10.0
-    # token: PPO's per-token ratio | sequence: GSPO's (Zheng et al. 2025) length-normalised sequence
-    # ratio, one per response and clipped as one (its ratios stay near 1: the paper clips at
-    # ratio_clip_min=3e-4, ratio_clip_max=4e-4 and averages per sequence: aggregation=seq-mean-token-mean).
-    ratio_level: str = "token"
+    """The GRPO objective: the policy loss and its clipping, the KL penalty, the aggregation over tokens and
+    the correction for the engine sampling from weights other than the policy's."""
+
+    policy_loss: str = doc("clipped", "A registered policy loss (trainer.algorithms.core_algos).")
+    ratio_clip_min: float = doc(0.2, "The ratio is clipped below at 1 - ratio_clip_min; in [0, 1).")
+    ratio_clip_max: float = doc(0.2, "The ratio is clipped above at 1 + ratio_clip_max; >= 0.")
+    ratio_clip_c: float | None = doc(None, "Dual clip (> 1) for negative advantages; null: off.")
+    reference_policy_kl_penalty: float = doc(
+        0.0,
+        "The KL penalty's coefficient against the reference policy, >= 0; 0: no reference model is loaded at all.",
+    )
+    kl_estimator: str = doc("k3", "A registered KL estimator (trainer.algorithms.core_algos).")
+    aggregation: str = doc(
+        "token-mean",
+        "How token losses become one: token-mean | seq-mean-token-mean | seq-mean-token-sum-norm.",
+    )
+    importance_sampling: str | None = doc(
+        None,
+        "The engine samples from its own copy of the policy (vLLM kernels, bf16 weights), never bit for bit the "
+        "FSDP policy (train/gen_logprob_abs_diff and train/gen_train_kl say how far). Correction: none | tis "
+        "(weight each token by pi/pi_engine, truncated at tis_cap) | mis (drop tokens whose ratio leaves "
+        "[mis_low, mis_high]) | seq_mis (drop sequences whose geometric-mean ratio leaves it). null: tis when "
+        "grpo.async.max_staleness >= 1 (the engine's weights are then older than the policy's) or "
+        "generation.quantization is set, else none.",
+    )
+    tis_cap: float = doc(2.0, "importance_sampling=tis: ratios above it are truncated; >= 1.")
+    mis_low: float = doc(0.5, "importance_sampling=mis, seq_mis: the lowest ratio kept; 0 <= mis_low < 1.")
+    mis_high: float = doc(2.0, "importance_sampling=mis, seq_mis: the highest ratio kept; > 1.")
+    kl_clamp: float | None = doc(
+        10.0,
+        "Bound on the per-token KL estimate in the penalty, [-kl_clamp, kl_clamp] (verl, NeMo-RL: 10), > 0; "
+        "null: unbounded (k3 is then only kept finite, up to e^20).",
+    )
+    ratio_level: str = doc(
+        "token",
+        "token: PPO's per-token ratio | sequence: GSPO's (Zheng et al. 2025) length-normalised sequence ratio, "
+        "one per response and clipped as one (its ratios stay near 1: the paper clips at ratio_clip_min=3e-4, "
+        "ratio_clip_max=4e-4 and averages per sequence: aggregation=seq-mean-token-mean).",
+    )
 
     def validate(self) -> None:
         _require(
@@ -198,12 +261,16 @@ class LossConfig:
 
 @dataclass
 class AdvantageConfig:
-    # The std that grpo.normalize_rewards divides by: group (the whole group's, whichever baseline)
-    # | leave_one_out (each sample's G-1 others', NeMo-RL's with its leave-one-out baseline; needs
-    # num_generations_per_prompt >= 3; a sample whose others all agree is left undivided). Requires
-    # normalize_rewards: true. NeMo-RL's use_leave_one_out_baseline is use_leave_one_out_baseline:
-    # true with std: leave_one_out. A group whose rewards are all equal gets 0 in every mode.
-    std: str = "group"
+    """How a sample's advantage is normalised within its group."""
+
+    std: str = doc(
+        "group",
+        "The std that grpo.normalize_rewards divides by: group (the whole group's, whichever baseline) | "
+        "leave_one_out (each sample's G-1 others', NeMo-RL's with its leave-one-out baseline; needs "
+        "num_generations_per_prompt >= 3; a sample whose others all agree is left undivided). Requires "
+        "normalize_rewards: true. NeMo-RL's use_leave_one_out_baseline is use_leave_one_out_baseline: true with "
+        "std: leave_one_out. A group whose rewards are all equal gets 0 in every mode.",
+    )
 
     def validate(self) -> None:
         _one_of("grpo.advantage.std", self.std, ("group", "leave_one_out"))
@@ -211,11 +278,15 @@ class AdvantageConfig:
 
 @dataclass
 class RewardShapingConfig:
-    # DAPO soft overlong punishment on the model's own tokens (multi-turn: all its turns), with
-    # L = generation.max_new_tokens: 0 up to L - overlong_buffer, then linear to -overlong_penalty at L.
-    # Added to the reward before advantages. 0: off.
-    overlong_buffer: int = 0
-    overlong_penalty: float = 1.0
+    """Shaping added to the reward before advantages: DAPO's soft overlong punishment."""
+
+    overlong_buffer: int = doc(
+        0,
+        "DAPO soft overlong punishment on the model's own tokens (multi-turn: all its turns), with L = "
+        "generation.max_new_tokens: 0 up to L - overlong_buffer, then linear to -overlong_penalty at L; "
+        "< generation.max_new_tokens. 0: off.",
+    )
+    overlong_penalty: float = doc(1.0, "The punishment at L tokens (see overlong_buffer); >= 0.")
 
     def validate(self) -> None:
         _require(
@@ -226,11 +297,15 @@ class RewardShapingConfig:
 
 @dataclass
 class AsyncConfig:
-    # Disaggregated only. 0: synchronous (each batch is generated by the weights it trains). k >= 1:
-    # the generation actors work on the next batches while the policy trains; a batch is trained on
-    # only if the weights that generated it are at most k optimizer steps old (train/staleness_*; each
-    # sample's policy_version is in the jsonl).
-    max_staleness: int = 0
+    """Asynchronous GRPO: generation overlapping training (generation.placement=disaggregated only)."""
+
+    max_staleness: int = doc(
+        0,
+        "Disaggregated only. 0: synchronous (each batch is generated by the weights it trains). k >= 1: the "
+        "generation actors work on the next batches while the policy trains; a batch is trained on only if the "
+        "weights that generated it are at most k optimizer steps old (train/staleness_*; each sample's "
+        "policy_version is in the jsonl).",
+    )
 
     def validate(self) -> None:
         _require(
@@ -241,11 +316,18 @@ class AsyncConfig:
 
 @dataclass
 class DynamicSamplingConfig:
-    # DAPO (Yu et al. 2025): drop groups whose rewards are all equal (no policy gradient) and sample
-    # more prompts until the batch holds num_prompts_per_step informative groups, at most max_rounds
-    # generation rounds per step; a batch still short after them is filled with uninformative groups.
-    enabled: bool = False
-    max_rounds: int = 4
+    """DAPO's dynamic sampling (Yu et al. 2025): only groups whose rewards differ fill a batch."""
+
+    enabled: bool = doc(
+        False,
+        "Drop groups whose rewards are all equal (no policy gradient) and sample more prompts until the batch "
+        "holds num_prompts_per_step informative groups.",
+    )
+    max_rounds: int = doc(
+        4,
+        "Generation rounds per step at most, >= 1; a batch still short after them is filled with "
+        "uninformative groups.",
+    )
 
     def validate(self) -> None:
         _require(
@@ -256,23 +338,29 @@ class DynamicSamplingConfig:
 
 @dataclass
 class GRPOConfig:
-    num_prompts_per_step: int = 8
-    num_generations_per_prompt: int = 8  # the group size G
-    max_num_steps: int = 100
-    normalize_rewards: bool = True  # divide advantages by a reward std (advantage.std says which)
-    use_leave_one_out_baseline: bool = (
-        False  # baseline: mean of the other G-1 rewards (RLOO), not the group's
+    """The GRPO loop: batch and group sizes, steps, validation, and the algorithm's parts."""
+
+    num_prompts_per_step: int = doc(
+        8, "Prompts per step, >= 1; each gets num_generations_per_prompt samples."
     )
-    num_minibatches: int = 1  # optimizer steps per batch; > 1 reuses the old logprobs (PPO-style)
-    max_rollout_turns: int = 1  # > 1: multi-turn, an environment between turns (env.environment/env.feedback)
-    val_period: int = 0  # steps between validations (data.val_name); 0: no periodic validation
-    val_at_start: bool = False
-    loss: LossConfig = field(default_factory=LossConfig)
+    num_generations_per_prompt: int = doc(8, "The group size G, >= 2 (GRPO compares samples within a group).")
+    max_num_steps: int = doc(100, "Optimizer steps of the run (a resume counts from its checkpoint's step).")
+    normalize_rewards: bool = doc(True, "Divide advantages by a reward std (grpo.advantage.std says which).")
+    use_leave_one_out_baseline: bool = doc(
+        False, "Baseline: the mean of the other G-1 rewards (RLOO), not the group's."
+    )
+    num_minibatches: int = doc(1, "Optimizer steps per batch, >= 1; > 1 reuses the old logprobs (PPO-style).")
+    max_rollout_turns: int = doc(
+        1, "> 1: multi-turn, an environment answering between turns (env.environment / env.feedback)."
+    )
+    val_period: int = doc(0, "Steps between validations (data.val_name); 0: no periodic validation.")
+    val_at_start: bool = doc(False, "Validate once before the first step.")
+    loss: LossConfig = section(LossConfig)
     # ``async`` is a Python keyword: the field is async_, the key stays grpo.async (see config_key).
-    async_: AsyncConfig = field(default_factory=AsyncConfig, metadata={"key": "async"})
-    dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
-    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
-    reward_shaping: RewardShapingConfig = field(default_factory=RewardShapingConfig)
+    async_: AsyncConfig = section(AsyncConfig, key="async")
+    dynamic_sampling: DynamicSamplingConfig = section(DynamicSamplingConfig)
+    advantage: AdvantageConfig = section(AdvantageConfig)
+    reward_shaping: RewardShapingConfig = section(RewardShapingConfig)
 
     @property
     def batch_size(self) -> int:
@@ -314,15 +402,18 @@ class GRPOConfig:
 
 @dataclass
 class LoRAConfig:
-    # Low-rank adapters (peft) on the policy instead of full fine-tuning: only the adapters train, the
-    # base weights stay frozen (still FSDP-sharded), the KL reference is the base with the adapters off,
-    # and a refit moves the adapters alone. rank null: full fine-tuning (no other key here matters).
-    rank: int | None = None
-    alpha: float | None = None  # scaling is alpha / rank; null: 2 x rank
-    dropout: float = 0.0
-    # Linear layers (their last name component) that get an adapter; every one must exist in the model.
-    target_modules: list[str] = field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    """Low-rank adapters (peft) on the policy instead of full fine-tuning: only the adapters train, the base
+    weights stay frozen (still FSDP-sharded), the KL reference is the base with the adapters off, and a refit
+    moves the adapters alone."""
+
+    rank: int | None = doc(
+        None, "The adapters' rank, >= 1; null: full fine-tuning (no other key here matters)."
+    )
+    alpha: float | None = doc(None, "Scaling is alpha / rank, > 0; null: 2 x rank.")
+    dropout: float = doc(0.0, "Dropout on the adapters' input, in [0, 1).")
+    target_modules: list[str] = doc(
+        factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        text="Linear layers (their last name component) that get an adapter; every one must exist in the model.",
     )
 
     @property
@@ -353,17 +444,25 @@ class LoRAConfig:
 
 @dataclass
 class MoEConfig:
-    # Mixture-of-experts policies (trainer.models.moe); nothing here touches a dense model.
-    # Router replay (R3): in the training and logprob forwards every token goes to the experts the engine
-    # routed it to when it sampled, with gate weights from the trainer's own router over those experts. The
-    # engines return their routes (vLLM's enable_return_routed_experts on GPUs, the hf engine anywhere);
-    # single-turn samples only (a multi-turn episode's later turns route freely: train/routing_replayed_frac).
-    router_replay: bool = False
-    # The router's auxiliary losses, added to the policy loss: Switch-style load balancing
-    # (num_experts x sum over experts of token share x mean router probability, per MoE layer) and the
-    # router z-loss (mean squared logsumexp of the router logits). Off by default, as the peers run RL.
-    load_balance_coef: float = 0.0
-    z_loss_coef: float = 0.0
+    """Mixture-of-experts policies (trainer.models.moe): router replay and the router's auxiliary losses;
+    nothing here touches a dense model."""
+
+    router_replay: bool = doc(
+        False,
+        "Router replay (R3): in the training and logprob forwards every token goes to the experts the engine "
+        "routed it to when it sampled, with gate weights from the trainer's own router over those experts. The "
+        "engines return their routes (vLLM's enable_return_routed_experts on GPUs, the hf engine anywhere); "
+        "single-turn samples only (a multi-turn episode's later turns route freely: train/routing_replayed_frac).",
+    )
+    load_balance_coef: float = doc(
+        0.0,
+        "Switch-style load-balancing loss added to the policy loss (num_experts x sum over experts of token "
+        "share x mean router probability, per MoE layer), >= 0. 0: off, as the peers run RL.",
+    )
+    z_loss_coef: float = doc(
+        0.0,
+        "Router z-loss added to the policy loss (mean squared logsumexp of the router logits), >= 0. 0: off.",
+    )
 
     def validate(self) -> None:
         for key in ("load_balance_coef", "z_loss_coef"):
@@ -376,56 +475,80 @@ class MoEConfig:
 
 @dataclass
 class PolicyConfig:
-    learning_rate: float = 1e-6
-    weight_decay: float = 0.01
-    adam_betas: tuple[float, float] = (0.9, 0.999)
-    adam_eps: float = 1e-8
-    warmup_steps: int = 0
-    max_grad_norm: float | None = 1.0  # null: no clipping
-    micro_batch_size: int = 4  # sequences per forward/backward on one rank
-    logprob_micro_batch_size: int = 8  # the same for the logprob passes (policy, reference)
-    # Token budgets per micro-batch (packed: the sum of the sample lengths; padded: B x the longest);
-    # null keeps the fixed counts above. Every data-parallel rank runs the same number of micro-batches.
-    max_tokens_per_microbatch: int | None = None
-    logprob_max_tokens_per_microbatch: int | None = None
-    # Concatenate a micro-batch's samples into one row without padding (position ids restart at 0 per
-    # sample, so attention stays within each); false: the padded layouts (shared_prefix or plain).
-    sequence_packing: bool = True
-    # Ulysses sequence parallelism: each packed micro-batch split along the sequence over this many
-    # consecutive ranks (all-to-all on attention heads), FSDP over all of them. 1, 2, 4 or 8; needs
-    # sequence_packing. The token budgets above are then per rank: a micro-batch's row holds up to
-    # budget x sequence_parallel_size tokens, so one sequence may be that long.
-    sequence_parallel_size: int = 1
-    max_total_sequence_length: int = (
-        1024  # prompt + response tokens; longer prompts are dropped with a warning
+    """The policy's training: the optimizer, micro-batches and sequence layout, FSDP2 and its precision."""
+
+    learning_rate: float = doc(1e-6, "AdamW's learning rate after warm-up, > 0.")
+    weight_decay: float = doc(0.01, "AdamW's decoupled weight decay.")
+    adam_betas: tuple[float, float] = doc((0.9, 0.999), "AdamW's betas, a pair of numbers.")
+    adam_eps: float = doc(1e-8, "AdamW's epsilon.")
+    warmup_steps: int = doc(0, "Optimizer steps of linear learning-rate warm-up; 0: none.")
+    max_grad_norm: float | None = doc(1.0, "Clip the gradient's global norm to this; null: no clipping.")
+    micro_batch_size: int = doc(4, "Sequences per forward/backward on one rank, >= 1.")
+    logprob_micro_batch_size: int = doc(8, "The same for the logprob passes (policy, reference), >= 1.")
+    max_tokens_per_microbatch: int | None = doc(
+        None,
+        "Token budget per micro-batch (packed: the sum of the sample lengths; padded: B x the longest), >= 1 "
+        "and holding max_total_sequence_length; null keeps micro_batch_size. Every data-parallel rank runs the "
+        "same number of micro-batches.",
     )
-    activation_checkpointing: bool = False
-    # FSDP2: free gathered parameters after forward (ZeRO-3 style); false keeps them for backward and
-    # from the engine weight sync to the next forward.
-    reshard_after_forward: bool = True
-    compute_entropy: bool = True
-    # Start even when the LM head's start-up self-check finds its logprobs off the model's own logits
-    # (trainer.policy.forward.check_head), at your own risk.
-    unchecked_head: bool = False
-    # FSDP2 mixed precision: the dtype parameters are gathered and computed in (bfloat16 halves the
-    # all-gathers and doubles matmul throughput); master weights, optimizer state and the gradient
-    # reduction stay in model.dtype / float32. null: compute in model.dtype. auto: bfloat16 on GPUs and
-    # on CPUs that run it natively (AVX512-BF16, AMX), else null (trainer.hardware says why).
-    param_dtype: str | None = None
-    # Run each distinct prompt of a micro-batch once and share its keys/values with all its samples
-    # (GRPO: num_generations_per_prompt samples per prompt); with packing, where that runs fewer
-    # positions (CPU; bf16 GPU ranks always pack). Not with activation_checkpointing.
-    shared_prefix: bool = True
-    # Train only on samples with a non-zero advantage: the others have no policy gradient (a group
-    # whose samples all scored the same). The loss is still the mean over the whole batch, so the
-    # update is the same. Applies only without a KL penalty, which gives every sample a gradient.
-    skip_zero_advantage: bool = True
-    # Parameters that stay frozen, as fnmatch patterns over the policy's parameter names (e.g.
-    # model.vision_tower.*): no optimizer state, and no refit sends them (the engine keeps the values it
-    # was built with). Each pattern must match a parameter.
-    freeze: list[str] = field(default_factory=list)
-    lora: LoRAConfig = field(default_factory=LoRAConfig)
-    moe: MoEConfig = field(default_factory=MoEConfig)
+    logprob_max_tokens_per_microbatch: int | None = doc(
+        None, "The same for the logprob passes; null keeps logprob_micro_batch_size."
+    )
+    sequence_packing: bool = doc(
+        True,
+        "Concatenate a micro-batch's samples into one row without padding (position ids restart at 0 per "
+        "sample, so attention stays within each); false: the padded layouts (shared_prefix or plain).",
+    )
+    sequence_parallel_size: int = doc(
+        1,
+        "Ulysses sequence parallelism: each packed micro-batch split along the sequence over this many "
+        "consecutive ranks (all-to-all on attention heads), FSDP over all of them. 1, 2, 4 or 8, dividing the "
+        "policy ranks; needs sequence_packing. The token budgets are then per rank: a micro-batch's row holds "
+        "up to budget x sequence_parallel_size tokens, so one sequence may be that long.",
+    )
+    max_total_sequence_length: int = doc(
+        1024,
+        "Prompt + response tokens, > generation.max_new_tokens; longer prompts are dropped with a warning.",
+    )
+    activation_checkpointing: bool = doc(False, "Recompute activations in backward instead of keeping them.")
+    reshard_after_forward: bool = doc(
+        True,
+        "FSDP2: free gathered parameters after forward (ZeRO-3 style); false keeps them for backward and from "
+        "the engine weight sync to the next forward.",
+    )
+    compute_entropy: bool = doc(True, "Report the policy's token entropy each step (train/entropy).")
+    unchecked_head: bool = doc(
+        False,
+        "Start even when the LM head's start-up self-check finds its logprobs off the model's own logits "
+        "(trainer.policy.forward.check_head), at your own risk.",
+    )
+    param_dtype: str | None = doc(
+        None,
+        "FSDP2 mixed precision: the dtype parameters are gathered and computed in (bfloat16 halves the "
+        "all-gathers and doubles matmul throughput); master weights, optimizer state and the gradient reduction "
+        "stay in model.dtype / float32. null: compute in model.dtype. auto: bfloat16 on GPUs and on CPUs that "
+        "run it natively (AVX512-BF16, AMX), else null (trainer.hardware says why).",
+    )
+    shared_prefix: bool = doc(
+        True,
+        "Run each distinct prompt of a micro-batch once and share its keys/values with all its samples (GRPO: "
+        "num_generations_per_prompt samples per prompt); with packing, where that runs fewer positions (CPU; "
+        "bf16 GPU ranks always pack). Not with activation_checkpointing.",
+    )
+    skip_zero_advantage: bool = doc(
+        True,
+        "Train only on samples with a non-zero advantage: the others have no policy gradient (a group whose "
+        "samples all scored the same). The loss is still the mean over the whole batch, so the update is the "
+        "same. Applies only without a KL penalty, which gives every sample a gradient.",
+    )
+    freeze: list[str] = doc(
+        factory=list,
+        text="Parameters that stay frozen, as fnmatch patterns over the policy's parameter names (e.g. "
+        "model.vision_tower.*): no optimizer state, and no refit sends them (the engine keeps the values it was "
+        "built with). Each pattern must match a parameter.",
+    )
+    lora: LoRAConfig = section(LoRAConfig)
+    moe: MoEConfig = section(MoEConfig)
 
     def __post_init__(self) -> None:
         # Composed, a pair arrives as a list (OmegaConf has no tuples); validate() refuses what is not a pair.
@@ -474,10 +597,13 @@ class PolicyConfig:
 
 @dataclass
 class ResourcesConfig:
-    # Disaggregated only: what generation takes out of the cluster.
-    num_nodes: int = 0  # GPU clusters: whole nodes of generation actors
-    gpus_per_node: int = 0
-    num_cpu_workers: int = 1  # CPU clusters: generation actors
+    """Disaggregated only: what generation takes out of the cluster."""
+
+    num_nodes: int = doc(0, "GPU clusters: whole nodes of generation actors (taken from cluster.num_nodes).")
+    gpus_per_node: int = doc(
+        0, "GPU clusters: the generation actors' GPUs on each of those nodes, <= cluster.gpus_per_node."
+    )
+    num_cpu_workers: int = doc(1, "CPU clusters: generation actors, >= 1.")
 
 
 # Ports the chart's pods already give to Ray (GCS, dashboard, client, metrics): the endpoint takes none.
@@ -486,38 +612,60 @@ _RAY_POD_PORTS = (6379, 8265, 10001, 8080)
 
 @dataclass
 class EndpointConfig:
-    # An OpenAI-compatible chat endpoint (trainer/generation/endpoint.py) in each generation actor, for
-    # harnesses that drive rollouts and for people who talk to the policy; token-authenticated, cluster only.
-    enabled: bool = False
-    # The first port; the engines of one pod take consecutive ones (port, port + 1, ...). 0: any free port.
-    port: int = 8000
-    ports: int = 8  # how many ports from `port` the engines of one pod may take (the chart lists them)
-    # IP address to listen on. null: $POD_IP (the chart's downward API), else 127.0.0.1; 0.0.0.0 only if
-    # written here.
-    bind: str | None = None
-    # The variable holding the endpoint's own bearer token (never Ray's: a caller of the endpoint must not be
-    # able to submit Ray jobs). Empty or unset: the driver makes a random one per run and hands it to the
-    # engines and its in-process callers (env.verifiers), as it hands them the endpoint's address.
-    token_env: str = "KUBERL_ENDPOINT_TOKEN"
-    # Requests that may wait for the engine at once (it serves one at a time, between the trainer's own
-    # calls); one more gets 503.
-    max_waiting: int = 16
-    wait_timeout_s: float = 300  # how long a request waits for the engine (a refit, a rollout) before a 503
-    record_limit: int = 1024  # requests each actor keeps for drain_requests(); the oldest go first
-    record_bytes: int = 64 * 2**20  # and at most this many bytes of them (each record's JSON size)
-    # Threads that handle requests (a request waiting for the engine holds one); idle connections hold none.
-    workers: int = 32
-    max_connections: int = 1024  # open connections at once; one more is closed as soon as it is accepted
-    idle_timeout_s: float = 60  # a connection that sends no request for this long is closed
-    header_timeout_s: float = 10  # from a request's first byte to the end of its headers
-    read_timeout_s: float = 60  # to read a request's body, and to send its answer
-    # Per request (each refused with a 4xx naming the key): the body's bytes, samples (n), completion tokens
-    # (max_tokens / max_completion_tokens) and the prompt's tokens.
-    max_body_bytes: int = 16 * 2**20
-    max_n: int = 64
-    max_tokens: int = 8192
-    max_prompt_tokens: int = 32768
-    max_batch_prompts: int = 64  # requests' prompts one engine call takes along, at most
+    """An OpenAI-compatible chat endpoint (trainer/generation/endpoint.py) in each generation actor, for
+    harnesses that drive rollouts and for people who talk to the policy; token-authenticated, cluster only."""
+
+    enabled: bool = doc(False, "Serve the endpoint; needs generation.placement=disaggregated.")
+    port: int = doc(
+        8000,
+        "The first port; the engines of one pod take consecutive ones (port, port + 1, ...), none of Ray's. "
+        "0: any free port.",
+    )
+    ports: int = doc(
+        8, "How many ports from `port` the engines of one pod may take (the chart lists them), >= 1."
+    )
+    bind: str | None = doc(
+        None,
+        "IP address to listen on. null: $POD_IP (the chart's downward API), else 127.0.0.1; 0.0.0.0 only if "
+        "written here.",
+    )
+    token_env: str = doc(
+        "KUBERL_ENDPOINT_TOKEN",
+        "The variable holding the endpoint's own bearer token (never Ray's RAY_AUTH_TOKEN: a caller of the "
+        "endpoint must not be able to submit Ray jobs). Empty or unset: the driver makes a random one per run "
+        "and hands it to the engines and its in-process callers (env.verifiers), as it hands them the "
+        "endpoint's address.",
+    )
+    max_waiting: int = doc(
+        16,
+        "Requests that may wait for the engine at once (it serves one at a time, between the trainer's own "
+        "calls); one more gets 503.",
+    )
+    wait_timeout_s: float = doc(
+        300, "Seconds a request waits for the engine (a refit, a rollout) before a 503."
+    )
+    record_limit: int = doc(
+        1024, "Requests each actor keeps for drain_requests(), >= 1; the oldest go first."
+    )
+    record_bytes: int = doc(64 * 2**20, "And at most this many bytes of them (each record's JSON size).")
+    workers: int = doc(
+        32,
+        "Threads that handle requests (a request waiting for the engine holds one; idle connections hold "
+        "none), >= max_waiting + 2.",
+    )
+    max_connections: int = doc(
+        1024, "Open connections at once; one more is closed as soon as it is accepted."
+    )
+    idle_timeout_s: float = doc(60, "Seconds a connection may send no request before it is closed.")
+    header_timeout_s: float = doc(10, "Seconds from a request's first byte to the end of its headers.")
+    read_timeout_s: float = doc(60, "Seconds to read a request's body, and to send its answer.")
+    max_body_bytes: int = doc(
+        16 * 2**20, "Per request (a larger one is refused with a 4xx naming the key): the body's bytes."
+    )
+    max_n: int = doc(64, "Per request: samples (n).")
+    max_tokens: int = doc(8192, "Per request: completion tokens (max_tokens / max_completion_tokens).")
+    max_prompt_tokens: int = doc(32768, "Per request: the prompt's tokens.")
+    max_batch_prompts: int = doc(64, "Requests' prompts one engine call takes along, at most.")
 
     def validate(self) -> None:
         _require(
@@ -579,58 +727,87 @@ class EndpointConfig:
 
 @dataclass
 class GenerationConfig:
-    # hf: our own decode loop over a transformers copy of the model (trainer/generation/hf.py), on any
-    # CPU or GPU | vllm: vLLM (trainer/generation/vllm_engine.py; conf/generation/vllm.yaml says how it runs).
-    backend: str = "hf"
-    # colocated: each policy rank owns an engine on its own device | disaggregated: generation actors on
-    # generation.resources, weights sent to them after every optimizer step.
-    placement: str = "colocated"
-    max_new_tokens: int = 128
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1  # -1: off
-    stop_strings: list[str] = field(default_factory=list)
-    # The start-up gate on the engines: the run stops in one line when the mean |engine - policy| logprob of the
-    # sampled tokens exceeds this (nats/token) at the first step, or at the first step sampled by refitted
-    # weights (trainer.loop.grpo.EngineParity). null: report train/gen_logprob_abs_diff only.
-    max_logprob_gap: float | None = 0.1
-    # Passed to tokenizer.apply_chat_template, e.g. {enable_thinking: true}.
-    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
-    vllm_kwargs: dict[str, Any] = field(
-        default_factory=dict
-    )  # passed verbatim to vllm.LLM(...), e.g. {block_size: 32}
-    # > 1 needs placement: disaggregated (a colocated engine shares its rank's one GPU).
-    tensor_parallel_size: int = 1
-    # vLLM on GPUs: the share of the GPU the engine takes. null: 0.6 colocated (the rest is the policy's at
-    # refit), 0.9 disaggregated (the GPU is the engine's alone; see vllm_engine.DISAGGREGATED_GPU_MEMORY_UTILIZATION).
-    gpu_memory_utilization: float | None = None
-    # vLLM: no torch.compile / CUDA graphs. null: true on CPU (inductor adds a minute or more to start-up,
-    # for about 1.2x faster decoding), false on GPUs (CUDA graphs).
-    enforce_eager: bool | None = None
-    batch_size: int = 64  # hf backend: sequences per generate() call
-    # The engine's weights; null: model.dtype (bf16 halves decode memory traffic). auto: bfloat16 on GPUs
-    # and on CPUs that run it natively (AVX512-BF16, AMX), else float32.
-    dtype: str | None = None
-    # Disaggregated refit: weights travel to the generation actors in buckets of at most this many MiB
-    # (each a few large broadcasts instead of one per tensor; the receiver holds one bucket at a time).
-    refit_bucket_mb: float = 256
-    # vLLM: rollouts from quantized weights (vLLM's online quantization of the bf16 policy at start and at
-    # every refit, through its layerwise reload). null: the policy's own precision. fp8 (GPUs) |
-    # fp8_per_channel (see QUANTIZATIONS); grpo.loss.importance_sampling then defaults to tis (the engine's
-    # gap grows).
-    quantization: str | None = None
-    # Disaggregated: how long the driver waits for every generation actor to build its engine (a large
-    # model read from shared storage, compiled, CUDA graphs captured) before any weight-transfer rendezvous.
-    engine_start_timeout_s: float = 1800
-    # Disaggregated: how long one refit may take, senders and receivers together, before the run stops
-    # with one line naming the side still busy (NCCL itself never times out).
-    refit_timeout_s: float = 300
-    # Disaggregated: how long policy rank 0 and every engine may take to open the weight-transfer group
-    # (NCCL's communicator init and warm-up are unbounded) before the run stops in one line naming the side
-    # that did not join. Above vLLM's own 300 s for its store step, so that its error comes first.
-    weight_group_timeout_s: float = 600
-    resources: ResourcesConfig = field(default_factory=ResourcesConfig)
-    endpoint: EndpointConfig = field(default_factory=EndpointConfig)
+    """The generation engines: backend, placement, sampling, and how weights reach them."""
+
+    backend: str = doc(
+        "hf",
+        "hf: our own decode loop over a transformers copy of the model (trainer/generation/hf.py), on any CPU "
+        "or GPU | vllm: vLLM (trainer/generation/vllm_engine.py; conf/generation/vllm.yaml says how it runs).",
+    )
+    placement: str = doc(
+        "colocated",
+        "colocated: each policy rank owns an engine on its own device | disaggregated: generation actors on "
+        "generation.resources, weights sent to them after every optimizer step.",
+    )
+    max_new_tokens: int = doc(128, "The response's tokens at most (per turn), >= 1.")
+    temperature: float = doc(1.0, "Sampling temperature, >= 0.")
+    top_p: float = doc(1.0, "Nucleus sampling's probability mass, in (0, 1]; 1: off.")
+    top_k: int = doc(-1, "Sample among the k likeliest tokens, >= 1; -1: off.")
+    stop_strings: list[str] = doc(factory=list, text="A response ends at the first of these strings.")
+    max_logprob_gap: float | None = doc(
+        0.1,
+        "The start-up gate on the engines: the run stops in one line when the mean |engine - policy| logprob of "
+        "the sampled tokens exceeds this (nats/token, > 0) at the first step, or at the first step sampled by "
+        "refitted weights (trainer.loop.grpo.EngineParity). null: report train/gen_logprob_abs_diff only.",
+    )
+    chat_template_kwargs: dict[str, Any] = doc(
+        factory=dict, text="Passed to tokenizer.apply_chat_template, e.g. {enable_thinking: true}."
+    )
+    vllm_kwargs: dict[str, Any] = doc(
+        factory=dict, text="Passed verbatim to vllm.LLM(...), e.g. {block_size: 32}."
+    )
+    tensor_parallel_size: int = doc(
+        1,
+        "GPUs (or CPU workers) per engine; > 1 needs placement: disaggregated (a colocated engine shares its "
+        "rank's one GPU).",
+    )
+    gpu_memory_utilization: float | None = doc(
+        None,
+        "vLLM on GPUs: the share of the GPU the engine takes, in (0, 1]. null: 0.6 colocated (the rest is the "
+        "policy's at refit), 0.9 disaggregated (the GPU is the engine's alone; see "
+        "vllm_engine.DISAGGREGATED_GPU_MEMORY_UTILIZATION).",
+    )
+    enforce_eager: bool | None = doc(
+        None,
+        "vLLM: no torch.compile / CUDA graphs. null: true on CPU (inductor adds a minute or more to start-up, "
+        "for about 1.2x faster decoding), false on GPUs (CUDA graphs).",
+    )
+    batch_size: int = doc(64, "hf backend: sequences per generate() call, >= 1.")
+    dtype: str | None = doc(
+        None,
+        "The engine's weights; null: model.dtype (bf16 halves decode memory traffic). auto: bfloat16 on GPUs "
+        "and on CPUs that run it natively (AVX512-BF16, AMX), else float32.",
+    )
+    refit_bucket_mb: float = doc(
+        256,
+        "Disaggregated refit: weights travel to the generation actors in buckets of at most this many MiB "
+        "(each a few large broadcasts instead of one per tensor; the receiver holds one bucket at a time).",
+    )
+    quantization: str | None = doc(
+        None,
+        "vLLM: rollouts from quantized weights (vLLM's online quantization of the bf16 policy at start and at "
+        "every refit, through its layerwise reload). null: the policy's own precision. fp8 (GPUs) | "
+        "fp8_per_channel (GPUs and vLLM's CPU build); grpo.loss.importance_sampling then defaults to tis (the "
+        "engine's gap grows).",
+    )
+    engine_start_timeout_s: float = doc(
+        1800,
+        "Disaggregated: seconds the driver waits for every generation actor to build its engine (a large model "
+        "read from shared storage, compiled, CUDA graphs captured) before any weight-transfer rendezvous.",
+    )
+    refit_timeout_s: float = doc(
+        300,
+        "Disaggregated: seconds one refit may take, senders and receivers together, before the run stops with "
+        "one line naming the side still busy (NCCL itself never times out).",
+    )
+    weight_group_timeout_s: float = doc(
+        600,
+        "Disaggregated: seconds policy rank 0 and every engine may take to open the weight-transfer group "
+        "(NCCL's communicator init and warm-up are unbounded) before the run stops in one line naming the side "
+        "that did not join. Above vLLM's own 300 s for its store step, so that its error comes first.",
+    )
+    resources: ResourcesConfig = section(ResourcesConfig)
+    endpoint: EndpointConfig = section(EndpointConfig)
 
     def validate(self) -> None:
         _one_of("generation.backend", self.backend, ("hf", "vllm"))
@@ -687,41 +864,63 @@ class GenerationConfig:
 
 @dataclass
 class RewardSpec:
-    name: str  # a registered reward (trainer.rewards) or any importable module:function
-    weight: float = 1.0
-    kwargs: dict[str, Any] = field(default_factory=dict)  # passed to the reward function
+    """One entry of env.reward_functions: a reward and its weight in the sum."""
+
+    name: str = doc(text="A registered reward (trainer.rewards) or any importable module:function; required.")
+    weight: float = doc(1.0, "Its weight in the summed reward, a finite number.")
+    kwargs: dict[str, Any] = doc(factory=dict, text="Passed to the reward function.")
 
 
 @dataclass
 class VerifiersConfig:
-    # A verifiers environment (PyPI verifiers, the envs extra; trainer/envs/verifiers_env.py): its dataset is the
-    # run's prompts (data.name=verifiers), it drives each rollout through generation.endpoint, and its rubric's
-    # reward is what the `environment` entry of env.reward_functions pays. null: none.
-    id: str | None = None  # the module verifiers.load_environment imports (dashes read as underscores)
-    args: dict[str, Any] = field(default_factory=dict)  # keyword arguments of its load_environment
+    """A verifiers environment (PyPI verifiers, the envs extra; trainer/envs/verifiers_env.py): its dataset is
+    the run's prompts (data.name=verifiers), it drives each rollout through generation.endpoint, and its
+    rubric's reward is what the `environment` entry of env.reward_functions pays."""
+
+    id: str | None = doc(
+        None,
+        "The module verifiers.load_environment imports (dashes read as underscores); null: no verifiers "
+        "environment.",
+    )
+    args: dict[str, Any] = doc(factory=dict, text="Keyword arguments of its load_environment.")
 
 
 @dataclass
 class EnvConfig:
-    # Summed by weight; conf/rewards/*.yaml are presets (the rewards group, written under env).
-    reward_functions: list[RewardSpec] = field(default_factory=lambda: [RewardSpec("math")])
-    # Per reward task, counted from when it starts running; a reward that runs longer gives that sample
-    # 0 and a warning.
-    reward_timeout_s: float = 30.0
-    max_concurrent_rewards: int = 32
-    feedback: str | None = None  # multi-turn execution feedback; null: the first reward's, if it has one
-    feedback_kwargs: dict[str, Any] = field(default_factory=dict)
-    # A multi-turn environment (trainer.envs) answering the model between its turns, up to
-    # grpo.max_rollout_turns: tools, code_feedback, ... null: single-turn, or code_feedback (env.feedback)
-    # when grpo.max_rollout_turns > 1.
-    environment: str | None = None
-    environment_kwargs: dict[str, Any] = field(default_factory=dict)  # passed to the environment's factory
-    # The model family's tool-call format the tools environment reads: hermes (built in), or a vLLM parser name
-    # (llama3_json, mistral, pythonic, qwen3_coder, ...: trainer.generation.tool_parsers).
-    tool_parser: str = "hermes"
-    # Multi-turn runs: start even when the chat template fails the start-up glue self-check (at your own risk).
-    unchecked_chat_template: bool = False
-    verifiers: VerifiersConfig = field(default_factory=VerifiersConfig)
+    """What the model is rewarded for, and the environment that answers it between turns."""
+
+    reward_functions: list[RewardSpec] = doc(
+        factory=lambda: [RewardSpec("math")],
+        text="Rewards summed by weight, each {name, weight, kwargs}; conf/rewards/*.yaml are presets (the "
+        "rewards group, written under env).",
+    )
+    reward_timeout_s: float = doc(
+        30.0,
+        "Seconds per reward task, > 0, counted from when it starts running; a reward that runs longer gives "
+        "that sample 0 and a warning.",
+    )
+    max_concurrent_rewards: int = doc(32, "Reward tasks running at once over the cluster's CPUs, >= 1.")
+    feedback: str | None = doc(
+        None, "Multi-turn execution feedback; null: the first reward's, if it has one."
+    )
+    feedback_kwargs: dict[str, Any] = doc(factory=dict, text="Passed to the feedback function.")
+    environment: str | None = doc(
+        None,
+        "A multi-turn environment (trainer.envs) answering the model between its turns, up to "
+        "grpo.max_rollout_turns: tools, code_feedback, ... null: single-turn, or code_feedback (env.feedback) "
+        "when grpo.max_rollout_turns > 1.",
+    )
+    environment_kwargs: dict[str, Any] = doc(factory=dict, text="Passed to the environment's factory.")
+    tool_parser: str = doc(
+        "hermes",
+        "The model family's tool-call format the tools environment reads: hermes (built in), or a vLLM parser "
+        "name (llama3_json, mistral, pythonic, qwen3_coder, ...: trainer.generation.tool_parsers).",
+    )
+    unchecked_chat_template: bool = doc(
+        False,
+        "Multi-turn runs: start even when the chat template fails the start-up glue self-check (at your own risk).",
+    )
+    verifiers: VerifiersConfig = section(VerifiersConfig)
 
     def validate(self) -> None:
         _require(
@@ -742,13 +941,17 @@ class EnvConfig:
 class RewardActorsConfig:
     """Where a model-scored reward's replicas run (the reward_model and judge sections): Ray actors of their own."""
 
-    replicas: int = 1  # Ray actors, each with a whole copy of the model
-    num_cpus: float = 1.0  # per replica
-    num_gpus: float = 0.0  # per replica (on a GPU cluster: 1)
-    # A custom Ray resource each replica also asks for (one unit): the worker group that serves reward models.
-    resource: str | None = None
-    # How long the replicas may take to load their model before the run stops with one line.
-    start_timeout_s: float = 600.0
+    replicas: int = doc(1, "Ray actors, each with a whole copy of the model, >= 1.")
+    num_cpus: float = doc(1.0, "CPUs per replica, >= 0.")
+    num_gpus: float = doc(0.0, "GPUs per replica, >= 0 (on a GPU cluster: 1).")
+    resource: str | None = doc(
+        None,
+        "A custom Ray resource each replica also asks for (one unit): the worker group that serves reward "
+        "models; null: none.",
+    )
+    start_timeout_s: float = doc(
+        600.0, "Seconds the replicas may take to load their model before the run stops with one line."
+    )
 
     def validate_actors(self, section: str) -> None:
         _require(self.replicas >= 1, f"{section}.replicas={self.replicas} must be >= 1")
@@ -766,24 +969,40 @@ class RewardActorsConfig:
 class RewardModelConfig(RewardActorsConfig):
     """The model behind the ``reward_model`` entry of env.reward_functions (trainer.rewards.reward_model)."""
 
-    # A hub id or model directory that AutoModelForSequenceClassification loads with one label (a
-    # Bradley-Terry reward model). null: no reward model (an env.reward_functions entry naming one is refused).
-    name: str | None = None
-    tokenizer: str | None = None  # null: the model's own (its chat template renders prompt and response)
-    trust_remote_code: bool = False
-    dtype: str = "float32"  # float32 | bfloat16 | float16 | auto (bfloat16 where it is native)
-    # Tokens per forward pass (padded: batch size x its longest sample); a sample longer than this is scored alone.
-    max_tokens_per_batch: int = 8192
-    # Tokens the model reads of (prompt + response); null: its config's max_position_embeddings. A sample
-    # longer than this gets overlong_score and a note, never a truncated read.
-    max_length: int | None = None
-    overlong_score: float = 0.0
-    # none: raw scores (GRPO normalises within each group) | given: (score - mean) / std | config: the same
-    # with the mean and std the model's config.json carries (OpenRLHF writes them there).
-    normalize: str = "none"
-    mean: float = 0.0
-    std: float = 1.0
-    clip: float | None = None  # after normalising, scores outside [-clip, clip] are clipped; null: none
+    name: str | None = doc(
+        None,
+        "A hub id or model directory that AutoModelForSequenceClassification loads with one label (a "
+        "Bradley-Terry reward model). null: no reward model (an env.reward_functions entry naming one is "
+        "refused).",
+    )
+    tokenizer: str | None = doc(
+        None,
+        "The tokenizer's hub id or directory; null: the model's own (its chat template renders prompt "
+        "and response).",
+    )
+    trust_remote_code: bool = doc(False, "Run the model repository's own Python code (transformers' flag).")
+    dtype: str = doc("float32", "float32 | bfloat16 | float16 | auto (bfloat16 where it is native).")
+    max_tokens_per_batch: int = doc(
+        8192,
+        "Tokens per forward pass (padded: batch size x its longest sample), >= 1; a sample longer than this is "
+        "scored alone.",
+    )
+    max_length: int | None = doc(
+        None,
+        "Tokens the model reads of (prompt + response), >= 1; null: its config's max_position_embeddings. A "
+        "sample longer than this gets overlong_score and a note, never a truncated read.",
+    )
+    overlong_score: float = doc(0.0, "What a sample longer than max_length scores, a finite number.")
+    normalize: str = doc(
+        "none",
+        "none: raw scores (GRPO normalises within each group) | given: (score - mean) / std | config: the same "
+        "with the mean and std the model's config.json carries (OpenRLHF writes them there).",
+    )
+    mean: float = doc(0.0, "normalize=given: the mean subtracted, a finite number.")
+    std: float = doc(1.0, "normalize=given: the std divided by, > 0.")
+    clip: float | None = doc(
+        None, "After normalising, scores outside [-clip, clip] are clipped, > 0; null: none."
+    )
 
     def validate(self) -> None:
         rm = self
@@ -834,37 +1053,63 @@ JUDGE_FIELDS = ("question", "response", "reference")  # what judge.template may 
 class JudgeConfig(RewardActorsConfig):
     """The generative judge behind the ``llm_judge`` entry of env.reward_functions (trainer.rewards.judge)."""
 
-    # A hub id or model directory of a causal LM (from_pretrained) that reads judge.template and writes a
-    # verdict. null: no judge (an env.reward_functions entry naming one is refused).
-    model: str | None = None
-    tokenizer: str | None = None  # null: the model's own (its chat template renders judge.template)
-    trust_remote_code: bool = False
-    backend: str = "hf"  # the generation engine it runs on: hf | vllm (trainer.generation.factory)
-    dtype: str = "float32"  # float32 | bfloat16 | float16 | auto (bfloat16 where it is native)
-    # The judge's user message, with {question} (the prompt's last user turn), {response} and optionally
-    # {reference} (the example's ground truth); other literal braces are doubled ({{ }}).
-    template: str = JUDGE_TEMPLATE
-    # Passed to the judge's chat template, e.g. {enable_thinking: false} for a Qwen3 judge (which thinks by
-    # default: its thinking is dropped before the verdict is read, but it spends judge.max_new_tokens).
-    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
-    max_new_tokens: int = 256  # the judge's own output: its reasoning and its score
-    temperature: float = 0.0  # 0: greedy (the same response always gets the same verdict)
-    # score: a number in [min_score, max_score] read from the judge's output by score_pattern (the first group
-    # that matched, in its last match), paid as (n - min_score) / (max_score - min_score) | verdict: the last
-    # of the verdicts' words in its output (whole words, any case), paid as that word's score.
-    parse: str = "score"
-    score_pattern: str = JUDGE_SCORE_PATTERN
-    min_score: float = 0.0
-    max_score: float = 10.0
-    # parse=verdict: each word and what it pays, e.g. {correct: 1, incorrect: 0} (a mapping: entries add up).
-    verdicts: dict[str, float] = field(default_factory=dict)
-    # What an output that holds no score (or one outside the range) pays; its note quotes the output.
-    unparsed_score: float = 0.0
-    # Tokens of the response (the judge's tokenizer) placed in the template; a longer response is not cut (the
-    # judge would pay for what it never saw) but scores overlong_score with a note, unjudged.
-    max_response_tokens: int = 2048
-    overlong_score: float = 0.0
-    batch_size: int = 64  # hf backend: sequences per generate() call
+    model: str | None = doc(
+        None,
+        "A hub id or model directory of a causal LM (from_pretrained) that reads judge.template and writes a "
+        "verdict. null: no judge (an env.reward_functions entry naming one is refused).",
+    )
+    tokenizer: str | None = doc(
+        None,
+        "The tokenizer's hub id or directory; null: the model's own (its chat template renders "
+        "judge.template).",
+    )
+    trust_remote_code: bool = doc(False, "Run the model repository's own Python code (transformers' flag).")
+    backend: str = doc("hf", "The generation engine it runs on: hf | vllm (trainer.generation.factory).")
+    dtype: str = doc("float32", "float32 | bfloat16 | float16 | auto (bfloat16 where it is native).")
+    template: str = doc(
+        JUDGE_TEMPLATE,
+        "The judge's user message, with {question} (the prompt's last user turn), {response} (required) and "
+        "optionally {reference} (the example's ground truth); other literal braces are doubled ({{ }}).",
+    )
+    chat_template_kwargs: dict[str, Any] = doc(
+        factory=dict,
+        text="Passed to the judge's chat template, e.g. {enable_thinking: false} for a Qwen3 judge (which thinks "
+        "by default: its thinking is dropped before the verdict is read, but it spends judge.max_new_tokens).",
+    )
+    max_new_tokens: int = doc(256, "The judge's own output, >= 1: its reasoning and its score.")
+    temperature: float = doc(
+        0.0, "Sampling temperature, >= 0; 0: greedy (the same response always gets the same verdict)."
+    )
+    parse: str = doc(
+        "score",
+        "score: a number in [min_score, max_score] read from the judge's output by score_pattern (the first "
+        "group that matched, in its last match), paid as (n - min_score) / (max_score - min_score) | verdict: "
+        "the last of the verdicts' words in its output (whole words, any case), paid as that word's score.",
+    )
+    score_pattern: str = doc(
+        JUDGE_SCORE_PATTERN,
+        'parse=score: a regular expression with a capturing group around the number (by default "Score: N", '
+        '"N/M" or MT-Bench\'s "[[N]]" on the final line).',
+    )
+    min_score: float = doc(0.0, "parse=score: the lowest score, paid 0; finite, below max_score.")
+    max_score: float = doc(10.0, "parse=score: the highest score, paid 1; finite.")
+    verdicts: dict[str, float] = doc(
+        factory=dict,
+        text="parse=verdict: each word and what it pays, e.g. {correct: 1, incorrect: 0} (a mapping: entries "
+        "add up).",
+    )
+    unparsed_score: float = doc(
+        0.0, "What an output that holds no score (or one outside the range) pays; its note quotes the output."
+    )
+    max_response_tokens: int = doc(
+        2048,
+        "Tokens of the response (the judge's tokenizer) placed in the template, >= 1; a longer response is not "
+        "cut (the judge would pay for what it never saw) but scores overlong_score with a note, unjudged.",
+    )
+    overlong_score: float = doc(
+        0.0, "What a response longer than max_response_tokens scores, a finite number."
+    )
+    batch_size: int = doc(64, "hf backend: sequences per generate() call, >= 1.")
 
     def validate(self) -> None:
         import re
@@ -925,14 +1170,19 @@ class JudgeConfig(RewardActorsConfig):
 
 @dataclass
 class ClusterConfig:
-    num_nodes: int = 1
-    gpus_per_node: int = 0  # 0: CPU training over gloo
-    cpu_workers_per_node: int = 2  # CPU only: policy ranks per node
-    # CPU workers: glibc reuses freed blocks, so big tensors do not page-fault anew every step.
-    keep_freed_memory: bool = True
-    # CPU, one node: bind each policy rank and each disaggregated generation worker to its own share of
-    # the cores (async GRPO then overlaps them without oversubscribing). Off: every process sees all.
-    cpu_pinning: bool = False
+    """The Ray cluster's shape: nodes, GPUs, CPU ranks."""
+
+    num_nodes: int = doc(1, "Nodes, >= 1 (disaggregated: generation.resources.num_nodes of them generate).")
+    gpus_per_node: int = doc(0, "GPUs per node, >= 0; 0: CPU training over gloo.")
+    cpu_workers_per_node: int = doc(2, "CPU only: policy ranks per node, >= 1.")
+    keep_freed_memory: bool = doc(
+        True, "CPU workers: glibc reuses freed blocks, so big tensors do not page-fault anew every step."
+    )
+    cpu_pinning: bool = doc(
+        False,
+        "CPU, one node: bind each policy rank and each disaggregated generation worker to its own share of the "
+        "cores (async GRPO then overlaps them without oversubscribing). Off: every process sees all.",
+    )
 
     @property
     def use_gpus(self) -> bool:
@@ -954,11 +1204,13 @@ class ClusterConfig:
 
 @dataclass
 class WandbConfig:
-    project: str | None = None  # null: WANDB_PROJECT, else kuberl
-    entity: str | None = None  # null: WANDB_ENTITY, else the API key's default entity
-    group: str | None = None  # null: the experiment's name
-    mode: str | None = (
-        None  # online | offline | disabled; null: WANDB_MODE, else online (the key: WANDB_API_KEY)
+    """Weights & Biases, when logger.backends names wandb (the API key: WANDB_API_KEY)."""
+
+    project: str | None = doc(None, "The W&B project; null: WANDB_PROJECT, else kuberl.")
+    entity: str | None = doc(None, "The W&B entity; null: WANDB_ENTITY, else the API key's default entity.")
+    group: str | None = doc(None, "The W&B run group; null: the experiment's name.")
+    mode: str | None = doc(
+        None, "online | offline | disabled; null: WANDB_MODE, else online (the key: WANDB_API_KEY)."
     )
 
     def validate(self) -> None:
@@ -968,11 +1220,18 @@ class WandbConfig:
 
 @dataclass
 class MlflowConfig:
-    # e.g. http://mlflow:5000, sqlite:////data/mlflow.db; null: MLFLOW_TRACKING_URI
-    tracking_uri: str | None = None
-    experiment: str | None = None  # null: MLFLOW_EXPERIMENT_NAME, else the experiment's name
-    # A new experiment's artifact root; null: the server's, or <log_dir>/mlflow-artifacts for a local store.
-    artifact_location: str | None = None
+    """MLflow, when logger.backends names mlflow."""
+
+    tracking_uri: str | None = doc(
+        None, "e.g. http://mlflow:5000, sqlite:////data/mlflow.db; null: MLFLOW_TRACKING_URI."
+    )
+    experiment: str | None = doc(
+        None, "The MLflow experiment; null: MLFLOW_EXPERIMENT_NAME, else the experiment's name."
+    )
+    artifact_location: str | None = doc(
+        None,
+        "A new experiment's artifact root; null: the server's, or <log_dir>/mlflow-artifacts for a local store.",
+    )
 
 
 # The chart sets KUBERL_LOGGER_BACKENDS (its logger.backends) on every Ray container; an override wins.
@@ -981,19 +1240,24 @@ _BACKENDS_FROM_ENV = '${oc.decode:${oc.env:KUBERL_LOGGER_BACKENDS,"[tensorboard]
 
 @dataclass
 class LoggerConfig:
-    log_dir: str = "logs"  # event files go to <log_dir>/<experiment>/<run>/
-    run_name: str | None = None  # null: a timestamp
-    # Any of tensorboard, wandb, mlflow: each gets the scalars, the config and rollout tables. Composed:
-    # the environment's KUBERL_LOGGER_BACKENDS, else [tensorboard].
-    backends: list[str] = field(
-        default_factory=lambda: ["tensorboard"], metadata={COMPOSED: _BACKENDS_FROM_ENV}
+    """Where metrics and rollouts go: the console, a jsonl per step, and the trackers."""
+
+    log_dir: str = doc("logs", "Event files go to <log_dir>/<experiment>/<run>/.")
+    run_name: str | None = doc(None, "The run's directory and name in the trackers; null: a timestamp.")
+    backends: list[str] = doc(
+        factory=lambda: ["tensorboard"],
+        text="Any of tensorboard, wandb, mlflow, each once: each gets the scalars, the config and rollout "
+        "tables. Composed: the environment's KUBERL_LOGGER_BACKENDS, else [tensorboard].",
+        composed=_BACKENDS_FROM_ENV,
     )
-    save_rollouts: bool = True  # train_data_step{N}.jsonl beside the event files
-    num_console_samples: int = 1  # samples printed per step (0: none)
-    # Rollouts per step in each tracker's table (W&B Table, MLflow artifact, TensorBoard text); 0: none.
-    num_table_rows: int = 16
-    wandb: WandbConfig = field(default_factory=WandbConfig)
-    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
+    save_rollouts: bool = doc(True, "Write train_data_step{N}.jsonl beside the event files.")
+    num_console_samples: int = doc(1, "Samples printed per step (0: none).")
+    num_table_rows: int = doc(
+        16,
+        "Rollouts per step in each tracker's table (W&B Table, MLflow artifact, TensorBoard text); 0: none.",
+    )
+    wandb: WandbConfig = section(WandbConfig)
+    mlflow: MlflowConfig = section(MlflowConfig)
 
     def validate(self) -> None:
         _require(
@@ -1015,23 +1279,43 @@ class LoggerConfig:
 
 @dataclass
 class CheckpointConfig:
-    enabled: bool = True
-    checkpoint_dir: str = "checkpoints"  # shared storage on a cluster: never a worker's local disk
-    save_period: int = 10
-    keep_top_k: int | None = 3  # null: keep every checkpoint
-    metric_name: str | None = None  # e.g. val/accuracy; null keeps the most recent
-    higher_is_better: bool = True
-    resume: str = "auto"  # auto | never | PATH (a step_N directory)
-    # After SIGTERM, save the last finished step only if a save (timed by the last one) fits in what is
-    # left of this many seconds; otherwise rely on the last periodic checkpoint. GKE spot gives 15-30 s.
-    preemption_grace_s: float = 25.0
-    # One run per checkpoint directory (trainer/lease.py): a run holds a lease on it, renewed every 30 s; a
-    # second run refuses while the holder's heartbeat is younger than this, and takes over after it.
-    lease_stale_after_s: float = 600.0
-    take_over: bool = False  # take the lease of a run known to be dead without waiting for it to go stale
-    # A resume under a config (or image) other than the checkpoint's refuses, naming the changed keys; true
-    # resumes anyway, and logs each change at start and in the trackers.
-    allow_changed_config: bool = False
+    """Saving, keeping and resuming checkpoints, and the lease that keeps one run per directory."""
+
+    enabled: bool = doc(True, "Save checkpoints.")
+    checkpoint_dir: str = doc(
+        "checkpoints", "Where checkpoints go: shared storage on a cluster, never a worker's local disk."
+    )
+    save_period: int = doc(10, "Steps between saves, >= 1 (the last step is always saved).")
+    keep_top_k: int | None = doc(
+        3, "Checkpoints kept (the latest always stays), >= 1; null: keep every checkpoint."
+    )
+    metric_name: str | None = doc(
+        None,
+        "The metric that ranks checkpoints for keep_top_k, e.g. val/accuracy; null keeps the most recent.",
+    )
+    higher_is_better: bool = doc(True, "Whether a higher metric_name ranks a checkpoint higher.")
+    resume: str = doc(
+        "auto", "auto (the latest checkpoint, if any) | never | PATH (an existing step_N directory)."
+    )
+    preemption_grace_s: float = doc(
+        25.0,
+        "After SIGTERM, save the last finished step only if a save (timed by the last one) fits in what is left "
+        "of this many seconds, >= 0; otherwise rely on the last periodic checkpoint. GKE spot gives 15-30 s.",
+    )
+    lease_stale_after_s: float = doc(
+        600.0,
+        "One run per checkpoint directory (trainer/lease.py): a run holds a lease on it, renewed every 30 s; a "
+        "second run refuses while the holder's heartbeat is younger than this many seconds (>= 120), and takes "
+        "over after it.",
+    )
+    take_over: bool = doc(
+        False, "Take the lease of a run known to be dead without waiting for it to go stale."
+    )
+    allow_changed_config: bool = doc(
+        False,
+        "A resume under a config (or image) other than the checkpoint's refuses, naming the changed keys; true "
+        "resumes anyway, and logs each change at start and in the trackers.",
+    )
 
     def validate(self) -> None:
         _require(
@@ -1063,19 +1347,23 @@ class _Resolved:
 
 @dataclass
 class Config(_Resolved):
-    experiment_name: str = "default"
-    seed: int = 42
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    grpo: GRPOConfig = field(default_factory=GRPOConfig)
-    policy: PolicyConfig = field(default_factory=PolicyConfig)
-    generation: GenerationConfig = field(default_factory=GenerationConfig)
-    env: EnvConfig = field(default_factory=EnvConfig)
-    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
-    judge: JudgeConfig = field(default_factory=JudgeConfig)
-    cluster: ClusterConfig = field(default_factory=ClusterConfig)
-    logger: LoggerConfig = field(default_factory=LoggerConfig)
-    checkpointing: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """A run's whole configuration: every section below, as ``python -m trainer --cfg`` prints it."""
+
+    experiment_name: str = doc(
+        "default", "The run's name: its directory under logger.log_dir and checkpointing.checkpoint_dir."
+    )
+    seed: int = doc(42, "The root seed: sampling and prompt order (data.seed composes from it).")
+    model: ModelConfig = section(ModelConfig)
+    data: DataConfig = section(DataConfig)
+    grpo: GRPOConfig = section(GRPOConfig)
+    policy: PolicyConfig = section(PolicyConfig)
+    generation: GenerationConfig = section(GenerationConfig)
+    env: EnvConfig = section(EnvConfig)
+    reward_model: RewardModelConfig = section(RewardModelConfig)
+    judge: JudgeConfig = section(JudgeConfig)
+    cluster: ClusterConfig = section(ClusterConfig)
+    logger: LoggerConfig = section(LoggerConfig)
+    checkpointing: CheckpointConfig = section(CheckpointConfig)
 
     # ----- derived placement ---------------------------------------------------------------------
     @property
@@ -1581,6 +1869,123 @@ def _open_mappings(overrides: list[str]) -> list[str]:
 
 def experiments() -> list[str]:
     return sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
+
+
+# ----- docs: python -m trainer --help SECTION -------------------------------------------------------
+
+_HELP_WIDTH = 110
+
+
+def _dataclass_in(hint: Any) -> tuple[type | None, bool]:
+    """The section a field's type holds, and whether as a list's items (``env.reward_functions``)."""
+    import typing
+
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) is list and args:
+        hint, items = args[0], True
+    else:
+        items = False
+    return (hint, items) if isinstance(hint, type) and dataclasses.is_dataclass(hint) else (None, False)
+
+
+def sections() -> list[str]:
+    """The root's sections, as ``--help SECTION`` takes them."""
+    return [
+        config_key(f) for f in dataclasses.fields(Config) if _dataclass_in(_type_hints(Config)[f.name])[0]
+    ]
+
+
+def _doc_paths(cls: type = Config, prefix: str = "") -> list[str]:
+    """Every section and key under ``cls``, dotted from the root."""
+    found = []
+    for f in dataclasses.fields(cls):
+        path = f"{prefix}{config_key(f)}"
+        inner, _ = _dataclass_in(_type_hints(cls)[f.name])
+        found += [path, *(_doc_paths(inner, f"{path}.") if inner else [])]
+    return found
+
+
+def _fill(text: str, indent: str = "") -> str:
+    import textwrap
+
+    return textwrap.fill(
+        text, _HELP_WIDTH, initial_indent=indent, subsequent_indent=indent, break_on_hyphens=False
+    )
+
+
+def _shown(value: Any) -> str:
+    """A default as a user writes it in an override or in YAML: ``null``, ``[q_proj, k_proj]``, ``{}``."""
+    import json
+
+    import yaml
+
+    plain = json.loads(json.dumps(to_dict(value)))  # tuples as lists: YAML has no tuples
+    if isinstance(plain, str) and "\n" in plain:
+        return json.dumps(plain)  # on one line: a YAML double-quoted string
+    return (
+        yaml.safe_dump(plain, default_flow_style=True, width=math.inf, sort_keys=False)
+        .removesuffix("\n...\n")
+        .strip()
+    )
+
+
+def _head(cls: type, f: dataclasses.Field, path: str) -> str:
+    """``key: type = default``; a section instead says how to list its own keys."""
+    inner, items = _dataclass_in(_type_hints(cls)[f.name])
+    if inner is not None and not items:
+        return f"{config_key(f)}: section (python -m trainer --help {path})"
+    if f.default is not dataclasses.MISSING:
+        head = f"{config_key(f)}: {f.type} = {_shown(f.default)}"
+    elif f.default_factory is not dataclasses.MISSING:
+        head = f"{config_key(f)}: {f.type} = {_shown(f.default_factory())}"
+    else:
+        head = f"{config_key(f)}: {f.type} (required)"
+    if COMPOSED in f.metadata:
+        head += f" (composed: {f.metadata[COMPOSED]})"
+    return head
+
+
+def _doc(cls: type, f: dataclasses.Field, path: str) -> str:
+    """A key's doc; a list of sections adds how to list its items' keys."""
+    _, items = _dataclass_in(_type_hints(cls)[f.name])
+    return f.metadata.get(DOC, "") + (f" Each item's keys: python -m trainer --help {path}." if items else "")
+
+
+def describe(path: str) -> str:
+    """What ``python -m trainer --help PATH`` prints: every key of the section ``path`` (``grpo.loss``) with
+    its type, default and doc, or the one key ``path`` names (``grpo.loss.tis_cap``)."""
+    cls: type = Config
+    items, parts = False, path.split(".")
+    for i, part in enumerate(parts):
+        f = next((f for f in dataclasses.fields(cls) if config_key(f) == part), None)
+        inner, items = _dataclass_in(_type_hints(cls)[f.name]) if f is not None else (None, False)
+        if f is None or (inner is None and i < len(parts) - 1):
+            raise ConfigError(_unknown_section(path))
+        if inner is None:  # one key
+            return f"{path}{_head(cls, f, path).removeprefix(part)}\n{_fill(_doc(cls, f, path), '  ')}"
+        cls = inner
+    lines = [_fill(f"{path}: {' '.join((cls.__doc__ or '').split())}"), ""]
+    for f in dataclasses.fields(cls):
+        key = f"{path}.{config_key(f)}"
+        lines += [f"  {_head(cls, f, key)}", _fill(_doc(cls, f, key), " " * 6)]
+    how = (
+        f"Each item of {path} is a mapping of these keys: {path}=[{{KEY: VALUE, ...}}, ...]."
+        if items
+        else f"Set a key with {path}.KEY=VALUE."
+    )
+    footer = (
+        f"{how} The defaults are the dataclasses' (trainer/config.py); an experiment changes some: "
+        "python -m trainer --cfg experiment=NAME prints a run's values."
+    )
+    return "\n".join([*lines, "", _fill(footer)])
+
+
+def _unknown_section(path: str) -> str:
+    import difflib
+
+    match = difflib.get_close_matches(path, _doc_paths(), n=1)
+    close = f" (did you mean {match[0]}?)" if match else ""
+    return f"unknown config section {path}{close}; sections: {', '.join(sections())}"
 
 
 # ----- one line for Hydra's and OmegaConf's errors --------------------------------------------------

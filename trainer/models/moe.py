@@ -5,7 +5,7 @@ probabilities (renormalised over the k where the family does) as the gate weight
 An engine that samples and a trainer that scores the same tokens compute the router's logits in different
 kernels, batch shapes and often precisions, so near-ties fall the other way in a share of the decisions: that
 token then goes through other experts in training than when it was sampled, and its importance ratio measures
-the routing noise, not the policy's change (Megatron-LM issue #4168: three of three GRPO runs on Qwen3-30B-A3B
+the routing noise, not the policy's change (NVIDIA/Megatron-LM#4168 on GitHub: three of three GRPO runs on Qwen3-30B-A3B
 collapsed without replay). **Router replay** (R3, as NeMo-RL's router-replay guide, verl, slime's
 ``--use-rollout-routing-replay`` and prime-rl do it) routes every token in the trainer's forwards to the
 experts the engine chose. The rule followed here is theirs: the **expert ids are the engine's**, the **gate

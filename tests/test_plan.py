@@ -287,7 +287,9 @@ def test_should_plan_the_reward_model_on_its_group_and_say_it_fits_beside_the_po
 
 def test_should_take_the_larger_of_the_token_budget_and_the_longest_sample_when_a_replica_scores() -> None:
     shape = plan.model_shape(SKYWORK, classifier=True)
-    base = ["experiment=qwen2.5-coder-7b-code-rm"]  # policy.max_total_sequence_length=6144
+    # policy.max_total_sequence_length=6144; batch-invariant passes (the default) read one sample at a time
+    assert plan.reward_model_pass(config.load(["experiment=qwen2.5-coder-7b-code-rm"]), shape) == (6144, 6144)
+    base = ["experiment=qwen2.5-coder-7b-code-rm", "reward_model.batch_invariant=false"]
     assert plan.reward_model_pass(config.load(base), shape) == (8192, 6144)
     assert plan.reward_model_pass(config.load([*base, "reward_model.max_tokens_per_batch=1024"]), shape) == (
         6144,

@@ -982,10 +982,17 @@ class RewardModelConfig(RewardActorsConfig):
     )
     trust_remote_code: bool = doc(False, "Run the model repository's own Python code (transformers' flag).")
     dtype: str = doc("float32", "float32 | bfloat16 | float16 | auto (bfloat16 where it is native).")
+    batch_invariant: bool = doc(
+        True,
+        "Score each distinct sequence in a forward pass of its own (no padding, no batch mates), so a score is a "
+        "function of the sequence alone, bit for bit, in any step and on any replica; false: padded passes by "
+        "max_tokens_per_batch, faster, whose scores move by rounding with their batch mates (a bfloat16 ulp, "
+        "which GRPO would turn into advantages).",
+    )
     max_tokens_per_batch: int = doc(
         8192,
         "Tokens per forward pass (padded: batch size x its longest sample), >= 1; a sample longer than this is "
-        "scored alone.",
+        "scored alone. Read only with batch_invariant=false.",
     )
     max_length: int | None = doc(
         None,

@@ -422,7 +422,8 @@ def scorers(cfg) -> list[Scorer]:
 
 
 def reward_model_pass(cfg, shape: Shape) -> tuple[int, int]:
-    """``(tokens, longest)`` of a replica's largest forward pass: a batch of at most
+    """``(tokens, longest)`` of a replica's largest forward pass: one sample alone with
+    ``reward_model.batch_invariant`` (the default), else a batch of at most
     ``reward_model.max_tokens_per_batch`` padded tokens, or one sample alone when it is longer. The
     longest sample it reads is a whole sequence of the policy (``policy.max_total_sequence_length``, in
     the policy's tokens; the reward model's chat template adds a few) up to ``reward_model.max_length``
@@ -430,7 +431,7 @@ def reward_model_pass(cfg, shape: Shape) -> tuple[int, int]:
     rm = cfg.reward_model
     limit = rm.max_length or shape.context or cfg.policy.max_total_sequence_length
     longest = min(cfg.policy.max_total_sequence_length, limit)
-    return max(rm.max_tokens_per_batch, longest), longest
+    return (longest if rm.batch_invariant else max(rm.max_tokens_per_batch, longest)), longest
 
 
 def reward_model_terms(cfg, shape: Shape, gpu: bool) -> dict[str, float]:

@@ -686,3 +686,21 @@ def test_importance_weights_carry_no_gradient():
 def test_unknown_importance_sampling_lists_the_valid_ones():
     with pytest.raises(KeyError, match="mis, none, seq_mis, tis"):
         ca.get_importance_sampling("sis")
+
+
+@pytest.mark.parametrize("scale", [1.0, 10.0, 1e4])
+def test_should_give_no_advantage_when_a_groups_rewards_differ_by_rounding_alone(scale):
+    # A reward model's float32 score of one answer moves by a few ulps with its batch: 2e-6 at 10.
+    ulps = torch.tensor([0.0, 2e-7, -1e-7, 3e-7], dtype=torch.float64) * scale
+    rewards = (scale + ulps).float()
+    assert len(set(rewards.tolist())) > 1  # not exactly equal ...
+    for estimator in ("mean", "leave_one_out"):
+        adv = compute_advantages(rewards, 4, estimator=estimator)
+        assert torch.equal(adv, torch.zeros(4))  # ... and no signal
+
+
+def test_should_keep_the_advantage_of_a_real_difference_however_small_the_rewards():
+    adv = compute_advantages(t([0.0, 0.0, 0.0, 1e-3]), 4)  # a partial credit of 1 in 1000
+    assert adv[3] > 1.0 and (adv[:3] < 0).all()
+    adv = compute_advantages(t([10.0, 10.0, 10.0, 10.01]), 4)  # a reward model's 1e-3 of its scale
+    assert adv[3] > 1.0

@@ -275,3 +275,44 @@ def test_should_stop_in_one_line_at_start_when_the_reward_model_is_wrong(
     import re
 
     assert re.match(says, err), err
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_should_score_a_sequence_bit_for_bit_the_same_in_any_step_when_passes_are_batch_invariant(
+    arithmetic_rm, dtype
+):
+    """Across steps, the dedupe above does not reach: the same answer scored beside other samples in one step
+    and alone in the next. With reward_model.batch_invariant (the default) each distinct sequence is a pass of
+    its own shape, so its score depends on its ids alone."""
+    worker = rm.RewardModelWorker(
+        RewardModelConfig(name=arithmetic_rm, dtype=dtype, max_tokens_per_batch=4096)
+    )
+    answer = ([{"role": "user", "content": "1+2"}], "3")
+    others = [
+        ([{"role": "user", "content": f"{a}+{b} and then some words"}], str(a + b))
+        for a in range(3)
+        for b in range(4)
+    ]
+
+    def scored(items):
+        gen = worker.score(items)
+        assert next(gen) is None
+        scores, _, _ = next(gen)
+        return scores
+
+    alone = scored([answer])[0]
+    for mates in (others[:1], others[:5], others, others[::-1]):
+        for at in (0, len(mates)):
+            items = [*mates[:at], answer, *mates[at:]]
+            assert scored(items)[at] == alone  # bit for bit
+    # Two copies of it are read once.
+    calls = []
+    forward = worker._forward
+    worker._forward = lambda seqs: (calls.append(len(seqs)), forward(seqs))[1]
+    assert scored([answer, answer]) == [alone, alone] and calls == [1]
+
+
+def test_should_group_passes_by_identical_sequence_when_invariant_and_by_budget_otherwise():
+    ids = [[1, 2, 3], [4, 5], [1, 2, 3], [6]]
+    assert rm.passes(ids, 100, invariant=True) == [[0, 2], [1], [3]]
+    assert rm.passes(ids, 6, invariant=False) == rm.batches([3, 2, 3, 1], 6)

@@ -178,6 +178,12 @@ def get_advantage_std(name: str) -> Callable[[Tensor], Tensor]:
     return _lookup("advantage std", ADVANTAGE_STDS, name)
 
 
+# The spread (max - min) under which a group's rewards count as equal, relative to their scale (floored at 1):
+# float32 rounding of one score across batch shapes is ~1e-7 relative (3e-8 measured at 0.4); any reward that
+# means a difference differs by far more (a partial credit of 1 in 100 is 1e-2).
+FLAT_GROUP_RTOL = 1e-5
+
+
 def compute_advantages(
     rewards: Tensor,
     group_size: int,
@@ -186,6 +192,7 @@ def compute_advantages(
     normalize_std: bool = True,
     std: str = "group",
     eps: float = 1e-6,
+    flat: float = FLAT_GROUP_RTOL,
 ) -> Tensor:
     """Group-relative advantages. rewards: (B,) -> (B,), float32 (or rewards' float dtype).
 
@@ -193,7 +200,8 @@ def compute_advantages(
     baseline comes from ``estimator``; with ``normalize_std`` it is then divided by (s + eps), where
     s is each sample's std from ``std`` ("group": the whole group's; "leave_one_out": the other
     G-1 samples'). A sample whose s is exactly 0 is not divided (only possible with leave_one_out
-    in a group that is not constant). A group whose rewards are all equal gets exactly 0.
+    in a group that is not constant). A flat group gets exactly 0: its rewards spread (max - min) no more than
+    ``flat`` x max(1, the largest |reward|), rounding and not signal (:data:`FLAT_GROUP_RTOL`).
 
     Raises ValueError if rewards is not 1-D, group_size < 2 (< 3 for the leave_one_out std), or
     B is not a multiple of group_size.
@@ -216,9 +224,12 @@ def compute_advantages(
         # the advantage then keeps its reward scale, as NeMo-RL does, instead of being multiplied
         # by 1 / eps. For the group std this is the division it always was.
         adv = torch.where(s > 0, adv / (s + eps), adv)
-    # Exact equality, not std < tol: an all-equal group has no signal, but its float mean can
-    # differ from the rewards by an ulp, and that residue over (0 + eps) would be a huge advantage.
-    constant = (grouped == grouped[:, :1]).all(dim=1, keepdim=True)
+    # A flat group has no signal: its float mean can differ from the rewards by an ulp, and rewards that differ
+    # by rounding alone (a reward model's float32 scores of the same answer in two batches: 3e-8 at 0.4) would,
+    # divided by their near-zero std, be advantages of +-1. Relative to the rewards' scale, floored at 1.
+    spread = grouped.max(dim=1, keepdim=True).values - grouped.min(dim=1, keepdim=True).values
+    scale = grouped.abs().max(dim=1, keepdim=True).values.clamp(min=1.0)
+    constant = spread <= flat * scale
     adv = torch.where(constant, torch.zeros_like(adv), adv)
     return adv.reshape(-1)
 

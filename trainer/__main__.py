@@ -87,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     from trainer.preemption import Preempted
     from trainer.prestart import SetupError
     from trainer.rewards.reward_model import RewardModelError
+    from trainer.rewards.runner import RewardFailureError
     from trainer.run import train
     from trainer.watchdog import LOST_EXIT, Lost
 
@@ -103,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         SetupError,
         GenerationError,
         RewardModelError,
+        RewardFailureError,
     ) as e:
         return _fail(str(e), 3)
     except Lost as e:  # a worker or the cluster is gone: the line says which, and where to resume

@@ -900,6 +900,12 @@ class EnvConfig:
         "that sample 0 and a warning.",
     )
     max_concurrent_rewards: int = doc(32, "Reward tasks running at once over the cluster's CPUs, >= 1.")
+    reward_failure_budget: float = doc(
+        0.25,
+        "Share of a step's samples, in [0, 1], whose reward may fail (a reward that raised, timed out or killed "
+        "its process; a reward-model or judge batch that raised or timed out) and score 0 while the run goes on; "
+        "above it the run stops with one line naming the cause, rather than train on zeros. 1: never stop.",
+    )
     feedback: str | None = doc(
         None, "Multi-turn execution feedback; null: the first reward's, if it has one."
     )
@@ -935,6 +941,10 @@ class EnvConfig:
             )
         _require(self.reward_timeout_s > 0, "env.reward_timeout_s must be > 0")
         _require(self.max_concurrent_rewards >= 1, "env.max_concurrent_rewards must be >= 1")
+        _require(
+            0 <= self.reward_failure_budget <= 1,
+            f"env.reward_failure_budget={self.reward_failure_budget} must be in [0, 1] (a share of a step's samples)",
+        )
 
 
 @dataclass

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from trainer.config import EnvConfig, RewardSpec
-from trainer.rewards.runner import MAX_TASK_ITEMS, RewardRunner, score_one
+from trainer.rewards.runner import MAX_TASK_ITEMS, RewardFailureError, RewardRunner, failure_cause, score_one
 
 
 def _boom(ground_truth, response, **kwargs):
@@ -130,7 +130,11 @@ def test_should_time_out_hanging_and_dying_rewards_without_blocking_others(ray_l
     assert [r.total for r in results] == [0.0, 1.0, 1.0, 1.0]
     assert "timed out" in results[0].warnings[0]
     assert results[0].answer_note == f"reward timed out after {TIMEOUT_S}s"
-    dying = RewardRunner(EnvConfig([RewardSpec("tests.rewards.test_runner:_kill")], reward_timeout_s=30))
+    dying = RewardRunner(
+        EnvConfig(
+            [RewardSpec("tests.rewards.test_runner:_kill")], reward_timeout_s=30, reward_failure_budget=1.0
+        )
+    )
     (dead,) = dying.results(dying.submit([(None, "x")]))
     assert dead.total == 0.0 and dead.warnings
 
@@ -218,7 +222,10 @@ def test_should_cost_only_the_bad_sample_when_it_hangs_or_kills_a_task_it_shares
     assert results[10].answer_note == f"reward timed out after {TIMEOUT_S}s"
     mixed = RewardRunner(
         EnvConfig(
-            [RewardSpec("tests.rewards.test_runner:_kill_on")], reward_timeout_s=30, max_concurrent_rewards=3
+            [RewardSpec("tests.rewards.test_runner:_kill_on")],
+            reward_timeout_s=30,
+            max_concurrent_rewards=3,
+            reward_failure_budget=0.5,  # one of three: this test is about who loses, not how many may
         )
     )
     mixed.item_s = 1e-4
@@ -291,3 +298,37 @@ def _kill_on(ground_truth, response, **kwargs):
 
         os._exit(1)
     return 1.0, True
+
+
+def _boom_on_x(ground_truth, response, **kwargs):
+    if response == "x":
+        raise RuntimeError("reward bug")
+    return 1.0, True
+
+
+def test_should_stop_the_run_in_one_line_when_more_samples_lose_their_reward_than_the_budget(ray_local):
+    env = EnvConfig([RewardSpec("tests.rewards.test_runner:_boom_on_x")], reward_failure_budget=0.25)
+    runner = RewardRunner(env)
+    # One of four failing is within the budget: it scores 0 and the step goes on ...
+    assert [
+        r.total
+        for r in runner.results(runner.submit([(None, "x"), (None, "ok"), (None, "ok"), (None, "ok")]))
+    ] == [0.0, 1.0, 1.0, 1.0]
+    # ... two of four is not: one line, the count, the cause and the keys to turn.
+    with pytest.raises(RewardFailureError) as e:
+        runner.results(runner.submit([(None, "x"), (None, "x"), (None, "ok"), (None, "ok")]))
+    line = str(e.value)
+    assert "\n" not in line and line.startswith("2 of 4 samples lost their reward this step")
+    assert "RuntimeError: reward bug" in line and "env.reward_failure_budget" in line
+
+
+def test_should_count_failures_not_verdicts_or_scored_notes_against_the_budget():
+    assert failure_cause("reward 'math' raised ValueError: boom") == "reward 'math' raised ValueError: boom"
+    assert failure_cause("reward model timed out after 30s") == "reward model timed out after 30s"
+    assert failure_cause("reward task failed: the worker died") == "reward task failed"
+    for scored in (
+        "too long for the reward model: 9000 tokens > 8192",
+        "judge: unparsed (no final line)",
+        "",
+    ):
+        assert failure_cause(scored) is None

@@ -131,6 +131,24 @@ def _conversation(rest: list) -> list[dict]:
     return list(messages) if messages else [{"role": "user", "content": question or ""}]
 
 
+class RewardFailureError(RuntimeError):
+    """More of a step's samples lost their reward than ``env.reward_failure_budget`` allows (the message names the
+    commonest cause and the fix)."""
+
+
+def failure_cause(warning_or_note: str) -> str | None:
+    """The cause of a failed reward, from a sample's warning or a model's note; None when it is no failure (a
+    verdict, a parse note, a too-long sample is scored, not failed)."""
+    for mark in (" raised ", " timed out", "reward task failed"):
+        if mark in warning_or_note:
+            return (
+                warning_or_note.split(":")[0].split(" (")[0]
+                if mark == "reward task failed"
+                else warning_or_note
+            )
+    return None
+
+
 def _failed(why: str) -> RewardResult:
     return RewardResult(0.0, False, {}, [why], answer_note=why)
 
@@ -503,19 +521,40 @@ class RewardRunner:
         ):
             self.poll(timeout=0.05)
         out = [self._results.pop(i) for i in ids]
-        for r in out:
+        failed: dict[int, str] = {}  # sample -> its first failure's cause
+        for k, r in enumerate(out):
             for w in r.warnings:
                 log.warning("%s; the sample scores 0 for it", w)
+                cause = failure_cause(w)
+                if cause is not None:
+                    failed.setdefault(k, cause)
         for spec in self.model_specs:
             notes: collections.Counter[str] = collections.Counter()
-            for i, r in zip(ids, out):
+            for k, (i, r) in enumerate(zip(ids, out)):
                 score, raw, note = self._rm_results[spec.name].pop(i)
                 self._join_model_score(spec, r, score, raw, note)
+                cause = failure_cause(note) if note and not note.startswith(judge.PARSED) else None
+                if cause is not None:
+                    failed.setdefault(k, cause)
                 if note and not note.startswith(judge.PARSED):  # a verdict read is no warning
                     notes[note.split(":")[0].split(" (")[0]] += 1
             for what, n in notes.items():
                 log.warning("%s (%d of %d samples)", what, n, len(ids))
+        self._check_budget(failed, len(ids))
         return out
+
+    def _check_budget(self, failed: dict[int, str], total: int) -> None:
+        """:class:`RewardFailureError` when more than ``env.reward_failure_budget`` of ``total`` samples failed."""
+        budget = self.env.reward_failure_budget
+        if not failed or len(failed) <= budget * total:
+            return
+        causes = collections.Counter(failed.values())
+        cause, n = causes.most_common(1)[0]
+        raise RewardFailureError(
+            f"{len(failed)} of {total} samples lost their reward this step (env.reward_failure_budget={budget:g}), "
+            f"{n} of them to: {cause[:300]}; fix that reward (or raise env.reward_timeout_s for a slow one), or "
+            "raise env.reward_failure_budget to train on their zeros"
+        )
 
     def _join_model_score(
         self, spec: RewardSpec, result: RewardResult, score: float, raw: float | None, note: str

@@ -11,7 +11,8 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from trainer.config import Config
+from trainer.config import Config, LoRAConfig
+from trainer.generation.base import GenerationEngine
 
 
 def rank_seed_offset(rank: int) -> int:
@@ -20,7 +21,14 @@ def rank_seed_offset(rank: int) -> int:
     return 1 + rank
 
 
-def build(cfg: Config, model_path: str, rank: int, device: torch.device, host, lora):
+def build(
+    cfg: Config,
+    model_path: str,
+    rank: int,
+    device: torch.device,
+    host: torch.nn.Module | None,
+    lora: LoRAConfig | None,
+) -> GenerationEngine:
     """The rank's engine; ``host``: the loaded model (with its adapters) an hf engine copies, before the
     policy's attention is set; ``lora``: the adapters' config, or None."""
     from trainer.generation.factory import EngineSpec, build_engine
@@ -41,7 +49,9 @@ def build(cfg: Config, model_path: str, rank: int, device: torch.device, host, l
     return build_engine(cfg.generation, spec)
 
 
-def refresh(engine, weights: Callable[[], Iterator[tuple[str, torch.Tensor]]], adapters: bool) -> None:
+def refresh(
+    engine: GenerationEngine, weights: Callable[[], Iterator[tuple[str, torch.Tensor]]], adapters: bool
+) -> None:
     """Load the updated weights (``weights()`` gathers them: the trainable ones, or the adapters alone with
     ``adapters``; a frozen weight keeps what the engine was built with, unless the engine's sleep discarded
     it: then ``weights()`` brings the frozen ones too)

@@ -102,8 +102,13 @@ class TiledHead:
         if len(parts) == 1:
             return parts[0]
         logprobs = torch.cat([lp for lp, _ in parts], dim=1)
-        entropy = torch.cat([ent for _, ent in parts], dim=1) if self.with_entropy else None
-        return logprobs, entropy
+        if not self.with_entropy:
+            return logprobs, None
+        entropies = []
+        for _, ent in parts:
+            assert ent is not None  # with_entropy: every part computed it
+            entropies.append(ent)
+        return logprobs, torch.cat(entropies, dim=1)
 
 
 def logits_logprobs(
@@ -123,7 +128,7 @@ def logits_logprobs(
 _METHOD = "_kuberl_forward_to_head"  # the method FSDP2 treats as a forward of the root unit
 
 
-def _forward_to_head(model, finish, **kwargs):
+def _forward_to_head(model: Any, finish: Callable[[torch.Tensor, Any], Any], **kwargs: Any) -> Any:
     """``model.forward(**kwargs)`` with ``lm_head`` handing back its input, then ``finish(hidden, output)``:
     hidden (..., H) as the head received it, output the model's (its logits empty). Called through the
     method FSDP2 wraps, so the root's parameters are gathered for ``finish`` too."""

@@ -107,8 +107,8 @@ def gather_adapters(
         if not p.requires_grad:
             continue
         with fence.producing():
-            p = p.detach()
-            p = p.full_tensor() if hasattr(p, "full_tensor") else p.clone()
-            if dtype is not None and p.dtype != dtype:
-                p = p.to(dtype)
-        yield name, fence.hand_over(p)
+            t = p.detach()
+            t = t.full_tensor() if hasattr(t, "full_tensor") else t.clone()
+            if dtype is not None and t.dtype != dtype:
+                t = t.to(dtype)
+        yield name, fence.hand_over(t)

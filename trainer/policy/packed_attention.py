@@ -31,7 +31,7 @@ import logging
 import math
 import sys
 from functools import lru_cache
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -145,7 +145,9 @@ def _attend(module, q, k, v, row: Row, inner: str, dropout, scaling, sliding_win
         from transformers.integrations.flash_attention import get_target_dtype
         from transformers.modeling_flash_attention_utils import _flash_attention_forward
 
-        cu = row.cu_seqlens.to(device=q.device, dtype=torch.int32)
+        # int32, as flash's kernels take them; transformers annotates them torch.LongTensor, a legacy type
+        # that no .to() returns: the cast is for its annotation, not a conversion.
+        cu = cast(torch.LongTensor, row.cu_seqlens.to(device=q.device, dtype=torch.int32))
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (1, N, h, D): flash's layout
         return _flash_attention_forward(
             q,
@@ -260,7 +262,7 @@ def _varlen_kwargs(
     """The keywords that make ``varlen_attn`` (whose parameter names are ``params``) compute the per-sample
     loop's attention: causal (within the last ``window`` tokens when it is not None), the softmax scale
     ``scaling``, ``kv_heads`` key/value heads for ``heads`` query heads; None where it can't say that."""
-    kw = {}
+    kw: dict[str, Any] = {}
     if "window_size" in params:
         kw["window_size"] = (-1, 0) if window is None else (window - 1, 0)  # a tuple: see above
     elif "is_causal" in params and window is None:

@@ -57,4 +57,6 @@ def load_shards(model: torch.nn.Module, host: torch.nn.Module | None, device: to
         raise RuntimeError(f"load_shards: {', '.join(left)} still on the meta device; load this model whole")
     state = [torch.get_rng_state() if host is not None else None]
     dist.broadcast_object_list(state, src=0)
-    torch.set_rng_state(state[0])
+    rng = state[0]
+    assert rng is not None  # rank 0 holds the host model, and every rank now holds its state
+    torch.set_rng_state(rng)

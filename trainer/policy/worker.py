@@ -48,7 +48,7 @@ heap.pause_for_actor("trainer.policy.worker.PolicyWorker")
 import datetime
 import logging
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -68,6 +68,13 @@ from trainer.policy.batch import (
 )
 from trainer.policy.packed_attention import PackedAttention
 from trainer.policy.sharded_init import load_shards
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
+    from transformers import PreTrainedModel
+
+    from trainer.generation.base import GenerationEngine
+    from trainer.policy.ulysses import SequenceParallelGroup
 
 log = logging.getLogger(__name__)
 
@@ -125,8 +132,8 @@ class PolicyWorker:
     def __init__(self, cfg: Config, model_path: str, rank: int, world_size: int, colocated_engine: bool):
         self.cfg, self.model_path, self.rank, self.world_size = cfg, model_path, rank, world_size
         self.colocated_engine = colocated_engine
-        self.engine = None
-        self.sp = None  # set in setup with policy.sequence_parallel_size > 1
+        self.engine: GenerationEngine | None = None  # with colocated_engine, set in setup
+        self.sp: SequenceParallelGroup | None = None  # set in setup with policy.sequence_parallel_size > 1
         # The policy's attention when it is trainer.policy.packed_attention's (set in setup), else None.
         self.attention: PackedAttention | None = None
         self._fused_rows = False  # whether packed rows run one fused varlen call (set in setup)
@@ -170,7 +177,11 @@ class PolicyWorker:
             if self.rank == 0 or hf_engine
             else None
         )
-        model = build_empty_model(self.model_path, cfg.model.dtype, cfg.model.trust_remote_code)
+        # A causal LM of transformers (AutoModelForCausalLM), which build_empty_model annotates as a plain module.
+        model = cast(
+            "PreTrainedModel",
+            build_empty_model(self.model_path, cfg.model.dtype, cfg.model.trust_remote_code),
+        )
         self.lora = cfg.policy.lora if cfg.policy.lora.enabled else None
         if self.lora is not None:
             from trainer.models import lora
@@ -218,7 +229,7 @@ class PolicyWorker:
             ):  # frozen embeddings: a checkpointed block's input must still need grad
                 model.enable_input_require_grads()
         model.config.use_cache = False
-        shard_model(model, cfg.policy.reshard_after_forward, DTYPES.get(cfg.policy.param_dtype))
+        shard_model(model, cfg.policy.reshard_after_forward, DTYPES.get(cfg.policy.param_dtype or ""))
         if self.rank != 0:
             host = None  # a colocated hf engine's copy is made; only rank 0's feeds the shards
         load_shards(model, host, self.device)
@@ -233,7 +244,7 @@ class PolicyWorker:
             ref.requires_grad_(False)
             if self.attention is not None:  # the same attention as the policy's: its rows serve both
                 packed_attention.install(ref, cfg.model.attn_implementation or "sdpa", self.sp)
-            shard_model(ref, True, DTYPES.get(cfg.policy.param_dtype))
+            shard_model(ref, True, DTYPES.get(cfg.policy.param_dtype or ""))
             load_shards(ref, host, self.device)
             self.ref_model = ref.eval()
         del host
@@ -311,6 +322,7 @@ class PolicyWorker:
     def generate(self, prompts: list[list[int]], n: int, params: SamplingParams) -> list[list[Completion]]:
         """Sample with the colocated engine; it stays awake through several calls (rollout turns, rounds),
         until the policy's next forward (:meth:`_engine_to_sleep`). One asleep wakes itself first."""
+        assert self.engine is not None, "generate: this rank was built without a colocated engine"
         self._engine_awake = True
         return self.engine.generate(prompts, n, params)
 
@@ -325,12 +337,14 @@ class PolicyWorker:
         """Gather the updated trainable weights into the colocated engine (collective), in the order that keeps
         the device's peak low: what training cached goes back to the device first, the engine's weights
         wake, the new ones load one FSDP unit at a time, and only then does the KV cache wake."""
+        engine = self.engine
+        assert engine is not None, "refresh_engine: this rank was built without a colocated engine"
         if self.lora is not None:
             gather = lambda: self.iter_adapter_weights(self.engine_dtype)  # noqa: E731
         else:  # an engine that slept its weights away (vLLM level 2) takes the frozen ones back too
-            frozen = self.engine.reloads_every_weight
+            frozen = engine.reloads_every_weight
             gather = lambda: self.iter_full_weights(self.engine_dtype, frozen=frozen)  # noqa: E731
-        colocated.refresh(self.engine, gather, adapters=self.lora is not None)
+        colocated.refresh(engine, gather, adapters=self.lora is not None)
         self._engine_awake = True
 
     @property
@@ -394,6 +408,10 @@ class PolicyWorker:
         }
 
     def engine_state_dict(self) -> dict[str, torch.Tensor]:
+        """The colocated hf engine's weights, for tests (other engines keep theirs in their own layout)."""
+        from trainer.generation.hf import HFGenerationEngine
+
+        assert isinstance(self.engine, HFGenerationEngine), "engine_state_dict: reads an hf engine's weights"
         return {name: p.detach().cpu().clone() for name, p in self.engine.model.named_parameters()}
 
     # ----- weight broadcast (disaggregated) --------------------------------------------------------
@@ -501,7 +519,9 @@ class PolicyWorker:
                 logprobs, _ = self._forward_logprobs(model, batch)
                 for i, lp in zip(idx, batch.unpad(mb, logprobs.cpu())):
                     result[i] = lp
-        return result
+        done = [lp for lp in result if lp is not None]
+        assert len(done) == len(samples), "compute_logprobs: a sample in no micro-batch"
+        return done
 
     def _reference_view(self, reference: bool):
         """With LoRA the reference is the policy with its adapters off; otherwise nothing to switch."""
@@ -559,8 +579,9 @@ class PolicyWorker:
                 )
             ]
             for i, (mb, prefix) in enumerate(zip(mbs, self._prefix_layouts(mbs))):
-                # Reduce-scatter gradients once per optimizer step, not once per micro-batch.
-                self.model.set_requires_gradient_sync(i == len(mbs) - 1)
+                # Reduce-scatter gradients once per optimizer step, not once per micro-batch. (The cast: fully_shard
+                # made the root's class an FSDPModule subclass of its own in setup, which self.model's type can't say.)
+                cast("FSDPModule", self.model).set_requires_gradient_sync(i == len(mbs) - 1)
                 batch = self._batch(mb, prefix, mode)
                 moe.begin(self.model)
                 logprobs, entropy = self._forward_logprobs(self.model, batch, cfg.policy.compute_entropy)
@@ -603,7 +624,7 @@ class PolicyWorker:
             add("grad_norm", grad_norm)
             self.optimizer.step()
             self.scheduler.step()
-        self.model.set_requires_gradient_sync(True)
+        cast("FSDPModule", self.model).set_requires_gradient_sync(True)
         # Sum over ranks, then normalise (Objective.metrics).
         if self.sp is not None and not self.sp.leader:  # a group's sums once: its ranks computed the same
             sums = {k: (v if k == "grad_norm" else torch.zeros_like(v)) for k, v in sums.items()}
@@ -616,7 +637,7 @@ class PolicyWorker:
             routing["moe/aux_loss"] = reduced.pop("moe/aux_loss") / max(len(minibatches), 1)
         out = objective.metrics(reduced, steps=len(minibatches))
         out.update(routing)
-        out["lr"] = self.scheduler.get_last_lr()[0]
+        out["lr"] = float(self.scheduler.get_last_lr()[0])  # a float already (torch's stub allows a tensor)
         return out
 
     def perf_stats(self) -> dict[str, Any]:
@@ -658,7 +679,7 @@ class PolicyWorker:
         dcp.load(path, self.model, self.optimizer, self.scheduler, lora=self.lora is not None)
 
     def shutdown(self) -> None:
-        if getattr(self, "engine", None) is not None:
-            self.engine.shutdown()
+        if (engine := getattr(self, "engine", None)) is not None:
+            engine.shutdown()
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -95,9 +95,11 @@ class GenerationEngine(Protocol):
         tensor under the policy's name (``...q_proj.lora_A.default.weight``); the base stays as it is."""
         ...
 
-    # True when sleep discards the weights (vLLM's level 2), so the refit after it must bring every weight,
-    # frozen ones too, not only those the optimizer changed.
-    reloads_every_weight: bool
+    @property
+    def reloads_every_weight(self) -> bool:
+        """True when sleep discards the weights (vLLM's level 2), so the refit after it must bring every
+        weight, frozen ones too, not only those the optimizer changed."""
+        ...
 
     def sleep(self) -> None:
         """Free what generation holds (KV cache, weights) while the policy trains; idempotent; frees
@@ -126,6 +128,11 @@ class WeightReceiver(Protocol):
 
     def receive_weights(self, update_info: dict) -> None:
         """Receive one full set of weights, as ``update_info`` (names, dtype_names, shapes) announces."""
+        ...
+
+    def receive_adapter(self, update_info: dict) -> None:
+        """LoRA (an engine built with ``EngineSpec.lora``): receive the policy's adapters alone, over the same
+        group, as ``update_info`` announces them."""
         ...
 
     def close_weight_receiver(self) -> None:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Iterable
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import torch
@@ -39,6 +40,9 @@ from trainer.generation.base import Completion, SamplingParams
 from trainer.generation.tool_parsers import parser_text
 from trainer.models import moe
 from trainer.models.prompts import distinct_prompts
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 # Attention implementations known to work with a StaticCache and a padded 2D attention mask.
 _STATIC_CACHE_ATTN = ("sdpa", "eager")
@@ -149,7 +153,8 @@ class HFGenerationEngine:
     """Generates with a plain (unsharded) transformers model that it owns."""
 
     def __init__(self, model: torch.nn.Module, tokenizer, batch_size: int = 64):
-        self.model = model.eval()
+        # A causal LM of transformers (trainer.models.load_model's, which annotates it as a plain module).
+        self.model = cast("PreTrainedModel", model).eval()
         self.tokenizer = tokenizer
         self.batch_size = batch_size
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -234,9 +239,9 @@ class HFGenerationEngine:
         if row_seeds is not None and not params.greedy:
             uniforms = _row_uniforms(row_seeds, max_new, device)
         # The distinct prompts, left-padded; samples of one prompt share a single prefill.
-        input_ids, prompt_mask, rows = distinct_prompts(prompts, self.pad_id)  # (U, W), (U, W), (B,)
+        input_ids, prompt_mask, row_ids = distinct_prompts(prompts, self.pad_id)  # (U, W), (U, W), (B,)
         width = input_ids.shape[1]
-        rows = torch.tensor(rows, device=device)
+        rows = torch.tensor(row_ids, device=device)
         input_ids, prompt_mask = input_ids.to(device), prompt_mask.to(device)
         position_ids = (prompt_mask.cumsum(1) - 1).clamp(min=0)  # (U, W)
         # The last sampled token is never fed back, so the cache needs width + max_new - 1 columns.
@@ -399,7 +404,7 @@ class HFGenerationEngine:
 
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        params = dict(self.model.named_parameters())
+        params: dict[str, torch.Tensor] = dict(self.model.named_parameters())
         params.update(dict(self.model.named_buffers()))
         for name, tensor in named_tensors:
             target = params.get(name)

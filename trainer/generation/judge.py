@@ -90,8 +90,9 @@ class JudgeWorker:
         prompts, notes = self.prompts(items)
         scores = [self.cfg.overlong_score] * len(items)
         todo = [i for i, p in enumerate(prompts) if p is not None]
+        judged = [p for p in prompts if p is not None]  # todo's prompts, in its order
         if todo:
-            outs = self.engine.generate([prompts[i] for i in todo], 1, self.params)  # type: ignore[misc]
+            outs = self.engine.generate(judged, 1, self.params)
             for i, out in zip(todo, outs):
                 scores[i], notes[i] = rules.judged(out[0].text, self.cfg, out[0].finish_reason)
         yield scores, notes, time.monotonic() - start

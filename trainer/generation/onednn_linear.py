@@ -59,7 +59,8 @@ def pack(model: torch.nn.Module, rows_hint: int) -> int:
     for module in model.modules():
         if isinstance(module, torch.nn.Linear) and module.weight.dtype == torch.bfloat16:
             setattr(module, _HINT, rows_hint)
-            module.forward = types.MethodType(_packed_forward, module)
+            # The instance's own forward, shadowing the class's until unpack deletes it.
+            module.forward = types.MethodType(_packed_forward, module)  # type: ignore[method-assign]  # meant
             count += 1
     try:
         repack(model)
@@ -95,4 +96,5 @@ def repack(model: torch.nn.Module) -> None:
     for module in model.modules():
         hint = getattr(module, _HINT, None)
         if hint is not None:
+            assert isinstance(module, torch.nn.Linear)  # pack hints linear layers alone
             setattr(module, _PACKED, reorder(module.weight.detach(), hint))

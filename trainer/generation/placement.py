@@ -150,7 +150,9 @@ class DisaggregatedGenerator:
             [{"GPU": tp, "CPU": 1} if gpus else {"CPU": 1} for _ in range(n)], "kuberl-generation"
         )
         actor = ray.remote(num_cpus=1, num_gpus=tp if gpus else 0)(GenerationWorker)
-        self.workers = [
+        # Any, as PolicyGroup's: Ray's stubs type a handle as ActorHandle[T] | type[T], whose methods are T's
+        # plain functions, without .remote.
+        self.workers: list[Any] = [
             actor.options(scheduling_strategy=in_bundle(self.pg, r)).remote(
                 cfg, model_path, r, **({"endpoint_token": token} if token is not None else {})
             )

@@ -68,7 +68,7 @@ import os
 import shutil
 import time
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -82,6 +82,7 @@ from trainer.models import moe
 
 if TYPE_CHECKING:  # annotations only: vLLM is imported when an engine is built
     from vllm import LLM
+    from vllm.inputs import TokensPrompt
     from vllm.lora.request import LoRARequest
 
 log = logging.getLogger(__name__)
@@ -259,6 +260,7 @@ def llm_kwargs(
 
         kwargs["weight_transfer_config"] = WeightTransferConfig(backend=vllm_transfer_backend(not on_cpu))
     if lora is not None:
+        assert lora.rank is not None  # policy.lora comes here only when enabled (a rank set)
         # one adapter, the policy's; config validation keeps these keys out of vllm_kwargs
         kwargs.update(
             enable_lora=True, max_lora_rank=vllm_max_lora_rank(lora.rank), max_loras=1, max_cpu_loras=1
@@ -305,7 +307,7 @@ class VLLMGenerationEngine:
         gen: GenerationConfig,
         dtype: str,
         seed: int,
-        max_model_len: int,
+        max_model_len: int | None,
         threads: int | None = None,
         *,
         weight_transfer: bool = False,
@@ -555,8 +557,11 @@ class VLLMGenerationEngine:
         for part, part_seeds in self._seedable_parts(prompts, n, seeds):
             # One seed for the whole part: one set of parameters, as vLLM replicates it for every prompt.
             alike = len(set(part_seeds)) == 1
+            # vLLM's TokensPrompt. The cast: vLLM marks its optional keys typing.NotRequired, which mypy does not
+            # know at this project's python_version (3.10), and so takes them as required.
+            batch = cast("list[TokensPrompt]", [{"prompt_token_ids": list(prompts[i])} for i in part])
             outputs = self.llm.generate(
-                [{"prompt_token_ids": list(prompts[i])} for i in part],
+                batch,
                 sampling(part_seeds[0]) if alike else [sampling(s) for s in part_seeds],
                 use_tqdm=False,
                 lora_request=self._lora_request,
@@ -747,11 +752,11 @@ class VLLMGenerationEngine:
 class _Collector(torch.nn.Module):
     """A weight-update target that keeps what it is given (the adapters), instead of loading a model."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         super().__init__()
         self.tensors: list[tuple[str, torch.Tensor]] = []
 
-    def load_weights(self, weights) -> set[str]:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         names = set()
         for name, tensor in weights:
             self.tensors.append((name, tensor.detach().to("cpu", copy=True)))

@@ -16,6 +16,7 @@ so the engine never runs two calls at once and never samples from half-loaded we
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,6 +26,9 @@ from trainer.config import Config
 from trainer.generation.base import Completion, SamplingParams, WeightReceiver
 from trainer.generation.endpoint import ChatEndpoint, EngineGate
 from trainer.generation.factory import EngineSpec, build_engine
+
+if TYPE_CHECKING:
+    from trainer.generation.refit.group import WeightSyncGroup
 
 
 class GenerationWorker:
@@ -126,7 +130,9 @@ class GenerationWorker:
 
     def _receive_weights(self, update_info: dict) -> None:
         if self.sync is None:
-            (self.engine.receive_adapter if self.lora else self.engine.receive_weights)(update_info)
+            engine = self.engine
+            assert isinstance(engine, WeightReceiver)  # init_weight_sync opened no group: the engine's own
+            (engine.receive_adapter if self.lora else engine.receive_weights)(update_info)
             return
         from trainer.generation.refit.transport import WeightMeta, receive_tensors
 
@@ -138,11 +144,16 @@ class GenerationWorker:
         """Leave the weight group together with the policy's rank 0 (the driver calls both at once)."""
         if isinstance(self.engine, WeightReceiver):
             self.engine.close_weight_receiver()
-        elif getattr(self, "sync", None) is not None:
-            self.sync.close()
+        else:
+            sync: WeightSyncGroup | None = getattr(self, "sync", None)  # None before init_weight_sync
+            if sync is not None:
+                sync.close()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The hf engine's weights, for tests (other engines keep theirs in their own layout)."""
+        from trainer.generation.hf import HFGenerationEngine
+
+        assert isinstance(self.engine, HFGenerationEngine), "state_dict: reads an hf engine's weights"
         return {name: p.detach().cpu().clone() for name, p in self.engine.model.named_parameters()}
 
     def generate(self, prompts: list[list[int]], n: int, params: SamplingParams) -> list[list[Completion]]:

@@ -30,6 +30,7 @@ import datetime
 import logging
 import time
 import weakref
+from typing import Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -42,15 +43,29 @@ _CLOSED_KEY = f"{_PREFIX}/closed"  # how many non-root ranks have checked out
 _OPEN: weakref.WeakSet[WeightSyncGroup] = weakref.WeakSet()  # groups not yet closed in this process
 
 
+class _Backend(Protocol):
+    """What the group calls on its process group. torch binds both on every backend (ProcessGroupGloo,
+    ProcessGroupNCCL), but its stubs (torch/_C/_distributed_c10d.pyi) declare them on ProcessGroup alone."""
+
+    def broadcast(self, tensor: torch.Tensor, root: int) -> dist.Work: ...
+
+    def barrier(self, opts: dist.BarrierOptions) -> dist.Work: ...
+
+
 class WeightSyncGroup:
     def __init__(self, host: str, port: int, rank: int, world_size: int, device: torch.device):
         self.rank, self.world_size, self.device = rank, world_size, device
-        self.store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=_TIMEOUT)
+        self.store: dist.TCPStore | None = dist.TCPStore(
+            host, port, world_size, is_master=rank == 0, timeout=_TIMEOUT
+        )
         prefix = dist.PrefixStore(_PREFIX, self.store)
+        # Held by self.pg alone: _drop_pg's assignment is what destroys the group (module docstring, step 2).
+        self.pg: _Backend | None
         if device.type == "cuda":
-            self.pg = dist.ProcessGroupNCCL(prefix, rank, world_size)
+            # torch binds (store, rank, size, timeout=default) too (c10d/init.cpp); its stub has only `options`
+            self.pg = cast(_Backend, dist.ProcessGroupNCCL(prefix, rank, world_size))  # type: ignore[call-arg]  # above
         else:
-            self.pg = dist.ProcessGroupGloo(prefix, rank, world_size, _TIMEOUT)
+            self.pg = cast(_Backend, dist.ProcessGroupGloo(prefix, rank, world_size, _TIMEOUT))
         _OPEN.add(self)
 
     def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -73,6 +88,7 @@ class WeightSyncGroup:
         """
         if self.pg is None:
             return True
+        assert self.store is not None  # let go after the group, never before (here and in abandon)
         met = self._barrier(timeout_s)
         self._drop_pg()
         if self.rank != 0:
@@ -96,6 +112,7 @@ class WeightSyncGroup:
         opts.timeout = datetime.timedelta(seconds=timeout_s)
         if self.device.type == "cuda":  # NCCL's barrier is an all-reduce on this rank's device
             opts.device_ids = [self.device.index or 0]
+        assert self.pg is not None  # close() checked
         try:
             self.pg.barrier(opts).wait()
             return True
@@ -111,6 +128,7 @@ class WeightSyncGroup:
         _OPEN.discard(self)
 
     def _wait_for_check_outs(self, timeout_s: float) -> bool:
+        assert self.store is not None  # close() checked
         deadline = time.monotonic() + timeout_s
         while True:
             try:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
@@ -55,6 +55,18 @@ from trainer.generation.vllm_engine import (
     quiet,
 )
 
+if TYPE_CHECKING:
+    from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+
+    from trainer.generation.refit.group import WeightSyncGroup
+
+
+class _LoadsWeights(Protocol):
+    """A weight-update target: a vLLM model, or vllm_engine's collector of adapters. vLLM annotates the target
+    as a plain torch.nn.Module, though every one it loads into has this method."""
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[str] | None: ...
+
 
 class GlooWeightTransferEngine(
     WeightTransferEngine[NCCLWeightTransferInitInfo, NCCLWeightTransferUpdateInfo]
@@ -65,9 +77,9 @@ class GlooWeightTransferEngine(
     update_info_cls = NCCLWeightTransferUpdateInfo
     supports_draft_weight_update = False
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.group = None
+        self.group: WeightSyncGroup | None = None
         self.rank: int | None = None
         self.buffer_bytes = 0
         self.update: WeightUpdate | None = None  # the update between start_weight_update and finish
@@ -77,16 +89,16 @@ class GlooWeightTransferEngine(
     def init_transfer_engine(self, init_info: NCCLWeightTransferInitInfo) -> None:
         from trainer.generation.refit.group import WeightSyncGroup
 
-        if not init_info.packed or init_info.master_address is None:
+        if not init_info.packed or init_info.master_address is None or init_info.master_port is None:
             raise ValueError(f"{GLOO_TRANSFER_BACKEND}: needs packed=True and master_address/master_port")
         pc = self.parallel_config
-        self.rank = worker_rank(init_info.rank_offset, pc.data_parallel_index, pc.world_size, pc.rank)
+        self.rank = rank = worker_rank(init_info.rank_offset, pc.data_parallel_index, pc.world_size, pc.rank)
         self.buffer_bytes = init_info.packed_buffer_size_bytes
         # The group's tensors are host tensors whatever the engine's device: gloo is the CPU transport.
         self.group = WeightSyncGroup(
             init_info.master_address,
             init_info.master_port,
-            self.rank,
+            rank,
             init_info.world_size,
             torch.device("cpu"),
         )
@@ -114,11 +126,12 @@ class GlooWeightTransferEngine(
         processing = (
             vllm_cpu.weight_processing(self.model, update.plain) if update else contextlib.nullcontext()
         )
+        target = cast(_LoadsWeights, self.model)  # vLLM annotates it as a plain module: see _LoadsWeights
         with quiet(RELOAD_LOGGER), processing:
             for chunk in receive_packed(self.group, meta, self.buffer_bytes):
                 if not self.on_cpu:
                     chunk = [(name, t.to(self.device, non_blocking=True)) for name, t in chunk]
-                self.loaded |= set(self.model.load_weights(iter(chunk)) or ())
+                self.loaded |= set(target.load_weights(iter(chunk)) or ())
 
     def finish_weight_update(self) -> None:
         update, self.update = self.update, None
@@ -144,7 +157,7 @@ class NcclSender:
 
         self.buffer_bytes = int(info["packed_buffer_size_bytes"])
         self.num_buffers = int(info["packed_num_buffers"])
-        self.comm = trainer_init(info, rank=0)
+        self.comm: PyNcclCommunicator | None = trainer_init(info, rank=0)
 
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], meta: WeightMeta) -> TransferStats:
         from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer

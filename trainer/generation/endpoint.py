@@ -80,7 +80,8 @@ import torch
 
 from trainer.config import EndpointConfig, GenerationConfig
 from trainer.data.prompts import TurnEncoder, encode_prompt
-from trainer.envs.tool_calls import content_of, offer_tools, parse_tool_calls, takes_tools
+from trainer.envs.tool_calls import HERMES, ToolCallParser, content_of, offer_tools, takes_tools
+from trainer.generation import tool_parsers
 from trainer.generation.base import Completion, GenerationEngine, SamplingParams
 
 MAX_HEADER_BYTES = 64 * 2**10  # a request's line and headers; more is refused (431) before a worker sees it
@@ -766,9 +767,11 @@ class ChatEndpoint:
         max_model_len: int | None = None,
         gate: EngineGate | None = None,
         token: str | None = None,
+        tool_parser: str = HERMES,
     ):
         """``token``: the bearer token requests must carry (the driver's, handed to the actor); None: the
-        endpoint's own, from :func:`read_token`."""
+        endpoint's own, from :func:`read_token`. ``tool_parser``: env.tool_parser, the family's format that the
+        answers' tool calls are read in (:mod:`trainer.generation.tool_parsers`)."""
         cfg: EndpointConfig = gen.endpoint
         self._token = token
         self.engine, self.tokenizer, self.gen, self.cfg = engine, tokenizer, gen, cfg
@@ -781,6 +784,8 @@ class ChatEndpoint:
         self._unmatched_logged = False
         self._counts_lock = threading.Lock()  # the counters and the encoders, from the server's threads
         self._encoders: collections.OrderedDict[str, TurnEncoder] = collections.OrderedDict()
+        self.tool_parser = tool_parser
+        self._parsers: collections.OrderedDict[str, ToolCallParser] = collections.OrderedDict()
         self.takes_tools = takes_tools(tokenizer)  # whether the chat template renders tools= itself
         # The owner's intra-op threads: a request runs the engine from a server thread, whose OpenMP
         # team would otherwise take every core (and vLLM's CPU attention checks it against its plan).
@@ -878,7 +883,7 @@ class ChatEndpoint:
         samples = self.sample(prompt, n, params)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         want_logprobs = bool(body.get("logprobs"))
-        choices = [self._choice(j, c, want_logprobs) for j, c in enumerate(samples)]
+        choices = [self._choice(j, c, want_logprobs, tools) for j, c in enumerate(samples)]
         for choice, c in zip(choices, samples):  # what a later turn of the conversation continues from
             key = _conversation_key(tools, messages, choice["message"])
             self.continuations.add(key, prompt, c.token_ids, rid)
@@ -1060,12 +1065,32 @@ class ChatEndpoint:
         )
         return params, n
 
-    def _choice(self, index: int, c: Completion, want_logprobs: bool) -> dict:
+    def _parser(self, tools: list | None) -> ToolCallParser:
+        """The run's tool parser (env.tool_parser) for these tools; a few are kept, as the encoders."""
+        key = json.dumps(tools or None, sort_keys=True, default=str)
+        with self._counts_lock:
+            parser = self._parsers.get(key)
+            if parser is None:
+                parser = tool_parsers.build(self.tool_parser, self.tokenizer, tools or None)
+                self._parsers[key] = parser
+                if len(self._parsers) > 8:
+                    self._parsers.popitem(last=False)
+            self._parsers.move_to_end(key)
+        return parser
+
+    def _choice(self, index: int, c: Completion, want_logprobs: bool, tools: list | None = None) -> dict:
         message: dict[str, Any] = {"role": "assistant", "content": c.text}
         finish = c.finish_reason
-        calls, errors = parse_tool_calls(c.text)
+        # Hermes reads the text; another family's parser reads the turn with its special tokens kept (some
+        # families' call markers are special tokens: Completion.raw_text), as the environments do.
+        parser = self._parser(tools)
+        if isinstance(parser, tool_parsers.VLLMToolParser):
+            calls, errors, content = parser.read(c.raw_text if c.raw_text is not None else c.text)
+        else:
+            calls, errors = parser.parse(c.text)
+            content = content_of(c.text)
         if calls and not errors:  # a malformed call stays text: the harness sees what the model wrote
-            message["content"] = content_of(c.text) or None
+            message["content"] = content or None
             message["tool_calls"] = [
                 {
                     "id": f"call_{uuid.uuid4().hex[:24]}",

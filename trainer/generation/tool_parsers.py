@@ -104,15 +104,26 @@ class VLLMToolParser:
         self._lock = threading.Lock()
 
     def parse(self, text: str) -> tuple[list[dict[str, Any]], list[str]]:
+        calls, errors, _ = self.read(text)
+        return calls, errors
+
+    def read(self, text: str) -> tuple[list[dict[str, Any]], list[str], str | None]:
+        """:meth:`parse`, and the turn's content beside its calls as vLLM's parser reads it (None: none)."""
         try:
             with self._lock:
                 info = self._parser.extract_tool_calls(text, self._request)
         except Exception as e:  # what the model wrote must not crash the episode: the model reads why instead
-            return [], [
-                f"the tool call could not be read by the {self.name} parser ({type(e).__name__}: {e})"[:300]
-            ]
+            return (
+                [],
+                [
+                    f"the tool call could not be read by the {self.name} parser ({type(e).__name__}: {e})"[
+                        :300
+                    ]
+                ],
+                None,
+            )
         if not info.tools_called:
-            return [], []
+            return [], [], info.content
         calls: list[dict[str, Any]] = []
         errors: list[str] = []
         for call in info.tool_calls:
@@ -131,4 +142,4 @@ class VLLMToolParser:
                 )
                 continue
             calls.append({"name": name, "arguments": arguments})
-        return calls, errors
+        return calls, errors, (info.content or "").strip() or None

@@ -87,6 +87,7 @@ class GenerationWorker:
             max_model_len=spec.max_model_len,
             gate=self.gate,
             token=self._endpoint_token,
+            tool_parser=cfg.env.tool_parser,  # the calls in its answers are read in the family's format
         )
         try:
             self.endpoint.start()

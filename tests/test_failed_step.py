@@ -3,6 +3,9 @@ is gone, even when the first error was not the dead actor's own, else the error 
 
 from __future__ import annotations
 
+import os
+import threading
+
 import pytest
 
 from trainer import watchdog
@@ -26,6 +29,10 @@ def actors(ray_local):
         def ping(self) -> int:
             return 1
 
+        def exit_in(self, seconds: float) -> None:
+            """End this process ``seconds`` from now, as the kernel's OOM killer would: no goodbye."""
+            threading.Timer(seconds, os._exit, args=(1,)).start()
+
     handles = {"policy rank 0": Worker.remote(), "generation engine 0": Worker.remote()}
     ray.get([h.ping.remote() for h in handles.values()])
     for role, handle in handles.items():
@@ -45,6 +52,18 @@ def test_should_name_the_dead_receiver_when_the_sender_of_a_refit_fails_first_on
     line = str(got)
     assert line.startswith("lost generation engine 0 (its process is gone") and "in step 3" in line
     assert line.endswith(RESUMES) and "policy rank 0" not in line
+
+
+def test_should_name_the_dead_receiver_when_its_process_ends_after_it_answered_the_first_ping(
+    actors, ray_local
+):
+    # The death lands after the first question (a kill in flight answers it) and well before SETTLE_S,
+    # when the engine is asked once more: an answer before then is not proof of life.
+    ray_local.get(actors["generation engine 0"].exit_in.remote(1.0))
+    got = failed_step(ECHO, 3, RESUMES)
+    assert isinstance(got, Lost), got
+    line = str(got)
+    assert line.startswith("lost generation engine 0 (its process is gone") and "policy rank 0" not in line
 
 
 def test_should_report_the_refits_own_failure_with_where_to_resume_when_every_worker_is_alive(actors):

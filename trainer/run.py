@@ -551,8 +551,10 @@ def failed_step(error: Exception, step: int, resumes_from: str) -> Exception:
     A :class:`Lost` where the run lost a worker behind it. The loss is not always the error that came
     first: when a generation actor dies mid-refit, the policy rank sending to it can fail on its broken
     collective ("Connection reset by peer") before Ray reports the receiver dead, and that error is not the
-    run's failure but the loss's echo. Else an engine's or a refit's own failure, saying where a
-    resubmission resumes from; else the Ray error itself."""
+    run's failure but the loss's echo: it is read against every actor's liveness, over long enough for a
+    death under way to land (:data:`trainer.watchdog.SETTLE_S`), before it is reported as its own. Else
+    an engine's or a refit's own failure, saying where a resubmission resumes from; else the Ray error
+    itself."""
     from trainer.generation.placement import GenerationError
 
     loss = lost(error, f"in step {step}", resumes_from)

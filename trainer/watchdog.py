@@ -4,9 +4,12 @@ A single controller waits on its workers, so whatever it is doing (generating, t
 SIGTERM) it must notice when they are gone instead of waiting forever:
 
 - **An actor dies** (OOM, a crashed kernel, a reclaimed node): Ray raises in the driver's ``ray.get``.
-  The first error is not always the dead actor's own: its FSDP peers may fail first with a broken
-  collective. :func:`diagnose` asks every actor the run registered (:func:`register`) whether it is
-  alive, for a few seconds, and names the dead one ("policy rank 1").
+  The first error is not always the dead actor's own: its FSDP peers, or a policy rank sending it a
+  refit, may fail first with a broken collective ("Connection reset by peer"). :func:`diagnose` asks
+  every actor the run registered (:func:`register`) whether it is alive, for a few seconds, and names
+  the dead one ("policy rank 1"). An answer counts as alive only once ``SETTLE_S`` has passed: a death
+  already under way (``ray.kill`` returns before the GCS has acted on it; a process going down) can
+  still answer a first ping, and reporting the echo instead of the loss is the wrong line and exit code.
 - **The cluster goes away** (the head pod, ``ray stop``): the driver may be blocked inside Ray, where
   no Python code runs and signals wait. :class:`Watch`, a thread of its own, probes the GCS port and
   ends the process when it has not answered for ``LOST_AFTER_S``.
@@ -34,6 +37,7 @@ LOST_EXIT = 4  # the run lost its cluster or a worker: resubmit (a RayJob may re
 LOST_AFTER_S = 15.0  # the GCS unanswered this long: the cluster is gone (Ray's own reconnect gives 60 s)
 PROBE_EVERY_S = 1.0
 PING_S = 10.0  # how long diagnose waits for the actors' answers
+SETTLE_S = 3.0  # an answer before this is asked again then: a death under way lands well within it
 
 _ROLES: dict[str, tuple[str, Any]] = {}  # actor id (hex) -> (role, handle), for the run's actors
 
@@ -100,9 +104,16 @@ def _first_line(error: BaseException) -> str:
     return text.strip().splitlines()[0] if text.strip() else type(error).__name__
 
 
-def diagnose(error: BaseException, address: str | None = None, ping_s: float = PING_S) -> str | None:
-    """What the run lost behind ``error``, a Ray error raised in the driver, as a phrase ("policy rank 1
-    (its process died: ...)"), or None when nothing was lost (a worker raised: that is a bug, not a loss)."""
+def diagnose(
+    error: BaseException, address: str | None = None, ping_s: float = PING_S, settle_s: float = SETTLE_S
+) -> str | None:
+    """What the run lost behind ``error``, a Ray error or an engine's or refit's failure raised in the
+    driver, as a phrase ("policy rank 1 (its process is gone: ...)"), or None when nothing was lost (a worker
+    raised: that is a bug, not a loss).
+
+    Every registered actor is asked, for up to ``ping_s``; one that answers before ``settle_s`` is asked
+    once more then, so that a death already under way when the error was raised is read, not missed: the
+    error is often its echo (a peer's broken collective) and can reach the driver before the death does."""
     import ray
     from ray.exceptions import RayActorError
 
@@ -111,24 +122,34 @@ def diagnose(error: BaseException, address: str | None = None, ping_s: float = P
     dead: dict[str, str] = {}
     if isinstance(error, RayActorError) and getattr(error, "actor_id", None) in _ROLES:
         dead[error.actor_id] = _first_line(error)
-    # Ask the others: a dead actor answers with an error at once, a busy one not at all (it is stuck
-    # in a collective with the dead one), so only dead ones are learnt within ping_s.
-    pings = {
-        handle.__ray_ready__.remote(): actor_id
-        for actor_id, (_, handle) in _ROLES.items()
-        if actor_id not in dead
-    }
-    deadline = time.monotonic() + ping_s
-    while pings and time.monotonic() < deadline:
-        ready, _ = ray.wait(list(pings), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+    # A dead actor answers with an error, a busy one not at all (it is stuck in a collective with the dead
+    # one), so only dead ones are learnt within ping_s; an idle one answers at once, and is asked once more
+    # at settle_s (ask: actor id -> when to send its next ping).
+    handles = {actor_id: handle for actor_id, (_, handle) in _ROLES.items() if actor_id not in dead}
+    start = time.monotonic()
+    deadline, settled = start + ping_s, start + min(settle_s, ping_s)
+    ask = dict.fromkeys(handles, start)
+    pings: dict[Any, str] = {}  # object ref -> actor id
+    while (pings or ask) and (now := time.monotonic()) < deadline:
+        for actor_id in [a for a, at in ask.items() if at <= now]:
+            del ask[actor_id]
+            pings[handles[actor_id].__ray_ready__.remote()] = actor_id
+        wake = min([deadline, *ask.values()])
+        if not pings:
+            time.sleep(max(0.0, wake - now))
+            continue
+        ready, _ = ray.wait(list(pings), num_returns=1, timeout=max(0.0, wake - now))
         for ref in ready:
             actor_id = pings.pop(ref)
             try:
                 ray.get(ref)
             except RayActorError as e:
                 dead[actor_id] = _first_line(e)
+                continue
             except Exception:
-                pass
+                continue
+            if time.monotonic() < settled:  # not yet proof of life: a kill in flight may land after it
+                ask[actor_id] = settled
     if not dead:
         return None
     return ", ".join(

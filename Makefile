@@ -72,8 +72,10 @@ train: setup ## Run the embedded default (SmolLM2-135M on arithmetic, 2 CPU rank
 test: setup $(TEST_DEPS) ## Run the whole test suite (CPU, a real Ray cluster and a real helm binary)
 	$(PY) -m pytest $(XDIST) $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
-test-fast: setup $(TEST_DEPS) ## Run the tests not marked slow
-	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS); rc=$$?; [ $$rc -eq 5 ] && exit 0; exit $$rc
+# The fast tier: what starts no Ray, model, vLLM, loop or program of its own (tests/tiers.py), each test held
+# to that, and to a CPU budget, by guards that fail it in one line. CI and pre-commit run it first.
+test-fast: setup $(TEST_DEPS) ## Run the fast tier (config, algorithms, rewards, data, charts, parsers): ~3 min
+	$(PY) -m pytest --tier=fast $(XDIST) $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
 # No `setup`: on a GPU node the image's Python is the one to test (make test-gpu PY=python); `setup` would
 # install CPU torch. Exit code 5 (nothing collected) is fine; every skip prints its one-line reason.

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import tiers
 from tests.ray_process import ray_process
 from tests.shared_instance import shared
 
@@ -41,6 +42,17 @@ for _key, _value in QUIET_ENV.items():
     os.environ.setdefault(_key, _value)
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--tier",
+        choices=("all", "fast"),
+        default="all",
+        help="fast: only the tests not marked integration, each failing if it starts Ray, loads or writes a "
+        "model, starts vLLM, runs the loop or starts a program, or takes more CPU time than the tier allows "
+        "(tests/tiers.py; make test-fast). all: the whole suite",
+    )
+
+
 def pytest_configure(config):
     from tests.leftovers import mark_session
 
@@ -66,10 +78,26 @@ def pytest_collection(session):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Modules with slow tests first, the longest first (as measured, ``SLOWEST``), each kept whole. Under
-    ``make test``'s two xdist workers (``--dist loadfile``: one module per worker at a time;
+    """Each test in its tier (tests/tiers.py): ``integration`` on those with a fixture that starts something
+    (``tiers.starts``: Ray, a model, a program) and on those marked slow or gpu; under ``--tier=fast`` only
+    the others run.
+
+    Then the modules with slow tests first, the longest first (as measured, ``SLOWEST``), each kept whole.
+    Under ``make test``'s two xdist workers (``--dist loadfile``: one module per worker at a time;
     ``--no-loadscope-reorder``: in this order) the long modules then start at once and the short ones fill
     in around them, instead of one long module finishing alone at the end while the other worker idles."""
+    for item in items:
+        markers = {mark.name for mark in item.iter_markers()}
+        defs = item._fixtureinfo.name2fixturedefs  # each name's definitions; the last is the one used
+        fixtures = {name: defs[name][-1].func for name in item.fixturenames if defs.get(name)}
+        if tiers.MARKER not in markers and tiers.integration_reason(fixtures, markers):
+            item.add_marker(tiers.MARKER)
+    if config.getoption("tier") == "fast":
+        integration = [item for item in items if item.get_closest_marker(tiers.MARKER)]
+        if integration:
+            config.hook.pytest_deselected(items=integration)
+            items[:] = [item for item in items if not item.get_closest_marker(tiers.MARKER)]
+
     first = {name: i for i, name in enumerate(SLOWEST)}
 
     def rank(item) -> tuple[int, int]:
@@ -82,6 +110,27 @@ def pytest_collection_modifyitems(config, items):
     for item in items:  # a module's rank is its first test's: a module never splits
         modules.setdefault(item.nodeid.split("::", 1)[0], rank(item))
     items.sort(key=lambda item: modules[item.nodeid.split("::", 1)[0]])
+
+
+CPU_AT_SETUP = pytest.StashKey[float]()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    if item.config.getoption("tier") == "fast":
+        item.stash[CPU_AT_SETUP] = tiers.cpu_seconds()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Under ``--tier=fast``, a test that passed but took more CPU time than the fast tier allows, its
+    set-up included, fails in one line (tests/tiers.py)."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.when == "call" and report.passed and CPU_AT_SETUP in item.stash:
+        failure = tiers.over_budget(tiers.cpu_seconds() - item.stash[CPU_AT_SETUP])
+        if failure:
+            report.outcome, report.longrepr = "failed", failure
 
 
 # The longest modules of a whole run on a 2-core AVX2 EPYC (`--durations`, summed per module), longest first.
@@ -153,6 +202,19 @@ RAY_IDLE_ENV = {
 
 
 @pytest.fixture(scope="session", autouse=True)
+def _tier_guards(request):
+    """Under ``--tier=fast``, a test that starts Ray, loads or writes a model, starts vLLM, runs the loop or
+    starts a program fails there in one line (tests/tiers.py). Session-wide and first, so a fixture of any
+    scope is held to it."""
+    if request.config.getoption("tier") != "fast":
+        yield
+        return
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        tiers.install(monkeypatch)
+        yield
+
+
+@pytest.fixture(scope="session", autouse=True)
 def _quiet_env(tmp_path_factory):
     from trainer.cluster import QUIET_ENV
 
@@ -173,6 +235,7 @@ def _session_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+@tiers.starts("writes the tiny model")
 def tiny_model_path(_quiet_env) -> str:
     from trainer.models import resolve_model
 
@@ -203,6 +266,7 @@ def _ray_instance(env: dict[str, str], num_cpus: int) -> Iterator[str]:
 
 
 @pytest.fixture(scope="session")
+@tiers.starts("starts Ray")
 def session_ray(_quiet_env, tmp_path_factory) -> Iterator[str]:
     """The address of the session's Ray instance. Under xdist the workers share it (tests.shared_instance):
     the first to need it starts it, sized for all of them, and ends it when the last has finished. An idle

@@ -71,6 +71,7 @@ def test_should_refuse_in_one_line_naming_the_holder_when_another_live_run_holds
     assert json.loads((tmp_path / lease_mod.NAME).read_text())["run_id"] == "f" * 32  # untouched
 
 
+@pytest.mark.integration  # a Python interpreter of its own
 def test_should_take_over_with_a_line_when_the_holder_is_stale_dead_or_an_earlier_attempt(
     tmp_path, monkeypatch
 ):
@@ -134,6 +135,7 @@ def test_should_write_nothing_once_another_run_has_taken_the_lease_over(tmp_path
     assert json.loads((tmp_path / "exp" / lease_mod.NAME).read_text())["run_id"] == "f" * 32
 
 
+@pytest.mark.integration  # a Python interpreter of its own
 def test_should_let_exactly_one_of_two_processes_racing_for_a_free_directory_hold_it(tmp_path):
     """Two processes that both find the directory free write the lease at once and read it back after
     the real settle time: the later write wins and the other refuses. Five races, each one winner."""

@@ -68,11 +68,11 @@ def test_should_name_the_error_and_say_why_when_a_core_module_silences_mypy():
     assert not explained, f"{', '.join(sorted(explained))}: explained now, remove it from NOT_YET_EXPLAINED"
 
 
-def test_should_run_the_checks_before_the_tests_when_ci_runs():
+def test_should_run_the_checks_then_the_fast_tier_before_the_whole_suite_when_ci_runs():
     steps = [
         line.strip() for line in (REPO / ".ci" / "run").read_text().splitlines() if line.startswith("make ")
     ]
-    assert steps == ["make check", "make test"]
+    assert steps == ["make check", "make test-fast", "make test"]
     check = (REPO / "mk" / "check.mk").read_text()
     for tool in ["ruff check", "ruff format --check", "/mypy", "lint-imports"]:
         assert tool in check.partition("\ncheck:")[2].partition("\n\n")[0], tool

@@ -34,6 +34,7 @@ def _faults(mode: str) -> int:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc tuning")
+@pytest.mark.integration  # a Python interpreter of its own
 def test_should_reuse_freed_blocks_instead_of_faulting_them_in_again_when_freed_memory_is_kept():
     pages = 64 * 2**20 // 4096
     default, keep = _faults("default"), _faults("keep")
@@ -152,6 +153,7 @@ _LOCAL = textwrap.dedent(
 )
 
 
+@pytest.mark.integration  # a Python interpreter of its own
 def test_should_give_a_local_instances_workers_this_processs_environment_without_a_runtime_env(tmp_path):
     """The workers of a run's own instance inherit its environment: the quiet defaults, and the user's own
     values over them. No runtime env, which would start every worker through a second Python."""

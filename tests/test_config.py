@@ -567,6 +567,7 @@ def _trainer_imports(path) -> set[str]:
     return {m for m in found if m == "trainer" or m.startswith("trainer.")}
 
 
+@pytest.mark.integration  # a Python interpreter of its own
 def test_should_import_no_registry_when_config_converts_and_validates():
     # hardware is a leaf probe (torch only), not a registry.
     assert _trainer_imports(REPO / "trainer" / "config.py") <= {"trainer.hardware"}
@@ -677,6 +678,7 @@ def _wrong_value(hint) -> str | None:
     return "notalist"  # lists, mappings, pairs
 
 
+@pytest.mark.integration  # composes the config for every key: half a minute of CPU
 def test_should_name_the_key_in_one_line_when_any_key_gets_a_wrong_type():
     from trainer.config import Config
 
@@ -845,6 +847,7 @@ def test_should_accept_vllm_on_cpu_and_say_in_one_line_when_it_is_not_installed(
     assert message.startswith("generation.backend=vllm") and "\n" not in message
 
 
+@pytest.mark.integration  # writes a model
 def test_should_name_the_model_in_one_line_when_its_head_dim_is_too_small_for_vllm_on_cpu(monkeypatch):
     refuse_ray(monkeypatch)
     proc = run_main(
@@ -863,6 +866,7 @@ def test_should_name_the_model_in_one_line_when_its_head_dim_is_too_small_for_vl
     )
 
 
+@pytest.mark.integration  # writes a model
 def test_should_name_the_key_in_one_line_when_the_models_heads_cannot_take_the_tensor_parallel_size(
     monkeypatch,
 ):

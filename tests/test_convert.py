@@ -323,6 +323,7 @@ def test_streaming_keeps_peak_memory_near_one_shard(tmp_path, tiny_model_path):
     assert peaks["8MB"] < 0.5 * model_bytes  # and streaming does not
 
 
+@pytest.mark.integration  # runs make
 def test_make_targets_say_how_to_call_them():
     for target, usage in (("convert", "usage: make convert CKPT="), ("eval", "usage: make eval MODEL=")):
         proc = subprocess.run(

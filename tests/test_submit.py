@@ -188,6 +188,7 @@ def test_should_name_the_address_when_ray_address_is_unreachable(tmp_path: Path)
     assert f"cannot reach the Ray Jobs API at {address}" in line
 
 
+@pytest.mark.integration  # a Python interpreter of its own
 def test_should_say_where_a_token_goes_when_token_auth_is_on_and_there_is_none(tmp_path: Path) -> None:
     env = no_cluster_env(
         tmp_path, RAY_ADDRESS="http://127.0.0.1:1", RAY_AUTH_MODE="token", HOME=str(tmp_path)

@@ -30,6 +30,7 @@ from chartlib import (
     values_files,
 )
 
+from tests import tiers
 from trainer import submit
 from trainer.preflight import kuberay_hashed_spec, spec_changes
 
@@ -320,6 +321,7 @@ def _checkov(kind: str, pods: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
+@tiers.starts("lifts every pod template with a Python interpreter of its own")
 def lifted(tmp_path_factory) -> Path:
     """Every values file's pod templates, as the RayCluster and as the RayJob, lifted as `make checkov`
     lifts them (bench/lift_pods.py), one directory per kind."""
@@ -356,6 +358,7 @@ def test_should_fail_each_check_it_skips_when_checkov_runs_without_the_skip(kind
     assert out.returncode == 1 and failed == set(skips), out.stdout[-3000:] + out.stderr[-2000:]
 
 
+@pytest.mark.integration  # runs checkov
 def test_should_pass_the_checks_whose_reason_the_values_remove_when_checkov_runs_without_those_skips(
     tmp_path,
 ) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 import subprocess
 
+import pytest
 import yaml
 from chartlib import CHART, REPO
 
@@ -38,6 +39,7 @@ def test_should_name_only_values_keys_that_exist_when_the_runbook_cites_them() -
     assert not missing, f"docs/cluster.md cites values keys the chart does not have: {missing}"
 
 
+@pytest.mark.integration  # runs make
 def test_should_run_only_make_targets_that_exist_when_the_runbook_calls_make() -> None:
     help_text = subprocess.run(
         ["make", "--no-print-directory", "help"], capture_output=True, text=True, cwd=REPO
@@ -49,6 +51,7 @@ def test_should_run_only_make_targets_that_exist_when_the_runbook_calls_make() -
     )
 
 
+@pytest.mark.integration  # runs make
 def test_should_build_and_push_the_charts_app_version_when_make_image_and_push_run() -> None:
     app_version = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
     for target in ("image", "push"):
@@ -58,12 +61,14 @@ def test_should_build_and_push_the_charts_app_version_when_make_image_and_push_r
         assert f'"reg/kuberl:{app_version}"' in out.stdout, out.stdout + out.stderr
 
 
+@pytest.mark.integration  # runs make
 def test_should_say_in_one_line_which_variable_to_set_when_make_image_has_no_repository() -> None:
     out = subprocess.run(["make", "--no-print-directory", "image"], capture_output=True, text=True, cwd=REPO)
     assert out.returncode != 0
     assert out.stdout.strip().splitlines()[0].startswith("IMAGE_REPO is not set: make image IMAGE_REPO=")
 
 
+@pytest.mark.integration  # runs make
 def test_should_install_the_kuberay_version_the_chart_needs_when_make_kuberay_runs() -> None:
     minimum = yaml.safe_load((CHART / "Chart.yaml").read_text())["annotations"][
         "kuberl.dev/min-kuberay-version"
@@ -78,6 +83,7 @@ def test_should_install_the_kuberay_version_the_chart_needs_when_make_kuberay_ru
     )
 
 
+@pytest.mark.integration  # runs make
 def test_should_apply_the_crds_server_side_before_the_operator_when_make_kuberay_runs() -> None:
     """`helm upgrade` never updates a chart's crds/: old CRDs would prune authOptions and upgradeStrategy."""
     minimum = yaml.safe_load((CHART / "Chart.yaml").read_text())["annotations"][
@@ -98,6 +104,7 @@ def test_should_apply_the_crds_server_side_before_the_operator_when_make_kuberay
     assert show < apply < upgrade
 
 
+@pytest.mark.integration  # runs make
 def test_should_build_the_same_tag_with_cloud_build_when_there_is_no_docker() -> None:
     app_version = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
     out = subprocess.run(

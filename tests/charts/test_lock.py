@@ -14,12 +14,15 @@ from pathlib import Path
 import pytest
 from chartlib import REPO, lock_pins
 
+from tests import tiers
+
 DOCKER = REPO / "docker"
 INDEX = "https://pypi.org/simple/"
 PLATFORM = ["--python-version", "3.11", "--python-platform", "x86_64-manylinux_2_36"]
 
 
 @pytest.fixture(scope="module")
+@tiers.starts("runs uv against the package index")
 def uv() -> str:
     found = shutil.which("uv", path=str(Path(sys.executable).parent)) or shutil.which("uv")
     assert found, "uv is missing: `make setup` installs it (pyproject's dev extra)"

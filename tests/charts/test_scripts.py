@@ -26,6 +26,7 @@ def _render_scripts():
     return module
 
 
+@pytest.mark.integration  # runs shellcheck
 def test_should_pass_shellcheck_when_the_scripts_are_rendered_for_every_values_file(tmp_path) -> None:
     shellcheck = _shellcheck()
     rendered = _render_scripts().render_all(tmp_path, helm_binary())

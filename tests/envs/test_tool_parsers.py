@@ -178,6 +178,7 @@ def test_should_leave_out_only_the_token_that_ended_the_turn_when_vllm_stopped_i
 
 
 @pytest.mark.vllm
+@pytest.mark.integration  # calls the tool in a process of its own
 def test_should_read_the_configured_families_calls_when_the_tools_environment_is_built_with_its_parser(
     tokenizer,
 ):

@@ -76,6 +76,7 @@ def test_should_offer_schemas_built_from_signatures_and_docstrings():
     assert lookup["function"]["parameters"]["required"] == ["key"]
 
 
+@pytest.mark.integration  # calls tools in processes of their own
 def test_should_take_a_given_schema_when_the_function_has_none():
     schema = {"type": "function", "function": {"name": "echo", "parameters": {"type": "object"}}}
     env = ToolEnvironment(tools=[{"function": "tests.envs.tool_funcs:undocumented", "schema": schema}])
@@ -111,6 +112,7 @@ def test_should_list_the_environments_when_the_name_is_unknown():
     assert "code_feedback" in str(e.value) and "tools" in str(e.value)
 
 
+@pytest.mark.integration  # calls tools in processes of their own
 def test_should_run_calls_and_count_them_when_the_model_calls_tools():
     env = ToolEnvironment(tools=["calculator", "tests.envs.tool_funcs:lookup"])
     step = env.episode({}).step(
@@ -136,6 +138,7 @@ def test_should_end_the_episode_when_the_model_answers_without_a_call():
         (_call("calculator", expression="9**9**9"), "Error: ValueError: exponent"),
     ],
 )
+@pytest.mark.integration  # calls tools in processes of their own
 def test_should_answer_with_an_error_message_when_a_call_fails(text, says):
     step = ToolEnvironment(tools=["calculator"]).episode({}).step(text)
     assert not step.done and step.info["tool_errors"] == 1
@@ -143,6 +146,7 @@ def test_should_answer_with_an_error_message_when_a_call_fails(text, says):
     assert message["role"] == "tool" and message["content"].startswith(says)
 
 
+@pytest.mark.integration  # calls tools in processes of their own
 def test_should_run_only_max_calls_per_turn_when_a_turn_makes_more():
     env = ToolEnvironment(tools=["calculator"], max_calls_per_turn=2)
     step = env.episode({}).step("".join(_call("calculator", expression=f"{i}+1") for i in range(4)))
@@ -159,6 +163,7 @@ def test_should_run_only_max_calls_per_turn_when_a_turn_makes_more():
         (_call("crash"), "process died"),
     ],
 )
+@pytest.mark.integration  # calls tools in processes of their own
 def test_should_bound_a_hostile_call_and_keep_serving_when_a_tool_hangs_eats_memory_or_dies(call, says):
     env = ToolEnvironment(
         tools=[
@@ -178,12 +183,14 @@ def test_should_bound_a_hostile_call_and_keep_serving_when_a_tool_hangs_eats_mem
     assert episode.step(_call("calculator", expression="2*21")).messages[0]["content"] == "42"
 
 
+@pytest.mark.integration  # calls tools in processes of their own
 def test_should_cut_a_long_result_and_say_so():
     env = ToolEnvironment(tools=["tests.envs.tool_funcs:lookup"], max_result_chars=40)
     (message,) = env.episode({}).step(_call("lookup", key="k", count=100)).messages
     assert message["content"].endswith("(cut at 40 characters)") and len(message["content"]) < 80
 
 
+@pytest.mark.integration  # calls tools in processes of their own
 def test_should_run_python_in_the_sandbox_when_the_python_tool_is_called():
     env = ToolEnvironment(tools=["python"], tool_timeout_s=20)
     (message,) = env.episode({}).step(_call("python", code="print(6 * 7)")).messages
@@ -208,6 +215,7 @@ def _running(pid: int) -> bool:
 
 
 @pytest.mark.parametrize("seconds, says", [(60, "Error: the call timed out after 2s"), (0, "started")])
+@pytest.mark.integration  # calls tools in processes of their own
 def test_should_kill_what_a_tool_started_when_its_call_times_out_or_returns(tmp_path, seconds, says):
     env = ToolEnvironment(tools=["tests.envs.tool_funcs:background"], tool_timeout_s=2)
     pid_file = tmp_path / "pid"
@@ -220,6 +228,7 @@ def test_should_kill_what_a_tool_started_when_its_call_times_out_or_returns(tmp_
     assert not _running(pid), f"the tool's background sleep (pid {pid}) outlived its call"
 
 
+@pytest.mark.integration  # calls tools in processes of their own
 def test_should_run_a_call_in_its_own_process_group_under_memory_cpu_and_process_limits():
     env = ToolEnvironment(
         tools=["tests.envs.tool_funcs:limits"], tool_timeout_s=7.5, tool_memory_mb=600, tool_max_processes=9
@@ -233,6 +242,7 @@ def test_should_run_a_call_in_its_own_process_group_under_memory_cpu_and_process
     assert soft == hard and 9 < soft < 10**6  # what the uid ran at the call's start, and 9 more
 
 
+@pytest.mark.integration  # calls tools in processes of their own
 def test_should_end_a_call_that_computes_past_its_cpu_limit_before_its_timeout():
     env = ToolEnvironment(tools=["tests.envs.tool_funcs:spin"], tool_timeout_s=120, tool_cpu_s=1)
     t0 = time.monotonic()

@@ -24,6 +24,7 @@ import time
 import pytest
 import torch
 
+from tests import tiers
 from tests.envs.test_tool_parsers import ARGUMENTS, SCHEMA, WRITTEN
 from tests.families.chat import FAMILIES, build_tokenizer
 from tests.families.models import build_family_model
@@ -45,6 +46,7 @@ MESSAGES = [{"role": "user", "content": "What is 12*34? Answer briefly."}]
 
 
 @pytest.fixture(scope="module")
+@tiers.starts("writes a model of each family")
 def model_dir(tmp_path_factory):
     """``model_dir(family)``: the family's tiny model directory, built once per module."""
     built: dict[str, str] = {}

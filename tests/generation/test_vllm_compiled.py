@@ -16,7 +16,7 @@ import pytest
 
 from trainer.config import GenerationConfig
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.integration]  # a pytest session of its own
 
 CONTRACT = Path(__file__).with_name("test_engine_contract.py")
 

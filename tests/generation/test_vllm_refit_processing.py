@@ -19,6 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests import tiers
 from trainer.config import GenerationConfig
 
 pytestmark = pytest.mark.vllm
@@ -72,6 +73,7 @@ def build_tiny_moe(out_dir: str) -> str:
 
 
 @pytest.fixture(scope="module")
+@tiers.starts("writes a tiny MoE model")
 def moe_path(tmp_path_factory) -> str:
     return build_tiny_moe(str(tmp_path_factory.mktemp("tiny-moe")))
 

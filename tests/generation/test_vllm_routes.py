@@ -28,6 +28,7 @@ def test_should_ask_vllm_for_routes_only_when_the_engine_returns_them_and_let_th
     ]
 
 
+@pytest.mark.integration  # writes a model
 def test_should_return_routes_from_an_moe_model_on_gpus_and_never_from_a_dense_one_or_on_cpu(tmp_path):
     moe_dir = build_family_model("qwen3-moe", str(tmp_path / "moe"))
     dense = build_family_model("qwen3", str(tmp_path / "dense"))

@@ -63,6 +63,7 @@ RAW_RECEIVER = """
 """
 
 
+@pytest.mark.integration  # a Python interpreter of its own
 def test_should_deliver_names_dtypes_and_shapes_in_chunks_when_sent_between_processes(tmp_path):
     torch.manual_seed(0)
     first = [
@@ -150,6 +151,7 @@ EXITING_RECEIVER = """
 """
 
 
+@pytest.mark.integration  # a Python interpreter of its own
 def test_should_exit_cleanly_when_a_receiver_ends_right_after_its_last_broadcast(tmp_path):
     ports = [_free_port() for _ in range(6)]  # 6 receivers at once: before the fix 4 in 10 aborted
     procs = [_start_receiver(EXITING_RECEIVER, port, "-") for port in ports]
@@ -171,6 +173,7 @@ def test_should_exit_cleanly_when_a_receiver_ends_right_after_its_last_broadcast
     assert codes == [0] * len(procs), f"receiver exit codes {codes} (-6: aborted at exit)"
 
 
+@pytest.mark.integration  # a Python interpreter of its own
 def test_should_close_without_waiting_forever_when_the_receiver_is_gone():
     port = _free_port()
     proc = _start_receiver(

@@ -10,10 +10,12 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from tests import tiers
 from trainer.models import ModelNotFoundError, build_tiny_model, cache_root, embedded, resolve_model
 
 
 @pytest.fixture(scope="module")
+@tiers.starts("writes the tiny model")
 def tiny_dir(tmp_path_factory) -> str:
     return resolve_model("builtin:tiny", cache_dir=tmp_path_factory.mktemp("models"))
 
@@ -75,6 +77,7 @@ def test_tiny_generates_digits(tiny_dir):
     assert any(c.isdigit() for c in text)  # a tiny vocabulary makes digits common even untrained
 
 
+@pytest.mark.integration  # writes a model
 def test_tiny_build_is_cached(tmp_path):
     first = resolve_model("builtin:tiny", cache_dir=tmp_path)
     mtime = os.stat(Path(first) / "model.safetensors").st_mtime_ns
@@ -83,6 +86,7 @@ def test_tiny_build_is_cached(tmp_path):
     assert [p.name for p in tmp_path.iterdir() if p.is_dir()] == [Path(first).name]  # no temp dirs left
 
 
+@pytest.mark.integration  # writes a model
 def test_tiny_build_is_deterministic(tmp_path):
     a = load_file(Path(build_tiny_model(str(tmp_path / "a"), seed=3)) / "model.safetensors")
     b = load_file(Path(build_tiny_model(str(tmp_path / "b"), seed=3)) / "model.safetensors")
@@ -92,6 +96,7 @@ def test_tiny_build_is_deterministic(tmp_path):
     assert not all(torch.equal(a[k], c[k]) for k in a)
 
 
+@pytest.mark.integration  # writes a model
 def test_tiny_params_in_the_name(tmp_path):
     path = resolve_model("builtin:tiny?hidden_size=32&num_layers=1&seed=7", cache_dir=tmp_path)
     config = AutoModelForCausalLM.from_pretrained(path).config
@@ -134,6 +139,7 @@ def test_cache_root_follows_env(monkeypatch, tmp_path):
     assert cache_root(tmp_path / "x") == tmp_path / "x"
 
 
+@pytest.mark.integration  # writes a model
 def test_failed_build_leaves_no_cache(tmp_path, monkeypatch):
     import trainer.models.tiny as tiny
 
@@ -150,6 +156,7 @@ def test_failed_build_leaves_no_cache(tmp_path, monkeypatch):
     AutoModelForCausalLM.from_pretrained(path)
 
 
+@pytest.mark.integration  # writes a model
 def test_stale_temp_dir_from_a_killed_build_is_cleaned(tmp_path):
     from trainer.models import resolve
 
@@ -160,6 +167,7 @@ def test_stale_temp_dir_from_a_killed_build_is_cleaned(tmp_path):
     assert not stale.exists()
 
 
+@pytest.mark.integration  # a Python interpreter of its own
 def test_concurrent_resolvers_build_once(tmp_path):
     import subprocess
     import sys

@@ -247,6 +247,7 @@ def test_should_add_the_routers_losses_with_their_gradient_when_their_coefficien
     )
 
 
+@pytest.mark.integration  # writes a model
 def test_should_return_each_samples_routes_from_the_hf_engine_as_the_trainer_routes_them(tmp_path):
     from tests.families.models import build_family_model
     from trainer.generation.base import SamplingParams

@@ -178,6 +178,7 @@ CODE_ATTACKS = [
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(("response", "why"), CODE_ATTACKS, ids=ids(CODE_ATTACKS))
+@pytest.mark.integration  # runs the program in the sandbox
 def test_should_score_zero_when_code_unit_tests_is_gamed(response, why):
     assert code_unit_tests(ADD, response, output_limit_mb=1) == (0.0, False), why
 
@@ -194,6 +195,7 @@ def test_should_score_zero_when_code_unit_tests_is_gamed(response, why):
         ),
     ],
 )
+@pytest.mark.integration  # runs the program in the sandbox
 def test_should_score_one_and_report_the_program_when_code_is_honest(response):
     score = code_unit_tests(ADD, response)
     assert score == (1.0, True), score
@@ -248,6 +250,7 @@ def test_should_find_no_code_when_the_fence_is_only_in_the_reasoning_or_never_cl
         ),
     ],
 )
+@pytest.mark.integration  # runs the program in the sandbox
 def test_should_score_at_most_zero_when_cpp_contest_is_gamed(response, why):
     value, correct = cpp_contest(ADD, response)
     assert value <= 0.0 and not correct, why

@@ -26,6 +26,7 @@ INTEGRAL = "-x**9 + 7*x**7 + C"  # simple_integration's own answer format (sympy
 # -- the three defects -------------------------------------------------------------------------------
 
 
+@pytest.mark.integration  # scores in processes of its own
 def test_should_score_zero_promptly_when_a_fraction_answers_another_fraction():
     # looped forever: (10**places) % 7 never reaches 0
     calls = [
@@ -171,6 +172,7 @@ def _corpus_calls(names: list[str]) -> list[tuple[str, object, str, str | None]]
     return [(name, gt, response, None) for gt, response in responses for name in names]
 
 
+@pytest.mark.integration  # scores in processes of its own
 def test_should_return_within_the_limit_for_every_builtin_reward_over_the_corpus():
     names = _builtin_non_code()
     calls = _table_calls(names) + _corpus_calls(names)

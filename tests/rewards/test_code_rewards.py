@@ -86,22 +86,26 @@ def test_should_sample_the_same_tests_for_every_response_when_max_tests_is_set()
 # --- code_unit_tests -----------------------------------------------------------------------------
 
 
+@pytest.mark.integration  # runs the program in the sandbox
 def test_should_score_one_when_the_python_program_is_correct():
     assert rewards.get("code_unit_tests")(ADD, "Solution:\n" + fence("python", PY_ADD)) == (1.0, True)
 
 
+@pytest.mark.integration  # runs the program in the sandbox
 def test_should_score_the_fraction_passed_when_some_tests_fail():
     code = "a, b = map(int, input().split())\nprint(a + b if a > 0 else 99)"
     assert rewards.get("code_unit_tests")(ADD, fence("python", code)) == (0.75, False)
     assert rewards.get("code_unit_tests")(ADD, fence("python", code), all_or_nothing=True) == (0.0, False)
 
 
+@pytest.mark.integration  # runs the program in the sandbox
 def test_should_score_zero_when_there_is_no_code_or_it_crashes():
     assert rewards.get("code_unit_tests")(ADD, "I don't know.") == (0.0, False)
     assert rewards.get("code_unit_tests")(ADD, fence("python", "raise SystemExit(1)")) == (0.0, False)
     assert rewards.get("code_unit_tests")(ADD, fence("python", "def broken(:")) == (0.0, False)
 
 
+@pytest.mark.integration  # runs the program in the sandbox
 def test_should_run_only_max_tests_when_the_problem_has_many():
     gt = {"inputs": [f"{i}\n" for i in range(40)], "outputs": [f"{i}\n" for i in range(40)]}
     # Passes exactly the tests with even inputs; with all tests that is 1/2.
@@ -111,6 +115,7 @@ def test_should_run_only_max_tests_when_the_problem_has_many():
     assert value == sum(i % 2 == 0 for i in picked) / 6
 
 
+@pytest.mark.integration  # runs the program in the sandbox
 def test_should_apply_the_problems_time_limit_when_the_ground_truth_has_one():
     slow = "import time\ntime.sleep(1.2)\nprint(int(input().split()[0]) + 2)"
     gt = {"inputs": ["1 1\n"], "outputs": ["3\n"]}
@@ -119,6 +124,7 @@ def test_should_apply_the_problems_time_limit_when_the_ground_truth_has_one():
     assert rewards.get("code_unit_tests")({**gt, "time_limit_s": 0.2}, fence("python", slow)) == (0.0, False)
 
 
+@pytest.mark.integration  # runs the program in the sandbox
 def test_should_accept_tests_given_as_a_json_string():
     assert rewards.get("code_unit_tests")(json.dumps(ADD), fence("python", PY_ADD)) == (1.0, True)
 
@@ -133,10 +139,12 @@ def test_should_raise_a_clear_error_when_the_ground_truth_is_malformed():
 # --- cpp_contest ---------------------------------------------------------------------------------
 
 
+@pytest.mark.integration  # runs the program in the sandbox
 def test_should_score_one_when_the_cpp_program_is_correct():
     assert rewards.get("cpp_contest")(ADD, fence("cpp", CPP_ADD)) == (1.0, True)
 
 
+@pytest.mark.integration  # runs the program in the sandbox
 def test_should_score_the_documented_values_when_cpp_fails_in_each_way():
     cpp = rewards.get("cpp_contest")
     assert cpp(ADD, "Sorry, no idea.") == (-1.0, False)
@@ -149,6 +157,7 @@ def test_should_score_the_documented_values_when_cpp_fails_in_each_way():
     assert cpp(ADD, fence("cpp", "int main(){ int* p = 0; return *p; }")) == (0.0, False)
 
 
+@pytest.mark.integration  # runs the program in the sandbox
 def test_should_respect_the_problems_memory_limit_when_cpp_allocates():
     grab = (
         "#include <bits/stdc++.h>\nint main(){ std::vector<char> v(200<<20, 1); std::cout << 3 + v[5] - 1; }"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests import tiers
 from tests.rewards import rg_corpus
 
 pytest.importorskip("reasoning_gym")
@@ -16,6 +17,7 @@ N, SEED = 3, 2047
 
 
 @pytest.fixture(scope="module")
+@tiers.starts("scores in processes of its own")
 def crosscheck():
     cases, dropped = rg_corpus.crosscheck_cases(rg_corpus.NUMERIC_TASKS, N, SEED)
     results = rg_corpus.timed_calls([(c.reward, c.ground_truth, c.response, None) for c in cases])

@@ -481,6 +481,7 @@ def _in_a_fresh_process(script: str, *args: str) -> str:
     return out.stdout.strip().splitlines()[-1]
 
 
+@pytest.mark.integration  # a Python interpreter of its own
 def test_should_start_math_verifys_parser_outside_the_first_answers_time_limit():
     # A process's first parse builds math-verify's LaTeX parser (0.35-0.7 s of CPU on a 2-core EPYC): charged to
     # the first answer's 0.5 s, it scored an honest interval 0. Every limit must find the parser started.
@@ -499,6 +500,7 @@ def test_should_start_math_verifys_parser_outside_the_first_answers_time_limit()
     assert _in_a_fresh_process(script) == "1.0 [True]"
 
 
+@pytest.mark.integration  # a Python interpreter of its own
 def test_should_pay_an_interval_for_its_inequality_and_back_when_it_is_among_the_first_answers_checked():
     import json
 

@@ -10,6 +10,7 @@ import random
 
 import pytest
 
+from tests import tiers
 from trainer.config import DataConfig
 from trainer.rewards import judge
 
@@ -85,6 +86,7 @@ def build_arithmetic_judge(out_dir: str, steps: int = 300, seed: int = 0) -> str
 
 
 @pytest.fixture(scope="session")
+@tiers.starts("writes a judge model")
 def arithmetic_judge(_quiet_env) -> str:
     """The trained tiny judge's directory, built once for the session (and its xdist workers)."""
     from trainer.models.resolve import _cached, cache_root

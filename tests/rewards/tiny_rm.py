@@ -11,6 +11,7 @@ import random
 
 import pytest
 
+from tests import tiers
 from trainer.config import DataConfig
 from trainer.rewards import reward_model as rm
 
@@ -125,6 +126,7 @@ def build_arithmetic_rm(out_dir: str, steps: int = 400, seed: int = 0) -> str:
 
 
 @pytest.fixture(scope="session")
+@tiers.starts("writes a reward model")
 def arithmetic_rm(_quiet_env) -> str:
     """The trained tiny reward model's directory, built once for the session (and its xdist workers)."""
     from trainer.models.resolve import _cached, cache_root

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import tiers
 from trainer.sandbox import backends
 
 SANDBOX_UID_MIN = 10000  # allocate_uid never hands out anything below this
@@ -25,6 +26,7 @@ def _bwrap_problem() -> str | None:
 
 
 @pytest.fixture(params=[backends.BWRAP, backends.UNISOLATED])
+@tiers.starts("runs programs in the sandbox")
 def backend(request) -> str:
     """What a test asks for: ``bwrap``, or the fallback by its opt-in name (plain ``rlimit`` is refused)."""
     if request.param == backends.BWRAP:

@@ -35,6 +35,7 @@ def test_should_name_the_valid_backends_when_given_an_unknown_one():
         backends.resolve("docker")
 
 
+@pytest.mark.integration  # runs unshare
 def test_should_use_the_fallback_when_the_environment_opts_in_by_name(monkeypatch):
     monkeypatch.setenv("KUBERL_SANDBOX", backends.UNISOLATED)
     b = backends.resolve()
@@ -89,6 +90,7 @@ def test_should_refuse_bubblewrap_without_seccomp_unless_opted_out_when_libsecco
         assert "--seccomp" not in argv
 
 
+@pytest.mark.integration  # runs bubblewrap
 def test_should_load_the_seccomp_filter_into_bubblewrap_when_it_resolves():
     if not _bwrap_works():
         pytest.skip("bubblewrap unavailable here")
@@ -134,12 +136,14 @@ def test_should_refuse_the_fallback_when_it_cannot_take_the_network_away(monkeyp
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.integration  # runs unshare
 def test_should_give_the_fallback_its_own_network_namespace_when_it_resolves(monkeypatch):
     monkeypatch.setattr(backends, "_cache", {})
     b = backends.resolve(backends.UNISOLATED)
     assert b.netns in (backends.NETNS_ROOT, backends.NETNS_USER)
 
 
+@pytest.mark.integration  # runs the sandbox runner
 def test_should_exit_before_running_anything_when_the_runner_cannot_unshare_the_network(monkeypatch):
     """The runner's own guard: a namespace it cannot make stops it, whatever resolve() believed."""
     from trainer.sandbox import executor
@@ -228,6 +232,7 @@ NON_ROOT_SCRIPT = textwrap.dedent(
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.integration  # a Python interpreter of its own
 def test_should_work_without_root_when_the_trainer_is_unprivileged():
     if os.geteuid() != 0:
         pytest.skip("needs root to start a process as another uid")
@@ -271,6 +276,7 @@ def test_should_work_without_root_when_the_trainer_is_unprivileged():
     assert not left, f"the fallback left its directories behind: {left}"
 
 
+@pytest.mark.integration  # a Python interpreter of its own
 def test_should_not_import_anything_heavy_when_imported():
     code = "import sys, trainer.sandbox, trainer.rewards.code; print(sorted(m for m in ('torch', 'ray', 'datasets') if m in sys.modules))"
     out = subprocess.run(

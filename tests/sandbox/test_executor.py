@@ -94,6 +94,7 @@ def test_should_report_a_compile_error_when_the_source_is_invalid(backend):
     assert not r.compiled and r.runs[0].status == "lost"
 
 
+@pytest.mark.integration  # starts bubblewrap to resolve the backend
 def test_should_reject_unknown_languages_when_called():
     with pytest.raises(ValueError, match="language 'rust'"):
         run_tests("rust", "", [""])
@@ -137,6 +138,7 @@ def test_should_compile_faster_when_the_precompiled_header_is_ready(backend, mon
     assert fast.compile.cpu_s < 0.6 * slow.compile.cpu_s
 
 
+@pytest.mark.integration  # runs g++
 def test_should_skip_the_precompiled_header_when_its_directory_is_shared(monkeypatch, tmp_path, caplog):
     import shutil
 

@@ -281,6 +281,7 @@ def test_should_deny_with_eperm_when_code_makes_syscalls_it_has_no_business_maki
 
 
 @x86_64
+@pytest.mark.integration  # runs the program in the sandbox
 def test_should_owe_the_denials_to_the_filter_when_bubblewrap_runs_without_it(monkeypatch, no_leftovers):
     """The control: the same sandbox without the filter lets ptrace(TRACEME) and keyctl through, so the EPERMs
     above are the filter's doing, not a side effect of bubblewrap's namespaces."""

@@ -38,7 +38,8 @@ from trainer.sandbox import LOST, OK, backends, remote, run_tests, wire
 from . import test_hostile as hostile
 from .conftest import sandbox_processes
 
-pytestmark = pytest.mark.timeout(240)
+# integration: the server, and the programs it runs, are processes of their own
+pytestmark = [pytest.mark.timeout(240), pytest.mark.integration]
 
 REPO = Path(__file__).resolve().parents[2]
 TOKEN = "sandbox-test-" + uuid.uuid4().hex

@@ -140,6 +140,7 @@ def test_should_pass_the_check_when_every_backend_is_offline_or_local(tmp_path) 
     tracking.check(config(tmp_path, ALL).logger)
 
 
+@pytest.mark.integration  # starts W&B's service
 def test_should_give_every_backend_the_same_scalars_config_and_tables_and_continue_the_runs_when_resumed(
     tmp_path,
 ) -> None:
@@ -264,6 +265,7 @@ def test_should_check_what_a_run_here_would_log_to_when_run_as_the_charts_helm_t
     assert bad.returncode == 1 and bad.stderr.count("\n") == 1 and "is unreachable" in bad.stderr
 
 
+@pytest.mark.integration  # a Python interpreter of its own
 def test_should_import_neither_wandb_nor_mlflow_when_only_tensorboard_logs(tmp_path) -> None:
     import subprocess
     import sys

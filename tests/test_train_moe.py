@@ -18,7 +18,10 @@ MOE = "model.name='builtin:tiny?experts=4'"
 def test_should_learn_and_replay_every_route_when_the_hf_engine_samples_a_tiny_moe(trainer_env, tmp_path):
     stdout, run_dir = train_tiny(trainer_env, tmp_path, MOE, "policy.moe.router_replay=true")
     assert "self-check: router replay reproduces Qwen3MoeForCausalLM's own logprobs exactly" in stdout
-    assert "self-check: engine routes match the policy's routing as the engines loaded the model (step 1)" in stdout
+    assert (
+        "self-check: engine routes match the policy's routing as the engines loaded the model (step 1)"
+        in stdout
+    )
     scalars = read_scalars(run_dir)
     assert_learned(scalars["train/reward_mean"])
     assert set(scalars["train/routing_replayed_frac"]) == {1.0}

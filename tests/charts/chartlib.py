@@ -4,6 +4,7 @@ Deployment's from the kubernetes-validate package."""
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import subprocess
@@ -73,6 +74,7 @@ def lint_failure(*sets: str) -> str:
     return out.stdout + out.stderr
 
 
+@functools.cache  # a test module renders the same values again and again; render() hands out copies
 def _render(values_files: tuple[str, ...], sets: tuple[str, ...], release: str) -> tuple:
     args = ["template", release, str(CHART), "--namespace", "exp"]
     for f in values_files:
@@ -88,7 +90,7 @@ def _render(values_files: tuple[str, ...], sets: tuple[str, ...], release: str) 
 def render(*sets: str, values: tuple[str, ...] = (), release: str = "exp1") -> list[dict]:
     """Rendered objects for `helm template` with these --set values (plus BASE unless a values file)."""
     base = () if values else BASE
-    return list(_render(tuple(str(v) for v in values), base + sets, release))
+    return copy.deepcopy(list(_render(tuple(str(v) for v in values), base + sets, release)))
 
 
 def one(docs: list[dict], kind: str) -> dict:

@@ -17,7 +17,8 @@ MOE = "model.name='builtin:tiny?experts=4'"
 
 def test_should_learn_and_replay_every_route_when_the_hf_engine_samples_a_tiny_moe(trainer_env, tmp_path):
     stdout, run_dir = train_tiny(trainer_env, tmp_path, MOE, "policy.moe.router_replay=true")
-    assert "self-check: router replay reproduces Qwen3MoeForCausalLM's own logprobs exactly" in stdout
+    # The ranks' own self-check line reaches the driver's output through Ray's log forwarding, which a test
+    # cannot wait on; it is tested where it runs (tests/policy/test_moe.py). The driver's route gate prints here.
     assert (
         "self-check: engine routes match the policy's routing as the engines loaded the model (step 1)"
         in stdout

@@ -127,7 +127,7 @@ class PaddedBatch:
         self, model: Any, head: Head, device: torch.device, attention: PackedAttention | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         width = self.input_ids.shape[1]
-        with moe.calling(model, self.routing.call(self.routes, _but_last(self.attention_mask))):
+        with moe.calling(model, self.routing.call(self.routes, _but_last(self.attention_mask, self.routing))):
             part, _ = head.project(
                 model,
                 self.labels,
@@ -147,10 +147,12 @@ class PaddedBatch:
         return out
 
 
-def _but_last(mask: torch.Tensor) -> torch.Tensor:
+def _but_last(mask: torch.Tensor, routing: moe.Mode) -> torch.Tensor | None:
     """A right-padded (B, T) token mask without each row's last token: the positions an MoE engine routed (the
     last sampled token is never fed back, and its output predicts nothing), which the routing statistics count
-    (trainer.models.moe.stat_sums)."""
+    (trainer.models.moe.stat_sums); None when nothing records them (a dense model's every forward)."""
+    if not routing.record:
+        return None
     out = mask.clone()
     lengths = mask.sum(1)
     rows = torch.nonzero(lengths > 0).flatten()
@@ -274,7 +276,9 @@ class PrefixBatch:
         cache.batch_select_indices(rows)
         lengths = prompt_mask.sum(1)[rows]  # (B,)
         width = self.response_ids.shape[1]
-        with moe.calling(model, self.routing.call(self.response_routes, _but_last(self.response_mask))):
+        with moe.calling(
+            model, self.routing.call(self.response_routes, _but_last(self.response_mask, self.routing))
+        ):
             rest, _ = head.project(
                 model,
                 self.labels[:, 1:],
@@ -398,8 +402,10 @@ class PackedBatch:
         input_ids, position_ids, predict = self.input_ids, self.position_ids, self.predict
         labels = self.flat_labels[None]
         keywords: dict[str, Any] = self._flash_boundaries(model, device)
-        routes, counted = self.routes, torch.ones(self.input_ids.shape[1], dtype=torch.long)
-        counted[self.cu_seqlens[1:].long() - 1] = 0  # each sample's last position (_but_last)
+        routes, counted = self.routes, None
+        if self.routing.record:  # the positions the statistics count: each sample's but its last (_but_last)
+            counted = torch.ones(self.input_ids.shape[1], dtype=torch.long)
+            counted[self.cu_seqlens[1:].long() - 1] = 0
         if sp is not None:
             assert attention is not None
             row, input_ids, position_ids, predict = sp.split(self)
@@ -409,7 +415,8 @@ class PackedBatch:
             if routes is not None:
                 pad = routes.new_full((n * sp.size - routes.shape[0], *routes.shape[1:]), moe.FREE)
                 routes = torch.cat([routes, pad])[lo : lo + n]
-            counted = torch.cat([counted, counted.new_zeros(n * sp.size - counted.numel())])[lo : lo + n]
+            if counted is not None:
+                counted = torch.cat([counted, counted.new_zeros(n * sp.size - counted.numel())])[lo : lo + n]
             keywords = {"packed_row": attention.row(row.cu_seqlens, row.max_seqlen, row.tokens)}
             labels = labels[:, sp.first : sp.first + predict.numel()]  # (1, M of this slice)
         elif attention is not None:

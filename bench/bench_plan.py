@@ -5,7 +5,7 @@ and trains two optimizer steps on ``--micro-batch-size`` sequences of ``--seq`` 
 logits cover every position: the plan's worst case). The measured figure is the peak of live
 tensor memory during the second step, as torch's ``FSDPMemTracker`` counts it (parameters, optimizer
 state, gradients, activations and temporaries, by the storages that are alive); the planned one is
-:func:`trainer.plan.training_peak` for the same config (no runtime reserve: that is a GPU's). The
+:func:`trainer.tools.plan.training_peak` for the same config (no runtime reserve: that is a GPU's). The
 process's resident memory is not the measure: glibc's heap keeps freed blocks (1.4 GiB beyond the live
 tensors after three SmolLM2 steps). The ratio planned / measured is printed per case;
 ``make plan-check`` fails beyond 25%.
@@ -51,11 +51,12 @@ def child(args: argparse.Namespace) -> None:
     import torch
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker  # torch's own, for FSDP2
 
-    from trainer import config, plan
+    from trainer import config
     from trainer.cluster import free_port
     from trainer.models import resolve_model
     from trainer.policy.batch import Sample
     from trainer.policy.worker import PolicyWorker
+    from trainer.tools import plan
 
     cfg = config.load(overrides(args.model, args.checkpointing, args.micro_batch_size, args.seq, args.dtype))
     path = resolve_model(cfg.model.name)  # built and cached before the baseline

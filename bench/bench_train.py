@@ -53,7 +53,7 @@ import sys
 import time
 
 MODEL = "embedded:smollm2-135m-instruct"
-# --shape: random models of these shapes (trainer/plan.py's table of the hub configs; SmolLM2-135M's own).
+# --shape: random models of these shapes (trainer/tools/plan.py's table of the hub configs; SmolLM2-135M's own).
 SHAPES = {
     "qwen2.5-1.5b": "Qwen/Qwen2.5-Coder-1.5B-Instruct",  # Qwen2.5-1.5B's shape: 1536 x 28 layers, 12/2 heads
     "qwen2.5-7b": "Qwen/Qwen2.5-Coder-7B-Instruct",

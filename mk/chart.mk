@@ -13,7 +13,7 @@ JOB          ?=
 NAMESPACE    ?=
 OVERRIDES    ?=
 HELM_ARGS    ?=
-SUBMIT       := $(PY) -m trainer.submit
+SUBMIT       := $(PY) -m trainer.tools.submit
 NS_FLAG      := $(if $(NAMESPACE),--namespace $(NAMESPACE))
 EXP_FLAG     := $(if $(EXP),--exp '$(EXP)')
 # `make up` options: RAY_PORT, RAY_DASHBOARD_PORT, RAY_NUM_CPUS, RAY_NUM_GPUS.
@@ -25,7 +25,7 @@ UP_FLAGS     := $(if $(RAY_PORT),--port $(RAY_PORT)) $(if $(RAY_DASHBOARD_PORT),
 CHART_PY     = py=$$(for p in '$(PY)' '$(PYTHON_BOOT)'; do "$$p" -c 'import yaml' 2>/dev/null && { echo "$$p"; break; }; done); \
                test -n "$$py" || { echo "make $@ needs Python 3 with PyYAML: $(PYTHON_BOOT) -m pip install --user pyyaml (or make setup)"; exit 2; }
 # The release and values file for EXP, or one line saying why not.
-RESOLVE      = $(CHART_PY); out=$$("$$py" -m trainer.submit resolve '$(EXP)') || exit 2; set -- $$out; release=$$1; values=$$2
+RESOLVE      = $(CHART_PY); out=$$("$$py" -m trainer.tools.submit resolve '$(EXP)') || exit 2; set -- $$out; release=$$1; values=$$2
 
 TEST_DEPS += $(HELM)
 # checkov, for `make checkov` and its test (tests/charts/test_day_two.py), in a venv of its own: its
@@ -116,23 +116,23 @@ template: $(HELM) ## Render the release for EXP (values/...), e.g. make template
 	@$(RESOLVE); $(HELM) template "$$release" $(CHART) -f "$$values" $(NS_FLAG) $(HELM_ARGS)
 
 preflight: $(HELM) ## What the cluster lacks for EXP and HELM_ARGS, one line each (nodes, driver, KubeRay, RDMA, storage, Secrets)
-	@$(CHART_PY); "$$py" -m trainer.preflight --exp '$(EXP)' $(NS_FLAG) --helm '$(HELM)' -- $(HELM_ARGS)
+	@$(CHART_PY); "$$py" -m trainer.tools.preflight --exp '$(EXP)' $(NS_FLAG) --helm '$(HELM)' -- $(HELM_ARGS)
 
 install: $(HELM) ## helm upgrade --install the release for EXP (checks the KubeRay version and the memory plan first)
-	@$(RESOLVE); "$$py" -m trainer.preflight --kuberay-only --upgrade --exp '$(EXP)' $(NS_FLAG) --helm '$(HELM)' -- $(HELM_ARGS) && \
+	@$(RESOLVE); "$$py" -m trainer.tools.preflight --kuberay-only --upgrade --exp '$(EXP)' $(NS_FLAG) --helm '$(HELM)' -- $(HELM_ARGS) && \
 	  { $(PLAN_WARN); } && \
 	  $(HELM) upgrade --install "$$release" $(CHART) -f "$$values" $(NS_FLAG) $(HELM_ARGS)
 
 # The memory plan needs the training venv (torch and transformers build the model on the meta device).
 # `install` shows it when the venv is there and warns, without stopping, when it does not fit.
 PLAN_WARN    = if $(PY) -c 'import torch, transformers, trainer' 2>/dev/null; then \
-                 $(PY) -m trainer.plan '$(EXP)'; rc=$$?; \
+                 $(PY) -m trainer.tools.plan '$(EXP)'; rc=$$?; \
                  if [ $$rc = 1 ]; then echo "WARNING: the memory plan above does not fit; installing anyway (make plan EXP=$(EXP) OVERRIDES=... to try keys)"; \
                  elif [ $$rc != 0 ]; then exit $$rc; fi; \
                else echo "(memory plan skipped: it needs the training venv, make setup)"; fi
 
 plan: setup ## Memory per GPU for EXP (all values files when unset): fits or not, the largest term, the key to change; GPU=h200|b200, OVERRIDES="k=v ..."
-	@$(PY) -m trainer.plan $(if $(GPU),--gpu $(GPU)) $(if $(EXP),'$(EXP)') $(OVERRIDES)
+	@$(PY) -m trainer.tools.plan $(if $(GPU),--gpu $(GPU)) $(if $(EXP),'$(EXP)') $(OVERRIDES)
 
 plan-check: setup ## The plan's formula against the peak torch measures for one SmolLM2 policy rank (fails beyond 25%)
 	$(PY) bench/bench_plan.py

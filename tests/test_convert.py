@@ -1,4 +1,4 @@
-"""trainer.convert: a DCP checkpoint -> a Hugging Face directory that from_pretrained loads.
+"""trainer.tools.convert: a DCP checkpoint -> a Hugging Face directory that from_pretrained loads.
 
 The fixture checkpoints have the trainer's layout (``step_N/policy/{weights,hf_config,tokenizer}``,
 committed by the ``COMMITTED`` marker) with weights written by ``dcp.save`` in one process; the
@@ -97,7 +97,7 @@ def tied_ckpt(tmp_path_factory, tiny_model_path) -> Path:
 def test_tied_round_trip_writes_one_file_without_lm_head(tied_ckpt, tiny_model_path, tmp_path, capsys):
     from transformers import AutoTokenizer
 
-    from trainer.convert import convert
+    from trainer.tools.convert import convert
 
     out = tmp_path / "hf"
     summary = convert(tied_ckpt, out)
@@ -115,7 +115,7 @@ def test_tied_round_trip_writes_one_file_without_lm_head(tied_ckpt, tiny_model_p
 
 
 def test_tied_lm_head_in_checkpoint_is_dropped(tmp_path, tiny_model_path):
-    from trainer.convert import convert
+    from trainer.tools.convert import convert
 
     ckpt = write_checkpoint(tmp_path / "step_1", tiny_model_path, keep_tied=True)
     convert(ckpt, tmp_path / "hf")
@@ -124,7 +124,7 @@ def test_tied_lm_head_in_checkpoint_is_dropped(tmp_path, tiny_model_path):
 
 
 def test_untied_keeps_lm_head(tmp_path, tiny_model_path):
-    from trainer.convert import convert
+    from trainer.tools.convert import convert
 
     model_dir = build_model_dir(tmp_path / "untied", tiny_model_path, tie=False)
     ckpt = write_checkpoint(tmp_path / "step_3", str(model_dir))
@@ -135,7 +135,7 @@ def test_untied_keeps_lm_head(tmp_path, tiny_model_path):
 
 
 def test_untied_checkpoint_without_lm_head_is_an_error(tmp_path, tiny_model_path):
-    from trainer.convert import ConvertError, convert
+    from trainer.tools.convert import ConvertError, convert
 
     model_dir = build_model_dir(tmp_path / "untied", tiny_model_path, tie=False)
     ckpt = write_checkpoint(tmp_path / "step_3", str(model_dir), drop=("lm_head.weight",))
@@ -145,7 +145,7 @@ def test_untied_checkpoint_without_lm_head_is_an_error(tmp_path, tiny_model_path
 
 
 def test_small_shard_size_writes_an_index_that_loads(tied_ckpt, tiny_model_path, tmp_path):
-    from trainer.convert import convert
+    from trainer.tools.convert import convert
 
     out = tmp_path / "hf"
     summary = convert(tied_ckpt, out, max_shard_size="100KB")
@@ -171,7 +171,7 @@ def _header_bytes(path: Path) -> int:
 def test_dtype_casts_weights_and_config(tied_ckpt, tiny_model_path, tmp_path):
     from safetensors.torch import load_file
 
-    from trainer.convert import convert
+    from trainer.tools.convert import convert
 
     convert(tied_ckpt, tmp_path / "hf", dtype="bfloat16")
     state = load_file(str(tmp_path / "hf" / "model.safetensors"))
@@ -184,7 +184,7 @@ def test_dtype_casts_weights_and_config(tied_ckpt, tiny_model_path, tmp_path):
 def test_failure_leaves_no_output(tied_ckpt, tmp_path, monkeypatch):
     import safetensors.torch
 
-    from trainer.convert import convert
+    from trainer.tools.convert import convert
 
     calls = []
 
@@ -202,7 +202,7 @@ def test_failure_leaves_no_output(tied_ckpt, tmp_path, monkeypatch):
 
 
 def test_overwrite(tied_ckpt, tmp_path):
-    from trainer.convert import ConvertError, convert
+    from trainer.tools.convert import ConvertError, convert
 
     out = tmp_path / "hf"
     out.mkdir()
@@ -227,7 +227,7 @@ def test_overwrite(tied_ckpt, tmp_path):
     ],
 )
 def test_errors_are_one_line(case, expected, tied_ckpt, tmp_path, capsys):
-    from trainer.convert import main
+    from trainer.tools.convert import main
 
     ckpt, out, extra = tmp_path / "ckpts" / "step_2", tmp_path / "hf", []
     if case != "missing":
@@ -262,7 +262,7 @@ def test_errors_are_one_line(case, expected, tied_ckpt, tmp_path, capsys):
 
 def test_checkpoint_of_the_earlier_rename_protocol_converts(tied_ckpt, tiny_model_path, tmp_path):
     """Committed by renaming its directory, before markers: no COMMITTED, no format in training_info.json."""
-    from trainer.convert import convert
+    from trainer.tools.convert import convert
 
     old = shutil.copytree(tied_ckpt, tmp_path / "step_1")
     (old / "COMMITTED").unlink()
@@ -290,7 +290,7 @@ def test_streaming_keeps_peak_memory_near_one_shard(tmp_path, tiny_model_path):
     # ru_maxrss would report the import-time peak; instead, before each conversion, reset the
     # high-water mark (Linux clear_refs 5) and read VmHWM after it: the peak of that conversion.
     probe = (
-        "import re, sys, transformers.models.llama.modeling_llama; from trainer.convert import main\n"
+        "import re, sys, transformers.models.llama.modeling_llama; from trainer.tools.convert import main\n"
         "kb = lambda key: int(re.search(key + r':\\s+(\\d+)', open('/proc/self/status').read()).group(1))\n"
         "ckpt, root = sys.argv[1:]\n"
         "for size in ('8MB', '1GB'):\n"
@@ -346,7 +346,7 @@ def test_trained_checkpoint_converts_to_the_live_weights(ray_local, tiny_model_p
         pytest.skip("the trainer does not write checkpoints yet")
     from trainer import run
     from trainer.config import load
-    from trainer.convert import main
+    from trainer.tools.convert import main
 
     cfg = load(
         [

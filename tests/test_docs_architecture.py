@@ -193,7 +193,8 @@ def test_should_name_only_config_keys_that_exist_when_the_map_cites_a_key(
 
 def test_should_draw_the_import_linter_layers_in_order_when_the_map_shows_the_layers() -> None:
     contracts = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
-    (layers,) = [c["layers"] for c in contracts if c["type"] == "layers"]
+    # the package's contract; the tools' own order (containers = trainer.tools) is told in the text
+    (layers,) = [c["layers"] for c in contracts if c["type"] == "layers" and "containers" not in c]
     want = [sorted(m.strip().removeprefix("trainer.") for m in layer.split("|")) for layer in layers]
     (block,) = [b for b in MERMAID.findall(DOC) if "%% layers" in b]
     nodes = re.findall(r'^\s*L(\d+)\["([^"]*)"\]', block, flags=re.M)

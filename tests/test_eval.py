@@ -1,4 +1,4 @@
-"""trainer.eval: pass@k over n samples, the printed block, the jsonl, and one-line errors.
+"""trainer.tools.eval: pass@k over n samples, the printed block, the jsonl, and one-line errors.
 
 The engine is an interface, so most tests script it: given the rendered prompt it returns known
 texts, which makes the scores hand-computable. One run goes through the real tiny model and hf engine
@@ -84,7 +84,7 @@ def qa_examples() -> list[dict]:
 )
 def test_pass_at_k_over_four_samples_matches_hand_computed(k, numerator, tokenizer):
     from trainer.config import RewardSpec
-    from trainer.eval import evaluate
+    from trainer.tools.eval import evaluate
 
     engine = ScriptedEngine(tokenizer)
     result = evaluate(
@@ -108,7 +108,7 @@ def test_pass_at_k_over_four_samples_matches_hand_computed(k, numerator, tokeniz
 def test_evaluate_groups_prompts_offsets_seeds_and_reuses_encoded_prompts(tokenizer):
     from trainer.config import RewardSpec
     from trainer.data.prompts import encode_examples
-    from trainer.eval import evaluate
+    from trainer.tools.eval import evaluate
 
     # Validation passes examples already encoded by encode_examples: their prompt_ids are used as is.
     examples = encode_examples(tokenizer, qa_examples(), {}, 1000)
@@ -127,8 +127,8 @@ def test_evaluate_groups_prompts_offsets_seeds_and_reuses_encoded_prompts(tokeni
 
 def test_evaluate_scores_each_group_with_a_given_scorer(tokenizer):
     """Validation scores on Ray through its RewardRunner: evaluate takes any batch scorer."""
-    from trainer.eval import evaluate
     from trainer.rewards.runner import RewardResult
+    from trainer.tools.eval import evaluate
 
     batches = []
 
@@ -153,7 +153,7 @@ def test_evaluate_scores_each_group_with_a_given_scorer(tokenizer):
 
 def test_evaluate_rejects_k_above_n(tokenizer):
     from trainer.config import RewardSpec
-    from trainer.eval import evaluate
+    from trainer.tools.eval import evaluate
 
     with pytest.raises(ValueError, match="pass@3 needs 1 <= k <= num_tests_per_prompt"):
         evaluate(
@@ -171,7 +171,7 @@ def test_evaluate_rejects_k_above_n(tokenizer):
 
 
 def test_block_jsonl_and_result_for_a_local_file(tokenizer, tmp_path, capsys):
-    from trainer.eval import parse_args, run
+    from trainer.tools.eval import parse_args, run
 
     args = parse_args(
         [
@@ -219,7 +219,7 @@ def test_block_jsonl_and_result_for_a_local_file(tokenizer, tmp_path, capsys):
 )
 def test_dataset_prompt_template_and_default_reward(data, reward, tail, tokenizer, tmp_path):
     """Eval prompts are the training prompts (conf/data/<name>.yaml); each dataset has its reward."""
-    from trainer.eval import parse_args, run
+    from trainer.tools.eval import parse_args, run
 
     path = REPO / "tests" / "fixtures" / "data" / data
     args = parse_args(
@@ -236,7 +236,7 @@ def test_dataset_prompt_template_and_default_reward(data, reward, tail, tokenize
 
 def test_should_score_arithmetic_with_its_own_reward_when_no_reward_is_given():
     from trainer.config import RewardSpec
-    from trainer.eval import parse_args, reward_specs
+    from trainer.tools.eval import parse_args, reward_specs
 
     assert reward_specs(parse_args(["model=m", "data=arithmetic"])) == [
         RewardSpec("arithmetic", 1.0, {"unboxed_score": 1.0})
@@ -278,7 +278,7 @@ def test_should_score_arithmetic_with_its_own_reward_when_no_reward_is_given():
     ],
 )
 def test_bad_input_is_one_line(argv, expected, capsys):
-    from trainer.eval import main
+    from trainer.tools.eval import main
 
     assert main(argv) == 2
     err = capsys.readouterr().err
@@ -286,7 +286,7 @@ def test_bad_input_is_one_line(argv, expected, capsys):
 
 
 def test_training_checkpoint_as_model_says_convert_first(tmp_path, capsys):
-    from trainer.eval import main
+    from trainer.tools.eval import main
 
     (tmp_path / "step_4" / "policy" / "weights").mkdir(parents=True)
     assert main([f"model={tmp_path / 'step_4'}", "data=arithmetic"]) == 2
@@ -296,7 +296,7 @@ def test_training_checkpoint_as_model_says_convert_first(tmp_path, capsys):
 def test_vllm_backend_without_vllm_is_one_line(tiny_model_path, tmp_path, capsys):
     import importlib.util
 
-    from trainer.eval import main
+    from trainer.tools.eval import main
 
     if importlib.util.find_spec("vllm") is not None:
         pytest.skip("vllm is installed here")
@@ -340,7 +340,7 @@ def check_run(out: str, output: Path, model: str) -> None:
 
 
 def test_tiny_model_end_to_end_in_process(tiny_model_path, tmp_path, capsys):
-    from trainer.eval import main
+    from trainer.tools.eval import main
 
     argv = [
         f"model={tiny_model_path}",
@@ -378,7 +378,7 @@ def test_make_eval_with_the_tiny_model(tmp_path):
 
 def test_should_read_stop_strings_and_few_shot_turns_as_yaml_into_the_prompt_and_sampling():
     from trainer.data.common import build_messages
-    from trainer.eval import data_config, parse_args
+    from trainer.tools.eval import data_config, parse_args
 
     args = parse_args(
         ["model=m", "data=arithmetic", 'stop_strings=["\\n", "Q:"]', "few_shot=[{question: 2+3, answer: 5}]"]

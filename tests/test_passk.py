@@ -7,7 +7,7 @@ from math import comb
 
 import pytest
 
-from trainer.passk import mean_pass_at_k, pass_at_k
+from trainer.tools.passk import mean_pass_at_k, pass_at_k
 
 
 @pytest.mark.parametrize(

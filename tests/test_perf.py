@@ -65,7 +65,7 @@ def test_should_count_the_lm_head_only_on_the_positions_it_projects() -> None:
 def test_should_count_the_matmul_parameters_of_every_linear_when_the_shape_comes_from_the_model(
     tiny_model_path,
 ) -> None:
-    """The formula against the model itself (trainer.plan builds it on the meta device): N is exactly
+    """The formula against the model itself (trainer.tools.plan builds it on the meta device): N is exactly
     the weights of its nn.Linear layers, the LM head included."""
     from trainer.models.shape import model_shape
 

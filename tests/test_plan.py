@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from tests.cli import run_main
-from trainer import config, plan, submit
+from trainer import config
 from trainer.models.shape import known_config
+from trainer.tools import plan, submit
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = "builtin:tiny?hidden_size=256&num_layers=4&num_heads=4&intermediate_size=1024"

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from tests.cli import run_main
-from trainer import preflight
-from trainer.preflight import Result
+from trainer.tools import preflight
+from trainer.tools.preflight import Result
 
 REPO = Path(__file__).resolve().parents[1]
 

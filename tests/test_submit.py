@@ -1,4 +1,4 @@
-"""The submission path: `python -m trainer.submit` and the make targets around it.
+"""The submission path: `python -m trainer.tools.submit` and the make targets around it.
 
 Fast tests cover the entrypoint, EXP resolution and the one-line errors people see. The slow test
 starts a real local Ray cluster with `make up`, runs `make submit EXP=tiny` against it through the
@@ -19,8 +19,8 @@ import pytest
 import yaml
 
 from tests.cli import no_cluster_env, run_main
-from trainer import submit
 from trainer.ports import free_port
+from trainer.tools import submit
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 def _cli(env: dict[str, str], *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     """A process of its own, for what Ray's client reads once per process: the auth mode and the token."""
     return subprocess.run(
-        [sys.executable, "-m", "trainer.submit", *args],
+        [sys.executable, "-m", "trainer.tools.submit", *args],
         capture_output=True,
         text=True,
         env=env,

@@ -31,8 +31,8 @@ from chartlib import (
 )
 
 from tests import tiers
-from trainer import submit
-from trainer.preflight import kuberay_hashed_spec, spec_changes
+from trainer.tools import submit
+from trainer.tools.preflight import kuberay_hashed_spec, spec_changes
 
 VALUES = [pytest.param(p, id=p.stem) for p in values_files()]
 GPU_VALUES = [pytest.param(p, id=p.stem) for p in values_files() if p.stem != "local"]
@@ -194,7 +194,7 @@ def test_should_change_kuberays_spec_hash_only_where_kuberay_recreates_the_pods_
     base, changed = one(render(), "RayCluster")["spec"], one(render(*change), "RayCluster")["spec"]
     assert base != changed  # the values did change the spec
     assert (kuberay_hash_input(base) != kuberay_hash_input(changed)) == recreates
-    # and `make preflight`'s warning before an upgrade (trainer/preflight.py) says what KubeRay will do
+    # and `make preflight`'s warning before an upgrade (trainer/tools/preflight.py) says what KubeRay will do
     assert bool(spec_changes(kuberay_hashed_spec(base), kuberay_hashed_spec(changed))) == recreates
 
 
@@ -459,7 +459,7 @@ def test_should_share_one_directory_by_choice_when_per_release_is_off() -> None:
 
 def test_should_write_where_the_rayjob_writes_when_make_submit_runs_on_the_releases_raycluster() -> None:
     """`make submit` builds no path: its entrypoint reads the directories the chart gives the head
-    (trainer/submit.py), so a job submitted to the RayCluster keeps the release's lineage, as the RayJob
+    (trainer/tools/submit.py), so a job submitted to the RayCluster keeps the release's lineage, as the RayJob
     of the same release does."""
     envs, _ = _ray_envs("team-a", "gemma", "experiment=tiny")
     _, job = _ray_envs("team-a", "gemma", *JOB_SETS, "experiment=tiny")

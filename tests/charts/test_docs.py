@@ -12,7 +12,7 @@ import yaml
 from chartlib import CHART, REPO
 
 from tests.cli import run_main
-from trainer import submit
+from trainer.tools import submit
 
 DOC = (REPO / "docs" / "cluster.md").read_text()
 ROOTS = ("image", "storage", "rdma", "job", "head", "capacity", "gpu", "serviceAccount", "secrets", "tests", "tensorboard",

@@ -44,7 +44,9 @@ def test_all_datasets_registered():
         data.get("gsm9k")
 
 
-@pytest.mark.parametrize("key", ["data.name", "data.val_name", "data"])  # data: python -m trainer.eval's key
+@pytest.mark.parametrize(
+    "key", ["data.name", "data.val_name", "data"]
+)  # data: python -m trainer.tools.eval's key
 def test_should_name_the_key_in_one_line_when_a_dataset_is_not_registered(key):
     from trainer.config import ConfigError
 

@@ -10,7 +10,7 @@ not when gloo's own timeout (10 minutes) or the pod's end would release them.
 On a Ray instance with Ray's own clean-ups off, so that what is tested is the engine's: Ray 2.60's raylet
 kills a dead worker's process group (``RAY_process_group_cleanup_enabled``), which holds vLLM's spawned
 workers too, and ``ray.kill`` has the worker kill its direct children on its way out
-(``RAY_kill_child_processes_on_worker_exit``). Neither covers an owner outside Ray (``trainer.eval``), a
+(``RAY_kill_child_processes_on_worker_exit``). Neither covers an owner outside Ray (``trainer.tools.eval``), a
 raylet configured otherwise, or a process that leaves the group.
 """
 

@@ -274,7 +274,7 @@ def test_should_reload_layerwise_when_a_layer_kept_only_its_packed_weight():
 def test_should_plan_host_memory_for_the_sleeping_engines_weights_only_when_they_sleep_at_level_1(
     exp, level1_engines
 ):
-    from trainer import plan
+    from trainer.tools import plan
 
     result = plan.plan_for(exp, [])
     (host,) = [d for d in result.devices if d.role == "training node, host memory"]

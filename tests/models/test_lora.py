@@ -154,9 +154,9 @@ def test_should_give_the_policys_logits_when_a_lora_checkpoint_converts_to_an_ad
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from trainer import eval as trainer_eval
     from trainer.checkpoint import FORMAT, write_marker
-    from trainer.convert import convert
+    from trainer.tools import eval as trainer_eval
+    from trainer.tools.convert import convert
 
     samples = refit_samples()
     for _ in range(2):
@@ -184,7 +184,7 @@ def test_should_give_the_policys_logits_when_a_lora_checkpoint_converts_to_an_ad
         assert torch.allclose(peft_model(input_ids=IDS).logits, want, atol=1e-5)  # plain peft loads it
         merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
         assert torch.allclose(merged(input_ids=IDS).logits, want, atol=1e-5)
-    # trainer.eval serves the adapter directory over its base (the one its config names)
+    # trainer.tools.eval serves the adapter directory over its base (the one its config names)
     args = trainer_eval.parse_args([f"model={tmp_path / 'adapter'}", "data=arithmetic", "dtype=float32"])
     engine = trainer_eval.build_engine(args, trainer_eval.resolve_model_path(args.model))
     with torch.no_grad():

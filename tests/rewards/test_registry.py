@@ -34,7 +34,7 @@ def test_should_name_the_key_in_one_line_when_a_reward_cannot_be_found(name, rea
         rewards.check_specs(specs)
     message = str(e.value)
     assert message.startswith(f"env.reward_functions[1].name: {reason}") and "\n" not in message, message
-    with pytest.raises(ConfigError, match=r"^reward: "):  # python -m trainer.eval's key
+    with pytest.raises(ConfigError, match=r"^reward: "):  # python -m trainer.tools.eval's key
         rewards.check(name, "reward")
 
 

@@ -1,6 +1,6 @@
 """The reward model's signal is real: ``experiment=tiny`` trained with the tiny Bradley-Terry model of
 ``tiny_rm.py`` as its only reward learns (its reward rises), and the arithmetic accuracy that
-``trainer.eval`` measures with the verifiable ``arithmetic`` reward, which the run never saw, rises with it;
+``trainer.tools.eval`` measures with the verifiable ``arithmetic`` reward, which the run never saw, rises with it;
 beside the verifiable reward by weight (0.5/0.5) the run trains and reports both components.
 """
 
@@ -23,7 +23,7 @@ HALF_AND_HALF = (
     "env.reward_functions=[{name: arithmetic, weight: 0.5, kwargs: {unboxed_score: 1.0}}, "
     "{name: reward_model, weight: 0.5}]"
 )
-# trainer.eval's prompts: the tiny problems drawn from another seed than the run's (42), greedy.
+# trainer.tools.eval's prompts: the tiny problems drawn from another seed than the run's (42), greedy.
 EVAL = [
     "data=arithmetic",
     "options.num_examples=64",
@@ -37,7 +37,7 @@ EVAL = [
 
 
 def _accuracy(model: str, out, capsys) -> float:
-    from trainer.eval import main
+    from trainer.tools.eval import main
 
     assert main([f"model={model}", *EVAL, f"output={out}"]) == 0
     capsys.readouterr()
@@ -50,7 +50,7 @@ def test_should_learn_arithmetic_when_a_bradley_terry_reward_model_is_the_only_r
     tmp_path,
     capsys,
 ):
-    from trainer.convert import convert
+    from trainer.tools.convert import convert
 
     stdout, run_dir = train_tiny(
         trainer_env,
@@ -81,7 +81,9 @@ def test_should_learn_arithmetic_when_a_bradley_terry_reward_model_is_the_only_r
     before = _accuracy("builtin:tiny", tmp_path / "eval_before", capsys)
     after = _accuracy(str(tmp_path / "trained"), tmp_path / "eval_after", capsys)
     with capsys.disabled():
-        print(f"\narithmetic accuracy (trainer.eval, greedy, arithmetic reward): {before:.3f} -> {after:.3f}")
+        print(
+            f"\narithmetic accuracy (trainer.tools.eval, greedy, arithmetic reward): {before:.3f} -> {after:.3f}"
+        )
     assert after > before + 0.3, f"the arithmetic accuracy did not rise: {before:.3f} -> {after:.3f}"
 
 

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 MIN_BLOCK = 256  # vocabulary entries per tile, at least: below this the matmuls stop paying for themselves
-TILE_BYTES = 12  # per tile element at the peak (trainer.plan counts it)
+TILE_BYTES = 12  # per tile element at the peak (trainer.tools.plan counts it)
 BLOCK_ALIGN = 128  # a block is a multiple of this many vocabulary entries (MIN_BLOCK is one)
 
 

@@ -235,7 +235,7 @@ ROUTING_BOUND = 0.5
 
 
 def model_flops(cfg: Config, policy: PolicyGroup) -> perf.ModelFlops | None:
-    """The policy's FLOPs per token for MFU, from its shape (``trainer.plan``, the model on the meta device);
+    """The policy's FLOPs per token for MFU, from its shape (``trainer.tools.plan``, the model on the meta device);
     None, said once, for a model whose shape cannot be read that way."""
     from trainer.models.shape import model_shape
 

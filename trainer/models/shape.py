@@ -1,5 +1,5 @@
 """A model's shape without its weights: instantiated on the ``meta`` device from its config (exact
-parameter counts for any architecture), for the memory plan (:mod:`trainer.plan`) and the training
+parameter counts for any architecture), for the memory plan (:mod:`trainer.tools.plan`) and the training
 FLOPs (:mod:`trainer.perf`). The experiments' hub models have their config here too, so neither needs
 a download.
 

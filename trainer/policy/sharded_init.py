@@ -8,7 +8,7 @@ own key mapping, tied weights and dtype handling apply as they always did) and
 :func:`~torch.distributed.checkpoint.state_dict.set_model_state_dict` with ``full_state_dict`` and
 ``broadcast_from_rank0`` broadcasts its tensors one at a time; each rank keeps its slice of each. The
 device then never holds more than the rank's shards plus one full tensor (the largest: the
-embeddings; ``trainer.plan`` counts it), where moving the loaded model to the device before sharding
+embeddings; ``trainer.tools.plan`` counts it), where moving the loaded model to the device before sharding
 held the whole model there (gemma3-27b: 51 GiB on every GPU beside a colocated engine's share).
 
 Buffers are not sharded, and the non-persistent ones (rotary ``inv_freq``, Gemma's ``embed_scale``)

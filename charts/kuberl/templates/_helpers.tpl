@@ -12,7 +12,7 @@ bash scripts in files/.
 The RayCluster (or RayJob) name. KubeRay names the head service `<name>-head-svc` and pods
 `<name>-<group>-worker-<suffix>`, so dots (helm allows them in release names) become dashes, and the
 name is cut to the one limit in Chart.yaml (`kuberl.dev/max-name-length`: KubeRay's 47 for RayJobs),
-which trainer/submit.py reads too, so `make submit` finds the head service of any release name.
+which trainer/tools/submit.py reads too, so `make submit` finds the head service of any release name.
 */}}
 {{- define "kuberl.fullname" -}}
 {{- $max := int (index .Chart.Annotations "kuberl.dev/max-name-length") }}

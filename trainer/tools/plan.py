@@ -1,4 +1,4 @@
-"""``python -m trainer.plan EXP [key=value ...]``: will an experiment fit its GPUs? Per GPU, before
+"""``python -m trainer.tools.plan EXP [key=value ...]``: will an experiment fit its GPUs? Per GPU, before
 anything is deployed.
 
 For the experiment's config (Hydra, with the overrides given) and its values file (GPU type), the
@@ -667,7 +667,7 @@ ADVICE = {
     CAPTURE_TERM: "a smaller generation.vllm_kwargs.max_num_batched_tokens",
 }
 LOADING_TERM = "one full tensor, loading"
-CHART_VALUES = Path(__file__).resolve().parents[1] / "charts" / "kuberl" / "values.yaml"
+CHART_VALUES = Path(__file__).resolve().parents[2] / "charts" / "kuberl" / "values.yaml"
 _QUANTITY = {
     "": 1,
     "k": 1e3,
@@ -910,7 +910,8 @@ def _gpu_of(values: Path | None) -> str | None:
 
 def plan_for(exp: str, overrides: list[str], gpu: str | None = None) -> Plan:
     """``exp`` as `make` takes it (a values file's stem or an experiment), with Hydra overrides."""
-    from trainer import config, submit
+    from trainer import config
+    from trainer.tools import submit
 
     release = submit.resolve(exp)
     cfg = config.load([f"experiment={release.experiment}", *overrides])
@@ -924,15 +925,15 @@ def plan_for(exp: str, overrides: list[str], gpu: str | None = None) -> Plan:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m trainer.plan", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m trainer.tools.plan", description=__doc__.split("\n\n")[0])
     p.add_argument("exp", nargs="?", help="a values file's stem or an experiment (none: every values file)")
     p.add_argument("overrides", nargs="*", help="Hydra overrides, key=value")
     p.add_argument(
         "--gpu", choices=sorted(GPU_MEMORY), help="the GPU type, for an experiment without a values file"
     )
     args = p.parse_args(argv)
-    from trainer import submit
     from trainer.config import ConfigError
+    from trainer.tools import submit
 
     exps = [args.exp] if args.exp else [v.stem for v in sorted(submit.VALUES.glob("*.yaml"))]
     bad = 0

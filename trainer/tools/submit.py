@@ -1,4 +1,4 @@
-"""``python -m trainer.submit``: run experiments on a Ray cluster through the Ray Jobs API.
+"""``python -m trainer.tools.submit``: run experiments on a Ray cluster through the Ray Jobs API.
 
 The Makefile's cluster targets call it (``make submit EXP=... OVERRIDES="k=v ..."`` and friends):
 
@@ -44,7 +44,7 @@ from pathlib import Path
 
 from trainer.ports import free_port
 
-PACKAGE = Path(__file__).resolve().parent
+PACKAGE = Path(__file__).resolve().parents[1]  # trainer/
 REPO = PACKAGE.parent
 EXPERIMENTS = PACKAGE / "conf" / "experiment"
 VALUES = REPO / "values"
@@ -718,7 +718,7 @@ def cmd_resolve(args: argparse.Namespace) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m trainer.submit", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m trainer.tools.submit", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
 
     def add(name: str, fn, help: str, exp: bool = True) -> argparse.ArgumentParser:

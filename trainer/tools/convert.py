@@ -1,4 +1,4 @@
-"""``python -m trainer.convert --checkpoint CKPT/step_N --output DIR``: a training checkpoint as a
+"""``python -m trainer.tools.convert --checkpoint CKPT/step_N --output DIR``: a training checkpoint as a
 Hugging Face model directory (safetensors shards, config, generation config, tokenizer).
 
 The policy weights in a checkpoint are a torch.distributed.checkpoint (DCP) directory written by
@@ -47,7 +47,7 @@ from pathlib import Path
 
 from trainer.checkpoint import MARKER, is_complete, step_number
 
-USAGE_HINT = "python -m trainer.convert --checkpoint CKPT_DIR/step_N --output OUT_DIR"
+USAGE_HINT = "python -m trainer.tools.convert --checkpoint CKPT_DIR/step_N --output OUT_DIR"
 WEIGHTS, HF_CONFIG, TOKENIZER = "policy/weights", "policy/hf_config", "policy/tokenizer"
 _DTYPES = ("bfloat16", "float16", "float32")
 _WEIGHT_FILES = re.compile(r".*\.(safetensors|bin|pt|pth|gguf)$|.*\.safetensors\.index\.json$")
@@ -495,7 +495,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _Parser(prog="python -m trainer.convert", description=__doc__.split("\n\n")[0])
+    parser = _Parser(prog="python -m trainer.tools.convert", description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint", required=True, help="a step_N directory of a training run")
     parser.add_argument("--output", required=True, help="the Hugging Face model directory to write")
     parser.add_argument("--max-shard-size", default="2GB", help="largest safetensors file (default 2GB)")

@@ -1,4 +1,4 @@
-"""``python -m trainer.preflight``: what a GKE cluster lacks for one release, one line each.
+"""``python -m trainer.tools.preflight``: what a GKE cluster lacks for one release, one line each.
 
 ``make preflight EXP=... [HELM_ARGS="--set ..."]`` renders the release with ``helm template`` (the
 values file and the same ``HELM_ARGS`` that ``make install`` applies), reads the cluster with kubectl
@@ -52,7 +52,7 @@ from pathlib import Path
 
 import yaml
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "kuberl"
 MIN_KUBERAY_KEY = "kuberl.dev/min-kuberay-version"
 MIN_DRIVER_KEY = "kuberl.dev/min-nvidia-driver"
@@ -986,7 +986,7 @@ def run(args: argparse.Namespace, kubectl: Kubectl = real_kubectl, gcloud: Gclou
         context = check_context(kubectl)
         problems, notes = check_kuberay(kubectl, minimum)
         if args.upgrade:  # before `helm upgrade --install` (make install): what it does to what runs
-            from trainer.submit import kube_namespace, resolve
+            from trainer.tools.submit import kube_namespace, resolve
 
             release = resolve(args.exp, need_values=True)
             namespace = args.namespace or kube_namespace(None)
@@ -994,7 +994,7 @@ def run(args: argparse.Namespace, kubectl: Kubectl = real_kubectl, gcloud: Gclou
             for line in check_upgrade(kubectl, docs, namespace):
                 print(f"warning: {line}")
         if not args.kuberay_only:
-            from trainer.submit import kube_namespace, resolve
+            from trainer.tools.submit import kube_namespace, resolve
 
             release = resolve(args.exp, need_values=True)
             namespace = args.namespace or kube_namespace(None)
@@ -1030,7 +1030,9 @@ def run(args: argparse.Namespace, kubectl: Kubectl = real_kubectl, gcloud: Gclou
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m trainer.preflight", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m trainer.tools.preflight", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("--exp", default="", help="values file or experiment (as for make install)")
     p.add_argument("--namespace", "-n", default="")
     p.add_argument("--kuberay-only", action="store_true", help="only the KubeRay version (make install)")
@@ -1039,7 +1041,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--helm", default=os.environ.get("HELM") or str(REPO / "bin" / "helm"), help="helm binary")
     p.add_argument("helm_args", nargs="*", help="after --: what make install passes to helm (HELM_ARGS)")
     args = p.parse_args(argv)
-    from trainer.submit import SubmitError
+    from trainer.tools.submit import SubmitError
 
     try:
         return run(args)

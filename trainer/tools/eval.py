@@ -1,10 +1,10 @@
-"""``python -m trainer.eval model=PATH_OR_HF_ID data=math500 [key=value ...]``: pass@k of a model.
+"""``python -m trainer.tools.eval model=PATH_OR_HF_ID data=math500 [key=value ...]``: pass@k of a model.
 
 For each prompt of the dataset it samples ``num_tests_per_prompt`` (n) completions with the
 configured generation backend, scores each with the dataset's reward (``math`` for math datasets,
 ``gsm8k`` for GSM8K, ``arithmetic`` for arithmetic, the unit tests for code), and reports the mean
 over prompts of the unbiased pass@k estimator from the n samples (Chen et al. 2021;
-:mod:`trainer.passk`). The
+:mod:`trainer.tools.passk`). The
 default is greedy pass@1. Prompts are built exactly as in training: the dataset's loader, its
 ``prompt_template``/``system_prompt`` from ``trainer/conf/data/<name>.yaml``, and the tokenizer's
 chat template (:func:`trainer.data.prompts.encode_prompt`).
@@ -44,7 +44,7 @@ DEFAULT_REWARD = {
 # Evaluation splits by dataset; anything else: test. A local file is its own split whatever is asked.
 DEFAULT_SPLIT = {"openmathinstruct2": "train", "local": "train"}
 
-USAGE = """usage: python -m trainer.eval model=PATH_OR_HF_ID data=DATASET [key=value ...]
+USAGE = """usage: python -m trainer.tools.eval model=PATH_OR_HF_ID data=DATASET [key=value ...]
 
   model=                  a model directory (e.g. from `make convert`), a hub id, or builtin:/embedded: name;
                           or a PEFT adapter directory (`make convert` of a LoRA run), served over base=
@@ -95,8 +95,8 @@ def evaluate(
     ``denominator`` (number of prompts) and ``rows`` (one dict per generation).
     """
     from trainer.data.prompts import encode_prompt
-    from trainer.passk import pass_at_k
     from trainer.rewards.runner import question_of, score_one
+    from trainer.tools.passk import pass_at_k
 
     if scorer is None:
 

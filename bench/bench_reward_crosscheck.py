@@ -1,5 +1,5 @@
 """Our ``math`` (and ``gsm8k``, ``arithmetic`` where they apply) against reasoning-gym's own scorers, on
-every reasoning-gym task whose answers are numbers or expressions (STYLE.md section 14; issue 47).
+every reasoning-gym task whose answers are numbers or expressions (CONTRIBUTING.md: Rewards are an attack surface; issue 47).
 
 For each task, ``--n`` problems from ``--seed``; each problem's answer is given honestly in three
 response styles ("... $\\boxed{X}$", "The final answer is X.", the Minerva ending), and another

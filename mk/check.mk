@@ -1,4 +1,4 @@
-# The checks the anchors run (STYLE.md 17): lint, format, types, layers, and the chart's scripts.
+# The checks the anchors run (CONTRIBUTING.md: make check): lint, format, types, layers, and the chart's scripts.
 # `.ci/run` runs `make check` before `make test`; .pre-commit-config.yaml runs the same tools on commit.
 .PHONY: check format typecheck
 

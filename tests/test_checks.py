@@ -14,7 +14,7 @@ import tomllib
 
 REPO = Path(__file__).resolve().parents[1]
 
-# The modules whose types are a contract (STYLE.md 17): mypy must keep judging them.
+# The modules whose types are a contract (CONTRIBUTING.md: make check): mypy must keep judging them.
 CORE = [
     "trainer/algorithms",
     "trainer/loop",

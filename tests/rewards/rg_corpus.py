@@ -1,5 +1,5 @@
 """Data no one here wrote, for the built-in rewards: reasoning-gym's numeric tasks with their own scorers,
-and a harness that runs any reward calls under a per-call time limit (STYLE.md section 14; issue 47).
+and a harness that runs any reward calls under a per-call time limit (CONTRIBUTING.md: Rewards are an attack surface; issue 47).
 
 :func:`crosscheck_cases` generates, for every task in :data:`NUMERIC_TASKS`, problems with seeds of our
 choosing and three kinds of response to each: the task's own answer in the three styles of

@@ -1,5 +1,5 @@
 """The tables the built-in rewards are held to: attempts that game a reward and must score 0, and honest
-answers in every style that must score 1 (STYLE.md section 14). tests/rewards/test_adversarial.py and
+answers in every style that must score 1 (CONTRIBUTING.md: Rewards are an attack surface). tests/rewards/test_adversarial.py and
 tests/rewards/test_fairness.py check each reward against them; tests/rewards/test_bounded.py times every row.
 
 The first rows of the math tables are what cpu-demo's policy found under the old ``math`` reward: the

@@ -1,5 +1,5 @@
 """Every built-in reward against a policy that games it: attempts that must score 0, beside honest
-answers in several styles that must score 1 (STYLE.md section 14: a reward pays only for a real answer).
+answers in several styles that must score 1 (CONTRIBUTING.md: Rewards are an attack surface; a reward pays only for a real answer).
 
 The tables are in tables.py (test_bounded.py times every row of them); the first rows of the math tables
 are what cpu-demo's policy found under the old ``math`` reward (issue 21): the question's own expression,

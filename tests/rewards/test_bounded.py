@@ -1,4 +1,4 @@
-"""Every built-in reward returns, and soon, whatever the response holds (STYLE.md section 14; issue 47).
+"""Every built-in reward returns, and soon, whatever the response holds (CONTRIBUTING.md: Rewards are an attack surface; issue 47).
 
 The three defects reasoning-gym's data found first (a fraction answer that looped forever, hexadecimal
 read as 0, Python's ``**`` read as a second value), then answers built to be expensive (huge exponents,

@@ -1,6 +1,6 @@
 """``math`` (and ``gsm8k``, ``arithmetic`` where they apply) against reasoning-gym's own scorers on its
 numeric tasks: honest answers paid in all three response styles, wrong answers and near misses never
-(STYLE.md section 14; issue 47). A few problems of every task here, with seeds of the test's own; the
+(CONTRIBUTING.md: Rewards are an attack surface; issue 47). A few problems of every task here, with seeds of the test's own; the
 bench (``make bench-rewards``, ``bench/bench_reward_crosscheck.py``) runs 36 a task and prints the table.
 """
 

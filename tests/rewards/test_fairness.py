@@ -1,5 +1,5 @@
 """The ``math`` reward is fair: an honest answer scores 1 in every format real models and evaluation
-harnesses write, for every kind of answer math-verify's own tests cover (STYLE.md section 14; issue 41).
+harnesses write, for every kind of answer math-verify's own tests cover (CONTRIBUTING.md: Rewards are an attack surface; issue 41).
 
 A reward that refuses honest answers teaches the policy a format instead of the task, and skews every
 evaluation figure against the peers'. Each row is one answer of one kind (numbers and their formatting,

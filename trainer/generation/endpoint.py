@@ -1,16 +1,16 @@
 """An OpenAI-compatible chat endpoint over one generation engine, for harnesses that drive rollouts and
 for people who want to talk to the policy being trained (``generation.endpoint``).
 
-``POST /v1/chat/completions`` (messages, tools, n, temperature, top_p, max_tokens or
-max_completion_tokens, logprobs, seed, stop) and ``GET /v1/models``. The messages (and tools) go through
-the policy tokenizer's chat template with ``generation.chat_template_kwargs``, exactly as the trainer's
-own prompts do (:func:`trainer.data.prompts.encode_prompt`; tools through the template's ``tools=``, or in
-the system turn where the template has none), and the engine samples from the ids. Each
-answer is OpenAI's shape plus what a harness needs to keep its trajectory token-exact (STYLE 20):
-``prompt_token_ids`` and, per choice, ``token_ids``, the sampled ids themselves (logprobs beside them),
-so nobody re-tokenises decoded text. Tool calls in a sample's text are parsed with the environments' own
-parser (:func:`trainer.envs.tool_calls.parse_tool_calls`, Hermes' ``<tool_call>`` JSON) into
-``message.tool_calls`` (finish_reason ``tool_calls``); a malformed call stays in ``content`` as written.
+``POST /v1/chat/completions`` (messages, tools, n, temperature, top_p, max_tokens or max_completion_tokens,
+logprobs, seed, stop) and ``GET /v1/models``. The messages (and tools) go through the policy tokenizer's chat
+template with ``generation.chat_template_kwargs``, exactly as the trainer's own prompts do
+(:func:`trainer.data.prompts.encode_prompt`; tools through the template's ``tools=``, or in the system turn
+where the template has none), and the engine samples from the ids. Each answer is OpenAI's shape plus what a
+harness needs to keep its trajectory token-exact (CONTRIBUTING.md: Trajectories are tokens):
+``prompt_token_ids`` and, per choice, ``token_ids``, the sampled ids themselves (logprobs beside them), so
+nobody re-tokenises decoded text. Tool calls in a sample's text are parsed with the environments' own parser
+(:func:`trainer.envs.tool_calls.parse_tool_calls`, Hermes' ``<tool_call>`` JSON) into ``message.tool_calls``
+(finish_reason ``tool_calls``); a malformed call stays in ``content`` as written.
 
 Tokens in, tokens out: a harness sends each later turn of an episode as the whole conversation again, the
 assistant messages this endpoint answered with among it. Rendering that through the chat template would write
@@ -25,13 +25,14 @@ rendered whole, and one whose last assistant message was not found is counted (`
 once, with the reason. The match is exact: the tool calls' ids are the endpoint's own, and two samples that
 end the same conversation with the same message but different ids cannot be told apart, so neither is continued.
 
-Safety (STYLE 16): every request carries ``Authorization: Bearer <token>``, compared in constant time, with
-the endpoint's own token: ``$KUBERL_ENDPOINT_TOKEN`` (``generation.endpoint.token_env``), else one the driver
-makes at random for the run and hands to the engines and its in-process callers (:func:`read_token`). Never
-Ray's token (``RAY_AUTH_TOKEN``): a harness that may call the endpoint must not be able to submit Ray jobs, so
-an endpoint whose token is Ray's does not start. It listens on the pod's own address ($POD_IP, from the chart's
-downward API) or 127.0.0.1, never on every interface unless ``generation.endpoint.bind`` says so, and the
-chart's NetworkPolicy admits only the release's own pods.
+Safety (CONTRIBUTING.md: Secure by default): every request carries ``Authorization: Bearer <token>``, compared
+in constant time, with the endpoint's own token: ``$KUBERL_ENDPOINT_TOKEN``
+(``generation.endpoint.token_env``), else one the driver makes at random for the run and hands to the engines
+and its in-process callers (:func:`read_token`). Never Ray's token (``RAY_AUTH_TOKEN``): a harness that may
+call the endpoint must not be able to submit Ray jobs, so an endpoint whose token is Ray's does not start. It
+listens on the pod's own address ($POD_IP, from the chart's downward API) or 127.0.0.1, never on every
+interface unless ``generation.endpoint.bind`` says so, and the chart's NetworkPolicy admits only the release's
+own pods.
 
 Bounds: connections are held by one acceptor thread until their headers are whole and only then handed to a
 fixed pool of ``workers`` (:class:`_Server`), so idle connections and slow clients hold a file descriptor each

@@ -115,7 +115,10 @@ def test_should_show_nested_sections_and_list_items_when_a_section_holds_them(ca
     assert "  adam_betas: tuple[float, float] = [0.9, 0.999]" in out.splitlines()
     assert main(["--help", "env"]) == 0
     out = _flat(capsys.readouterr().out)
-    assert "reward_functions: list[RewardSpec] = [{name: math, weight: 1.0, kwargs: {}}]" in out
+    assert (
+        "reward_functions: list[RewardSpec] = [{name: math, weight: 1.0, kwargs: {}, normalize: none, window: 20}]"
+        in out
+    )
     assert "Each item's keys: python -m trainer --help env.reward_functions." in out
     assert main(["--help", "env.reward_functions"]) == 0
     assert "  name: str (required)" in capsys.readouterr().out.splitlines()

@@ -49,17 +49,29 @@ by weight when all are in. The reward model pays, it never says correct: a sampl
 verifiable rewards beside it, and never with the reward model alone. The judge says correct when it pays
 full marks; its note (the judge's own output) is the sample's when the judge is the first positively
 weighted entry, or when no verifiable reward pays beside it.
+
+An entry with ``normalize: batch`` or ``running`` pays its score as a z-score (:class:`RewardNormalizer`): over
+the scored samples of the step's :meth:`RewardRunner.results` call, or of its last ``window`` calls, each call
+one step's samples (a round of dynamic sampling is a call of its own). It happens on the driver once every score
+of the call is in and the failure budget has passed, so the statistics never see a failed score or a failed
+step; ``scores`` keep the raw values (``train/reward/<name>``, the jsonl's ``rewards``, ``correct``), ``total`` is
+the normalised sum. Validation runs inside :meth:`RewardRunner.validating`, which reads the windows and never
+adds to them; the windows are run state (:meth:`RewardRunner.state_dict`), saved with a checkpoint.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import json
 import logging
+import math
 import os
+import threading
 import time
 import traceback
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,6 +97,12 @@ class RewardResult:
     answer: str | None = None  # what the first positively weighted reward judged (None: nothing)
     answer_note: str = ""  # where that answer came from, or why there is none or it is wrong
     rm_score: float | None = None  # the reward model's raw score (None: it did not read this sample)
+    model_notes: dict[str, str] = field(default_factory=dict)  # a model-scored entry's note, by its name
+    # Entries whose score is a failure (raised, timed out, lost its task), not a verdict.
+    failed: list[str] = field(default_factory=list)
+    # Entries with a normalize: what each paid before its weight (its z-score) and the (mean, std) behind it.
+    normalized: dict[str, float] = field(default_factory=dict)
+    norm: dict[str, tuple[float, float]] = field(default_factory=dict)
 
 
 def score_one(
@@ -110,6 +128,7 @@ def score_one(
             tail = traceback.format_exception_only(type(e), e)[-1].strip()
             result.warnings.append(f"reward {spec.name!r} raised {tail}")
             score = rewards.Score(0.0, False, None, f"reward {spec.name!r} raised {tail}")
+            result.failed.append(spec.name)
         result.scores[spec.name] = score.value
         result.total += spec.weight * score.value
         if spec.weight > 0:
@@ -163,6 +182,167 @@ def feedback_one(name: str, kwargs: dict, ground_truth: Any, response: str) -> R
         tail = traceback.format_exception_only(type(e), e)[-1].strip()
         return RewardResult(0.0, False, {}, [f"feedback {name!r} raised {tail}"])
     return RewardResult(0.0, text is None, feedback=text)
+
+
+# ----- normalisation: each entry's score as a z-score before the weighted sum ---------------------------------
+
+# An entry whose scores spread (std) no more than this, relative to their scale (|mean|, at least 1), is constant
+# over its statistics: its samples pay 0, never a rounding residue divided by a near-zero std (as
+# core_algos.FLAT_GROUP_RTOL does for a group's advantages).
+NORM_STD_RTOL = 1e-5
+
+# (n, mean, M2): how many scores, their mean and the sum of their squared deviations from it.
+Moments = tuple[int, float, float]
+
+
+def moments(xs: list[float]) -> Moments:
+    """The :data:`Moments` of ``xs`` (exactly rounded sums: a step of 16 equal scores has M2 0, not a residue)."""
+    if not xs:
+        return 0, 0.0, 0.0
+    mean = math.fsum(xs) / len(xs)
+    return len(xs), mean, math.fsum((x - mean) ** 2 for x in xs)
+
+
+def pooled(parts: Iterable[Moments]) -> Moments:
+    """The moments of the union of ``parts`` (Chan, Golub and LeVeque's pairwise update): a window's mean and
+    std are those of every score it holds, not a mean of the steps' means."""
+    n, mean, m2 = 0, 0.0, 0.0
+    for nb, mb, m2b in parts:
+        if nb == 0:
+            continue
+        total = n + nb
+        delta = mb - mean
+        mean += delta * nb / total
+        m2 += m2b + delta * delta * n * nb / total
+        n = total
+    return n, mean, m2
+
+
+class RewardNormalizer:
+    """``env.reward_functions[*].normalize``: each such entry pays ``(score - mean) / std`` before its weight,
+    with the mean and std (population, ``/n``) of that entry's scored samples: this step's (``batch``), or its
+    last ``window`` steps', this one included (``running``), so that step 1 is defined. Order: the step's own
+    scores first enter the window, then every sample of the step is normalised with it.
+
+    Only scored samples make the statistics: a sample whose entry failed (raised, timed out, lost its task; a
+    model batch that failed) is left out of them and pays 0 for that entry, the window's mean (the failure
+    budget bounds how many there are); so is a non-finite score, which would otherwise poison the window for
+    ``window`` steps. An entry constant over its statistics (std at most :data:`NORM_STD_RTOL` of its scale)
+    pays 0 on every sample: it tells the samples nothing apart, and 1 / std would make rounding an advantage.
+
+    ``update=False`` (validation) normalises with the window as it stands and adds nothing to it; ``batch``
+    entries, and ``running`` ones whose window is still empty (validation before step 1), use the batch's own
+    statistics. An entry with ``normalize: none`` pays its raw score, and a run without any normalised entry
+    keeps its sums bit for bit. The windows are run state (:meth:`state_dict`): a resumed run continues them.
+    """
+
+    def __init__(self, specs: list[RewardSpec]):
+        # The entries in the order the sum adds them (the runner's: its tasks' rewards, then the models').
+        self.order = list(specs)
+        self.specs = [spec for spec in specs if spec.normalize != "none"]
+        # entry name -> one Moments per step, the newest last
+        self.windows: dict[str, collections.deque[Moments]] = {
+            spec.name: collections.deque(maxlen=spec.window)
+            for spec in self.specs
+            if spec.normalize == "running"
+        }
+        # An asynchronous run's producer thread updates the windows while the driver may save them.
+        self._lock = threading.Lock()
+
+    def apply(self, results: list[RewardResult], update: bool = True) -> None:
+        """Normalise the step's ``results`` in place: ``normalized``, ``norm`` and ``total``."""
+        if not self.specs or not results:
+            return
+        with self._lock:
+            for spec in self.specs:
+                scored = [
+                    r.scores[spec.name]
+                    for r in results
+                    if spec.name in r.scores
+                    and spec.name not in r.failed
+                    and math.isfinite(r.scores[spec.name])
+                ]
+                step = moments(scored)
+                window = self.windows.get(spec.name)
+                if window is not None and update:
+                    window.append(step)  # a step without a scored sample still counts as a step of the window
+                n, mean, m2 = pooled(window) if window else step
+                std = math.sqrt(m2 / n) if n else 0.0
+                constant = std <= NORM_STD_RTOL * max(1.0, abs(mean))
+                for r in results:
+                    ok = spec.name in r.scores and spec.name not in r.failed
+                    r.normalized[spec.name] = (
+                        (r.scores[spec.name] - mean) / std if ok and not constant else 0.0
+                    )
+                    r.norm[spec.name] = (mean, std)
+        # The sum as score_one and the runner build it, in the same order, with the normalised entries' z-scores.
+        for r in results:
+            total = 0.0
+            for spec in self.order:
+                value = r.normalized[spec.name] if spec.normalize != "none" else r.scores.get(spec.name, 0.0)
+                total += spec.weight * value
+            r.total = total
+
+    def state_dict(self) -> dict[str, Any]:
+        """The running windows, JSON-serialisable: ``{"windows": {name: {"window": N, "steps": [[n, mean, M2],
+        ...]}}}``, oldest step first."""
+        with self._lock:
+            return {
+                "windows": {
+                    name: {"window": window.maxlen, "steps": [list(m) for m in window]}
+                    for name, window in self.windows.items()
+                }
+            }
+
+    def load_state_dict(self, state: dict[str, Any]) -> str | None:
+        """Continue the windows of :meth:`state_dict`; an entry whose ``window`` changed keeps its newest steps.
+        Returns a warning line when a ``running`` entry has no saved window (it starts empty)."""
+        saved = state.get("windows", {}) if isinstance(state, dict) else None
+        if not isinstance(saved, dict):
+            raise ValueError(
+                f"reward normalisation state {state!r:.200} is not a state_dict() of this runner"
+            )
+        fresh = []
+        with self._lock:
+            for name, window in self.windows.items():
+                if name not in saved:
+                    window.clear()
+                    fresh.append(name)
+                    continue
+                try:
+                    steps = [(int(n), float(mean), float(m2)) for n, mean, m2 in saved[name]["steps"]]
+                except (KeyError, TypeError, ValueError):
+                    raise ValueError(
+                        f"reward normalisation state of {name!r} is not a state_dict() of this runner: "
+                        f"{saved[name]!r:.200}"
+                    ) from None
+                window.clear()
+                window.extend(steps)  # a deque of the configured maxlen: a shorter one keeps the newest steps
+        if not fresh:
+            return None
+        return (
+            f"kuberl: warning: the checkpoint holds no running reward statistics for {', '.join(fresh)} "
+            "(normalize=running): their windows start empty, so their first steps are normalised by fewer scores"
+        )
+
+
+def normalization_metrics(rollouts: list) -> dict[str, float]:
+    """``train/reward/<name>/norm_mean`` and ``.../norm_std`` for each normalised entry: the mean and std its scores
+    were normalised with this step (``rollouts``: the step's, each with its ``reward``). A step whose rounds
+    (dynamic sampling) were scored with statistics of their own reports their average over its samples."""
+    used: dict[str, list[tuple[float, float]]] = {}
+    for r in rollouts:
+        for name, stats in r.reward.norm.items():
+            used.setdefault(name, []).append(stats)
+    out = {}
+    for name, stats in used.items():
+        mean, std = (
+            stats[0]
+            if len(set(stats)) == 1
+            else (math.fsum(m for m, _ in stats) / len(stats), math.fsum(s for _, s in stats) / len(stats))
+        )
+        out[f"train/reward/{name}/norm_mean"], out[f"train/reward/{name}/norm_std"] = mean, std
+    return out
 
 
 # A task carries samples worth about this many seconds of scoring, at most MAX_TASK_ITEMS of them: Ray's
@@ -304,6 +484,10 @@ class RewardRunner:
         # passes' padding and shapes, and GRPO would turn that rounding into advantages).
         self._rm_copies: dict[str, dict[int, list[int]]] = {n: {} for n in self.pools}
         self._rm_moved = 0.0
+        # The entries' normalisation (none for a feedback runner, whose results carry no score), summed in the
+        # order the scores are: the tasks' rewards, then the models'.
+        self.normalizer = RewardNormalizer([] if feedback else [*self.specs, *self.model_specs])
+        self._validating = False
         # A feedback runner's one name (check_name above refused a null env.feedback); None for a scoring one.
         feedback_name = env.feedback if feedback else None
         names = [feedback_name] if feedback_name is not None else [spec.name for spec in self.specs]
@@ -536,12 +720,34 @@ class RewardRunner:
                 cause = failure_cause(note) if note and not note.startswith(judge.PARSED) else None
                 if cause is not None:
                     failed.setdefault(k, cause)
+                    r.failed.append(spec.name)
                 if note and not note.startswith(judge.PARSED):  # a verdict read is no warning
                     notes[note.split(":")[0].split(" (")[0]] += 1
             for what, n in notes.items():
                 log.warning("%s (%d of %d samples)", what, n, len(ids))
         self._check_budget(failed, len(ids))
+        # After the budget: a step that stops the run never reaches the windows.
+        self.normalizer.apply(out, update=not self._validating)
         return out
+
+    @contextlib.contextmanager
+    def validating(self) -> Iterator[None]:
+        """Within it, :meth:`results` normalises with the running statistics as they stand and never adds to
+        them: a validation pass (greedy, other prompts) is not the training distribution they follow."""
+        self._validating = True
+        try:
+            yield
+        finally:
+            self._validating = False
+
+    def state_dict(self) -> dict[str, Any]:
+        """The run state of the runner, JSON-serialisable: the ``normalize: running`` entries' windows (taken
+        right after a step's :meth:`results`, it is the state a run resumed after that step continues)."""
+        return {"normalize": self.normalizer.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> str | None:
+        """Continue from :meth:`state_dict`; returns a warning line when a running entry has no saved window."""
+        return self.normalizer.load_state_dict(state.get("normalize", {}))
 
     def _check_budget(self, failed: dict[int, str], total: int) -> None:
         """:class:`RewardFailureError` when more than ``env.reward_failure_budget`` of ``total`` samples failed."""
@@ -561,10 +767,11 @@ class RewardRunner:
     ) -> None:
         result.scores[spec.name] = score
         result.total += spec.weight * score
+        result.model_notes[spec.name] = note  # the judge's: what its step metrics read (judge.step_metrics)
         if spec.weight <= 0:
             return
         alone = not any(s.weight > 0 for s in self.specs)  # no verifiable reward pays beside it
-        if spec.name == rm.NAME:
+        if spec.name in (rm.NAME, registry.REWARD_SERVER):  # a reward model, in process or served: it pays
             result.rm_score = raw
             if alone:  # nothing says correct, and the reward model's score is the note
                 result.correct = False

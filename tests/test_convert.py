@@ -365,8 +365,8 @@ def test_trained_checkpoint_converts_to_the_live_weights(ray_local, tiny_model_p
     live: dict[str, dict[str, torch.Tensor]] = {}
     after_step = run.TrainState.after_step
 
-    def capture(state, step, metrics, loader_state):
-        after_step(state, step, metrics, loader_state)  # saves step_N
+    def capture(state, step, metrics, *rest):
+        after_step(state, step, metrics, *rest)  # saves step_N
         live[f"step_{step}"] = state.policy.run("full_state_dict")[0]
 
     monkeypatch.setattr(run.TrainState, "after_step", capture)

@@ -14,7 +14,7 @@ import torch
 from tests.cli import run_main
 from trainer import config
 from trainer.models.shape import known_config
-from trainer.tools import plan, submit
+from trainer.tools import plan, plan_rewards, submit
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = "builtin:tiny?hidden_size=256&num_layers=4&num_heads=4&intermediate_size=1024"
@@ -290,20 +290,25 @@ def test_should_plan_the_reward_model_on_its_group_and_say_it_fits_beside_the_po
 def test_should_take_the_larger_of_the_token_budget_and_the_longest_sample_when_a_replica_scores() -> None:
     shape = plan.model_shape(SKYWORK, classifier=True)
     # policy.max_total_sequence_length=6144; batch-invariant passes (the default) read one sample at a time
-    assert plan.reward_model_pass(config.load(["experiment=qwen2.5-coder-7b-code-rm"]), shape) == (6144, 6144)
+    assert plan_rewards.reward_model_pass(config.load(["experiment=qwen2.5-coder-7b-code-rm"]), shape) == (
+        6144,
+        6144,
+    )
     base = ["experiment=qwen2.5-coder-7b-code-rm", "reward_model.batch_invariant=false"]
-    assert plan.reward_model_pass(config.load(base), shape) == (8192, 6144)
-    assert plan.reward_model_pass(config.load([*base, "reward_model.max_tokens_per_batch=1024"]), shape) == (
+    assert plan_rewards.reward_model_pass(config.load(base), shape) == (8192, 6144)
+    assert plan_rewards.reward_model_pass(
+        config.load([*base, "reward_model.max_tokens_per_batch=1024"]), shape
+    ) == (
         6144,
         6144,
     )  # a sample longer than the budget is scored alone
-    assert plan.reward_model_pass(
+    assert plan_rewards.reward_model_pass(
         config.load([*base, "reward_model.max_tokens_per_batch=1024", "reward_model.max_length=2048"]), shape
     ) == (2048, 2048)  # longer ones are not read at all
-    more = plan.reward_model_terms(
+    more = plan_rewards.reward_model_terms(
         config.load([*base, "reward_model.max_tokens_per_batch=65536"]), shape, True
     )
-    less = plan.reward_model_terms(config.load(base), shape, True)
+    less = plan_rewards.reward_model_terms(config.load(base), shape, True)
     assert more["reward model activations"] == pytest.approx(8 * less["reward model activations"])
 
 
@@ -314,10 +319,11 @@ def test_should_say_it_does_not_fit_beside_the_policy_but_keep_the_verdict_when_
     shape = plan.model_shape(cfg.reward_model.name, classifier=True)
     capacity = 8 * plan.GiB
     policy = [plan.Device("training GPU", capacity, {"weights (sharded)": 7.5 * plan.GiB})]
-    own, beside = plan.reward_model_devices(cfg, shape, capacity, policy)
+    own, beside = plan_rewards.reward_model_devices(cfg, shape, capacity, policy)
     assert own[0].fits and not beside.fits
     result = plan.Plan("x", "8 x GPU per node", plan.model_shape("Qwen/Qwen2.5-Coder-1.5B-Instruct"),
-                       policy + own, alternatives=[beside], rm_shape=shape)  # fmt: skip
+                       policy + own, alternatives=[beside],
+                       scorers=[plan_rewards.reward_model_scorer(cfg, shape)])  # fmt: skip
     out = plan.render(result)
     assert (
         result.fits
@@ -365,13 +371,13 @@ def test_should_count_a_gpu_judge_on_its_own_gpu_and_say_it_fits_when_one_batch_
     assert own.role == "judge GPU (kuberl_judge)" and own.capacity == plan.GPU_MEMORY["b200"]
     assert own.terms["judge weights"] == shape.params * 2  # judge.dtype=bfloat16
     cfg = _judge_cfg()
-    prompt, total = plan.judge_sequence(cfg, shape)
+    prompt, total = plan_rewards.judge_sequence(cfg, shape)
     question = cfg.policy.max_total_sequence_length - cfg.generation.max_new_tokens  # the policy's prompt
     assert prompt == len(cfg.judge.template.encode()) + question + 2048 and total == prompt + 256
     assert own.terms["judge KV cache"] == 64 * total * plan.kv_bytes_per_token(
         shape, 2, 1
     )  # judge.batch_size
-    assert own.fits and result.fits and result.judge_shape == shape
+    assert own.fits and result.fits and [x.shape for x in result.scorers] == [shape]
     out = plan.render(result)
     assert "  judge: 1.54B parameters (28 layers, hidden 1536, a causal LM;" in out
     assert "alternative: training GPU with the judge beside the policy:" in out
@@ -399,7 +405,9 @@ def test_should_take_vllms_share_of_a_whole_gpu_when_the_judge_runs_on_vllm() ->
     own = next(d for d in result.devices if d.role.startswith("judge GPU"))
     share = next(d for d in result.devices if d.role == "judge engine's share")
     assert (
-        own.terms["judge engine (vLLM's share)"] == plan.judge_utilization(cfg) * capacity == 0.9 * capacity
+        own.terms["judge engine (vLLM's share)"]
+        == plan_rewards.judge_utilization(cfg) * capacity
+        == 0.9 * capacity
     )
     assert (
         share.capacity == 0.9 * capacity
@@ -426,7 +434,7 @@ def test_should_count_the_reward_model_and_the_judge_each_when_a_run_uses_both()
     result = plan.plan(cfg, "b200", "x")
     roles = [d.role for d in result.devices]
     assert "reward model GPU (kuberl_reward_model)" in roles and "judge GPU (any GPU node)" in roles
-    assert len(result.alternatives) == 2 and result.rm_shape and result.judge_shape
+    assert len(result.alternatives) == 2 and [x.what for x in result.scorers] == ["reward model", "judge"]
 
 
 @pytest.mark.integration  # writes a model

@@ -34,24 +34,22 @@ def load_dataset(data_cfg, split: str) -> list[dict]:
 
 def check_names(cfg: Config) -> None:
     """Every name the run's components are built from, checked by its own registry before anything is
-    built or started: a one-line ConfigError naming the key. A multi-turn run's ``env.feedback`` is
+    built or started: a one-line ConfigError naming the key. The run's optional components
+    (:mod:`trainer.components`) check their own sections here. A multi-turn run's ``env.feedback`` is
     filled in here (the first reward's); running it again changes nothing."""
-    from trainer import data, envs, rewards
+    from trainer import components, data, envs, rewards
     from trainer.algorithms import core_algos
     from trainer.generation import tool_parsers
-    from trainer.rewards import feedback, judge, reward_model
+    from trainer.rewards import feedback
 
     core_algos.check_loss_config(cfg.grpo.loss)
-    if cfg.env.verifiers.id:  # data.name=verifiers: the environment's own dataset (config checks the pair)
-        from trainer.envs import verifiers_env
-
-        verifiers_env.check(cfg.env.verifiers.id)
-    else:
+    parts = components.build(cfg)
+    if components.source(parts) is None:  # else a component's own prompts (config checks data.name beside it)
         data.check(cfg.data.name, "data.name", cfg.data.options)
     data.check(cfg.data.val_name, "data.val_name")
     rewards.check_specs(cfg.env.reward_functions)
-    reward_model.check(cfg.reward_model, cfg.env.reward_functions)  # reads the model's config.json alone
-    judge.check(cfg.judge, cfg.env.reward_functions)  # the same for the judge
+    for part in parts:  # each reads its own section and the files it names, nothing more
+        part.check()
     tool_parsers.check(cfg.env.tool_parser)
     if cfg.env.environment is None:
         feedback.configure(cfg.env, cfg.grpo.max_rollout_turns)

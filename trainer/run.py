@@ -40,14 +40,13 @@ from trainer.prestart import (
 from trainer.watchdog import Lost, Watch, gcs_address
 
 if TYPE_CHECKING:  # the heavy modules load inside TrainState, after the checks that need none of them
+    from trainer.components import Component
     from trainer.data.loader import PromptLoader
     from trainer.data.prompts import TurnEncoder
-    from trainer.envs.base import Environment
-    from trainer.envs.verifiers_env import VerifiersEnvironment
+    from trainer.envs.base import Environment, RolloutEnvironment
     from trainer.generation.placement import Generator
     from trainer.logger import RunLogger
     from trainer.policy.group import PolicyGroup
-    from trainer.rewards.actors import ModelPool
     from trainer.rewards.runner import RewardRunner
 
 log = logging.getLogger(__name__)
@@ -82,6 +81,7 @@ class Progress:
     saved: Path | None = None  # the latest complete checkpoint, in this run or the one resumed
     saved_step: int | None = None
     save_s: float | None = None  # how long the last save took: the budget check's estimate
+    reward_state: dict[str, Any] | None = None  # the reward runner's after ``step`` (running normalisation)
 
 
 class TrainState:
@@ -98,9 +98,9 @@ class TrainState:
     policy: PolicyGroup
     generator: Generator
     rewards: RewardRunner
-    model_rewards: list[ModelPool]  # the reward model and the judge, when entries name them
+    components: list[Component]  # the run's optional parts (trainer.components), started with the ranks
     environment: Environment | None
-    driver: VerifiersEnvironment | None  # env.verifiers: runs its own rollouts through the endpoint
+    rollout_env: RolloutEnvironment | None  # a component that runs its own rollouts through the endpoint
     turns: TurnEncoder
     logger: RunLogger
     lease: Lease | None  # the run's hold on its checkpoint directory; None without checkpointing
@@ -180,9 +180,15 @@ class TrainState:
         # process reads and encodes the data: on a cluster, actor boot and weight loading overlap the
         # dataset's download and tokenization instead of following them.
         self.policy = PolicyGroup(cfg, self.model_path, colocated_engine=not cfg.disaggregated, wait=False)
-        self.model_rewards = []  # self.generator: set once made (close() reads it with getattr)
+        from trainer import components
+
+        self.components = []  # self.generator: set once made (close() reads it with getattr)
         try:
-            self._start_model_rewards(cfg)
+            # The run's optional parts (trainer.components) start beside the ranks and load while the data
+            # is read; each is shut down by close(), also when a later one fails to start.
+            for part in components.build(cfg):
+                self.components.append(part)
+                part.start()
             self._build(cfg, resume, info, t0)
         except BaseException as e:
             # Bad data, a rank that died, Ctrl-C after the ranks started: end what was started without
@@ -208,17 +214,6 @@ class TrainState:
         for change in changes:
             print(f"kuberl: warning: resuming {resume} with a changed {change} (checkpointing.allow_changed_config=true)",
                   flush=True)  # fmt: skip
-
-    def _start_model_rewards(self, cfg: Config) -> None:
-        """The reward model's and the judge's replicas, when a reward names them: they load while the data and
-        the ranks set up."""
-        from trainer.generation.judge import JudgePool
-        from trainer.rewards import judge, reward_model
-
-        if reward_model.used(cfg.env.reward_functions):
-            self.model_rewards.append(reward_model.RewardModelPool(cfg.reward_model))
-        if judge.used(cfg.env.reward_functions):
-            self.model_rewards.append(JudgePool(cfg.judge))
 
     def _check_bos(self, cfg: Config, tokenizer, prompt_ids: list[int]) -> None:
         """The prompts' first token against what the model needs (trainer.data.prompts.check_bos): its
@@ -252,10 +247,9 @@ class TrainState:
     def _build(self, cfg: Config, resume: Path | None, info: dict[str, Any], t0: float) -> None:
         """The rest of the set-up, while the policy ranks start: data, then the ranks, generation,
         rewards, a checkpoint to resume, the logger."""
-        from trainer import envs
+        from trainer import components, envs
         from trainer.data.loader import PromptLoader
         from trainer.data.prompts import TurnEncoder, encode_examples
-        from trainer.envs.code_feedback import CodeFeedback
         from trainer.envs.tool_calls import offer_tools, takes_tools
         from trainer.generation import tool_parsers
         from trainer.generation.placement import make_generator
@@ -284,13 +278,10 @@ class TrainState:
             if cfg.env.environment
             else None
         )
-        # env.verifiers: its dataset is the run's data, its tools are offered as the endpoint offers them
-        self.driver = None
-        if cfg.env.verifiers.id:
-            from trainer.envs.verifiers_env import VerifiersEnvironment
-
-            self.driver = VerifiersEnvironment(cfg.env.verifiers.id, cfg.env.verifiers.args)
-        offering = self.environment or self.driver
+        # A component may bring the run's prompts and tools (and run its own rollouts through the endpoint).
+        source = components.source(self.components)
+        self.rollout_env = getattr(source, "rollouts", None)
+        offering = self.environment or source
         schemas = offering.tools() if offering is not None else None
         tools = schemas if schemas and takes_tools(tokenizer) else None  # through the template's own tools=
         in_prompt = schemas if schemas and tools is None else None  # else written into the system prompt
@@ -306,11 +297,7 @@ class TrainState:
 
         train = [
             offered(ex)
-            for ex in (
-                self.driver.examples(cfg.data.max_examples)
-                if self.driver is not None
-                else load_dataset(cfg.data, cfg.data.split)
-            )
+            for ex in (source.examples() if source is not None else load_dataset(cfg.data, cfg.data.split))
         ]
         self.train_examples = encode_examples(tokenizer, train, kwargs, max_prompt, tools)
         if not self.train_examples:
@@ -324,7 +311,7 @@ class TrainState:
             )
         self._check_bos(cfg, tokenizer, self.train_examples[0]["prompt_ids"])
         self.turns = TurnEncoder(tokenizer, kwargs, tools)
-        if self.driver is None and (self.environment is not None or cfg.grpo.max_rollout_turns > 1):
+        if self.rollout_env is None and (self.environment is not None or cfg.grpo.max_rollout_turns > 1):
             self._check_template(cfg, train[0]["messages"])
         self.val_examples: list[dict] = []
         if cfg.grpo.val_period or cfg.grpo.val_at_start:
@@ -350,30 +337,21 @@ class TrainState:
         except HeadCheckError as e:  # Ray's error is also the rank's own: its line, not a traceback
             raise SetupError(f"model={cfg.model.name}: {getattr(e, 'cause', e)}") from None
         self.generator = make_generator(cfg, self.model_path, self.policy)
-        if self.driver is not None:
-            from trainer.generation.endpoint import EndpointError, read_token
-
-            ep = cfg.generation.endpoint
-            try:  # the driver speaks to the endpoints with the token they check
-                token = read_token(ep.token_env)
-            except EndpointError as e:
-                raise SetupError(f"env.verifiers: {e}") from None
-            self.driver.connect(
-                [endpoint_url(host, port) for host, port in getattr(self.generator, "endpoints", [])],
-                token,
-                cfg.model.name,
-                ep.max_waiting + 1,  # one in the engine, the rest waiting: none turned away
-            )
-        if any(spec.name in ("code_unit_tests", "cpp_contest") for spec in cfg.env.reward_functions):
-            from trainer.sandbox.backends import resolve
-
-            resolve()  # says once, here in the driver's log, which sandbox the code rewards get
-        for pool in self.model_rewards:
-            pool.wait_ready()
-            print(f"kuberl: {pool.describe()}", flush=True)
-        self.rewards = RewardRunner(cfg.env, reward_model=self.model_rewards)
-        if self.environment is None and cfg.grpo.max_rollout_turns > 1:  # the code loop, with env.feedback
-            self.environment = CodeFeedback.from_runner(RewardRunner(cfg.env, feedback=True))
+        attaching = components.offering(self.components, "attach")
+        if attaching:
+            served = self._served()
+            for part in attaching:
+                part.attach(served)
+        for part in self.components:
+            part.wait_ready()
+            line = part.describe()
+            if line:
+                print(f"kuberl: {line}", flush=True)
+        self.rewards = RewardRunner(
+            cfg.env, reward_model=[p.scorer for p in components.offering(self.components, "scorer")]
+        )
+        if self.environment is None:  # a multi-turn run without env.environment: env.feedback's loop
+            self.environment = envs.default(cfg.env, cfg.grpo.max_rollout_turns)
         if resume:
             self.policy.run("load_checkpoint", str(resume))
             self.generator.update_weights()
@@ -387,7 +365,11 @@ class TrainState:
                 saved=resume,
                 saved_step=int(info["step"]),
                 save_s=info.get("save_s"),
+                reward_state=info.get("rewards"),
             )
+            warning = self.rewards.load_state_dict(info.get("rewards") or {})
+            if warning:
+                print(warning, flush=True)
         # A resumed run appends to its own TensorBoard run and continues its W&B and MLflow runs; a fresh
         # one never touches old ones.
         from trainer.tracking import TrackerError
@@ -434,6 +416,24 @@ class TrainState:
         )
         print(f"kuberl: placement: {self._placement()}", flush=True)
 
+    def _served(self) -> Any:
+        """The run's OpenAI-compatible endpoints (:class:`trainer.components.Served`), for the components that
+        drive rollouts through them: the engines' addresses and the token they check."""
+        from trainer.components import Served
+        from trainer.generation.endpoint import EndpointError, read_token
+
+        ep = self.cfg.generation.endpoint
+        try:
+            token = read_token(ep.token_env)
+        except EndpointError as e:
+            raise SetupError(str(e)) from None
+        return Served(
+            urls=[endpoint_url(host, port) for host, port in getattr(self.generator, "endpoints", [])],
+            token=token,
+            model=self.cfg.model.name,
+            max_concurrent=ep.max_waiting + 1,  # one in the engine, the rest waiting: none turned away
+        )
+
     def _placement(self) -> str:
         """Where each actor runs (its node's address), and where the engines fetch the weights from."""
         import ray
@@ -448,12 +448,20 @@ class TrainState:
             line += f"; weights from policy rank 0 at {policy[0]}"
         return line
 
-    def after_step(self, step: int, metrics: dict[str, float], loader_state: dict[str, Any]) -> None:
+    def after_step(
+        self,
+        step: int,
+        metrics: dict[str, float],
+        loader_state: dict[str, Any],
+        reward_state: dict[str, Any] | None = None,
+    ) -> None:
         """Record the finished step (``loader_state``: the prompt loader's position after its batch, not
-        after batches generated ahead); checkpoint every ``save_period`` steps and at the end; stop here
-        if preemption was signalled."""
+        after batches generated ahead; ``reward_state`` likewise the reward runner's); checkpoint every
+        ``save_period`` steps and at the end; stop here if preemption was signalled."""
         self.progress.step, self.progress.metrics = step, metrics
         self.progress.loader_state = loader_state
+        if reward_state is not None:
+            self.progress.reward_state = reward_state
         ck = self.cfg.checkpointing
         if ck.enabled and (step % ck.save_period == 0 or step == self.cfg.grpo.max_num_steps):
             self.save()
@@ -491,6 +499,8 @@ class TrainState:
             "rng": rng_info(self.cfg.seed, p.step),
             "save_s": round(time.monotonic() - t0, 3),  # the next run's estimate for a save at preemption
         }
+        if p.reward_state is not None:  # the reward runner's run state (running normalisation windows)
+            info["rewards"] = p.reward_state
         self.checkpointer.commit(path, p.step, info, p.loader_state, to_dict(self.cfg))
         p.saved, p.saved_step, p.save_s = path, p.step, time.monotonic() - t0
         self.logger.gauges.checkpointed(time.time())
@@ -504,7 +514,7 @@ class TrainState:
             close_environment = getattr(getattr(self, "environment", None), "close", None)
             if close_environment is not None:  # an environment's own processes (the tools' fork server)
                 close_environment()
-            for part in (getattr(self, "generator", None), self.policy, *self.model_rewards):
+            for part in (getattr(self, "generator", None), self.policy, *self.components):
                 if part is None:  # a set-up that failed before the generator was made
                     continue
                 try:

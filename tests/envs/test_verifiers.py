@@ -200,7 +200,7 @@ def _driven(env_id, args, endpoint, n, stop=(), max_new_tokens=6):
     """The environment's rollouts of its first two examples through ``endpoint``, scored; and the examples."""
     from trainer.envs.verifiers_env import VerifiersEnvironment
     from trainer.generation.base import SamplingParams
-    from trainer.loop.rollout import finish, generate_driven
+    from trainer.loop.rollout import finish, generate_by_environment
     from trainer.rewards.runner import RewardRunner
 
     ep, _ = endpoint
@@ -210,7 +210,7 @@ def _driven(env_id, args, endpoint, n, stop=(), max_new_tokens=6):
     examples = env.examples()[:2]
     rewards = RewardRunner(EnvConfig([RewardSpec("environment")], reward_timeout_s=60))
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0, stop_strings=list(stop))
-    pending = generate_driven(env, rewards, examples, n, params)
+    pending = generate_by_environment(env, rewards, examples, n, params)
     return finish(pending, rewards), examples, ep.drain_requests()
 
 

@@ -16,7 +16,7 @@ from trainer.config import ConfigError
 from trainer.envs.base import Environment, Episode, Step
 from trainer.envs.tool_calls import HERMES, ToolCallParser
 
-__all__ = ["ENVIRONMENTS", "Environment", "Episode", "Step", "build", "register"]
+__all__ = ["ENVIRONMENTS", "Environment", "Episode", "Step", "build", "default", "register"]
 
 ENVIRONMENTS: dict[str, Callable[..., Environment]] = {}
 _BUILTIN = {  # name -> "module:factory", imported on first use
@@ -96,3 +96,15 @@ def build(
             raise ValueError(f"build(tool_parser={tool_parser!r}) needs parser_for, to build that parser")
         use(parser_for(env.tools()))
     return env
+
+
+def default(env: Any, max_rollout_turns: int) -> Environment | None:
+    """The environment of a multi-turn run that names none (``env.environment`` null): the feedback loop of
+    ``env.feedback`` (:class:`~trainer.envs.code_feedback.CodeFeedback`, on a reward runner of its own); a
+    single-turn run has none."""
+    if max_rollout_turns < 2:
+        return None
+    from trainer.rewards.runner import RewardRunner
+
+    feedback: Any = _factory("code_feedback")  # the built-in, by name (it registers itself with this package)
+    return feedback.from_runner(RewardRunner(env, feedback=True))

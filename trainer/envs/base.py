@@ -10,7 +10,7 @@ their tokens, never re-tokenising what the model wrote (:class:`trainer.data.pro
 An episode is bounded in time by its environment and fails into a message or a ``Step(done=True)``:
 nothing the model writes may crash the run or hang it.
 
-A :class:`RolloutDriver` (``env.verifiers``) runs its episodes itself, through the generation endpoint, and hands
+A :class:`RolloutEnvironment` (``env.verifiers``) runs its episodes itself, through the generation endpoint, and hands
 back each one's turns (:class:`Turn`) as the endpoint rendered and sampled them; :func:`chain` joins them into one
 token-exact sample. The endpoint builds a later turn's prompt from the ids it sampled for the earlier one (tokens in,
 tokens out: :mod:`trainer.generation.endpoint`), so each prompt extends the sample however the chat template writes
@@ -146,7 +146,7 @@ def _log_dropped(k: int, total: int, context: list[int], prompt: list[int]) -> N
     )
 
 
-class RolloutDriver(Protocol):
+class RolloutEnvironment(Protocol):
     """An environment that runs its episodes itself, through the endpoint (:mod:`trainer.envs.verifiers_env`)."""
 
     name: str

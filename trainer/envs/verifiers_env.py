@@ -212,3 +212,56 @@ class VerifiersEnvironment:
         info["errors"] = float(error is not None)
         reward = state.get("reward")
         return Trajectory(turns, text, None if reward is None else float(reward), info)
+
+
+class VerifiersComponent:
+    """``env.verifiers`` as a run component (:mod:`trainer.components`): checked before anything starts, loaded
+    once Ray is up, the run's prompts and tools, and pointed at the endpoints once they serve."""
+
+    name = "verifiers environment"
+
+    def __init__(self, env_id: str, args: Mapping[str, Any], max_examples: int | None) -> None:
+        self.id, self.args, self.max_examples = env_id, dict(args), max_examples
+        self.env: VerifiersEnvironment | None = None
+
+    def check(self) -> None:
+        check(self.id)
+
+    def start(self) -> None:
+        self.env = VerifiersEnvironment(self.id, self.args)
+
+    def _loaded(self) -> VerifiersEnvironment:
+        if self.env is None:  # a caller's mistake, not the config's
+            raise RuntimeError("the verifiers environment is read before start()")
+        return self.env
+
+    def examples(self, max_examples: int | None = None) -> list[dict[str, Any]]:
+        return self._loaded().examples(self.max_examples if max_examples is None else max_examples)
+
+    def tools(self) -> list[dict[str, Any]] | None:
+        return self._loaded().tools()
+
+    def attach(self, served: Any) -> None:
+        """The endpoints it drives its rollouts through (:class:`trainer.components.Served`); one in the engine
+        and the rest waiting on each, so none is turned away."""
+        self._loaded().connect(served.urls, served.token, served.model, served.max_concurrent)
+
+    @property
+    def rollouts(self) -> VerifiersEnvironment:
+        """What runs the rollouts (:class:`trainer.envs.base.RolloutEnvironment`)."""
+        return self._loaded()
+
+    def wait_ready(self) -> None:
+        return None
+
+    def describe(self) -> str | None:
+        return f"verifiers environment {self.id}: the run's prompts, rollouts and `environment` reward"
+
+    def shutdown(self, graceful: bool = True) -> None:
+        return None
+
+
+def component(cfg: Any) -> VerifiersComponent | None:
+    """The run's verifiers environment when ``env.verifiers.id`` names one."""
+    v = cfg.env.verifiers
+    return VerifiersComponent(v.id, v.args, cfg.data.max_examples) if v.id else None

@@ -38,7 +38,7 @@ from trainer.loop.state import LoopState
 from trainer.policy.batch import Sample
 from trainer.policy.group import PolicyGroup
 from trainer.rewards import reward_model
-from trainer.rewards.runner import RewardRunner
+from trainer.rewards.runner import RewardRunner, normalization_metrics
 from trainer.step_report import perf_metrics, rollout_rows, sample_line, step_metrics
 
 
@@ -84,6 +84,8 @@ def grpo_step(
         else None
     )
     rollouts = rollout.finish(pending, rewards)
+    if batch.reward_state is None:  # scored here (sync): the runner's state after this step's rewards
+        batch.reward_state = rewards.state_dict()
     t2 = time.monotonic()
     for name, p in (("old_logprobs", old), ("ref_logprobs", ref)):
         if p is not None:
@@ -107,11 +109,10 @@ def grpo_step(
         shaped = (
             reward + overlong
         )  # advantages only: train/reward_* and the jsonl reward stay the rewards' total
-    estimator = "leave_one_out" if g.use_leave_one_out_baseline else "mean"
     advantages = core_algos.compute_advantages(
         shaped,
         g.num_generations_per_prompt,
-        estimator=estimator,
+        estimator=g.advantage_estimator,
         normalize_std=g.normalize_rewards,
         std=g.advantage.std,
     )
@@ -157,6 +158,7 @@ def grpo_step(
         cfg, rollouts, reward, advantages, overlong, train_metrics, timing, perf_scalars, batch.metrics()
     )
     metrics.update(reward_model.step_metrics(rollouts))
+    metrics.update(normalization_metrics(rollouts))
     rows = rollout_rows(
         step, rollouts, [s.advantage for s in samples], batch.versions, overlong, state.turns.tokenizer
     )
@@ -256,13 +258,24 @@ def validate(
     """Greedy pass over the validation prompts; accuracy is the share scored fully correct. The caller
     holds the engines (``stream.engines()``), so no weights arrive in the middle."""
     t0 = time.monotonic()
-    pending = rollout.generate(generator, rewards, examples, 1, sampling_params(cfg, cfg.seed, greedy=True))
-    results = rollout.rewards_of(rollout.finish(pending, rewards))
+    with rewards.validating():  # normalised by the training rewards' statistics, never added to them
+        pending = rollout.generate(
+            generator, rewards, examples, 1, sampling_params(cfg, cfg.seed, greedy=True)
+        )
+        results = rollout.rewards_of(rollout.finish(pending, rewards))
     return {
         "val/accuracy": sum(r.correct for r in results) / len(results),
         "val/reward_mean": sum(r.total for r in results) / len(results),
         "timing/validation_s": time.monotonic() - t0,
     }
+
+
+def _val_rewards(stream: SyncRollouts | AsyncRollouts, state: LoopState) -> RewardRunner:
+    """The runner validation scores with, holding the training rewards' running statistics as they stand (the
+    async stream's is a runner of its own: the producer thread owns the training one)."""
+    if stream.val_rewards is not state.rewards:
+        stream.val_rewards.load_state_dict(state.rewards.state_dict())
+    return stream.val_rewards
 
 
 def run(cfg: Config, state: LoopState) -> list[dict[str, float]]:
@@ -277,7 +290,7 @@ def run(cfg: Config, state: LoopState) -> list[dict[str, float]]:
     try:
         if state.val_examples and g.val_at_start and start == 0:
             with stream.engines():
-                before = validate(cfg, 0, state.val_examples, state.generator, stream.val_rewards)
+                before = validate(cfg, 0, state.val_examples, state.generator, _val_rewards(stream, state))
             log.scalars(0, before)
             print(
                 f"step    0/{g.max_num_steps} | val {before['val/accuracy']:.3f} (before training)",
@@ -293,7 +306,7 @@ def run(cfg: Config, state: LoopState) -> list[dict[str, float]]:
             if state.val_examples and g.val_period and step % g.val_period == 0:
                 with stream.engines():
                     metrics.update(
-                        validate(cfg, step, state.val_examples, state.generator, stream.val_rewards)
+                        validate(cfg, step, state.val_examples, state.generator, _val_rewards(stream, state))
                     )
             log.scalars(step, metrics)
             log.gauges.step(step, metrics)  # the chart's alerts and dashboard (trainer.tracking.ray_gauges)
@@ -302,7 +315,7 @@ def run(cfg: Config, state: LoopState) -> list[dict[str, float]]:
             for row in rows[: cfg.logger.num_console_samples]:
                 print(f"         sample: {sample_line(row)}", flush=True)
             history.append({"step": step, **metrics})
-            state.after_step(step, metrics, batch.loader_state)
+            state.after_step(step, metrics, batch.loader_state, batch.reward_state)
     finally:
         stream.close()  # batches generated ahead are dropped: a resumed run generates them again
     return history

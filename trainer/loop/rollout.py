@@ -18,7 +18,7 @@ from typing import Any
 import ray
 
 from trainer.data.prompts import TurnEncoder
-from trainer.envs.base import Environment, Episode, RolloutDriver, chain
+from trainer.envs.base import Environment, Episode, RolloutEnvironment, chain
 from trainer.generation.base import Completion, SamplingParams
 from trainer.generation.placement import Generator
 from trainer.models import moe
@@ -299,8 +299,8 @@ def _apply_step(
     return True
 
 
-def generate_driven(
-    driver: RolloutDriver, rewards: RewardRunner, examples: list[dict], n: int, params: SamplingParams
+def generate_by_environment(
+    env: RolloutEnvironment, rewards: RewardRunner, examples: list[dict], n: int, params: SamplingParams
 ) -> PendingRollouts:
     """Rollouts an environment runs itself through the generation endpoint (``env.verifiers``), ``n`` per
     example: each becomes one sample of the turns the endpoint sampled (:func:`trainer.envs.base.chain`), its
@@ -316,7 +316,7 @@ def generate_driven(
     }
     if params.stop_strings:
         sampling["stop"] = list(params.stop_strings)
-    trajectories = driver.run(examples, n, sampling)
+    trajectories = env.run(examples, n, sampling)
     rollouts, items = [], []
     for row, t in enumerate(trajectories):
         example = examples[row // n]

@@ -66,6 +66,9 @@ class RolloutBatch:
     informative: int | None = None  # groups with unequal rewards among those drawn (dynamic sampling)
     wait_s: float = 0.0  # how long the trainer waited for it
     engine_wait_s: float = 0.0  # how long generation waited for newer weights (async)
+    # The reward runner's state right after this batch was scored (its running normalisation): what a checkpoint
+    # of this step holds; None until it is scored.
+    reward_state: dict[str, Any] | None = None
 
     @property
     def generation_s(self) -> float:
@@ -98,10 +101,10 @@ class _Producer:
 
     def _round(self, examples: list[dict], params: SamplingParams) -> PendingRollouts:
         g, s = self.cfg.grpo, self.state
-        driver = getattr(s, "driver", None)  # the rollout stream's tests pass states without one
-        if driver is not None:
-            return rollout.generate_driven(
-                driver, self.rewards, examples, g.num_generations_per_prompt, params
+        by_env = getattr(s, "rollout_env", None)  # the rollout stream's tests pass states without one
+        if by_env is not None:
+            return rollout.generate_by_environment(
+                by_env, self.rewards, examples, g.num_generations_per_prompt, params
             )
         if g.max_rollout_turns > 1:
             if s.environment is None:
@@ -279,6 +282,7 @@ class AsyncRollouts:
                 rollout.finish(
                     batch.pending, self.producer.rewards
                 )  # scored here: the runner is this thread's
+                batch.reward_state = self.producer.rewards.state_dict()  # not the batches scored after it
                 with self.gate.cond:
                     batch.engine_wait_s, self.gate.engine_wait_s = self.gate.engine_wait_s, 0.0
                 self.batches.put(batch)

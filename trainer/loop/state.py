@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:  # annotations only: the run has loaded these (Ray, the workers) before the loop starts
     from trainer.data.loader import PromptLoader
     from trainer.data.prompts import TurnEncoder
-    from trainer.envs.base import Environment, RolloutDriver
+    from trainer.envs.base import Environment, RolloutEnvironment
     from trainer.generation.placement import Generator
     from trainer.logger import RunLogger
     from trainer.policy.group import PolicyGroup
@@ -38,7 +38,7 @@ class LoopState(Protocol):
     val_examples: list[dict]
 
     @property  # read-only, so the run's own environment class satisfies it
-    def driver(self) -> RolloutDriver | None:
+    def rollout_env(self) -> RolloutEnvironment | None:
         """An environment that runs its own rollouts through the endpoint (env.verifiers), or None."""
 
     @property  # read-only, so the run's own richer progress record satisfies it
@@ -47,6 +47,12 @@ class LoopState(Protocol):
     def preemption_point(self) -> None:
         """A safe point: after SIGTERM, save if that fits in the grace budget, and raise to stop."""
 
-    def after_step(self, step: int, metrics: dict[str, float], loader_state: dict[str, Any]) -> None:
-        """Record a finished step (``loader_state``: the loader's position after its batch) and
-        checkpoint when it is due."""
+    def after_step(
+        self,
+        step: int,
+        metrics: dict[str, float],
+        loader_state: dict[str, Any],
+        reward_state: dict[str, Any] | None = None,
+    ) -> None:
+        """Record a finished step (``loader_state``: the loader's position after its batch; ``reward_state``:
+        the reward runner's after its rewards) and checkpoint when it is due."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import os
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 from trainer.config import ConfigError, RewardSpec
@@ -234,3 +235,31 @@ class ModelPool:
             except Exception:  # noqa: S110  (already gone)
                 pass
         self.workers = []
+
+
+class PoolComponent:
+    """A model-scored reward as a run component (:mod:`trainer.components`): ``check`` reads its model's config
+    and weights before anything starts; ``start`` launches its replicas (``scorer``, the pool the reward runner
+    sends each chunk to); ``wait_ready``, ``describe`` and ``shutdown`` are the pool's."""
+
+    def __init__(self, what: str, check: Callable[[], None], make: Callable[[], ModelPool]) -> None:
+        self.name = what
+        self._check, self._make = check, make
+        self.scorer: ModelPool | None = None
+
+    def check(self) -> None:
+        self._check()
+
+    def start(self) -> None:
+        self.scorer = self._make()
+
+    def wait_ready(self) -> None:
+        if self.scorer is not None:
+            self.scorer.wait_ready()
+
+    def describe(self) -> str | None:
+        return self.scorer.describe() if self.scorer is not None else None
+
+    def shutdown(self, graceful: bool = True) -> None:
+        if self.scorer is not None:
+            self.scorer.shutdown(graceful)

@@ -242,3 +242,36 @@ def cpp_contest(
         return Score(0.0, False, clip(code), _tally(batch, passed, len(idx)))
     n_ok = sum(passed)
     return Score(n_ok / len(idx), n_ok == len(idx), clip(code), _tally(batch, passed, len(idx)))
+
+
+SANDBOXED = ("code_unit_tests", "cpp_contest")  # the entries of env.reward_functions that run model code
+
+
+class SandboxComponent:
+    """The sandbox the code rewards run model code in, as a run component (:mod:`trainer.components`): chosen
+    and probed once at start, and said once in the driver's log (:func:`trainer.sandbox.backends.resolve`); a
+    sandbox that cannot work here stops the run there, in one line."""
+
+    name = "sandbox"
+
+    def check(self) -> None:
+        return None
+
+    def start(self) -> None:
+        from trainer.sandbox.backends import resolve
+
+        resolve()
+
+    def wait_ready(self) -> None:
+        return None
+
+    def describe(self) -> str | None:
+        return None
+
+    def shutdown(self, graceful: bool = True) -> None:
+        return None
+
+
+def sandbox_component(cfg: Any) -> SandboxComponent | None:
+    """The sandbox, when an entry of ``env.reward_functions`` runs model code."""
+    return SandboxComponent() if any(s.name in SANDBOXED for s in cfg.env.reward_functions) else None

@@ -306,6 +306,18 @@ class RewardModelPool(actors.ModelPool):
         return normalize(raw, self.mean, self.std, self.cfg.clip), raw, note
 
 
+def component(cfg: Any) -> actors.PoolComponent | None:
+    """The run's reward model as a component (:mod:`trainer.components`), when an entry of
+    ``env.reward_functions`` names it."""
+    if not used(cfg.env.reward_functions):
+        return None
+    return actors.PoolComponent(
+        "reward model",
+        lambda: check(cfg.reward_model, cfg.env.reward_functions),
+        lambda: RewardModelPool(cfg.reward_model),
+    )
+
+
 def step_metrics(rollouts: list) -> dict[str, float]:
     """``train/rm_score_mean`` (raw scores of the samples the model read) and ``train/rm_length_corr``
     (Pearson's, of the raw score with the response's own tokens; 0 when either is constant)."""

@@ -18,19 +18,12 @@ plan adds up what one device holds at its peak:
   host memory at level 1 (LoRA), one copy per GPU, against the values file's memory request;
 - **generation GPUs** (disaggregated): the engine's weights split over ``tensor_parallel_size`` and
   the KV cache left in its share, as whole sequences of ``policy.max_total_sequence_length``;
-- **a reward model** (``{name: reward_model}`` in ``env.reward_functions``): each replica's weights in
-  ``reward_model.dtype`` and one forward pass (no gradients: one block's working set, the residual
-  stream and the boolean attention mask) of the larger of ``reward_model.max_tokens_per_batch`` and the
-  longest sample it reads, on a GPU of the worker group that offers ``reward_model.resource`` (its
-  replicas' GPUs are ``gpu.type``'s too), or in host memory for CPU replicas. Either way the plan also
-  says whether it would fit **beside the policy**, resident on every training GPU at the policy's
-  peak: an alternative placement, reported but not part of the verdict;
-- **a judge** (``{name: llm_judge}``), counted the same way (:class:`Scorer`: a model-scored reward's
-  replicas, on ``judge.resource``'s group, in host memory, or beside the policy): each replica's weights in
-  ``judge.dtype``, and on the hf engine the KV cache and prefill of one batch of ``judge.batch_size``
-  prompts of :func:`judge_sequence`'s length (the template, the policy's prompt, a response of at most
-  ``judge.max_response_tokens``, then ``judge.max_new_tokens``); a vLLM judge takes its
-  ``gpu_memory_utilization`` share of a whole GPU, which must hold its weights and one such sequence;
+- **the model-scored rewards** the run uses (:class:`Scorer`, each planned where its config section says:
+  :mod:`trainer.tools.plan_rewards` for the reward model and the judge): each replica on a GPU of the worker
+  group that offers its section's ``resource`` (its replicas' GPUs are ``gpu.type``'s too), a vLLM engine's
+  share of it, or in host memory for CPU replicas. Either way the plan also says whether it would fit
+  **beside the policy**, resident on every training GPU at the policy's peak: an alternative placement,
+  reported but not part of the verdict;
 - **transients**, what a training GPU holds for a moment only: loading, each rank's shards and one full
   tensor broadcast from rank 0 (the largest: the embeddings), beside a colocated engine already built
   (:mod:`trainer.policy.sharded_init`: the model is sharded on the meta device before any weight is
@@ -377,7 +370,7 @@ def moe_lines(cfg, shape: Shape) -> list[str]:
     return lines
 
 
-# ----- the model-scored rewards: the reward model and the judge -----------------------------------
+# ----- the model-scored rewards (trainer/tools/plan_rewards.py plans each) ---------------------------------
 
 
 @dataclass(frozen=True)
@@ -392,6 +385,8 @@ class Scorer:
     terms: Callable[[float | None], dict[str, float]]
     batch: str  # its largest batch, in words
     share: Callable[[float], Device | None] = lambda capacity: None
+    kind: str = "a model"  # what its model is, on its line of the plan: "a score head", "a causal LM"
+    advice: dict[str, str] = field(default_factory=dict)  # the key to change for each of its terms
 
 
 def replica_dtype(dtype: str, gpu: bool) -> str:
@@ -404,152 +399,16 @@ def replica_dtype(dtype: str, gpu: bool) -> str:
 
 
 def scorers(cfg) -> list[Scorer]:
-    """The model-scored rewards ``env.reward_functions`` names, each shaped from its config."""
-    from trainer.rewards.registry import LLM_JUDGE, REWARD_MODEL
+    """The model-scored rewards the run uses, each shaped from its config: what the run's components
+    (:mod:`trainer.components`) plan, each by the planner its config section names (``plans``)."""
+    from trainer import components
 
-    names = {spec.name for spec in cfg.env.reward_functions}
     out = []
-    if REWARD_MODEL in names:
-        rm = cfg.reward_model
-        out.append(
-            reward_model_scorer(cfg, model_shape(rm.name, rm.trust_remote_code, True, "reward_model.name"))
-        )
-    if LLM_JUDGE in names:
-        out.append(
-            judge_scorer(cfg, model_shape(cfg.judge.model, cfg.judge.trust_remote_code, key="judge.model"))
-        )
+    for key, target in components.factories(cfg, components.PLANNERS):
+        scorer = components.resolve(key, target)(cfg)
+        if scorer is not None:
+            out.append(scorer)
     return out
-
-
-def reward_model_pass(cfg, shape: Shape) -> tuple[int, int]:
-    """``(tokens, longest)`` of a replica's largest forward pass: one sample alone with
-    ``reward_model.batch_invariant`` (the default), else a batch of at most
-    ``reward_model.max_tokens_per_batch`` padded tokens, or one sample alone when it is longer. The
-    longest sample it reads is a whole sequence of the policy (``policy.max_total_sequence_length``, in
-    the policy's tokens; the reward model's chat template adds a few) up to ``reward_model.max_length``
-    (by default the model's context): a longer one is not read but scored ``overlong_score``."""
-    rm = cfg.reward_model
-    limit = rm.max_length or shape.context or cfg.policy.max_total_sequence_length
-    longest = min(cfg.policy.max_total_sequence_length, limit)
-    return (longest if rm.batch_invariant else max(rm.max_tokens_per_batch, longest)), longest
-
-
-def reward_model_terms(cfg, shape: Shape, gpu: bool) -> dict[str, float]:
-    """Bytes one replica holds at its peak: its weights, and one forward pass without gradients, where
-    each block's intermediates are freed as the next block runs (:func:`block_activation_bytes` of one
-    block bounds them), beside the residual stream and the (batch, 1, T, T) boolean mask that SDPA gets
-    for a padded batch. The score head reads the last position: no logits over a vocabulary."""
-    dtype = BYTES[replica_dtype(cfg.reward_model.dtype, gpu)]
-    tokens, longest = reward_model_pass(cfg, shape)
-    return {
-        "reward model weights": shape.params * dtype,
-        "reward model activations": block_activation_bytes(shape, tokens, dtype)
-        + tokens * shape.hidden * dtype,
-        "reward model attention mask": tokens * longest,
-    }
-
-
-def reward_model_scorer(cfg, shape: Shape) -> Scorer:
-    tokens, longest = reward_model_pass(cfg, shape)
-    return Scorer(
-        "reward model",
-        "reward_model",
-        shape,
-        lambda capacity: reward_model_terms(cfg, shape, gpu=capacity is not None),
-        f"its largest forward pass: {tokens} tokens, samples up to {longest} tokens",
-    )
-
-
-def judge_sequence(cfg, shape: Shape) -> tuple[int, int]:
-    """``(prompt, total)`` tokens of the judge's longest sequence: ``judge.template`` (its UTF-8 bytes: a
-    byte-level tokenizer writes no more tokens than that; the chat template and a short reference add a few),
-    the question (the policy's prompt, at most ``policy.max_total_sequence_length - generation.max_new_tokens``
-    of the policy's tokens) and a response of at most ``judge.max_response_tokens`` (a longer one is not judged),
-    then the judge's own ``judge.max_new_tokens``; within the judge's context."""
-    j = cfg.judge
-    question = max(0, cfg.policy.max_total_sequence_length - cfg.generation.max_new_tokens)
-    prompt = len(j.template.encode()) + question + j.max_response_tokens
-    total = prompt + j.max_new_tokens
-    if shape.context:
-        total = min(total, shape.context)
-        prompt = min(prompt, total)
-    return prompt, total
-
-
-def judge_utilization(cfg) -> float:
-    """The share of its GPU a vLLM judge replica takes (its engine: :func:`trainer.generation.judge.generation_config`)."""
-    from trainer.generation.judge import generation_config
-    from trainer.generation.vllm_engine import resolve_gpu_memory_utilization
-
-    # the share does not depend on the dtype; a judge's engine never shares its GPU with a policy rank
-    return resolve_gpu_memory_utilization(generation_config(cfg.judge, "bfloat16"), colocated=False)
-
-
-def judge_terms(cfg, shape: Shape, capacity: float | None) -> dict[str, float]:
-    """Bytes one judge replica holds at its peak, on a GPU of ``capacity`` (None: in host memory). A vLLM
-    engine on a GPU takes its ``gpu_memory_utilization`` share, whatever the judge (:func:`judge_share` says
-    what the share must hold); on CPU, its weights and its KV cache space
-    (:data:`trainer.generation.vllm_cpu.CPU_KV_CACHE_GIB`). The hf engine (:mod:`trainer.generation.hf`):
-    its weights, the KV cache of one batch (``judge.batch_size`` sequences of :func:`judge_sequence`'s
-    length), and the prefill of that batch, its largest pass: one block's working set, the residual stream,
-    the padded batch's boolean attention mask, and the float32 logits of its last positions."""
-    j = cfg.judge
-    dtype = BYTES[replica_dtype(j.dtype, capacity is not None)]
-    weights = shape.params * dtype
-    if j.backend == "vllm":
-        if capacity is not None:
-            return {"judge engine (vLLM's share)": judge_utilization(cfg) * capacity}
-        from trainer.generation.vllm_cpu import CPU_KV_CACHE_GIB
-
-        return {"judge weights": weights, "judge KV cache": CPU_KV_CACHE_GIB * GiB}
-    prompt, total = judge_sequence(cfg, shape)
-    batch = j.batch_size
-    return {
-        "judge weights": weights,
-        "judge KV cache": batch * total * kv_bytes_per_token(shape, dtype, 1),
-        "judge activations": block_activation_bytes(shape, batch * prompt, dtype) + batch * prompt * shape.hidden * dtype,
-        "judge attention mask": batch * prompt * prompt,
-        "judge logits": batch * shape.vocab * 4,
-    }  # fmt: skip
-
-
-def judge_share(cfg, shape: Shape, capacity: float) -> Device | None:
-    """A vLLM judge's share of its GPU, as :func:`engine_device` plans the policy's engine: its weights in
-    ``judge.dtype`` and the KV cache of one judge sequence (vLLM refuses to start without room for one); the
-    rest of the share holds as many more as fit. None for the hf engine."""
-    j = cfg.judge
-    if j.backend != "vllm":
-        return None
-    util = judge_utilization(cfg)
-    dtype = BYTES[replica_dtype(j.dtype, True)]
-    _, total = judge_sequence(cfg, shape)
-    weights = shape.params * dtype
-    per_seq = kv_bytes_per_token(shape, dtype, 1) * total
-    dev = Device(
-        "judge engine's share",
-        util * capacity,
-        {"judge weights": weights, "judge KV cache (one sequence)": per_seq},
-    )
-    sequences = int((util * capacity - weights) // per_seq) if per_seq else 0
-    dev.notes.append(
-        f"KV cache for {max(0, sequences)} judge sequences of {total} tokens in the engine's {util:g} share "
-        f"({util * capacity / GiB:.1f} GiB)"
-    )
-    return dev
-
-
-def judge_scorer(cfg, shape: Shape) -> Scorer:
-    prompt, total = judge_sequence(cfg, shape)
-    j = cfg.judge
-    batch = "as many as its share holds" if j.backend == "vllm" else f"judge.batch_size={j.batch_size}"
-    return Scorer(
-        "judge",
-        "judge",
-        shape,
-        lambda capacity: judge_terms(cfg, shape, capacity),
-        f"the {j.backend} engine; its prompts up to {prompt} tokens, {total} with its verdict, {batch} at once",
-        lambda capacity: judge_share(cfg, shape, capacity),
-    )
 
 
 def replica_devices(
@@ -568,6 +427,7 @@ def replica_devices(
             f"{scorer.what} GPU ({actors.resource or 'any GPU node'})",
             capacity * min(1.0, actors.num_gpus),
             {**gpu_terms, "runtime reserve": RUNTIME_RESERVE},
+            advice=dict(scorer.advice),
         )
         where = f"the worker group that offers {actors.resource}" if actors.resource else "any GPU Ray offers"
         own.notes.append(
@@ -576,6 +436,7 @@ def replica_devices(
         devices.append(own)
         share = scorer.share(capacity)
         if share is not None:
+            share.advice = {**scorer.advice, **share.advice}
             devices.append(share)
     peak = max(policy, key=lambda d: d.total)
     beside = Device(
@@ -583,7 +444,8 @@ def replica_devices(
         capacity,
         {POLICY_PEAK: peak.total, **gpu_terms, "runtime reserve": RUNTIME_RESERVE},
         advice={
-            POLICY_PEAK: f"the {scorer.what} on a worker group of its own ({scorer.section}.resource), or CPU replicas"
+            **scorer.advice,
+            POLICY_PEAK: f"the {scorer.what} on a worker group of its own ({scorer.section}.resource), or CPU replicas",
         },
     )
     beside.notes.append(
@@ -591,13 +453,6 @@ def replica_devices(
         "own (its own CUDA context); the run does not place it there"
     )
     return devices, beside
-
-
-def reward_model_devices(
-    cfg, shape: Shape, capacity: float, policy: list[Device]
-) -> tuple[list[Device], Device]:
-    """:func:`replica_devices` of the reward model."""
-    return replica_devices(cfg, reward_model_scorer(cfg, shape), capacity, policy)
 
 
 # ----- the plan -------------------------------------------------------------------------------------
@@ -609,10 +464,9 @@ class Plan:
     target: str  # "8 x H200 (a3-ultragpu-8g) per node" or "CPU"
     shape: Shape
     devices: list[Device]
-    # Placements the run does not use but could (the reward model or the judge beside the policy): said, not counted.
+    # Placements the run does not use but could (a model-scored reward beside the policy): said, not counted.
     alternatives: list[Device] = field(default_factory=list)
-    rm_shape: Shape | None = None
-    judge_shape: Shape | None = None
+    scorers: list[Scorer] = field(default_factory=list)  # the model-scored rewards, a line each
     notes: list[str] = field(default_factory=list)
     model_lines: list[str] = field(default_factory=list)  # below the model's line: a mixture of experts'
 
@@ -652,16 +506,6 @@ ADVICE = {
     "KV cache (one sequence)": "a smaller policy.max_total_sequence_length, or a larger generation.tensor_parallel_size",
     "colocated engine (awake)": "a smaller generation.gpu_memory_utilization, or generation.placement=disaggregated",
     "one full tensor, loading": "more training GPUs (the shards beside it shrink)",
-    "reward model weights": "a smaller reward model (reward_model.name), or reward_model.dtype=bfloat16",
-    "reward model activations": "a smaller reward_model.max_tokens_per_batch (or reward_model.max_length)",
-    "reward model attention mask": "a smaller reward_model.max_tokens_per_batch (or reward_model.max_length)",
-    "judge weights": "a smaller judge (judge.model), or judge.dtype=bfloat16",
-    "judge engine (vLLM's share)": "judge.num_gpus=1 (vLLM takes its share of a whole GPU), or judge.backend=hf",
-    "judge KV cache": "a smaller judge.batch_size, judge.max_response_tokens or judge.max_new_tokens",
-    "judge KV cache (one sequence)": "a smaller judge.max_response_tokens or judge.max_new_tokens",
-    "judge activations": "a smaller judge.batch_size or judge.max_response_tokens",
-    "judge attention mask": "a smaller judge.batch_size or judge.max_response_tokens",
-    "judge logits": "a smaller judge.batch_size",
     SLEEPING_TERM: "a larger workerGroups.train.resources.requests.memory in the values file",
     ROUTES_TERM: "a smaller policy.max_tokens_per_microbatch",
     CAPTURE_TERM: "a smaller generation.vllm_kwargs.max_num_batched_tokens",
@@ -819,16 +663,14 @@ def _cpu_plan(cfg, shape: Shape, terms: dict[str, float], experiment: str) -> Pl
     for scorer in scorers(cfg):  # CPU replicas on the same machine, all scoring at once at worst
         _shaped(result, scorer)
         replicas = getattr(cfg, scorer.section).replicas
+        node.advice.update(scorer.advice)
         for k, v in scorer.terms(None).items():
             node.terms[f"{k} x {replicas} replicas"] = v * replicas
     return result
 
 
 def _shaped(result: Plan, scorer: Scorer) -> None:
-    if scorer.section == "judge":
-        result.judge_shape = scorer.shape
-    else:
-        result.rm_shape = scorer.shape
+    result.scorers.append(scorer)
 
 
 def _host_memory() -> float:
@@ -845,17 +687,11 @@ def render(p: Plan) -> str:
         f"vocab {s.vocab}; config from {s.source})"
     ]
     lines += p.model_lines
-    if p.rm_shape is not None:
-        r = p.rm_shape
+    for scorer in p.scorers:
+        r = scorer.shape
         lines.append(
-            f"  reward model: {r.params / 1e9:.2f}B parameters ({r.layers} layers, hidden {r.hidden}, a score "
-            f"head; config from {r.source})"
-        )
-    if p.judge_shape is not None:
-        r = p.judge_shape
-        lines.append(
-            f"  judge: {r.params / 1e9:.2f}B parameters ({r.layers} layers, hidden {r.hidden}, a causal LM; config "
-            f"from {r.source})"
+            f"  {scorer.what}: {r.params / 1e9:.2f}B parameters ({r.layers} layers, hidden {r.hidden}, "
+            f"{scorer.kind}; config from {r.source})"
         )
     for d in p.devices + p.alternatives:
         lines.append(f"  {d.role}:")

@@ -131,13 +131,15 @@ def pod_labels(docs: list[dict], cluster: str = "exp1-x7k2p") -> dict[str, dict[
     from the RayCluster's (or the RayJob's) templates (common/pod.go `labelPod`: its own labels, then the
     template's over them, but for ray.io/node-type, ray.io/group and ray.io/cluster, which it keeps; a
     RayJob's cluster is named `<name>-<random>`, `cluster` here), the RayJob's submitter and the `helm test`
-    pods as rendered, and the sandbox service's pods (`sandbox`) as its Deployment's template labels them."""
+    pods as rendered, and the sandbox service's pods (`sandbox`) and the reward server's (`reward-server`) as
+    their Deployments' templates label them."""
     found: dict[str, dict[str, str]] = {}
     for doc in docs:
         if doc["kind"] == "Pod":
             found[f"test:{doc['metadata']['name']}"] = dict(doc["metadata"].get("labels") or {})
         if doc["kind"] == "Deployment":
-            found["sandbox"] = dict(doc["spec"]["template"]["metadata"].get("labels") or {})
+            labels = dict(doc["spec"]["template"]["metadata"].get("labels") or {})
+            found[labels["app.kubernetes.io/component"]] = labels
         if doc["kind"] not in ("RayCluster", "RayJob"):
             continue
         spec = doc["spec"]
@@ -157,9 +159,17 @@ def pod_labels(docs: list[dict], cluster: str = "exp1-x7k2p") -> dict[str, dict[
     return found
 
 
+def deployment(docs: list[dict], component: str) -> dict:
+    """The Deployment of a component (`sandbox`, `reward-server`)."""
+    found = [d for d in docs if d["kind"] == "Deployment"
+             and d["metadata"]["labels"]["app.kubernetes.io/component"] == component]  # fmt: skip
+    assert len(found) == 1, f"expected one {component} Deployment, got {len(found)}"
+    return found[0]
+
+
 def sandbox_pod(docs: list[dict]) -> dict:
     """The sandbox service's pod template (its Deployment's)."""
-    return one(docs, "Deployment")["spec"]["template"]
+    return deployment(docs, "sandbox")["spec"]["template"]
 
 
 def head_template(docs: list[dict]) -> dict:

@@ -16,7 +16,7 @@ from trainer.tools import submit
 
 DOC = (REPO / "docs" / "cluster.md").read_text()
 ROOTS = ("image", "storage", "rdma", "job", "head", "capacity", "gpu", "serviceAccount", "secrets", "tests", "tensorboard",
-         "auth", "sandbox", "networkPolicy", "podDisruptionBudget", "podMonitoring")  # fmt: skip
+         "auth", "sandbox", "rewardServer", "networkPolicy", "podDisruptionBudget", "podMonitoring")  # fmt: skip
 # not "logger": the runbook cites the trainer's logger.* keys too
 
 

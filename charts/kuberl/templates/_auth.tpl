@@ -51,10 +51,11 @@ containers (the `helm test` pod, the RayJob submitter): KubeRay injects them int
 {{- end }}
 
 {{/*
-The release's own bearer tokens, never Ray's: the sandbox service's (sandbox.enabled) and the generation
-endpoint's (generationEndpoint.enabled), each in a Secret of the release (secret.yaml) under key `token`,
-or in the existing Secret the values name (GitOps). A harness or a sandbox escape that holds one of them
-can call that service and nothing else: no Ray job, no Ray dashboard.
+The release's own bearer tokens, never Ray's: the sandbox service's (sandbox.enabled), the generation
+endpoint's (generationEndpoint.enabled) and the reward server's API key (rewardServer.enabled), each in a
+Secret of the release (secret.yaml) under key `token`, or in the existing Secret the values name (GitOps).
+A harness or a sandbox escape that holds one of them can call that service and nothing else: no Ray job,
+no Ray dashboard.
 */}}
 {{- define "kuberl.sandboxSecret" -}}
 {{- .Values.sandbox.existingSecret | default (printf "%s-sandbox" (include "kuberl.fullname" .)) }}
@@ -62,6 +63,10 @@ can call that service and nothing else: no Ray job, no Ray dashboard.
 
 {{- define "kuberl.endpointSecret" -}}
 {{- .Values.generationEndpoint.existingSecret | default (printf "%s-endpoint" (include "kuberl.fullname" .)) }}
+{{- end }}
+
+{{- define "kuberl.rewardServerSecret" -}}
+{{- .Values.rewardServer.existingSecret | default (printf "%s-reward-server" (include "kuberl.fullname" .)) }}
 {{- end }}
 
 {{/*

@@ -193,13 +193,17 @@ exec {{ include "kuberl.jobCommand" . }}
 
 {{/*
 The RayJob's command: the experiment, resume from the latest complete checkpoint, the chart's
-shared directories, then job.overrides (each single-quoted).
+shared directories, the reward server's address and name (rewardServer.enabled), then job.overrides (each
+single-quoted).
 */}}
 {{- define "kuberl.jobCommand" -}}
 {{- $v := .Values -}}
 {{- $parts := list "python" "-m" "trainer" (printf "experiment=%s" (required "experiment is required when job.enabled: the Hydra experiment the RayJob runs" $v.experiment)) "checkpointing.resume=auto" }}
 {{- $parts = append $parts (printf "logger.log_dir=%s" (include "kuberl.path" (dict "root" . "key" "logs"))) }}
 {{- $parts = append $parts (printf "checkpointing.checkpoint_dir=%s" (include "kuberl.path" (dict "root" . "key" "checkpoints"))) }}
+{{- if $v.rewardServer.enabled }}
+{{- with include "kuberl.rewardServerOverrides" . }}{{ $parts = append $parts . }}{{ end }}
+{{- end }}
 {{- range $v.job.overrides }}
 {{- $parts = append $parts (squote .) }}
 {{- end }}
@@ -210,4 +214,62 @@ shared directories, then job.overrides (each single-quoted).
 {{- define "kuberl.sandboxSelectorLabels" -}}
 {{ include "kuberl.selectorLabels" . }}
 kuberl.dev/role: sandbox
+{{- end }}
+
+{{/*
+The reward model server (rewardServer.enabled): the labels that select its pods (its Deployment, Service
+and NetworkPolicy), its address as the Ray pods call it, and the name it answers to.
+*/}}
+{{- define "kuberl.rewardServerSelectorLabels" -}}
+{{ include "kuberl.selectorLabels" . }}
+kuberl.dev/role: reward-server
+{{- end }}
+
+{{- define "kuberl.rewardServerUrl" -}}
+http://{{ include "kuberl.fullname" . }}-reward-server.{{ .Release.Namespace }}.svc:{{ .Values.rewardServer.port }}
+{{- end }}
+
+{{- define "kuberl.rewardServerModel" -}}
+{{- .Values.rewardServer.servedModelName | default .Values.rewardServer.model }}
+{{- end }}
+
+{{/*
+"true" when rewardServer.model is a path on the release's shared storage (an absolute path, which vLLM
+reads as a directory), empty when it is a Hugging Face Hub id. A path must lie under storage.mountPath, or
+under storage.models.mountPath with storage.models.enabled: the server mounts nothing else, and vLLM would
+otherwise take the path for a Hub id it cannot fetch, or crash-loop on a directory that is not there.
+*/}}
+{{- define "kuberl.rewardServerModelOnStorage" -}}
+{{- $v := .Values }}
+{{- $model := required "rewardServer.model is required when rewardServer.enabled: a directory on the release's shared storage (/data/...) or a Hugging Face Hub id" $v.rewardServer.model }}
+{{- if hasPrefix "/" $model }}
+{{- $roots := list ($v.storage.mountPath | trimSuffix "/") }}
+{{- if $v.storage.models.enabled }}{{ $roots = append $roots ($v.storage.models.mountPath | trimSuffix "/") }}{{ end }}
+{{- $under := false }}
+{{- range $roots }}{{ if hasPrefix (printf "%s/" .) $model }}{{ $under = true }}{{ end }}{{ end }}
+{{- if not $under }}
+{{- fail (printf "rewardServer.model %s is not on the release's shared storage: give a directory under %s, or a Hugging Face Hub id" $model (join " or " $roots)) }}
+{{- end }}
+{{- print "true" }}
+{{- end }}
+{{- end }}
+
+{{/*
+The Hydra overrides the RayJob's entrypoint gets for the reward server (rewardServer.enabled):
+reward_server.url (its Service) and reward_server.model (the name it answers to), each unless
+job.overrides already sets that key (Hydra refuses a key given twice).
+*/}}
+{{- define "kuberl.rewardServerOverrides" -}}
+{{- $given := list }}
+{{- range .Values.job.overrides }}
+{{- $given = append $given (regexReplaceAll "^[+~]+" (first (splitList "=" .)) "") }}
+{{- end }}
+{{- $parts := list }}
+{{- if not (has "reward_server.url" $given) }}
+{{- $parts = append $parts (printf "reward_server.url=%s" (include "kuberl.rewardServerUrl" .)) }}
+{{- end }}
+{{- if not (has "reward_server.model" $given) }}
+{{- $parts = append $parts (squote (printf "reward_server.model=%s" (include "kuberl.rewardServerModel" .))) }}
+{{- end }}
+{{- join " " $parts }}
 {{- end }}

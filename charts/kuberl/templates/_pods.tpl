@@ -58,6 +58,20 @@ here. Its token is a file of the Secret's volume (kuberl.sandboxTokenVolume), ne
       name: {{ include "kuberl.endpointSecret" .root }}
       key: token
 {{- end }}
+{{- if $v.rewardServer.enabled }}
+{{- /* The reward server's API key, which the trainer's reward_server reward sends as its bearer token (its
+reward_server.api_key_env), and where the server is: the RayJob's entrypoint gets both as overrides
+(kuberl.jobCommand); a job submitted to the RayCluster reads them here. */}}
+- name: REWARD_SERVER_API_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "kuberl.rewardServerSecret" .root }}
+      key: token
+- name: KUBERL_REWARD_SERVER_URL
+  value: {{ include "kuberl.rewardServerUrl" .root | quote }}
+- name: KUBERL_REWARD_SERVER_MODEL
+  value: {{ include "kuberl.rewardServerModel" .root | quote }}
+{{- end }}
 - name: KUBERL_LOG_DIR
   value: {{ include "kuberl.path" (dict "root" .root "key" "logs") | quote }}
 - name: KUBERL_CHECKPOINT_DIR

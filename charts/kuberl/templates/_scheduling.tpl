@@ -14,11 +14,14 @@ GPU presets: machine type, GKE accelerator and the gIB NCCL tuner file. One valu
 {{- get $presets .Values.gpu.type | toYaml }}
 {{- end }}
 
-{{/* Node selector. Args: dict root, gpu (bool), head (bool), extra (map). */}}
+{{/*
+Node selector. Args: dict root, gpu (bool), head (bool), extra (map), noFileCache (bool: a pod that keeps no
+gcsfuse file cache whatever storage.gcsfuse.fileCache says, the reward server, needs no local SSD).
+*/}}
 {{- define "kuberl.nodeSelector" -}}
 {{- $v := .root.Values -}}
 {{- $s := dict -}}
-{{- if and (not .head) (include "kuberl.workerFileCache" .root) }}
+{{- if and (not .head) (not .noFileCache) (include "kuberl.workerFileCache" .root) }}
 {{- /* The gcsfuse sidecar's file cache lives in its cache volume, on the node's ephemeral storage:
 local SSD only on pools created with --ephemeral-storage-local-ssd, which GKE labels so. */}}
 {{- $_ := set $s "cloud.google.com/gke-ephemeral-storage-local-ssd" "true" }}

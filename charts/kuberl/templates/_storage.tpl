@@ -52,13 +52,32 @@ volumeAttributes of a gcsfuse volume: the mount's own, then fileCacheCapacity fo
 fileCacheCapacity: {{ ternary .fileCache.head .fileCache.worker .head | toString | quote }}
 {{- end }}
 
-{{/* Volumes. Args: dict root, gpu (bool), head (bool). */}}
+{{/* Volumes of a Ray pod. Args: dict root, gpu (bool), head (bool). */}}
 {{- define "kuberl.volumes" -}}
 {{- $v := .root.Values -}}
 - name: dshm
   emptyDir:
     medium: Memory
     sizeLimit: {{ $v.shmSize }}
+{{ include "kuberl.storageVolumes" . }}
+{{- if and .gpu $v.rdma.enabled }}
+- name: nvidia-libs
+  hostPath:
+    path: /home/kubernetes/bin/nvidia
+- name: gib
+  hostPath:
+    path: /home/kubernetes/bin/gib
+{{- end }}
+{{- end }}
+
+{{/*
+The shared storage's volumes: `shared` (the read-write mount) and, with storage.models.enabled on gcsfuse,
+`models` (the read-only view). Args: dict root, head (bool: the head's file cache, else a worker's),
+noFileCache (bool: none at all, whatever fileCache says: the reward server reads its weights once).
+*/}}
+{{- define "kuberl.storageVolumes" -}}
+{{- $v := .root.Values -}}
+{{- $none := dict "head" "0" "worker" "0" -}}
 - name: shared
 {{- if eq $v.storage.type "gcsfuse" }}
   csi:
@@ -66,7 +85,7 @@ fileCacheCapacity: {{ ternary .fileCache.head .fileCache.worker .head | toString
     volumeAttributes:
       bucketName: {{ required "storage.gcsfuse.bucketName is required when storage.type=gcsfuse" $v.storage.gcsfuse.bucketName | quote }}
       mountOptions: {{ $v.storage.gcsfuse.mountOptions | quote }}
-      {{- include "kuberl.gcsfuseAttributes" (dict "attrs" $v.storage.gcsfuse.volumeAttributes "fileCache" $v.storage.gcsfuse.fileCache "head" .head "key" "storage.gcsfuse") | nindent 6 }}
+      {{- include "kuberl.gcsfuseAttributes" (dict "attrs" $v.storage.gcsfuse.volumeAttributes "fileCache" (ternary $none $v.storage.gcsfuse.fileCache (eq .noFileCache true)) "head" .head "key" "storage.gcsfuse") | nindent 6 }}
 {{- else if eq $v.storage.type "lustre" }}
   persistentVolumeClaim:
     claimName: {{ include "kuberl.lustreClaim" .root }}
@@ -88,15 +107,7 @@ fileCacheCapacity: {{ ternary .fileCache.head .fileCache.worker .head | toString
     volumeAttributes:
       bucketName: {{ $v.storage.gcsfuse.bucketName | quote }}
       mountOptions: {{ printf "only-dir=%s,%s" $m.subPath $m.gcsfuse.mountOptions | quote }}
-      {{- include "kuberl.gcsfuseAttributes" (dict "attrs" $m.gcsfuse.volumeAttributes "fileCache" $m.gcsfuse.fileCache "head" .head "key" "storage.models.gcsfuse") | nindent 6 }}
-{{- end }}
-{{- if and .gpu $v.rdma.enabled }}
-- name: nvidia-libs
-  hostPath:
-    path: /home/kubernetes/bin/nvidia
-- name: gib
-  hostPath:
-    path: /home/kubernetes/bin/gib
+      {{- include "kuberl.gcsfuseAttributes" (dict "attrs" $m.gcsfuse.volumeAttributes "fileCache" (ternary $none $m.gcsfuse.fileCache (eq .noFileCache true)) "head" .head "key" "storage.models.gcsfuse") | nindent 6 }}
 {{- end }}
 {{- end }}
 

@@ -67,6 +67,14 @@ def test_should_write_where_the_cluster_says_when_no_dir_is_overridden() -> None
         ["sh", "-c", argv], capture_output=True, text=True, env={"KUBERL_LOG_DIR": "/data/logs"}
     )
     assert out.stdout.split() == ["experiment=tiny", "logger.log_dir=/data/logs", "grpo.max_num_steps=2"]
+    served = {"KUBERL_REWARD_SERVER_URL": "http://rel-reward-server:8000", "KUBERL_REWARD_SERVER_MODEL": "rm"}
+    out = subprocess.run(["sh", "-c", argv], capture_output=True, text=True, env=served)
+    assert out.stdout.split() == [
+        "experiment=tiny",
+        "reward_server.url=http://rel-reward-server:8000",
+        "reward_server.model=rm",
+        "grpo.max_num_steps=2",
+    ]  # the release's reward server, as the chart's RayJob command passes it
 
 
 def test_should_keep_the_users_directory_when_log_dir_is_overridden() -> None:

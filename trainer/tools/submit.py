@@ -53,10 +53,13 @@ TENSORBOARD_PORT = 6006
 STOP_WAIT_S = (
     60  # SIGTERM to SIGKILL at `make stop`: above checkpointing.preemption_grace_s (25) plus shutdown
 )
-# Where the cluster tells the trainer to write; the chart and `up` set these on every Ray process.
+# What the cluster tells the trainer (where to write; the release's reward server, when it runs one): the chart
+# and `up` set these on every Ray process, and a job's command passes each that is set and not overridden.
 DIR_OVERRIDES = (
     ("logger.log_dir", "KUBERL_LOG_DIR"),
     ("checkpointing.checkpoint_dir", "KUBERL_CHECKPOINT_DIR"),
+    ("reward_server.url", "KUBERL_REWARD_SERVER_URL"),
+    ("reward_server.model", "KUBERL_REWARD_SERVER_MODEL"),
 )
 
 

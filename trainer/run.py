@@ -348,7 +348,7 @@ class TrainState:
             if line:
                 print(f"kuberl: {line}", flush=True)
         self.rewards = RewardRunner(
-            cfg.env, reward_model=[p.scorer for p in components.offering(self.components, "scorer")]
+            cfg.env, scorers=[p.scorer for p in components.offering(self.components, "scorer")]
         )
         if self.environment is None:  # a multi-turn run without env.environment: env.feedback's loop
             self.environment = envs.default(cfg.env, cfg.grpo.max_rollout_turns)

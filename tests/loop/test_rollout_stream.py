@@ -72,7 +72,7 @@ def _state(cfg, engines: FakeEngines, step: int = 0):
     return SimpleNamespace(
         progress=SimpleNamespace(step=step),
         loader=PromptLoader(examples, cfg.grpo.num_prompts_per_step, cfg.seed, shuffle=False),
-        rewards=SimpleNamespace(reward_model=None),
+        rewards=SimpleNamespace(scorers=None, state_dict=lambda: {}),
         feedback=None,
         environment=None,
         turns=None,

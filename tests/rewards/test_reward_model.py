@@ -155,10 +155,10 @@ def test_should_combine_the_reward_model_with_a_verifiable_reward_by_weight_on_i
         env = EnvConfig(
             [RewardSpec("arithmetic", 0.5, {"unboxed_score": 1.0}), RewardSpec("reward_model", 0.5)]
         )
-        runner = RewardRunner(env, reward_model=pool)
+        runner = RewardRunner(env, scorers=pool)
         messages = [{"role": "user", "content": "1+1"}]
         results = runner.results(runner.submit([("2", "2", "1+1", messages), ("2", "7", "1+1", messages)]))
-        alone = RewardRunner(EnvConfig([RewardSpec("reward_model")]), reward_model=pool)
+        alone = RewardRunner(EnvConfig([RewardSpec("reward_model")]), scorers=pool)
         only = alone.results(alone.submit([("2", "2", "1+1", messages), ("2", "7", "1+1")]))
     finally:
         pool.shutdown()
@@ -187,7 +187,7 @@ def test_should_score_identical_samples_identically_whatever_they_are_batched_wi
     )
     try:
         pool.wait_ready()
-        runner = RewardRunner(EnvConfig([RewardSpec("reward_model")]), reward_model=pool)
+        runner = RewardRunner(EnvConfig([RewardSpec("reward_model")]), scorers=pool)
         sent: list[int] = []  # how many items each batch asks the replicas to score
         call = pool.call
         pool.call = lambda batch: (sent.append(len(batch)), call(batch))[1]

@@ -247,7 +247,7 @@ class AsyncRollouts:
         self.gate = _Gate(version=state.progress.step)
         # The producer owns the training RewardRunner (it is not thread-safe); validation gets its own.
         self.producer = _Producer(cfg, state, state.rewards)
-        self.val_rewards = RewardRunner(cfg.env, reward_model=state.rewards.reward_model)
+        self.val_rewards = RewardRunner(cfg.env, scorers=state.rewards.scorers)
         self.batches: queue.Queue[RolloutBatch | _Failed] = queue.Queue()
         self.thread: threading.Thread | None = None
 

@@ -43,7 +43,7 @@ such a task carries at least :data:`trainer.sandbox.remote.MAX_BATCH` samples on
 
 A ``reward_model`` entry (:mod:`trainer.rewards.reward_model`) or an ``llm_judge`` entry
 (:mod:`trainer.rewards.judge`) is not scored in these tasks: each chunk of samples also goes, split over
-the replicas, to that model's actors (``RewardRunner(..., reward_model=pools)``: the run's pools, one per
+the replicas, to that model's actors (``RewardRunner(..., scorers=pools)``: the run's pools, one per
 entry), with the same time limit from the moment a replica starts the batch; its score joins the others'
 by weight when all are in. The reward model pays, it never says correct: a sample is correct by the
 verifiable rewards beside it, and never with the reward model alone. The judge says correct when it pays
@@ -450,7 +450,7 @@ class RewardRunner:
         self,
         env: EnvConfig,
         feedback: bool = False,
-        reward_model: ModelPool | list[ModelPool] | None = None,
+        scorers: ModelPool | list[ModelPool] | None = None,
     ):
         from trainer import rewards
         from trainer.rewards.feedback import FEEDBACK
@@ -465,8 +465,8 @@ class RewardRunner:
         self.specs = [spec for spec in env.reward_functions if feedback or spec.name not in scored]
         # The entries the models' actors score, in env.reward_functions' order, and their pools.
         self.model_specs = [] if feedback else [s for s in env.reward_functions if s.name in scored]
-        given = [reward_model] if isinstance(reward_model, ModelPool) else list(reward_model or [])
-        self.reward_model = reward_model  # as given: a validation runner is built from the same pools
+        given = [scorers] if isinstance(scorers, ModelPool) else list(scorers or [])
+        self.scorers = scorers  # as given: a validation runner is built from the same pools
         self.pools: dict[str, ModelPool] = {}
         for spec in self.model_specs:
             pool = next((p for p in given if p.NAME == spec.name), None)

@@ -516,7 +516,10 @@ def test_should_print_vllm_kwargs_when_the_cli_sets_them_over_an_empty_default(c
         # Names the registries check (trainer.prestart.check_names), still before anything is built:
         ("data.name=nope", "data.name='nope' is not allowed; choose one of: arithmetic,"),
         ("env.reward_functions=[{name: nope}]", "env.reward_functions[0].name: unknown reward 'nope'"),
-        ("grpo.loss.policy_loss=x", "grpo.loss.policy_loss='x' is not allowed; choose one of: clipped"),
+        (
+            "grpo.loss.policy_loss=x",
+            "grpo.loss.policy_loss='x' is not allowed; choose one of: clipped, module:function",
+        ),
         ("grpo.loss.aggregation=median", "grpo.loss.aggregation='median' is not allowed"),
         ("grpo.max_rollout_turns=2", "grpo.max_rollout_turns=2 needs execution feedback: env.feedback=None"),
         (
@@ -819,7 +822,8 @@ def test_should_refuse_a_bad_loss_name_before_policy_ranks_start(monkeypatch):
 
     monkeypatch.setattr(group, "reserve", lambda *a, **k: pytest.fail("a placement group was reserved"))
     with pytest.raises(
-        ConfigError, match=r"^grpo.loss.policy_loss='x' is not allowed; choose one of: clipped$"
+        ConfigError,
+        match=r"^grpo.loss.policy_loss='x' is not allowed; choose one of: clipped, module:function$",
     ):
         group.PolicyGroup(
             load(["experiment=tiny", "grpo.loss.policy_loss=x"]), "unused", colocated_engine=True

@@ -47,7 +47,8 @@ def test_registry_unknown_name_lists_valid_names(getter, registry, kind):
         assert getter(name) is fn
     with pytest.raises(KeyError) as e:
         getter("nope")
-    assert e.value.args[0] == f"unknown {kind} 'nope'; valid: {', '.join(sorted(registry))}"
+    plugins = ", or module:function" if kind in ("advantage estimator", "policy loss", "KL estimator") else ""
+    assert e.value.args[0] == f"unknown {kind} 'nope'; valid: {', '.join(sorted(registry))}{plugins}"
 
 
 def test_registry_names():
@@ -62,8 +63,14 @@ def test_registry_names():
 @pytest.mark.parametrize(
     ("field", "message"),
     [
-        ("policy_loss", "grpo.loss.policy_loss='nope' is not allowed; choose one of: clipped"),
-        ("kl_estimator", "grpo.loss.kl_estimator='nope' is not allowed; choose one of: k1, k2, k3"),
+        (
+            "policy_loss",
+            "grpo.loss.policy_loss='nope' is not allowed; choose one of: clipped, module:function",
+        ),
+        (
+            "kl_estimator",
+            "grpo.loss.kl_estimator='nope' is not allowed; choose one of: k1, k2, k3, module:function",
+        ),
         (
             "aggregation",
             "grpo.loss.aggregation='nope' is not allowed; choose one of: token-mean, seq-mean-token-mean, "

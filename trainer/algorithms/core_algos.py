@@ -16,6 +16,12 @@ to functions, and an unknown name lists the valid ones:
 Shapes: B sequences (B = num_prompts * group_size, group-contiguous), T response tokens, V vocab.
 ``mask`` is 1 (or True) on response tokens and 0 on prompt/padding.
 
+Three registries also take a user's own function as ``module:function`` (resolved as rewards are, by
+:func:`trainer.config.import_function`): ``grpo.advantage.estimator``, ``grpo.loss.policy_loss`` and
+``grpo.loss.kl_estimator``. :func:`check_algorithms` imports each at start, binds it to the built-in's
+signature and tries it on a small batch, so one that breaks the contract its caller relies on (shapes, a
+gradient, the loss's metrics) stops the run in one line before anything starts, instead of training on it.
+
 Two flags are plain functions without a registry: ``clamp_kl`` (the KL penalty's per-token bound)
 and ``overlong_penalty`` (DAPO's soft length penalty on rewards).
 
@@ -38,32 +44,147 @@ Where this departs from peers, and why:
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from trainer.config import LossConfig, check_name
+from trainer.config import ConfigError, GRPOConfig, LossConfig, check_name, import_function
 
 # exp(20) ~ 4.9e8: finite in fp32 and bf16, and far outside any sane PPO clip range, so the clamp
 # only ever touches tokens that the clip (or dual clip) already dominates.
 LOG_RATIO_CLAMP = 20.0
 
 
-def _lookup(kind: str, registry: dict[str, Callable], name: str) -> Callable:
-    if name not in registry:
-        raise KeyError(f"unknown {kind} {name!r}; valid: {', '.join(sorted(registry))}")
-    return registry[name]
+def _lookup(kind: str, registry: dict[str, Callable], name: str, plugins: bool = False) -> Callable:
+    """``name`` in ``registry``, or with ``plugins`` an importable ``module:function``; else a KeyError."""
+    if name in registry:
+        return registry[name]
+    if plugins and ":" in name:
+        return import_function(name, kind)
+    plugin = ", or module:function" if plugins else ""
+    raise KeyError(f"unknown {kind} {name!r}; valid: {', '.join(sorted(registry))}{plugin}")
 
 
 def check_loss_config(loss: LossConfig) -> None:
-    """Every name in ``grpo.loss`` against its registry: a ConfigError naming the key. The policy
-    ranks look the functions up by name, so the driver calls this before it starts them."""
-    check_name("grpo.loss.policy_loss", loss.policy_loss, POLICY_LOSSES)
-    check_name("grpo.loss.kl_estimator", loss.kl_estimator, KL_ESTIMATORS)
+    """Every name in ``grpo.loss`` against its registry: a ConfigError naming the key; a user's
+    ``module:function`` imported and tried on a small batch (:func:`check_plugin`). The policy ranks
+    look the functions up by name, so the driver calls this before it starts them."""
+    check_plugin("grpo.loss.policy_loss", loss.policy_loss, "policy loss")
+    check_plugin("grpo.loss.kl_estimator", loss.kl_estimator, "KL estimator")
     check_name("grpo.loss.aggregation", loss.aggregation, LOSS_AGGREGATIONS)
     check_name("grpo.loss.importance_sampling", loss.importance_sampling, IMPORTANCE_SAMPLING)
     check_name("grpo.loss.ratio_level", loss.ratio_level, RATIO_LEVELS)
+
+
+def check_algorithms(grpo: GRPOConfig) -> None:
+    """Every name of the GRPO math in ``grpo``: the loss's (:func:`check_loss_config`) and the advantage
+    estimator's, each a ConfigError naming its key. The loop computes advantages by name on the driver at
+    every step, so a run checks this before it starts anything."""
+    check_loss_config(grpo.loss)
+    check_plugin("grpo.advantage.estimator", grpo.advantage_estimator, "advantage estimator")
+
+
+# ---------------------------------------------------------------------------------------------
+# A user's module:function: its signature and contract, tried on a small batch
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Pluggable:
+    """A registry that takes a user's ``module:function``: what it is called as, and its contract on a small
+    batch (``inputs``: the call's args and kwargs; ``check``: None, or what is wrong with what it returned)."""
+
+    registry: dict[str, Callable]
+    signature: str
+    inputs: Callable[[], tuple[tuple, dict]]
+    check: Callable[[object, tuple], str | None]
+
+
+def _shape(x: object) -> str:
+    return f"shape {tuple(x.shape)}" if isinstance(x, Tensor) else f"a {type(x).__name__}"
+
+
+def _advantage_inputs() -> tuple[tuple, dict]:
+    return (torch.tensor([[1.0, 0.0, 0.0, 1.0], [0.0, 0.5, 1.0, 0.0]]),), {}  # rewards (N=2, G=4)
+
+
+def _check_baseline(out: object, args: tuple) -> str | None:
+    if not isinstance(out, Tensor) or out.shape != args[0].shape:
+        return f"returned {_shape(out)} for rewards of shape (2, 4); a baseline per reward is (N, G)"
+    if not torch.isfinite(out).all():
+        return "returned a non-finite baseline for finite rewards"
+    return None
+
+
+def _token_inputs() -> tuple[Tensor, Tensor]:
+    """logprobs (B=2, T=3), with a gradient, and another policy's logprobs of the same tokens."""
+    logprobs = torch.tensor([[-1.0, -0.5, -2.0], [-0.1, -3.0, -1.5]], requires_grad=True)
+    return logprobs, torch.tensor([[-1.2, -0.4, -2.5], [-0.3, -2.0, -1.5]])
+
+
+def _check_kl(out: object, args: tuple) -> str | None:
+    # the penalty trains through the estimate: a detached one would be a penalty that changes nothing
+    if not isinstance(out, Tensor) or out.shape != args[0].shape:
+        return f"returned {_shape(out)} for logprobs of shape (2, 3); a KL estimate per token is (B, T)"
+    if not torch.isfinite(out).all():
+        return "returned a non-finite KL for finite logprobs"
+    if not out.requires_grad:
+        return "returned a KL with no gradient to logprobs (detached): the penalty would train nothing"
+    return None
+
+
+def _loss_inputs() -> tuple[tuple, dict]:
+    """As :class:`trainer.algorithms.objective.Objective` calls a loss, with one advantage per sequence."""
+    logprobs, old = _token_inputs()
+    clips = {"ratio_clip_min": 0.2, "ratio_clip_max": 0.2, "ratio_clip_c": None}
+    return (logprobs, old, torch.tensor([1.0, -1.0])), {**clips, "log_ratio": logprobs - old}
+
+
+def _check_loss(out: object, args: tuple) -> str | None:
+    if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict)):
+        return f"returned {_shape(out)}; a policy loss returns (loss (B, T), metrics dict)"
+    loss, metrics = out
+    if not isinstance(loss, Tensor) or loss.shape != args[0].shape:
+        return f"returned a loss of {_shape(loss)} for logprobs of shape (2, 3); a loss per token is (B, T)"
+    if not torch.isfinite(loss).all():
+        return "returned a non-finite loss for finite logprobs"
+    if not loss.requires_grad:
+        return "returned a loss with no gradient to logprobs (detached): the policy would not train"
+    for key in ("clipfrac", "ppo_kl"):  # what the objective reads of every loss's metrics
+        value = metrics.get(key)
+        if not isinstance(value, Tensor) or value.shape != args[0].shape:
+            return f"returned metrics[{key!r}] of {_shape(value)}; the objective reads it per token, (B, T)"
+    return None
+
+
+def check_plugin(key: str, name: str, kind: str) -> None:
+    """``name`` at ``key``: a name in the ``kind`` registry, or a ``module:function`` that imports, binds to
+    the registry's signature and keeps its contract on a small batch; else a ConfigError naming ``key``."""
+    plug = _PLUGGABLE[kind]
+    if name in plug.registry:
+        return
+    if not isinstance(name, str) or ":" not in name:
+        check_name(key, name, [*plug.registry, "module:function"])
+    try:
+        fn = import_function(name, kind)
+    except KeyError as e:
+        raise ConfigError(f"{key}: {e.args[0]}") from None
+    args, kwargs = plug.inputs()
+    try:
+        inspect.signature(fn).bind(*args, **kwargs)
+    except TypeError as e:
+        raise ConfigError(f"{key}={name}: cannot be called as {plug.signature}: {e}") from None
+    except ValueError:  # no signature to read (a builtin): the call below says
+        pass
+    try:
+        out = fn(*args, **kwargs)
+    except Exception as e:  # the user's code, on a batch it must take: say what it raised
+        raise ConfigError(f"{key}={name}: raised on a small batch: {type(e).__name__}: {e}") from None
+    if (failure := plug.check(out, args)) is not None:
+        raise ConfigError(f"{key}={name}: {failure}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -141,8 +262,8 @@ ADVANTAGE_ESTIMATORS: dict[str, Callable[[Tensor], Tensor]] = {
 
 
 def get_advantage_estimator(name: str) -> Callable[[Tensor], Tensor]:
-    """The baseline function ``(N, G) -> (N, G)`` registered as ``name``."""
-    return _lookup("advantage estimator", ADVANTAGE_ESTIMATORS, name)
+    """The baseline function ``(N, G) -> (N, G)`` registered as ``name``, or a user's ``module:function``."""
+    return _lookup("advantage estimator", ADVANTAGE_ESTIMATORS, name, plugins=True)
 
 
 def group_std(grouped: Tensor) -> Tensor:
@@ -266,8 +387,9 @@ KL_ESTIMATORS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {"k1": kl_k1, "k2
 
 
 def get_kl_estimator(name: str) -> Callable[[Tensor, Tensor], Tensor]:
-    """The KL estimator ``(logprobs (B,T), ref_logprobs (B,T)) -> (B,T)`` registered as ``name``."""
-    return _lookup("KL estimator", KL_ESTIMATORS, name)
+    """The KL estimator ``(logprobs (B,T), ref_logprobs (B,T)) -> (B,T)`` registered as ``name``, or a
+    user's ``module:function``."""
+    return _lookup("KL estimator", KL_ESTIMATORS, name, plugins=True)
 
 
 def clamp_kl(kl: Tensor, bound: float | None) -> Tensor:
@@ -345,8 +467,9 @@ POLICY_LOSSES: dict[str, Callable[..., tuple[Tensor, dict[str, Tensor]]]] = {"cl
 
 
 def get_policy_loss(name: str) -> Callable[..., tuple[Tensor, dict[str, Tensor]]]:
-    """The policy loss registered as ``name``; see :func:`clipped_policy_loss` for the signature."""
-    return _lookup("policy loss", POLICY_LOSSES, name)
+    """The policy loss registered as ``name``, or a user's ``module:function``; see
+    :func:`clipped_policy_loss` for the signature."""
+    return _lookup("policy loss", POLICY_LOSSES, name, plugins=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -666,3 +789,27 @@ def entropy_from_logits(logits: Tensor, *, chunk_size: int | None = None) -> Ten
         # p == 0 where x == -inf (masked vocabulary); 0 * -inf would be NaN, the limit is 0.
         parts.append(torch.logsumexp(x, dim=-1) - torch.where(p > 0, p * x, torch.zeros_like(x)).sum(-1))
     return torch.cat(parts).view(logits.shape[:-1])
+
+
+# The registries that take a user's module:function (check_plugin), by the kind their messages name.
+_PLUGGABLE = {
+    "advantage estimator": _Pluggable(
+        ADVANTAGE_ESTIMATORS,
+        "an advantage estimator fn(rewards (N, G)) -> baselines (N, G)",
+        _advantage_inputs,
+        _check_baseline,
+    ),
+    "KL estimator": _Pluggable(
+        KL_ESTIMATORS,
+        "a KL estimator fn(logprobs (B, T), ref_logprobs (B, T)) -> (B, T)",
+        lambda: (_token_inputs(), {}),
+        _check_kl,
+    ),
+    "policy loss": _Pluggable(
+        POLICY_LOSSES,
+        "a policy loss fn(logprobs, old_logprobs, advantages, *, ratio_clip_min, ratio_clip_max, ratio_clip_c, "
+        "log_ratio) -> (loss (B, T), metrics)",
+        _loss_inputs,
+        _check_loss,
+    ),
+}

@@ -858,7 +858,7 @@ def test_should_name_the_model_in_one_line_when_its_head_dim_is_too_small_for_vl
         trainer_main, ["experiment=tiny", "generation.backend=vllm", "model.name='builtin:tiny?num_heads=4'"]
     )
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip() and not ln.startswith("kuberl: warning")]
-    assert proc.returncode == 3 and len(lines) == 1, proc.stderr
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr  # permanent: a retry fails the same way
     assert "Traceback" not in proc.stderr
     from trainer.generation.vllm_engine import vllm_available
 

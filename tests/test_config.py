@@ -352,7 +352,7 @@ def test_should_take_the_async_section_under_its_key_when_a_config_file_writes_i
         ),
         (
             {"env": {"reward_functions": [{"name": "math", "bogus": 1}]}},
-            "unknown key env.reward_functions[0].bogus; valid keys under env.reward_functions[0]: kwargs, name, weight",
+            "unknown key env.reward_functions[0].bogus; valid keys under env.reward_functions[0]: kwargs, name, normalize, weight, window",
         ),
         ({"env": {"reward_functions": [{"weight": 2.0}]}}, "env.reward_functions[0].name is required"),
         (

@@ -207,7 +207,9 @@ def test_block_jsonl_and_result_for_a_local_file(tokenizer, tmp_path, capsys):
     result = json.loads((tmp_path / "out" / "eval_local_result.json").read_text())
     assert result["metric"] == "pass@2" and result["score"] == pytest.approx((2 + 1 / 3) / 4)
     assert result["numerator"] == pytest.approx(2 + 1 / 3) and result["denominator"] == 4
-    assert result["rewards"] == [{"name": "math", "weight": 1.0, "kwargs": {}}]
+    assert result["rewards"] == [
+        {"name": "math", "weight": 1.0, "kwargs": {}, "normalize": "none", "window": 20}
+    ]
 
 
 @pytest.mark.parametrize(

@@ -42,7 +42,9 @@ def check_names(cfg: Config) -> None:
     from trainer.generation import tool_parsers
     from trainer.rewards import feedback
 
-    core_algos.check_loss_config(cfg.grpo.loss)
+    core_algos.check_algorithms(
+        cfg.grpo
+    )  # the loss, advantage and KL estimators, built-in or module:function
     parts = components.build(cfg)
     if components.source(parts) is None:  # else a component's own prompts (config checks data.name beside it)
         data.check(cfg.data.name, "data.name", cfg.data.options)

@@ -152,7 +152,7 @@ def test_should_name_the_close_match_and_the_sections_when_help_names_an_unknown
     assert not out.out
     assert out.err == (
         f"kuberl: error: unknown config section {path}{close}; sections: model, data, grpo, policy, "
-        "generation, env, reward_model, judge, cluster, logger, checkpointing\n"
+        "generation, env, reward_model, judge, reward_server, cluster, logger, checkpointing\n"
     )
 
 
@@ -162,7 +162,7 @@ def test_should_say_that_help_takes_a_section_when_help_names_none(capsys):
     assert out.startswith("usage: python -m trainer [--cfg] experiment=NAME [key=value ...]\n")
     assert "  --help SECTION  print every key of a section" in out
     assert (
-        "\nsections: model, data, grpo, policy, generation, env, reward_model, judge, cluster, logger, checkpointing\n"
+        "\nsections: model, data, grpo, policy, generation, env, reward_model, judge, reward_server, cluster, logger, checkpointing\n"
         in out
     )
     assert "experiments: " in out and "tiny" in out

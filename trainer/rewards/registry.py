@@ -17,8 +17,9 @@ Built-ins register themselves by name with :func:`register`; anything importable
 :func:`check` looks a name up as :func:`get` does and says what is wrong in one line naming the key;
 :func:`check_specs` also binds each reward's kwargs to its signature and wants a finite weight, so a
 bad entry stops the run at start instead of scoring every sample 0 (or ``nan``) to the end. The entries
-``reward_model`` and ``llm_judge`` are no functions: the reward model's actors score the first
-(:mod:`trainer.rewards.reward_model`), the judge's the second (:mod:`trainer.rewards.judge`).
+``reward_model``, ``llm_judge`` and ``reward_server`` are no functions: the reward model's actors score the first
+(:mod:`trainer.rewards.reward_model`), the judge's the second (:mod:`trainer.rewards.judge`), a reward model
+served over HTTP the third (:mod:`trainer.rewards.reward_server`).
 """
 
 from __future__ import annotations
@@ -111,8 +112,15 @@ _REGISTRY: dict[str, RewardFn] = {}
 # function; check_specs accepts it without kwargs.
 REWARD_MODEL = "reward_model"
 LLM_JUDGE = "llm_judge"  # the same, for the generative judge's actors (trainer.rewards.judge)
+REWARD_SERVER = (
+    "reward_server"  # the same, for a reward model served over HTTP (trainer.rewards.reward_server)
+)
 # Each actor-scored entry and the config section that holds its settings.
-MODEL_SCORED = {REWARD_MODEL: "reward_model (e.g. reward_model.name)", LLM_JUDGE: "judge (e.g. judge.model)"}
+MODEL_SCORED = {
+    REWARD_MODEL: "reward_model (e.g. reward_model.name)",
+    LLM_JUDGE: "judge (e.g. judge.model)",
+    REWARD_SERVER: "reward_server (e.g. reward_server.url)",
+}
 
 
 def register(name: str) -> Callable[[F], F]:

@@ -3,6 +3,12 @@ engine over the judge's model, built by the engine factory (:func:`trainer.gener
 ``judge.backend`` hf or vllm, the same engines the policy samples from, never a decode loop of its own), and
 judges batches of ``(question, response, reference)`` with ``judge.template``.
 
+A batch is judged in one pass, then its unparsed outputs once more (``judge.retries``), sampled at
+``judge.retry_temperature``, when the first pass leaves time for a second within ``env.reward_timeout_s`` (counted,
+as the reward runner counts it, from the moment the replica starts the batch). Each call's nonce and sampling seed
+are the run's seed and the sample's (:func:`trainer.rewards.judge.draw`), so a sample is judged the same whatever
+it is batched with; the pool carries the run's seed and time bound to each batch.
+
 They live with the engines because they own one; the reward runner sees only their pool
 (:class:`~trainer.rewards.actors.ModelPool`: started once, registered with the watchdog, bounded in time).
 """
@@ -56,17 +62,23 @@ class JudgeWorker:
             device=torch.device(device),
         )
         self.engine = build_engine(gen, spec)
+        # The first pass's sampling; seeded per sample by sampling() when it samples at all
         self.params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature)
 
     def ready(self) -> dict:
         return {"chat_template": bool(getattr(self.tokenizer, "chat_template", None))}
 
-    def prompts(self, items: list[tuple[str, str, str]]) -> tuple[list[list[int] | None], list[str]]:
-        """Each item's prompt ids, or None and a note for a response too long to judge."""
+    def prompts(
+        self, items: list[tuple[str, str, str]], seed: int = 0, attempt: int = 0
+    ) -> tuple[list[list[int] | None], list[str]]:
+        """Each item's prompt ids for its ``attempt`` (0: the first, 1: the retry) in a run of ``seed``, the
+        call's nonce in its markers; or None and a note for a response too long to judge, or one that holds
+        the call's nonce."""
         prompts: list[list[int] | None] = []
         notes = []
         for question, response, reference in items:
             ids = rules.response_ids(self.tokenizer, response)
+            nonce, _ = rules.draw(seed, attempt, (question, response, reference))
             if len(ids) > self.cfg.max_response_tokens:
                 prompts.append(None)
                 notes.append(
@@ -74,27 +86,82 @@ class JudgeWorker:
                     "(judge.max_response_tokens); scored judge.overlong_score"
                 )
                 continue
+            if rules.holds_nonce(response, nonce):
+                prompts.append(None)
+                notes.append(
+                    "not judged: the response holds the judge call's nonce, which marks where it ends in "
+                    "judge.template; scored judge.unparsed_score"
+                )
+                continue
             prompts.append(
                 rules.prompt_ids(
-                    self.tokenizer, self.cfg.template, question, ids, reference, self.cfg.chat_template_kwargs
+                    self.tokenizer,
+                    self.cfg.template,
+                    question,
+                    ids,
+                    reference,
+                    self.cfg.chat_template_kwargs,
+                    nonce,
                 )
             )
             notes.append("")
         return prompts, notes
 
-    def score(self, items: list[tuple[str, str, str]]) -> Iterator[Any]:
-        """Yields None once running (the time limit starts), then ``(scores, notes, seconds)``: what each item
-        pays, and a note quoting the judge's output (or why it was not judged)."""
-        yield None
-        start = time.monotonic()
-        prompts, notes = self.prompts(items)
-        scores = [self.cfg.overlong_score] * len(items)
+    def sampling(self, items: list[tuple[str, str, str]], seed: int, attempt: int) -> SamplingParams:
+        """How ``items`` are sampled on their ``attempt``: the first at judge.temperature, the retry at
+        judge.retry_temperature; when sampled, each from a seed of its own (:func:`~trainer.rewards.judge.draw`)."""
+        temperature = self.cfg.temperature if attempt == 0 else self.cfg.retry_temperature
+        params = dataclasses.replace(self.params, temperature=temperature)
+        if params.greedy:
+            return params  # nothing drawn: no seeds (a vLLM engine on CPU then keeps its prompts in one call)
+        return dataclasses.replace(params, seeds=[rules.draw(seed, attempt, item)[1] for item in items])
+
+    def _judge(
+        self, items: list[tuple[str, str, str]], seed: int, attempt: int
+    ) -> tuple[list[Any | None], list[str]]:
+        """Each item's output on its ``attempt`` (a Completion), or None and the note of why it was not judged."""
+        prompts, notes = self.prompts(items, seed, attempt)
         todo = [i for i, p in enumerate(prompts) if p is not None]
         judged = [p for p in prompts if p is not None]  # todo's prompts, in its order
+        outs: list[Any | None] = [None] * len(items)
         if todo:
-            outs = self.engine.generate(judged, 1, self.params)
-            for i, out in zip(todo, outs):
-                scores[i], notes[i] = rules.judged(out[0].text, self.cfg, out[0].finish_reason)
+            params = self.sampling([items[i] for i in todo], seed, attempt)
+            for i, out in zip(todo, self.engine.generate(judged, 1, params)):
+                outs[i] = out[0]
+        return outs, notes
+
+    def score(
+        self, items: list[tuple[str, str, str]], seed: int = 0, timeout_s: float | None = None
+    ) -> Iterator[Any]:
+        """Yields None once running (the time limit starts), then ``(scores, notes, seconds)``: what each item
+        pays, and a note quoting the judge's output (or why it was not judged). ``seed``: the run's; ``timeout_s``:
+        env.reward_timeout_s, which a retry must fit in (None: no bound)."""
+        yield None
+        start = time.monotonic()
+        cfg = self.cfg
+        outs, notes = self._judge(items, seed, 0)
+        scores = [cfg.overlong_score if n.startswith("too long") else cfg.unparsed_score for n in notes]
+        again: dict[int, tuple[str, str]] = {}  # item -> its first output and why it is unparsed
+        for i, out in enumerate(outs):
+            if out is None:
+                continue
+            scores[i], notes[i] = rules.judged(out.text, cfg, out.finish_reason)
+            if notes[i].startswith(rules.UNPARSED):
+                again[i] = (out.text, rules.read(out.text, cfg, out.finish_reason)[1])
+        first_pass_s = time.monotonic() - start
+        if again and cfg.retries:
+            if rules.retry_fits(first_pass_s, timeout_s):
+                idx = sorted(again)
+                retried, _ = self._judge([items[i] for i in idx], seed, 1)
+                for i, out in zip(idx, retried):
+                    if out is not None:  # judged the first time, so the second (the nonce aside: see prompts)
+                        scores[i], notes[i] = rules.judged(out.text, cfg, out.finish_reason, again[i])
+            else:
+                for i in again:
+                    notes[i] += (
+                        f"; not asked again: the batch's first pass took {first_pass_s:.1f}s, and a second would "
+                        f"not fit in env.reward_timeout_s={timeout_s:g}s"
+                    )
         yield scores, notes, time.monotonic() - start
 
     def shutdown(self) -> None:
@@ -106,6 +173,17 @@ class JudgePool(actors.ModelPool):
     response, reference)``."""
 
     NAME, SECTION, WHAT, worker = rules.NAME, "judge", "judge", JudgeWorker
+
+    def __init__(self, cfg: JudgeConfig, *, seed: int, timeout_s: float | None):
+        """``seed``: the run's (each call's nonce and sampling seed derive from it and the sample); ``timeout_s``:
+        env.reward_timeout_s, which each batch's retry must fit in."""
+        self.seed, self.timeout_s = seed, timeout_s
+        super().__init__(cfg)
+
+    def call(self, items: list) -> Any:
+        """As :meth:`ModelPool.call`, the run's seed and time bound with the batch."""
+        worker = self.workers[next(self._next) % len(self.workers)]
+        return worker.score.remote(items, self.seed, self.timeout_s)
 
     def model_name(self) -> str:
         return f"judge.model={self.cfg.model}"
@@ -119,10 +197,15 @@ class JudgePool(actors.ModelPool):
             "its chat template" if info.get("chat_template") else "the plain template (no chat template)"
         )
         how = "greedy" if self.cfg.temperature == 0 else f"temperature {self.cfg.temperature:g}"
+        retry = (
+            f", asks again once (temperature {self.cfg.retry_temperature:g}) when unparsed"
+            if self.cfg.retries
+            else ""
+        )
         return (
             f"judge {self.cfg.model}: {self.cfg.replicas} replica(s) of {self.asks()} on the {self.cfg.backend} "
             f"engine, reads {template}, writes up to {self.cfg.max_new_tokens} tokens ({how}), "
-            f"parse={self.cfg.parse}"
+            f"parse={self.cfg.parse}{retry}"
         )
 
     def finish(self, raw: float | None, note: str) -> tuple[float, float | None, str]:
@@ -142,3 +225,15 @@ class JudgePool(actors.ModelPool):
             except Exception:  # noqa: S110  (a replica already gone: killed below)
                 pass
         super().shutdown(graceful)
+
+
+def component(cfg: Any) -> actors.PoolComponent | None:
+    """The run's judge as a component (:mod:`trainer.components`), when an entry of ``env.reward_functions``
+    names it."""
+    if not rules.used(cfg.env.reward_functions):
+        return None
+    return actors.PoolComponent(
+        "judge",
+        lambda: rules.check(cfg.judge, cfg.env.reward_functions),
+        lambda: JudgePool(cfg.judge, seed=cfg.seed, timeout_s=cfg.env.reward_timeout_s),
+    )

@@ -119,7 +119,8 @@ def test_should_run_vllm_serve_with_the_pooling_runner_behind_a_cluster_ip_servi
         "serve",
     ]
     assert c["args"] == ["/data/models/skywork-rm", "--runner", "pooling", "--served-model-name", "rm",
-                         "--host", "$(POD_IP)", "--port", "8000"]  # fmt: skip
+                         "--host", "$(POD_IP)", "--port", "8000",
+                         "--middleware", "trainer.rewards.reward_server.RequireToken"]  # fmt: skip
     assert c["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
     service = _named(docs, "Service", "exp1-reward-server")
     assert service["spec"]["type"] == "ClusterIP"
@@ -439,11 +440,13 @@ def test_should_pass_vllms_own_serve_parser_with_the_pooling_runner_and_no_key_i
 
 @pytest.mark.integration  # imports vLLM (seconds of CPU)
 @pytest.mark.vllm
-def test_should_guard_the_v1_routes_alone_with_the_key_so_the_policy_must_close_the_rest(monkeypatch) -> None:
-    """vLLM's own middleware, set up from the rendered command line with the key in VLLM_API_KEY (as the chart
-    gives it): /v1 needs the key, but /pooling and /classify answer without one, which is why the server's
-    NetworkPolicy admits only the release's Ray pods and is rendered whatever networkPolicy.enabled says. When
-    vLLM guards them too, this test fails: say so in docs/cluster.md."""
+def test_should_ask_for_the_key_on_every_route_but_health_when_served_from_the_rendered_command(
+    monkeypatch,
+) -> None:
+    """vLLM's own middleware set-up, from the rendered command line with the key in VLLM_API_KEY (as the chart
+    gives it): its --api-key guards /v1 alone, and the trainer's middleware (--middleware, on the job image) every
+    route but /health; the NetworkPolicy, rendered whatever networkPolicy.enabled says, admits only the release's
+    Ray pods besides."""
     pytest.importorskip("vllm")
     from fastapi import FastAPI
     from fastapi.testclient import TestClient
@@ -460,6 +463,8 @@ def test_should_guard_the_v1_routes_alone_with_the_key_so_the_policy_must_close_
     assert client.get("/v1/score").status_code == 401
     assert client.get("/v1/score", headers={"Authorization": "Bearer wrong"}).status_code == 401
     assert client.get("/v1/score", headers={"Authorization": f"Bearer {key}"}).status_code == 200
-    assert [
-        client.get(p).status_code for p in ("/pooling", "/classify", "/score", "/metrics", "/health")
-    ] == [200] * 5
+    guarded = ("/pooling", "/classify", "/score", "/metrics")
+    assert [client.get(p).status_code for p in (*guarded, "/health")] == [401] * 4 + [200]
+    assert [client.get(p, headers={"Authorization": f"Bearer {key}"}).status_code for p in guarded] == [
+        200
+    ] * 4

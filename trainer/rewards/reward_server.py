@@ -288,10 +288,7 @@ def check(cfg: RewardServerConfig, specs: list[RewardSpec], wait_s: float | None
     it."""
     if not used(specs):
         return
-    actors.model_path(cfg.url, "reward_server.url", NAME, "the reward server's base URL (http://host:port)")
-    actors.model_path(
-        cfg.model, "reward_server.model", NAME, "the served model's name (vllm serve --served-model-name)"
-    )
+    check_config(cfg, specs)
     if wait_s is None:
         wait_s = cfg.start_timeout_s if os.environ.get("RAY_ADDRESS") else 0.0
     client = Client(cfg, _token(cfg))
@@ -425,15 +422,31 @@ class RewardServerPool(actors.ModelPool):
         return raw, raw, note
 
 
+def check_config(cfg: RewardServerConfig, specs: list[RewardSpec]) -> None:
+    """What :func:`check` reads from the config alone (a URL and a model name), asking the server nothing: the
+    checks before anything starts, which ``python -m trainer --cfg`` also runs."""
+    if not used(specs):
+        return
+    actors.model_path(cfg.url, "reward_server.url", NAME, "the reward server's base URL (http://host:port)")
+    actors.model_path(
+        cfg.model, "reward_server.model", NAME, "the served model's name (vllm serve --served-model-name)"
+    )
+
+
 def component(cfg: Any) -> actors.PoolComponent | None:
     """The run's reward server as a component (:mod:`trainer.components`), when an entry of
-    ``env.reward_functions`` names it: its check is :func:`check`, its scorer the client actor."""
+    ``env.reward_functions`` names it: the config is checked before anything starts (:func:`check_config`); the
+    server itself (:func:`check`: it answers, takes the token, renders and scores as required) when the run
+    starts its parts, before the client actor starts; its scorer is that actor."""
     if not used(cfg.env.reward_functions):
         return None
+
+    def start() -> RewardServerPool:
+        check(cfg.reward_server, cfg.env.reward_functions)
+        return RewardServerPool(cfg.reward_server)
+
     return actors.PoolComponent(
-        "reward server",
-        lambda: check(cfg.reward_server, cfg.env.reward_functions),
-        lambda: RewardServerPool(cfg.reward_server),
+        "reward server", lambda: check_config(cfg.reward_server, cfg.env.reward_functions), start
     )
 
 

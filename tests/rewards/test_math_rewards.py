@@ -511,3 +511,83 @@ def test_should_pay_an_interval_for_its_inequality_and_back_when_it_is_among_the
     )
     paid = json.loads(_in_a_fresh_process(script, json.dumps(INTERVALS)))
     assert paid == [1.0] * len(INTERVALS), [case for case, p in zip(INTERVALS, paid) if p != 1.0]
+
+
+# A union of intervals answers the same set written as inequalities joined by "or", and the other way round;
+# "and" is their intersection. Pairs after math-verify's own suite (its unions of open and half-open intervals,
+# a point beside an interval, an excluded point) and the forms models write ("\text{ or }", "\lor", "\quad").
+# Each table in a process of its own, as the first answers a reward process checks.
+UNIONS = [
+    (r"(-\infty, -2) \cup (3, \infty)", r"x < -2 \text{ or } x > 3", 1.0),
+    (r"x < -2 \text{ or } x > 3", r"(-\infty, -2) \cup (3, \infty)", 1.0),
+    (r"x < -2 \text{ or } x > 3", r"x > 3 \text{ or } x < -2", 1.0),
+    (r"x < -2 \text{ or } x > 3", r"x \in (-\infty, -2) \cup (3, \infty)", 1.0),
+    (r"x < -2 \text{ or } x > 3", r"x \in (-\infty, -2) \text{ or } x \in (3, \infty)", 1.0),
+    (r"(-\infty, -2) \cup (3, \infty)", r"-2 > x \text{ or } x > 3", 1.0),
+    (r"(-\infty, -2) \cup (3, \infty)", r"x < -2 \lor x > 3", 1.0),
+    (r"(-\infty, -2) \cup (3, \infty)", r"x<-2 \quad\text{or}\quad x>3", 1.0),
+    (r"(-\infty,-2] \cup [3,\infty)", r"x \le -2 \text{ or } x \ge 3", 1.0),
+    (r"x \le -2 \text{ or } x \ge 3", r"\left(-\infty,-2\right] \cup \left[3,\infty\right)", 1.0),
+    (r"(2, 12) \cup (12, 102)", r"2 < x < 12 \text{ or } 12 < x < 102", 1.0),
+    (r"(2, 12) \cup (12, 102)", r"2 < x < 102 \text{ and } x \neq 12", 1.0),
+    (r"\{-1\} \cup [0,7)", r"x = -1 \text{ or } 0 \le x < 7", 1.0),
+    (
+        r"[-1, -\frac{1}{2}) \cup (-\frac{1}{2}, 0) \cup (0, 1) \cup (1, \infty)",
+        r"-1 \le x < -\tfrac12 \text{ or } -\tfrac12 < x < 0 \text{ or } 0 < x < 1 \text{ or } x > 1",
+        1.0,
+    ),
+    (r"(-\infty, -\sqrt{2}) \cup (\sqrt{2}, \infty)", r"x < -\sqrt{2} \text{ or } x > \sqrt{2}", 1.0),
+    ("(-2, 3)", r"x > -2 \text{ and } x < 3", 1.0),
+    # not the set: another end, a closed end for an open one, a piece missing or added, everything
+    (r"(-\infty, -2) \cup (3, \infty)", r"x < -2 \text{ or } x > 4", 0.0),
+    (r"x < -2 \text{ or } x > 3", r"(-\infty, -2) \cup (4, \infty)", 0.0),
+    (r"(-\infty, -2) \cup (3, \infty)", r"x \le -2 \text{ or } x > 3", 0.0),
+    (r"x < -2 \text{ or } x > 3", r"(-\infty, -2] \cup (3, \infty)", 0.0),
+    (r"(-\infty, -2) \cup (3, \infty)", r"x < -2", 0.0),
+    (r"x < -2 \text{ or } x > 3", r"(-\infty, -2)", 0.0),
+    (r"x < -2 \text{ or } x > 3", r"x<-2 \text{ or } x>3 \text{ or } x = 0", 0.0),
+    (r"(-\infty, -\sqrt{2}) \cup (\sqrt{2}, \infty)", r"x < -1.414 \text{ or } x > 1.414", 0.0),
+    (r"(2, 12) \cup (12, 102)", r"2 < x < 102", 0.0),
+    # the games: the whole line, a hedge that covers it, "and" for "or", the complement, a bare list of
+    # intervals, another variable, the question's inequality unsolved, the ends alone
+    (r"x < -2 \text{ or } x > 3", r"x \in \mathbb{R}", 0.0),
+    (r"x < -2 \text{ or } x > 3", r"(-\infty, \infty)", 0.0),
+    (r"x < -2 \text{ or } x > 3", r"x<-2 \text{ or } x>3 \text{ or } x \in \mathbb{R}", 0.0),
+    ("x > 3", r"x > 3 \text{ or } x < 3", 0.0),
+    (r"x < -2 \text{ or } x > 3", r"x < -2 \text{ and } x > 3", 0.0),
+    (r"x < -2 \text{ or } x > 3", r"x > -2 \text{ and } x < 3", 0.0),
+    (r"x < -2 \text{ or } x > 3", r"-2 \le x \le 3", 0.0),
+    (r"x < -2 \text{ or } x > 3", r"(-\infty, -2), (3, \infty)", 0.0),
+    (r"x < -2 \text{ or } x > 3", r"x<-2 \text{ or } x>3 \text{ and } x<5", 0.0),
+    (r"(-\infty, -2) \cup (3, \infty)", r"x<-2 \text{ or } y>3", 0.0),
+    (r"x < -2 \text{ or } x > 3", r"t<-2 \text{ or } t>3", 0.0),
+    (r"x < -2 \text{ or } x > 3", r"(x+2)(x-3) > 0", 0.0),
+    (r"x < -2 \text{ or } x > 3", r"x = -2 \text{ or } x = 3", 0.0),
+]
+
+
+@pytest.mark.integration  # a Python interpreter of its own
+def test_should_pay_a_union_of_intervals_for_its_or_of_inequalities_and_back_exactly_when_the_sets_agree():
+    import json
+
+    from tests.rewards.tables import STYLES
+
+    # Every honest answer in every response style of the fairness tables; the others boxed and as the final
+    # answer, the styles a policy would dress a game in. An unboxed answer is read after its last "="
+    # (trainer.rewards.answer), so one that names a point (x = -1 or ...) is judged boxed only.
+    def styles(answer: str, paid: float) -> list[str]:
+        if "=" in answer:
+            return ["boxed"]
+        return list(STYLES) if paid else ["boxed", "the final answer is"]
+
+    calls = [
+        (gt, STYLES[style](answer), paid) for gt, answer, paid in UNIONS for style in styles(answer, paid)
+    ]
+    script = (
+        "import json, sys\n"
+        "from trainer.rewards.math_rewards import math_reward\n"
+        "print(json.dumps([math_reward(gt, r)[0] for gt, r, _ in json.loads(sys.argv[1])]))\n"
+    )
+    got = json.loads(_in_a_fresh_process(script, json.dumps(calls)))
+    wrong = [(gt, response, p) for (gt, response, want), p in zip(calls, got) if p != want]
+    assert not wrong, wrong

@@ -7,7 +7,8 @@
 - ``math``: a number when the ground truth is one (``\\frac{1}{2}`` equals ``0.5``, ``1,200`` equals
   ``1200``, ``0.083333`` equals 1/12; ``13+7`` is no answer to "13+7"), else the ground truth's own
   form, else symbolic equality with ``math-verify`` on the isolated answer (``\\sqrt{3}+2`` equals
-  ``2+\\sqrt{3}``; an interval equals an inequality, ``(0,1)`` for ``0<x<1``), never a list of guesses
+  ``2+\\sqrt{3}``; an interval equals an inequality, ``(0,1)`` for ``0<x<1``, and a union the inequalities
+  it joins, ``(-\\infty,-2) \\cup (3,\\infty)`` for ``x<-2 \\text{ or } x>3``), never a list of guesses
   unless the ground truth is a set, tuple, interval or inequality, never the question's expression up
   to form;
 - ``gsm8k``: the answer is one number, equal to the ground truth (a unit, ``$`` or ``%`` may go with it);
@@ -141,6 +142,7 @@ def _compare_numbers(final: Final, gold, value, question: str | None) -> Score:
 
 _RELATION = re.compile(r"<|>|\\(?:le|ge|lt|gt|leq|geq|in)(?![A-Za-z])|≤|≥")
 _INTERVAL = re.compile(r"^\s*(?:\\left)?\s*[\[(].*,.*(?:\\right)?\s*[\])]\s*(?:\\cup|$)", re.DOTALL)
+_UNION = re.compile(r"\\cup(?![A-Za-z])")  # \{-1\} \cup [0, 7): a set of reals, as an interval is
 
 
 def _gold_number(gt: str, raw: Any):
@@ -307,7 +309,7 @@ def math_reward(
         if not gt:
             return Score(0.0, False, None, "the ground truth is empty")
         gold_number = _gold_number(gt, ground_truth)
-        ranged = gold_number is None and (_RELATION.search(gt) is not None or _INTERVAL.match(gt) is not None)
+        ranged = gold_number is None and any((_RELATION.search(gt), _INTERVAL.match(gt), _UNION.search(gt)))
         listed = gold_number is None and (several_values(gt) or ranged)
         equation = gold_number is None and re.search(r"(?<![<>!=\\])=(?!=)", gt) is not None
         final = final_answer(response, join_boxes=listed, equation=equation)
@@ -395,22 +397,155 @@ def _verify(final: Final, gt: str, timeout_seconds: float, ranged: bool) -> Scor
     def formula(s: str) -> str:
         return "$" + " ".join(python_powers(s).replace("$", " ").split()) + "$"
 
+    def piece(s: str) -> list:  # an answer, or one piece of either: nothing when it does not parse
+        return parse(formula(s), extraction_config=config, parsing_timeout=None, fallback_mode="no_fallback")
+
     try:
         with _time_limit(timeout_seconds):
             gold = parse(formula(gt), extraction_config=config, parsing_timeout=None)
             if not gold:
                 log.debug("math reward: cannot parse ground truth %r", gt)
                 return _wrong(final, f"cannot parse the ground truth {gt!r}")
-            answer = parse(
-                formula(given), extraction_config=config, parsing_timeout=None, fallback_mode="no_fallback"
-            )
-            if not answer:
-                return _wrong(final, "cannot parse the answer")
-            # An interval answers an inequality and an inequality an interval (0 < x < 1 is x in (0, 1)).
-            equal = verify(gold, answer, timeout_seconds=None, allow_set_relation_comp=ranged)
+            # A union or intersection written with words is judged as the set it is; the rest by
+            # math-verify, where an interval answers an inequality and back (0 < x < 1 is x in (0, 1)).
+            joined = _joined_sets(gt, given, piece) if ranged else None
+            if joined is not None:
+                equal = joined
+            else:
+                answer = piece(given)
+                if not answer:
+                    return _wrong(final, "cannot parse the answer")
+                equal = verify(gold, answer, timeout_seconds=None, allow_set_relation_comp=ranged)
     except _OutOfTime:
         return _wrong(final, f"not checked within {timeout_seconds:g} s of CPU")
     return _right(final) if equal else _wrong(final, f"not equal to {clip(gt, 60)}")
+
+
+# -- a set written as inequalities joined by "or"/"and": judged as the set it is ------------------------
+
+# math-verify reads "x < -2 \text{ or } x > 3", "x < -2 \text{ and } x > 3" and "x < -2, x > 3" all as one list
+# {x < -2, x > 3}: a list is neither the union (-oo, -2) U (3, oo) it means, so an honest "or" scored 0 against
+# the union, nor different from the intersection (empty) an "and" means, so "and" scored 1 against "or".
+_CONNECTIVE = re.compile(
+    r"\\(?:text|textrm|textnormal|textup|mathrm|mbox|operatorname)\s*\{\s*(or|and)\s*\}"
+    r"|\\(lor|vee|land|wedge)(?![A-Za-z])"
+    r"|(?<![A-Za-z\\])(or|and)(?![A-Za-z])"
+)
+_OR = {"or", "lor", "vee"}
+_SPACING = re.compile(
+    r"^(?:\s|,|\\(?:quad|qquad|[,;:! ])(?![A-Za-z])|~)+|(?:\s|,|\\(?:quad|qquad|[,;:! ])(?![A-Za-z])|~)+$"
+)
+MAX_JOINED = 8  # pieces one answer may join; more is no answer anyone writes, and each costs a parse
+
+
+def _pieces(text: str) -> tuple[str | None, list[str]]:
+    """``text`` cut at its "or"/"and" connectives outside brackets: the connective ("or", "and", or None
+    when there is none, or when both are mixed and the grouping is unsaid) and the pieces, spacing and
+    commas trimmed. One pass for the depths; at most ``MAX_JOINED`` pieces, else none."""
+    depth, depths = 0, []
+    for c in text:
+        depths.append(depth)
+        depth += (c in "([{") - (c in ")]}")
+    cuts = [m for m in _CONNECTIVE.finditer(text) if depths[m.start()] == 0]
+    if not cuts:
+        return None, [text]
+    kinds = {"or" if (m.group(1) or m.group(2) or m.group(3)) in _OR else "and" for m in cuts}
+    if len(kinds) > 1 or len(cuts) >= MAX_JOINED:
+        return None, []
+    bounds = [0] + [i for m in cuts for i in (m.start(), m.end())] + [len(text)]
+    return kinds.pop(), [_SPACING.sub("", text[a:b]) for a, b in zip(bounds[::2], bounds[1::2])]
+
+
+def _as_set(parsed: Any) -> tuple[Any, Any] | None:
+    """What one parsed piece says about a real variable, as (variable or None, set of reals), or None when
+    it says anything else: an interval, a union of intervals or a set of numbers (no variable); ``x \\in
+    S``; a solved relation or chain of them, the variable on one side and a number on the other (``x > 3``,
+    ``-2 > x``, ``0 < x \\le 1``, ``x = -2``, ``x \\neq 1``). An unsolved one (``(x+2)(x-3) > 0``) is the
+    question, not its answer, and is left to math-verify like any other."""
+    from math_verify.grader import unwrap_fcs
+    from sympy import And, Eq, FiniteSet, Set, Symbol  # type: ignore[import-untyped]
+    from sympy.core.relational import Relational  # type: ignore[import-untyped]
+
+    if isinstance(parsed, Eq) and isinstance(parsed.rhs, Set):  # x \in S (0 < f(x) is about one unknown, f_x)
+        parsed, variable = parsed.rhs, unwrap_fcs(parsed.lhs)
+        if not isinstance(variable, Symbol):
+            return None
+    elif isinstance(parsed, (Relational, And)):
+        parsed = unwrap_fcs(parsed)
+        relations = parsed.args if isinstance(parsed, And) else (parsed,)
+        if len(parsed.free_symbols) != 1 or not all(isinstance(r, Relational) for r in relations):
+            return None
+        variable = next(iter(parsed.free_symbols))
+        if not all(_solved(r, variable) for r in relations):
+            return None
+        return variable, parsed.as_set()
+    else:
+        variable = None
+    if not isinstance(parsed, Set) or parsed.free_symbols:  # (a, \\infty) is no set of numbers
+        return None
+    if isinstance(parsed, FiniteSet) and not all(getattr(e, "is_number", False) for e in parsed.args):
+        return None  # a list of relations or of intervals is not a set of numbers
+    return variable, parsed
+
+
+def _solved(relation: Any, variable: Any) -> bool:
+    """``relation`` has ``variable`` alone on one side and a number on the other."""
+    sides = (relation.lhs, relation.rhs)
+    return variable in sides and all(side == variable or not side.free_symbols for side in sides)
+
+
+def _set_of(text: str, read) -> tuple[str | None, Any, Any] | None:
+    """``text`` as (its connective, its variable, the set of reals it describes), each piece parsed by
+    ``read``; None when some piece is not a set of one variable (the text is judged by math-verify)."""
+    from sympy import FiniteSet, Intersection, Union
+
+    kind, pieces = _pieces(text)
+    read_pieces = []
+    for piece in pieces:
+        parsed = read(piece) if piece else None
+        one = _as_set(parsed[0]) if parsed else None
+        if one is None:
+            return None
+        read_pieces.append(one)
+    variables = {v for v, _ in read_pieces if v is not None}
+    if not read_pieces or len(variables) > 1:
+        return None
+    sets = [s for _, s in read_pieces]
+    if kind == "and" and all(isinstance(s, FiniteSet) and len(s) == 1 for s in sets):
+        return None  # "x = 1 and x = 2" lists two solutions, as people write them: math-verify reads a list
+    joined = Intersection(*sets) if kind == "and" else Union(*sets)
+    return kind, (variables.pop() if variables else None), joined
+
+
+def _same_set(a: Any, b: Any) -> bool:
+    """Equal sets of reals: the same canonical form, or an empty symmetric difference (0.5 and 1/2 as ends)."""
+    if a == b:
+        return True
+    try:
+        return a.symmetric_difference(b).is_empty is True
+    except Exception:  # sympy could not decide: not shown equal
+        return False
+
+
+def _joined_sets(gt: str, given: str, read) -> bool | None:
+    """Whether ``given`` describes the set ``gt`` does, when either joins pieces with "or" or "and" and both
+    read as one variable's set of reals (``x < -2 \\text{ or } x > 3`` is (-oo, -2) U (3, oo), "and" the
+    intersection); None otherwise, for math-verify to judge. Not judged here either: two sides that name
+    different variables (math-verify tells ``x > 2`` from ``t > 2``), and a side that is a few points
+    (``x = 1 \\text{ or } x = 2``: a list of values, which math-verify compares by its own rules, ``(1, 2)``
+    being a pair as well as an interval)."""
+    from sympy import FiniteSet
+
+    if _CONNECTIVE.search(gt) is None and _CONNECTIVE.search(given) is None:
+        return None
+    gold, answer = _set_of(gt, read), _set_of(given, read)
+    if gold is None or answer is None or (gold[0] is None and answer[0] is None):
+        return None
+    if gold[1] is not None and answer[1] is not None and gold[1] != answer[1]:
+        return None
+    if isinstance(gold[2], FiniteSet) or isinstance(answer[2], FiniteSet):
+        return None
+    return _same_set(gold[2], answer[2])
 
 
 _PYTHON_POWER = re.compile(r"\*\*\s*")

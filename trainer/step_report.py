@@ -53,10 +53,6 @@ def step_metrics(
         "train/zero_advantage_frac": (advantages == 0).float().mean().item(),
         "train/mean_generation_length": lengths.mean().item(),
         "train/truncated_frac": sum(r.completion.finish_reason == "length" for r in rollouts) / len(rollouts),
-        "train/kl": train_metrics.get("kl", 0.0),
-        "train/ppo_kl": train_metrics["ppo_kl"],
-        "train/pg_clipfrac": train_metrics["pg_clipfrac"],
-        "train/entropy": train_metrics.get("entropy", 0.0),
         "train/grad_norm": train_metrics["grad_norm"],
         "train/loss": train_metrics["loss"],
         "train/lr": train_metrics["lr"],
@@ -65,6 +61,13 @@ def step_metrics(
         **perf_scalars,
         **stream_metrics,
     }
+    # Means over the tokens trained on: absent on a step that trained on none (Objective.metrics), the entropy
+    # also where policy.compute_entropy is off; the KL reads 0 where there is no penalty.
+    if "ppo_kl" in train_metrics:
+        metrics["train/kl"] = train_metrics.get("kl", 0.0)
+    for key in ("ppo_kl", "pg_clipfrac", "entropy"):
+        if key in train_metrics:
+            metrics[f"train/{key}"] = train_metrics[key]
     if "gen_logprob_abs_diff" in train_metrics:  # absent on a step that trained on no engine-sampled token
         # The engine against the policy's own recomputation, on the sampled tokens (see core_algos).
         metrics["train/gen_logprob_abs_diff"] = train_metrics["gen_logprob_abs_diff"]

@@ -149,7 +149,10 @@ def test_should_divide_each_metric_by_its_own_count_when_the_step_is_summed_over
     assert out["loss"] == pytest.approx(0.2) and out["grad_norm"] == pytest.approx(1.0)
     assert out["pg_clipfrac"] == 0.2 and out["entropy"] == 0.5 and out["gen_train_kl"] == 0.25
     assert "tokens" not in out and "gen_tokens" not in out
-    assert objective.metrics(dict.fromkeys(sums, 0.0), steps=1)["pg_clipfrac"] == 0.0  # nothing trained on
+    # No token trained on (every group flat and skipped, every loss mask empty): no mean over tokens was
+    # measured, and a 0.0 clip fraction, KL or entropy would read as one; the loss and grad norm stay.
+    untrained = objective.metrics(dict.fromkeys(sums, 0.0) | {"kl": 0.0}, steps=1)
+    assert untrained == {"loss": 0.0, "grad_norm": 0.0}
     # No engine-sampled token trained on (every group skipped): the engine's gap was not measured, and a
     # 0.0 would read as a perfect match on the dashboard.
     quiet = objective.metrics(sums | {"gen_tokens": 0.0, "gen_train_kl": 0.0}, steps=3)

@@ -112,7 +112,9 @@ class Objective:
             loss_tok,
             mask,
             self.loss.aggregation,
-            num_tokens=num_tokens,
+            # A mini-batch whose every loss mask is empty sums to 0: over 0 tokens its loss, and with it every
+            # gradient, was NaN (0/0), and the optimizer wrote NaN into the weights; over 1 it is 0, exactly.
+            num_tokens=max(num_tokens, 1.0),
             num_seqs=num_seqs,
             max_len=self.max_len,
         )
@@ -123,9 +125,13 @@ class Objective:
         (:meth:`metric_keys`, the worker's ``grad_norm`` once per step and rank, and its ``entropy``): the
         loss per step, the gradient norm per step and rank, the engine's gap and corrections per token it
         sampled, everything else per token trained on. A step that trained on no engine-sampled token (every
-        group skipped, or no engine logprobs) measured no gap: those three keys are absent, not 0."""
+        group skipped, or no engine logprobs) measured no gap: those three keys are absent, not 0. A step that
+        trained on no token at all (every group flat and skipped, every loss mask empty) measured no mean over
+        tokens either: the clip fraction, PPO's KL, the penalised KL and the entropy are absent too, so that no
+        tracker draws a 0.0 nothing measured; the loss (0: nothing to minimise) and the gradient norm (of the
+        zero gradient applied) stay."""
         totals = dict(sums)
-        tokens = max(totals.pop("tokens"), 1.0)
+        tokens = totals.pop("tokens")
         gen_tokens = totals.pop("gen_tokens")
         out = {
             "loss": totals.pop("loss") / steps,
@@ -135,7 +141,8 @@ class Objective:
             value = totals.pop(key)
             if gen_tokens > 0:
                 out[key] = value / gen_tokens
-        out.update({k: v / tokens for k, v in totals.items()})
+        if tokens > 0:
+            out.update({k: v / tokens for k, v in totals.items()})
         return out
 
     def __call__(self, x: LossInputs) -> tuple[Tensor, dict[str, Tensor]]:

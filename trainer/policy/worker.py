@@ -541,7 +541,7 @@ class PolicyWorker:
         sequence counts summed over all ranks, so each rank's loss is its share of the global mean.
         A mini-batch may be empty on every rank (all its samples skipped for a zero advantage): the
         step then applies a zero gradient. Entropy, ppo_kl and clip fraction are means over the
-        tokens trained on."""
+        tokens trained on, absent on a step that trained on none (:meth:`Objective.metrics`)."""
         cfg, loss_cfg = self.cfg, self.cfg.grpo.loss
         has_reference = self.ref_model is not None or (
             self.lora is not None and loss_cfg.reference_policy_kl_penalty > 0
@@ -633,8 +633,10 @@ class PolicyWorker:
         dist.all_reduce(totals)
         reduced = dict(zip(keys, totals.tolist()))
         routing = moe.finish_stats(reduced) if self.routing is not None else {}
-        if "moe/aux_loss" in reduced:
-            routing["moe/aux_loss"] = reduced.pop("moe/aux_loss") / max(len(minibatches), 1)
+        if "moe/aux_loss" in reduced:  # absent where no token was trained on: no router loss was computed
+            aux_loss = reduced.pop("moe/aux_loss") / max(len(minibatches), 1)
+            if reduced["tokens"] > 0:
+                routing["moe/aux_loss"] = aux_loss
         out = objective.metrics(reduced, steps=len(minibatches))
         out.update(routing)
         out["lr"] = float(self.scheduler.get_last_lr()[0])  # a float already (torch's stub allows a tensor)

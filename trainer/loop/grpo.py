@@ -37,7 +37,7 @@ from trainer.loop.rollout_stream import AsyncRollouts, RolloutBatch, SyncRollout
 from trainer.loop.state import LoopState
 from trainer.policy.batch import Sample
 from trainer.policy.group import PolicyGroup
-from trainer.rewards import reward_model
+from trainer.rewards import judge, reward_model
 from trainer.rewards.runner import RewardRunner, normalization_metrics
 from trainer.step_report import perf_metrics, rollout_rows, sample_line, step_metrics
 
@@ -158,6 +158,7 @@ def grpo_step(
         cfg, rollouts, reward, advantages, overlong, train_metrics, timing, perf_scalars, batch.metrics()
     )
     metrics.update(reward_model.step_metrics(rollouts))
+    metrics.update(judge.step_metrics(rollouts))
     metrics.update(normalization_metrics(rollouts))
     rows = rollout_rows(
         step, rollouts, [s.advantage for s in samples], batch.versions, overlong, state.turns.tokenizer

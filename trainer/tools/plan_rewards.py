@@ -104,14 +104,17 @@ def reward_model_scorer(cfg, shape: Shape) -> Scorer:
 
 
 def judge_sequence(cfg, shape: Shape) -> tuple[int, int]:
-    """``(prompt, total)`` tokens of the judge's longest sequence: ``judge.template`` (its UTF-8 bytes: a
-    byte-level tokenizer writes no more tokens than that; the chat template and a short reference add a few),
+    """``(prompt, total)`` tokens of the judge's longest sequence: ``judge.template`` (its UTF-8 bytes, each
+    ``{nonce}`` as the code it renders: a byte-level tokenizer writes no more tokens than that; the chat template and a short reference add a few),
     the question (the policy's prompt, at most ``policy.max_total_sequence_length - generation.max_new_tokens``
     of the policy's tokens) and a response of at most ``judge.max_response_tokens`` (a longer one is not judged),
     then the judge's own ``judge.max_new_tokens``; within the judge's context."""
+    from trainer.rewards.judge import NONCE_HEX
+
     j = cfg.judge
     question = max(0, cfg.policy.max_total_sequence_length - cfg.generation.max_new_tokens)
-    prompt = len(j.template.encode()) + question + j.max_response_tokens
+    template = len(j.template.encode()) + j.template.count("{nonce}") * (NONCE_HEX - len("{nonce}"))
+    prompt = template + question + j.max_response_tokens
     total = prompt + j.max_new_tokens
     if shape.context:
         total = min(total, shape.context)

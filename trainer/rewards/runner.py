@@ -614,7 +614,9 @@ class RewardRunner:
                 raise
             except Exception as e:  # the replica raised on this batch (a template that failed on a message)
                 self._rm_running.pop(gen)
-                tail = traceback.format_exception_only(type(e), e)[-1].strip()[:300]
+                # Ray's RayTaskError holds the replica's traceback (in colour): the line is its cause's own
+                cause = getattr(e, "cause", None) or e
+                tail = " ".join(traceback.format_exception_only(type(cause), cause)[-1].split())[:300]
                 why = f"{self.pools[task.pool].WHAT} raised {tail}"
                 self._rm_set(task.pool, task.ids, (0.0, None, why))
                 continue

@@ -90,3 +90,22 @@ def test_should_stop_the_step_in_one_line_naming_the_cause_when_the_reward_model
     assert time.monotonic() - t0 < TIMEOUT_S + MARGIN_S
     assert "\n" not in line and line.startswith("4 of 4 samples lost their reward this step"), line
     assert cause in line and "env.reward_failure_budget" in line
+
+
+def test_should_restart_a_replica_stuck_past_the_time_limit_so_the_next_step_scores(ray_local):
+    """ray.cancel cannot stop an actor's running call: a replica still on a batch after the limit is replaced,
+    so the next step's batch does not wait behind it (for START_TIMEOUT_S, then an error)."""
+    pool = _Pool(RewardModelConfig(name="broken", num_cpus=0.0, replicas=2))
+    pool.wait_ready()
+    env = EnvConfig([RewardSpec("reward_model")], reward_timeout_s=TIMEOUT_S, reward_failure_budget=0.5)
+    try:
+        runner = RewardRunner(env, scorers=pool)
+        stuck = pool.workers[0]
+        # two batches, one per replica: the first hangs, within the budget (2 of 4 samples)
+        assert [r.total for r in _step(runner, ["ok", "hang", "fine", "good"])] == [0.0, 0.0, 4.0, 4.0]
+        assert pool.restarts == 1 and pool.workers[0] is not stuck
+        t0 = time.monotonic()
+        assert [r.total for r in _step(runner, ["a", "bb", "ccc", "dddd"])] == [1.0, 2.0, 3.0, 4.0]
+        assert time.monotonic() - t0 < MARGIN_S
+    finally:
+        pool.shutdown(graceful=False)

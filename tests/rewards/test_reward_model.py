@@ -190,7 +190,7 @@ def test_should_score_identical_samples_identically_whatever_they_are_batched_wi
         runner = RewardRunner(EnvConfig([RewardSpec("reward_model")]), scorers=pool)
         sent: list[int] = []  # how many items each batch asks the replicas to score
         call = pool.call
-        pool.call = lambda batch: (sent.append(len(batch)), call(batch))[1]
+        pool.call = lambda batch, replica=None: (sent.append(len(batch)), call(batch, replica))[1]
         messages = [{"role": "user", "content": "1+1"}]
         longer = [{"role": "user", "content": "1+1 and then some more words to pad the pass"}]
         items = [("2", "2", "1+1", messages)] * 8 + [("2", f"2{'0' * k}", "", longer) for k in range(8)]

@@ -180,9 +180,9 @@ class JudgePool(actors.ModelPool):
         self.seed, self.timeout_s = seed, timeout_s
         super().__init__(cfg)
 
-    def call(self, items: list) -> Any:
+    def call(self, items: list, replica: int | None = None) -> Any:
         """As :meth:`ModelPool.call`, the run's seed and time bound with the batch."""
-        worker = self.workers[next(self._next) % len(self.workers)]
+        worker = self.workers[self.pick() if replica is None else replica]
         return worker.score.remote(items, self.seed, self.timeout_s)
 
     def model_name(self) -> str:

@@ -173,11 +173,13 @@ class ModelPool:
             options["resources"] = {cfg.resource: 1}
         actor: Any = ray.remote(self.worker)
         # Any: Ray's stubs type an actor's methods as the plain functions, without their .remote
-        self.workers: list[Any] = [actor.options(**options).remote(cfg) for _ in range(cfg.replicas)]
+        self._new = lambda: actor.options(**options).remote(cfg)
+        self.workers: list[Any] = [self._new() for _ in range(cfg.replicas)]
         for r, w in enumerate(self.workers):
             watchdog.register(w, f"{self.WHAT} replica {r}")
         self._next = itertools.count()
         self.info: list[dict] = []
+        self.restarts = 0
 
     def model_name(self) -> str:
         """The key and value of the model it serves, for messages (``reward_model.name=...``)."""
@@ -209,9 +211,32 @@ class ModelPool:
     def describe(self) -> str:
         raise NotImplementedError
 
-    def call(self, items: list) -> Any:
-        """Score ``items`` on the next replica: a streaming generator (None once started, then the result)."""
-        return self.workers[next(self._next) % len(self.workers)].score.remote(items)
+    def pick(self) -> int:
+        """The replica the next batch goes to (round robin)."""
+        return next(self._next) % len(self.workers)
+
+    def call(self, items: list, replica: int | None = None) -> Any:
+        """Score ``items`` on ``replica`` (by default the next one): a streaming generator (None once started,
+        then the result)."""
+        return self.workers[self.pick() if replica is None else replica].score.remote(items)
+
+    def restart(self, replica: int) -> None:
+        """Replace ``replica``, stuck on a batch past its time limit: Ray cannot stop an actor's running call
+        (``ray.cancel`` leaves it running), so the replica is killed and another loads the model in its place.
+        The batches queued on it fail with it: the caller sends them again (:meth:`call`)."""
+        import ray
+
+        from trainer import watchdog
+
+        old = self.workers[replica]
+        watchdog.forget(old)  # killed on purpose: not a loss to report
+        try:
+            ray.kill(old)
+        except Exception:  # noqa: S110  (already gone)
+            pass
+        self.workers[replica] = self._new()
+        watchdog.register(self.workers[replica], f"{self.WHAT} replica {replica}")
+        self.restarts += 1
 
     def shares(self, n: int) -> list[slice]:
         """``n`` samples split into one batch per replica (fewer when there are fewer samples)."""

@@ -440,6 +440,7 @@ class _Task:
     submitted: float
     started: float | None = None
     pool: str = ""  # a model-scored batch: its pool's entry name
+    replica: int = 0  # and the replica it was sent to
 
 
 class RewardRunner:
@@ -544,7 +545,10 @@ class RewardRunner:
             sent = list(first.values())
             unique = [read[i - ids[0]] for i in sent]
             for part in pool.shares(len(unique)):
-                self._rm_running[pool.call(unique[part])] = _Task(sent[part], unique[part], now, pool=name)
+                r = pool.pick()
+                self._rm_running[pool.call(unique[part], r)] = _Task(
+                    sent[part], unique[part], now, pool=name, replica=r
+                )
         self._pump()
         return ids
 
@@ -631,11 +635,11 @@ class RewardRunner:
         busy = any(task.started is not None for task in self._rm_running.values())
         for gen, task in list(self._rm_running.items()):
             if task.started is not None and now - task.started > self.env.reward_timeout_s:
-                ray.cancel(gen)
                 self._rm_running.pop(gen)
                 self._rm_moved = now
                 why = f"{self.pools[task.pool].WHAT} timed out after {self.env.reward_timeout_s:g}s"
                 self._rm_set(task.pool, task.ids, (0.0, None, why))
+                self._restart(task)
             elif (
                 not busy
                 and task.started is None
@@ -646,6 +650,30 @@ class RewardRunner:
                     f"a {what} batch has waited {now - task.submitted:.0f}s for a replica to start it, while "
                     f"none ran: the {what}'s replicas are stuck; check their logs, or raise env.reward_timeout_s"
                 )
+
+    def _restart(self, overdue: _Task) -> None:
+        """Replace the replica stuck on ``overdue`` (:meth:`ModelPool.restart`: the only way to stop its call) and
+        send the batches queued behind it again, to the replica in its place: they never started."""
+        pool = self.pools[overdue.pool]
+        queued = [
+            (gen, task)
+            for gen, task in self._rm_running.items()
+            if task.pool == overdue.pool and task.replica == overdue.replica
+        ]
+        pool.restart(overdue.replica)
+        log.warning(
+            "%s replica %d was still on a batch after env.reward_timeout_s=%gs: restarted (it loads the model "
+            "again); %d batch(es) queued on it sent again",
+            pool.WHAT,
+            overdue.replica,
+            self.env.reward_timeout_s,
+            len(queued),
+        )
+        for gen, task in queued:
+            self._rm_running.pop(gen)
+            task.started = None
+            task.submitted = time.monotonic()
+            self._rm_running[pool.call(task.items, task.replica)] = task
 
     def poll(self, timeout: float = 0.0) -> None:
         """Collect finished tasks, note started ones, cancel overdue ones, start queued ones."""

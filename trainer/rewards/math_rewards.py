@@ -463,8 +463,8 @@ def _as_set(parsed: Any) -> tuple[Any, Any] | None:
     ``-2 > x``, ``0 < x \\le 1``, ``x = -2``, ``x \\neq 1``). An unsolved one (``(x+2)(x-3) > 0``) is the
     question, not its answer, and is left to math-verify like any other."""
     from math_verify.grader import unwrap_fcs
-    from sympy import And, Eq, FiniteSet, Set, Symbol  # type: ignore[import-untyped]
-    from sympy.core.relational import Relational  # type: ignore[import-untyped]
+    from sympy import And, Eq, FiniteSet, Set, Symbol
+    from sympy.core.relational import Relational
 
     if isinstance(parsed, Eq) and isinstance(parsed.rhs, Set):  # x \in S (0 < f(x) is about one unknown, f_x)
         parsed, variable = parsed.rhs, unwrap_fcs(parsed.lhs)

@@ -11,10 +11,13 @@ transformers with the new weights, refit after refit, within the dense contract'
 After a level-2 sleep the weights' memory is undefined, so a refit that leaves a weight out is an error on
 both update paths, in place (the dense model) and layerwise (the MoE), and the engine still refuses to
 generate; layerwise, a layer sent in part is an error at any time, since the reload fills the rest with
-uninitialised memory.
+uninitialised memory. A fused weight sent in part (``q_proj`` and ``k_proj`` without ``v_proj``, which vLLM
+reports as ``qkv_proj`` loaded) is an error on both paths, asleep or awake.
 """
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
@@ -255,6 +258,56 @@ def test_should_refuse_a_layerwise_refit_that_sent_part_of_a_layer_when_awake(mo
     # A whole layer left out keeps its weights, as loading in place would.
     moe_engine.update_weights((n, t) for n, t in weights.items() if n != "model.norm.weight")
     assert _gap(moe_engine, reference) < TOL
+
+
+@pytest.mark.parametrize(
+    ("which", "left_out", "fused"),
+    [
+        ("dense", "model.layers.1.self_attn.v_proj.weight", "model.layers.1.self_attn.qkv_proj.weight"),
+        ("dense", "model.layers.0.mlp.up_proj.weight", "model.layers.0.mlp.gate_up_proj.weight"),
+        ("moe", "model.layers.1.self_attn.v_proj.weight", "model.layers.1.self_attn.qkv_proj.weight"),
+    ],
+    ids=["in-place-v_proj", "in-place-up_proj", "layerwise-v_proj"],
+)
+def test_should_refuse_a_refit_that_sent_part_of_a_fused_weight_naming_the_part(
+    request, which, left_out, fused, tiny_model_path, moe_path
+):
+    """vLLM's load_weights reports qkv_proj loaded once q_proj came: before this check such a refit passed,
+    v's slice keeping the values it had (uninitialised ones, layerwise)."""
+    engine = request.getfixturevalue(f"{which}_engine")
+    reference = _reference(moe_path if which == "moe" else tiny_model_path)
+    weights = _weights(reference)
+    with pytest.raises(
+        RuntimeError,
+        match=rf"^refit sent part of 1 fused weight\(s\) of the engine \({re.escape(fused)} lacks "
+        rf"{re.escape(left_out)}\): the parts not sent would keep stale or undefined values; send every part "
+        r"of each fused weight \(a policy\.freeze pattern must cover q/k/v, gate/up and each expert's gate/up "
+        r"together on vLLM\)$",
+    ):
+        engine.update_weights((n, t) for n, t in weights.items() if n != left_out)
+    engine.update_weights(iter(weights.items()))  # a complete refit passes, and puts the weights right
+    assert _gap(engine, reference) < TOL
+
+
+def test_should_refuse_a_fused_weight_sent_in_part_after_a_level_2_sleep_and_keep_refusing_to_generate(
+    dense_engine, tiny_model_path
+):
+    """check_every_weight_loaded passes such a refit (qkv_proj is reported loaded); this check does not, and
+    the engine, its v slice undefined on a GPU, still refuses to generate."""
+    from trainer.generation.base import SamplingParams
+
+    reference = _reference(tiny_model_path)
+    weights = _weights(reference)
+    dense_engine.sleep()
+    with pytest.raises(RuntimeError, match=r"^refit sent part of 2 fused weight\(s\) of the engine "):
+        dense_engine.update_weights((n, t) for n, t in weights.items() if not n.endswith(".v_proj.weight"))
+    with pytest.raises(
+        RuntimeError, match="^vLLM engine asked to generate after a level-2 sleep, before a refit"
+    ):
+        dense_engine.generate([PROMPT], 1, SamplingParams(max_new_tokens=2))
+    dense_engine.update_weights(iter(weights.items()))
+    dense_engine.wake_up()
+    assert _gap(dense_engine, reference) < TOL
 
 
 def test_should_say_in_one_line_that_a_moe_engine_cannot_follow_a_dense_one_in_a_process(

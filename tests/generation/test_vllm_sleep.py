@@ -55,6 +55,10 @@ class RecordingLLM:
     def finish_weight_update(self, weight_version=None):
         self._call("finish_weight_update")
 
+    def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        self._call(f"collective_rpc({method.__name__})")
+        return []
+
     def reset_prefix_cache(self, reset_running_requests=False, reset_connector=False):
         self._call("reset_prefix_cache")
 
@@ -226,6 +230,7 @@ def test_should_finish_the_update_then_reset_the_prefix_and_encoder_caches_when_
         "start_weight_update",
         "update_weights",
         "finish_weight_update",
+        "collective_rpc(_check_fused_names)",  # what was sent, against the fused weights (check_fused_shards)
         "reset_prefix_cache",
         "llm_engine.reset_encoder_cache",
     ]

@@ -32,7 +32,9 @@ parameter beside the packed copy instead (a patch of vLLM's, at start-up and whi
 runs: :mod:`trainer.generation.vllm_patches`): an update loads into the parameters as on a GPU and then
 rebuilds every packed kernel from them, the tied ``lm_head``'s and the experts' included, at the thread
 count the engine was built with (:mod:`trainer.generation.vllm_cpu`, which holds what the CPU build needs).
-After a level-2 sleep a refit must bring every weight, on either path (:func:`check_every_weight_loaded`).
+After a level-2 sleep a refit must bring every weight, on either path (:func:`check_every_weight_loaded`),
+and every refit, colocated or received, every part of each fused weight it brings any of: vLLM reports
+``qkv_proj`` loaded once ``q_proj`` came (:func:`check_fused_shards`).
 Either way the prefix cache is reset after every update: it holds keys/values computed with the old weights
 (and the encoder cache, its vision embeddings).
 
@@ -67,7 +69,8 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Iterable, Iterator
+import weakref
+from collections.abc import Hashable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -633,7 +636,8 @@ class VLLMGenerationEngine:
         engine asleep wakes its weights only (the KV cache stays asleep until :meth:`wake_up` or
         :meth:`generate`). After a level-2 sleep the refit must bring every weight
         (:func:`check_every_weight_loaded`); one that did not is an error, and the engine still refuses to
-        generate."""
+        generate. Asleep or not, a refit that sent part of a fused weight (``q_proj`` and ``k_proj``, not
+        ``v_proj``) is an error (:func:`check_fused_shards`), its names recorded as they stream past."""
         worker = self._worker()
         self.wake_up(tags=["weights"])
         from vllm.config import set_current_vllm_config
@@ -644,14 +648,16 @@ class VLLMGenerationEngine:
         with set_current_vllm_config(worker.vllm_config), quiet(RELOAD_LOGGER):
             model = worker.model_runner.get_model()
             update = begin_weight_update(model, model_config)
+            fused = FusedShards(fused_layout(model))
             with vllm_cpu.weight_processing(model, update.plain):  # layerwise processing runs as layers fill
-                loaded = model.load_weights(_cpu_contiguous(named_tensors, self.on_cpu))
+                loaded = model.load_weights(fused.watch(_cpu_contiguous(named_tensors, self.on_cpu)))
             # Finished before the checks: a layerwise update left open would leave layers on the meta device.
             finish_weight_update(update)
         if self._weights_discarded:
             check_every_weight_loaded(update.expected, loaded)
         if update.layerwise:
             check_whole_layers(update.expected, loaded)
+        check_fused_shards(fused)
         self._weights_discarded = False
         self._weights_changed()
 
@@ -742,10 +748,16 @@ class VLLMGenerationEngine:
         its place. The engine then holds part of the new weights, and the run stops on the failed refit.
         With tensor parallelism vLLM reads its workers' replies in rank order: worker 0's failure comes
         back at once, but one on worker k > 0 leaves worker 0 (and the sender) waiting in the broadcast,
-        and the refit ends at ``generation.refit_timeout_s`` (docs/gpu-tests.md)."""
+        and the refit ends at ``generation.refit_timeout_s`` (docs/gpu-tests.md). A complete transfer that
+        carried part of a fused weight is then an error, on every worker (:func:`check_fused_shards` on the
+        names ``update_info`` lists: the same check on either backend, since vLLM's own NCCL engine runs no
+        check of ours)."""
         self.llm.start_weight_update()
         self.llm.update_weights({"update_info": update_info})
         self.llm.finish_weight_update()
+        # After the transfer, so that the sender is not left waiting: the names it sent against the model's
+        # fused weights (check_fused_shards), on every worker and with whichever transfer backend.
+        self.llm.collective_rpc(_check_fused_names, args=(list(update_info["names"]),))
         self._weights_changed()
 
 
@@ -762,6 +774,16 @@ class _Collector(torch.nn.Module):
             self.tensors.append((name, tensor.detach().to("cpu", copy=True)))
             names.add(name)
         return names
+
+
+def _check_fused_names(worker, names: list[str]) -> None:
+    """On every vLLM worker (``collective_rpc``): :func:`check_fused_shards` over the names a received refit
+    carried."""
+    worker = getattr(worker, "worker", worker)  # the wrapper's worker (the uni executor passes the wrapper)
+    fused = FusedShards(fused_layout(worker.model_runner.get_model()))
+    for name in names:
+        fused.record(name)
+    check_fused_shards(fused)
 
 
 def _receive_adapter(worker, update_info: dict, path: str, lora: LoRAConfig, base_model: str) -> None:
@@ -909,6 +931,200 @@ def check_whole_layers(expected: Iterable[str], loaded: Iterable[str] | None) ->
             "layerwise reload filled them with uninitialised memory; send every weight of each layer it "
             "sends (a policy.freeze pattern must cover whole layers on this engine)"
         )
+
+
+# ----- fused parameters: every shard or none --------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedRule:
+    """How vLLM fills part of a fused parameter from one sent tensor: a sent name containing ``source`` loads
+    into the parameter named by replacing it with ``target``, filling ``shards`` of it. The rules of one
+    ``family`` (``.qkv_proj``, an MoE's ``experts.w13_``) fill one kind of fused parameter, whose shards are
+    all of theirs together."""
+
+    source: str
+    target: str
+    shards: frozenset[Hashable]
+    family: str
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedLayout:
+    """A model's fused parameters as its ``load_weights`` fills them, read from vLLM's own tables once per
+    model (:func:`fused_layout`). ``stacked``: the model's ``hf_to_vllm_mapper.orig_to_new_stacked`` in vLLM's
+    order (q/k/v into ``qkv_proj``, gate/up into ``gate_up_proj``); ``experts``: its routed experts' mapping
+    (``get_expert_mapping(include_fused=True)``: each expert's gate and up into ``w13``, down into ``w2``),
+    by the name part after ``experts.`` (an expert's number, or ``gate_up_proj`` for all experts in one
+    tensor), as vLLM indexes it; ``full``: each family's shards."""
+
+    stacked: tuple[FusedRule, ...]
+    experts: dict[str, tuple[FusedRule, ...]]
+    full: dict[str, frozenset[Hashable]]
+
+    @property
+    def rules(self) -> list[FusedRule]:
+        return [*self.stacked, *(rule for rules in self.experts.values() for rule in rules)]
+
+    def match(self, name: str) -> tuple[str, FusedRule] | None:
+        """(the fused parameter, the rule) a tensor sent as ``name`` fills part of; None when it fills a
+        parameter of its own. String work only: the tensor is not looked at."""
+        key, hit = name, None
+        # As vLLM's WeightsMapper applies them: every rule that matches, in order; the last one's shard.
+        for rule in self.stacked:
+            if rule.source in key:
+                key, hit = key.replace(rule.source, rule.target, 1), rule
+        if hit is not None:
+            return key, hit
+        at = name.find(".experts.")  # a module named experts (not shared_experts: a plain MLP of its own)
+        if at < 0:
+            return None
+        token = name[at + len(".experts.") :].partition(".")[0]
+        for rule in self.experts.get(token, ()):
+            if rule.source in name:
+                return name.replace(rule.source, rule.target, 1), rule
+        return None
+
+
+# One layout per model: vLLM's tables do not change after the model is built.
+_layouts: weakref.WeakKeyDictionary[torch.nn.Module, FusedLayout] = weakref.WeakKeyDictionary()
+
+
+def fused_layout(model: torch.nn.Module) -> FusedLayout:
+    """``model``'s :class:`FusedLayout` (:func:`build_fused_layout`), read once. Stacked rules come from every
+    ``hf_to_vllm_mapper`` of the model's modules (the mapping vLLM applies, with its shard ids); a model that
+    hand-rolls its stacking in its own ``load_weights`` (DeepSeek-V2/V3, Llama 4, GPT-OSS in vLLM 0.32) has
+    none and is not checked here: its ``packed_modules_mapping``, LoRA's table, lists fusions some checkpoints
+    of the family lack (DeepSeek-V2-Lite has no ``q_a_proj``) and would refuse complete refits. Expert rules
+    come from the routed-expert layers when they all share one mapping (one expert count), and not otherwise."""
+    layout = _layouts.get(model)
+    if layout is not None:
+        return layout
+    stacked = []
+    mappers: set[int] = set()
+    for module in model.modules():
+        mapper = getattr(module, "hf_to_vllm_mapper", None)
+        if mapper is not None and id(mapper) not in mappers:
+            mappers.add(id(mapper))
+            stacked.append(getattr(mapper, "orig_to_new_stacked", {}))
+    mappings: set[tuple] = set()
+    if any(callable(getattr(m, "get_expert_mapping", None)) for m in model.modules()):
+        from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+
+        mappings = {
+            tuple(m.get_expert_mapping(include_fused=True))
+            for m in model.modules()
+            if isinstance(m, RoutedExperts)
+        }
+    layout = build_fused_layout(stacked, next(iter(mappings)) if len(mappings) == 1 else ())
+    _layouts[model] = layout
+    return layout
+
+
+def build_fused_layout(
+    stacked: Iterable[Mapping[str, tuple[str, Any]]], experts: Iterable[tuple[str, str, int, str]]
+) -> FusedLayout:
+    """A :class:`FusedLayout` from vLLM's tables: ``stacked``, ``WeightsMapper.orig_to_new_stacked`` mappings
+    (``{".q_proj": (".qkv_proj", "q")}``; a list of shard ids: one tensor fills several), the first one's
+    entry winning for a source two share; ``experts``, a routed-expert layer's ``get_expert_mapping`` tuples
+    (param, checkpoint name, expert, shard: ``("experts.w13_", "experts.3.gate_proj.", 3, "w1")``, and for
+    a tensor of every expert at once ``("experts.w13_weight", "experts.gate_up_proj", chunk, "w1")``)."""
+    rules: list[FusedRule] = []
+    for mapping in stacked:
+        known = {rule.source for rule in rules}
+        for source, (target, shard) in mapping.items():
+            if source not in known:
+                shards = frozenset(shard if isinstance(shard, list) else [shard])
+                rules.append(FusedRule(source, target, shards, target))
+    by_source: dict[tuple[str, str], set[tuple[int | None, str]]] = {}
+    for param, source, expert, shard in experts:
+        # One expert's tensor, or every expert's in one (cut into chunks: expert is the chunk then).
+        one = source.partition("experts.")[2].partition(".")[0].isdecimal()
+        by_source.setdefault((source, param), set()).add((expert if one else None, shard))
+    per_expert = {(e, s) for shards in by_source.values() for e, s in shards if e is not None}
+    expert_rules: dict[str, list[FusedRule]] = {}
+    for (source, param), sent in by_source.items():
+        filled = set(sent)
+        if any(e is None for e, _ in sent):  # a tensor of every expert fills each one's shards of its kinds
+            kinds = {s for _, s in sent}
+            filled = {(e, s) for e, s in per_expert if s in kinds}
+        token = source.partition("experts.")[2].partition(".")[0]
+        rule = FusedRule(source, param, frozenset(filled), param.removesuffix("weight"))
+        expert_rules.setdefault(token, []).append(rule)
+    full: dict[str, set[Hashable]] = {}
+    for rule in [*rules, *(r for group in expert_rules.values() for r in group)]:
+        full.setdefault(rule.family, set()).update(rule.shards)
+    return FusedLayout(
+        tuple(rules),
+        {token: tuple(group) for token, group in expert_rules.items()},
+        {family: frozenset(shards) for family, shards in full.items()},
+    )
+
+
+class FusedShards:
+    """Which shards of each fused parameter a refit sent (:meth:`watch` or :meth:`record` each name), for
+    :func:`check_fused_shards`. vLLM's ``load_weights`` reports a fused parameter loaded once any shard of it
+    came, so this is the only record of the rest."""
+
+    def __init__(self, layout: FusedLayout) -> None:
+        self.layout = layout
+        # fused parameter -> (a rule of its family, the shards sent)
+        self.sent: dict[str, tuple[FusedRule, set[Hashable]]] = {}
+
+    def record(self, name: str) -> None:
+        found = self.layout.match(name)
+        if found is not None:
+            key, rule = found
+            self.sent.setdefault(key, (rule, set()))[1].update(rule.shards)
+
+    def watch(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The tensors, unchanged, each name recorded as it passes."""
+        for name, tensor in named_tensors:
+            self.record(name)
+            yield name, tensor
+
+    def partial(self) -> list[tuple[str, list[str]]]:
+        """(fused parameter, the names that would have filled its missing shards), for each parameter some
+        shards of which were sent and some not; sorted."""
+        result = []
+        for key, (rule, sent) in sorted(self.sent.items()):
+            missing = self.layout.full[rule.family] - sent
+            if missing:
+                result.append((key, self._sources(key, rule, missing)))
+        return result
+
+    def _sources(self, key: str, rule: FusedRule, missing: frozenset[Hashable]) -> list[str]:
+        """The names that would have filled ``missing`` shards of ``key``: the family's rules undone, the
+        narrowest first (an expert's ``gate_proj`` rather than its ``gate_up_proj``)."""
+        stem = key.replace(rule.target, "\0", 1)  # where the fused part of the name was
+        left, names = set(missing), set()
+        candidates = [r for r in self.layout.rules if r.family == rule.family and r.target == rule.target]
+        for other in sorted(candidates, key=lambda r: len(r.shards)):
+            if other.shards & left:
+                names.add(stem.replace("\0", other.source, 1))
+                left -= other.shards
+        return sorted(names)
+
+
+def check_fused_shards(fused: FusedShards) -> None:
+    """A refit must fill every shard of each fused parameter it fills at all, on every path and asleep or not:
+    vLLM reports ``qkv_proj`` loaded once ``q_proj`` came, so a refit that left ``v_proj`` out (a sender bug,
+    a filtered name, a key a new family renamed) would sample with v's slice holding its old values (undefined
+    after a level-2 sleep, uninitialised where layerwise reload processed the layer). Frozen parameters keep
+    their values by not being sent at all (``policy.freeze``), so a pattern must freeze a fused parameter's
+    parts together on vLLM."""
+    partial = fused.partial()
+    if not partial:
+        return
+    shown = "; ".join(
+        f"{key} lacks {', '.join(names[:3])}" + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        for key, names in partial[:2]
+    ) + (f"; and {len(partial) - 2} more" if len(partial) > 2 else "")
+    raise RuntimeError(
+        f"refit sent part of {len(partial)} fused weight(s) of the engine ({shown}): the parts not sent would "
+        "keep stale or undefined values; send every part of each fused weight (a policy.freeze pattern must "
+        "cover q/k/v, gate/up and each expert's gate/up together on vLLM)"
+    )
 
 
 def begin_weight_update(model: torch.nn.Module, model_config) -> WeightUpdate:

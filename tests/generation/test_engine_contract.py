@@ -260,6 +260,8 @@ def test_should_find_vllms_model_info_in_the_shared_cache_and_keep_compile_cache
     assert list(shared.glob("*-LlamaForCausalLM.json"))  # written by the first engine, read by the next
     _shutdown(engine)
     assert not root.exists() and list(shared.glob("*-LlamaForCausalLM.json"))
+    # what this process starts next (an engine, a `vllm serve` inheriting its environment) is not sent there
+    assert str(root) not in {os.environ.get("VLLM_RPC_BASE_PATH"), os.environ.get("VLLM_CACHE_ROOT")}
 
 
 def test_should_leave_no_child_process_when_shut_down(engine):

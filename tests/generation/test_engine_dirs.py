@@ -97,3 +97,22 @@ def test_should_give_the_temporary_directory_back_when_the_build_inside_fails(tm
         assert tempfile.gettempdir() == str(tmp_path)
         raise RuntimeError("the build failed")
     assert tempfile.tempdir == before
+
+
+def test_should_give_the_environment_back_when_the_engine_directory_goes(tmp_path, monkeypatch) -> None:
+    """An engine points vLLM's socket and cache variables at its directory; at shutdown each that still names
+    it gets its earlier value back (unset if it had none), so a `vllm serve` started later does not bind a
+    socket in a directory that is gone. One set since by someone else stays."""
+    monkeypatch.setenv("VLLM_CACHE_ROOT", "/an/operators/cache")
+    monkeypatch.delenv("VLLM_RPC_BASE_PATH", raising=False)
+    before = vllm_lifetime.environment_before()
+    private = private_dir(str(tmp_path))
+    os.environ["VLLM_RPC_BASE_PATH"] = os.environ["VLLM_CACHE_ROOT"] = private
+    vllm_lifetime.remove(private)
+    vllm_lifetime.restore_environment(private, before)
+    assert "VLLM_RPC_BASE_PATH" not in os.environ and os.environ["VLLM_CACHE_ROOT"] == "/an/operators/cache"
+
+    os.environ["VLLM_RPC_BASE_PATH"] = "/set/by/a/later/engine"
+    vllm_lifetime.restore_environment(private, before)
+    assert os.environ["VLLM_RPC_BASE_PATH"] == "/set/by/a/later/engine"
+    monkeypatch.delenv("VLLM_RPC_BASE_PATH")

@@ -207,3 +207,28 @@ def temporary_files_in(path: str) -> Iterator[None]:
         yield
     finally:
         tempfile.tempdir = before
+
+
+# The process environment variables an engine points at its own directory (VLLM_RPC_BASE_PATH: its
+# sockets; VLLM_CACHE_ROOT: a CPU engine's compile caches).
+DIR_VARIABLES = ("VLLM_RPC_BASE_PATH", "VLLM_CACHE_ROOT")
+
+
+def environment_before() -> dict[str, str | None]:
+    """Before an engine points :data:`DIR_VARIABLES` at its directory: their values, for :func:`restore_environment`."""
+    return {name: os.environ.get(name) for name in DIR_VARIABLES}
+
+
+def restore_environment(private: str, before: dict[str, str | None]) -> None:
+    """At the engine's shutdown, once its directory is gone: each of :data:`DIR_VARIABLES` that still names it
+    gets its value from before the engine back. Left behind, they sent what this process starts next (a later
+    engine, a ``vllm serve`` it launches, which inherits its environment) into a directory that no longer
+    exists: vLLM's first socket bind failed with ``No such file or directory for ipc path``. A variable
+    something else set since is left alone."""
+    for name, value in before.items():
+        if os.environ.get(name) != private:
+            continue
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value

@@ -57,13 +57,28 @@ BENCH_GEN_ARGS ?=
 bench-generation: setup ## Generation tok/s, hf vs vllm (SmolLM2-135M, n=4, 64 tokens), and refit time vs copy_
 	$(PY) bench/bench_generation.py $(BENCH_GEN_ARGS)
 
-# Training throughput of one optimizer step on a length-skewed batch: padded fixed-count micro-batches
-# against packed token-budget ones (and the padded shared-prompt layout). See bench/bench_train.py.
-.PHONY: bench-train
+# Training throughput of one optimizer step on a length-skewed batch (padded or packed micro-batches, the LM head
+# tiled eager or fused, the decoder blocks eager or compiled), side by side in one run, with MFU and where a step
+# goes. BENCH_TRAIN_ROWS picks the rows (the layouts: "--layouts padded,prefix,packed --compile off"); flags in
+# BENCH_TRAIN_ARGS come after it and win. See bench/bench_train.py.
+.PHONY: bench-train bench-gpu
+BENCH_TRAIN_ROWS ?= --layouts packed --heads tiled,fused --compile off,on
 BENCH_TRAIN_ARGS ?=
 
-bench-train: setup ## Training tokens/s and MFU, padded micro_batch_size vs packed max_tokens_per_microbatch (SmolLM2-135M, responses 16..512), and where a step goes
-	$(PY) bench/bench_train.py $(BENCH_TRAIN_ARGS)
+bench-train: setup ## Training tokens/s, MFU and the profile split (SmolLM2-135M, responses 16..512): eager vs compiled blocks, tiled vs fused head; BENCH_TRAIN_ROWS="--layouts padded,packed" for the layouts
+	$(PY) bench/bench_train.py $(BENCH_TRAIN_ROWS) $(BENCH_TRAIN_ARGS)
+
+# The GPU check in one call (docs/gpu-tests.md): on a lent GPU machine, with its own Python (PY=python: CUDA
+# torch and transformers, nothing else) and no `setup` (it would install CPU torch), the policy's forward and
+# backward at Qwen2.5-1.5B's shape (random weights, built once) on 16k-token packed rows, before and after:
+# eager vs compiled decoder blocks, tiled vs fused LM head. The JSON lands under results/ (not committed).
+BENCH_GPU_ARGS ?=
+BENCH_GPU_JSON ?= results/bench-gpu-$(shell date -u +%Y%m%d-%H%M%S).json
+
+bench-gpu: ## On a CUDA GPU (PY=python): MFU and the profile split at Qwen2.5-1.5B's shape, 16k-token rows, eager vs compiled blocks, tiled vs fused head; JSON in results/
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(PY) bench/bench_train.py --gpu --shape qwen2.5-1.5b \
+	  --layouts packed --heads tiled,fused --compile off,on --prompts 8 --group 16 --prompt-tokens 256 \
+	  --min-response 64 --max-response 2048 --max-tokens 16384 --repeats 2 --json $(BENCH_GPU_JSON) $(BENCH_GPU_ARGS)
 
 # LoRA against full weights: refit time (hf engine, disaggregated gloo transport, colocated vLLM) and the
 # hf engine's decode speed with the adapter applied against merged. See bench/bench_lora_refit.py.

@@ -499,8 +499,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.gpu:
         import torch
+        import transformers
 
-        where = f"{torch.cuda.get_device_name(0)}, param_dtype {args.param_dtype}, torch {torch.__version__}"
+        where = (
+            f"{torch.cuda.get_device_name(0)}, param_dtype {args.param_dtype}; torch {torch.__version__} "
+            f"(CUDA {torch.version.cuda}), transformers {transformers.__version__}"
+        )
     else:
         where = f"{hardware.describe()}, param_dtype {args.param_dtype}"
     print(f"# {where}")

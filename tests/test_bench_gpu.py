@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -132,6 +133,29 @@ def test_should_leave_annotation_ranges_and_host_ops_out_when_it_reads_a_gpu_pro
     # The same events read as a CPU profile: the CPU op alone owns time (FSDP's range and the step's are host).
     cpu = bt.split_time(bt.timed_events(events, gpu=False), (0.0, 10.0))
     assert cpu == pytest.approx({"matmul": 1.0, "idle": 9.0})
+
+
+def test_should_read_a_real_profile_and_add_up_to_its_wall_when_the_step_runs_matmuls() -> None:
+    """torch's own profiler, read both ways: as a CPU profile (the matmuls are most of the step) and as a GPU
+    one, whose Python runs here as on a GPU (the step's range, device events by stream): with no CUDA kernel
+    here the whole step is idle."""
+    import torch
+
+    bt = bench_train()
+    a = torch.randn(256, 256)
+
+    def step() -> None:
+        for _ in range(20):
+            torch.mm(a, a)
+
+    cpu = bt.profile_step(step, gpu=False)
+    assert sum(cpu["split"].values()) == pytest.approx(cpu["wall_s"], rel=1e-9)
+    assert sum(cpu["detail"].values()) == pytest.approx(cpu["wall_s"], rel=1e-9)
+    assert cpu["split"]["matmul"] > 0.5 * cpu["wall_s"], cpu
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's "CUDA is not available, disabling CUDA profiling", here
+        gpu = bt.profile_step(step, gpu=True)  # CPU tensors: no kernel on a GPU machine either
+    assert gpu["split"]["idle"] == pytest.approx(gpu["wall_s"]) and gpu["wall_s"] > 0, gpu
 
 
 # Made unimportable in the bench's processes, as on the GPU machine (torch, transformers and their own

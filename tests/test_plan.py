@@ -169,10 +169,110 @@ def test_should_count_one_tile_of_logits_not_the_whole_micro_batchs_when_the_log
     rows = plan.micro_batch(cfg).logit_rows
     term = plan.training_terms(cfg, shape, 16)["logits"]
     whole = rows * shape.vocab * 2  # the micro-batch's bf16 logits, which the tiled pass never holds
-    # one GPU tile (every position, a block of the vocabulary) and the hidden states' float32 gradient
-    tile = linear_logprobs.tile_elements(torch.device("cuda")) * linear_logprobs.TILE_BYTES
-    assert term == tile + rows * shape.hidden * (4 + 2)
-    assert term < whole / 4
+    # one GPU tile (every position, a block of the vocabulary), eager on a GPU: Gemma 3 caps no logits, the
+    # run samples at temperature 1 and reports entropy, so the forward's float32 copies peak
+    work = plan.head_work(cfg)
+    assert work == {"transform": (), "scaled": False, "with_entropy": True, "fused": None}
+    forward, backward = linear_logprobs.tile_bytes(2, (), False, True, False)
+    assert (forward, backward) == (2 + 4 + 4 + 9, 2 + 4 + 2)  # logits, float32 copy, exp, entropy's 1 + 4 + 4
+    tile = linear_logprobs.tile_elements(torch.device("cuda"))
+    assert term == max(tile * forward, tile * backward + rows * shape.hidden * 4)
+    assert term < whole / 3  # 304 MiB against 1 GiB of bf16 logits (and their float32 copy, 2 GiB)
+
+
+@pytest.mark.parametrize(
+    ("model_type", "keys", "transform"),
+    [
+        ("gemma2", {"final_logit_softcapping": 30.0}, (("softcap", 30.0),)),
+        ("granite", {"logits_scaling": 8.0}, (("mul", 8.0),)),  # divided by: the same memory as a product
+        ("llama", {}, ()),
+    ],
+)
+def test_should_plan_the_heads_transform_when_the_models_config_names_one(
+    model_type, keys, transform, tmp_path
+) -> None:
+    from transformers import AutoConfig
+
+    AutoConfig.for_model(model_type, **keys).save_pretrained(tmp_path)
+    cfg = config.load(["experiment=tiny", f"model.name={tmp_path}", "generation.temperature=0.7"])
+    work = plan.head_work(cfg)
+    assert work["transform"] == transform and work["scaled"] and work["fused"] is None
+
+
+def _peak_bytes(fn) -> int:
+    """The most bytes the CPU allocator held at once while ``fn()`` ran, beyond what it held before: the
+    profiler's record of every allocation, inductor's buffers among them."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted(
+        (e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"
+    )
+    held = peak = 0
+    for _, nbytes in events:
+        held += nbytes
+        peak = max(peak, held)
+    return peak
+
+
+# (dtype, transform, temperature, entropy, fused): the runs whose tiles peak differently
+TILE_CASES = [
+    (torch.bfloat16, (), 0.7, True, False),  # the CPU demo's head, eager: the forward's float32 copies
+    (torch.bfloat16, (("softcap", 30.0),), 1.0, False, False),  # a softcap: the backward peaks
+    (torch.float32, (("mul", 2.0), ("softcap", 30.0)), 0.7, False, False),
+    (torch.float32, (), 1.0, True, False),
+    (torch.bfloat16, (("softcap", 30.0),), 0.7, True, True),  # fused: the logits and their gradient
+    (torch.float32, (), 1.0, True, True),
+]
+
+
+@pytest.mark.parametrize(
+    ("dtype", "transform", "temperature", "entropy", "fused"),
+    TILE_CASES,
+    ids=[f"{str(c[0])[6:]}-{'+'.join(op for op, _ in c[1]) or 'plain'}-T{c[2]}{'-entropy' if c[3] else ''}"
+         f"-{'fused' if c[4] else 'eager'}" for c in TILE_CASES],
+)  # fmt: skip
+def test_should_plan_the_tiled_head_within_a_quarter_of_the_peak_torch_measures_when_logprobs_are_tiled(
+    dtype, transform, temperature, entropy, fused, monkeypatch
+) -> None:
+    """The plan's logit term against the peak the CPU allocator reaches in the tiled head's forward and in
+    its backward (less the weight's gradient, which the plan counts among the gradients), on a CPU tile of
+    1024 positions x 512 vocabulary entries."""
+    import types
+
+    from trainer.algorithms import linear_logprobs
+    from trainer.policy import forward as policy_forward
+
+    monkeypatch.setattr(
+        policy_forward, "TILE_ABOVE_BYTES", 0
+    )  # the head here is small; its tiles are checked
+    rows, hidden_size, vocab = 1024, 64, 8192
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(rows, hidden_size, generator=g).to(dtype).requires_grad_()
+    weight = (torch.randn(vocab, hidden_size, generator=g) * 0.2).to(dtype).requires_grad_()
+    labels = torch.randint(0, vocab, (rows,), generator=g)
+    held: dict[str, torch.Tensor] = {}
+
+    def forward() -> None:
+        held["lp"] = linear_logprobs.linear_logprobs(hidden, weight, None, labels, temperature=temperature,
+                                                     transform=transform, with_entropy=entropy, fused=fused)[0]  # fmt: skip
+
+    def backward() -> None:
+        torch.autograd.grad(held["lp"].sum(), [hidden, weight])
+
+    forward()
+    backward()  # compiled, where fused, before anything is measured
+    forward()
+    measured_forward = _peak_bytes(forward)
+    measured_backward = _peak_bytes(backward) - vocab * hidden_size * hidden.element_size()
+    measured = max(measured_forward, measured_backward)
+    shape = types.SimpleNamespace(vocab=vocab, hidden=hidden_size)
+    planned = plan.logit_bytes(shape, rows, hidden.element_size(), gpu=False, transform=transform,  # type: ignore[arg-type]
+                               scaled=temperature != 1.0, with_entropy=entropy, fused=fused)  # fmt: skip
+    assert linear_logprobs.tiles(rows, vocab, linear_logprobs.tile_elements(hidden.device)) == (1024, 512)
+    print(f"planned/measured {planned / measured:.3f}")
+    assert 0.75 <= planned / measured <= 1.25, (planned, measured_forward, measured_backward)
 
 
 # ----- a mixture of experts: Qwen3-30B-A3B ------------------------------------------------------------

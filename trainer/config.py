@@ -567,6 +567,13 @@ class PolicyConfig:
         "the engine weight sync to the next forward.",
     )
     compute_entropy: bool = doc(True, "Report the policy's token entropy each step (train/entropy).")
+    fused_head: bool | None = doc(
+        None,
+        "The tiled LM head's tiles compiled (torch.compile: the matmul, then one fused pass over the tile; about "
+        "a fifth of the eager tile's memory) instead of run op by op, the same logprobs to float32 rounding. "
+        "null: on CPU, where it measured faster (bench/bench_head.py); eager on GPUs until make bench-gpu "
+        "measures it. Needs a C++ compiler on CPU.",
+    )
     unchecked_head: bool = doc(
         False,
         "Start even when the LM head's start-up self-check finds its logprobs off the model's own logits "

@@ -73,7 +73,7 @@ def test_should_equal_the_logits_pass_when_logprobs_come_from_hidden_states_a_ti
                                                          with_entropy=True)  # fmt: skip
     want_grads = torch.autograd.grad((want * upstream).sum(), leaves)
     got, got_entropy = ll.linear_logprobs(hidden, weight, b, labels, temperature=0.7, softcap=softcap,
-                                          with_entropy=True, budget=budget)  # fmt: skip
+                                          with_entropy=True, budget=budget, fused=False)  # fmt: skip
     got_grads = torch.autograd.grad((got * upstream).sum(), leaves)
 
     assert got.shape == labels.shape and got.dtype == torch.float32 and not got_entropy.requires_grad
@@ -86,6 +86,96 @@ def test_should_equal_the_logits_pass_when_logprobs_come_from_hidden_states_a_ti
         # sums over hundreds of vocabulary entries in another order: rounding is relative to their scale
         torch.testing.assert_close(a, e, rtol=RTOL, atol=ATOL * float(e.abs().max()))
         assert a.abs().max() > 0, name
+
+
+# (dtype, bias, transform, temperature, entropy): each its own compiled graph, so a few, each op among them
+FUSED_CASES = [
+    (torch.float32, False, (), 1.0, False),
+    (torch.float32, True, (("softcap", 4.0),), 0.7, True),
+    (torch.float32, True, (("mul", 1.5), ("div", 2.0)), 0.7, True),
+    (torch.bfloat16, True, (("softcap", 4.0),), 0.7, True),
+    (torch.bfloat16, False, (("div", 2.0),), 1.0, True),
+    (torch.bfloat16, False, (), 0.7, False),
+]
+
+
+@pytest.mark.parametrize(
+    ("dtype", "bias", "transform", "temperature", "entropy"),
+    FUSED_CASES,
+    ids=[f"{str(c[0])[6:]}-{'bias-' if c[1] else ''}{'+'.join(op for op, _ in c[2]) or 'plain'}-T{c[3]}"
+         f"{'-entropy' if c[4] else ''}" for c in FUSED_CASES],
+)  # fmt: skip
+def test_should_give_the_eager_tiles_logprobs_and_gradients_when_the_tiles_run_fused(
+    dtype, bias, transform, temperature, entropy
+):
+    """The compiled tiles against the eager ones (to float32 rounding: the same ops, 16-bit roundings where
+    eager rounds), and both against the plain head (``F.linear``, the transform as the model runs it, then
+    the chunked float32 log-softmax): 37 positions in chunks of 3 (the last of 1) and blocks of 256 vocabulary
+    entries (the last of 188)."""
+    g = torch.Generator().manual_seed(0)
+    n, h, v = 37, 16, 700
+    hidden = torch.randn(n, h, generator=g).to(dtype).requires_grad_()
+    weight = (torch.randn(v, h, generator=g) * 0.5).to(dtype).requires_grad_()
+    b = torch.randn(v, generator=g).to(dtype).requires_grad_() if bias else None
+    labels = torch.randint(0, v, (n,), generator=g)
+    upstream = torch.randn(n, generator=g)
+    leaves = [hidden, weight] + ([b] if bias else [])
+
+    logits = F.linear(hidden, weight, b)
+    for op, c in transform:  # the model's forward, in the logits' dtype
+        logits = logits * c if op == "mul" else logits / c if op == "div" else torch.tanh(logits / c) * c
+    want, want_entropy = core_algos.logprobs_and_entropy(logits, labels, chunk_size=7, temperature=temperature,
+                                                         with_entropy=True)  # fmt: skip
+    want_grads = torch.autograd.grad((want * upstream).sum(), leaves)
+    runs = {}
+    for fused in (False, True):
+        lp, ent = ll.linear_logprobs(hidden, weight, b, labels, temperature=temperature, transform=transform,
+                                     with_entropy=entropy, budget=1000, fused=fused)  # fmt: skip
+        runs[fused] = (lp, ent, torch.autograd.grad((lp * upstream).sum(), leaves))
+    (lp, ent, grads), (eager_lp, eager_ent, eager_grads) = runs[True], runs[False]
+
+    assert lp.dtype == torch.float32 and (ent is None) == (not entropy)
+    torch.testing.assert_close(lp, eager_lp, rtol=RTOL, atol=ATOL)
+    if entropy:
+        torch.testing.assert_close(ent, eager_ent, rtol=RTOL, atol=ATOL * float(logits.detach().abs().max()))
+    # a 16-bit gradient may round the other way where its float32 value lies on a rounding boundary
+    rtol = RTOL if dtype == torch.float32 else 2**-7
+    for name, a, e in zip(("hidden", "weight", "bias"), grads, eager_grads):
+        assert a.dtype == dtype, name
+        torch.testing.assert_close(
+            a.float(), e.float(), rtol=rtol, atol=ATOL * float(e.abs().max()), msg=name
+        )
+    # both against the plain head: float32 to its rounding; bfloat16 to a unit in the last place of a logit
+    tol = dict(rtol=RTOL, atol=1e-5) if dtype == torch.float32 else dict(rtol=0.0, atol=2e-2)
+    torch.testing.assert_close(lp, want, **tol)
+    if entropy:
+        torch.testing.assert_close(ent, want_entropy, **tol)
+    for name, a, e in zip(("hidden", "weight", "bias"), grads, want_grads):
+        scale = float(e.abs().max())
+        assert scale > 0, name
+        if dtype == torch.float32:
+            torch.testing.assert_close(a, e, rtol=RTOL, atol=ATOL * scale, msg=name)
+        else:  # blocks rounded to bfloat16 one by one, the plain head's gradient once
+            assert float((a.float() - e.float()).abs().max()) <= 2e-2 * scale, name
+
+
+def test_should_compile_each_tile_a_bounded_number_of_times_when_the_row_count_changes_every_call():
+    """Packed micro-batches project a different number of positions each time, and the last vocabulary block
+    is narrower than the others: the compiled tiles take every size symbolically (a size of 1 once more)."""
+    from torch._dynamo.utils import counters
+
+    g = torch.Generator().manual_seed(1)
+    weight = torch.randn(700, 16, generator=g, requires_grad=True)
+    torch._dynamo.reset()  # the graphs of earlier tests would be reused: count this test's own
+    ll._FUSED.clear()
+    counters.clear()
+    for n in (37, 50, 64, 91, 129, 200, 333, 40, 12):
+        hidden = torch.randn(n, 16, generator=g, requires_grad=True)
+        lp, _ = ll.linear_logprobs(hidden, weight, None, torch.randint(0, 700, (n,), generator=g),
+                                   temperature=0.7, with_entropy=True, budget=1000, fused=True)  # fmt: skip
+        lp.sum().backward()
+    graphs = counters["stats"]["unique_graphs"]
+    assert 2 <= graphs <= 4, dict(counters["stats"])  # one forward, one backward, and a 1-row chunk each
 
 
 def test_should_give_no_gradient_to_the_head_when_there_is_no_position_to_score():

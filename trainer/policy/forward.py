@@ -85,6 +85,7 @@ class TiledHead:
         self.transform = transform
         self.temperature = temperature if temperature > 0 else 1.0  # score the distribution we sampled from
         self.with_entropy = with_entropy
+        self.fused = model.__dict__.get(_FUSED)  # the run's policy.fused_head (fix_rows); None: the device's
 
     def project(self, model, labels: torch.Tensor, keep: Callable[[torch.Tensor], torch.Tensor], **inputs):
         head = self.head
@@ -93,7 +94,7 @@ class TiledHead:
             """(..., H) hidden at every position the model kept -> logprobs (and entropy) of ``labels``."""
             lp, ent = linear_logprobs(keep(hidden), head.weight, head.bias, labels.to(hidden.device),
                                       temperature=self.temperature, transform=self.transform,
-                                      with_entropy=self.with_entropy)  # fmt: skip
+                                      with_entropy=self.with_entropy, fused=self.fused)  # fmt: skip
             return (lp, ent), out.past_key_values
 
         return _root_forward(model)(finish, **inputs)
@@ -338,6 +339,7 @@ def describe(transform: Transform | None) -> str:
 # 256 MiB, e.g. 1,300 positions of SmolLM2's 49k vocabulary, or 256 of Gemma 3's 262k.
 TILE_ABOVE_BYTES = 256 << 20
 _ROWS = "_kuberl_head_rows"  # the attribute fix_rows sets on a model
+_FUSED = "_kuberl_fused_head"  # and the run's policy.fused_head
 
 
 def tiled_head(model) -> bool:
@@ -361,11 +363,14 @@ def run_rows(policy) -> int:
     )
 
 
-def fix_rows(model, rows: int) -> None:
+def fix_rows(model, rows: int, fused: bool | None = None) -> None:
     """Every later :func:`forward_logprobs` of ``model`` picks its head for ``rows`` positions (the run's
     largest micro-batch, :func:`run_rows`), whatever the size of the micro-batch it is given: one head for the
-    whole run, so a step's logprob pass and training pass agree (the module docstring)."""
+    whole run, so a step's logprob pass and training pass agree (the module docstring). ``fused``: the run's
+    ``policy.fused_head``, whether the tiles run compiled (None: the device's default,
+    :func:`trainer.algorithms.linear_logprobs.fused_default`)."""
     model.__dict__[_ROWS] = rows
+    model.__dict__[_FUSED] = fused
 
 
 def takes_tiles(model, rows: int) -> bool:

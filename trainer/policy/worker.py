@@ -283,7 +283,7 @@ class PolicyWorker:
         rows = forward.run_rows(cfg.policy)
         for model in (self.model, self.ref_model):
             if model is not None:
-                forward.fix_rows(model, rows)
+                forward.fix_rows(model, rows, fused=cfg.policy.fused_head)
         ids = self.tokenizer("The quick brown fox jumps over the lazy dog. 2 + 3 = 5")["input_ids"]
         batch = self._batch([Sample(prompt_ids=ids[:1], response_ids=ids[1:])], prefix=False)
         line = forward.check_head(self.model, batch, self.device, self.attention, cfg.generation.temperature,

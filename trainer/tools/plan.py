@@ -211,7 +211,7 @@ def training_terms(cfg, shape: Shape, world: int) -> dict[str, float]:
     else:
         saved = shape.layers * block_activation_bytes(shape, mb.tokens, compute, sp)
     terms["activations"] = saved
-    terms["logits"] = logit_bytes(shape, mb.logit_rows, compute, cfg.cluster.use_gpus)
+    terms["logits"] = logit_bytes(shape, mb.logit_rows, compute, cfg.cluster.use_gpus, **head_work(cfg))
     if replays_routes(cfg, shape):
         # The engine's expert ids for the micro-batch's tokens, as int64 indices at most (what gathers take).
         assert shape.moe is not None
@@ -219,10 +219,13 @@ def training_terms(cfg, shape: Shape, world: int) -> dict[str, float]:
     return terms
 
 
-def logit_bytes(shape: Shape, rows: int, dtype_bytes: int, gpu: bool = True) -> float:
-    """The logprob pass at its peak: one (positions x vocabulary block) tile of logits, their float32
-    copy and gradient (:mod:`trainer.algorithms.linear_logprobs`), and the float32 gradient of the ``rows``
-    hidden states it sums over the blocks, beside its cast to the model's dtype. Logits that stay under
+def logit_bytes(shape: Shape, rows: int, dtype_bytes: int, gpu: bool = True, *, transform: tuple = (),
+                scaled: bool = False, with_entropy: bool = True, fused: bool | None = None) -> float:  # fmt: skip
+    """The logprob pass at its peak: one (positions x vocabulary block) tile at the bytes per element the
+    tile holds for what the run does (:func:`trainer.algorithms.linear_logprobs.tile_bytes`: the model's
+    ``transform`` after its head, a temperature other than 1, entropy, eager or ``fused`` tiles, None: the
+    device's default), in forward, or in backward beside the float32 gradient of the ``rows`` hidden states it
+    sums over the blocks; at the end that gradient beside its cast to the model's dtype. Logits that stay under
     :data:`trainer.policy.forward.TILE_ABOVE_BYTES` are projected whole: then they and their gradient."""
     import torch
 
@@ -232,10 +235,45 @@ def logit_bytes(shape: Shape, rows: int, dtype_bytes: int, gpu: bool = True) -> 
     if rows * shape.vocab * 4 <= TILE_ABOVE_BYTES:
         return 2 * rows * shape.vocab * dtype_bytes
 
-    budget = linear_logprobs.tile_elements(torch.device("cuda" if gpu else "cpu"))
+    device = torch.device("cuda" if gpu else "cpu")
+    budget = linear_logprobs.tile_elements(device)
     step, block = linear_logprobs.tiles(rows, shape.vocab, budget)
-    tile = min(rows, step) * block * linear_logprobs.TILE_BYTES
-    return tile + rows * shape.hidden * (4 + dtype_bytes)
+    fused = linear_logprobs.fused_default(device) if fused is None else fused
+    forward, backward = linear_logprobs.tile_bytes(dtype_bytes, transform, scaled, with_entropy, fused)
+    tile = min(rows, step) * block
+    grad_hidden = rows * shape.hidden * 4
+    return max(tile * forward, tile * backward + grad_hidden, grad_hidden + rows * shape.hidden * dtype_bytes)
+
+
+def head_work(cfg) -> dict:
+    """What the run's training pass does in the LM head's tiles, as :func:`logit_bytes` counts it: the
+    transform the model's config names after the head (a softcap per softcapping key, a scale per multiplier
+    other than 1: :data:`trainer.policy.forward.TRANSFORM_KEYS`), the sampling temperature, entropy, and
+    ``policy.fused_head``."""
+    from trainer.models.shape import _hf_config
+    from trainer.policy.forward import TRANSFORM_KEYS
+
+    try:
+        config = _hf_config(cfg.model.name, cfg.model.trust_remote_code)[0]
+    except ShapeError:  # model_shape already said so; the head's work is then that of a plain head
+        config = None
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    transform = []
+    for key in TRANSFORM_KEYS:
+        value = getattr(text, key, None)
+        if key == "unpadded_vocab_size" or value is None or isinstance(value, bool):
+            continue
+        if "soft" in key:
+            transform.append(("softcap", float(value)))
+        elif value != 1:
+            transform.append(("mul", float(value)))
+    temperature = cfg.generation.temperature
+    return {
+        "transform": tuple(transform),
+        "scaled": temperature > 0 and temperature != 1,
+        "with_entropy": cfg.policy.compute_entropy,
+        "fused": cfg.policy.fused_head,
+    }
 
 
 def training_peak(cfg, shape: Shape, world: int) -> float:

@@ -566,6 +566,13 @@ class PolicyConfig:
         "FSDP2: free gathered parameters after forward (ZeRO-3 style); false keeps them for backward and from "
         "the engine weight sync to the next forward.",
     )
+    compile: bool | None = doc(
+        None,
+        "torch.compile each decoder block's forward (regional, inside FSDP2, as torchtitan does: fused norms, "
+        "rotary embeddings and activations; the attention call stays eager), any packed length without "
+        "recompiling. The compile time is printed once, after the first step. null: on GPUs, off on CPU. Never "
+        "an MoE policy's (true is refused there).",
+    )
     compute_entropy: bool = doc(True, "Report the policy's token entropy each step (train/entropy).")
     fused_head: bool | None = doc(
         None,

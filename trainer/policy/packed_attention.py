@@ -89,6 +89,10 @@ class Row:
         return self._on[device]
 
 
+# Never inside a compiled graph (policy.compile compiles the decoder blocks around it): a packed row's loop
+# over its samples reads their boundaries as numbers, which a graph would be specialised on, one compile per
+# set of lengths; torch's varlen kernel and the Ulysses all-to-alls are one call each, as fast eager.
+@torch.compiler.disable
 def attention(
     module,
     query,

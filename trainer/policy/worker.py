@@ -48,6 +48,7 @@ heap.pause_for_actor("trainer.policy.worker.PolicyWorker")
 import datetime
 import logging
 import os
+import time
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -82,8 +83,23 @@ log = logging.getLogger(__name__)
 RANK_IMPORTS = ("transformers.modeling_utils", "torch.distributed.fsdp", "torch.distributed.checkpoint")
 
 
-def shard_model(model: torch.nn.Module, reshard_after_forward: bool, mp_dtype: torch.dtype | None) -> None:
-    """FSDP2: each transformer block is its own unit, so only one block is gathered at a time."""
+def shard_model(
+    model: torch.nn.Module,
+    reshard_after_forward: bool,
+    mp_dtype: torch.dtype | None,
+    *,
+    compile_blocks: bool = False,
+    reshard_root: bool | None = None,
+) -> int:
+    """FSDP2: each transformer block is its own unit, so only one block is gathered at a time; the number
+    of blocks. ``reshard_after_forward`` is the blocks'. The root (embeddings, final norm, lm_head: 233M
+    parameters at Gemma 3 sizes, tied) keeps FSDP2's own default unless ``reshard_root`` says otherwise:
+    gathered from its forward to its backward, which reads the head's weight right after the forward ends,
+    so a training micro-batch gathers it once instead of twice, and a logprob pass keeps it across its
+    micro-batches. The backward reshards it; a pass without a backward leaves it gathered until the
+    training step's backward, or until :meth:`PolicyWorker.train` reshards it before an optimizer step
+    that had no backward to do so. ``compile_blocks``: each block's forward is compiled
+    (:func:`compile_block`) before ``fully_shard`` wraps the block, as torchtitan orders them."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = (
@@ -94,8 +110,86 @@ def shard_model(model: torch.nn.Module, reshard_after_forward: bool, mp_dtype: t
     block_types = set(getattr(model, "_no_split_modules", None) or [])
     blocks = [m for m in model.modules() if type(m).__name__ in block_types]
     for block in blocks:
+        if compile_blocks:
+            compile_block(block)
         fully_shard(block, reshard_after_forward=reshard_after_forward, mp_policy=mp)
-    fully_shard(model, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+    fully_shard(model, reshard_after_forward=reshard_root, mp_policy=mp)
+    return len(blocks)
+
+
+def compile_block(block: torch.nn.Module) -> None:
+    """Regional torch.compile: the block's ``forward`` becomes one compiled function, shared by every block
+    of its class (dynamo lifts a module's parameters to graph inputs, so the blocks reuse one graph).
+
+    The forward, not the whole ``__call__``: FSDP2's hooks (the all-gather before, the reshard after) and a
+    checkpointed layer's ``__call__`` stay eager around it, as dynamo would run them anyway
+    (``skip_fsdp_hooks``), and a pre-hook of ours marks the sequence dimension of the block's inputs
+    dynamic before the compiled forward sees them: packed rows change length every micro-batch, and with
+    the mark the graph before the attention is compiled once for any length (unmarked, dynamo compiles the
+    first length, then again for any once it sees another; the pieces after the attention, whose output
+    is a new tensor, still do that, once). The attention call is left out of the graph
+    (:func:`trainer.policy.packed_attention.attention` is never compiled): a packed row's per-sample loop
+    reads the row's boundaries as numbers, which a graph would specialise on, recompiling for every new
+    set of lengths. Every layout runs compiled (packed, padded, the shared prompt's KV cache), under
+    activation checkpointing, with LoRA adapters and with Ulysses sequence parallelism (its all-to-alls
+    are in the eager attention)."""
+    block.register_forward_pre_hook(_mark_sequence_dynamic, with_kwargs=True)
+    block.forward = torch.compile(block.forward)  # the instance's attribute: see above
+
+
+def _mark_sequence_dynamic(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    """Mark dimension 1 of the block's (B, T, ...) inputs dynamic: hidden states (B, T, H), position ids
+    (B, T), the rotary cos/sin (B, T, D). ``maybe``: where the graph needs the size fixed (a one-token row,
+    a padded layout's (B, 1, T, T) mask) dynamo specialises instead of raising, and recompiles once on
+    another size as it would unmarked."""
+    for t in (*args, *kwargs.values(), *(kwargs.get("position_embeddings") or ())):
+        if isinstance(t, torch.Tensor) and t.dim() >= 2:
+            torch._dynamo.maybe_mark_dynamic(t, 1)
+
+
+def compiles(cfg: Config, model: torch.nn.Module) -> bool:
+    """Whether the run compiles ``model``'s decoder blocks: ``policy.compile``, or where it is null, on a GPU
+    (torchtitan's experience: fused norms, rotary and activations) and not on a CPU (the config's doc has
+    the figures). Never an MoE policy's: its routers record and replay routes through Python state set per
+    forward (:mod:`trainer.models.moe`), which a compiled graph would guard on or bake in; asked for
+    explicitly, that is an error in one line."""
+    wanted = cfg.policy.compile if cfg.policy.compile is not None else cfg.cluster.use_gpus
+    if wanted and moe.routers(model):
+        if cfg.policy.compile:
+            raise moe.MoEError(
+                "policy.compile=true: an MoE policy's blocks are not compiled (their routers' record and "
+                "replay hooks run per forward); set policy.compile=false"
+            )
+        return False
+    return wanted
+
+
+class CompileClock:
+    """Seconds torch.compile spends compiling in this process, and how many compilations: dynamo's
+    compile-start and compile-end callbacks, which a lazily compiled backward runs too."""
+
+    def __init__(self) -> None:
+        from torch._dynamo.callback import callback_handler
+
+        self.seconds, self.count = 0.0, 0
+        self._start: float | None = None
+        callback_handler.register_start_callback(self._started)
+        callback_handler.register_end_callback(self._ended)
+
+    def _started(self, args: Any) -> None:
+        self._start = time.perf_counter()
+
+    def _ended(self, args: Any) -> None:
+        if self._start is not None:
+            self.seconds += time.perf_counter() - self._start
+            self.count += 1
+            self._start = None
+
+    def close(self) -> None:
+        from torch._dynamo.callback import callback_handler
+
+        callback_handler.remove_start_callback(self._started)
+        callback_handler.remove_end_callback(self._ended)
 
 
 def freeze(model: torch.nn.Module, patterns: list[str]) -> int:
@@ -139,6 +233,8 @@ class PolicyWorker:
         self._fused_rows = False  # whether packed rows run one fused varlen call (set in setup)
         self.routing: moe.Routing | None = None  # an MoE policy's routers (trainer.models.moe), set in setup
         self._engine_awake = False  # whether the colocated engine may hold device memory (steps 1-3 above)
+        self.compile_clock: CompileClock | None = None  # with policy.compile (set in setup)
+        self._compile_report: str | None = None  # what the first step reports compiled, then None
         self.device = torch.device("cuda", 0) if cfg.cluster.use_gpus else torch.device("cpu")
         if not cfg.cluster.use_gpus:
             from trainer.cluster import setup_cpu_process  # imports ray: tests/gpu runs a rank without it
@@ -229,7 +325,13 @@ class PolicyWorker:
             ):  # frozen embeddings: a checkpointed block's input must still need grad
                 model.enable_input_require_grads()
         model.config.use_cache = False
-        shard_model(model, cfg.policy.reshard_after_forward, DTYPES.get(cfg.policy.param_dtype or ""))
+        compiled = compiles(cfg, model)
+        if self.rank == 0 and not compiled and cfg.policy.compile is None and cfg.cluster.use_gpus:
+            print("kuberl: policy.compile: off for an MoE policy (its routers' hooks run eager)", flush=True)
+        self.compile_clock = CompileClock() if compiled else None
+        blocks = shard_model(model, cfg.policy.reshard_after_forward, DTYPES.get(cfg.policy.param_dtype or ""),
+                             compile_blocks=compiled)  # fmt: skip
+        self._compile_report = f"{blocks} blocks" if compiled else None  # said once, after the first step
         if self.rank != 0:
             host = None  # a colocated hf engine's copy is made; only rank 0's feeds the shards
         load_shards(model, host, self.device)
@@ -244,7 +346,14 @@ class PolicyWorker:
             ref.requires_grad_(False)
             if self.attention is not None:  # the same attention as the policy's: its rows serve both
                 packed_attention.install(ref, cfg.model.attn_implementation or "sdpa", self.sp)
-            shard_model(ref, True, DTYPES.get(cfg.policy.param_dtype or ""))
+            # Its root reshards after each forward: the reference never runs a backward that would free it.
+            shard_model(
+                ref,
+                True,
+                DTYPES.get(cfg.policy.param_dtype or ""),
+                compile_blocks=compiled,
+                reshard_root=True,
+            )
             load_shards(ref, host, self.device)
             self.ref_model = ref.eval()
         del host
@@ -613,6 +722,10 @@ class PolicyWorker:
                     add(key, value)
                 if entropy is not None:
                     add("entropy", (entropy * mask).sum())
+            # The root stays gathered after a forward without a backward (a logprob pass, shard_model says why),
+            # until a backward frees it: with no micro-batch none did. Sharded, its parameters are the ones the
+            # optimizer holds, and the next forward gathers what the step wrote, not a copy from before it.
+            self._reshard()
             if not mbs:  # nothing with a policy gradient: a zero gradient, so Adam still steps as it would
                 for param in self._trainable():
                     param.grad = torch.zeros_like(param)
@@ -640,7 +753,19 @@ class PolicyWorker:
         out = objective.metrics(reduced, steps=len(minibatches))
         out.update(routing)
         out["lr"] = float(self.scheduler.get_last_lr()[0])  # a float already (torch's stub allows a tensor)
+        self._report_compile()
         return out
+
+    def _report_compile(self) -> None:
+        """With ``policy.compile``, once, after the first training step (compiling is lazy: the step's logprob
+        and training passes compiled what they ran, the backward included): what it cost."""
+        if self._compile_report is None or self.compile_clock is None:
+            return
+        clock = self.compile_clock
+        if self.rank == 0:
+            print(f"kuberl: policy.compile: {self._compile_report} compiled in {clock.seconds:.1f} s "
+                  f"({clock.count} compilations by the end of the first step)", flush=True)  # fmt: skip
+        self._compile_report = None
 
     def perf_stats(self) -> dict[str, Any]:
         """This rank's peak memory since the last call and its device's peak FLOP/s for the policy's compute
@@ -681,6 +806,11 @@ class PolicyWorker:
         dcp.load(path, self.model, self.optimizer, self.scheduler, lora=self.lora is not None)
 
     def shutdown(self) -> None:
+        if (clock := getattr(self, "compile_clock", None)) is not None:
+            clock.close()
+            from torch._inductor.async_compile import shutdown_compile_workers
+
+            shutdown_compile_workers()  # inductor's pool of compiler processes, where it started one
         if (engine := getattr(self, "engine", None)) is not None:
             engine.shutdown()
         if dist.is_initialized():

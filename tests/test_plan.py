@@ -176,7 +176,7 @@ def test_should_count_one_tile_of_logits_not_the_whole_micro_batchs_when_the_log
     forward, backward = linear_logprobs.tile_bytes(2, (), False, True, False)
     assert (forward, backward) == (2 + 4 + 4 + 9, 2 + 4 + 2)  # logits, float32 copy, exp, entropy's 1 + 4 + 4
     tile = linear_logprobs.tile_elements(torch.device("cuda"))
-    assert term == max(tile * forward, tile * backward + rows * shape.hidden * 4)
+    assert term == max(tile * forward, tile * backward + rows * shape.hidden * (4 + 2))
     assert term < whole / 3  # 304 MiB against 1 GiB of bf16 logits (and their float32 copy, 2 GiB)
 
 

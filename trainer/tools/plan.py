@@ -225,7 +225,8 @@ def logit_bytes(shape: Shape, rows: int, dtype_bytes: int, gpu: bool = True, *, 
     tile holds for what the run does (:func:`trainer.algorithms.linear_logprobs.tile_bytes`: the model's
     ``transform`` after its head, a temperature other than 1, entropy, eager or ``fused`` tiles, None: the
     device's default), in forward, or in backward beside the float32 gradient of the ``rows`` hidden states it
-    sums over the blocks; at the end that gradient beside its cast to the model's dtype. Logits that stay under
+    sums over the blocks (and, in 16 bits, each block's share of it before the sum); at the end that gradient
+    beside its cast to the model's dtype. Logits that stay under
     :data:`trainer.policy.forward.TILE_ABOVE_BYTES` are projected whole: then they and their gradient."""
     import torch
 
@@ -242,7 +243,13 @@ def logit_bytes(shape: Shape, rows: int, dtype_bytes: int, gpu: bool = True, *, 
     forward, backward = linear_logprobs.tile_bytes(dtype_bytes, transform, scaled, with_entropy, fused)
     tile = min(rows, step) * block
     grad_hidden = rows * shape.hidden * 4
-    return max(tile * forward, tile * backward + grad_hidden, grad_hidden + rows * shape.hidden * dtype_bytes)
+    # a 16-bit block's product G @ W_b is made before it is added to the float32 sum
+    product = rows * shape.hidden * dtype_bytes if dtype_bytes < 4 else 0
+    return max(
+        tile * forward,
+        tile * backward + grad_hidden + product,
+        grad_hidden + rows * shape.hidden * dtype_bytes,
+    )
 
 
 def head_work(cfg) -> dict:

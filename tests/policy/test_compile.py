@@ -200,6 +200,7 @@ def test_should_step_the_weights_the_next_forward_gathers_when_a_step_had_no_bac
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=0)
 
 
+@pytest.mark.integration  # builds two (meta) models: transformers' MoE modeling is seconds of import
 @pytest.mark.parametrize("setting", [True, None])
 def test_should_refuse_or_leave_eager_an_moe_policy_when_compile_is_asked_or_left_to_the_gpu(setting):
     """An MoE policy's routers record and replay routes per forward: ``policy.compile=true`` is refused in one

@@ -225,11 +225,12 @@ TILE_CASES = [
     (torch.bfloat16, (("softcap", 30.0),), 0.7, True, True),  # fused: the logits and their gradient
     (torch.float32, (), 1.0, True, True),
 ]
+COMPILES = pytest.mark.integration  # a fused case compiles its tiles: that starts a C++ compiler
 
 
 @pytest.mark.parametrize(
     ("dtype", "transform", "temperature", "entropy", "fused"),
-    TILE_CASES,
+    [pytest.param(*c, marks=[COMPILES] if c[4] else []) for c in TILE_CASES],
     ids=[f"{str(c[0])[6:]}-{'+'.join(op for op, _ in c[1]) or 'plain'}-T{c[2]}{'-entropy' if c[3] else ''}"
          f"-{'fused' if c[4] else 'eager'}" for c in TILE_CASES],
 )  # fmt: skip

@@ -99,6 +99,7 @@ FUSED_CASES = [
 ]
 
 
+@pytest.mark.integration  # compiling starts a C++ compiler
 @pytest.mark.parametrize(
     ("dtype", "bias", "transform", "temperature", "entropy"),
     FUSED_CASES,
@@ -159,6 +160,7 @@ def test_should_give_the_eager_tiles_logprobs_and_gradients_when_the_tiles_run_f
             assert float((a.float() - e.float()).abs().max()) <= 2e-2 * scale, name
 
 
+@pytest.mark.integration  # compiling starts a C++ compiler
 def test_should_compile_each_tile_a_bounded_number_of_times_when_the_row_count_changes_every_call():
     """Packed micro-batches project a different number of positions each time, and the last vocabulary block
     is narrower than the others: the compiled tiles take every size symbolically (a size of 1 once more)."""

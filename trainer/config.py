@@ -580,8 +580,9 @@ class PolicyConfig:
         None,
         "The tiled LM head's tiles compiled (torch.compile: the matmul, then one fused pass over the tile; about "
         "a fifth of the eager tile's memory) instead of run op by op, the same logprobs to float32 rounding. "
-        "null: on CPU, where it measured faster (bench/bench_head.py); eager on GPUs until make bench-gpu "
-        "measures it. Needs a C++ compiler on CPU.",
+        "null: eager for now (trainer.algorithms.linear_logprobs.fused_default: on CPU the head alone ran 1.05-2x "
+        "faster, but each variant compiles for 20-30 s per rank and a demo-sized step did not gain; GPUs wait "
+        "for make bench-gpu). Needs a C++ compiler on CPU.",
     )
     unchecked_head: bool = doc(
         False,

@@ -79,12 +79,13 @@ def _prompt(tok) -> list[int]:
     return tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=False)
 
 
-def _use_head(model, tiled: bool) -> None:
+def _use_head(model, tiled: bool, fused: bool | None = None) -> None:
     """Fix the head every later forward_logprobs of ``model`` takes, as a run does (forward.fix_rows): rows
-    whose float32 logits pass TILE_ABOVE_BYTES take the tiled head, a single row the plain one."""
+    whose float32 logits pass TILE_ABOVE_BYTES take the tiled head, a single row the plain one; ``fused``:
+    the tiles compiled (policy.fused_head)."""
     vocab = model.get_output_embeddings().weight.shape[0]
     rows = forward.TILE_ABOVE_BYTES // (4 * vocab) + 1 if tiled else 1
-    forward.fix_rows(model, rows)
+    forward.fix_rows(model, rows, fused=fused)
     assert forward.takes_tiles(model, rows) == tiled
 
 
@@ -102,10 +103,15 @@ def _own(model, samples: list[Sample], temperature: float) -> list[torch.Tensor]
 
 
 def _trainer(
-    model, samples: list[Sample], temperature: float, tiled: bool, packed: bool = True
+    model,
+    samples: list[Sample],
+    temperature: float,
+    tiled: bool,
+    packed: bool = True,
+    fused: bool | None = None,
 ) -> list[list[float]]:
     """The trainer's (L,) response logprobs of each sample (forward_logprobs), through the head named."""
-    _use_head(model, tiled)
+    _use_head(model, tiled, fused)
     batch = pack_batch(samples, pad_id=0) if packed else pad_batch(samples, pad_id=0)
     with torch.no_grad():
         logprobs, _ = forward.forward_logprobs(model, batch, CPU, None, temperature)
@@ -140,15 +146,17 @@ def test_should_give_the_models_own_logprobs_through_either_head_when_the_family
     gaps = {}
     for temperature in TEMPERATURES:
         want = _own(model, samples, temperature)
-        for tiled in (False, True):
+        # the plain head, the tiled head's eager tiles, and its compiled tiles (policy.fused_head=true)
+        for head in ("plain", "tiled", "fused"):
+            tiled, fused = head != "plain", head == "fused"
             for packed in (True, False):
-                got = _trainer(model, samples, temperature, tiled, packed)
-                case = f"{family} T={temperature} {'tiled' if tiled else 'plain'} {'packed' if packed else 'padded'}"
+                got = _trainer(model, samples, temperature, tiled, packed, fused)
+                case = f"{family} T={temperature} {head} {'packed' if packed else 'padded'}"
                 for g, w in zip(got, want):
                     torch.testing.assert_close(
                         torch.tensor(g), w, rtol=EXACT, atol=EXACT, msg=lambda m, case=case: f"{case}: {m}"
                     )
-                gaps[(temperature, tiled, packed)] = _gap(got, want)
+                gaps[(temperature, head, packed)] = _gap(got, want)
     for tiled in (False, True):
         _use_head(model, tiled)
         line = forward.check_head(model, pack_batch(samples, 0), CPU, None, 1.0, torch.float32)

@@ -214,9 +214,13 @@ def _compilable() -> bool:
 
 
 def fused_default(device: torch.device) -> bool:
-    """Whether a tile runs compiled when the run does not say (``policy.fused_head: null``): on a CPU, where
-    it was measured to win (bench/bench_head.py); not on an accelerator until ``make bench-gpu`` measures it."""
-    return device.type == "cpu"
+    """Whether a tile runs compiled when the run does not say (``policy.fused_head: null``): not yet, on any
+    device. On a CPU the head alone measured 1.05-1.25x (float32) and 1.5-2x (bfloat16) faster
+    (bench/bench_head.py), but each variant compiles for 20-30 s in every rank's process and needs a C++
+    compiler, and a whole training step at the demo's size did not gain (``make bench-train``: 0.90x, loaded
+    machine); an accelerator's default waits for ``make bench-gpu``."""
+    del device
+    return False
 
 
 def _accumulate(grad_h: Tensor, grad: Tensor, w: Tensor) -> None:

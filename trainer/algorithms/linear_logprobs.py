@@ -33,9 +33,10 @@ ten kernels a tile, each reading and writing the whole tile, 8-24 bytes per tile
 the run does, :func:`tile_bytes`) or compiled (``fused``, ``policy.fused_head``): inductor makes the matmul
 and one pass over the tile of everything after it, 16-bit roundings where eager has them, so the logprobs and
 gradients are the eager tile's to float32 rounding, in 2-8 bytes per element. The sizes are symbolic, so the
-row count and the last block's width do not recompile (a size of 1 compiles once more). On a CPU the fused
-tile is the default (bench/bench_head.py measured it); on a GPU eager stays the default until ``make
-bench-gpu`` measures it (:func:`fused_default`). The hidden states' gradient is summed in float32 in place
+row count and the last block's width do not recompile (a size of 1 compiles once more). The eager tile is
+the default on every device for now (:func:`fused_default`: on a CPU the fused tile wins on the head alone,
+bench/bench_head.py, but not yet on a whole step once its compile is paid; a GPU's waits for ``make
+bench-gpu``). The hidden states' gradient is summed in float32 in place
 (``addmm_`` for a float32 model; for a 16-bit one each block's product is rounded to its dtype first, as
 before: torch 2.13 has a 16-bit matmul into float32 on CUDA alone).
 

@@ -172,3 +172,26 @@ def test_should_give_a_local_instances_workers_this_processs_environment_without
         "KUBERL_CACHE": str(tmp_path),
     }
     assert seen["runtime_env"] == {}
+
+
+@pytest.mark.parametrize("key", ["policy.compile", "policy.fused_head"])
+def test_should_refuse_in_one_line_when_a_cpu_run_compiles_without_a_cpp_compiler(key, monkeypatch):
+    from torch._inductor import cpp_builder, exc
+
+    from trainer.config import load
+    from trainer.prestart import SetupError, check_compiler
+
+    def no_compiler():
+        raise exc.InvalidCxxCompiler
+
+    monkeypatch.setattr(cpp_builder, "get_cpp_compiler", no_compiler)
+    with pytest.raises(
+        SetupError, match=rf"^{key}=true on CPU .* no C\+\+ compiler runs here .* set {key}=false$"
+    ):
+        check_compiler(load(["experiment=tiny", f"{key}=true"]))
+    check_compiler(load(["experiment=tiny"]))  # null compiles nothing on CPU: no compiler asked for
+
+    asked = []
+    monkeypatch.setattr(cpp_builder, "get_cpp_compiler", lambda: asked.append(1) or "g++")
+    check_compiler(load(["experiment=tiny", f"{key}=true"]))
+    assert asked == [1]

@@ -79,6 +79,33 @@ def check_cpu_pinning(cfg: Config) -> None:
         )
 
 
+def check_compiler(cfg: Config) -> None:
+    """A CPU run that compiles (``policy.compile=true``, ``policy.fused_head=true``) needs the C++ compiler
+    inductor builds its kernels with; without one, inductor's ``InvalidCxxCompiler`` came out of the first
+    forward on every rank as a traceback. Null keys compile nothing on CPU and need none."""
+    if cfg.cluster.use_gpus:
+        return
+    keys = [
+        key
+        for key, value in (("compile", cfg.policy.compile), ("fused_head", cfg.policy.fused_head))
+        if value
+    ]
+    if not keys:
+        return
+    from torch._inductor import config as inductor_config
+    from torch._inductor.cpp_builder import get_cpp_compiler
+
+    try:
+        get_cpp_compiler()
+    except Exception:  # inductor's InvalidCxxCompiler, or a compiler that would not run
+        setting = " ".join(f"policy.{key}=false" for key in keys)
+        raise SetupError(
+            f"{' and '.join(f'policy.{key}=true' for key in keys)} on CPU compiles with inductor's C++ backend, but "
+            f"no C++ compiler runs here (torch._inductor.config.cpp.cxx={inductor_config.cpp.cxx!r}): install "
+            f"g++ (apt-get install g++) or set CXX, or set {setting}"
+        ) from None
+
+
 def check_backend(cfg: Config) -> None:
     """Fail before any worker starts when the configured generation backend cannot run here."""
     if cfg.generation.backend != "vllm":

@@ -30,6 +30,7 @@ from trainer.preemption import Preempted, Preemption
 from trainer.prestart import (
     SetupError,
     check_backend,
+    check_compiler,
     check_cpu_pinning,
     check_names,
     check_trackers,
@@ -114,6 +115,7 @@ class TrainState:
         check_names(cfg)  # first: a bad name is a ConfigError (exit 2), before anything loads or starts
         check_backend(cfg)
         check_cpu_pinning(cfg)
+        check_compiler(cfg)
         # Before anything loads or any actor starts: paths that cannot work fail now, in one line.
         check_writable("logger.log_dir", cfg.logger.log_dir)
         check_trackers(cfg)

@@ -151,7 +151,10 @@ def test_should_read_a_real_profile_and_add_up_to_its_wall_when_the_step_runs_ma
     cpu = bt.profile_step(step, gpu=False)
     assert sum(cpu["split"].values()) == pytest.approx(cpu["wall_s"], rel=1e-9)
     assert sum(cpu["detail"].values()) == pytest.approx(cpu["wall_s"], rel=1e-9)
-    assert cpu["split"]["matmul"] > 0.5 * cpu["wall_s"], cpu
+    # What the ops' spans hold, not how the wall divides: on a loaded machine the gaps between ops (idle)
+    # can be most of the step, while the matmuls' spans stay most of the time spent in ops.
+    others = sum(v for k, v in cpu["split"].items() if k not in ("matmul", "idle"))
+    assert cpu["split"]["matmul"] > 0 and cpu["split"]["matmul"] > others, cpu
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch's "CUDA is not available, disabling CUDA profiling", here
         gpu = bt.profile_step(step, gpu=True)  # CPU tensors: no kernel on a GPU machine either

@@ -84,7 +84,8 @@ def served(arithmetic_rm, tmp_path_factory) -> Iterator[Served]:  # noqa: F811  
     tmp = tmp_path_factory.mktemp("reward-server")
     port, key = _free_port(), secrets.token_hex(16)
     env = {
-        **os.environ,
+        # not an engine directory this process's earlier engines pointed vLLM at (gone with them)
+        **{k: v for k, v in os.environ.items() if k not in ("VLLM_RPC_BASE_PATH", "VLLM_CACHE_ROOT")},
         "VLLM_API_KEY": key,  # vLLM's own guard of /v1 paths and RequireToken's of every other
         "VLLM_CACHE_ROOT": str(tmp / "vllm-cache"),
         "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB

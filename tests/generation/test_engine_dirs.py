@@ -103,16 +103,49 @@ def test_should_give_the_environment_back_when_the_engine_directory_goes(tmp_pat
     """An engine points vLLM's socket and cache variables at its directory; at shutdown each that still names
     it gets its earlier value back (unset if it had none), so a `vllm serve` started later does not bind a
     socket in a directory that is gone. One set since by someone else stays."""
+    monkeypatch.setattr(vllm_lifetime, "_live", [])  # as if no engine of this process were running
+    monkeypatch.setattr(vllm_lifetime, "_outside", {})
     monkeypatch.setenv("VLLM_CACHE_ROOT", "/an/operators/cache")
     monkeypatch.delenv("VLLM_RPC_BASE_PATH", raising=False)
-    before = vllm_lifetime.environment_before()
     private = private_dir(str(tmp_path))
-    os.environ["VLLM_RPC_BASE_PATH"] = os.environ["VLLM_CACHE_ROOT"] = private
+    vllm_lifetime.enter_environment(private)
+    assert os.environ["VLLM_RPC_BASE_PATH"] == os.environ["VLLM_CACHE_ROOT"] == private
     vllm_lifetime.remove(private)
-    vllm_lifetime.restore_environment(private, before)
+    vllm_lifetime.leave_environment(private)
     assert "VLLM_RPC_BASE_PATH" not in os.environ and os.environ["VLLM_CACHE_ROOT"] == "/an/operators/cache"
 
-    os.environ["VLLM_RPC_BASE_PATH"] = "/set/by/a/later/engine"
-    vllm_lifetime.restore_environment(private, before)
-    assert os.environ["VLLM_RPC_BASE_PATH"] == "/set/by/a/later/engine"
+    vllm_lifetime.enter_environment(private)
+    os.environ["VLLM_RPC_BASE_PATH"] = "/set/by/someone/else"
+    vllm_lifetime.leave_environment(private)
+    assert os.environ["VLLM_RPC_BASE_PATH"] == "/set/by/someone/else"
+    assert os.environ["VLLM_CACHE_ROOT"] == "/an/operators/cache"
     monkeypatch.delenv("VLLM_RPC_BASE_PATH")
+
+
+@pytest.mark.parametrize("order", [(0, 1, 2), (2, 1, 0), (1, 0, 2), (0, 2, 1)])
+def test_should_never_point_at_a_removed_directory_whatever_order_engines_stop_in(
+    tmp_path, monkeypatch, order
+) -> None:
+    """Three engines of one process, started in turn and shut down in any order (a module's engine outliving
+    a test's, a GPU engine that sets no cache root beside them): after each shutdown every variable names a
+    running engine that set it or the operator's value, never a removed directory; after the last, the
+    operator's values are back."""
+    monkeypatch.setattr(vllm_lifetime, "_live", [])  # as if no engine of this process were running
+    monkeypatch.setattr(vllm_lifetime, "_outside", {})
+    monkeypatch.setenv("VLLM_CACHE_ROOT", "/an/operators/cache")
+    monkeypatch.delenv("VLLM_RPC_BASE_PATH", raising=False)
+    names = [vllm_lifetime.DIR_VARIABLES, ("VLLM_RPC_BASE_PATH",), vllm_lifetime.DIR_VARIABLES]
+    dirs = [private_dir(str(tmp_path)) for _ in names]
+    for path, set_names in zip(dirs, names):
+        vllm_lifetime.enter_environment(path, set_names)
+    running = set(range(3))
+    for i in order:
+        vllm_lifetime.remove(dirs[i])
+        vllm_lifetime.leave_environment(dirs[i])
+        running.discard(i)
+        for name in vllm_lifetime.DIR_VARIABLES:
+            holders = [dirs[j] for j in sorted(running) if name in names[j]]
+            expected = holders[-1] if holders else {"VLLM_CACHE_ROOT": "/an/operators/cache"}.get(name)
+            assert os.environ.get(name) == expected, (order, i, name)
+            assert expected is None or not expected.startswith(str(tmp_path)) or os.path.isdir(expected)
+    assert "VLLM_RPC_BASE_PATH" not in os.environ and os.environ["VLLM_CACHE_ROOT"] == "/an/operators/cache"

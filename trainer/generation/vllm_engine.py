@@ -324,7 +324,6 @@ class VLLMGenerationEngine:
         self._adapter_dir: str | None = None
         # The engine's files (vllm_lifetime.private_dir): sockets, file store, CPU caches; removed at shutdown.
         self._private_dir: str | None = None
-        self._environment_before: dict[str, str | None] = {}  # restored at shutdown
         self._owns_dist = False
         self.model_path = model_path
         self.seed = seed
@@ -359,8 +358,10 @@ class VLLMGenerationEngine:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core runs in this process
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # its INFO lines would drown the trainer's
         private = self._private_dir = vllm_lifetime.private_dir()
-        self._environment_before = vllm_lifetime.environment_before()
-        os.environ["VLLM_RPC_BASE_PATH"] = private  # its message queues' sockets
+        # its message queues' sockets (and, on CPU, its compile caches), given back at shutdown
+        vllm_lifetime.enter_environment(
+            private, vllm_lifetime.DIR_VARIABLES if self.on_cpu else ("VLLM_RPC_BASE_PATH",)
+        )
         if self.on_cpu:
             vllm_cpu.environment(private)  # compile caches: per engine
         with heap.paused():
@@ -513,7 +514,7 @@ class VLLMGenerationEngine:
             self._owns_dist = False
         if self._private_dir:
             vllm_lifetime.remove(self._private_dir)  # with its workers' shared memory, if any stayed
-            vllm_lifetime.restore_environment(self._private_dir, self._environment_before)
+            vllm_lifetime.leave_environment(self._private_dir)
             self._private_dir = None
         if self._adapter_dir:
             shutil.rmtree(self._adapter_dir, ignore_errors=True)

@@ -212,22 +212,37 @@ def temporary_files_in(path: str) -> Iterator[None]:
 # The process environment variables an engine points at its own directory (VLLM_RPC_BASE_PATH: its
 # sockets; VLLM_CACHE_ROOT: a CPU engine's compile caches).
 DIR_VARIABLES = ("VLLM_RPC_BASE_PATH", "VLLM_CACHE_ROOT")
+# The engines of this process that pointed variables at their directories and have not shut down, oldest
+# first (each directory with the names it set), and the variables' values from before the first of them.
+_live: list[tuple[str, tuple[str, ...]]] = []
+_outside: dict[str, str | None] = {}
 
 
-def environment_before() -> dict[str, str | None]:
-    """Before an engine points :data:`DIR_VARIABLES` at its directory: their values, for :func:`restore_environment`."""
-    return {name: os.environ.get(name) for name in DIR_VARIABLES}
+def enter_environment(private: str, names: tuple[str, ...] = DIR_VARIABLES) -> None:
+    """Point ``names`` (of :data:`DIR_VARIABLES`) at the engine directory ``private``, remembering, when no
+    other engine of this process holds them, the values they had: :func:`leave_environment` gives them back."""
+    if not _live:
+        _outside.clear()
+        _outside.update({name: os.environ.get(name) for name in DIR_VARIABLES})
+    _live.append((private, tuple(names)))
+    for name in names:
+        os.environ[name] = private
 
 
-def restore_environment(private: str, before: dict[str, str | None]) -> None:
+def leave_environment(private: str) -> None:
     """At the engine's shutdown, once its directory is gone: each of :data:`DIR_VARIABLES` that still names it
-    gets its value from before the engine back. Left behind, they sent what this process starts next (a later
-    engine, a ``vllm serve`` it launches, which inherits its environment) into a directory that no longer
-    exists: vLLM's first socket bind failed with ``No such file or directory for ipc path``. A variable
-    something else set since is left alone."""
-    for name, value in before.items():
+    points at the newest engine still running that set it, or, with none left, gets the value it had before
+    the first engine back (unset if it had none). Left behind, the variables sent what this process starts
+    next (a later engine, a ``vllm serve`` it launches, which inherits its environment) into a directory that
+    no longer exists: vLLM's first socket bind failed with ``No such file or directory for ipc path``. Engines
+    need not stop in the order they started: restoring each one's own "before" would hand the second engine's
+    shutdown the first one's removed directory. A variable something else set since is left alone."""
+    _live[:] = [entry for entry in _live if entry[0] != private]
+    for name in DIR_VARIABLES:
         if os.environ.get(name) != private:
             continue
+        holders = [path for path, names in _live if name in names]
+        value = holders[-1] if holders else _outside.get(name)
         if value is None:
             os.environ.pop(name, None)
         else:

@@ -77,6 +77,11 @@ DTYPES = ("float32", "bfloat16", "float16")
 # verl call fp8 rollouts); GPUs only: vLLM's CPU build has no static_scaled_fp8_quant kernel. fp8_per_channel:
 # per-output-channel weight scales, dynamic per-token activations; runs on GPUs and on vLLM's CPU build.
 QUANTIZATIONS = ("fp8", "fp8_per_channel")
+LR_SCHEDULES = (
+    "constant",
+    "linear",
+    "cosine",
+)  # policy.lr_schedule: after warm-up (trainer.policy.worker.lr_factor)
 
 # Where metrics go besides the console and the jsonl (trainer.tracking): any combination.
 TRACKERS = ("tensorboard", "wandb", "mlflow")
@@ -532,6 +537,16 @@ class PolicyConfig:
     adam_betas: tuple[float, float] = doc((0.9, 0.999), "AdamW's betas, a pair of numbers.")
     adam_eps: float = doc(1e-8, "AdamW's epsilon.")
     warmup_steps: int = doc(0, "Optimizer steps of linear learning-rate warm-up; 0: none.")
+    lr_schedule: str = doc(
+        "constant",
+        "The learning rate after warm-up: constant, or linear or cosine decay to min_lr_ratio x learning_rate "
+        "at the run's last optimizer step (grpo.max_num_steps x grpo.num_minibatches). AdamW moves every "
+        "weight by about the learning rate each step however little signal the batch holds, so a run whose "
+        "groups mostly score alike late drifts at a constant rate; a decay holds what it learned.",
+    )
+    min_lr_ratio: float = doc(
+        0.0, "The decay's floor, as a fraction of learning_rate, in [0, 1] (not with lr_schedule=constant)."
+    )
     max_grad_norm: float | None = doc(1.0, "Clip the gradient's global norm to this; null: no clipping.")
     micro_batch_size: int = doc(4, "Sequences per forward/backward on one rank, >= 1.")
     logprob_micro_batch_size: int = doc(8, "The same for the logprob passes (policy, reference), >= 1.")
@@ -631,6 +646,15 @@ class PolicyConfig:
             f"policy.adam_betas={list(self.adam_betas)} must be a pair of numbers, e.g. [0.9, 0.999]",
         )
         _require(self.learning_rate > 0, f"policy.learning_rate={self.learning_rate} must be > 0")
+        _one_of("policy.lr_schedule", self.lr_schedule, LR_SCHEDULES)
+        _require(
+            0.0 <= self.min_lr_ratio <= 1.0, f"policy.min_lr_ratio={self.min_lr_ratio} must be in [0, 1]"
+        )
+        _require(
+            self.lr_schedule != "constant" or self.min_lr_ratio == 0.0,
+            f"policy.min_lr_ratio={self.min_lr_ratio} takes effect only with a decay: set "
+            "policy.lr_schedule=linear or cosine, or leave min_lr_ratio at 0",
+        )
         _require(self.micro_batch_size >= 1, f"policy.micro_batch_size={self.micro_batch_size} must be >= 1")
         _require(self.logprob_micro_batch_size >= 1, "policy.logprob_micro_batch_size must be >= 1")
         sp = self.sequence_parallel_size

@@ -46,7 +46,9 @@ from trainer import heap
 heap.pause_for_actor("trainer.policy.worker.PolicyWorker")
 
 import datetime
+import functools
 import logging
+import math
 import os
 import time
 from typing import TYPE_CHECKING, Any, cast
@@ -204,6 +206,21 @@ def freeze(model: torch.nn.Module, patterns: list[str]) -> int:
             p.requires_grad_(False)
             frozen += 1
     return frozen
+
+
+def lr_factor(step: int, warmup: int, total: int, schedule: str, min_ratio: float) -> float:
+    """The learning rate of optimizer step ``step`` (0-based: the factor the step that follows uses) as a
+    fraction of ``policy.learning_rate``: linear warm-up over ``warmup`` steps, then ``schedule``
+    (``constant``, or ``linear``/``cosine`` from 1 towards ``min_ratio``, reached at step ``total``, one past the
+    run's last, as transformers' schedules do: the last step still moves; a run extended past ``total`` stays
+    at the floor)."""
+    if warmup and step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant":
+        return 1.0
+    done = min(1.0, (step - warmup) / max(1, total - warmup))
+    shape = 1.0 - done if schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * done))
+    return min_ratio + (1.0 - min_ratio) * shape
 
 
 def adamw(params, **kwargs) -> torch.optim.AdamW:
@@ -367,9 +384,16 @@ class PolicyWorker:
             eps=p.adam_eps,
             weight_decay=p.weight_decay,
         )
-        warmup = max(0, p.warmup_steps)
+        total = cfg.grpo.max_num_steps * cfg.grpo.num_minibatches  # the run's optimizer steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0
+            self.optimizer,
+            functools.partial(
+                lr_factor,
+                warmup=max(0, p.warmup_steps),
+                total=total,
+                schedule=p.lr_schedule,
+                min_ratio=p.min_lr_ratio,
+            ),
         )
         n_params = sum(t.numel() for t in self.model.parameters())
         n_trainable = sum(t.numel() for t in self._trainable())

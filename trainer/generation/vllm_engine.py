@@ -957,7 +957,8 @@ class FusedRule:
 class FusedLayout:
     """A model's fused parameters as its ``load_weights`` fills them, read from vLLM's own tables once per
     model (:func:`fused_layout`). ``stacked``: the model's ``hf_to_vllm_mapper.orig_to_new_stacked`` in vLLM's
-    order (q/k/v into ``qkv_proj``, gate/up into ``gate_up_proj``); ``experts``: its routed experts' mapping
+    order (q/k/v into ``qkv_proj``, gate/up into ``gate_up_proj``), or where it has none the rules
+    :func:`packed_stacking` reads from its ``packed_modules_mapping``; ``experts``: its routed experts' mapping
     (``get_expert_mapping(include_fused=True)``: each expert's gate and up into ``w13``, down into ``w2``),
     by the name part after ``experts.`` (an expert's number, or ``gate_up_proj`` for all experts in one
     tensor), as vLLM indexes it; ``full``: each family's shards."""
@@ -973,21 +974,21 @@ class FusedLayout:
     def match(self, name: str) -> tuple[str, FusedRule] | None:
         """(the fused parameter, the rule) a tensor sent as ``name`` fills part of; None when it fills a
         parameter of its own. String work only: the tensor is not looked at."""
+        # A routed expert's tensor first, as vLLM's load_weights skips its stacked list for "mlp.experts."
+        # names: an expert's gate_proj is a shard of w13, not of a gate_up_proj (which unqualified rules,
+        # packed_stacking's, would make of it).
+        at = name.find(".experts.")  # a module named experts (not shared_experts: a plain MLP of its own)
+        if at >= 0:
+            token = name[at + len(".experts.") :].partition(".")[0]
+            for rule in self.experts.get(token, ()):
+                if rule.source in name:
+                    return name.replace(rule.source, rule.target, 1), rule
         key, hit = name, None
         # As vLLM's WeightsMapper applies them: every rule that matches, in order; the last one's shard.
         for rule in self.stacked:
             if rule.source in key:
                 key, hit = key.replace(rule.source, rule.target, 1), rule
-        if hit is not None:
-            return key, hit
-        at = name.find(".experts.")  # a module named experts (not shared_experts: a plain MLP of its own)
-        if at < 0:
-            return None
-        token = name[at + len(".experts.") :].partition(".")[0]
-        for rule in self.experts.get(token, ()):
-            if rule.source in name:
-                return name.replace(rule.source, rule.target, 1), rule
-        return None
+        return (key, hit) if hit is not None else None
 
 
 # One layout per model: vLLM's tables do not change after the model is built.
@@ -996,11 +997,17 @@ _layouts: weakref.WeakKeyDictionary[torch.nn.Module, FusedLayout] = weakref.Weak
 
 def fused_layout(model: torch.nn.Module) -> FusedLayout:
     """``model``'s :class:`FusedLayout` (:func:`build_fused_layout`), read once. Stacked rules come from every
-    ``hf_to_vllm_mapper`` of the model's modules (the mapping vLLM applies, with its shard ids); a model that
-    hand-rolls its stacking in its own ``load_weights`` (DeepSeek-V2/V3, Llama 4, GPT-OSS in vLLM 0.32) has
-    none and is not checked here: its ``packed_modules_mapping``, LoRA's table, lists fusions some checkpoints
-    of the family lack (DeepSeek-V2-Lite has no ``q_a_proj``) and would refuse complete refits. Expert rules
-    come from the routed-expert layers when they all share one mapping (one expert count), and not otherwise."""
+    ``hf_to_vllm_mapper`` of the model's modules (the mapping vLLM applies, with its shard ids). A model that
+    stacks in its own ``load_weights`` instead, with a ``stacked_params_mapping`` list and no mapper rules
+    (DeepSeek-V2/V3, GPT-OSS, MiniCPM, GLM-4-MoE-Lite in vLLM 0.32), gets them from its modules'
+    ``packed_modules_mapping`` (:func:`packed_stacking`): LoRA's table, which lists fusions some checkpoints of
+    a family lack (DeepSeek-V2-Lite has no ``q_a_proj``), so only the fusions the built model holds are kept,
+    and complete refits of those checkpoints pass. A model with a mapper is left to it, even where the mapper
+    stacks less than the model fuses: its rules are qualified where plain ones would be wrong (Qwen3-MoE's
+    ``.mlp.gate_proj``, not its experts'), which the table's plain names are not. Fused modules of a model
+    without mapper rules that neither table covers (LongCat-Flash's ``fused_qkv_a_proj``, stacked in
+    ``load_weights`` only) are not checked, which a warning says once per model class. Expert rules come from
+    the routed-expert layers when they all share one mapping (one expert count), and not otherwise."""
     layout = _layouts.get(model)
     if layout is not None:
         return layout
@@ -1011,6 +1018,9 @@ def fused_layout(model: torch.nn.Module) -> FusedLayout:
         if mapper is not None and id(mapper) not in mappers:
             mappers.add(id(mapper))
             stacked.append(getattr(mapper, "orig_to_new_stacked", {}))
+    from_mapper = any(stacked)
+    if not from_mapper:
+        stacked = [packed_stacking(model)]
     mappings: set[tuple] = set()
     if any(callable(getattr(m, "get_expert_mapping", None)) for m in model.modules()):
         from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
@@ -1021,8 +1031,85 @@ def fused_layout(model: torch.nn.Module) -> FusedLayout:
             if isinstance(m, RoutedExperts)
         }
     layout = build_fused_layout(stacked, next(iter(mappings)) if len(mappings) == 1 else ())
+    if not from_mapper:
+        _warn_unchecked(model, layout)
     _layouts[model] = layout
     return layout
+
+
+def packed_stacking(model: torch.nn.Module) -> dict[str, tuple[str, str]]:
+    """Stacked rules in ``orig_to_new_stacked``'s form (``{".q_proj.": (".qkv_proj.", "q_proj")}``: the shard
+    named after its source) from the ``packed_modules_mapping`` of ``model``'s modules (``{"qkv_proj":
+    ["q_proj", "k_proj", "v_proj"]}``; the first module's entry for a target wins), for a model that stacks in
+    its own ``load_weights``. A fusion is kept only where the built model holds it: its target a module with
+    parameters of its own (a LoRA layer's ``base_layer`` counts as the layer), none of its sources one too (a
+    ``q_proj`` of its own would load unfused), and no source shared with another fusion kept (K2-Horizon's
+    ``qkv_proj`` and ``qk_proj``: the name would not say which one it fills). An entry of one source is no
+    fusion (a checkpoint tensor loaded whole: MiMo-V2's ``qkv_proj``). Names match whole components (``.q_proj.``
+    in ``...self_attn.q_proj.weight``), where vLLM's lists match plain substrings; sources and targets with a
+    dot in them (``self_attn.qkv_proj``) match as written."""
+    tables: dict[str, list[str]] = {}
+    for module in model.modules():
+        for target, sources in (getattr(module, "packed_modules_mapping", None) or {}).items():
+            tables.setdefault(target.strip("."), [s.strip(".") for s in sources])
+    owners = [
+        "." + name.removesuffix(".base_layer")
+        for name, module in model.named_modules()
+        if next(module.parameters(recurse=False), None) is not None
+    ]
+
+    def built(part: str) -> bool:
+        return any(owner.endswith("." + part) for owner in owners)
+
+    kept = {
+        target: sources
+        for target, sources in tables.items()
+        if len(set(sources)) > 1 and built(target) and not any(built(s) for s in sources)
+    }
+    shared = [s for sources in kept.values() for s in set(sources)]
+    rules: dict[str, tuple[str, str]] = {}
+    for target, sources in kept.items():
+        if not any(shared.count(s) > 1 for s in sources):
+            rules.update({f".{s}.": (f".{target}.", s) for s in sources})
+    return rules
+
+
+# Model classes whose unchecked fused modules were logged: once per class and process.
+_warned_unchecked: set[str] = set()
+
+
+def _warn_unchecked(model: torch.nn.Module, layout: FusedLayout) -> None:
+    """Say once per model class which of ``model``'s fused modules (vLLM's merged and QKV linears: an
+    ``output_sizes`` of several) no rule of ``layout`` fills, and so which a refit may send part of unseen."""
+    cls = type(model).__qualname__
+    if cls in _warned_unchecked:
+        return
+    targets = {rule.target.strip(".") for rule in layout.stacked}
+    whole = {  # loaded from one tensor, by the model's own table: nothing to send part of
+        target.strip(".")
+        for module in model.modules()
+        for target, sources in (getattr(module, "packed_modules_mapping", None) or {}).items()
+        if len(set(sources)) == 1
+    }
+    unchecked = sorted(
+        {
+            name.removesuffix(".base_layer")
+            for name, module in model.named_modules()
+            if len(getattr(module, "output_sizes", None) or ()) > 1
+            and not any(("." + name.removesuffix(".base_layer")).endswith("." + t) for t in targets | whole)
+        }
+    )
+    if unchecked:
+        _warned_unchecked.add(cls)
+        shown = ", ".join(unchecked[:3]) + (f" and {len(unchecked) - 3} more" if len(unchecked) > 3 else "")
+        log.warning(
+            "%s: a refit that sends part of a fused weight is not refused for %d fused module(s) (%s): no "
+            "hf_to_vllm_mapper stacks them and no fusion of its packed_modules_mapping fills them "
+            "(vllm_engine.packed_stacking); a refit must send every part of each itself",
+            cls,
+            len(unchecked),
+            shown,
+        )
 
 
 def build_fused_layout(

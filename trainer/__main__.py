@@ -100,6 +100,7 @@ def exit_code(error: BaseException) -> int | None:
     from trainer.prestart import SetupError
     from trainer.rewards.actors import RewardModelError
     from trainer.rewards.runner import RewardFailureError
+    from trainer.run import CheckpointSaveError
     from trainer.watchdog import LOST_EXIT, Lost
 
     if isinstance(error, LeaseError):  # another run holds the directory: it may end, or go stale
@@ -109,7 +110,10 @@ def exit_code(error: BaseException) -> int | None:
     if isinstance(error, RayActorError) and error.actor_init_failed:  # its constructor raised
         return RETRY_EXIT if unreachable(str(error)) else PERMANENT_EXIT
     # An engine that did not start and a refit that failed are both a GenerationError: it is retried.
-    if isinstance(error, (ClusterError, GenerationError, RewardModelError, RewardFailureError)):
+    # A save that failed leaves the last complete checkpoint: a retry resumes from it once space is freed.
+    if isinstance(
+        error, (ClusterError, GenerationError, RewardModelError, RewardFailureError, CheckpointSaveError)
+    ):
         return RETRY_EXIT
     if isinstance(error, Lost):  # the line says what was lost, and where a resubmission resumes from
         return LOST_EXIT

@@ -491,7 +491,14 @@ class TrainState:
         path, replaced = self.checkpointer.begin(p.step)
         if replaced:
             print(replaced, flush=True)
-        self.policy.run("save_checkpoint", str(path))
+        from ray.exceptions import RayError
+
+        try:
+            self.policy.run("save_checkpoint", str(path))
+        except RayError as e:
+            raise lost(e, f"while saving {path}", self._resumes_from()) or save_failed(
+                e, path, self._resumes_from()
+            ) from None
         info = {
             "step": p.step,
             "consumed_samples": p.step * self.cfg.grpo.batch_size,
@@ -503,7 +510,10 @@ class TrainState:
         }
         if p.reward_state is not None:  # the reward runner's run state (running normalisation windows)
             info["rewards"] = p.reward_state
-        self.checkpointer.commit(path, p.step, info, p.loader_state, to_dict(self.cfg))
+        try:
+            self.checkpointer.commit(path, p.step, info, p.loader_state, to_dict(self.cfg))
+        except OSError as e:
+            raise save_failed(e, path, self._resumes_from()) from None
         p.saved, p.saved_step, p.save_s = path, p.step, time.monotonic() - t0
         self.logger.gauges.checkpointed(time.time())
         print(f"kuberl: saved checkpoint {path} ({p.save_s:.1f}s)", flush=True)
@@ -547,6 +557,51 @@ def summarize(history: list[dict[str, float]]) -> str:
         f"kuberl: done, {len(rewards)} steps | reward: first {k} steps {first:.3f} -> last {k} steps {last:.3f} "
         f"({last - first:+.3f})"
     )
+
+
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint that could not be written (a full or failing volume): the run ends in one line, and the
+    last complete checkpoint stays the one a resubmission resumes from (a step_N without its commit marker is
+    never read)."""
+
+
+# Free space under which a failed save is put down to a full volume, whatever the error says (torch's zip
+# writer reports a short write as "unexpected pos 704 vs 598", not as ENOSPC).
+LOW_SPACE_BYTES = 1 << 30
+
+
+def save_failed(
+    error: BaseException, path: Path, resumes_from: str, free_bytes: int | None = None
+) -> CheckpointSaveError:
+    """The one line a run whose checkpoint ``path`` could not be written ends with: the cause's own last line
+    (a rank's error out of Ray's wrapper), the free space on the volume (``free_bytes``, else measured), what
+    to do, and where a resubmission resumes from."""
+    import errno
+    import shutil
+
+    cause = getattr(error, "cause", None) or error  # a RayTaskError carries the rank's own error
+    lines = [line.strip() for line in str(cause).strip().splitlines() if line.strip()]
+    reason = f"{type(cause).__name__}: {lines[-1] if lines else ''}".rstrip(": ")
+    if free_bytes is None:
+        where = Path(path)
+        while not where.exists() and where != where.parent:
+            where = where.parent
+        try:
+            free_bytes = shutil.disk_usage(where).free
+        except OSError:
+            free_bytes = None
+    full = (
+        getattr(cause, "errno", None) == errno.ENOSPC
+        or "no space left" in str(error).lower()
+        or (free_bytes is not None and free_bytes < LOW_SPACE_BYTES)
+    )
+    space = f"; {free_bytes / 2**20:.1f} MiB free on its volume" if free_bytes is not None else ""
+    fix = (
+        "the volume is full: free space there or set checkpointing.checkpoint_dir to a larger one"
+        if full
+        else "check that volume (permissions, mount) or set checkpointing.checkpoint_dir elsewhere"
+    )
+    return CheckpointSaveError(f"saving checkpoint {path} failed ({reason}){space}: {fix}; {resumes_from}")
 
 
 def lost(error: BaseException, doing: str, resumes_from: str) -> Lost | None:

@@ -4,20 +4,12 @@ moves the adapters alone, and bad settings are one line naming the key."""
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 
-from tests.policy.helpers import refit_samples
+from tests.policy.helpers import one_rank_worker, refit_samples
 from trainer.config import ConfigError, load
 from trainer.policy.batch import Sample
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _train(w, samples: list[Sample]) -> dict:
@@ -28,31 +20,14 @@ def _train(w, samples: list[Sample]) -> dict:
 @pytest.fixture
 def worker(tiny_model_path):
     """A LoRA PolicyWorker (world of 1, gloo, rank 8, KL penalty on) with a colocated hf engine."""
-    import torch.distributed as dist
-
-    from trainer.policy.worker import PolicyWorker
-
-    if dist.is_initialized():
-        pytest.skip("this process already has a torch.distributed world")
-    cfg = load(
-        [
-            "experiment=tiny",
-            f"model.name={tiny_model_path}",
-            "cluster.cpu_workers_per_node=1",
-            "cluster.keep_freed_memory=false",
-            "policy.lora.rank=8",
-            "policy.learning_rate=0.05",
-            "grpo.loss.reference_policy_kl_penalty=0.01",
-        ]
-    )
-    threads = torch.get_num_threads()
-    w = PolicyWorker(cfg, tiny_model_path, rank=0, world_size=1, colocated_engine=True)
-    try:
-        w.info = w.setup("127.0.0.1", _free_port())
+    overrides = [
+        "cluster.keep_freed_memory=false",
+        "policy.lora.rank=8",
+        "policy.learning_rate=0.05",
+        "grpo.loss.reference_policy_kl_penalty=0.01",
+    ]
+    with one_rank_worker(tiny_model_path, overrides, colocated_engine=True) as w:
         yield w
-    finally:
-        w.shutdown()
-        torch.set_num_threads(threads)
 
 
 def test_should_train_only_the_adapters_when_policy_lora_is_set(worker):

@@ -7,10 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer.config import load
+from tests.policy.helpers import one_rank_worker
 from trainer.generation.base import Completion
 from trainer.policy.batch import Sample
-from trainer.ports import free_port
 
 
 class RecordingEngine:
@@ -41,49 +40,31 @@ class RecordingEngine:
         pass
 
 
-def _free_port() -> int:
-    return free_port("127.0.0.1")  # outside the ephemeral range (trainer.ports)
-
-
 @pytest.fixture
 def worker(request, tiny_model_path, monkeypatch):
     """A real PolicyWorker (world of 1, gloo) with a recording engine; ``worker.calls`` is the record.
     Indirect parameter: a dict of ``kl`` (the KL penalty; default 0: no reference model), ``freeze``
     (policy.freeze patterns) and ``reloads`` (the engine's ``reloads_every_weight``)."""
-    import torch.distributed as dist
-
     from trainer.generation import factory
-    from trainer.policy.worker import PolicyWorker
 
-    if dist.is_initialized():
-        pytest.skip("this process already has a torch.distributed world")
     calls: list[str] = []
     options = getattr(request, "param", {})
     engine = RecordingEngine(calls)
     engine.reloads_every_weight = options.get("reloads", False)
     monkeypatch.setattr(factory, "build_engine", lambda gen, spec: engine)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
-    cfg = load(
-        [
-            "experiment=tiny",
-            f"model.name={tiny_model_path}",
-            "cluster.cpu_workers_per_node=1",
-            "cluster.keep_freed_memory=false",
-            f"grpo.loss.reference_policy_kl_penalty={options.get('kl', 0.0)}",
-            f"policy.freeze=[{','.join(options.get('freeze', []))}]",
-        ]
-    )
-    threads = torch.get_num_threads()
-    w = PolicyWorker(cfg, tiny_model_path, rank=0, world_size=1, colocated_engine=True)
-    try:
-        w.setup("127.0.0.1", _free_port())
+    overrides = [
+        "cluster.keep_freed_memory=false",
+        f"grpo.loss.reference_policy_kl_penalty={options.get('kl', 0.0)}",
+        f"policy.freeze=[{','.join(options.get('freeze', []))}]",
+    ]
+    with one_rank_worker(tiny_model_path, overrides, colocated_engine=True) as w:
         w.calls = calls
 
         def note(label: str):
             def hook(*_):
-                if (
-                    not calls or calls[-1] != label
-                ):  # a pass of several forwards (prompt, then responses) is one
+                # a pass of several forwards (prompt, then responses) is one
+                if not calls or calls[-1] != label:
                     calls.append(label)
 
             return hook
@@ -96,9 +77,6 @@ def worker(request, tiny_model_path, monkeypatch):
             w.ref_model.get_input_embeddings().register_forward_pre_hook(note("reference forward"))
         w.optimizer.register_step_post_hook(note("optimizer step"))
         yield w
-    finally:
-        w.shutdown()
-        torch.set_num_threads(threads)  # the worker set this process's threads as a rank does its own
 
 
 def train_step(w, samples: list[Sample]) -> None:

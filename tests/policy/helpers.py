@@ -1,19 +1,55 @@
-"""What several policy tests share: the length-skewed batch the packing, sequence-parallel, sharded-init and
-logprob equality tests train on, the small batch of the refit and LoRA tests, and a port for a one-process gloo world."""
+"""What several policy tests share: a real PolicyWorker as the one rank of a gloo world in this process
+(``one_rank_worker``), the length-skewed batch the packing, sequence-parallel, sharded-init and logprob
+equality tests train on, and the small batch of the refit and LoRA tests."""
 
 from __future__ import annotations
 
-import socket
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
+import pytest
 import torch
 
+from trainer.config import load
 from trainer.policy.batch import Sample
+from trainer.ports import free_port
+
+if TYPE_CHECKING:
+    from trainer.policy.worker import PolicyWorker
 
 
-def local_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@contextmanager
+def one_rank_worker(
+    model_path: str, overrides: Sequence[str] = (), colocated_engine: bool = False, frozen_lr: bool = False
+) -> Iterator[PolicyWorker]:
+    """A PolicyWorker set up as rank 0 of a world of 1 (gloo, in this process) on ``experiment=tiny`` with
+    ``model.name=model_path``, one CPU worker per node and then ``overrides``; ``setup()``'s result is
+    ``w.info``. The test is skipped where this process already has a torch.distributed world. On the way out
+    the worker shuts down and torch's thread count is put back (the worker sets it, as a rank does its own).
+
+    ``frozen_lr``: the learning rate is 0, through the scheduler's ``base_lrs`` (which it scales each step)
+    and every param group, so every call sees the same weights and leaves its gradient in ``param.grad``.
+    """
+    import torch.distributed as dist
+
+    from trainer.policy.worker import PolicyWorker
+
+    if dist.is_initialized():
+        pytest.skip("this process already has a torch.distributed world")
+    cfg = load(["experiment=tiny", f"model.name={model_path}", "cluster.cpu_workers_per_node=1", *overrides])
+    threads = torch.get_num_threads()
+    w = PolicyWorker(cfg, model_path, rank=0, world_size=1, colocated_engine=colocated_engine)
+    try:
+        w.info = w.setup("127.0.0.1", free_port("127.0.0.1"))
+        if frozen_lr:
+            w.scheduler.base_lrs = [0.0] * len(w.scheduler.base_lrs)
+            for group in w.optimizer.param_groups:
+                group["lr"] = 0.0
+        yield w
+    finally:
+        w.shutdown()
+        torch.set_num_threads(threads)
 
 
 def refit_samples() -> list[Sample]:

@@ -26,10 +26,10 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from tests.policy.helpers import local_port, skewed_samples
+from tests.policy.helpers import one_rank_worker, skewed_samples
 from trainer.algorithms import core_algos
 from trainer.algorithms import linear_logprobs as ll
-from trainer.config import PolicyConfig, load
+from trainer.config import PolicyConfig
 from trainer.policy import forward
 from trainer.policy.batch import Sample, pack_batch, pad_batch
 
@@ -236,19 +236,13 @@ def test_should_take_one_head_for_the_logprob_and_the_training_pass_of_a_step_wh
     tiled from a size between the two, each pass choosing by its own micro-batch would give the old logprobs
     from the tiles and the new ones from the whole logits. The run's head is one (the largest micro-batch its
     config allows is above that size: tiled)."""
-    import torch.distributed as dist
-
-    from trainer.policy.worker import PolicyWorker
-
-    if dist.is_initialized():
-        pytest.skip("this process already has a torch.distributed world")
-    cfg = load(["experiment=tiny", f"model.name={tiny_model_path}", "cluster.cpu_workers_per_node=1",
-                "policy.micro_batch_size=2", "policy.logprob_micro_batch_size=12",
-                "generation.max_new_tokens=32"])  # fmt: skip
-    threads = torch.get_num_threads()
-    w = PolicyWorker(cfg, tiny_model_path, rank=0, world_size=1, colocated_engine=False)
-    try:
-        info = w.setup("127.0.0.1", local_port())
+    overrides = [
+        "policy.micro_batch_size=2",
+        "policy.logprob_micro_batch_size=12",
+        "generation.max_new_tokens=32",
+    ]
+    with one_rank_worker(tiny_model_path, overrides) as w:
+        info = w.info
         samples = skewed_samples()
         vocab = w.model.get_output_embeddings().weight.shape[0]
         largest = pack_batch(samples, pad_id=0).positions  # the logprob pass's micro-batch, packed
@@ -273,9 +267,6 @@ def test_should_take_one_head_for_the_logprob_and_the_training_pass_of_a_step_wh
         phase[0] = "training"
         tokens = float(sum(sum(s.response_mask) for s in samples))
         w.train([samples], [{"tokens": tokens, "seqs": float(len(samples))}])
-    finally:
-        w.shutdown()
-        torch.set_num_threads(threads)
     assert {p for p, _ in heads} == {"logprobs", "training"}
     assert {h for _, h in heads} == {"tiled"}, heads
     assert info["head_check"].startswith("self-check: lm head (plain"), info  # at set-up: a tiny vocabulary

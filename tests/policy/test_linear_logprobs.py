@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from tests.leftovers import wait_all
-from tests.policy.helpers import local_port, skewed_samples
+from tests.policy.helpers import one_rank_worker, skewed_samples
 from trainer.algorithms import core_algos
 from trainer.algorithms import linear_logprobs as ll
 from trainer.config import load
@@ -240,30 +240,12 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def worker(tiny_model_path):
-    import torch.distributed as dist
-
-    from trainer.policy.worker import PolicyWorker
-
-    if dist.is_initialized():
-        pytest.skip("this process already has a torch.distributed world")
-    cfg = load(["experiment=tiny", f"model.name={tiny_model_path}", "cluster.cpu_workers_per_node=1",
-                "policy.max_grad_norm=null", "policy.micro_batch_size=5", "policy.logprob_micro_batch_size=5",
-                "policy.reshard_after_forward=true", "policy.compute_entropy=true",
-                "generation.temperature=0.8", "grpo.loss.reference_policy_kl_penalty=0.1"])  # fmt: skip
-    threads = torch.get_num_threads()
-    w = PolicyWorker(cfg, tiny_model_path, rank=0, world_size=1, colocated_engine=False)
-    try:
-        w.setup("127.0.0.1", local_port())
+    overrides = ["policy.max_grad_norm=null", "policy.micro_batch_size=5", "policy.logprob_micro_batch_size=5",
+                 "policy.reshard_after_forward=true", "policy.compute_entropy=true",
+                 "generation.temperature=0.8", "grpo.loss.reference_policy_kl_penalty=0.1"]  # fmt: skip
+    with one_rank_worker(tiny_model_path, overrides, frozen_lr=True) as w:
         assert w.model.get_output_embeddings().weight is w.model.get_input_embeddings().weight  # tied
-        w.scheduler.base_lrs = [0.0] * len(
-            w.scheduler.base_lrs
-        )  # the weights stay; param.grad keeps each step's
-        for group in w.optimizer.param_groups:
-            group["lr"] = 0.0
         yield w
-    finally:
-        w.shutdown()
-        torch.set_num_threads(threads)
 
 
 def _run(w, samples, policy: dict) -> dict:

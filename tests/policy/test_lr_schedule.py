@@ -6,9 +6,8 @@ from __future__ import annotations
 import math
 
 import pytest
-import torch
 
-from tests.policy.helpers import local_port, skewed_samples
+from tests.policy.helpers import one_rank_worker, skewed_samples
 from trainer.config import ConfigError, load
 from trainer.policy.worker import lr_factor
 
@@ -51,38 +50,21 @@ def test_should_refuse_an_unknown_schedule_or_a_floor_it_would_ignore() -> None:
 def test_should_train_each_step_at_the_scheduled_rate_through_the_real_worker(tiny_model_path) -> None:
     """Four optimizer steps of a run planned at two GRPO steps of two minibatches: the rate each step reports
     (``train/lr``) and the one AdamW used follow the schedule over the run's optimizer steps, not its GRPO steps."""
-    import torch.distributed as dist
-
-    from trainer.policy.worker import PolicyWorker
-
-    if dist.is_initialized():
-        pytest.skip("this process already has a torch.distributed world")
-    cfg = load(
-        [
-            "experiment=tiny",
-            f"model.name={tiny_model_path}",
-            "cluster.cpu_workers_per_node=1",
-            "policy.learning_rate=1e-3",
-            "policy.warmup_steps=1",
-            "policy.lr_schedule=cosine",
-            "policy.min_lr_ratio=0.2",
-            "grpo.max_num_steps=2",
-            "grpo.num_minibatches=2",
-        ]
-    )
-    threads = torch.get_num_threads()
-    w = PolicyWorker(cfg, tiny_model_path, rank=0, world_size=1, colocated_engine=False)
-    try:
-        w.setup("127.0.0.1", local_port())
+    overrides = [
+        "policy.learning_rate=1e-3",
+        "policy.warmup_steps=1",
+        "policy.lr_schedule=cosine",
+        "policy.min_lr_ratio=0.2",
+        "grpo.max_num_steps=2",
+        "grpo.num_minibatches=2",
+    ]
+    with one_rank_worker(tiny_model_path, overrides) as w:
         samples = skewed_samples()
         counts = {"tokens": float(sum(sum(s.response_mask) for s in samples)), "seqs": float(len(samples))}
         used, reported = [], []
         for _ in range(4):
             used.append(w.optimizer.param_groups[0]["lr"])
             reported.append(w.train([samples], [counts])["lr"])
-    finally:
-        w.shutdown()
-        torch.set_num_threads(threads)
     planned = [1e-3 * lr_factor(s, 1, 4, "cosine", 0.2) for s in range(4)]
     assert used == pytest.approx(planned)
     assert planned == pytest.approx([1e-3, 1e-3, 1e-3 * (0.2 + 0.8 * 0.75), 1e-3 * (0.2 + 0.8 * 0.25)])

@@ -13,8 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.policy.helpers import local_port, skewed_samples
-from trainer.config import load
+from tests.policy.helpers import one_rank_worker, skewed_samples
 from trainer.policy.batch import Sample
 
 # float32 on CPU: packed and padded sum the same terms in a different order (attention over a
@@ -24,38 +23,17 @@ RTOL, ATOL = 1e-5, 1e-6
 
 @pytest.fixture(scope="module")
 def worker(tiny_model_path):
-    import torch.distributed as dist
-
-    from trainer.policy.worker import PolicyWorker
-
-    if dist.is_initialized():
-        pytest.skip("this process already has a torch.distributed world")
-    cfg = load(
-        [
-            "experiment=tiny",
-            f"model.name={tiny_model_path}",
-            "cluster.cpu_workers_per_node=1",
-            "policy.max_grad_norm=null",
-            "policy.micro_batch_size=5",
-            "policy.logprob_micro_batch_size=5",
-            "policy.shared_prefix=false",  # every packed case packs (the mixed choice has its own test)
-            "grpo.loss.reference_policy_kl_penalty=0.1",
-            "grpo.loss.ratio_clip_min=0.2",
-            "grpo.loss.ratio_clip_max=0.2",
-        ]
-    )
-    threads = torch.get_num_threads()
-    w = PolicyWorker(cfg, tiny_model_path, rank=0, world_size=1, colocated_engine=False)
-    try:
-        w.setup("127.0.0.1", local_port())
-        # lr 0 (the scheduler scales base_lrs): the weights stay, and param.grad keeps each step's gradient.
-        w.scheduler.base_lrs = [0.0] * len(w.scheduler.base_lrs)
-        for group in w.optimizer.param_groups:
-            group["lr"] = 0.0
+    overrides = [
+        "policy.max_grad_norm=null",
+        "policy.micro_batch_size=5",
+        "policy.logprob_micro_batch_size=5",
+        "policy.shared_prefix=false",  # every packed case packs (the mixed choice has its own test)
+        "grpo.loss.reference_policy_kl_penalty=0.1",
+        "grpo.loss.ratio_clip_min=0.2",
+        "grpo.loss.ratio_clip_max=0.2",
+    ]
+    with one_rank_worker(tiny_model_path, overrides, frozen_lr=True) as w:
         yield w
-    finally:
-        w.shutdown()
-        torch.set_num_threads(threads)
 
 
 def _step(w, samples: list[Sample], **policy) -> tuple[dict[str, float], dict[str, torch.Tensor]]:

@@ -22,7 +22,7 @@ import textwrap
 import pytest
 import torch
 
-from tests.policy.helpers import refit_samples
+from tests.policy.helpers import one_rank_worker, refit_samples
 from trainer.config import ConfigError, load
 from trainer.policy.batch import Sample
 from trainer.ports import free_port
@@ -45,18 +45,10 @@ def worker(request, tiny_model_path, monkeypatch):
     """A real PolicyWorker (world of 1, gloo) over the tiny model with FROZEN frozen; indirect parameter:
     how it is frozen ("config": ``policy.freeze``; "model": the model arrives with them frozen) and
     whether the rank has a colocated (hf) engine."""
-    import torch.distributed as dist
-
     from trainer.policy import worker as worker_module
-    from trainer.policy.worker import PolicyWorker
 
-    if dist.is_initialized():
-        pytest.skip("this process already has a torch.distributed world")
     how, colocated = request.param
     overrides = [
-        "experiment=tiny",
-        f"model.name={tiny_model_path}",
-        "cluster.cpu_workers_per_node=1",
         "cluster.keep_freed_memory=false",
         "generation.backend=hf",
         "policy.learning_rate=0.05",
@@ -73,16 +65,11 @@ def worker(request, tiny_model_path, monkeypatch):
             return model
 
         monkeypatch.setattr(worker_module, "build_empty_model", frozen_model)
-    cfg = load(overrides)
-    threads = torch.get_num_threads()
-    w = PolicyWorker(cfg, tiny_model_path, rank=0, world_size=1, colocated_engine=colocated)
-    try:
-        w.info = w.setup("127.0.0.1", free_port("127.0.0.1"))
-        yield w
-    finally:
-        w.close_weight_sync()
-        w.shutdown()
-        torch.set_num_threads(threads)  # the worker set this process's threads as a rank does its own
+    with one_rank_worker(tiny_model_path, overrides, colocated_engine=colocated) as w:
+        try:
+            yield w
+        finally:
+            w.close_weight_sync()
 
 
 def _base(tiny_model_path) -> dict[str, torch.Tensor]:

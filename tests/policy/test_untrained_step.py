@@ -16,8 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.policy.helpers import local_port
-from trainer.config import load
+from tests.policy.helpers import one_rank_worker
 from trainer.policy.batch import Sample
 from trainer.step_report import step_metrics
 
@@ -35,30 +34,13 @@ REPORTED = {
 
 @pytest.fixture(scope="module")
 def worker(tiny_model_path):
-    import torch.distributed as dist
-
-    from trainer.policy.worker import PolicyWorker
-
-    if dist.is_initialized():
-        pytest.skip("this process already has a torch.distributed world")
-    cfg = load(
-        [
-            "experiment=tiny",
-            f"model.name={tiny_model_path}",
-            "cluster.cpu_workers_per_node=1",
-            "grpo.loss.reference_policy_kl_penalty=0.1",
-            "grpo.loss.importance_sampling=tis",
-            "policy.compute_entropy=true",
-        ]
-    )
-    threads = torch.get_num_threads()
-    w = PolicyWorker(cfg, tiny_model_path, rank=0, world_size=1, colocated_engine=False)
-    try:
-        w.setup("127.0.0.1", local_port())
+    overrides = [
+        "grpo.loss.reference_policy_kl_penalty=0.1",
+        "grpo.loss.importance_sampling=tis",
+        "policy.compute_entropy=true",
+    ]
+    with one_rank_worker(tiny_model_path, overrides) as w:
         yield w
-    finally:
-        w.shutdown()
-        torch.set_num_threads(threads)
 
 
 def _samples(masked: bool) -> list[Sample]:

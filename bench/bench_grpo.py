@@ -114,6 +114,8 @@ def kuberl_overrides(steps: int, log_dir: Path, extra: list[str] | None = None, 
         f"grpo.num_generations_per_prompt={SAMPLES_PER_PROMPT}",
         f"generation.max_new_tokens={MAX_NEW_TOKENS}",
         "grpo.loss.reference_policy_kl_penalty=0",
+        "policy.lr_schedule=constant",  # as TRL's lr_scheduler_type="constant" (cpu-demo decays)
+        "policy.min_lr_ratio=0",
         f"grpo.max_num_steps={steps}",
         f"logger.log_dir={log_dir}",
         "logger.run_name=kuberl",

@@ -539,8 +539,9 @@ class PolicyConfig:
     warmup_steps: int = doc(0, "Optimizer steps of linear learning-rate warm-up; 0: none.")
     lr_schedule: str = doc(
         "constant",
-        "The learning rate after warm-up: constant, or linear or cosine decay to min_lr_ratio x learning_rate "
-        "at the run's last optimizer step (grpo.max_num_steps x grpo.num_minibatches). AdamW moves every "
+        "The learning rate after warm-up: constant, or linear or cosine decay towards min_lr_ratio x "
+        "learning_rate, reached one step past the run's last optimizer step (grpo.max_num_steps x "
+        "grpo.num_minibatches), as transformers' schedules do. AdamW moves every "
         "weight by about the learning rate each step however little signal the batch holds, so a run whose "
         "groups mostly score alike late drifts at a constant rate; a decay holds what it learned.",
     )
@@ -586,8 +587,9 @@ class PolicyConfig:
         "torch.compile each decoder block's forward (regional, inside FSDP2, as torchtitan does: fused norms, "
         "rotary embeddings and activations; the attention call stays eager), any packed length without "
         "recompiling. The compile time is printed once, after the first step. null: on GPUs; off on CPU, where a "
-        "step ran 1.2-1.7x faster compiled (SmolLM2-135M, float32 packed rows, 2-core AVX512-BF16 EPYC, loaded) "
-        "but compiling took 36-53 s, more than the demo's and the tests' short runs earn back. Never an MoE "
+        "step of SmolLM2-135M's packed rows on a quiet 2-core AVX512-BF16 EPYC ran 1.00x compiled in float32 and "
+        "1.05x in bfloat16 (bench/README.md) and compiling took 36-53 s, more than the demo's and the tests' short "
+        "runs earn back. Never an MoE "
         "policy's (true is refused there).",
     )
     compute_entropy: bool = doc(True, "Report the policy's token entropy each step (train/entropy).")

@@ -40,14 +40,14 @@ CPU_KV_CACHE_GIB = 1
 
 def environment(cache_root: str) -> None:
     """Set the process environment a CPU engine starts under (before ``import vllm``: the engine core's
-    mode is fixed at construction; setdefault keeps what an operator set), its ``VLLM_CACHE_ROOT`` the
-    engine's own directory (:func:`trainer.generation.vllm_lifetime.private_dir`), which it removes at
-    shutdown."""
+    mode is fixed at construction; setdefault keeps what an operator set), and link the shared model-info
+    cache into ``cache_root``, the engine's own directory (:func:`trainer.generation.vllm_lifetime.private_dir`),
+    which ``VLLM_CACHE_ROOT`` names (:func:`trainer.generation.vllm_lifetime.enter_environment`) and which
+    it removes at shutdown."""
     # A core list only takes effect in vLLM's multiprocess executor (it sets OMP variables for the workers
     # it spawns); in-process the engine uses this process's threads, which Ray or the policy worker
     # already placed, so binding is left to them.
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    os.environ["VLLM_CACHE_ROOT"] = cache_root  # compile caches: per engine
     if modelinfos := shared_modelinfo_dir():  # vLLM writes each file atomically: engines may share it
         os.symlink(modelinfos, os.path.join(cache_root, "modelinfos"))
 

@@ -363,7 +363,7 @@ class VLLMGenerationEngine:
             private, vllm_lifetime.DIR_VARIABLES if self.on_cpu else ("VLLM_RPC_BASE_PATH",)
         )
         if self.on_cpu:
-            vllm_cpu.environment(private)  # compile caches: per engine
+            vllm_cpu.environment(private)  # its thread binding; the shared model-info cache linked in
         with heap.paused():
             import vllm
             import vllm.envs

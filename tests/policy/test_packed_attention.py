@@ -273,7 +273,12 @@ def test_should_run_sdpa_per_sample_when_on_a_cpu_or_in_float32_or_with_dropout(
     assert packed_attention._flash_device(q.device) is False
     module = torch.nn.Linear(2, 2).eval()
     got = _attend(module, q, k, v, row, "sdpa", 0.0, 0.25, None, None)
-    torch.testing.assert_close(got, packed_attention._per_sample(q, k, v, row, 0.0, 0.25, None))
+    torch.testing.assert_close(got, packed_attention._batched(q, k, v, row, 0.0, 0.25, None))  # CPU bf16
+    q32, k32, v32 = (t.float() for t in (q, k, v))
+    torch.testing.assert_close(
+        _attend(module, q32, k32, v32, row, "sdpa", 0.0, 0.25, None, None),
+        packed_attention._per_sample(q32, k32, v32, row, 0.0, 0.25, None),
+    )
     # a flash-capable GPU still keeps float32 and dropout on the loop (the kernel has neither)
     monkeypatch.setattr(packed_attention, "_flash_device", lambda device: True)
     q32, k32, v32 = (t.float() for t in (q, k, v))
@@ -301,7 +306,8 @@ def test_should_fall_back_to_the_loop_and_not_ask_again_when_the_kernel_refuses_
     with caplog.at_level("WARNING", logger=packed_attention.__name__):
         for _ in range(3):  # three layers
             got = _attend(module, q, k, v, row, "sdpa", 0.0, 0.25, None, None)
-            torch.testing.assert_close(got, packed_attention._per_sample(q, k, v, row, 0.0, 0.25, None))
+            # the tensors are on this CPU: its half-precision path (a GPU's would run sdpa per sample)
+            torch.testing.assert_close(got, packed_attention._batched(q, k, v, row, 0.0, 0.25, None))
     assert len(calls) == 1 and len(row.attention.refused) == 1
     assert sum("refused" in r.getMessage() for r in caplog.records) == 1
 
@@ -343,3 +349,64 @@ def test_should_pack_every_micro_batch_when_rows_are_fused_and_choose_by_positio
         True  # a GPU's varlen kernel: packed rows beat the shared-prompt layout everywhere measured
     )
     assert worker._prefix_layouts([group, ragged]) == [False, False]
+
+
+# Samples of 5, 1, 7, 7 and 60 tokens: the short ones share a batch, the long one is alone.
+SKEWED = [0, 5, 6, 13, 20, 80]
+
+
+@pytest.mark.parametrize("max_len", [256, 20])  # 20: the 60-token sample runs sdpa alone
+@pytest.mark.parametrize("window", [None, 3])
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_should_equal_a_dense_block_diagonal_mask_forward_and_backward_when_samples_attend_in_batches(
+    window, kv_heads, max_len, monkeypatch
+):
+    monkeypatch.setattr(packed_attention, "BATCH_MAX_LEN", max_len)
+    row = Row(torch.tensor(SKEWED, dtype=torch.int32), 60)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 80, 16, generator=g, requires_grad=True)
+    k, v = (torch.randn(1, kv_heads, 80, 16, generator=g, requires_grad=True) for _ in range(2))
+    got = packed_attention._batched(q, k, v, row, 0.0, 0.25, window)  # float32: exact up to summation order
+    want = _dense(q, k, v, row, window, 0.25)
+    torch.testing.assert_close(got, want)
+    grad = torch.randn(want.shape, generator=g)
+    # the pad slots' queries see no key under a window: a NaN there would reach the real keys' gradients
+    for a, b in zip(torch.autograd.grad(got, (q, k, v), grad), torch.autograd.grad(want, (q, k, v), grad)):
+        torch.testing.assert_close(a, b)
+    batches = row._batches[(q.device, 4, window)]
+    assert (len(batches.index), len(batches.alone)) == ((2, 0) if max_len == 256 else (1, 1))
+
+
+def test_should_not_pad_a_short_sample_to_a_long_ones_length_or_let_one_batchs_scores_grow_past_the_cap(
+    monkeypatch,
+):
+    row = Row(torch.tensor([0, 4, 9, 15, 75], dtype=torch.int32), 60)  # 4, 5, 6 and 60 tokens
+    batches = packed_attention.Batches(row, 4, None, torch.device("cpu"))
+    assert [tuple(i.shape) for i in batches.index] == [(3, 6), (1, 60)]
+    assert len(set(batches.where.tolist())) == 75  # every token once
+    monkeypatch.setattr(packed_attention, "SCORE_BYTES", 2 * 4 * 6 * 6 * 4)  # two 6-token samples' scores
+    assert [tuple(i.shape) for i in packed_attention.Batches(row, 4, None, torch.device("cpu")).index] == [
+        (2, 5),
+        (1, 6),
+        (1, 60),
+    ]
+
+
+def test_should_give_each_sample_its_logits_in_bfloat16_when_a_cpu_row_runs_as_batches(tiny_model_path):
+    from trainer.models import load_model
+
+    model = load_model(tiny_model_path, "bfloat16", False).eval()
+    model.set_attn_implementation("eager")
+    attention = packed_attention.install(model, "eager")
+    samples = [Sample([5, 6, 7], [8, 9]), Sample([5, 6], [7]), Sample([9, 8, 7, 6], [5, 4, 3, 2])]
+    batch = pack_batch(samples, pad_id=0)
+    row = attention.row(batch.cu_seqlens, batch.max_seqlen)
+    with torch.no_grad():
+        logits = model(
+            input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False, packed_row=row
+        ).logits.float()
+        assert row._batches, "a CPU bfloat16 row did not run as batches"
+        for a, b in row.bounds:  # each sample alone, through the model's own eager attention
+            ids = batch.input_ids[:, a:b]
+            alone = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits.float()
+            torch.testing.assert_close(logits[:, a:b], alone, rtol=0.02, atol=0.05)

@@ -8,8 +8,10 @@ row, masked or not: for a row of B samples that is up to B times the work the sa
 attention (bench/README.md, ``make bench-train``). Here the policy's attention is a function of its own,
 registered with transformers (``AttentionInterface``): for a packed row it runs torch's own varlen
 kernel (``torch.nn.attention.varlen.varlen_attn``: one fused call over the whole row, its boundaries as
-cu_seqlens) where that kernel takes the call (CUDA, fp16/bf16, no dropout; :func:`_varlen`), else sdpa
-once per sample with ``is_causal`` (the fused causal kernel, no mask); for anything else (padded
+cu_seqlens) where that kernel takes the call (CUDA, fp16/bf16, no dropout; :func:`_varlen`); on a CPU in
+bf16/fp16, the samples padded into a few batches of like length, each one batched eager attention
+(:func:`_batched`: torch's fused CPU kernel is slow on short half-precision samples); else sdpa once per
+sample with ``is_causal`` (the fused causal kernel, no mask); for anything else (padded
 batches, the reference's, a copy of the model generating with a KV cache) it is transformers' own sdpa,
 unchanged.
 
@@ -75,6 +77,7 @@ class Row:
         self.tokens = int(cu_seqlens[-1]) if tokens is None else tokens
         self.attention = attention if attention is not None else PackedAttention()
         self._on: dict[torch.device, torch.Tensor] = {}  # device -> int32 copy
+        self._batches: dict[tuple, Batches] = {}  # (device, heads, window) -> the row as batches (CPU bf16)
 
     @property
     def bounds(self) -> list[tuple[int, int]]:
@@ -141,8 +144,9 @@ def attention(
 def _attend(module, q, k, v, row: Row, inner: str, dropout, scaling, sliding_window, softcap) -> torch.Tensor:
     """Causal attention within each sample of the row: (1, h, N, D) -> (1, N, h, D). The one place where
     devices differ: flash attention's varlen kernel when ``inner`` is a flash one (flash_attn, GPUs);
-    else torch's own varlen kernel where it takes the call (:func:`_varlen`: CUDA, fp16/bf16), else sdpa
-    once per sample (:func:`_per_sample`: CPU, float32, ...)."""
+    else torch's own varlen kernel where it takes the call (:func:`_varlen`: CUDA, fp16/bf16), else on a CPU
+    in fp16/bf16 batches of like-length samples (:func:`_batched`), else sdpa once per sample
+    (:func:`_per_sample`: CPU float32, a GPU without flash attention, ...)."""
     if inner.startswith("flash"):
         # transformers' own flash wrapper would name the kernel after module.config's implementation,
         # which is this module's: call the function under it with the inner one.
@@ -179,6 +183,8 @@ def _attend(module, q, k, v, row: Row, inner: str, dropout, scaling, sliding_win
     out = _varlen(q, k, v, row, dropout, scaling, sliding_window)
     if out is not None:
         return out
+    if q.device.type == "cpu" and q.dtype in HALF:
+        return _batched(q, k, v, row, dropout, scaling, sliding_window)
     return _per_sample(q, k, v, row, dropout, scaling, sliding_window)
 
 
@@ -197,6 +203,113 @@ def _per_sample(q, k, v, row: Row, dropout, scaling, sliding_window) -> torch.Te
             is_causal=mask is None, enable_gqa=gqa,
         ))  # fmt: skip
     return torch.cat(parts, dim=2).transpose(1, 2)
+
+
+HALF = (torch.bfloat16, torch.float16)
+# How much padding a batch of samples may add to the work its samples need (each sample's L^2 pairs), and
+# the most bytes one batch's float32 scores may take: a length-skewed row splits into several batches.
+# Below PAD_PAIRS padded pairs a batch is not worth a call of its own (at 490 GFLOP/s, one bf16 core, 64^2
+# pairs of 9 heads of 64 cost about 30 us forward and backward).
+PAD_WASTE = 1.5
+PAD_PAIRS = 64 * 64
+SCORE_BYTES = 64 << 20
+# Samples longer than this run sdpa per sample: there the fused kernel wins (2-core AMD EPYC, bf16, 9 heads
+# of 64, forward and backward: batches 2.2x faster at 128 tokens, 1.4x at 256, 0.47x at 512), and it keeps
+# no (L, L) scores for the backward.
+BATCH_MAX_LEN = 256
+
+
+class Batches:
+    """A packed row's samples laid out as batches of like length for :func:`_batched`, per row and window
+    (every layer and a checkpointed recompute reuse it): each batch's gather index into the row plus one
+    zero token (a pad slot points at it), its additive float32 mask; the samples longer than
+    ``BATCH_MAX_LEN`` (``alone``: their bounds), which run sdpa one at a time; and where each of the row's
+    tokens lands in the outputs laid end to end, the batches' first."""
+
+    def __init__(self, row: Row, heads: int, window: int | None, device: torch.device):
+        lengths = [b - a for a, b in row.bounds]
+        order = sorted(
+            range(len(lengths)), key=lengths.__getitem__
+        )  # short to long: a batch's last is its longest
+        groups: list[list[int]] = []
+        self.alone = [row.bounds[i] for i in order if lengths[i] > BATCH_MAX_LEN]
+        for i in (i for i in order if lengths[i] <= BATCH_MAX_LEN):
+            n = lengths[i]
+            g = groups[-1] if groups else None
+            if (
+                g
+                and (len(g) + 1) * n * n <= PAD_WASTE * (sum(lengths[j] ** 2 for j in g) + n * n) + PAD_PAIRS
+                and ((len(g) + 1) * heads * n * n * 4 <= SCORE_BYTES)
+            ):
+                g.append(i)
+            else:
+                groups.append([i])
+        starts = row.cu_seqlens.tolist()
+        self.index, self.mask = [], []
+        where = torch.empty(row.tokens, dtype=torch.long)
+        offset = 0
+        for g in groups:
+            width = lengths[g[-1]]
+            index = torch.full((len(g), width), row.tokens, dtype=torch.long)  # the zero token
+            for slot, i in enumerate(g):
+                a, n = starts[i], lengths[i]
+                index[slot, :n] = torch.arange(a, a + n)
+                where[a : a + n] = offset + slot * width + torch.arange(n)
+            offset += len(g) * width
+            t = torch.arange(width)
+            query, key = t[:, None], t[None, :]
+            allowed = (key <= query) & (key < torch.tensor([lengths[i] for i in g])[:, None, None])
+            if window is not None:
+                allowed &= (query - key) < window
+            # finite, not -inf: a pad query that sees no key gets a uniform softmax, never a NaN that
+            # softmax's backward would spread into the real keys' gradients
+            mask = torch.zeros(allowed.shape).masked_fill_(~allowed, torch.finfo(torch.float32).min)
+            self.index.append(index.to(device))
+            self.mask.append(mask[:, None, None].to(device))  # (n, 1, 1, L, L): over kv heads and groups
+        for a, b in self.alone:
+            where[a:b] = offset + torch.arange(b - a)
+            offset += b - a
+        self.where = where.to(device)
+
+
+def _batched(q, k, v, row: Row, dropout, scaling, sliding_window) -> torch.Tensor:
+    """The row's samples padded into batches of like length (:class:`Batches`), each attended in one
+    batched eager attention with a causal (windowed) mask: (1, h, N, D) -> (1, N, h, D). For bf16/fp16 on
+    a CPU, where torch's fused sdpa kernel runs each short sample at a small fraction of the matmul peak:
+    on a 2-core AMD EPYC one packed row of 33 samples of 40-90 tokens (SmolLM2's 9 heads, 3 kv heads)
+    took 31 ms forward and backward per layer this way and 63 ms as sdpa per sample (bench/README.md).
+    Scores and softmax in float32, the probabilities rounded to the input dtype for the values' matmul,
+    as transformers' eager attention computes them; samples longer than ``BATCH_MAX_LEN`` run sdpa alone."""
+    heads, kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[-1]
+    group = heads // kv_heads
+    window = sliding_window if sliding_window is not None and row.max_seqlen > sliding_window else None
+    key = (q.device, heads, window)
+    batches = row._batches.get(key)
+    if batches is None:
+        batches = row._batches[key] = Batches(row, heads, window, q.device)
+    scale = head_dim**-0.5 if scaling is None else scaling
+    # (h, N + 1, D): the row's tokens and a zero token that the pad slots gather
+    qz, kz, vz = (torch.cat([t[0], t.new_zeros(t.shape[1], 1, head_dim)], dim=1) for t in (q, k, v))
+    outs = []
+    for index, mask in zip(batches.index, batches.mask):
+        n, width = index.shape
+        # query heads grouped under their kv head (head h reads kv head h // group, as repeat_kv lays
+        # them out): (n, kv, group * L, D) against keys (n, kv, L, D), no copy of the keys per group
+        qb = qz[:, index].transpose(0, 1).reshape(n, kv_heads, group * width, head_dim)
+        kb, vb = (t[:, index].transpose(0, 1) for t in (kz, vz))
+        scores = torch.matmul(qb, kb.transpose(-1, -2)).view(n, kv_heads, group, width, width)
+        probs = torch.softmax(scores.float() * scale + mask, dim=-1).to(q.dtype)
+        if dropout:
+            probs = torch.nn.functional.dropout(probs, p=dropout, training=True)
+        out = torch.matmul(probs.view(n, kv_heads, group * width, width), vb)  # (n, kv, group * L, D)
+        outs.append(out.view(n, heads, width, head_dim).transpose(1, 2).reshape(n * width, heads, head_dim))
+    for a, b in batches.alone:
+        outs.append(
+            _per_sample(
+                q, k, v, Row(row.cu_seqlens.new_tensor([a, b]), b - a), dropout, scaling, sliding_window
+            )[0]
+        )
+    return torch.cat(outs)[batches.where].unsqueeze(0)
 
 
 # torch's varlen attention (torch.nn.attention.varlen.varlen_attn), whose signature changed between the

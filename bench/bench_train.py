@@ -388,6 +388,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, 
         "layout with each head, taking turns",
     )
     ap.add_argument(
+        "--attention",
+        default="batched",
+        help="batched, per-sample or batched,per-sample: a packed row's attention on a CPU in bf16/fp16, its "
+        "like-length samples in a few batched eager attentions (the trainer's) or sdpa once per sample (as "
+        "before); each layout with each, taking turns (float32 and GPU rows run the same either way)",
+    )
+    ap.add_argument(
         "--compile",
         default="off",
         help="off, on or off,on: the decoder blocks eager (policy.compile=false) or compiled (true); each "
@@ -443,8 +450,27 @@ def missing_key(key: str) -> str | None:
     return None
 
 
-def row_name(layout: str, head: str, compiled: bool, heads: list[str]) -> str:
-    return layout + (f"/{head}" if len(heads) > 1 else "") + ("+compile" if compiled else "")
+ATTENTIONS = ("batched", "per-sample")
+
+
+def attentions_of(args: argparse.Namespace) -> list[str]:
+    return [a for a in args.attention.split(",") if a]
+
+
+def row_name(
+    layout: str,
+    head: str,
+    compiled: bool,
+    heads: list[str],
+    attention: str = "batched",
+    attentions=("batched",),
+) -> str:
+    return (
+        layout
+        + (f"/{head}" if len(heads) > 1 else "")
+        + (f"/{attention}" if len(attentions) > 1 else "")
+        + ("+compile" if compiled else "")
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -463,6 +489,10 @@ def main(argv: list[str] | None = None) -> int:
     heads = [h for h in args.heads.split(",") if h]
     if not heads or set(heads) - set(HEADS):
         print(f"--heads: one or more of {', '.join(HEADS)}; got {args.heads}")
+        return 2
+    attentions = attentions_of(args)
+    if not attentions or set(attentions) - set(ATTENTIONS) or len(set(attentions)) < len(attentions):
+        print(f"--attention: batched, per-sample or batched,per-sample; got {args.attention}")
         return 2
     compiles = [c for c in args.compile.split(",") if c]
     if not compiles or set(compiles) - {"off", "on"} or len(set(compiles)) < len(compiles):
@@ -527,12 +557,13 @@ def main(argv: list[str] | None = None) -> int:
     for c in compiles:
         for layout in layout_names:
             for head in heads:
-                row = {"layout": layout, "head": head, "compile": c == "on"}
-                reason = why_not["compile"] if c == "on" else None
-                reason = reason or (why_not["fused"] if head == "fused" else None)
-                if reason:
-                    row.update(status="not available", reason=reason)
-                rows[row_name(layout, head, c == "on", heads)] = row
+                for attention in attentions:
+                    row = {"layout": layout, "head": head, "compile": c == "on", "attention": attention}
+                    reason = why_not["compile"] if c == "on" else None
+                    reason = reason or (why_not["fused"] if head == "fused" else None)
+                    if reason:
+                        row.update(status="not available", reason=reason)
+                    rows[row_name(layout, head, c == "on", heads, attention, attentions)] = row
     peaks: list[tuple[float, str]] = []
     bf16_peak = None
     for c in compiles:
@@ -602,7 +633,7 @@ def run_rows(
     import torch
 
     from trainer import perf
-    from trainer.policy import forward
+    from trainer.policy import forward, packed_attention
     from trainer.policy.worker import PolicyWorker
 
     longest = max(s.length for s in samples)
@@ -665,12 +696,16 @@ def run_rows(
     }  # fmt: skip
     fused_key = OPTIONAL_KEYS["fused"].split(".")[1] if missing_key(OPTIONAL_KEYS["fused"]) is None else None
     plan, layout_of = {}, {}
+    attentions = attentions_of(args)
     for layout in layout_names:
         for head in heads:
             if head == "fused" and fused_key is None:
                 continue  # the parent's row says why
-            name = row_name(layout, head, compiled, heads)
-            plan[name], layout_of[name] = dict(layouts[layout], head=head), layout
+            for attention in attentions:
+                name = row_name(layout, head, compiled, heads, attention, attentions)
+                plan[name] = dict(layouts[layout], head=head, attention=attention)
+                layout_of[name] = layout
+    batch_max_len = packed_attention.BATCH_MAX_LEN
     memory = (not args.gpu) if args.memory is None else args.memory
     counts = [{"tokens": float(sum(len(s.response_ids) for s in samples)), "seqs": float(len(samples))}]
     rows: dict[str, dict] = {name: {"seconds": []} for name in plan}
@@ -693,6 +728,8 @@ def run_rows(
                         for model in (worker.model, worker.ref_model):
                             if model is not None:
                                 forward.fix_rows(model, setup_rows, fused=value == "fused")
+                elif key == "attention":  # per-sample: every sample is one the batches leave to sdpa
+                    packed_attention.BATCH_MAX_LEN = batch_max_len if value == "batched" else 0
                 else:
                     setattr(worker.cfg.policy, key, value)
             sync()
@@ -757,6 +794,7 @@ def run_rows(
                 attempt(name, "profiled step", profiled, fatal=False)
     finally:
         forward.forward_logprobs = tiled
+        packed_attention.BATCH_MAX_LEN = batch_max_len
         worker.shutdown()
     for row in rows.values():
         row.setdefault("status", "ok")
@@ -864,10 +902,13 @@ def report(args, rows: dict[str, dict], tokens: int, flops: float, peaks, where:
             ratios[label] = done[a]["tokens_per_s"] / done[b]["tokens_per_s"]
             print(f"{label} tokens/s: {ratios[label]:.3f}x")
 
-    # Each row against the row it differs from in one setting: the layout, the compiled blocks, the head; and
-    # "after / before", everything this trainer offers on (fused head, compiled blocks) against neither.
-    key_of = {(r["layout"], r["head"], r["compile"]): n for n, r in rows.items()}
-    for (layout, head, compiled), name in key_of.items():
+    # Each row against the row it differs from in one setting: the layout, the compiled blocks, the head, the
+    # attention; and "after / before", everything this trainer offers on (fused head, compiled blocks, batched
+    # attention) against none of it.
+    key_of = {
+        (r["layout"], r["head"], r["compile"], r.get("attention", "batched")): n for n, r in rows.items()
+    }
+    for (layout, head, compiled, attention), name in key_of.items():
         others = (
             [("prefix", head, False), ("padded", head, False)] if layout == "packed" and not compiled else []
         )
@@ -876,6 +917,11 @@ def report(args, rows: dict[str, dict], tokens: int, flops: float, peaks, where:
         others += [(layout, "logits", compiled)] if head == "tiled" else []
         if (head, compiled) == ("fused", True):
             others.append((layout, "tiled", False))
+        others = [(*other, attention) for other in others]
+        if attention == "batched":
+            others.append((layout, head, compiled, "per-sample"))
+            if (head, compiled) == ("fused", True):
+                others.append((layout, "tiled", False, "per-sample"))
         for other in others:
             if other in key_of:
                 ratio(f"{name} / {key_of[other]}", name, key_of[other])

@@ -410,3 +410,36 @@ def test_should_give_each_sample_its_logits_in_bfloat16_when_a_cpu_row_runs_as_b
             ids = batch.input_ids[:, a:b]
             alone = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits.float()
             torch.testing.assert_close(logits[:, a:b], alone, rtol=0.02, atol=0.05)
+
+
+@pytest.mark.parametrize(
+    "family", ["llama3", "qwen2.5", "qwen3", "qwen3-moe", "gemma3", "mistral", "granite", "smollm2"]
+)
+def test_should_give_each_sample_its_own_logits_through_batches_on_each_familys_attention(
+    family, tmp_path, monkeypatch
+):
+    """The batched rows against each family's own attention: Gemma 3's sliding window (4 tokens, shorter than
+    the samples) beside a global layer and its query_pre_attn_scalar, Granite's attention_multiplier as the
+    scale, Qwen3's q/k norms, grouped-query heads everywhere (tests/families/models.py). In float32, made to
+    take the batches, so that a wrong window or scale shows beyond rounding (bf16 rounds these wide logits
+    by up to 0.09 either way)."""
+    from tests.families.models import build_family_model
+    from trainer.models import load_model
+
+    monkeypatch.setattr(packed_attention, "HALF", (torch.float32,))
+    path = build_family_model(family, str(tmp_path / family))
+    model = load_model(path, "float32", False).eval()
+    model.set_attn_implementation("eager")
+    attention = packed_attention.install(model, "eager")
+    samples = [Sample([5, 6, 7, 8], [9, 10]), Sample([5, 6], [7]), Sample([9, 8, 7, 6, 5], [4, 3, 2, 11])]
+    batch = pack_batch(samples, pad_id=0)
+    row = attention.row(batch.cu_seqlens, batch.max_seqlen)
+    with torch.no_grad():
+        logits = model(
+            input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False, packed_row=row
+        ).logits.float()
+        assert row._batches, "the row did not run as batches"
+        for a, b in row.bounds:
+            ids = batch.input_ids[:, a:b]
+            alone = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits.float()
+            torch.testing.assert_close(logits[:, a:b], alone, rtol=1e-4, atol=1e-4)

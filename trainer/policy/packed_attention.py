@@ -79,6 +79,10 @@ class Row:
         self._on: dict[torch.device, torch.Tensor] = {}  # device -> int32 copy
         self._batches: dict[tuple, Batches] = {}  # (device, heads, window) -> the row as batches (CPU bf16)
 
+    def window(self, sliding_window: int | None) -> int | None:
+        """The sliding window where it cuts: None when no sample of the row is longer (plain causal)."""
+        return sliding_window if sliding_window is not None and self.max_seqlen > sliding_window else None
+
     @property
     def bounds(self) -> list[tuple[int, int]]:
         cu = self.cu_seqlens.tolist()
@@ -231,18 +235,21 @@ class Batches:
         # short to long: a batch's last sample is its longest
         order = sorted(range(len(lengths)), key=lengths.__getitem__)
         groups: list[list[int]] = []
+        pairs = 0  # the last group's own pairs, sum of L^2
         self.alone = [row.bounds[i] for i in order if lengths[i] > BATCH_MAX_LEN]
         for i in (i for i in order if lengths[i] <= BATCH_MAX_LEN):
             n = lengths[i]
-            g = groups[-1] if groups else None
+            padded = (len(groups[-1]) + 1) * n * n if groups else 0
             if (
-                g
-                and (len(g) + 1) * n * n <= PAD_WASTE * (sum(lengths[j] ** 2 for j in g) + n * n) + PAD_PAIRS
-                and ((len(g) + 1) * heads * n * n * 4 <= SCORE_BYTES)
+                groups
+                and padded <= PAD_WASTE * (pairs + n * n) + PAD_PAIRS
+                and padded * heads * 4 <= SCORE_BYTES
             ):
-                g.append(i)
+                groups[-1].append(i)
+                pairs += n * n
             else:
                 groups.append([i])
+                pairs = n * n
         starts = row.cu_seqlens.tolist()
         self.index, self.mask = [], []
         where = torch.empty(row.tokens, dtype=torch.long)
@@ -281,7 +288,7 @@ def _batched(q, k, v, row: Row, dropout, scaling, sliding_window) -> torch.Tenso
     as transformers' eager attention computes them; samples longer than ``BATCH_MAX_LEN`` run sdpa alone."""
     heads, kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[-1]
     group = heads // kv_heads
-    window = sliding_window if sliding_window is not None and row.max_seqlen > sliding_window else None
+    window = row.window(sliding_window)
     key = (q.device, heads, window)
     batches = row._batches.get(key)
     if batches is None:
@@ -302,12 +309,9 @@ def _batched(q, k, v, row: Row, dropout, scaling, sliding_window) -> torch.Tenso
             probs = torch.nn.functional.dropout(probs, p=dropout, training=True)
         out = torch.matmul(probs.view(n, kv_heads, group * width, width), vb)  # (n, kv, group * L, D)
         outs.append(out.view(n, heads, width, head_dim).transpose(1, 2).reshape(n * width, heads, head_dim))
-    for a, b in batches.alone:
-        outs.append(
-            _per_sample(
-                q, k, v, Row(row.cu_seqlens.new_tensor([a, b]), b - a), dropout, scaling, sliding_window
-            )[0]
-        )
+    for a, b in batches.alone:  # a row of its own: sdpa on its tokens, nothing read back from a tensor
+        alone = Row(row.cu_seqlens.new_tensor([a, b]), b - a, row.attention, tokens=b - a)
+        outs.append(_per_sample(q, k, v, alone, dropout, scaling, sliding_window)[0])
     return torch.cat(outs)[batches.where].unsqueeze(0)
 
 
@@ -417,7 +421,7 @@ def _varlen(q, k, v, row: Row, dropout, scaling, sliding_window) -> torch.Tensor
         or not _flash_device(q.device)
     ):
         return None
-    window = sliding_window if sliding_window is not None and row.max_seqlen > sliding_window else None
+    window = row.window(sliding_window)
     if window is not None and window < 1:
         return None
     kw = _varlen_kwargs(_parameters(fn), heads, kv_heads, head_dim, scaling, window)

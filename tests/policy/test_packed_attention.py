@@ -412,6 +412,7 @@ def test_should_give_each_sample_its_logits_in_bfloat16_when_a_cpu_row_runs_as_b
             torch.testing.assert_close(logits[:, a:b], alone, rtol=0.02, atol=0.05)
 
 
+@pytest.mark.integration  # writes each family's model
 @pytest.mark.parametrize(
     "family", ["llama3", "qwen2.5", "qwen3", "qwen3-moe", "gemma3", "mistral", "granite", "smollm2"]
 )

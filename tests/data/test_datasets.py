@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -267,6 +268,27 @@ def test_arithmetic_train_and_eval_are_disjoint(held_out):
     train = {user(e) for e in data.get("arithmetic")(cfg(), "train")}
     evals = data.get("arithmetic")(cfg(options={"num_examples": 200}), held_out)
     assert len(evals) == 200 and not train & {user(e) for e in evals}
+
+
+@pytest.mark.parametrize("max_operand", [15, 4])  # cpu-demo's sums, cpu-gemma3's
+def test_should_hold_out_sums_scattered_over_the_operands_not_whole_columns_of_them(max_operand):
+    # Each operand value's line of sums (a+b for every a, or for every b) should hold out about
+    # holdout_fraction of its sums, as a binomial draw would: crc32 held out every teen + 8 (and 0-7 + 3,
+    # 0-7 + 7) of cpu-demo's grid, and all five x + 3 of cpu-gemma3's, so training never saw those columns.
+    options = {"num_examples": 4000, "max_operand": max_operand, "ops": "+"}
+    split = {
+        side: {user(e) for e in data.get("arithmetic")(cfg(options=options), side)}
+        for side in ("train", "test")
+    }
+    grid = (max_operand + 1) ** 2
+    assert len(split["train"]) + len(split["test"]) == grid and not split["train"] & split["test"]
+    held = [tuple(map(int, q.split("+"))) for q in split["test"]]
+    n, p = max_operand + 1, 0.1
+    for side in (0, 1):
+        for value in range(n):
+            k = sum(1 for pair in held if pair[side] == value)
+            tail = sum(math.comb(n, i) * p**i * (1 - p) ** (n - i) for i in range(k, n + 1))
+            assert tail > 1e-3, f"{k} of the {n} sums with operand {side + 1} = {value} are held out"
 
 
 def test_arithmetic_options_and_prompt():

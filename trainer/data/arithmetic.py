@@ -6,17 +6,18 @@ value with the usual precedence, as a string (``"-3"``).
 
 Train and evaluation splits must not share problems, and with small operand ranges two seeds would
 collide, so the problem space itself is split: an expression belongs to the evaluation splits
-(``validation``/``test``) when a stable hash of its text falls below ``holdout_fraction``. Each split then
-samples (with replacement) from its own part with a generator seeded from ``cfg.seed`` and the split.
+(``validation``/``test``) when a stable hash of its text falls below ``holdout_fraction``
+(:func:`~trainer.data.common.in_holdout`: sha256, so the held-out sums are scattered over the operands, not
+whole columns of them). Each split then samples (with replacement) from its own part with a generator seeded
+from ``cfg.seed`` and the split.
 """
 
 from __future__ import annotations
 
 import random
-import zlib
 from typing import Any
 
-from trainer.data.common import make_example
+from trainer.data.common import in_holdout, make_example
 from trainer.data.registry import Example, register
 
 DEFAULTS: dict[str, Any] = {
@@ -44,10 +45,6 @@ def evaluate(operands: list[int], ops: str) -> int:
 def render(operands: list[int], ops: str) -> str:
     parts = [str(x) if x >= 0 else f"({x})" for x in operands]  # "3-(-2)", never "3--2"
     return parts[0] + "".join(op + p for op, p in zip(ops, parts[1:], strict=True))
-
-
-def in_holdout(question: str, fraction: float) -> bool:
-    return zlib.crc32(question.encode()) / 2**32 < fraction  # crc32: stable across processes and runs
 
 
 def _options(cfg: Any) -> dict[str, Any]:

@@ -16,6 +16,7 @@ downloaded; a streamed shuffle draws from a buffer of ``options.shuffle_buffer``
 
 from __future__ import annotations
 
+import hashlib
 import random
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -57,6 +58,16 @@ def make_example(cfg: Any, dataset: str, id: str, question: str, ground_truth: A
         "ground_truth": ground_truth,
         "dataset": dataset,
     }
+
+
+def in_holdout(text: str, fraction: float) -> bool:
+    """Whether a problem (its text) belongs to the evaluation splits: a share ``fraction`` of any problem space.
+
+    sha256, the same in every process and run, and uniform over texts that differ in a digit. A linear checksum
+    is not: crc32 over ``a+b`` with operands 0-15 held out 0-7 +3, 0-7 +7 and 10-15 +8 (every sum of a teen and
+    8), so a model trained on the rest never saw a teen plus 8 and was scored on them all.
+    """
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") / 2**64 < fraction
 
 
 def shuffled_order(cfg: Any, n_rows: int) -> list[int]:

@@ -30,7 +30,7 @@ import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from trainer.data.common import make_example
+from trainer.data.common import in_holdout, make_example
 from trainer.data.registry import Example, register
 
 DEFAULTS: dict[str, Any] = {"tasks": {"chain_sum": None}, "size": 1000, "holdout_fraction": 0.1}
@@ -110,10 +110,6 @@ def check_options(options: Mapping[str, Any] | None) -> None:
     _options(type("Cfg", (), {"options": options})())
 
 
-def in_holdout(task: str, question: str, fraction: float) -> bool:
-    return zlib.crc32(f"{task}\n{question}".encode()) / 2**32 < fraction  # stable across processes and runs
-
-
 def plain(value: Any) -> Any:
     """``value`` as JSON reads it back (tuples as lists); what JSON cannot hold is an error naming it."""
     return json.loads(json.dumps(value))
@@ -158,7 +154,7 @@ def reasoning_gym(cfg: Any, split: str) -> list[Example]:
                 )
             item = generators[task][position[task]]
             position[task] += 1
-            if in_holdout(task, item["question"], o["holdout_fraction"]) == held_out:
+            if in_holdout(f"{task}\n{item['question']}", o["holdout_fraction"]) == held_out:
                 break
         try:
             truth = {

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import uuid
 
 import pytest
 
@@ -172,6 +174,49 @@ def test_should_give_a_local_instances_workers_this_processs_environment_without
         "KUBERL_CACHE": str(tmp_path),
     }
     assert seen["runtime_env"] == {}
+
+
+# A SIGTERM that lands while ray.init starts the local instance: after its processes started, before ray.init
+# returns (and so before ray.shutdown or the run's own preemption handling know of them).
+_TERM_DURING_INIT = textwrap.dedent(
+    """
+    import os, signal
+    import ray._private.node as node
+    from trainer.cluster import init_ray
+    from trainer.config import load
+
+    started = node.Node.start_ray_processes
+
+    def start_then_term(self):
+        started(self)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    node.Node.start_ray_processes = start_then_term
+    init_ray(load(["experiment=tiny"]))
+    print("init_ray returned")
+    """
+)
+
+
+@pytest.mark.integration  # a Python interpreter and a Ray instance of its own
+def test_should_leave_no_ray_agent_behind_when_sigterm_lands_while_the_local_instance_starts():
+    from tests.leftovers import MARK, kill, leftovers
+
+    session = uuid.uuid4().hex
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env[MARK] = ":".join(filter(None, (os.environ.get(MARK), session)))
+    out = subprocess.run(
+        [sys.executable, "-c", _TERM_DURING_INIT],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=False,
+    )
+    assert out.returncode == signal.SIGTERM and "init_ray returned" not in out.stdout, out.stderr[-3000:]
+    left = leftovers(session, grace_s=20)
+    kill(left)
+    assert not left, f"still running after the run ended: {sorted(left.values())}"
 
 
 @pytest.mark.parametrize("key", ["policy.compile", "policy.fused_head"])

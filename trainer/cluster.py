@@ -17,6 +17,7 @@ from ray.util.placement_group import PlacementGroup, placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from trainer.config import Config
+from trainer.processes import kill_descendants
 
 log = logging.getLogger(__name__)
 
@@ -169,6 +170,12 @@ def init_ray(cfg: Config) -> None:
                 logging_level=logging.WARNING,
             )
             return
+        except (SystemExit, KeyboardInterrupt):
+            # SIGTERM (ray.init's own handler: sys.exit) or Ctrl-C while the instance starts, before ray.shutdown
+            # knows it: the GCS and raylet die with this process (Ray's fate sharing), the raylet's dashboard
+            # and runtime-env agents would not, and stay behind under PID 1. Take them down while they are ours.
+            kill_descendants()
+            raise
         except Exception as e:
             if "timed out during startup" not in str(e):
                 raise

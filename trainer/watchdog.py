@@ -23,7 +23,6 @@ ignored on resume, :mod:`trainer.checkpoint`): a resubmission resumes from the l
 
 from __future__ import annotations
 
-import contextlib
 import os
 import socket
 import sys
@@ -32,6 +31,8 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
+
+from trainer.processes import kill_descendants
 
 LOST_EXIT = 4  # the run lost its cluster or a worker: resubmit (a RayJob may retry on it)
 LOST_AFTER_S = 15.0  # the GCS unanswered this long: the cluster is gone (Ray's own reconnect gives 60 s)
@@ -63,14 +64,7 @@ def exit_now(line: str, code: int = LOST_EXIT) -> None:
     """
     print(f"kuberl: error: {line}", file=sys.stderr, flush=True)
     sys.stdout.flush()
-    try:
-        import psutil
-
-        for child in psutil.Process().children(recursive=True):
-            with contextlib.suppress(psutil.Error):
-                child.kill()
-    except ImportError:  # psutil comes with ray[default]; without it the children are Ray's to reap
-        pass
+    kill_descendants()
     os._exit(code)
 
 

@@ -81,6 +81,24 @@ def test_should_score_one_when_arithmetic_is_answered_honestly(gt, response, sty
 
 
 @pytest.mark.parametrize(
+    "question",
+    [
+        "5 + 1 = 6\n2 + 6 = 8\n13 + 7 =",  # worked sums, then the question
+        "13 + 7 = ?\n5 + 1 = 6\n2 + 6 = 8",  # the question, then worked sums (cpu-gemma3's prompt)
+        "Worked: 5 + 1 = 6. What is 13 + 7? Another worked one: 2+6=8.",
+    ],
+    ids=["examples-first", "question-first", "examples-around"],
+)
+def test_should_take_the_sum_a_prompt_leaves_open_as_its_question_not_a_worked_example(question):
+    # Failed before: the prompt's last expression was taken as the question, so with worked sums after it
+    # ``13 + 7 = 20`` was "not the question's '2 + 6'" and scored 0 (and ``2 + 6 = 20``'s left side passed).
+    assert arithmetic("20", "13 + 7 = 20", question=question) == (1.0, True)
+    assert arithmetic("20", "7+13 = 20", question=question) == (1.0, True)
+    for other in ("2 + 6 = 20", "5 + 1 = 20", "10 + 10 = 20"):
+        assert arithmetic("20", other, question=question) == (0.0, False), other
+
+
+@pytest.mark.parametrize(
     ("response", "unboxed_score", "expected"),
     [
         ("13 + 7 = 20", 0.0, (0.0, False)),  # only a boxed answer counts

@@ -625,31 +625,37 @@ _LEFT_SIDE = re.compile(r"[0-9 \t+\-*/×().]+$")  # the arithmetic an equation's
 _OPERATION = re.compile(r"[0-9)][ \t]*[-+*/×][ \t]*[-(]*[0-9]")
 
 
-def _expressions(text: str) -> list[str]:
-    """The arithmetic expressions in ``text`` that hold an operation (``13+7``, ``3 - (-2)``), in order."""
-    return [m.group() for m in _EXPRESSION.finditer(text) if _OPERATION.search(m.group())]
+_WORKED = re.compile(r"[ \t]*=[ \t]*[-(]*[0-9]")  # follows an expression equated to a number
+
+
+def _asked(text: str) -> str | None:
+    """The arithmetic expression a question asks: its last that holds an operation (``13+7``, ``3 - (-2)``)
+    and that the question does not itself equate to a number. ``5 + 1 = 6`` is a worked example, whether
+    the examples come before the question or after it (``13 + 7 = ?`` then ``5 + 1 = 6``: cpu-gemma3's
+    prompt, where the last expression alone named a worked sum and every right answer was refused)."""
+    found = [m for m in _EXPRESSION.finditer(text) if _OPERATION.search(m.group())]
+    open_ = [m for m in found if not _WORKED.match(text, m.end())]
+    return (open_ or found)[-1].group() if found else None
 
 
 def another_question(response: Any, question: str | None) -> str | None:
     """Why a response whose answer closes an equation answers another question, else None: the equation's
     left side ends in arithmetic (digits, operators, brackets: what stands just before the line's first
-    ``=``) that is not the expression the question asks (its last, up to spacing, brackets and the order of
-    a sum's terms).
+    ``=``) that is not the expression the question asks (the last it leaves open, up to spacing, brackets and
+    the order of a sum's terms).
 
     Only the final answer's value was compared before, and a base model trained on one-digit sums
     (experiment cpu-gemma3) learned to write one line whatever it was asked, paid whenever the sum was its
     value: ``2 - 1 = 1``, then ``+ 2 = 2`` and ``0 = 1``. The working that leads to the question's value
     (``13 + 7 = 10 + 10 = 20``) still counts, and so does a left side without arithmetic (``x = 20``)."""
-    asked = _expressions(question or "")
-    if not asked:
+    asked = _asked(question or "")
+    if asked is None:
         return None
     line = next((ln for ln in reversed(fold(str(response)).splitlines()) if "=" in ln), "")
     said = _LEFT_SIDE.search(line.split("=", 1)[0].rstrip())
-    if said is None or not re.search(r"[0-9]", said.group()) or same_expression(said.group(), asked[-1]):
+    if said is None or not re.search(r"[0-9]", said.group()) or same_expression(said.group(), asked):
         return None
-    return (
-        f"the equation {clip(said.group().strip(), 30)!r} = ... is not the question's {asked[-1].strip()!r}"
-    )
+    return f"the equation {clip(said.group().strip(), 30)!r} = ... is not the question's {asked.strip()!r}"
 
 
 # -- format and exact match ----------------------------------------------------------------------

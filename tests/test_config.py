@@ -915,3 +915,26 @@ def test_should_group_consecutive_numbers_by_node_when_a_run_says_where_its_acto
     hosts = ["10.0.0.5"] * 8 + ["10.0.0.6"] * 8
     assert by_host("rank", hosts) == "ranks 0-7 on 10.0.0.5, ranks 8-15 on 10.0.0.6"
     assert by_host("worker", ["a", "b", "a"]) == "worker 0 on a, worker 1 on b, worker 2 on a"
+
+
+def test_should_pay_cpu_gemma3_for_its_prompts_line_completed_and_not_for_a_worked_line_copied():
+    """cpu-gemma3 asks first (``3+4 = ?``) and works sums below it, for a base model that copies the first
+    line: its reward must pay that line completed. It paid nothing for it (the reward took the last worked sum
+    for the question) and paid ``2 + 6 = 8`` whenever the answer was 8, with no error: the run learns nothing."""
+    from trainer.prestart import load_dataset
+    from trainer.rewards.answer import same_expression
+    from trainer.rewards.runner import question_of, score_one
+
+    cfg = load(["experiment=cpu-gemma3"])
+    specs = cfg.env.reward_functions
+    for example in load_dataset(cfg.data, "train")[:50]:
+        prompt, gold = question_of(example), example["ground_truth"]
+        asked, open_, worked = prompt.partition(" = ?")
+        assert open_ and worked.strip(), f"cpu-gemma3's prompt no longer opens with the question: {prompt!r}"
+        assert score_one(specs, gold, f"{asked} = {gold}", prompt).total == 1.0, prompt
+        for line in worked.strip().splitlines():  # '5 + 1 = 6' pays only where it answers the question (1+5)
+            left = line.partition("=")[0]
+            itself = same_expression(left, asked) and line.endswith(f"= {gold}")
+            assert score_one(specs, gold, line, prompt).total == float(itself), (prompt, line)
+            paid = score_one(specs, gold, f"{left.strip()} = {gold}", prompt).total
+            assert paid == float(same_expression(left, asked)), line

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from trainer.config import ConfigError, GenerationConfig, load
@@ -180,3 +182,18 @@ def test_should_size_a_cpu_engines_kv_cache_in_bytes_which_vllm_kwargs_or_vllms_
     assert "kv_cache_memory_bytes" not in llm_kwargs(
         "m", GenerationConfig(backend="vllm"), "float32", 0, 256, on_cpu=True, weight_transfer=False
     )
+
+
+def test_should_give_the_engine_the_models_own_chat_template_from_its_files(tmp_path):
+    from trainer.generation.vllm_engine import own_chat_template
+
+    assert own_chat_template("org/hub-model") is None  # not a local directory: vLLM finds it itself
+    assert own_chat_template(str(tmp_path)) is None  # no template anywhere
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages }}"}))
+    assert own_chat_template(str(tmp_path)) == "{{ messages }}"
+    (tmp_path / "chat_template.jinja").write_text("{{ bos_token }}")  # transformers' own file wins
+    assert own_chat_template(str(tmp_path)) == "{{ bos_token }}"
+    (tmp_path / "chat_template.jinja").unlink()
+    named = [{"name": "default", "template": "{{ messages }}"}]  # named templates: left to vLLM to pick
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": named}))
+    assert own_chat_template(str(tmp_path)) is None

@@ -61,3 +61,21 @@ def test_should_keep_the_plain_weight_only_while_the_engine_loads(patches):
     with patches.keep_plain_weights(on_cpu=True):
         assert utils.dispatch_cpu_unquantized_gemm is not real
     assert utils.dispatch_cpu_unquantized_gemm is real
+
+
+def test_should_refuse_in_one_line_when_vllms_tokenizer_pool_changed(patches, monkeypatch):
+    from vllm.renderers import hf
+
+    monkeypatch.setattr(hf, "maybe_make_thread_pool", lambda tokenizer: tokenizer)
+    with pytest.raises(RuntimeError, match="vllm_patches.py needs updating"), patches.one_tokenizer():
+        pass
+
+
+def test_should_leave_the_renderers_tokenizer_unpooled_only_while_the_engine_is_built(patches):
+    from vllm.renderers import hf
+
+    real = hf.maybe_make_thread_pool
+    marker = object()
+    with patches.one_tokenizer():
+        assert hf.maybe_make_thread_pool(marker, 2) is marker  # no deep copies made
+    assert hf.maybe_make_thread_pool is real

@@ -564,3 +564,31 @@ def test_should_say_in_one_line_naming_the_key_when_the_judges_config_cannot_be_
     assert line.endswith(
         "download it first (huggingface-cli download NAME config.json) or give a local directory"
     )
+
+
+# ----- a vLLM engine on CPU: its packed kernels and its KV cache, as the engine sizes them ----------------
+
+
+@pytest.mark.integration  # writes a model
+def test_should_count_a_cpu_vllm_engines_packed_kernels_and_its_step_sized_kv_cache(monkeypatch) -> None:
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    cfg = config.load(
+        ["experiment=cpu-demo", "generation=vllm", f"model.name='{TINY}'", "generation.dtype=float32"]
+    )
+    (node,) = plan.plan(cfg, None, "cpu-demo").devices
+    shape = plan.model_shape(TINY)
+    engines = cfg.cluster.cpu_workers_per_node
+    per_token = 2 * shape.layers * shape.kv_heads * shape.head_dim * 4
+    blocks = -(-cfg.policy.max_total_sequence_length // 128)  # every sequence in whole blocks of 128 tokens
+    assert (
+        node.terms[f"engine KV cache x {engines}"] == engines * cfg.grpo.batch_size * blocks * 128 * per_token
+    )
+    assert node.terms[f"engine packed kernels x {engines}"] == node.terms[f"engine weights x {engines}"]
+    cfg = config.load(["experiment=cpu-demo", "generation=vllm", f"model.name='{TINY}'",
+                       "generation.vllm_kwargs={kv_cache_memory_bytes: 1000000}"])  # fmt: skip
+    (node,) = plan.plan(cfg, None, "cpu-demo").devices
+    assert node.terms[f"engine KV cache x {engines}"] == engines * 1000000  # the user's word, as the engine's
+    (node,) = plan.plan(
+        config.load(["experiment=cpu-demo", f"model.name='{TINY}'"]), None, "cpu-demo"
+    ).devices
+    assert not any("KV" in term for term in node.terms)  # the hf engine has no cache of its own

@@ -19,6 +19,8 @@ from trainer.generation.base import SamplingParams
 
 TOL = 1e-4  # max |engine logprob - transformers logprob|, float32 on both sides
 MAX_MODEL_LEN = 512
+# the vLLM engines are sized for calls of this many sequences (their KV cache on CPU); larger calls run in turns
+SEQUENCES = 8
 LONG_PROMPT = 300  # tokens: longer than one KV-cache block, so the prefix cache holds whole blocks of it
 
 
@@ -85,7 +87,13 @@ def engine(request, tiny_model_path, tokenizer):
         # vllm-compiled: torch.compile (inductor) on CPU, where weights must still reach the compiled graph.
         gen = GenerationConfig(enforce_eager=request.param == "vllm")
         built = VLLMGenerationEngine(
-            tiny_model_path, gen, "float32", seed=0, max_model_len=MAX_MODEL_LEN, threads=1
+            tiny_model_path,
+            gen,
+            "float32",
+            seed=0,
+            max_model_len=MAX_MODEL_LEN,
+            threads=1,
+            sequences=SEQUENCES,
         )
     built.children_before = before
     yield built
@@ -242,6 +250,35 @@ def test_should_follow_new_weights_when_updated_including_a_tied_embedding_and_a
     assert max(abs(a - b) for a, b in zip(restored.logprobs, before.logprobs)) < TOL
 
 
+def test_should_hold_one_tokenizer_in_a_vllm_engine_and_load_no_processor(engine, tiny_model_path):
+    """vLLM's renderer pools deep copies of its tokenizer for its asynchronous server, and its warm-up loads
+    the model's processor to look for a chat template; kuberl's engine keeps one tokenizer and gives the
+    model's own template (0.7 GiB of host memory per engine at Gemma 3's 262k vocabulary)."""
+    if engine.__class__.__name__ != "VLLMGenerationEngine":
+        pytest.skip("vLLM's renderer only")
+    from vllm.renderers import hf as renderers
+    from vllm.tokenizers.hf import ThreadSafeHFTokenizerMixin
+
+    assert not isinstance(engine.tokenizer, ThreadSafeHFTokenizerMixin)
+    assert not [key for key in renderers._PROCESSOR_CHAT_TEMPLATES if key[0] == tiny_model_path]
+
+
+def test_should_size_a_cpu_engines_kv_cache_to_the_sequences_of_one_call(engine, tiny_model_path):
+    if engine.__class__.__name__ != "VLLMGenerationEngine":
+        pytest.skip("vLLM's KV cache only")
+    from transformers import AutoConfig
+
+    from trainer.generation.vllm_cpu import kv_bytes_per_token, step_kv_bytes
+
+    per_token = kv_bytes_per_token(AutoConfig.from_pretrained(tiny_model_path), "float32")
+    want = step_kv_bytes(per_token, SEQUENCES, MAX_MODEL_LEN)
+    assert want is not None and want < 2**30
+    assert engine.llm.llm_engine.vllm_config.cache_config.kv_cache_memory_bytes == want
+    # more sequences than the cache holds at once run in turns, with the same contract
+    out = engine.generate(_prompts(engine.tokenizer) * 6, 4, SamplingParams(max_new_tokens=4, seed=3))
+    assert [len(samples) for samples in out] == [4] * 12
+
+
 def test_should_find_vllms_model_info_in_the_shared_cache_and_keep_compile_caches_private(engine):
     """A CPU engine's private VLLM_CACHE_ROOT links the machine's model-info cache, so an engine after the
     first skips vLLM's inspection subprocess (a second vLLM import); the root, the engine's own directory
@@ -262,19 +299,6 @@ def test_should_find_vllms_model_info_in_the_shared_cache_and_keep_compile_cache
     assert not root.exists() and list(shared.glob("*-LlamaForCausalLM.json"))
     # what this process starts next (an engine, a `vllm serve` inheriting its environment) is not sent there
     assert str(root) not in {os.environ.get("VLLM_RPC_BASE_PATH"), os.environ.get("VLLM_CACHE_ROOT")}
-
-
-def test_should_hold_one_tokenizer_in_a_vllm_engine_and_load_no_processor(engine, tiny_model_path):
-    """vLLM's renderer pools deep copies of its tokenizer for its asynchronous server, and its warm-up loads
-    the model's processor to look for a chat template; kuberl's engine keeps one tokenizer and gives the
-    model's own template (0.7 GiB of host memory per engine at Gemma 3's 262k vocabulary)."""
-    if engine.__class__.__name__ != "VLLMGenerationEngine":
-        pytest.skip("vLLM's renderer only")
-    from vllm.renderers import hf as renderers
-    from vllm.tokenizers.hf import ThreadSafeHFTokenizerMixin
-
-    assert not isinstance(engine.tokenizer, ThreadSafeHFTokenizerMixin)
-    assert not [key for key in renderers._PROCESSOR_CHAT_TEMPLATES if key[0] == tiny_model_path]
 
 
 def test_should_leave_no_child_process_when_shut_down(engine):

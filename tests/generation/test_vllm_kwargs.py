@@ -197,3 +197,51 @@ def test_should_give_the_engine_the_models_own_chat_template_from_its_files(tmp_
     named = [{"name": "default", "template": "{{ messages }}"}]  # named templates: left to vLLM to pick
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": named}))
     assert own_chat_template(str(tmp_path)) is None
+
+
+def test_should_size_a_cpu_engines_kv_cache_to_the_sequences_one_call_holds():
+    from transformers import Gemma3TextConfig, LlamaConfig
+
+    from trainer.generation.vllm_cpu import (
+        CPU_KV_CACHE_GIB,
+        kv_bytes_per_token,
+        kv_cache_kwargs,
+        step_kv_bytes,
+    )
+
+    gemma = Gemma3TextConfig(num_hidden_layers=18, num_key_value_heads=1, head_dim=256)
+    assert kv_bytes_per_token(gemma, "bfloat16") == 2 * 18 * 256 * 2  # K and V, 18 layers, one KV head of 256
+    per_token = kv_bytes_per_token(gemma, "float32")
+    assert per_token == 2 * 18 * 256 * 4
+    assert step_kv_bytes(per_token, 96, 96) == 96 * 128 * per_token  # each sequence in one block of 128
+    assert step_kv_bytes(per_token, 96, 200) == 96 * 256 * per_token  # two blocks each
+    assert step_kv_bytes(per_token, 96, 200, block=32) == 96 * 224 * per_token
+    llama = LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
+    assert kv_bytes_per_token(llama, "float32") == 2 * 2 * 2 * 16 * 4  # head_dim from the width
+    assert step_kv_bytes(per_token, None, 128) is None and step_kv_bytes(per_token, 8, None) is None
+    assert kv_cache_kwargs(None) == {"kv_cache_memory_bytes": CPU_KV_CACHE_GIB * 2**30}
+    assert kv_cache_kwargs(10**6) == {"kv_cache_memory_bytes": 10**6}
+    assert kv_cache_kwargs(10**12) == {"kv_cache_memory_bytes": CPU_KV_CACHE_GIB * 2**30}  # capped
+    gen = GenerationConfig()
+    assert (
+        llm_kwargs("m", gen, "float32", 0, 256, on_cpu=True, weight_transfer=False, kv_bytes=10**6)[
+            "kv_cache_memory_bytes"
+        ]
+        == 10**6
+    )
+    gen = GenerationConfig(vllm_kwargs={"kv_cache_memory_bytes": 5 * 10**6})  # the user's word is last
+    assert (
+        llm_kwargs("m", gen, "float32", 0, 256, on_cpu=True, weight_transfer=False, kv_bytes=10**6)[
+            "kv_cache_memory_bytes"
+        ]
+        == 5 * 10**6
+    )
+
+
+def test_should_leave_a_latent_kv_cache_at_the_default_size():
+    from transformers import DeepseekV3Config
+
+    from trainer.generation.vllm_cpu import kv_bytes_per_token, step_kv_bytes
+
+    per_token = kv_bytes_per_token(DeepseekV3Config(num_hidden_layers=2), "bfloat16")
+    assert per_token is None and step_kv_bytes(per_token, 8, 128) is None

@@ -36,6 +36,9 @@ class EngineSpec:
     # policy.lora when enabled: the engine serves the base with the policy's adapters, and refits take the
     # adapters alone (update_adapter / receive_adapter). hf: base_model comes with them already injected.
     lora: LoRAConfig | None = None
+    # the most sequences one generate call holds (a step's samples): with max_model_len, a CPU vLLM engine's
+    # KV cache is sized to hold them and no more (trainer.generation.vllm_cpu.step_kv_bytes); None: its default
+    sequences: int | None = None
 
 
 def _build_hf(gen: GenerationConfig, spec: EngineSpec) -> GenerationEngine:
@@ -70,6 +73,7 @@ def _build_vllm(gen: GenerationConfig, spec: EngineSpec) -> GenerationEngine:
         weight_transfer=spec.weights_from_another_process,
         colocated=spec.colocated,
         lora=spec.lora,
+        sequences=spec.sequences,
     )
 
 

@@ -34,8 +34,13 @@ PACK_THREADS_ATTR = "kuberl_pack_threads"
 _process_pack_threads: int | None = None
 # KV cache on CPU, GiB, unless VLLM_CPU_KVCACHE_SPACE is set or generation.vllm_kwargs.kv_cache_memory_bytes
 # says otherwise (:func:`kv_cache_kwargs`): 1 GiB holds 1M tokens of the tiny model and 45k of SmolLM2-135M in
-# float32, far more than a GRPO batch needs.
+# float32, far more than a GRPO batch needs. An engine that knows how many sequences one call holds takes
+# no more than they fill (:func:`step_kv_bytes`), and this at most.
 CPU_KV_CACHE_GIB = 1
+# vLLM's CPU backend keeps keys and values in blocks of this many tokens unless vllm_kwargs.block_size says
+# otherwise (vllm/platforms/cpu.py, 0.32: 128 for plain attention): a sequence holds whole blocks.
+CPU_KV_BLOCK = 128
+_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def environment(cache_root: str) -> None:
@@ -52,13 +57,41 @@ def environment(cache_root: str) -> None:
         os.symlink(modelinfos, os.path.join(cache_root, "modelinfos"))
 
 
-def kv_cache_kwargs() -> dict:
-    """The KV cache's size for ``vllm.LLM`` on CPU: ``CPU_KV_CACHE_GIB`` as ``kv_cache_memory_bytes``, which
-    ``generation.vllm_kwargs`` may override in bytes (a size under a GiB: vLLM's own
-    ``VLLM_CPU_KVCACHE_SPACE`` takes whole GiB, and wins over both when an operator sets it)."""
+def kv_cache_kwargs(step_bytes: int | None = None) -> dict:
+    """The KV cache's size for ``vllm.LLM`` on CPU as ``kv_cache_memory_bytes``: ``step_bytes``
+    (:func:`step_kv_bytes`) up to ``CPU_KV_CACHE_GIB``, or that when the engine does not know its step.
+    ``generation.vllm_kwargs`` may override it in bytes (vLLM's own ``VLLM_CPU_KVCACHE_SPACE`` takes whole
+    GiB, and wins over both when an operator sets it)."""
     if os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
         return {}
-    return {"kv_cache_memory_bytes": CPU_KV_CACHE_GIB * 2**30}
+    most = CPU_KV_CACHE_GIB * 2**30
+    return {"kv_cache_memory_bytes": most if step_bytes is None else min(step_bytes, most)}
+
+
+def step_kv_bytes(
+    per_token: int | None, sequences: int | None, max_model_len: int | None, block: int | None = None
+) -> int | None:
+    """The KV cache that holds one call of the engine at once: ``sequences`` sequences of ``max_model_len``
+    tokens, each in whole blocks of ``block`` tokens (``CPU_KV_BLOCK``), at ``per_token`` bytes a token
+    (:func:`kv_bytes_per_token`). None when any count is unknown; :func:`kv_cache_kwargs` then takes its
+    default. A smaller cache would not be wrong, only slower: vLLM then runs a call's sequences in turns."""
+    if not per_token or not sequences or not max_model_len:
+        return None
+    block = block or CPU_KV_BLOCK
+    return sequences * -(-max_model_len // block) * block * per_token
+
+
+def kv_bytes_per_token(config, dtype: str) -> int | None:
+    """Keys and values of one token over every layer of ``config`` (a transformers config; a multimodal one's
+    text config) in ``dtype``; None where the cache is not keys and values per KV head (MLA's latent cache)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = getattr(text, "num_attention_heads", None)
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or (text.hidden_size // heads if heads else None)
+    layers = getattr(text, "num_hidden_layers", None)
+    if getattr(text, "kv_lora_rank", None) or not (layers and kv_heads and head_dim) or dtype not in _BYTES:
+        return None
+    return 2 * layers * kv_heads * head_dim * _BYTES[dtype]
 
 
 def shared_modelinfo_dir() -> str | None:

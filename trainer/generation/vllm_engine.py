@@ -240,10 +240,12 @@ def llm_kwargs(
     colocated: bool = False,
     lora: LoRAConfig | None = None,
     routes: bool = False,
+    kv_bytes: int | None = None,
 ) -> dict:
     """The arguments of the engine's ``vllm.LLM``: the engine's own settings, then ``generation.vllm_kwargs``.
     ``colocated``: the engine shares its GPU with a policy rank (sleep mode, the colocated utilization).
-    ``routes``: return each sample's routed experts (an MoE model on GPUs, :func:`returns_routes`)."""
+    ``routes``: return each sample's routed experts (an MoE model on GPUs, :func:`returns_routes`).
+    ``kv_bytes``: on CPU, the KV cache one call fills (:func:`~trainer.generation.vllm_cpu.step_kv_bytes`)."""
     kwargs = dict(
         model=model_path,
         dtype=dtype,
@@ -256,7 +258,7 @@ def llm_kwargs(
         logprobs_mode="processed_logprobs",  # temperature-scaled, as the hf engine (module docstring)
     )
     if on_cpu:
-        kwargs.update(vllm_cpu.kv_cache_kwargs())
+        kwargs.update(vllm_cpu.kv_cache_kwargs(kv_bytes))
     if sleep_mode(on_cpu, colocated):
         kwargs["enable_sleep_mode"] = True  # sleep frees KV cache and weights between steps
     if weight_transfer:
@@ -338,6 +340,7 @@ class VLLMGenerationEngine:
         weight_transfer: bool = False,
         colocated: bool = False,
         lora: LoRAConfig | None = None,
+        sequences: int | None = None,
     ):
         self._llm: LLM | None = None  # None before the start and after shutdown(): read it as self.llm
         self.lora = lora
@@ -359,14 +362,16 @@ class VLLMGenerationEngine:
         self.sleep_level = sleep_level(lora is not None)
         self._weights_discarded = False  # slept at level 2, and no refit has loaded weights since
         try:
-            self._start(model_path, gen, dtype, seed, max_model_len, threads)
+            self._start(model_path, gen, dtype, seed, max_model_len, threads, sequences)
         except BaseException:
             self.shutdown()  # no half-started engine left behind
             raise
 
     # ----- lifecycle -------------------------------------------------------------------------------
 
-    def _start(self, model_path, gen: GenerationConfig, dtype, seed, max_model_len, threads) -> None:
+    def _start(
+        self, model_path, gen: GenerationConfig, dtype, seed, max_model_len, threads, sequences
+    ) -> None:
         global _engines_started
         if self.on_cpu and not resolve_enforce_eager(gen, self.on_cpu) and _engines_started:
             raise RuntimeError(
@@ -409,6 +414,7 @@ class VLLMGenerationEngine:
             colocated=self.colocated,
             lora=self.lora,
             routes=returns_routes(model_path, self.on_cpu),
+            kv_bytes=self._step_kv_bytes(model_path, gen, dtype, sequences, max_model_len),
         )
         self._owns_dist = not (torch.distributed.is_available() and torch.distributed.is_initialized())
         # vLLM's CPU worker drops torch to 1 thread "for serving" and replaces torch.set_num_threads with a
@@ -458,6 +464,23 @@ class VLLMGenerationEngine:
             dtype,
             "cpu" if self.on_cpu else "gpu",
         )
+
+    def _step_kv_bytes(
+        self, model_path, gen: GenerationConfig, dtype, sequences, max_model_len
+    ) -> int | None:
+        """On CPU, the KV cache one call of ``sequences`` sequences fills (:func:`vllm_cpu.step_kv_bytes`)."""
+        if not self.on_cpu or not sequences or not max_model_len:
+            return None
+        from transformers import AutoConfig
+
+        try:
+            config = AutoConfig.from_pretrained(
+                model_path, trust_remote_code=bool(gen.vllm_kwargs.get("trust_remote_code", False))
+            )
+        except (OSError, ValueError):  # vLLM's own start says what is wrong with the model
+            return None
+        per_token = vllm_cpu.kv_bytes_per_token(config, dtype)
+        return vllm_cpu.step_kv_bytes(per_token, sequences, max_model_len, gen.vllm_kwargs.get("block_size"))
 
     @property
     def llm(self) -> LLM:

@@ -66,6 +66,7 @@ class GenerationWorker:
             device=self.device,
             threads=threads,
             lora=cfg.policy.lora if cfg.policy.lora.enabled else None,
+            sequences=cfg.grpo.batch_size,  # a step's samples; a call with more runs them in turns
         )
         self.lora = spec.lora is not None
         ep = cfg.generation.endpoint

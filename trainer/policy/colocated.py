@@ -45,6 +45,7 @@ def build(
         threads=torch.get_num_threads(),
         base_model=host,
         lora=lora,
+        sequences=cfg.grpo.batch_size,  # a rank draws its share of the step's samples, at most all of them
     )
     return build_engine(cfg.generation, spec)
 

@@ -691,7 +691,9 @@ def plan(cfg, gpu: str | None, experiment: str, host_bytes: float = float("inf")
 
 
 def _cpu_plan(cfg, shape: Shape, terms: dict[str, float], experiment: str) -> Plan:
-    """CPU ranks share one machine's memory: every rank's terms, and each engine's weights."""
+    """CPU ranks share one machine's memory: every rank's terms, and each engine's weights (a vLLM engine's packed
+    kernels and KV cache too: :func:`cpu_engine_terms`). Not counted: each process's runtime (Python, torch,
+    Ray, tokenizers) and what the allocator keeps, which on cpu-gemma3 was as much again as the tensors."""
     ranks = cfg.cluster.cpu_workers_per_node
     either = tuple(
         tuple(tuple(f"{k} x {ranks} ranks" for k in side) for side in pair) for pair in TRAINING_EITHER
@@ -704,6 +706,8 @@ def _cpu_plan(cfg, shape: Shape, terms: dict[str, float], experiment: str) -> Pl
     )
     engines = ranks if not cfg.disaggregated else cfg.num_generation_workers
     node.terms[f"engine weights x {engines}"] = shape.params * BYTES[cfg.engine_dtype] * engines
+    if cfg.generation.backend == "vllm":
+        node.terms.update({f"{k} x {engines}": v * engines for k, v in cpu_engine_terms(cfg, shape).items()})
     result = Plan(experiment, "CPU", shape, [node], model_lines=moe_lines(cfg, shape))
     for scorer in scorers(cfg):  # CPU replicas on the same machine, all scoring at once at worst
         _shaped(result, scorer)
@@ -712,6 +716,29 @@ def _cpu_plan(cfg, shape: Shape, terms: dict[str, float], experiment: str) -> Pl
         for k, v in scorer.terms(None).items():
             node.terms[f"{k} x {replicas} replicas"] = v * replicas
     return result
+
+
+def cpu_engine_terms(cfg, shape: Shape) -> dict[str, float]:
+    """What a vLLM engine on CPU holds beside its weights: its packed kernels (vLLM's CPU linears and the LM
+    head run from a packed copy of each weight, and kuberl keeps the plain one for refits: together 2.2x the
+    weights of Gemma 3 270M, measured) and its KV cache as the engine sizes it
+    (:func:`trainer.generation.vllm_cpu.kv_cache_kwargs`: the step's samples in whole blocks, at most
+    ``CPU_KV_CACHE_GIB``; ``generation.vllm_kwargs.kv_cache_memory_bytes`` or ``VLLM_CPU_KVCACHE_SPACE``
+    when set)."""
+    from trainer.generation.vllm_cpu import kv_cache_kwargs, step_kv_bytes
+
+    dtype_bytes = BYTES[cfg.engine_dtype]
+    gen = cfg.generation
+    step = step_kv_bytes(
+        int(kv_bytes_per_token(shape, dtype_bytes, 1)),
+        cfg.grpo.batch_size,
+        cfg.policy.max_total_sequence_length,
+        gen.vllm_kwargs.get("block_size"),
+    )
+    kv = {**kv_cache_kwargs(step), **gen.vllm_kwargs}.get("kv_cache_memory_bytes")
+    if kv is None:  # VLLM_CPU_KVCACHE_SPACE, whole GiB
+        kv = float(os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")) * GiB
+    return {"engine packed kernels": shape.params * dtype_bytes, "engine KV cache": float(kv)}
 
 
 def _shaped(result: Plan, scorer: Scorer) -> None:

@@ -70,3 +70,21 @@ def test_should_report_the_refits_own_failure_with_where_to_resume_when_every_wo
     got = failed_step(ECHO, 3, RESUMES)
     assert type(got) is GenerationError
     assert str(got) == f"{ECHO} (step 3); {RESUMES}"
+
+
+def test_should_say_in_one_line_that_the_node_ran_out_of_memory_and_what_lowers_it():
+    from ray.exceptions import OutOfMemoryError
+
+    # Ray's own message, as its memory monitor ended a cpu-gemma3 run in float32 (its pids and ids shortened)
+    ray_says = OutOfMemoryError(
+        "Task was killed due to the node running low on memory.\n2 worker(s) were killed due to the node running "
+        "low on memory. Memory on the node (IP: 192.0.2.2, ID: 93e0b4d3) was 23.05GB used / 23.54GB limit "
+        "(0.979344), which exceeds the memory usage threshold 0.95.\nTop 10 memory users: PID\tMEM(GB)\tCOMMAND\n"
+        "14041\t11.11\tray::PolicyWorker.train"
+    )
+    got = failed_step(ray_says, 2, RESUMES)
+    assert isinstance(got, Lost), got
+    line = str(got)
+    assert "\n" not in line and line.endswith(RESUMES)
+    assert line.startswith("lost workers in step 2: the node ran out of memory (23.05 of 23.54 GB in use)")
+    assert "policy.activation_checkpointing=true" in line and "make plan" in line

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import re
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -604,10 +605,28 @@ def save_failed(
     return CheckpointSaveError(f"saving checkpoint {path} failed ({reason}){space}: {fix}; {resumes_from}")
 
 
+# Ray's memory monitor: "... Memory on the node (IP: ..., ID: ...) was 23.05GB used / 23.54GB limit (0.979) ..."
+_NODE_MEMORY = re.compile(r"was ([\d.]+)\s*GB used / ([\d.]+)\s*GB limit")
+_MEMORY_FIX = (
+    "lower what the run holds (make plan EXP counts it; policy.activation_checkpointing=true, a smaller "
+    "policy.micro_batch_size or grpo.num_prompts_per_step) or run it where the node has more memory"
+)
+
+
 def lost(error: BaseException, doing: str, resumes_from: str) -> Lost | None:
-    """A :class:`Lost` naming what the run lost behind a Ray error, or None if nothing was (a worker raised)."""
+    """A :class:`Lost` naming what the run lost behind a Ray error, or None if nothing was (a worker raised).
+    Workers Ray's memory monitor killed are named as that, with the node's use and the keys that lower it."""
+    from ray.exceptions import OutOfMemoryError
+
     from trainer.watchdog import diagnose
 
+    if isinstance(error, OutOfMemoryError):
+        used = _NODE_MEMORY.search(str(error))
+        usage = f" ({used[1]} of {used[2]} GB in use)" if used else ""
+        return Lost(
+            f"lost workers {doing}: the node ran out of memory{usage} and Ray's memory monitor killed them; "
+            f"{_MEMORY_FIX}; {resumes_from}"
+        )
     what = diagnose(error)
     return Lost(f"lost {what} {doing}; {resumes_from}") if what else None
 

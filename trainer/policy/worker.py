@@ -417,6 +417,7 @@ class PolicyWorker:
         for model in (self.model, self.ref_model):
             if model is not None:
                 forward.fix_rows(model, rows, fused=cfg.policy.fused_head)
+        started = time.perf_counter()
         ids = self.tokenizer("The quick brown fox jumps over the lazy dog. 2 + 3 = 5")["input_ids"]
         batch = self._batch([Sample(prompt_ids=ids[:1], response_ids=ids[1:])], prefix=False)
         line = forward.check_head(self.model, batch, self.device, self.attention, cfg.generation.temperature,
@@ -424,8 +425,8 @@ class PolicyWorker:
         # Its forwards ran without a backward: with reshard_after_forward=false the root (and every unit) would
         # stay gathered, and the first training forward would reuse those weights past the optimizer's step.
         self._reshard()
-        if self.rank == 0:
-            print(f"kuberl: {line}", flush=True)
+        if self.rank == 0:  # its cost beside step 1's, said with it
+            print(f"kuberl: {line} in {time.perf_counter() - started:.2f}s", flush=True)
         return line
 
     def _check_replay(self) -> str | None:

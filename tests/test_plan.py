@@ -592,3 +592,24 @@ def test_should_count_a_cpu_vllm_engines_packed_kernels_and_its_step_sized_kv_ca
         config.load(["experiment=cpu-demo", f"model.name='{TINY}'"]), None, "cpu-demo"
     ).devices
     assert not any("KV" in term for term in node.terms)  # the hf engine has no cache of its own
+
+
+def test_should_plan_a_cpu_node_with_each_processs_runtime_against_the_share_ray_lets_workers_use(
+    monkeypatch,
+) -> None:
+    monkeypatch.setattr(plan, "_host_memory", lambda: 16 * plan.GiB)
+    monkeypatch.delenv("RAY_memory_usage_threshold", raising=False)
+    cfg = config.load(["experiment=cpu-demo", "generation=vllm"])
+    (node,) = plan.plan(cfg, None, "cpu-demo").devices
+    ranks = cfg.cluster.cpu_workers_per_node
+    assert node.capacity == 16 * plan.GiB * 0.95  # Ray's memory monitor kills past 95%
+    assert node.terms[f"runtime x {ranks} ranks"] == ranks * plan.CPU_RANK_RUNTIME
+    assert node.terms[f"engine runtime x {ranks}"] == ranks * plan.CPU_ENGINE_RUNTIME
+    assert node.terms["driver and Ray"] == plan.CPU_DRIVER
+    monkeypatch.setattr(plan, "_host_memory", lambda: 8 * plan.GiB)
+    (node,) = plan.plan(cfg, None, "cpu-demo").devices
+    assert (
+        not node.fits and node.dominant == f"activations x {ranks} ranks"
+    )  # a key changes it; runtime is fixed
+    monkeypatch.setenv("RAY_memory_usage_threshold", "0.5")
+    assert plan.plan(cfg, None, "cpu-demo").devices[0].capacity == 4 * plan.GiB

@@ -70,6 +70,20 @@ GPU_NAMES = {"h200": "H200 (a3-ultragpu-8g)", "b200": "B200 (a4-highgpu-8g)"}
 # process holds beyond its tensors (measured 1.5-3 GiB on H100/H200 policy ranks in NeMo-RL and verl
 # reports; we take the upper end).
 RUNTIME_RESERVE = 3 * GiB
+# A CPU node (the ranks, their engines and the driver share one machine's memory), per process, beyond the
+# tensors counted: Python, torch, transformers and Ray's worker, the tokenizers, and what the allocator keeps
+# of freed memory. Measured as each step's peak resident set (trainer.perf), AMD EPYC, 2026-12: a policy rank
+# held 2.9 GiB more than its terms on cpu-demo (SmolLM2-135M) and 3.7 on cpu-gemma3 (Gemma 3 270M), hf engines.
+CPU_RANK_RUNTIME = 3 * GiB
+# A vLLM engine's own beside its weights, packed kernels and KV cache: vLLM's import (0.3 GiB) and its one
+# tokenizer (0.3 GiB at Gemma 3's 262k vocabulary), measured.
+CPU_ENGINE_RUNTIME = 0.6 * GiB
+# The driver (0.7-0.9 GiB on cpu-gemma3) and Ray's own processes (GCS, raylet, agents: 0.3 GiB).
+CPU_DRIVER = 1 * GiB
+# Ray's memory monitor kills workers once the node's use passes this share (RAY_memory_usage_threshold).
+RAY_MEMORY_THRESHOLD = 0.95
+# Terms no key changes: the largest term a plan names is the largest of the others.
+FIXED_TERMS = ("runtime reserve", "runtime", "engine runtime", "driver and Ray")
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -108,7 +122,9 @@ class Device:
 
     @property
     def dominant(self) -> str:
-        return max(self.terms, key=self.terms.get)
+        """The largest term a key changes (fixed reserves aside, unless there is nothing else)."""
+        movable = [k for k in self.terms if k.split(" x ")[0] not in FIXED_TERMS] or list(self.terms)
+        return max(movable, key=self.terms.get)
 
 
 @dataclass(frozen=True)
@@ -691,23 +707,33 @@ def plan(cfg, gpu: str | None, experiment: str, host_bytes: float = float("inf")
 
 
 def _cpu_plan(cfg, shape: Shape, terms: dict[str, float], experiment: str) -> Plan:
-    """CPU ranks share one machine's memory: every rank's terms, and each engine's weights (a vLLM engine's packed
-    kernels and KV cache too: :func:`cpu_engine_terms`). Not counted: each process's runtime (Python, torch,
-    Ray, tokenizers) and what the allocator keeps, which on cpu-gemma3 was as much again as the tensors."""
+    """CPU ranks share one machine's memory: every rank's terms and its process's runtime (``CPU_RANK_RUNTIME``),
+    each engine's weights (a vLLM engine's packed kernels, KV cache and runtime too: :func:`cpu_engine_terms`),
+    and the driver with Ray's own processes, against the share of the machine's memory Ray's memory monitor
+    lets workers use."""
     ranks = cfg.cluster.cpu_workers_per_node
     either = tuple(
         tuple(tuple(f"{k} x {ranks} ranks" for k in side) for side in pair) for pair in TRAINING_EITHER
     )
+    threshold = float(os.environ.get("RAY_memory_usage_threshold", RAY_MEMORY_THRESHOLD))
     node = Device(
         "CPU node",
-        _host_memory(),
+        _host_memory() * threshold,
         {f"{k} x {ranks} ranks": v * ranks for k, v in terms.items()},
         either=either,
     )
+    node.notes.append(
+        f"Ray's memory monitor stops workers past {threshold:.0%} of the machine's memory: the plan counts against that"
+    )
+    node.terms[f"runtime x {ranks} ranks"] = CPU_RANK_RUNTIME * ranks
+    node.terms["driver and Ray"] = CPU_DRIVER
     engines = ranks if not cfg.disaggregated else cfg.num_generation_workers
     node.terms[f"engine weights x {engines}"] = shape.params * BYTES[cfg.engine_dtype] * engines
     if cfg.generation.backend == "vllm":
         node.terms.update({f"{k} x {engines}": v * engines for k, v in cpu_engine_terms(cfg, shape).items()})
+        node.terms[f"engine runtime x {engines}"] = CPU_ENGINE_RUNTIME * engines
+    if cfg.disaggregated:  # a generation actor is a process of its own
+        node.terms[f"runtime x {engines} generation actors"] = CPU_RANK_RUNTIME * engines
     result = Plan(experiment, "CPU", shape, [node], model_lines=moe_lines(cfg, shape))
     for scorer in scorers(cfg):  # CPU replicas on the same machine, all scoring at once at worst
         _shaped(result, scorer)

@@ -594,6 +594,7 @@ def test_should_count_a_cpu_vllm_engines_packed_kernels_and_its_step_sized_kv_ca
     assert not any("KV" in term for term in node.terms)  # the hf engine has no cache of its own
 
 
+@pytest.mark.integration  # writes a model (the embedded SmolLM2, on first use)
 def test_should_plan_a_cpu_node_with_each_processs_runtime_against_the_share_ray_lets_workers_use(
     monkeypatch,
 ) -> None:

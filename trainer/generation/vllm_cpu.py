@@ -25,6 +25,8 @@ import os
 import torch
 
 from trainer.generation import vllm_patches
+from trainer.models.loading import DTYPES
+from trainer.models.shape import attention_geometry
 
 # Where the engine notes, on its model, the torch thread count its CPU kernels were packed at (module
 # docstring; the measurement that found it is in bench/README.md, "vLLM on CPU").
@@ -40,7 +42,6 @@ CPU_KV_CACHE_GIB = 1
 # vLLM's CPU backend keeps keys and values in blocks of this many tokens unless vllm_kwargs.block_size says
 # otherwise (vllm/platforms/cpu.py, 0.32: 128 for plain attention): a sequence holds whole blocks.
 CPU_KV_BLOCK = 128
-_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def environment(cache_root: str) -> None:
@@ -85,13 +86,13 @@ def kv_bytes_per_token(config, dtype: str) -> int | None:
     """Keys and values of one token over every layer of ``config`` (a transformers config; a multimodal one's
     text config) in ``dtype``; None where the cache is not keys and values per KV head (MLA's latent cache)."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads = getattr(text, "num_attention_heads", None)
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    head_dim = getattr(text, "head_dim", None) or (text.hidden_size // heads if heads else None)
-    layers = getattr(text, "num_hidden_layers", None)
-    if getattr(text, "kv_lora_rank", None) or not (layers and kv_heads and head_dim) or dtype not in _BYTES:
+    if getattr(text, "kv_lora_rank", None) or dtype not in DTYPES:
         return None
-    return 2 * layers * kv_heads * head_dim * _BYTES[dtype]
+    try:
+        layers, kv_heads, head_dim = attention_geometry(config)
+    except AttributeError:  # no attention heads to count
+        return None
+    return 2 * layers * kv_heads * head_dim * DTYPES[dtype].itemsize
 
 
 def shared_modelinfo_dir() -> str | None:

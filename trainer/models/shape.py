@@ -203,6 +203,16 @@ def _hf_config(name: str, trust_remote_code: bool, key: str = "model.name"):
         ) from None
 
 
+def attention_geometry(config) -> tuple[int, int, int]:
+    """(layers, KV heads, head dimension) of ``config``'s text decoder (a multimodal config's text config), as
+    transformers builds its attention: the KV heads default to the heads, the head dimension to the width over
+    them. An AttributeError where the config has no attention heads."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    return text.num_hidden_layers, kv_heads, getattr(text, "head_dim", None) or text.hidden_size // heads
+
+
 def model_shape(
     name: str, trust_remote_code: bool = False, classifier: bool = False, key: str = "model.name"
 ) -> Shape:
@@ -245,16 +255,17 @@ def model_shape(
             _check_moe(moe, model, text.hidden_size)
     except ShapeError as e:  # the shape still holds: only what a token multiplies by is unknown
         moe, moe_error = None, str(e)
+    layers, kv_heads, head_dim = attention_geometry(config)
     return Shape(
         params=total,
         block_params=max((sum(p.numel() for p in b.parameters()) for b in decoder), default=0),
         root_params=total - in_blocks,
-        layers=text.num_hidden_layers,
+        layers=layers,
         hidden=text.hidden_size,
         intermediate=text.intermediate_size,
         heads=heads,
-        kv_heads=getattr(text, "num_key_value_heads", None) or heads,
-        head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
         vocab=text.vocab_size,
         source=str(source),
         context=getattr(text, "max_position_embeddings", None),

@@ -751,17 +751,16 @@ def cpu_engine_terms(cfg, shape: Shape) -> dict[str, float]:
     (:func:`trainer.generation.vllm_cpu.kv_cache_kwargs`: the step's samples in whole blocks, at most
     ``CPU_KV_CACHE_GIB``; ``generation.vllm_kwargs.kv_cache_memory_bytes`` or ``VLLM_CPU_KVCACHE_SPACE``
     when set)."""
-    from trainer.generation.vllm_cpu import kv_cache_kwargs, step_kv_bytes
+    from trainer.generation.vllm_cpu import step_kv_bytes
+    from trainer.generation.vllm_engine import llm_kwargs
 
     dtype_bytes = BYTES[cfg.engine_dtype]
-    gen = cfg.generation
-    step = step_kv_bytes(
-        int(kv_bytes_per_token(shape, dtype_bytes, 1)),
-        cfg.grpo.batch_size,
-        cfg.policy.max_total_sequence_length,
-        gen.vllm_kwargs.get("block_size"),
-    )
-    kv = {**kv_cache_kwargs(step), **gen.vllm_kwargs}.get("kv_cache_memory_bytes")
+    gen, length = cfg.generation, cfg.policy.max_total_sequence_length
+    per_token = int(kv_bytes_per_token(shape, dtype_bytes, 1))
+    step = step_kv_bytes(per_token, cfg.grpo.batch_size, length, gen.vllm_kwargs.get("block_size"))
+    # the engine's own arguments, the user's vllm_kwargs last
+    kwargs = llm_kwargs(cfg.model.name, gen, cfg.engine_dtype, 0, length, True, False, kv_bytes=step)
+    kv = kwargs.get("kv_cache_memory_bytes")
     if kv is None:  # VLLM_CPU_KVCACHE_SPACE, whole GiB
         kv = float(os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")) * GiB
     return {"engine packed kernels": shape.params * dtype_bytes, "engine KV cache": float(kv)}
